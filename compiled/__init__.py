@@ -1,0 +1,1 @@
+"""Capture and replay of the draft step and verify (torch.compile, CUDA graphs)."""

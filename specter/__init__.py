@@ -1,0 +1,59 @@
+"""Specter: lossless speculative expert offloading for Mixture-of-Experts language models.
+
+    import specter
+    engine = specter.load()                      # the bundled default model, on CUDA if present
+    out = engine.generate("def add(a, b):", max_new_tokens=32)
+    print(out.text, out.stats["tpot_s"])
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .engine import POLICIES, Engine, GenerationOutput
+from .errors import (BudgetError, CheckpointError, ConfigError, ContextLengthError, NotAvailableError,
+                     SpecterError, TokenizerError, UnsupportedModelError)
+
+__version__ = "0.1.0"
+__all__ = ["load", "default_model_path", "Engine", "GenerationOutput", "POLICIES", "SpecterError",
+           "CheckpointError", "ConfigError", "ContextLengthError", "BudgetError", "TokenizerError",
+           "UnsupportedModelError", "NotAvailableError"]
+
+
+def default_model_path() -> Path:
+    """Directory of the bundled default model (package data: a wheel carries it)."""
+    return Path(__file__).resolve().parent / "default_model"
+
+
+def resolve_device(device: str | None):
+    import torch
+
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was asked for but no CUDA GPU is available; use --device cpu")
+    return dev
+
+
+def load(model: str | Path | None = None, device: str = "auto", policy: str = "specter",
+         residency: float | None = None, expert_memory: str | int | None = None, link: str | None = None,
+         dtype=None, **options) -> Engine:
+    """Load a local Hugging Face MoE checkpoint (None = the bundled default model).
+
+    policy: resident | on-demand | next-layer | spec-lru | specter.
+    residency: fraction of each layer's routed experts kept on the device (0 < F <= 1), or
+    expert_memory: a byte budget for the device slot pool ("6GiB"). Neither: all resident.
+    link: CPU only, the link profile that the emulated PCIe link is calibrated from.
+    """
+    from .builder import build_engine
+
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    path = Path(model) if model is not None else default_model_path()
+    return build_engine(path, resolve_device(device), policy=policy, residency=residency,
+                        expert_memory=expert_memory, link=link, dtype=dtype, **options)

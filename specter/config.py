@@ -1,0 +1,196 @@
+"""ModelSpec: one normalised description of every supported MoE architecture.
+
+Hugging Face configs name the same idea six different ways (`num_local_experts`, `num_experts`,
+`n_routed_experts`; `decoder_sparse_step`, `first_k_dense_replace`, ...). `ModelSpec.from_hf` reads
+them once, so the model code below it only ever sees these fields, and every difference between
+architectures is a named field here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import UnsupportedModelError
+
+# model_type -> the architecture's name as users know it
+SUPPORTED = {
+    "mixtral": "Mixtral (Mixtral-8x7B, 8x22B)",
+    "phimoe": "PhiMoE (Phi-3.5-MoE)",
+    "qwen2_moe": "Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B)",
+    "qwen3_moe": "Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B)",
+    "olmoe": "OLMoE (OLMoE-1B-7B)",
+    "deepseek_v2": "DeepSeek-V2 (DeepSeek-V2-Lite, DeepSeek-V2)",
+}
+
+
+def supported_list() -> str:
+    return ", ".join(f"{k} [{v}]" for k, v in SUPPORTED.items())
+
+
+@dataclass
+class ModelSpec:
+    arch: str                      # HF model_type
+    vocab_size: int
+    hidden: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int                  # q/k/v head dim (GQA); for MLA: qk_nope + qk_rope
+    max_position: int
+    norm: str                      # "rms" | "layer" (PhiMoE uses LayerNorm with bias)
+    norm_eps: float
+    act: str                       # expert / MLP activation (silu for all supported models)
+    # attention
+    attention: str = "gqa"         # "gqa" | "mla"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str = "none"          # "none" | "head" (Qwen3: RMSNorm per head) | "full" (OLMoE: over the projection)
+    clip_qkv: float | None = None  # OLMoE
+    sliding_window: list[int | None] = field(default_factory=list)  # per layer
+    rope_interleaved: bool = False  # DeepSeek rotates (even, odd) pairs, the others (first half, second half)
+    # multi-head latent attention (DeepSeek-V2)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    attn_scale: float = 0.0        # softmax scale (MLA with YaRN folds mscale² into it)
+    # MoE
+    moe_layers: list[bool] = field(default_factory=list)  # per layer: routed experts or a dense MLP
+    n_experts: int = 0
+    top_k: int = 0
+    expert_inter: int = 0          # intermediate size of one routed expert
+    dense_inter: int = 0           # intermediate size of dense-layer MLPs
+    router: str = "softmax"        # "softmax" | "sparsemixer" (PhiMoE) | "deepseek"
+    norm_topk_prob: bool = True
+    routed_scale: float = 1.0
+    topk_method: str = "greedy"    # DeepSeek: "greedy" | "group_limited_greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    router_jitter: float = 0.0     # PhiMoE sparsemixer's jitter_eps (used deterministically at inference)
+    shared_inter: int = 0          # shared expert intermediate size (0 = none)
+    shared_gate: bool = False      # Qwen2-MoE: sigmoid gate on the shared expert
+    # head
+    tie_embeddings: bool = False
+    lm_head_bias: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+    hf_config: object = None       # the transformers config (rope parameters are read from it)
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.moe_layers)
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return [i for i, m in enumerate(self.moe_layers) if m]
+
+    def expert_numel(self) -> int:
+        """Parameters of one routed expert (gate, up, down)."""
+        return 3 * self.hidden * self.expert_inter
+
+    @classmethod
+    def from_hf(cls, cfg) -> "ModelSpec":
+        arch = getattr(cfg, "model_type", None)
+        if arch not in SUPPORTED:
+            raise UnsupportedModelError(
+                f"architecture {arch!r} is not supported; supported: {supported_list()}"
+            )
+        g = lambda name, default=None: getattr(cfg, name, default)  # noqa: E731
+        n_layers = cfg.num_hidden_layers
+        n_heads = cfg.num_attention_heads
+        head_dim = g("head_dim") or cfg.hidden_size // n_heads
+        spec = cls(
+            arch=arch, vocab_size=cfg.vocab_size, hidden=cfg.hidden_size, n_layers=n_layers,
+            n_heads=n_heads, n_kv_heads=g("num_key_value_heads") or n_heads, head_dim=head_dim,
+            max_position=cfg.max_position_embeddings, norm="rms", norm_eps=cfg.rms_norm_eps,
+            act=g("hidden_act", "silu"), tie_embeddings=bool(g("tie_word_embeddings", False)),
+            hf_config=cfg,
+        )
+        spec.attn_scale = head_dim ** -0.5
+        spec.sliding_window = _sliding_windows(cfg, n_layers)
+
+        if arch in ("mixtral", "phimoe"):
+            spec.n_experts, spec.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
+            spec.expert_inter = cfg.intermediate_size
+            spec.moe_layers = [True] * n_layers
+            if arch == "phimoe":
+                spec.norm = "layer"
+                spec.qkv_bias = spec.o_bias = bool(g("attention_bias", False))
+                spec.router, spec.router_jitter = "sparsemixer", float(g("router_jitter_noise", 0.01))
+                spec.lm_head_bias = bool(g("lm_head_bias", False))
+                if spec.top_k != 2:
+                    raise UnsupportedModelError("PhiMoE's sparsemixer router is defined for top-2 only")
+        elif arch in ("qwen2_moe", "qwen3_moe"):
+            spec.n_experts, spec.top_k = cfg.num_experts, cfg.num_experts_per_tok
+            spec.expert_inter, spec.dense_inter = cfg.moe_intermediate_size, cfg.intermediate_size
+            spec.norm_topk_prob = bool(g("norm_topk_prob", False))
+            only, step = set(g("mlp_only_layers", None) or []), g("decoder_sparse_step", 1) or 1
+            spec.moe_layers = [i not in only and spec.n_experts > 0 and (i + 1) % step == 0 for i in range(n_layers)]
+            if arch == "qwen2_moe":
+                spec.qkv_bias = bool(g("qkv_bias", True))
+                spec.shared_inter = g("shared_expert_intermediate_size", 0) or 0
+                spec.shared_gate = spec.shared_inter > 0
+            else:
+                spec.qkv_bias = bool(g("attention_bias", False))
+                spec.o_bias = spec.qkv_bias
+                spec.qk_norm = "head"
+        elif arch == "olmoe":
+            spec.n_experts, spec.top_k = cfg.num_experts, cfg.num_experts_per_tok
+            spec.expert_inter = cfg.intermediate_size
+            spec.norm_topk_prob = bool(g("norm_topk_prob", False))
+            spec.qkv_bias = spec.o_bias = bool(g("attention_bias", False))
+            spec.qk_norm, spec.clip_qkv = "full", g("clip_qkv")
+            spec.moe_layers = [True] * n_layers
+        elif arch == "deepseek_v2":
+            spec.attention, spec.rope_interleaved, spec.router = "mla", True, "deepseek"
+            spec.n_experts, spec.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+            spec.expert_inter, spec.dense_inter = cfg.moe_intermediate_size, cfg.intermediate_size
+            spec.shared_inter = (g("n_shared_experts", 0) or 0) * cfg.moe_intermediate_size
+            spec.norm_topk_prob = bool(g("norm_topk_prob", False))
+            spec.routed_scale = float(g("routed_scaling_factor", 1.0) or 1.0)
+            spec.topk_method = g("topk_method", "greedy") or "greedy"
+            spec.n_group, spec.topk_group = g("n_group", 1) or 1, g("topk_group", 1) or 1
+            first_dense, freq = g("first_k_dense_replace", 0) or 0, g("moe_layer_freq", 1) or 1
+            spec.moe_layers = [i >= first_dense and i % freq == 0 for i in range(n_layers)]
+            spec.q_lora_rank, spec.kv_lora_rank = g("q_lora_rank"), cfg.kv_lora_rank
+            spec.qk_nope_dim, spec.qk_rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+            spec.v_head_dim = cfg.v_head_dim
+            spec.head_dim = spec.qk_nope_dim + spec.qk_rope_dim
+            spec.n_kv_heads = n_heads
+            spec.qkv_bias = bool(g("attention_bias", False))
+            spec.attn_scale = spec.head_dim ** -0.5 * _yarn_mscale_sq(cfg)
+            if spec.topk_method not in ("greedy", "group_limited_greedy"):
+                raise UnsupportedModelError(f"DeepSeek topk_method {spec.topk_method!r} is not supported")
+        if spec.act != "silu":
+            raise UnsupportedModelError(f"expert activation {spec.act!r} is not supported (silu only)")
+        spec.eos_token_ids = _as_list(g("eos_token_id"))
+        return spec
+
+
+def _as_list(x) -> list[int]:
+    if x is None:
+        return []
+    return [int(v) for v in x] if isinstance(x, (list, tuple)) else [int(x)]
+
+
+def _sliding_windows(cfg, n_layers: int) -> list[int | None]:
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if cfg.model_type in ("phimoe", "deepseek_v2", "olmoe"):  # their attention ignores sliding_window
+        return [None] * n_layers
+    if cfg.model_type in ("qwen2_moe", "qwen3_moe") and not getattr(cfg, "use_sliding_window", False):
+        return [None] * n_layers
+    if types:
+        return [window if t == "sliding_attention" else None for t in types]
+    return [window] * n_layers
+
+
+def _yarn_mscale_sq(cfg) -> float:
+    """DeepSeek-V2 with YaRN folds mscale(factor, mscale_all_dim)² into the softmax scale."""
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") == "default" or not rope.get("mscale_all_dim"):
+        return 1.0
+    import math
+
+    factor = rope["factor"]
+    m = 1.0 if factor <= 1 else 0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0
+    return m * m

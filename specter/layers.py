@@ -1,0 +1,218 @@
+"""Building blocks shared by every architecture: norms, RoPE, the static KV cache, attention
+(grouped-query and DeepSeek's multi-head latent attention) and the dense SwiGLU MLP.
+
+Batch size is one throughout (Specter's target): activations are [T, hidden], T tokens at
+consecutive positions `start .. start+T-1`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelSpec
+from .errors import UnsupportedModelError
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def make_norm(spec: ModelSpec, dim: int | None = None) -> nn.Module:
+    dim = dim or spec.hidden
+    if spec.norm == "layer":  # PhiMoE: LayerNorm with bias
+        return nn.LayerNorm(dim, eps=spec.norm_eps)
+    return RMSNorm(dim, spec.norm_eps)
+
+
+# ---------------------------------------------------------------------------------------- RoPE
+class Rope(nn.Module):
+    """Rotary embedding. `inv_freq` and `scale` come from transformers' own RoPE initialisers for
+    scaled variants (yarn, longrope, llama3, linear), so long-context checkpoints rotate exactly as
+    their reference does. Two layouts: halves (Llama family) and interleaved pairs (DeepSeek)."""
+
+    def __init__(self, spec: ModelSpec, dim: int, max_len: int | None = None):
+        super().__init__()
+        cfg = spec.hf_config
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        kind = rope.get("rope_type", "default")
+        if kind == "default":
+            theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            scale = 1.0
+        elif kind == "dynamic":
+            raise UnsupportedModelError("dynamic NTK RoPE (rope_type='dynamic') is not supported")
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu", seq_len=max_len)
+            if spec.arch == "phimoe":  # PhiMoE overrides the attention factor with its own mscales
+                long = (max_len or 0) > rope.get("original_max_position_embeddings", spec.max_position)
+                scale = rope["long_mscale"] if long else rope["short_mscale"]
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [dim/2]
+        self.scale = float(scale)
+        self.interleaved = spec.rope_interleaved
+
+    def cos_sin(self, pos: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = pos[:, None].float() * self.inv_freq  # [T, dim/2]
+        if not self.interleaved:
+            freqs = torch.cat((freqs, freqs), dim=-1)  # [T, dim]
+        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, dim]; cos/sin: [T, dim] (halves) or [T, dim/2] (interleaved)
+        cos, sin = cos[:, None], sin[:, None]
+        if self.interleaved:  # (x0 + i x1) * (cos + i sin), computed in fp32 as the reference does
+            xf = x.float().unflatten(-1, (-1, 2))
+            a, b = xf[..., 0], xf[..., 1]
+            cf, sf = cos.float(), sin.float()
+            return torch.stack((a * cf - b * sf, a * sf + b * cf), dim=-1).flatten(-2).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+# ------------------------------------------------------------------------------------ KV cache
+class KVCache:
+    """Static per-layer K/V buffers for one sequence: k [n_kv, max_len, dk], v [n_kv, max_len, dv].
+
+    Positions are the truth: `update` writes T rows at `start` and returns the view [0, start+T).
+    Anything past the committed length is scratch (draft tokens, rejected verifications) that the
+    next write overwrites, so rollback is just a smaller `start` next time."""
+
+    def __init__(self, spec: ModelSpec, max_len: int, device, dtype):
+        if spec.attention == "mla":
+            n_kv, dk, dv = spec.n_heads, spec.head_dim, spec.v_head_dim
+        else:
+            n_kv, dk, dv = spec.n_kv_heads, spec.head_dim, spec.head_dim
+        self.max_len = max_len
+        self.k = [torch.zeros(n_kv, max_len, dk, device=device, dtype=dtype) for _ in range(spec.n_layers)]
+        self.v = [torch.zeros(n_kv, max_len, dv, device=device, dtype=dtype) for _ in range(spec.n_layers)]
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        # k: [T, n_kv, dk], v: [T, n_kv, dv]
+        end = start + k.shape[0]
+        self.k[layer][:, start:end] = k.transpose(0, 1)
+        self.v[layer][:, start:end] = v.transpose(0, 1)
+        return self.k[layer][:, :end], self.v[layer][:, :end]  # [n_kv, end, d]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def attention_mask(start: int, T: int, window: int | None, device) -> torch.Tensor | None:
+    """[T, start+T] boolean mask (True = attend), or None when plain full attention is right."""
+    if T == 1 and (window is None or start < window):
+        return None
+    q = torch.arange(start, start + T, device=device)[:, None]
+    k = torch.arange(start + T, device=device)[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed &= k > q - window
+    return allowed
+
+
+def sdpa(q, k, v, mask, scale) -> torch.Tensor:
+    # q: [T, H, d]; k/v: [n_kv, L, d] -> [T, H * dv]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=scale,
+        enable_gqa=k.shape[0] != q.shape[1],
+    )
+    return o[0].transpose(0, 1).flatten(1)
+
+
+# --------------------------------------------------------------------------------- attention
+class Attention(nn.Module):
+    """Grouped-query attention with the per-architecture knobs: q/k/v bias (Qwen2, PhiMoE),
+    per-head q/k RMSNorm (Qwen3), q/k RMSNorm over the whole projection (OLMoE), clip_qkv (OLMoE)."""
+
+    def __init__(self, spec: ModelSpec, layer: int):
+        super().__init__()
+        H, nh, nkv, d = spec.hidden, spec.n_heads, spec.n_kv_heads, spec.head_dim
+        self.layer, self.nh, self.nkv, self.d = layer, nh, nkv, d
+        self.q_proj = nn.Linear(H, nh * d, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(H, nkv * d, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(H, nkv * d, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(nh * d, H, bias=spec.o_bias)
+        self.qk_norm, self.clip, self.scale = spec.qk_norm, spec.clip_qkv, spec.attn_scale
+        self.window = spec.sliding_window[layer] if spec.sliding_window else None
+        if spec.qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(d, spec.norm_eps), RMSNorm(d, spec.norm_eps)
+        elif spec.qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(nh * d, spec.norm_eps), RMSNorm(nkv * d, spec.norm_eps)
+
+    def forward(self, x, rope: Rope, cos, sin, cache: KVCache, start: int) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, nh*d], [T, nkv*d] x2
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        q, k, v = q.view(T, self.nh, self.d), k.view(T, self.nkv, self.d), v.view(T, self.nkv, self.d)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        k_all, v_all = cache.update(self.layer, start, k, v)
+        mask = attention_mask(start, T, self.window, x.device)
+        return self.o_proj(sdpa(q, k_all, v_all, mask, self.scale))
+
+
+class MLAttention(nn.Module):
+    """DeepSeek-V2 multi-head latent attention. Queries come straight from `q_proj` (V2-Lite) or
+    through a low-rank `q_a -> norm -> q_b` path (V2); keys and values are decompressed from a
+    shared latent (`kv_a_proj_with_mqa -> norm -> kv_b_proj`) plus one shared rotary key. The cache
+    keeps the decompressed per-head K/V (simple and exact; a latent cache would be 9x smaller)."""
+
+    def __init__(self, spec: ModelSpec, layer: int):
+        super().__init__()
+        H, nh = spec.hidden, spec.n_heads
+        self.layer, self.nh = layer, nh
+        self.nope, self.rope_dim, self.dv, self.rank = spec.qk_nope_dim, spec.qk_rope_dim, spec.v_head_dim, spec.kv_lora_rank
+        qk = self.nope + self.rope_dim
+        if spec.q_lora_rank is None:
+            self.q_proj = nn.Linear(H, nh * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(H, spec.q_lora_rank, bias=spec.qkv_bias)
+            self.q_a_layernorm = RMSNorm(spec.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(spec.q_lora_rank, nh * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, self.rank + self.rope_dim, bias=spec.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
+        self.kv_b_proj = nn.Linear(self.rank, nh * (self.nope + self.dv), bias=False)
+        self.o_proj = nn.Linear(nh * self.dv, H, bias=spec.qkv_bias)
+        self.scale = spec.attn_scale
+        self.lora_q = spec.q_lora_rank is not None
+
+    def forward(self, x, rope: Rope, cos, sin, cache: KVCache, start: int) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.lora_q else self.q_proj(x)
+        q_nope, q_pe = q.view(T, self.nh, -1).split([self.nope, self.rope_dim], dim=-1)
+        kv_lat, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(kv_lat)).view(T, self.nh, self.nope + self.dv)
+        k_nope, v = kv.split([self.nope, self.dv], dim=-1)
+        q_pe, k_pe = rope.apply(q_pe, cos, sin), rope.apply(k_pe[:, None], cos, sin)  # k_pe: [T, 1, rope]
+        q = torch.cat((q_nope, q_pe), dim=-1)                                        # [T, nh, qk]
+        k = torch.cat((k_nope, k_pe.expand(T, self.nh, self.rope_dim)), dim=-1)      # [T, nh, qk]
+        k_all, v_all = cache.update(self.layer, start, k, v)
+        mask = attention_mask(start, T, None, x.device)
+        return self.o_proj(sdpa(q, k_all, v_all, mask, self.scale))
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU MLP: dense layers, and the shared experts of Qwen2-MoE and DeepSeek-V2."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,65 @@
+"""Tiny random checkpoints of every supported architecture, built with transformers' own config
+classes and saved with `save_pretrained`: what the tests and CPU benchmarks run on.
+
+Weights are drawn wider than transformers' init (std 0.02 would make every logit ~0 and every
+greedy continuation a tie-break), so routing and next tokens are decisive.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ARCHS = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2")
+
+
+def tiny_config(arch: str, **overrides):
+    import transformers as T
+
+    base = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256, eos_token_id=127, bos_token_id=1, pad_token_id=0,
+                tie_word_embeddings=False)
+    if arch == "mixtral":
+        cfg = T.MixtralConfig(**base, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)
+    elif arch == "phimoe":
+        cfg = T.PhimoeConfig(**base, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
+                             attention_bias=True, lm_head_bias=True)
+    elif arch == "qwen2_moe":
+        cfg = T.Qwen2MoeConfig(**base, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                               num_experts_per_tok=2, shared_expert_intermediate_size=48, norm_topk_prob=False,
+                               decoder_sparse_step=1, mlp_only_layers=[])
+    elif arch == "qwen3_moe":
+        cfg = T.Qwen3MoeConfig(**base, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                               num_experts_per_tok=2, norm_topk_prob=True)
+    elif arch == "olmoe":
+        cfg = T.OlmoeConfig(**base, intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+    elif arch == "deepseek_v2":
+        cfg = T.DeepseekV2Config(**{**base, "num_key_value_heads": 4}, intermediate_size=96, moe_intermediate_size=32,
+                                 n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                                 first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+                                 qk_rope_head_dim=8, v_head_dim=16, routed_scaling_factor=1.0)
+    else:
+        raise ValueError(f"unknown arch {arch!r}; one of {ARCHS}")
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def make_tiny_checkpoint(path: str | Path, arch: str = "qwen3_moe", *, seed: int = 0, dtype=torch.float32,
+                         max_shard_size: str | None = None, std: float = 0.25, **overrides):
+    """Write a random tiny checkpoint to `path`; returns the transformers model (fp32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, std)
+            elif "norm" in name and name.endswith("weight"):
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.1)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.to(dtype).save_pretrained(str(path), **kw)
+    return model.float()

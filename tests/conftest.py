@@ -1,0 +1,36 @@
+import os
+
+import pytest
+import torch
+
+from specter.testing import ARCHS, make_tiny_checkpoint
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """Every device-aware test runs on CPU, and on CUDA when a GPU is present."""
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """tiny(arch, **kw) -> (checkpoint dir, transformers reference model); built once per session."""
+    built = {}
+
+    def get(arch="qwen3_moe", **kw):
+        key = (arch, tuple(sorted((k, str(v)) for k, v in kw.items())))
+        if key not in built:
+            path = tmp_path_factory.mktemp(arch)
+            built[key] = (path, make_tiny_checkpoint(path, arch, **kw))
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def all_archs():
+    return ARCHS

@@ -1,0 +1,123 @@
+"""Every user error: a SpecterError with an actionable message through the API, and through the
+CLI one line on stderr with exit code 2 (never a traceback)."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import specter
+from specter.cli import main
+
+
+def cli(*args):
+    r = subprocess.run([sys.executable, "-m", "specter.cli", *args], capture_output=True, text=True, timeout=300)
+    return r.returncode, r.stdout, r.stderr
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(specter.CheckpointError, match="does not exist"):
+        specter.load(tmp_path / "nope", device="cpu", policy="resident")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(specter.CheckpointError, match="config.json"):
+        specter.load(tmp_path, device="cpu", policy="resident")
+
+
+def test_unsupported_architecture_names_it_and_lists_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    with pytest.raises(specter.UnsupportedModelError, match="'llama'.*supported: mixtral"):
+        specter.load(tmp_path, device="cpu", policy="resident")
+
+
+def test_missing_weights(tiny, tmp_path):
+    path, _ = tiny("qwen3_moe")
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    with pytest.raises(specter.CheckpointError, match="no \\*.safetensors"):
+        specter.load(tmp_path, device="cpu", policy="resident")
+
+
+def test_truncated_safetensors_names_the_file(tiny, tmp_path):
+    path, _ = tiny("qwen3_moe")
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    data = (path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(specter.CheckpointError, match="model.safetensors.*truncated"):
+        specter.load(tmp_path, device="cpu", policy="resident")
+
+
+def test_missing_shard_names_the_file(tiny, tmp_path):
+    path, _ = tiny("mixtral", max_shard_size="100KB")
+    shutil.copytree(path, tmp_path / "m")
+    victim = sorted((tmp_path / "m").glob("*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(specter.CheckpointError, match=victim.name):
+        specter.load(tmp_path / "m", device="cpu", policy="resident")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    path, _ = tiny("qwen3_moe")
+    return specter.load(path, device="cpu", policy="resident")
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(temperature=-1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(seed="x"), "seed"),
+])
+def test_invalid_sampling_values(engine, kw, match):
+    with pytest.raises(specter.ConfigError, match=match):
+        engine.generate([1, 2, 3], **kw)
+
+
+def test_prompt_beyond_context(engine):
+    with pytest.raises(specter.ContextLengthError, match="exceeds the model's context of 256"):
+        engine.generate(list(range(1, 101)), max_new_tokens=200)
+
+
+def test_string_prompt_without_tokenizer(engine):
+    with pytest.raises(specter.TokenizerError, match="token ids"):
+        engine.generate("hello")
+
+
+def test_bad_prompts(engine):
+    with pytest.raises(specter.ConfigError, match="outside the vocabulary"):
+        engine.generate([1, 100000])
+    with pytest.raises(specter.ConfigError, match="empty"):
+        engine.generate([])
+
+
+def test_unknown_policy_and_device(tiny):
+    path, _ = tiny("qwen3_moe")
+    with pytest.raises(specter.ConfigError, match="unknown policy"):
+        specter.load(path, device="cpu", policy="fastest")
+    with pytest.raises(specter.ConfigError, match="device"):
+        specter.load(path, device="tpu", policy="resident")
+
+
+def test_cli_errors_are_one_line_exit_2(tiny, tmp_path, capsys):
+    path, _ = tiny("qwen3_moe")
+    cases = [
+        ["generate", "hi", "--model", str(tmp_path / "missing")],
+        ["generate", "hi", "--model", str(path), "--policy", "resident"],          # no tokenizer
+        ["generate", "x", "--model", str(path), "--policy", "resident", "--temperature", "-1"],
+        ["generate", "x", "--model", str(path), "--policy", "resident", "--top-p", "2"],
+    ]
+    for args in cases:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("specter: error:") and "\n" not in err and "Traceback" not in err, err
+
+
+def test_cli_subprocess_unsupported_arch(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    code, out, err = cli("generate", "hi", "--model", str(tmp_path), "--device", "cpu")
+    assert code == 2
+    assert "Traceback" not in err and "'gpt2' is not supported" in err and len(err.strip().splitlines()) == 1

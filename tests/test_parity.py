@@ -1,0 +1,93 @@
+"""Specter's model code against transformers' reference on tiny random checkpoints (fp32, CPU)."""
+import pytest
+import torch
+
+import specter
+from specter.layers import KVCache
+from specter.loader import load_checkpoint
+from specter.moe import ResidentExperts
+from specter.testing import ARCHS
+
+PROMPTS = [[1, 5, 9, 33, 2], [7] * 3, list(range(10, 40))]
+
+
+def hf_greedy(ref, prompt, n):
+    out = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_logits_match_transformers(tiny, arch):
+    path, ref = tiny(arch)
+    model, experts, _ = load_checkpoint(path, torch.device("cpu"), torch.float32)
+    tokens = torch.tensor(PROMPTS[2])
+    cache = KVCache(model.spec, 64, "cpu", torch.float32)
+    ours = model(tokens, 0, cache, ResidentExperts(experts))
+    with torch.no_grad():
+        theirs = ref(tokens[None]).logits[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_match_transformers(tiny, arch):
+    path, ref = tiny(arch)
+    engine = specter.load(path, device="cpu", policy="resident")
+    for prompt in PROMPTS:
+        assert engine.generate(prompt, max_new_tokens=24).token_ids == hf_greedy(ref, prompt, 24)
+
+
+def test_incremental_decode_matches_one_pass(tiny):
+    """Decoding token by token through the KV cache gives the logits of one full pass."""
+    path, _ = tiny("deepseek_v2")
+    model, experts, _ = load_checkpoint(path, torch.device("cpu"), torch.float32)
+    tokens = torch.tensor(PROMPTS[2])
+    full = model(tokens, 0, KVCache(model.spec, 64, "cpu", torch.float32), ResidentExperts(experts))
+    cache = KVCache(model.spec, 64, "cpu", torch.float32)
+    model(tokens[:10], 0, cache, ResidentExperts(experts))
+    steps = [model(tokens[i:i + 1], i, cache, ResidentExperts(experts)) for i in range(10, len(tokens))]
+    torch.testing.assert_close(torch.cat(steps), full[10:], rtol=1e-4, atol=1e-4)
+
+
+def test_sharded_checkpoint(tiny):
+    path, ref = tiny("mixtral", max_shard_size="100KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    assert len(list(path.glob("*.safetensors"))) > 2
+    engine = specter.load(path, device="cpu", policy="resident")
+    assert engine.generate(PROMPTS[0], max_new_tokens=16).token_ids == hf_greedy(ref, PROMPTS[0], 16)
+
+
+def test_bf16_checkpoint(tiny):
+    """A bf16 checkpoint computes in fp32 on CPU, as transformers does with the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    path, _ = tiny("qwen2_moe", dtype=torch.bfloat16)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = specter.load(path, device="cpu", policy="resident")
+    assert engine.dtype == torch.float32
+    for prompt in PROMPTS[:2]:
+        assert engine.generate(prompt, max_new_tokens=16).token_ids == hf_greedy(ref, prompt, 16)
+
+
+def test_tied_embeddings_and_variants(tiny):
+    """Tied lm_head, mlp-only (dense) layers in Qwen2-MoE, group-limited routing and q-LoRA in DeepSeek."""
+    cases = [
+        ("qwen3_moe", dict(tie_word_embeddings=True)),
+        ("qwen2_moe", dict(mlp_only_layers=[1], norm_topk_prob=True)),
+        ("deepseek_v2", dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                             routed_scaling_factor=2.0)),
+        ("olmoe", dict(clip_qkv=0.5)),
+    ]
+    for arch, kw in cases:
+        path, ref = tiny(arch, **kw)
+        engine = specter.load(path, device="cpu", policy="resident")
+        assert engine.generate(PROMPTS[0], max_new_tokens=16).token_ids == hf_greedy(ref, PROMPTS[0], 16), arch
+
+
+def test_eos_stops_generation(tiny):
+    path, ref = tiny("qwen3_moe")
+    engine = specter.load(path, device="cpu", policy="resident")
+    out = engine.generate(PROMPTS[0], max_new_tokens=8)
+    eos = out.token_ids[2]  # pretend the third generated token is end-of-sequence
+    engine.model.spec.eos_token_ids = [eos]
+    stopped = engine.generate(PROMPTS[0], max_new_tokens=8).token_ids
+    assert stopped == out.token_ids[: out.token_ids.index(eos) + 1]
