@@ -1,0 +1,139 @@
+"""Link profiles and the calibration of the emulated link.
+
+A profile (profiles/*.json) describes one real GPU: how fast it reads its own memory and how fast
+pinned host memory reaches it over PCIe. On CPU we cannot copy at PCIe speed *relative to* GPU
+compute, so we measure how fast this machine pushes one token through one expert, take the ratio
+to the GPU's memory bandwidth as a time scale, and slow the PCIe numbers down by the same scale:
+
+    s         = device_memory_bandwidth / expert_throughput      # how much slower this CPU is
+    bandwidth = pcie_bandwidth / s                                # emulated bytes/s
+    latency   = latency * s                                       # emulated seconds per copy
+
+so that copy time : expert compute time is what the real GPU would see.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specter.errors import ConfigError
+
+DEFAULT_PROFILE = "A100-40GB-PCIe4"
+
+
+class UnknownProfileError(ConfigError, ValueError):
+    """A link profile name that has no JSON file in profiles/."""
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    name: str                        # file stem, e.g. "A100-40GB-PCIe4"
+    gpu: str                         # marketing name, e.g. "NVIDIA A100 40GB PCIe"
+    device_memory_bandwidth: float   # bytes/s, datasheet HBM/GDDR bandwidth
+    pcie_bandwidth: float            # bytes/s, *effective* pinned H2D as measured (not theoretical)
+    latency: float                   # s per copy (launch + DMA setup)
+    sources: list[str]
+    notes: str
+    link: str = ""                   # e.g. "PCIe 4.0 x16"
+    pcie_theoretical_bandwidth: float = 0.0  # bytes/s per direction, for reference only
+
+
+# ---------------------------------------------------------------- profiles
+
+
+def _profile_dir():
+    """profiles/ as installed (specter.profiles) or, in a source checkout, next to specter/."""
+    try:
+        return resources.files("specter.profiles")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "profiles"
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.name[: -len(".json")] for p in _profile_dir().iterdir() if p.name.endswith(".json"))
+
+
+def load_profile(name: str | None = None) -> LinkProfile:
+    name = name or DEFAULT_PROFILE
+    names = available_profiles()
+    if name not in names:
+        raise UnknownProfileError(f"unknown link profile {name!r}; available: {', '.join(names)}")
+    data = json.loads((_profile_dir() / f"{name}.json").read_text())
+    data["sources"] = list(data.get("sources", []))
+    return LinkProfile(**data)
+
+
+def profile_for_gpu(device_name: str) -> str | None:
+    """The profile whose GPU matches a CUDA device name ("NVIDIA GeForce RTX 4090" -> "RTX4090-PCIe4")."""
+    squashed = device_name.replace(" ", "").lower()
+    for name in available_profiles():
+        if name.split("-")[0].lower() in squashed:
+            return name
+    return None
+
+
+# ---------------------------------------------------------------- calibration
+
+_THROUGHPUT_CACHE: dict[tuple, float] = {}
+_WORKING_SET = 64 << 20   # bytes of expert weights per pass: larger than any last-level cache
+_MAX_EXPERTS = 256
+_TIME_BUDGET = 0.25       # s for warm-up and timed passes together
+
+
+def measure_expert_throughput(hidden: int, intermediate: int, dtype=torch.float32, device="cpu",
+                              repeats: int = 7) -> float:
+    """Bytes of expert weights one decode token consumes per second through SwiGLU experts here.
+
+    One pass runs x [1, H] through each of n distinct experts (w13 [2I, H], w2 [H, I]), n chosen so
+    the weights overflow the caches; the result is the median over passes of bytes / seconds.
+    Cached per (hidden, intermediate, dtype, device) for the life of the process.
+    """
+    device = torch.device(device)
+    key = (hidden, intermediate, dtype, str(device))
+    if key in _THROUGHPUT_CACHE:
+        return _THROUGHPUT_CACHE[key]
+
+    expert_bytes = 3 * hidden * intermediate * dtype.itemsize
+    n = max(2, min(_MAX_EXPERTS, math.ceil(_WORKING_SET / expert_bytes)))
+    # constant weights: matmul speed does not depend on values, and fill_ is far cheaper than randn
+    w13 = torch.empty(n, 2 * intermediate, hidden, dtype=dtype, device=device).fill_(0.01)  # [n, 2I, H]
+    w2 = torch.empty(n, hidden, intermediate, dtype=dtype, device=device).fill_(0.01)       # [n, H, I]
+    x = torch.full((1, hidden), 0.1, dtype=dtype, device=device)                            # [1, H]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def one_pass(experts: range, t_stop: float) -> float:
+        """bytes/s over one pass, cut short at t_stop (a loaded machine can be very slow)."""
+        sync()
+        t0, done = time.perf_counter(), 0
+        with torch.inference_mode():
+            for e in experts:
+                g, u = (x @ w13[e].T).chunk(2, dim=-1)   # [1, I] each
+                y = (F.silu(g) * u) @ w2[e].T            # [1, H]
+                done += 1
+                if time.perf_counter() > t_stop:
+                    break
+            sync()
+        return done * expert_bytes / (time.perf_counter() - t0)
+
+    t_stop = time.perf_counter() + _TIME_BUDGET
+    one_pass(range(min(n, 2)), t_stop)  # warm-up: allocator, kernel selection
+    rates = []
+    while len(rates) < max(1, repeats) and (not rates or time.perf_counter() < t_stop):
+        rates.append(one_pass(range(n), t_stop))
+    _THROUGHPUT_CACHE[key] = rate = statistics.median(rates)
+    return rate
+
+
+def emulated_link_params(profile: LinkProfile, expert_throughput: float) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) of an emulated link on a machine with this expert throughput."""
+    s = profile.device_memory_bandwidth / expert_throughput   # time scale: this CPU vs the GPU
+    return profile.pcie_bandwidth / s, profile.latency * s

@@ -1,0 +1,346 @@
+"""The copy engine: host-to-device copies of expert weights, one after another.
+
+    link = make_link(device)                       # CudaLink on CUDA, calibrated EmulatedLink on CPU
+    t = link.copy([slot_w13, slot_w2], [host_w13, host_w2], tag=(layer, expert))
+    ...                                            # compute keeps going
+    t.wait()                                       # or `await t`, or t.add_done_callback(fn)
+
+CudaLink issues copies on a dedicated stream and hands back events. EmulatedLink is one worker
+thread that really copies the bytes and then sleeps until `start + latency + nbytes / bandwidth`,
+so a CPU run sees the same copy : compute ratio as the real GPU (see calibrate.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import math
+import queue
+import threading
+import time
+import warnings
+
+import torch
+
+from specter.offload.calibrate import (emulated_link_params, load_profile, measure_expert_throughput,
+                                       profile_for_gpu)
+
+_CHUNK = 32768  # elements per emulated copy_: below ATen's parallel grain, so the worker never starts OpenMP
+
+
+class Transfer:
+    """One host-to-device copy of one or more tensors. Awaitable."""
+
+    def __init__(self, dst: list[torch.Tensor], src: list[torch.Tensor], tag=None):
+        self.nbytes = sum(s.numel() * s.element_size() for s in src)
+        self.tag = tag
+        self.t_enqueued = time.perf_counter()  # host clock (s); t_started/t_finished filled in by the link
+        self.t_started: float | None = None
+        self.t_finished: float | None = None
+        self._dst, self._src = dst, src        # held until the bytes are in place
+        self._future: concurrent.futures.Future = concurrent.futures.Future()
+        self._event = None                     # CUDA only: recorded on the copy stream after the copies
+        self._device = None
+
+    def done(self) -> bool:
+        if self._event is not None:
+            return self._event.query()
+        return self._future.done()
+
+    def wait(self) -> float:
+        """Block until the bytes are in place; seconds spent waiting. CUDA: stream wait, no host sync."""
+        if self._event is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._event)
+            return 0.0
+        if self._future.done():
+            self._future.result()  # re-raise a failed copy
+            return 0.0
+        t0 = time.perf_counter()
+        self._future.result()
+        return time.perf_counter() - t0
+
+    def __await__(self):
+        yield from asyncio.wrap_future(self._future).__await__()
+        return self
+
+    def add_done_callback(self, fn) -> None:
+        """fn(transfer), once, when complete (from the link's thread, or now if already complete)."""
+        self._future.add_done_callback(lambda _: fn(self))
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self.t_finished = time.perf_counter()
+        self._dst = self._src = None
+        if error is None:
+            self._future.set_result(None)
+        else:
+            self._future.set_exception(error)
+
+    def __repr__(self) -> str:
+        state = "done" if self._future.done() else "pending"
+        return f"Transfer(tag={self.tag!r}, nbytes={self.nbytes}, {state})"
+
+
+def _as_list(x) -> list[torch.Tensor]:
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+def _check(dst, src) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    dst, src = _as_list(dst), _as_list(src)
+    if len(dst) != len(src):
+        raise ValueError(f"copy: {len(dst)} destinations for {len(src)} sources")
+    for d, s in zip(dst, src):
+        if d.shape != s.shape:
+            raise ValueError(f"copy: shape mismatch, dst {tuple(d.shape)} vs src {tuple(s.shape)}")
+    return dst, src
+
+
+class Link:
+    """Base: a FIFO copy engine with an urgent lane, counters and a clean shutdown."""
+
+    name: str
+    bandwidth: float  # bytes/s
+    latency: float    # s per transfer
+
+    def __init__(self, name: str, bandwidth: float, latency: float):
+        self.name, self.bandwidth, self.latency = name, float(bandwidth), float(latency)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified whenever a transfer completes
+        self._pending = 0                             # queued + in flight
+        self._closed = False
+        self.stats = {"transfers": 0, "bytes": 0, "busy_s": 0.0}
+
+    def copy(self, dst, src, *, urgent: bool = False, tag=None) -> Transfer:
+        raise NotImplementedError
+
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def synchronize(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0)
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self.stats.update(transfers=0, bytes=0, busy_s=0.0)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {self.bandwidth / 1e9:.4g} GB/s, {self.latency * 1e6:.3g} us)"
+
+    # --- helpers for subclasses
+    def _admit(self) -> None:
+        """Count a new transfer; called with the lock held."""
+        if self._closed:
+            raise RuntimeError(f"{self.name}: copy() on a closed link")
+        self._pending += 1
+
+    def _complete(self, t: Transfer, busy_s: float, error: BaseException | None = None) -> None:
+        t._finish(error)  # done() turns True and callbacks run before pending() drops
+        with self._lock:
+            self.stats["transfers"] += 1
+            self.stats["bytes"] += t.nbytes
+            self.stats["busy_s"] += busy_s
+            self._pending -= 1
+            self._idle.notify_all()
+
+
+class EmulatedLink(Link):
+    """A PCIe link played by one sleeping worker thread.
+
+    Transfers complete one after another in queue order (urgent ones before any not yet started),
+    each no sooner than start + latency + nbytes / bandwidth, start = max(enqueue, previous
+    completion). The worker copies the bytes and then sleeps out the rest of the time.
+    """
+
+    def __init__(self, bandwidth: float, latency: float = 0.0, name: str = "emulated"):
+        if not bandwidth > 0 or not latency >= 0:
+            raise ValueError(f"EmulatedLink needs bandwidth > 0 and latency >= 0, got {bandwidth}, {latency}")
+        super().__init__(name, bandwidth, latency)
+        self._work = threading.Condition(self._lock)   # notified on copy() and close()
+        self._normal: collections.deque[Transfer] = collections.deque()
+        self._urgent: collections.deque[Transfer] = collections.deque()
+        self._closing = threading.Event()              # cuts the worker's sleep short
+        self._worker = threading.Thread(target=self._run, name=f"specter-link-{name}", daemon=True)
+        self._worker.start()
+
+    def copy(self, dst, src, *, urgent: bool = False, tag=None) -> Transfer:
+        dst, src = _check(dst, src)
+        t = Transfer(dst, src, tag)
+        with self._lock:
+            self._admit()
+            (self._urgent if urgent else self._normal).append(t)
+            self._work.notify()
+        return t
+
+    def close(self) -> None:
+        """Stop accepting copies; queued ones still land (bytes copied, no more sleeping); join."""
+        with self._lock:
+            self._closed = True
+            self._work.notify()
+        self._closing.set()
+        if self._worker is not threading.current_thread():
+            self._worker.join()
+
+    def _next(self) -> Transfer | None:
+        with self._work:
+            self._work.wait_for(lambda: self._urgent or self._normal or self._closed)
+            if self._urgent:
+                return self._urgent.popleft()
+            if self._normal:
+                return self._normal.popleft()
+            return None  # closed and drained
+
+    def _run(self) -> None:
+        deadline = 0.0  # emulated completion time of the previous transfer (perf_counter s)
+        last_end = 0.0  # actual completion time of the previous transfer
+        while (t := self._next()) is not None:
+            start = max(t.t_enqueued, deadline)
+            deadline = start + self.latency + t.nbytes / self.bandwidth
+            t.t_started = time.perf_counter()
+            error = None
+            try:
+                with torch.no_grad():  # slots may be nn.Parameters
+                    for d, s in zip(t._dst, t._src):
+                        _copy_serial(d, s)
+            except Exception as e:  # reported to whoever waits on the transfer
+                error = e
+            while (left := deadline - time.perf_counter()) > 0:
+                if self._closing.wait(left):  # sleeps; returns True at once when closing
+                    break
+            end = time.perf_counter()
+            self._complete(t, busy_s=end - max(start, last_end), error=error)
+            last_end = end
+
+
+def _copy_serial(d: torch.Tensor, s: torch.Tensor) -> None:
+    """d.copy_(s) in chunks small enough that ATen stays on this one thread (no OpenMP team)."""
+    if d.is_contiguous() and s.is_contiguous() and d.dtype == s.dtype and d.numel() > _CHUNK:
+        d, s = d.view(-1), s.view(-1)
+        for i in range(0, d.numel(), _CHUNK):
+            d[i:i + _CHUNK].copy_(s[i:i + _CHUNK])
+    else:
+        d.copy_(s)
+
+
+class CudaLink(Link):
+    """Copies on a dedicated CUDA stream from pinned host memory; one event per transfer.
+
+    Each copy first waits (on the GPU) for the work already queued on the current stream, so a slot
+    that compute may still be reading is never overwritten early. `urgent` has no effect: copies
+    are issued immediately. A small host thread resolves futures (for await / callbacks / stats).
+    """
+
+    def __init__(self, device, bandwidth: float | None = None, latency: float = 10e-6, name: str = "cuda"):
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if bandwidth is None:
+            profile = profile_for_gpu(torch.cuda.get_device_name(self.device))
+            bandwidth = load_profile(profile).pcie_bandwidth  # nominal; unknown GPU -> default profile
+        super().__init__(name, bandwidth, latency)
+        self.stream = torch.cuda.Stream(self.device)
+        self._warned_unpinned = False
+        self._watch: queue.SimpleQueue = queue.SimpleQueue()
+        self._watcher = threading.Thread(target=self._run, name=f"specter-link-{name}", daemon=True)
+        self._watcher.start()
+
+    def copy(self, dst, src, *, urgent: bool = False, tag=None) -> Transfer:
+        dst, src = _check(dst, src)
+        src = [self._pinned(s) for s in src]
+        t = Transfer(dst, src, tag)
+        t._device = self.device
+        begin = torch.cuda.Event(enable_timing=True)
+        t._event = torch.cuda.Event(enable_timing=True, blocking=True)  # blocking: the watcher sleeps
+        if self._closed:
+            raise RuntimeError(f"{self.name}: copy() on a closed link")
+        compute = torch.cuda.current_stream(self.device)
+        with torch.no_grad(), torch.cuda.stream(self.stream):
+            self.stream.wait_stream(compute)
+            begin.record(self.stream)
+            for d, s in zip(dst, src):
+                d.copy_(s, non_blocking=True)
+                if d.is_cuda:
+                    d.record_stream(self.stream)
+            t._event.record(self.stream)
+        t.t_started = time.perf_counter()
+        with self._lock:
+            self._admit()
+        self._watch.put((t, begin))
+        return t
+
+    def _pinned(self, s: torch.Tensor) -> torch.Tensor:
+        if s.is_cuda or s.is_pinned():
+            return s
+        if not self._warned_unpinned:
+            warnings.warn("CudaLink: source tensor is not pinned; pinning a copy (slow). "
+                          "Keep the expert store in pinned memory.", stacklevel=3)
+            self._warned_unpinned = True
+        return s.pin_memory()
+
+    def _run(self) -> None:
+        while (item := self._watch.get()) is not None:
+            t, begin = item
+            t._event.synchronize()
+            self._complete(t, busy_s=begin.elapsed_time(t._event) / 1e3)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+        super().synchronize()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._watch.put(None)  # after every queued transfer, so all of them resolve first
+        if self._watcher is not threading.current_thread():
+            self._watcher.join()
+
+
+def make_link(device, profile: str | None = None, *, expert_bytes: int | None = None,
+              calibration=None) -> Link:
+    """The link for `device`.
+
+    cuda: a CudaLink (nominal bandwidth/latency from `profile`, else the profile matching the GPU).
+    cpu:  an EmulatedLink whose bandwidth/latency are the profile's (default A100-40GB-PCIe4) scaled
+          by this machine's expert throughput. `calibration` is that throughput in bytes/s (float),
+          or the expert shape to measure it with: (hidden, intermediate[, dtype]) or a dict of
+          measure_expert_throughput kwargs. Without it, a square fp32 expert of `expert_bytes`
+          (default 12 MiB) is measured.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        p = load_profile(profile) if profile else None
+        return CudaLink(device, bandwidth=p.pcie_bandwidth if p else None, latency=p.latency if p else 10e-6)
+    if device.type != "cpu":
+        raise ValueError(f"make_link: unsupported device {device}")
+    p = load_profile(profile)
+    throughput = _expert_throughput(calibration, expert_bytes)
+    bandwidth, latency = emulated_link_params(p, throughput)
+    link = EmulatedLink(bandwidth, latency, name=f"emulated:{p.name}")
+    link.profile, link.expert_throughput = p, throughput
+    link.time_scale = p.device_memory_bandwidth / throughput  # seconds here per second on the GPU
+    return link
+
+
+def _expert_throughput(calibration, expert_bytes: int | None) -> float:
+    if isinstance(calibration, (int, float)):
+        return float(calibration)
+    if isinstance(calibration, dict):
+        return measure_expert_throughput(**calibration)
+    if isinstance(calibration, (tuple, list)):
+        return measure_expert_throughput(*calibration)
+    if calibration is not None:
+        raise TypeError(f"make_link: calibration must be a throughput, a shape or a dict, not {calibration!r}")
+    side = max(16, math.isqrt((expert_bytes or 12 << 20) // 12))  # 3 * H * I * 4 bytes with H = I
+    return measure_expert_throughput(side, side)

@@ -1,0 +1,294 @@
+"""The copy engine: emulated timing, ordering, async use; link profiles and calibration."""
+
+import asyncio
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from specter.offload.calibrate import (LinkProfile, UnknownProfileError, available_profiles,
+                                       emulated_link_params, load_profile, measure_expert_throughput,
+                                       profile_for_gpu)
+from specter.offload.link import CudaLink, EmulatedLink, Link, Transfer, make_link
+
+PROFILES = ["A100-40GB-PCIe4", "RTX4090-PCIe4", "H100-PCIe5", "H200-PCIe5"]
+KiB = 1024
+
+
+def pair(nbytes: int, device="cpu"):
+    """(dst, src) fp32 tensors of nbytes each, src random, dst zeros."""
+    src = torch.randn(nbytes // 4)
+    return torch.zeros(nbytes // 4, device=device), src
+
+
+# ---------------------------------------------------------------- EmulatedLink
+
+
+def test_bandwidth_is_honoured():
+    bw, n, size = 20e6, 50, 64 * KiB
+    pairs = [pair(size) for _ in range(n)]
+    with EmulatedLink(bw) as link:
+        t0 = time.perf_counter()
+        transfers = [link.copy([d], [s], tag=i) for i, (d, s) in enumerate(pairs)]
+        link.synchronize()
+        elapsed = time.perf_counter() - t0
+    ideal = n * size / bw  # 0.164 s
+    assert ideal <= elapsed <= 1.25 * ideal, (elapsed, ideal)
+    assert all(t.done() for t in transfers)
+    assert all(torch.equal(d, s) for d, s in pairs)
+    assert link.stats["transfers"] == n and link.stats["bytes"] == n * size
+    assert ideal * 0.9 <= link.stats["busy_s"] <= elapsed
+
+
+def test_latency_is_honoured():
+    with EmulatedLink(bandwidth=1e12, latency=0.02) as link:
+        t0 = time.perf_counter()
+        for _ in range(10):
+            link.copy(*pair(16))
+        link.synchronize()
+        elapsed = time.perf_counter() - t0
+    assert 0.2 <= elapsed <= 0.25, elapsed
+
+
+def test_bytes_arrive_and_done_only_after_the_time():
+    dst, src = pair(100 * KiB)
+    w13_dst, w13_src = torch.zeros(8, 16, dtype=torch.bfloat16), torch.randn(8, 16).bfloat16()
+    with EmulatedLink(bandwidth=1e6) as link:  # ~0.1 s
+        t = link.copy([dst, w13_dst], [src, w13_src], tag=(3, 7))
+        assert t.tag == (3, 7) and t.nbytes == 100 * KiB + 8 * 16 * 2
+        time.sleep(0.03)
+        assert not t.done()  # the bytes are probably there already, but the time is not up
+        waited = t.wait()
+        assert t.done() and 0.04 < waited < 0.2
+        assert t.wait() == 0.0
+    assert torch.equal(dst, src) and torch.equal(w13_dst, w13_src)
+    assert t.t_enqueued <= t.t_started <= t.t_finished
+
+
+def test_single_tensors_and_bad_shapes():
+    with EmulatedLink(1e9) as link:
+        d, s = pair(4 * KiB)
+        link.copy(d, s).wait()
+        assert torch.equal(d, s)
+        with pytest.raises(ValueError):
+            link.copy([torch.zeros(3)], [torch.zeros(4)])
+        with pytest.raises(ValueError):
+            link.copy([torch.zeros(3)], [])
+        assert link.pending() == 0
+
+
+def test_urgent_jumps_the_queue():
+    order = []
+    with EmulatedLink(bandwidth=1e6) as link:  # 40 KiB -> ~40 ms each
+        first = link.copy(*pair(40 * KiB), tag="a")
+        first.add_done_callback(lambda t: order.append(t.tag))
+        time.sleep(0.01)  # "a" is in flight
+        for tag in "bc":
+            link.copy(*pair(40 * KiB), tag=tag).add_done_callback(lambda t: order.append(t.tag))
+        for tag in ("u1", "u2"):
+            link.copy(*pair(40 * KiB), tag=tag, urgent=True).add_done_callback(lambda t: order.append(t.tag))
+        link.synchronize()
+    assert order == ["a", "u1", "u2", "b", "c"]
+
+
+def test_worker_sleeps_instead_of_spinning():
+    with EmulatedLink(bandwidth=1e9, latency=0.5) as link:
+        t = link.copy(*pair(1 * KiB))
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        t.wait()
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    assert wall > 0.4
+    assert cpu < 0.2 * wall, (cpu, wall)
+
+
+def test_await_in_asyncio():
+    ticks = 0
+
+    async def ticker(stop: asyncio.Event):
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await asyncio.sleep(0.005)
+
+    async def main(link):
+        stop = asyncio.Event()
+        tick = asyncio.create_task(ticker(stop))
+        pairs = [pair(20 * KiB) for _ in range(4)]
+        transfers = [link.copy(d, s, tag=i) for i, (d, s) in enumerate(pairs)]
+        results = await asyncio.gather(*transfers)
+        stop.set()
+        await tick
+        return pairs, transfers, results
+
+    with EmulatedLink(bandwidth=1e6) as link:  # 4 x 20 KiB -> ~80 ms
+        pairs, transfers, results = asyncio.run(main(link))
+    assert results == transfers
+    assert all(torch.equal(d, s) for d, s in pairs)
+    assert ticks >= 5  # the event loop kept running while the copies were in flight
+
+
+def test_callback_once_and_after_done():
+    calls = []
+    with EmulatedLink(bandwidth=1e9) as link:
+        t = link.copy(*pair(1 * KiB))
+        t.add_done_callback(lambda x: calls.append((x, x.done(), threading.current_thread().name)))
+        t.wait()
+        link.synchronize()
+        t.add_done_callback(lambda x: calls.append((x, x.done(), "late")))  # already done: runs now
+    assert [c[:2] for c in calls] == [(t, True), (t, True)]
+    assert calls[0][2].startswith("specter-link")
+
+
+def test_pending_close_and_stats():
+    link = EmulatedLink(bandwidth=1e6, latency=0.0)
+    pairs = [pair(200 * KiB) for _ in range(3)]  # ~0.2 s each
+    transfers = [link.copy(d, s) for d, s in pairs]
+    assert link.pending() == 3
+    t0 = time.perf_counter()
+    link.close()  # queued copies land at once instead of sleeping out their time
+    assert time.perf_counter() - t0 < 0.15
+    assert link.pending() == 0 and all(t.done() for t in transfers)
+    assert all(torch.equal(d, s) for d, s in pairs)
+    link.close()  # idempotent
+    with pytest.raises(RuntimeError):
+        link.copy(*pair(4))
+    assert link.stats["transfers"] == 3
+    link.reset_stats()
+    assert link.stats == {"transfers": 0, "bytes": 0, "busy_s": 0.0}
+
+
+def test_failed_copy_reaches_the_waiter():
+    with EmulatedLink(bandwidth=1e9) as link:
+        t = link.copy(torch.zeros(4), torch.empty(4, device="meta"))  # no bytes to copy: fails in the worker
+        with pytest.raises(Exception, match="meta"):
+            t.wait()
+        assert t.done() and link.pending() == 0
+        d, s = pair(1 * KiB)
+        link.copy(d, s).wait()  # the worker survived
+        assert torch.equal(d, s)
+        slot = torch.nn.Parameter(torch.zeros(8))  # slots may be Parameters (requires_grad)
+        link.copy(slot, torch.ones(8)).wait()
+        assert torch.equal(slot.detach(), torch.ones(8))
+
+
+# ---------------------------------------------------------------- profiles and calibration
+
+
+def test_profiles_load():
+    assert available_profiles() == sorted(PROFILES)
+    for name in PROFILES:
+        p = load_profile(name)
+        assert isinstance(p, LinkProfile) and p.name == name
+        assert 0 < p.pcie_bandwidth < p.pcie_theoretical_bandwidth < p.device_memory_bandwidth
+        assert 1e-6 <= p.latency <= 1e-4
+        assert p.sources and all(isinstance(s, str) for s in p.sources) and "effective" in p.notes.lower()
+    assert load_profile() == load_profile("A100-40GB-PCIe4")
+    assert load_profile("A100-40GB-PCIe4").device_memory_bandwidth == 1555e9
+    assert load_profile("H200-PCIe5").device_memory_bandwidth == 4.8e12
+
+
+def test_unknown_profile():
+    with pytest.raises(ValueError, match="A100-40GB-PCIe4"):
+        load_profile("TPU-v9")
+    from specter.errors import SpecterError
+    with pytest.raises(SpecterError):
+        load_profile("TPU-v9")
+    assert issubclass(UnknownProfileError, ValueError)
+
+
+def test_profile_for_gpu():
+    assert profile_for_gpu("NVIDIA GeForce RTX 4090") == "RTX4090-PCIe4"
+    assert profile_for_gpu("NVIDIA A100-PCIE-40GB") == "A100-40GB-PCIe4"
+    assert profile_for_gpu("NVIDIA H100 PCIe") == "H100-PCIe5"
+    assert profile_for_gpu("NVIDIA H200 NVL") == "H200-PCIe5"
+    assert profile_for_gpu("Tesla T4") is None
+
+
+def test_emulated_link_params_arithmetic():
+    p = load_profile("A100-40GB-PCIe4")
+    bw, lat = emulated_link_params(p, expert_throughput=10e9)
+    s = 1555e9 / 10e9  # the CPU is 155.5x slower than the A100 at expert compute
+    assert bw == pytest.approx(25e9 / s) and lat == pytest.approx(10e-6 * s)
+    # copy time : compute time is the GPU's, for any expert size
+    expert = 12 << 20
+    assert (expert / bw) / (expert / 10e9) == pytest.approx((expert / 25e9) / (expert / 1555e9))
+
+
+def test_measure_expert_throughput_is_positive_and_cached():
+    t0 = time.perf_counter()
+    r = measure_expert_throughput(64, 128)
+    first = time.perf_counter() - t0
+    assert math.isfinite(r) and r > 0
+    assert first < 2.0
+    t0 = time.perf_counter()
+    assert measure_expert_throughput(64, 128) == r
+    assert time.perf_counter() - t0 < 0.01
+
+
+def test_make_link_cpu():
+    link = make_link(torch.device("cpu"), "H100-PCIe5", calibration=5e9)
+    try:
+        assert isinstance(link, EmulatedLink) and isinstance(link, Link)
+        bw, lat = emulated_link_params(load_profile("H100-PCIe5"), 5e9)
+        assert (link.bandwidth, link.latency) == (bw, lat)
+        assert link.name == "emulated:H100-PCIe5" and link.time_scale == pytest.approx(2e12 / 5e9)
+        d, s = pair(4 * KiB)
+        link.copy(d, s).wait()
+        assert torch.equal(d, s)
+    finally:
+        link.close()
+    with make_link("cpu", calibration=(64, 128)) as link:
+        assert link.profile.name == "A100-40GB-PCIe4"
+        assert link.expert_throughput == measure_expert_throughput(64, 128)
+    with pytest.raises(ValueError):
+        make_link("cpu", "nope", calibration=1e9)
+
+
+# ---------------------------------------------------------------- CudaLink
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+def test_cuda_link_copies():
+    with CudaLink("cuda") as link:
+        srcs = [torch.randn(1024, 256).pin_memory() for _ in range(4)]
+        dsts = [torch.empty(1024, 256, device="cuda") for _ in range(4)]
+        ts = [link.copy([d], [s], tag=i) for i, (d, s) in enumerate(zip(dsts, srcs))]
+        link.synchronize()
+        assert all(t.done() for t in ts) and link.pending() == 0
+        assert all(torch.equal(d.cpu(), s) for d, s in zip(dsts, srcs))
+        assert link.stats["transfers"] == 4 and link.stats["bytes"] == 4 * 1024 * 256 * 4
+        assert link.stats["busy_s"] > 0
+
+
+@cuda
+def test_cuda_link_wait_orders_the_current_stream():
+    with CudaLink("cuda") as link:
+        src = torch.randn(1 << 20).pin_memory()
+        dst = torch.zeros(1 << 20, device="cuda")
+        t = link.copy(dst, src)
+        assert t.wait() == 0.0  # no host sync: the current stream waits on the event
+        total = dst.sum()  # runs after the copy on the compute stream
+        assert torch.allclose(total.cpu(), src.sum(), rtol=1e-4)
+
+
+@cuda
+def test_cuda_link_unpinned_source_warns_once_and_await():
+    async def main(link, dst, src):
+        return await link.copy(dst, src)
+
+    with CudaLink("cuda") as link:
+        src, dst = torch.randn(4096), torch.empty(4096, device="cuda")
+        with pytest.warns(UserWarning, match="pinned"):
+            t = asyncio.run(main(link, dst, src))
+        assert isinstance(t, Transfer) and t.done()
+        assert torch.equal(dst.cpu(), src)
+
+
+@cuda
+def test_make_link_cuda():
+    with make_link(torch.device("cuda")) as link:
+        assert isinstance(link, CudaLink) and link.bandwidth > 1e9

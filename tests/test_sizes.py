@@ -1,0 +1,74 @@
+import pytest
+
+from specter.sizes import format_size, parse_size
+
+GiB, MiB, KiB = 2**30, 2**20, 2**10
+
+
+@pytest.mark.parametrize("text, nbytes", [
+    ("6GiB", 6 * GiB),
+    ("512MiB", 512 * MiB),
+    ("1.5GB", 1_500_000_000),
+    ("300MB", 300_000_000),
+    ("1024", 1024),
+    (1024, 1024),
+    (0, 0),
+    ("0", 0),
+    ("6 GiB", 6 * GiB),
+    ("  512 mib ", 512 * MiB),
+    ("6gib", 6 * GiB),
+    ("6GIB", 6 * GiB),
+    ("1.5GiB", 3 * GiB // 2),
+    ("0.5KiB", 512),
+    (".5 KiB", 512),
+    ("4KiB", 4 * KiB),
+    ("4kb", 4000),
+    ("2TiB", 2 * 2**40),
+    ("2TB", 2 * 10**12),
+    ("12B", 12),
+    ("12 b", 12),
+    ("1.", 1),
+])
+def test_parse_size(text, nbytes):
+    assert parse_size(text) == nbytes
+    assert type(parse_size(text)) is int
+
+
+@pytest.mark.parametrize("bad", [
+    "", "   ", "GiB", "6 GiBs", "6G", "6 gigabytes", "-1GiB", "1e9", "1,024", "6 Gi B", "1.5 B",
+    "0.1KiB", -1, 1.5, None, True, "6GiB6",
+])
+def test_parse_size_errors(bad):
+    with pytest.raises(ValueError) as info:
+        parse_size(bad)
+    if isinstance(bad, str) and bad.strip() and "B" in bad.upper() and "." not in bad:
+        assert "GiB" in str(info.value) and "GB" in str(info.value)  # names the accepted forms
+
+
+def test_error_message_names_accepted_forms():
+    with pytest.raises(ValueError, match=r"KiB/MiB/GiB.*KB/MB/GB"):
+        parse_size("six gigs")
+
+
+@pytest.mark.parametrize("nbytes, text", [
+    (0, "0 B"),
+    (12, "12 B"),
+    (1023, "1023 B"),
+    (1024, "1.00 KiB"),
+    (1536, "1.50 KiB"),
+    (512 * MiB, "512.0 MiB"),
+    (6 * GiB, "6.00 GiB"),
+    (40 * GiB, "40.0 GiB"),
+    (1024 * MiB - 1, "1.00 GiB"),
+    (3 * 2**40, "3.00 TiB"),
+    (5000 * 2**40, "5000.0 TiB"),
+    (-2048, "-2.00 KiB"),
+])
+def test_format_size(nbytes, text):
+    assert format_size(nbytes) == text
+
+
+@pytest.mark.parametrize("nbytes", [1, 999, 4096, 7 * MiB, 6 * GiB, 123 * GiB])
+def test_roundtrip_close(nbytes):
+    value, unit = format_size(nbytes).split()
+    assert abs(parse_size(f"{value}{unit}" if unit != "B" else value) - nbytes) <= nbytes * 0.01
