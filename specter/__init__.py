@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .engine import POLICIES, Engine, GenerationOutput
+from .engine import BENCH_POLICIES, POLICIES, Engine, GenerationOutput
 from .errors import (BudgetError, CheckpointError, ConfigError, ContextLengthError, NotAvailableError,
                      SpecterError, TokenizerError, UnsupportedModelError)
 
@@ -52,7 +52,7 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = "s
     """
     from .builder import build_engine
 
-    if policy not in POLICIES:
+    if policy not in BENCH_POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     path = Path(model) if model is not None else default_model_path()
     return build_engine(path, resolve_device(device), policy=policy, residency=residency,

@@ -1,14 +1,26 @@
 """Wires a checkpoint, a device and a policy into an Engine."""
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 
 import torch
 
 from .engine import Engine, PlainDecoder
-from .errors import ConfigError, NotAvailableError
+from .errors import ConfigError
 from .loader import load_checkpoint, load_tokenizer, open_checkpoint
 from .moe import ResidentExperts
+from .offload.link import make_link
+from .offload.manager import OffloadedExperts
+from .offload.plan import make_plan
+from .offload.oracle import OracleDecoder
+from .offload.policies import NextLayerPrefetch
+from .speculative.decoder import SpeculativeDecoder
+from .speculative.draft import DraftExperts
+from .speculative.governor import Governor
+from .speculative.lookahead import Lookahead
+from .speculative.planner import PrefetchPlanner
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -27,18 +39,71 @@ def compute_dtype(device: torch.device, storage: torch.dtype, dtype=None) -> tor
     return storage if storage in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def configure_threads(device: torch.device, threads: int | None) -> None:
+    """CPU: leave one core to the emulated link's copy worker (and the OS); small decode matmuls gain
+    nothing from more threads, and oversubscribed OpenMP pools are catastrophically slow."""
+    if device.type == "cpu":
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
+
+
 def build_engine(path: Path, device: torch.device, *, policy: str, residency=None, expert_memory=None,
-                 link=None, dtype=None, **options) -> Engine:
+                 link=None, dtype=None, threads: int | None = None, eviction: str = "lru",
+                 device_memory=None, k_max: int = 6, **options) -> Engine:
     if options:
         raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}")
-    if residency is not None and expert_memory is not None:
-        raise ConfigError("give residency or expert_memory, not both")
     ckpt = open_checkpoint(path)
-    if policy != "resident":
-        raise NotAvailableError(f"policy {policy!r} is not available yet in this build; use policy='resident'")
     dt = compute_dtype(device, ckpt.dtype, dtype)
-    model, experts, _ = load_checkpoint(path, device, dt)
-    experts = [type(e)(e.w13.to(device), e.w2.to(device)) for e in experts]
-    decoder = PlainDecoder(model, ResidentExperts(experts), device, dt)
-    return Engine(model, experts, load_tokenizer(path), path=path, device=device, dtype=dt,
-                  policy=policy, decoder=decoder)
+    configure_threads(device, threads)
+    spec = ckpt.spec
+    offload = policy != "resident"
+    plan = None
+    if offload:
+        if residency is None and expert_memory is None and device_memory is None and device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            device_memory = int(free * 0.9)
+        numel = _checkpoint_numel(ckpt)
+        plan = make_plan(spec, numel, dt, residency=residency, expert_memory=expert_memory,
+                         device_memory=device_memory, draft=policy in ("spec-lru", "specter"))
+    model, experts, _ = load_checkpoint(path, device, dt, pin_experts=offload and device.type == "cuda")
+    tokenizer = load_tokenizer(path)
+    if not offload:
+        experts = [type(e)(e.w13.to(device), e.w2.to(device)) for e in experts]
+        decoder = PlainDecoder(model, ResidentExperts(experts), device, dt)
+    else:
+        lk = make_link(device, link, calibration=(spec.hidden, spec.expert_inter, dt))
+        mgr = OffloadedExperts(experts, plan.slots_per_layer, device, lk, eviction=eviction)
+        mgr.warm()
+        decoder = _decoder(policy, model, mgr, experts, device, dt, k_max)
+    engine = Engine(model, experts, tokenizer, path=path, device=device, dtype=dt, policy=policy, decoder=decoder)
+    engine.plan = plan
+    return engine
+
+
+def _decoder(policy, model, mgr, experts, device, dt, k_max):
+    """The decode loop each policy runs; all of them share the model and the offload manager."""
+    if policy == "on-demand":
+        return PlainDecoder(model, mgr, device, dt)
+    if policy == "next-layer":
+        mgr.next_layer_router = NextLayerPrefetch(model, mgr)
+        return PlainDecoder(model, mgr, device, dt)
+    if policy == "oracle":
+        resident = ResidentExperts([type(e)(e.w13.to(device), e.w2.to(device)) for e in experts])
+        return OracleDecoder(model, mgr, resident, device, dt)
+    spec = model.spec
+    lookahead = Lookahead(k_max, spec.n_moe_layers, spec.top_k, device)
+    draft = DraftExperts(experts, lookahead, device, dt, packed=device.type == "cuda")
+    if policy == "spec-lru":  # speculation alone: fixed K, experts fetched when verification needs them
+        return SpeculativeDecoder(model, mgr, draft, device, dt, k_max=k_max, governor=Governor(k_max, fixed=4))
+    return SpeculativeDecoder(model, mgr, draft, device, dt, k_max=k_max, planner=PrefetchPlanner(mgr, lookahead),
+                              governor=Governor(k_max), fallback=NextLayerPrefetch(model, mgr))
+
+
+def _checkpoint_numel(ckpt) -> int:
+    from safetensors import safe_open
+
+    n = 0
+    for f in sorted(set(ckpt.files.values())):
+        with safe_open(str(f), framework="pt") as h:
+            for name in h.keys():
+                n += math.prod(h.get_slice(name).get_shape())
+    return n

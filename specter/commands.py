@@ -1,6 +1,108 @@
-"""Subcommands beyond `generate`: plan, bench, profile (added by the offload and speculative work)."""
+"""Subcommands beyond `generate`: plan, bench, profile, serve."""
 from __future__ import annotations
+
+import json
+
+from .errors import ConfigError, NotAvailableError
 
 
 def add_subcommands(sub, model_args, sampling_args) -> None:
-    pass
+    p = sub.add_parser("plan", help="print the device memory plan for a budget, before running")
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default="auto")
+    b = p.add_mutually_exclusive_group()
+    b.add_argument("--residency", type=float, default=None, help="fraction of each layer's experts on device")
+    b.add_argument("--expert-memory", default=None, help="slot pool budget, e.g. 6GiB")
+    b.add_argument("--device-memory", default=None, help="whole-device budget, e.g. 16GiB")
+    p.add_argument("--context", type=int, default=None, help="KV cache tokens (default: the model's context)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+    bn = sub.add_parser("bench", help="run several policies side by side on the same prompts")
+    bn.add_argument("--policies", default="resident,on-demand,next-layer,spec-lru,specter,oracle")
+    model_args(bn, policy=False)
+    bn.add_argument("--max-new-tokens", type=int, default=64)
+    bn.add_argument("--prompts", default=None, help="file: one prompt a line, or a .json list")
+    bn.add_argument("--repeat", type=int, default=1)
+    bn.add_argument("--plot", default=None, help="PNG: TPOT per policy across residencies 1/8, 1/4, 1/2, 1")
+    bn.add_argument("--json", action="store_true")
+    bn.set_defaults(func=cmd_bench)
+
+    pr = sub.add_parser("profile", help="list link profiles and this machine's emulated-link calibration")
+    pr.add_argument("--model", default=None)
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(func=cmd_profile)
+
+    sv = sub.add_parser("serve", help="HTTP server (not available yet)")
+    sv.set_defaults(func=lambda args: (_ for _ in ()).throw(NotAvailableError("`specter serve` is not available yet")))
+
+
+def cmd_plan(args) -> int:
+    from . import resolve_device
+    from .builder import _checkpoint_numel, compute_dtype
+    from .loader import open_checkpoint
+    from .offload.plan import make_plan
+    from . import default_model_path
+
+    ckpt = open_checkpoint(args.model or default_model_path())
+    device = resolve_device(args.device)
+    dtype = compute_dtype(device, ckpt.dtype)
+    plan = make_plan(ckpt.spec, _checkpoint_numel(ckpt), dtype, residency=args.residency,
+                     expert_memory=args.expert_memory, device_memory=args.device_memory, context=args.context)
+    if args.json:
+        print(json.dumps(plan.as_dict()))
+    else:
+        print(f"model {ckpt.path} ({ckpt.spec.arch}), {dtype} on {device}")
+        print(plan.table())
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import format_table, read_prompts, run_bench
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise ConfigError("--policies is empty")
+    if args.repeat < 1 or args.max_new_tokens < 1:
+        raise ConfigError("--repeat and --max-new-tokens must be >= 1")
+    prompts = read_prompts(args.prompts)
+    kw = dict(prompts=prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat, device=args.device,
+              link=args.link)
+    if args.plot:
+        from .plot import residency_sweep
+
+        sweep = residency_sweep(args.model, policies, args.plot, **kw)
+        if args.json:
+            print(json.dumps(sweep))
+        return 0
+    res = run_bench(args.model, policies, residency=args.residency, expert_memory=args.expert_memory, **kw)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"link: {res['link']}, {res['prompts']} prompts x {res['repeat']}, {res['max_new_tokens']} new tokens")
+        print(format_table(res))
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from .offload.calibrate import available_profiles, emulated_link_params, load_profile, measure_expert_throughput
+    from .loader import open_checkpoint
+    from . import default_model_path
+
+    spec = open_checkpoint(args.model or default_model_path()).spec
+    tput = measure_expert_throughput(spec.hidden, spec.expert_inter)
+    rows = []
+    for name in available_profiles():
+        p = load_profile(name)
+        bw, lat = emulated_link_params(p, tput)
+        rows.append(dict(name=name, gpu=p.gpu, device_memory_GBps=p.device_memory_bandwidth / 1e9,
+                         pcie_GBps=p.pcie_bandwidth / 1e9, emulated_MBps=bw / 1e6, emulated_latency_us=lat * 1e6))
+    if args.json:
+        print(json.dumps({"expert_throughput_GBps": tput / 1e9, "profiles": rows}))
+        return 0
+    print(f"this machine's expert throughput (fp32, {spec.hidden}x{spec.expert_inter}): {tput / 1e9:.2f} GB/s")
+    print(f"{'profile':<18} {'mem GB/s':>9} {'PCIe GB/s':>9} {'ratio':>6} {'emulated MB/s':>13} {'latency us':>10}")
+    for r in rows:
+        print(f"{r['name']:<18} {r['device_memory_GBps']:>9.0f} {r['pcie_GBps']:>9.1f} "
+              f"{r['device_memory_GBps'] / r['pcie_GBps']:>6.0f} {r['emulated_MBps']:>13.1f} {r['emulated_latency_us']:>10.0f}")
+    return 0

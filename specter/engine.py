@@ -23,6 +23,7 @@ from .moe import ExpertWeights
 from .sampling import SamplingParams, sample
 
 POLICIES = ("resident", "on-demand", "next-layer", "spec-lru", "specter")
+BENCH_POLICIES = POLICIES + ("oracle",)  # oracle needs the whole run in advance: benchmarks only
 
 
 @dataclass

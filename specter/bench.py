@@ -1,0 +1,128 @@
+"""Policies side by side: one process, the same prompts, alternating policies so drift in machine
+load hits all of them alike. Ratios measured here are the honest numbers; absolute CPU times are not.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import ConfigError
+
+DEFAULT_PROMPTS = [
+    "def fibonacci(n):",
+    "class Stack:\n    def __init__(self):",
+    "for i in range(10):",
+    "import os\n\ndef read_lines(path):",
+]
+
+
+def read_prompts(path: str | None) -> list:
+    if path is None:
+        return list(DEFAULT_PROMPTS)
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"prompts file {path!r} does not exist")
+    text = p.read_text()
+    if p.suffix == ".json":
+        try:
+            prompts = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: invalid JSON ({e})") from None
+        if not isinstance(prompts, list) or not prompts:
+            raise ConfigError(f"{path}: expected a non-empty JSON list of prompts (strings or token-id lists)")
+        return prompts
+    prompts = [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ConfigError(f"{path}: no prompts (one per line; write \\n for a newline)")
+    return prompts
+
+
+SUM_KEYS = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "prefetch_issued", "prefetch_used",
+            "cycles", "draft_s", "verify_s", "accepted_tokens", "drafted_tokens", "recall_hits", "recall_total")
+
+
+def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int = 64, repeat: int = 1,
+              device: str = "auto", residency=None, expert_memory=None, link=None, warmup: bool = True,
+              **load_kw) -> dict:
+    import specter
+
+    engines = {p: specter.load(model, device=device, policy=p, residency=residency, expert_memory=expert_memory,
+                               link=link, **load_kw) for p in policies}
+    try:
+        if warmup:  # first-call costs (allocator, lazy init) out of the measurement
+            for e in engines.values():
+                e.generate(prompts[0], max_new_tokens=4)
+        agg = {p: {"decode_s": 0.0, "decode_tokens": 0, "ttft_s": 0.0, "runs": 0, "outputs": []} for p in policies}
+        for _ in range(repeat):
+            for prompt in prompts:
+                for p in policies:
+                    out = engines[p].generate(prompt, max_new_tokens=max_new_tokens)
+                    a, s = agg[p], out.stats
+                    a["decode_s"] += s["tpot_s"] * max(s["new_tokens"] - 1, 1)
+                    a["decode_tokens"] += max(s["new_tokens"] - 1, 1)
+                    a["ttft_s"] += s["ttft_s"]
+                    a["runs"] += 1
+                    a["outputs"].append(out.token_ids)
+                    for k in SUM_KEYS:
+                        if k in s:
+                            a[k] = a.get(k, 0) + s[k]
+                    for k, v in s.items():
+                        if k == "k_histogram":
+                            h = a.setdefault(k, {})
+                            for kk, n in v.items():
+                                h[kk] = h.get(kk, 0) + n
+        first = policies[0]
+        result = {}
+        for p in policies:
+            a = agg[p]
+            r = {"tpot_s": a["decode_s"] / a["decode_tokens"], "ttft_s": a["ttft_s"] / a["runs"],
+                 "new_tokens": sum(len(o) for o in a["outputs"]),
+                 "lossless_vs_" + first: a["outputs"] == agg[first]["outputs"]}
+            r.update({k: a[k] for k in SUM_KEYS if k in a})
+            if "k_histogram" in a:
+                r["k_histogram"] = a["k_histogram"]
+            hm = r.get("expert_hits", 0) + r.get("expert_misses", 0)
+            if hm:
+                r["hit_rate"] = r.get("expert_hits", 0) / hm
+            if r.get("drafted_tokens"):
+                r["acceptance_rate"] = r["accepted_tokens"] / r["drafted_tokens"]
+                r["accepted_per_cycle"] = r["accepted_tokens"] / max(r["cycles"], 1)
+            if r.get("recall_total"):
+                r["prefetch_recall"] = r["recall_hits"] / r["recall_total"]
+            plan = getattr(engines[p], "plan", None)
+            if plan is not None:
+                r["slots_per_layer"], r["residency"] = plan.slots_per_layer, plan.residency
+            result[p] = r
+        for p in policies:
+            result[p]["speedup_vs_" + first] = result[first]["tpot_s"] / result[p]["tpot_s"]
+        return {"policies": result, "max_new_tokens": max_new_tokens, "prompts": len(prompts), "repeat": repeat,
+                "link": _link_name(engines)}
+    finally:
+        for e in engines.values():
+            e.close()
+
+
+def _link_name(engines) -> str | None:
+    for e in engines.values():
+        mgr = getattr(e.decoder, "experts", None) or getattr(e.decoder, "mgr", None)
+        link = getattr(mgr, "link", None)
+        if link is not None:
+            return link.name
+    return None
+
+
+def format_table(res: dict) -> str:
+    pols = res["policies"]
+    first = next(iter(pols))
+    head = f"{'policy':<11} {'TPOT ms':>8} {'speedup':>8} {'TTFT ms':>8} {'hit rate':>8} {'misses':>7} " \
+           f"{'H2D MB':>8} {'stall s':>8} {'accept':>7} {'tok/cyc':>7} {'recall':>7} {'lossless':>8}"
+    lines = [head, "-" * len(head)]
+    for p, r in pols.items():
+        f = lambda k, fmt: (fmt.format(r[k]) if k in r else "-")  # noqa: E731
+        lines.append(
+            f"{p:<11} {r['tpot_s'] * 1e3:>8.2f} {r['speedup_vs_' + first]:>7.2f}x {r['ttft_s'] * 1e3:>8.1f} "
+            f"{f('hit_rate', '{:.1%}'):>8} {f('expert_misses', '{}'):>7} "
+            f"{(r.get('h2d_bytes', 0) / 1e6):>8.1f} {f('stall_s', '{:.3f}'):>8} {f('acceptance_rate', '{:.2f}'):>7} "
+            f"{f('accepted_per_cycle', '{:.2f}'):>7} {f('prefetch_recall', '{:.1%}'):>7} "
+            f"{str(r['lossless_vs_' + first]):>8}")
+    return "\n".join(lines)

@@ -1,0 +1,164 @@
+"""The offload manager: routed experts in a host store, a per-layer slot pool on the device, a
+slot cache deciding residency, and a link moving the bytes. It is an expert provider (see moe.py),
+so the model runs on it exactly as on resident weights.
+
+    store  [host]    ExpertWeights per MoE layer, pinned on CUDA
+    pool   [device]  w13 [S, 2I, H], w2 [S, H, I] per MoE layer, allocated once
+    slots            SlotCache(n_moe_layers, E, S): expert -> slot, eviction policy, remap table
+    link             EmulatedLink (CPU) | CudaLink: transfers are awaitables
+
+When a layer runs, experts already resident compute first; missing ones are requested at the
+front of the link's queue and compute as they land. Outputs combine in a fixed order (moe.py), so
+nothing depends on what was resident. `prefetch` is the hook for every smarter policy: next-layer
+routing and the speculative planner issue copies through it ahead of need.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..moe import ExpertWeights, group_by_expert, run_experts
+from .link import Link, Transfer
+from .slots import SlotCache
+
+
+class OffloadedExperts:
+    def __init__(self, store: list[ExpertWeights], n_slots: int, device: torch.device, link: Link,
+                 eviction: str = "lru"):
+        self.store, self.link, self.device = store, link, device
+        L, E = len(store), store[0].n_experts
+        w13, w2 = store[0].w13, store[0].w2
+        self.pool = [ExpertWeights(torch.zeros((n_slots,) + w13.shape[1:], dtype=w13.dtype, device=device),
+                                   torch.zeros((n_slots,) + w2.shape[1:], dtype=w2.dtype, device=device))
+                     for _ in range(L)]
+        self.slots = SlotCache(L, E, n_slots, device=device, policy=eviction)
+        self.expert_bytes = store[0].expert_nbytes()
+        self.inflight: dict[tuple[int, int], Transfer] = {}
+        self.prefetched: set[tuple[int, int]] = set()   # copies issued ahead of need, not yet used
+        self.next_layer_router = None                   # set by the next-layer policy
+        self.reset_stats()
+
+    # ------------------------------------------------------------------------------- copies
+    def _issue(self, layer: int, e: int, *, urgent: bool, protect=()) -> bool:
+        """Reserve a slot for (layer, e) and start its copy. False when no slot can be freed."""
+        slot = self.slots.reserve(layer, e, protect=protect)
+        if slot is None:
+            return False
+        src, dst = self.store[layer], self.pool[layer]
+        self.inflight[(layer, e)] = self.link.copy([dst.w13[slot], dst.w2[slot]], [src.w13[e], src.w2[e]],
+                                                   urgent=urgent, tag=(layer, e))
+        self._stats["h2d_bytes"] += self.expert_bytes
+        return True
+
+    def _land(self, layer: int, e: int) -> None:
+        """Wait (if needed) for (layer, e)'s copy and mark it ready."""
+        t = self.inflight.pop((layer, e), None)
+        if t is not None:
+            self._stats["stall_s"] += t.wait()
+            self.slots.mark_ready(layer, e)
+
+    def poll(self) -> None:
+        """Mark every completed copy ready (cheap; called between layers)."""
+        for key in [k for k, t in self.inflight.items() if t.done()]:
+            self._land(*key)
+
+    def prefetch(self, layer: int, experts, *, protect=(), urgent: bool = False) -> int:
+        """Start copies for those of `experts` not resident or in flight, in the given order, never
+        evicting `protect`. Returns how many were issued (it stops when no slot can be freed)."""
+        n = 0
+        for e in experts:
+            if self.slots.slot_of(layer, e) is not None:
+                continue
+            if not self._issue(layer, e, urgent=urgent, protect=protect):
+                break
+            self.prefetched.add((layer, e))
+            n += 1
+        self._stats["prefetch_issued"] += n
+        return n
+
+    def is_resident(self, layer: int, e: int) -> bool:
+        return self.slots.slot_of(layer, e) is not None
+
+    # ------------------------------------------------------------------------------ compute
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.next_layer_router is not None:
+            self.next_layer_router(layer, x)
+        groups = group_by_expert(ids)
+        need = sorted(groups)
+        self.poll()
+        self._count(layer, need)
+        # ready experts compute first, then those in flight, then misses (fetched at the queue's front)
+        ready = [e for e in need if self.slots.is_ready(layer, e)]
+        flying = [e for e in need if (layer, e) in self.inflight]
+        missing = [e for e in need if self.slots.slot_of(layer, e) is None]
+        todo = set(need)  # not computed yet: never evicted to make room for each other
+        for e in missing:
+            if not self._issue(layer, e, urgent=True, protect=todo):
+                break  # more experts than slots: the rest are fetched as computed ones free theirs
+        current = []
+
+        def weights_of(e: int):
+            if current:
+                self.slots.unpin(layer, current)
+                current.clear()
+            todo.discard(e)
+            if self.slots.slot_of(layer, e) is None:
+                self._issue_blocking(layer, e, protect=todo)
+            self._land(layer, e)
+            self.slots.pin(layer, [e])
+            current.append(e)
+            slot = self.slots.slot_of(layer, e)
+            return self.pool[layer].w13[slot], self.pool[layer].w2[slot]
+
+        try:
+            out = run_experts(x, ids, weights, weights_of, groups=groups, order=ready + flying + missing)
+        finally:
+            if current:
+                self.slots.unpin(layer, current)
+        self.slots.touch(layer, need)
+        return out
+
+    def _issue_blocking(self, layer: int, e: int, protect) -> None:
+        """Issue (layer, e) now; if every slot is loading, wait for this layer's copies to land first."""
+        if self._issue(layer, e, urgent=True, protect=protect):
+            return
+        for key in [k for k in self.inflight if k[0] == layer]:
+            self._land(*key)
+        if not self._issue(layer, e, urgent=True, protect=protect):
+            raise RuntimeError(f"no evictable slot in layer {layer}: the slot budget is below top-k")
+
+    def _count(self, layer: int, need: list[int]) -> None:
+        st = self._stats
+        for e in need:
+            if (layer, e) in self.prefetched:
+                self.prefetched.discard((layer, e))
+                st["prefetch_used"] += 1
+            st["expert_hits" if self.slots.slot_of(layer, e) is not None else "expert_misses"] += 1
+
+    # -------------------------------------------------------------------------------- stats
+    def reset_stats(self) -> None:
+        self._stats = dict(expert_hits=0, expert_misses=0, h2d_bytes=0, stall_s=0.0, prefetch_issued=0,
+                           prefetch_used=0)
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def reset(self) -> None:
+        """Forget every resident expert (a cold cache)."""
+        self.link.synchronize()
+        self.poll()
+        self.slots.reset()
+        self.prefetched.clear()
+
+    def warm(self) -> None:
+        """Fill every slot with the first experts of each layer (a deterministic start)."""
+        for layer in range(len(self.store)):
+            self.prefetch(layer, range(self.slots.n_slots))
+        self.link.synchronize()
+        self.poll()
+        self.prefetched.clear()
+
+    def close(self) -> None:
+        self.link.close()
+

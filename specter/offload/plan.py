@@ -1,0 +1,128 @@
+"""Memory plan: what the device holds, and how many expert slots per layer a budget buys.
+
+    device = non-expert weights (always resident) + draft experts (INT4) + KV cache + slot pool
+    slot pool = n_moe_layers x slots_per_layer x bytes_per_expert
+
+A budget is a residency fraction, a slot-pool byte budget, or a whole-device byte budget. Any that
+cannot hold one layer's top-k experts is refused: a single token would not fit.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..config import ModelSpec
+from ..errors import BudgetError, ConfigError
+from ..sizes import format_size, parse_size
+
+INT4_GROUP = 128
+
+
+def draft_expert_bytes(spec: ModelSpec) -> int:
+    """One routed expert in INT4, group size 128: 4 bits a weight + a bf16 scale and shift per group."""
+    numel = spec.expert_numel()
+    return numel // 2 + math.ceil(numel / INT4_GROUP) * 2 * 2
+
+
+@dataclass
+class MemoryPlan:
+    dtype: str
+    non_expert_bytes: int
+    expert_bytes: int            # one routed expert in the compute dtype
+    draft_bytes: int             # every routed expert, INT4
+    kv_bytes: int
+    context: int
+    n_moe_layers: int
+    n_experts: int
+    top_k: int
+    slots_per_layer: int
+    slot_pool_bytes: int
+    total_bytes: int
+
+    @property
+    def residency(self) -> float:
+        return self.slots_per_layer / self.n_experts
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "residency": self.residency}
+
+    def table(self) -> str:
+        rows = [
+            ("non-expert weights (always on device)", self.non_expert_bytes),
+            (f"draft experts (INT4, g{INT4_GROUP})", self.draft_bytes),
+            (f"KV cache ({self.context} tokens)", self.kv_bytes),
+            (f"slot pool ({self.n_moe_layers} layers x {self.slots_per_layer} slots x {format_size(self.expert_bytes)})",
+             self.slot_pool_bytes),
+            ("total on device", self.total_bytes),
+        ]
+        w = max(len(r[0]) for r in rows)
+        lines = [f"{name:<{w}}  {format_size(b):>11}" for name, b in rows]
+        lines.append(f"{'slots per layer':<{w}}  {self.slots_per_layer:>5} of {self.n_experts} "
+                     f"({self.residency:.1%} of routed experts resident, top-{self.top_k})")
+        return "\n".join(lines)
+
+
+def kv_bytes_per_token(spec: ModelSpec, itemsize: int) -> int:
+    if spec.attention == "mla":
+        per_layer = spec.n_heads * (spec.head_dim + spec.v_head_dim)
+    else:
+        per_layer = 2 * spec.n_kv_heads * spec.head_dim
+    return spec.n_layers * per_layer * itemsize
+
+
+def non_expert_numel(spec: ModelSpec, total_numel: int) -> int:
+    return total_numel - spec.n_moe_layers * spec.n_experts * spec.expert_numel()
+
+
+def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residency: float | None = None,
+              expert_memory=None, device_memory=None, context: int | None = None, draft: bool = True) -> MemoryPlan:
+    """`total_numel`: parameters in the checkpoint. At most one of the three budgets; none = all resident."""
+    given = [b for b in (residency, expert_memory, device_memory) if b is not None]
+    if len(given) > 1:
+        raise ConfigError("give one budget: residency, expert_memory or device_memory")
+    item = torch.empty((), dtype=dtype).element_size()
+    E, k, L = spec.n_experts, spec.top_k, spec.n_moe_layers
+    expert = spec.expert_numel() * item
+    context = min(context or spec.max_position, spec.max_position)
+    fixed = dict(non=non_expert_numel(spec, total_numel) * item,
+                 draft=L * E * draft_expert_bytes(spec) if draft else 0,
+                 kv=kv_bytes_per_token(spec, item) * context)
+    if residency is not None:
+        if not (isinstance(residency, (int, float)) and 0 < residency <= 1):
+            raise ConfigError(f"residency must be a fraction in (0, 1], got {residency!r}")
+        slots = math.ceil(residency * E - 1e-9)
+        what = f"residency {residency}"
+    elif expert_memory is not None:
+        slots = parse_budget(expert_memory, "expert_memory") // max(L * expert, 1)
+        what = f"expert_memory {format_size(parse_budget(expert_memory, 'expert_memory'))}"
+    elif device_memory is not None:
+        left = parse_budget(device_memory, "device_memory") - sum(fixed.values())
+        if left < 0:
+            raise BudgetError(
+                f"device_memory {format_size(parse_budget(device_memory, 'device_memory'))} cannot even hold the "
+                f"non-expert weights, draft and KV cache ({format_size(sum(fixed.values()))}); "
+                f"raise it or shorten the context")
+        slots = left // max(L * expert, 1)
+        what = f"device_memory {format_size(parse_budget(device_memory, 'device_memory'))}"
+    else:
+        slots, what = E, "all resident"
+    slots = min(slots, E)
+    if L and slots < k:
+        need = k * L * expert
+        raise BudgetError(
+            f"{what} gives {slots} expert slot(s) per layer, but one token needs top-{k} = {k} experts in each "
+            f"layer: at least {format_size(need)} of slot pool ({k / E:.3f} residency) is required")
+    pool = L * slots * expert
+    return MemoryPlan(dtype=str(dtype).replace("torch.", ""), non_expert_bytes=fixed["non"], expert_bytes=expert,
+                      draft_bytes=fixed["draft"], kv_bytes=fixed["kv"], context=context, n_moe_layers=L,
+                      n_experts=E, top_k=k, slots_per_layer=slots, slot_pool_bytes=pool,
+                      total_bytes=pool + sum(fixed.values()))
+
+
+def parse_budget(value, name: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise ConfigError(f"{name}: {e}") from None
