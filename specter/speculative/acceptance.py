@@ -1,0 +1,41 @@
+"""Acceptance: which drafted tokens the target keeps.
+
+Greedy: the longest prefix of drafted tokens equal to the target's argmax, plus the target's own
+next token -- exactly the tokens of plain greedy decoding.
+Sampling: standard speculative rejection sampling. Drafted token x_i (drawn from q_i) is accepted
+with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the token is resampled from
+normalise(max(p_i - q_i, 0)); if every token is accepted, one more is drawn from p_K. The output is
+distributed exactly as the target's p (p and q already have temperature/top-k/top-p applied alike).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def accept_greedy(drafted: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
+    """drafted [K], target_logits [K+1, V] -> (n accepted, the target's next token)."""
+    best = target_logits.argmax(-1).tolist()  # one host read
+    n = 0
+    while n < len(drafted) and drafted[n] == best[n]:
+        n += 1
+    return n, best[n]
+
+
+def accept_sampling(drafted: list[int], q: torch.Tensor, p: torch.Tensor, gen: torch.Generator | None
+                    ) -> tuple[int, int]:
+    """drafted [K], q [K, V] draft probs, p [K+1, V] target probs -> (n accepted, next token)."""
+    K = len(drafted)
+    if K:
+        idx = torch.tensor(drafted, device=p.device)
+        rows = torch.arange(K, device=p.device)
+        ratio = (p[rows, idx] / q[rows, idx]).clamp(max=1.0)             # [K]
+        u = torch.rand(K, generator=gen, device=p.device)
+        rejected = (u >= ratio).tolist()
+        for i in range(K):
+            if rejected[i]:
+                residual = (p[i] - q[i]).clamp(min=0)
+                if residual.sum() <= 0:  # p == q where it matters: any p-sample is exact
+                    residual = p[i]
+                tok = torch.multinomial(residual / residual.sum(), 1, generator=gen)
+                return i, int(tok)
+    return K, int(torch.multinomial(p[K], 1, generator=gen))

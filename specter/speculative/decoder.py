@@ -1,0 +1,132 @@
+"""Speculative decoding over offloaded experts: one cycle, as data flows.
+
+    pending token t at position n (cache committed to [0, n))
+    draft   t, d1 .. d_{K-1} at n .. n+K-1   -> d1 .. dK, lookahead rows 0..K-1, q (draft probs)
+            every `chunk` steps: planner reads new rows -> copies for the target start now
+    verify  [t, d1 .. dK] at n .. n+K in one target pass (experts grouped; resident first)
+    accept  m drafted tokens + one target token; cache is committed to n+m+1 (the rest is scratch)
+
+The draft writes its K/V into the same cache past the committed length; verification overwrites
+those positions with the target's own, so there is never a second cache and rollback is free.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Iterator
+
+import torch
+
+from ..layers import KVCache
+from ..model import MoETransformer
+from ..offload.manager import OffloadedExperts
+from ..sampling import SamplingParams, probs, sample
+from .acceptance import accept_greedy, accept_sampling
+from .draft import DraftExperts
+from .governor import Governor
+from .planner import PrefetchPlanner
+
+
+class SpeculativeDecoder:
+    def __init__(self, model: MoETransformer, target: OffloadedExperts, draft: DraftExperts, device, dtype, *,
+                 k_max: int = 6, planner: PrefetchPlanner | None = None, governor: Governor | None = None,
+                 fallback=None):
+        self.model, self.target, self.draft = model, target, draft
+        self.device, self.dtype, self.k_max = device, dtype, k_max
+        self.planner = planner                  # None: spec-lru (verify fetches on demand)
+        self.governor = governor or Governor(k_max)
+        self.fallback = fallback                # prefetcher for K = 0 steps (next-layer)
+        self.reset_stats()
+
+    @property
+    def experts(self):
+        return self.target
+
+    def run(self, prompt: list[int], params: SamplingParams, max_new: int) -> Iterator[list[int]]:
+        cache = KVCache(self.model.spec, len(prompt) + max_new + self.k_max + 1, self.device, self.dtype)
+        gen = params.generator(self.device)
+        logits = self.model(torch.tensor(prompt, device=self.device), 0, cache, self.target, logits_for="last")
+        t = int(sample(logits, params, gen))
+        n, produced = len(prompt), 0
+        yield [t]
+        produced += 1
+        while produced < max_new:
+            k = self.governor.next_k(max_new - produced)
+            new = self._cycle(t, n, k, cache, params, gen)
+            n += len(new)
+            t = new[-1]
+            produced += len(new)
+            yield new
+
+    def _cycle(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen) -> list[int]:
+        st = self._stats
+        st["k_histogram"][k] += 1
+        st["cycles"] += 1
+        t0 = time.perf_counter()
+        drafted, q_rows = self._draft(t, n, k, cache, params, gen)
+        t1 = time.perf_counter()
+        stall0, hits0, miss0 = self.target._stats["stall_s"], self.target._stats["expert_hits"], self.target._stats["expert_misses"]
+        self.target.next_layer_router = self.fallback if k == 0 else None
+        tokens = torch.tensor([t] + drafted, device=self.device)
+        logits = self.model(tokens, n, cache, self.target)   # [K+1, V]
+        self.target.next_layer_router = None
+        if params.greedy:
+            m, nxt = accept_greedy(drafted, logits)
+        else:
+            m, nxt = accept_sampling(drafted, torch.stack(q_rows) if q_rows else None, probs(logits, params), gen)
+        t2 = time.perf_counter()
+        stall = self.target._stats["stall_s"] - stall0
+        if k:
+            hits = self.target._stats["expert_hits"] - hits0
+            st["recall_hits"] += hits
+            st["recall_total"] += hits + self.target._stats["expert_misses"] - miss0
+        st["draft_s"] += t1 - t0
+        st["verify_s"] += t2 - t1
+        st["drafted_tokens"] += k
+        st["accepted_tokens"] += m
+        self.governor.observe_cycle(k, m, t1 - t0, t2 - t1, stall)
+        return drafted[:m] + [nxt]
+
+    def _draft(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen):
+        drafted, q_rows = [], []
+        if k == 0:
+            return drafted, q_rows
+        planner = self.planner
+        if planner is not None:
+            planner.begin_cycle()
+        chunk = planner.chunk_size(self.governor.draft_s or 0.0, k) if planner else k
+        tok = t
+        for i in range(k):
+            self.draft.row = i
+            logits = self.model(torch.tensor([tok], device=self.device), n + i, cache, self.draft)  # [1, V]
+            if params.greedy:
+                tok = int(logits.argmax(-1))
+            else:
+                q = probs(logits, params)[0]
+                tok = int(torch.multinomial(q, 1, generator=gen))
+                q_rows.append(q)
+            drafted.append(tok)
+            if planner is not None and ((i + 1) % chunk == 0 or i == 0):
+                planner.plan(i + 1)  # the first row at once: copies should start as early as possible
+        self.draft.row = None
+        if planner is not None:
+            planner.plan(k)
+        return drafted, q_rows
+
+    # ------------------------------------------------------------------------------ stats
+    def reset_stats(self) -> None:
+        self.target.reset_stats()
+        self._stats = dict(cycles=0, drafted_tokens=0, accepted_tokens=0, draft_s=0.0, verify_s=0.0,
+                           recall_hits=0, recall_total=0, k_histogram=Counter())
+
+    def stats(self) -> dict:
+        s = {**self.target.stats(), **self._stats}
+        s["k_histogram"] = {int(k): v for k, v in sorted(s["k_histogram"].items())}
+        spec_cycles = sum(v for k, v in s["k_histogram"].items() if k > 0)
+        s["acceptance_rate"] = s["accepted_tokens"] / s["drafted_tokens"] if s["drafted_tokens"] else 0.0
+        s["accepted_per_cycle"] = s["accepted_tokens"] / spec_cycles if spec_cycles else 0.0
+        s["prefetch_recall"] = s["recall_hits"] / s["recall_total"] if s["recall_total"] else 0.0
+        return s
+
+    def close(self) -> None:
+        self.target.close()

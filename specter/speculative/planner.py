@@ -1,0 +1,58 @@
+"""The prefetch planner: turns the draft's lookahead into expert copies while the draft runs.
+
+At each chunk boundary it reads the new lookahead rows (one device-to-host read), adds them to the
+cycle's demand per (layer, expert), and for every layer, earliest first, issues copies for the
+predicted experts that are neither resident nor in flight, most demanded first. It evicts only
+experts the lookahead does not predict (everything predicted this cycle is protected), and never
+asks for more experts in a layer than that layer has slots.
+
+Chunk size: a chunk should carry about as much copying as one draft step hides. With d the draft
+step time and c the copy time of the experts one drafted token newly needs (moving averages),
+chunk = clamp(round(d / c), 1, K): a slow link plans after every step so it never idles; a fast
+one plans less often and saves the reads.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from ..offload.manager import OffloadedExperts
+from .lookahead import Lookahead
+
+
+class PrefetchPlanner:
+    def __init__(self, mgr: OffloadedExperts, lookahead: Lookahead):
+        self.mgr, self.lookahead = mgr, lookahead
+        self.demand: list[Counter] = []
+        self.read_upto = 0
+        self.new_per_token = 1.0   # EMA: experts one drafted token newly needs (not resident)
+        self.issued_this_cycle = 0
+
+    def begin_cycle(self) -> None:
+        self.demand = [Counter() for _ in range(self.lookahead.n_layers)]
+        self.read_upto = 0
+        self.issued_this_cycle = 0
+
+    def chunk_size(self, draft_step_s: float, k: int) -> int:
+        copy_s = self.new_per_token * (self.mgr.expert_bytes / self.mgr.link.bandwidth + self.mgr.link.latency)
+        if copy_s <= 0:
+            return k
+        return max(1, min(k, round(draft_step_s / copy_s)))
+
+    def plan(self, upto: int) -> int:
+        """Read lookahead rows [read_upto, upto) and issue what they newly predict. Returns copies issued."""
+        rows = self.lookahead.read(self.read_upto, upto)
+        if not rows:
+            return 0
+        n_rows = len(rows)
+        self.read_upto = upto
+        for row in rows:
+            for layer, ids in enumerate(row):
+                self.demand[layer].update(ids)
+        issued = 0
+        slots = self.mgr.slots.n_slots
+        for layer, counts in enumerate(self.demand):  # earliest layer first
+            ranked = [e for e, _ in counts.most_common(slots)]  # at most `slots` experts per layer
+            issued += self.mgr.prefetch(layer, ranked, protect=set(ranked))
+        self.new_per_token = 0.8 * self.new_per_token + 0.2 * (issued / n_rows)
+        self.issued_this_cycle += issued
+        return issued
