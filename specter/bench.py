@@ -46,9 +46,14 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
               **load_kw) -> dict:
     import specter
 
-    engines = {p: specter.load(model, device=device, policy=p, residency=residency, expert_memory=expert_memory,
-                               link=link, **load_kw) for p in policies}
+    unknown = [p for p in policies if p not in specter.BENCH_POLICIES]
+    if unknown:
+        raise ConfigError(f"unknown policy {unknown[0]!r}; choose from {', '.join(specter.BENCH_POLICIES)}")
+    engines = {}
     try:
+        for p in policies:
+            engines[p] = specter.load(model, device=device, policy=p, residency=residency,
+                                      expert_memory=expert_memory, link=link, **load_kw)
         if warmup:  # first-call costs (allocator, lazy init) out of the measurement
             for e in engines.values():
                 e.generate(prompts[0], max_new_tokens=4)

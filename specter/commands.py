@@ -89,7 +89,11 @@ def cmd_profile(args) -> int:
     from .loader import open_checkpoint
     from . import default_model_path
 
+    from .builder import configure_threads
+    import torch
+
     spec = open_checkpoint(args.model or default_model_path()).spec
+    configure_threads(torch.device("cpu"), None)  # calibrate exactly as the engine does
     tput = measure_expert_throughput(spec.hidden, spec.expert_inter)
     rows = []
     for name in available_profiles():

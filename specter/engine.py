@@ -59,6 +59,9 @@ class PlainDecoder:
         if hasattr(self.experts, "reset_stats"):
             self.experts.reset_stats()
 
+    def close(self) -> None:
+        getattr(self.experts, "close", lambda: None)()
+
 
 class Engine:
     def __init__(self, model: MoETransformer, experts: list[ExpertWeights], tokenizer, *, path: Path,

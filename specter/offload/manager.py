@@ -131,13 +131,15 @@ class OffloadedExperts:
     def _count(self, layer: int, need: list[int]) -> None:
         st = self._stats
         for e in need:
+            resident = self.slots.slot_of(layer, e) is not None
             if (layer, e) in self.prefetched:
                 self.prefetched.discard((layer, e))
-                st["prefetch_used"] += 1
-            st["expert_hits" if self.slots.slot_of(layer, e) is not None else "expert_misses"] += 1
+                st["prefetch_used"] += resident  # evicted unused before it served: not a use
+            st["expert_hits" if resident else "expert_misses"] += 1
 
     # -------------------------------------------------------------------------------- stats
     def reset_stats(self) -> None:
+        self.prefetched.clear()
         self._stats = dict(expert_hits=0, expert_misses=0, h2d_bytes=0, stall_s=0.0, prefetch_issued=0,
                            prefetch_used=0)
 

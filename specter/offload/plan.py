@@ -90,7 +90,7 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
                  draft=L * E * draft_expert_bytes(spec) if draft else 0,
                  kv=kv_bytes_per_token(spec, item) * context)
     if residency is not None:
-        if not (isinstance(residency, (int, float)) and 0 < residency <= 1):
+        if isinstance(residency, bool) or not (isinstance(residency, (int, float)) and 0 < residency <= 1):
             raise ConfigError(f"residency must be a fraction in (0, 1], got {residency!r}")
         slots = math.ceil(residency * E - 1e-9)
         what = f"residency {residency}"

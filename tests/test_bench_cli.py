@@ -1,0 +1,142 @@
+"""`specter plan` and `specter bench` from the command line: JSON on stdout, one-line errors and exit 2.
+
+Most runs go through `specter.cli.main([...])` in-process (capsys); one runs `python -m specter.cli`
+in a subprocess to check the real exit status and that stderr carries one line, no traceback.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specter.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = [[1, 5, 9, 33, 2], [7, 7, 7], [100, 3, 64, 12, 90, 45, 8]]
+
+
+@pytest.fixture
+def model(tiny):
+    path, _ = tiny("deepseek_v2")  # 8 routed experts, top-2, 2 MoE layers, hidden 64, expert inter 32
+    return str(path)
+
+
+def run_cli(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(rc, out, err, *needles):
+    assert rc == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specter: error: "), err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+# ------------------------------------------------------------------------------------------------- plan
+def test_plan_json(capsys, model):
+    rc, out, err = run_cli(capsys, "plan", "--model", model, "--residency", "0.25", "--json")
+    assert rc == 0, err
+    plan = json.loads(out)  # the whole of stdout is one JSON object
+    assert out.count("\n") == 1
+    assert plan["slots_per_layer"] == 2 and plan["n_experts"] == 8 and plan["top_k"] == 2
+    assert plan["residency"] == 0.25 and plan["n_moe_layers"] == 2
+    itemsize = torch.empty(0, dtype=getattr(torch, plan["dtype"])).element_size()
+    assert plan["expert_bytes"] == 3 * 64 * 32 * itemsize
+    assert plan["slot_pool_bytes"] == 2 * 2 * plan["expert_bytes"]
+
+
+def test_plan_expert_memory_and_table(capsys, model):
+    rc, out, err = run_cli(capsys, "plan", "--model", model, "--device", "cpu", "--expert-memory", "144KiB", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["slots_per_layer"] == 3  # 147456 B / (2 layers x 24576 B)
+    rc, out, err = run_cli(capsys, "plan", "--model", model, "--device", "cpu", "--residency", "0.5")
+    assert rc == 0, err
+    assert "4 of 8" in out and "top-2" in out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--expert-memory", "1KB"], "top-2"),
+    (["--residency", "0"], "residency"),
+    (["--residency", "1.5"], "residency"),
+    (["--expert-memory", "lots"], "expert_memory"),
+])
+def test_plan_bad_budgets_exit_2(capsys, model, argv, needle):
+    assert_one_line_error(*run_cli(capsys, "plan", "--model", model, *argv), needle)
+
+
+def test_plan_two_budgets_is_a_usage_error(capsys, model):
+    with pytest.raises(SystemExit) as e:  # argparse: mutually exclusive options
+        main(["plan", "--model", model, "--residency", "0.5", "--expert-memory", "1GiB"])
+    assert e.value.code == 2
+    assert "not allowed with" in capsys.readouterr().err
+
+
+def test_plan_budget_error_in_a_real_process(model, tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run([sys.executable, "-m", "specter.cli", "plan", "--model", model, "--expert-memory", "1KB"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, "expert_memory", "top-2")
+
+
+# ------------------------------------------------------------------------------------------------ bench
+def test_bench_json_three_policies(capsys, model, tmp_path):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    rc, out, err = run_cli(capsys, "bench", "--model", model, "--device", "cpu",
+                           "--policies", "resident,on-demand,next-layer", "--residency", "0.5",
+                           "--prompts", str(prompts), "--max-new-tokens", "8", "--json")
+    assert rc == 0, err
+    res = json.loads(out)
+    assert out.count("\n") == 1
+    assert res["max_new_tokens"] == 8 and res["prompts"] == len(PROMPTS) and res["repeat"] == 1
+    pols = res["policies"]
+    assert list(pols) == ["resident", "on-demand", "next-layer"]
+    for name, r in pols.items():
+        assert isinstance(r["tpot_s"], float) and r["tpot_s"] > 0, name
+        assert isinstance(r["ttft_s"], float) and r["ttft_s"] > 0, name
+        assert r["lossless_vs_resident"] is True, name
+        assert 0 < r["new_tokens"] <= 8 * len(PROMPTS)
+        assert r["new_tokens"] == pols["resident"]["new_tokens"]
+        assert r["speedup_vs_resident"] > 0
+    for name in ("on-demand", "next-layer"):
+        r = pols[name]
+        assert r["slots_per_layer"] == 4 and r["residency"] == 0.5
+        assert r["expert_hits"] + r["expert_misses"] > 0 and 0 <= r["hit_rate"] <= 1
+        assert r["expert_misses"] > 0 and r["h2d_bytes"] > 0
+    assert pols["next-layer"]["prefetch_issued"] > 0
+    assert "slots_per_layer" not in pols["resident"]
+
+
+def test_bench_missing_prompts_file_exits_2(capsys, model, tmp_path):
+    missing = tmp_path / "nope.json"
+    assert_one_line_error(*run_cli(capsys, "bench", "--model", model, "--device", "cpu",
+                                   "--policies", "resident,on-demand", "--residency", "0.5",
+                                   "--prompts", str(missing), "--json"), str(missing))
+
+
+@pytest.mark.parametrize("text, needle", [("[1, 2", "invalid JSON"), ("[]", "non-empty"), ('{"a": 1}', "non-empty")])
+def test_bench_bad_prompts_file_exits_2(capsys, model, tmp_path, text, needle):
+    f = tmp_path / "prompts.json"
+    f.write_text(text)
+    assert_one_line_error(*run_cli(capsys, "bench", "--model", model, "--policies", "resident",
+                                   "--prompts", str(f), "--json"), needle)
+
+
+def test_bench_bad_arguments_exit_2(capsys, model, tmp_path):
+    f = tmp_path / "prompts.json"
+    f.write_text(json.dumps(PROMPTS[:1]))
+    common = ["bench", "--model", model, "--device", "cpu", "--prompts", str(f)]
+    assert_one_line_error(*run_cli(capsys, *common, "--policies", " , "), "--policies")
+    assert_one_line_error(*run_cli(capsys, *common, "--policies", "resident", "--max-new-tokens", "0"), "max-new-tokens")
+    assert_one_line_error(*run_cli(capsys, *common, "--policies", "on-demand", "--residency", "0.1"), "top-2")
+    assert_one_line_error(*run_cli(capsys, *common, "--policies", "bogus"), "bogus")

@@ -1,0 +1,415 @@
+"""Expert offloading: lossless against `resident`, and the slot cache's invariants under a slow link.
+
+Losslessness: `on-demand` and `next-layer` at several budgets produce exactly the greedy tokens of
+`resident` (fp32, CPU) on tiny checkpoints of three architectures (one with a shared expert and a
+dense first layer each: deepseek_v2 and qwen2_moe with mlp_only_layers=[0]; mixtral with neither),
+and on the bundled default model when it is present.
+
+Invariants: `Watch` wraps an `OffloadedExperts` as the model's expert provider and, through a
+patched `run_experts`, inspects every expert at the moment it is computed: its copy has completed
+(the link's transfer is done, the expert is ready and remapped), it is computed from its device
+slot, the slot holds exactly the store's weights, and the slot is still its own (not evicted, not
+overwritten) when its computation ends. After every layer call it runs `SlotCache.check()` and
+checks that in-flight copies and loading slots agree and that every ready slot holds its expert.
+A deliberately slow `EmulatedLink` keeps copies in flight while layers run.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import specter
+import specter.builder as builder
+import specter.offload.manager as manager_mod
+from specter.moe import ExpertWeights, ResidentExperts
+from specter.offload.link import EmulatedLink
+from specter.offload.manager import OffloadedExperts
+
+CASES = [("deepseek_v2", {}), ("qwen2_moe", {"mlp_only_layers": [0]}), ("mixtral", {})]
+IDS = [a for a, _ in CASES]
+PROMPTS = [[1, 5, 9, 33, 2], [7, 7, 7], list(range(10, 40)), [100, 3, 64, 12, 90, 45, 8]]
+NEW = 24
+# (budget, slots per layer) for 8 experts, top-2. expert_memory is given here in slots and turned into the
+# bytes of that many slots in every MoE layer; the last budget also switches the slot cache to LFU eviction.
+BUDGETS = [({"residency": 0.25}, 2), ({"residency": 0.5}, 4), ({"residency": 1.0}, 8), ({"expert_memory": 3}, 3),
+           ({"residency": 0.375, "eviction": "lfu"}, 3)]
+POLICIES = ["on-demand", "next-layer"]
+
+
+def expert_bytes_fp32(ref) -> tuple[int, int]:
+    """(bytes of one fp32 routed expert, MoE layers), from the transformers config: 3 * hidden * inter * 4."""
+    c = ref.config
+    if c.model_type == "deepseek_v2":
+        return 3 * c.hidden_size * c.moe_intermediate_size * 4, c.num_hidden_layers - c.first_k_dense_replace
+    if c.model_type == "qwen2_moe":
+        return 3 * c.hidden_size * c.moe_intermediate_size * 4, c.num_hidden_layers - len(c.mlp_only_layers)
+    return 3 * c.hidden_size * c.intermediate_size * 4, c.num_hidden_layers
+
+
+def budget_kwargs(ref, budget: dict) -> dict:
+    if "expert_memory" in budget:  # slots per layer -> bytes, written with a unit
+        eb, L = expert_bytes_fp32(ref)
+        return {**budget, "expert_memory": f"{budget['expert_memory'] * L * eb}B"}
+    return dict(budget)
+
+
+@pytest.fixture
+def emulated_link(monkeypatch):
+    """Engines built in this test get an EmulatedLink of the given speed instead of the calibrated one."""
+    made = []
+
+    def use(bandwidth=100e6, latency=2e-4):
+        def make_link(device, profile=None, **kw):
+            link = EmulatedLink(bandwidth, latency, name="test")
+            made.append(link)
+            return link
+
+        monkeypatch.setattr(builder, "make_link", make_link)
+        return made
+
+    yield use
+    for link in made:
+        link.close()
+
+
+@pytest.fixture(scope="module")
+def resident_tokens(tiny):
+    done = {}
+
+    def get(arch, kw):
+        key = (arch, tuple(sorted(kw)))
+        if key not in done:
+            path, _ = tiny(arch, **kw)
+            engine = specter.load(path, device="cpu", policy="resident")
+            try:
+                done[key] = [engine.generate(p, max_new_tokens=NEW).token_ids for p in PROMPTS]
+            finally:
+                engine.close()
+            # the reference is not degenerate: comparing against it can fail
+            assert sum(len(t) for t in done[key]) >= 2 * NEW and len({t for ts in done[key] for t in ts}) > 5
+        return done[key]
+
+    return get
+
+
+# ------------------------------------------------------------------------------------------ losslessness
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_offloaded_greedy_equals_resident(tiny, resident_tokens, emulated_link, case, policy):
+    arch, kw = case
+    path, ref = tiny(arch, **kw)
+    want = resident_tokens(arch, kw)
+    emulated_link()
+    for budget, slots in BUDGETS:
+        engine = specter.load(path, device="cpu", policy=policy, **budget_kwargs(ref, budget))
+        try:
+            assert engine.dtype == torch.float32 and engine.plan.slots_per_layer == slots, budget
+            assert engine.decoder.experts.slots.policy == budget.get("eviction", "lru")
+            outs = [engine.generate(p, max_new_tokens=NEW) for p in PROMPTS]
+        finally:
+            engine.close()
+        for p, out, w in zip(PROMPTS, outs, want):
+            assert out.token_ids == w, f"{arch} {policy} {budget}, prompt {p}: {out.token_ids} != resident {w}"
+        misses = sum(o.stats["expert_misses"] for o in outs)
+        if slots < 8:  # the offload path really ran: experts were missing and copied
+            assert misses > 0 and sum(o.stats["h2d_bytes"] for o in outs) > 0, budget
+            if policy == "next-layer":
+                assert sum(o.stats["prefetch_issued"] for o in outs) > 0
+        else:  # everything resident after warm-up: no miss, no copy
+            assert misses == 0 and sum(o.stats["h2d_bytes"] for o in outs) == 0
+
+
+@pytest.mark.skipif(not (specter.default_model_path() / "model.safetensors").exists(),
+                    reason="the bundled default model is not built")
+def test_default_model_offloaded_greedy_equals_resident(emulated_link):
+    prompts = ["def fibonacci(n):", "import os\n\ndef read_lines(path):"]
+    engine = specter.load(None, device="cpu", policy="resident")
+    try:
+        want = [engine.generate(p, max_new_tokens=NEW).token_ids for p in prompts]
+    finally:
+        engine.close()
+    assert all(len(w) > 0 for w in want)
+    emulated_link()
+    for policy in POLICIES:
+        for residency in (0.25, 0.5):
+            engine = specter.load(None, device="cpu", policy=policy, residency=residency)
+            try:
+                outs = [engine.generate(p, max_new_tokens=NEW) for p in prompts]
+            finally:
+                engine.close()
+            for p, out, w in zip(prompts, outs, want):
+                assert out.token_ids == w, f"{policy} residency={residency}, prompt {p!r}"
+                assert out.text == engine.decode(w)
+            assert sum(o.stats["expert_misses"] for o in outs) > 0
+
+
+# ------------------------------------------------------------------------------------- invariant watcher
+class Watch:
+    """An expert provider wrapping `mgr` that checks the cache's invariants on every layer call and at
+    every expert computation (install `checked_run_experts` in the manager module for the latter)."""
+
+    def __init__(self, mgr: OffloadedExperts):
+        self.mgr = mgr
+        self.layer = None
+        self.calls = self.computed = 0
+        self.transfers = {}  # (layer, expert) -> the latest Transfer the manager started for it
+        copy = mgr.link.copy
+
+        def recording_copy(dst, src, *, urgent=False, tag=None):
+            t = copy(dst, src, urgent=urgent, tag=tag)
+            self.transfers[tag] = t
+            return t
+
+        mgr.link.copy = recording_copy
+
+    def __getattr__(self, name):  # stats(), reset_stats(), close(), ...
+        return getattr(self.mgr, name)
+
+    def __call__(self, layer, x, ids, weights):
+        self.layer = layer
+        try:
+            out = self.mgr(layer, x, ids, weights)
+        finally:
+            self.layer = None
+        self.after_call()
+        self.calls += 1
+        return out
+
+    def after_call(self) -> None:
+        mgr, slots = self.mgr, self.mgr.slots
+        slots.check()  # residents <= slots, remap == bookkeeping, free list, owners, pins
+        for l in range(len(mgr.store)):
+            residents = slots.residents(l)
+            assert len(residents) <= slots.n_slots
+            loading = {(l, e) for e in residents if not slots.is_ready(l, e)}
+            assert loading == {key for key in mgr.inflight if key[0] == l}, "in-flight copies != loading slots"
+            for e in slots.ready_experts(l):  # a ready slot holds exactly its expert
+                s = slots.slot_of(l, e)
+                assert torch.equal(mgr.pool[l].w13[s], mgr.store[l].w13[e]), (l, e, s)
+                assert torch.equal(mgr.pool[l].w2[s], mgr.store[l].w2[e]), (l, e, s)
+
+    def checked_run_experts(self, real):
+        def run(x, ids, weights, weights_of, groups=None, order=None):
+            mgr, layer = self.mgr, self.layer
+            assert layer is not None, "run_experts called outside a watched layer call"
+            store, pool, slots = mgr.store[layer], mgr.pool[layer], mgr.slots
+            in_use = []
+
+            def still_intact():  # the expert last handed out kept its slot and bytes while it computed
+                for e, s in in_use:
+                    assert slots.slot_of(layer, e) == s, f"expert {e} lost slot {s} while in use"
+                    assert torch.equal(pool.w13[s], store.w13[e]) and torch.equal(pool.w2[s], store.w2[e]), \
+                        f"slot {s} of expert {e} was overwritten while in use"
+
+            def checked(e):
+                still_intact()
+                w13, w2 = weights_of(e)
+                s = slots.slot_of(layer, e)
+                assert s is not None, f"expert {e} computed without a slot"
+                t = self.transfers.get((layer, e))
+                assert t is None or t.done(), f"expert {e} computed before its copy completed"
+                assert slots.is_ready(layer, e) and (layer, e) not in mgr.inflight
+                assert int(slots.remap[layer, e]) == s
+                assert w13.data_ptr() == pool.w13[s].data_ptr() and w2.data_ptr() == pool.w2[s].data_ptr(), \
+                    "not computed from its device slot"
+                assert torch.equal(w13, store.w13[e]) and torch.equal(w2, store.w2[e]), \
+                    f"slot {s} does not hold expert {e}'s weights at compute time"
+                in_use[:] = [(e, s)]
+                self.computed += 1
+                return w13, w2
+
+            out = real(x, ids, weights, checked, groups=groups, order=order)
+            still_intact()
+            return out
+
+        return run
+
+
+@pytest.fixture
+def watch(monkeypatch):
+    """watch(mgr) -> Watch, with the manager's run_experts checked (one watched manager per test)."""
+    def install(mgr):
+        w = Watch(mgr)
+        monkeypatch.setattr(manager_mod, "run_experts", w.checked_run_experts(manager_mod.run_experts))
+        return w
+
+    return install
+
+
+def make_store(L=2, E=8, H=32, I=16, seed=0) -> list[ExpertWeights]:
+    g = torch.Generator().manual_seed(seed)
+    return [ExpertWeights(torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)) for _ in range(L)]
+
+
+def routed(T, k, E, gen, H=32):
+    """x [T, H], ids [T, k] (distinct per token), weights [T, k]."""
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, k, generator=gen), dim=-1)
+    return x, ids, w
+
+
+def slow_link(bandwidth=2e6, latency=1e-3):
+    return EmulatedLink(bandwidth=bandwidth, latency=latency, name="slow")  # 6 KiB expert: ~4 ms a copy
+
+
+# ------------------------------------------------------------------------------------ manager, directly
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_more_distinct_experts_than_slots_in_one_call(watch, eviction):
+    """8 tokens x top-2 touch all 8 experts of a layer through 2 slots: every expert is computed from
+    its own landed copy, none is evicted while in use, and the output is resident's, bit for bit."""
+    store = make_store()
+    resident = ResidentExperts(store)
+    with slow_link() as link:
+        mgr = OffloadedExperts(store, 2, torch.device("cpu"), link, eviction=eviction)
+        w = watch(mgr)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(8, 32, generator=gen)
+        ids = torch.tensor([[t, (t + 3) % 8] for t in range(8)])
+        weights = torch.softmax(torch.randn(8, 2, generator=gen), dim=-1)
+        for start in ("cold", "warm"):
+            if start == "warm":
+                mgr.warm()
+            for layer in (0, 1, 0):
+                assert torch.equal(w(layer, x, ids, weights), resident(layer, x, ids, weights)), (start, layer)
+        assert w.computed == 6 * 8 and w.calls == 6
+        assert mgr.stats()["expert_misses"] >= 6 * 6 and mgr.slots.stats["evictions"] > 0
+
+
+def test_random_calls_with_prefetches_in_flight(watch):
+    """Layer calls interleaved with prefetches that are still copying when the layer runs."""
+    store = make_store(L=3)
+    resident = ResidentExperts(store)
+    rng, gen = random.Random(0), torch.Generator().manual_seed(2)
+    with slow_link() as link:
+        mgr = OffloadedExperts(store, 3, torch.device("cpu"), link)
+        w = watch(mgr)
+        for step in range(14):
+            layer = rng.randrange(3)
+            if step % 2:
+                want = rng.sample(range(8), rng.randint(1, 4))
+                mgr.prefetch(rng.randrange(3), want, protect=set(want))
+                mgr.prefetch(layer, rng.sample(range(8), 2))
+            x, ids, weights = routed(rng.choice([1, 2, 5]), 2, 8, gen)
+            assert torch.equal(w(layer, x, ids, weights), resident(layer, x, ids, weights)), step
+        st = mgr.stats()
+        assert st["prefetch_issued"] > 0 and st["expert_misses"] > 0 and w.computed > 14
+    mgr.slots.check()
+
+
+def test_every_slot_loading_when_the_layer_runs(watch):
+    """Both slots hold unrelated prefetches still in flight; the layer needs two other experts."""
+    store = make_store()
+    resident = ResidentExperts(store)
+    with slow_link(latency=0.02) as link:
+        mgr = OffloadedExperts(store, 2, torch.device("cpu"), link)
+        w = watch(mgr)
+        assert mgr.prefetch(0, [6, 7]) == 2
+        assert not mgr.slots.is_ready(0, 6) and not mgr.slots.is_ready(0, 7)
+        x, ids, weights = routed(1, 2, 8, torch.Generator().manual_seed(3))
+        ids = torch.tensor([[0, 1]])
+        assert torch.equal(w(0, x, ids, weights), resident(0, x, ids, weights))
+        assert mgr.slots.residents(0) == [0, 1] and mgr.stats()["prefetch_used"] == 0
+        # a prefetched expert still in flight when it is needed is waited for, not computed early
+        assert mgr.prefetch(0, [5]) == 1 and (0, 5) in mgr.inflight
+        ids = torch.tensor([[5, 1]])
+        assert torch.equal(w(0, x, ids, weights), resident(0, x, ids, weights))
+        assert mgr.stats()["prefetch_used"] == 1
+
+
+def test_reset_and_warm():
+    store = make_store()
+    with slow_link(bandwidth=50e6, latency=0) as link:
+        mgr = OffloadedExperts(store, 3, torch.device("cpu"), link)
+        mgr.warm()
+        for l in range(2):
+            assert mgr.slots.ready_experts(l) == [0, 1, 2]
+            for e in range(3):
+                s = mgr.slots.slot_of(l, e)
+                assert torch.equal(mgr.pool[l].w13[s], store[l].w13[e]) and int(mgr.slots.remap[l, e]) == s
+        assert not mgr.inflight
+        mgr.prefetch(1, [5, 6])
+        mgr.reset()
+        mgr.slots.check()
+        assert not mgr.inflight and all(mgr.slots.residents(l) == [] for l in range(2))
+        assert (mgr.slots.remap == -1).all()
+        x, ids, weights = routed(3, 2, 8, torch.Generator().manual_seed(4))
+        assert torch.equal(mgr(1, x, ids, weights), ResidentExperts(store)(1, x, ids, weights))
+        mgr.slots.check()
+
+
+def test_prefetch_used_counts_only_prefetches_that_served():
+    store = make_store()
+    with slow_link(bandwidth=1e9, latency=0) as link:
+        mgr = OffloadedExperts(store, 2, torch.device("cpu"), link)
+        assert mgr.prefetch(0, [5]) == 1
+        link.synchronize()
+        mgr.poll()
+        x, _, weights = routed(1, 2, 8, torch.Generator().manual_seed(6))
+        mgr(0, x, torch.tensor([[0, 1]]), weights)  # two slots, both needed: the prefetched 5 is evicted unused
+        assert not mgr.is_resident(0, 5)
+        mgr.reset_stats()
+        mgr(0, x, torch.tensor([[5, 0]]), weights)  # 5 is a plain miss now
+        st = mgr.stats()
+        assert st["expert_misses"] == 1 and st["prefetch_issued"] == 0
+        assert st["prefetch_used"] == 0, "an evicted, never-used prefetch was counted as used"
+
+
+class EagerLanding(OffloadedExperts):
+    """A broken manager: marks a copy ready without waiting for it to complete."""
+
+    def _land(self, layer, e):
+        if self.inflight.pop((layer, e), None) is not None:
+            self.slots.mark_ready(layer, e)
+
+
+def test_the_watch_catches_compute_before_the_copy_lands(watch):
+    """The compute-time check has teeth: a manager that does not wait for its copies is caught."""
+    store = make_store()
+    with EmulatedLink(bandwidth=1e9, latency=0.5, name="slow") as link:  # copies land 0.5 s apart
+        mgr = EagerLanding(store, 8, torch.device("cpu"), link)
+        w = watch(mgr)
+        x, ids, weights = routed(4, 2, 8, torch.Generator().manual_seed(5))
+        ids = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+        with pytest.raises(AssertionError, match="before its copy completed"):
+            w(0, x, ids, weights)
+
+
+# ---------------------------------------------------------------------------------- through the engine
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("case", CASES[:2], ids=IDS[:2])
+def test_engine_invariants_on_a_slow_link(tiny, resident_tokens, emulated_link, watch, case, policy):
+    arch, kw = case
+    path, ref = tiny(arch, **kw)
+    emulated_link(bandwidth=20e6, latency=1e-3)  # 24 KiB experts: ~2 ms a copy, in flight across layers
+    engine = specter.load(path, device="cpu", policy=policy, residency=0.25)
+    try:
+        mgr = engine.decoder.experts
+        assert isinstance(mgr, OffloadedExperts) and mgr.slots.n_slots == 2
+        w = watch(mgr)
+        engine.decoder.experts = w
+        outs = [engine.generate(p, max_new_tokens=12) for p in PROMPTS[:2]]
+    finally:
+        engine.close()
+    want = resident_tokens(arch, kw)
+    for out, full in zip(outs, want):
+        assert out.token_ids == full[:12]
+    L = expert_bytes_fp32(ref)[1]
+    assert w.calls > 0 and w.calls % L == 0 and w.computed >= w.calls
+    assert sum(o.stats["expert_misses"] for o in outs) > 0
+    if policy == "next-layer":
+        assert sum(o.stats["prefetch_issued"] for o in outs) > 0
+
+
+def test_engine_close_closes_the_link(tiny):
+    path, _ = tiny("mixtral")
+    engine = specter.load(path, device="cpu", policy="on-demand", residency=0.5)
+    link = engine.decoder.experts.link
+    try:
+        engine.close()
+        with pytest.raises(RuntimeError, match="closed"):  # a closed link refuses new copies
+            link.copy(torch.zeros(4), torch.ones(4))
+    finally:
+        link.close()

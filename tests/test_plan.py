@@ -1,0 +1,233 @@
+"""Memory plan (specter/offload/plan.py): budgets -> slots per layer, by hand from each tiny checkpoint's config.
+
+One routed expert holds gate, up and down projections: 3 * hidden * expert_inter weights, so in fp32
+it is 3 * hidden * expert_inter * 4 bytes. A slot pool of B bytes buys floor(B / (n_moe_layers *
+expert_bytes)) slots per layer; a residency fraction F buys ceil(F * n_experts); a device budget D
+buys what is left after the non-expert weights, the INT4 draft and the KV cache. Fewer slots than
+top-k is refused (BudgetError); a malformed budget is a ConfigError.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import specter
+from specter.builder import _checkpoint_numel
+from specter.layers import KVCache
+from specter.loader import open_checkpoint
+from specter.offload.plan import MemoryPlan, make_plan
+
+# arch, tiny_config overrides. deepseek_v2: first layer dense + shared expert; qwen2_moe: dense first
+# layer (mlp_only_layers=[0]) + gated shared expert; mixtral: every layer MoE, nothing shared.
+CASES = [("deepseek_v2", {}), ("qwen2_moe", {"mlp_only_layers": [0]}), ("mixtral", {})]
+IDS = [a for a, _ in CASES]
+
+
+def by_hand(ref) -> dict:
+    """Expert geometry read straight from the transformers config (not through ModelSpec)."""
+    c = ref.config
+    if c.model_type == "deepseek_v2":
+        E, inter, moe_layers = c.n_routed_experts, c.moe_intermediate_size, c.num_hidden_layers - c.first_k_dense_replace
+    elif c.model_type == "qwen2_moe":
+        E, inter = c.num_experts, c.moe_intermediate_size
+        moe_layers = c.num_hidden_layers - len(c.mlp_only_layers)
+    else:
+        E, inter, moe_layers = c.num_local_experts, c.intermediate_size, c.num_hidden_layers
+    expert_numel = 3 * c.hidden_size * inter
+    total = sum(p.numel() for p in ref.parameters())
+    routed = sum(p.numel() for n, p in ref.named_parameters() if ".mlp.experts." in n)
+    assert routed == moe_layers * E * expert_numel, "the hand geometry disagrees with the checkpoint"
+    return dict(E=E, k=c.num_experts_per_tok, L=moe_layers, expert_numel=expert_numel, expert_fp32=expert_numel * 4,
+                total_numel=total, non_expert_numel=total - routed)
+
+
+@pytest.fixture(params=CASES, ids=IDS)
+def case(request, tiny):
+    arch, kw = request.param
+    path, ref = tiny(arch, **kw)
+    ckpt = open_checkpoint(path)
+    return ckpt.spec, _checkpoint_numel(ckpt), by_hand(ref), path
+
+
+def test_geometry_matches_the_hand_numbers(case):
+    spec, numel, h, _ = case
+    assert numel == h["total_numel"]
+    assert (spec.n_experts, spec.top_k, spec.n_moe_layers) == (h["E"], h["k"], h["L"])
+    plan = make_plan(spec, numel, torch.float32, residency=1.0)
+    assert plan.expert_bytes == h["expert_fp32"]
+    assert make_plan(spec, numel, torch.bfloat16, residency=1.0).expert_bytes == h["expert_numel"] * 2
+    assert plan.non_expert_bytes == h["non_expert_numel"] * 4
+    # deepseek_v2 tiny: hidden 64, moe_intermediate 32 -> 3*64*32*4 = 24576 bytes, 2 MoE layers of 3
+    if spec.arch == "deepseek_v2":
+        assert (plan.expert_bytes, plan.n_moe_layers) == (24576, 2)
+
+
+def test_no_budget_is_all_resident(case):
+    spec, numel, h, _ = case
+    plan = make_plan(spec, numel, torch.float32)
+    assert plan.slots_per_layer == h["E"] and plan.residency == 1.0
+    assert plan.slot_pool_bytes == h["L"] * h["E"] * h["expert_fp32"]
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.3, 0.5, 0.51, 0.75, 1.0, 1])
+def test_residency_to_slots(case, fraction):
+    spec, numel, h, _ = case
+    plan = make_plan(spec, numel, torch.float32, residency=fraction)
+    want = math.ceil(fraction * h["E"] - 1e-9)  # 8 experts: 0.25->2, 0.3->3, 0.5->4, 0.51->5, 0.75->6, 1->8
+    assert plan.slots_per_layer == want
+    assert plan.residency == want / h["E"]
+    assert plan.slot_pool_bytes == h["L"] * want * h["expert_fp32"]
+    assert plan.total_bytes == plan.slot_pool_bytes + plan.non_expert_bytes + plan.draft_bytes + plan.kv_bytes
+    d = plan.as_dict()
+    assert d["slots_per_layer"] == want and d["residency"] == plan.residency and d["top_k"] == h["k"]
+
+
+def test_residency_table_by_hand_for_eight_experts(tiny):
+    path, _ = tiny("deepseek_v2")
+    ckpt = open_checkpoint(path)
+    got = {f: make_plan(ckpt.spec, _checkpoint_numel(ckpt), torch.float32, residency=f).slots_per_layer
+           for f in (0.25, 0.26, 0.375, 0.5, 0.625, 0.875, 0.9, 1.0)}
+    assert got == {0.25: 2, 0.26: 3, 0.375: 3, 0.5: 4, 0.625: 5, 0.875: 7, 0.9: 8, 1.0: 8}
+
+
+def test_expert_memory_to_slots(case):
+    spec, numel, h, _ = case
+    per_slot = h["L"] * h["expert_fp32"]  # one more slot in every MoE layer
+    for slots in (h["k"], 3, 5, h["E"]):
+        exact = slots * per_slot
+        for budget in (exact, exact + per_slot - 1, f"{exact}B", f"{exact / 1024:g}KiB" if exact % 1024 == 0 else exact):
+            plan = make_plan(spec, numel, torch.float32, expert_memory=budget)
+            assert plan.slots_per_layer == slots, (budget, plan.slots_per_layer)
+            assert plan.slot_pool_bytes == exact
+    # one byte short of 3 slots is 2 slots; more than everything is capped at every expert
+    assert make_plan(spec, numel, torch.float32, expert_memory=3 * per_slot - 1).slots_per_layer == 2
+    assert make_plan(spec, numel, torch.float32, expert_memory="1TiB").slots_per_layer == h["E"]
+    # bf16 experts are half the bytes: the same budget buys twice the slots
+    assert make_plan(spec, numel, torch.bfloat16, expert_memory=2 * per_slot).slots_per_layer == 4
+
+
+def test_expert_memory_units(tiny):
+    """deepseek_v2 tiny, fp32: 2 MoE layers x 24576 B = 48 KiB per slot per layer."""
+    path, _ = tiny("deepseek_v2")
+    ckpt = open_checkpoint(path)
+    n = _checkpoint_numel(ckpt)
+    slots = lambda b: make_plan(ckpt.spec, n, torch.float32, expert_memory=b).slots_per_layer  # noqa: E731
+    assert slots("144KiB") == 3 and slots("143KiB") == 2 and slots("144 kib") == 3
+    assert slots("147456") == 3 and slots(147456) == 3 and slots("147.456KB") == 3
+    assert slots("192KiB") == 4 and slots("0.1875MiB") == 4
+
+
+def test_device_memory_to_slots(case):
+    spec, numel, h, _ = case
+    ctx = 64
+    # fixed device bytes, by hand: non-expert weights + INT4 draft of every routed expert + KV cache
+    n = h["expert_numel"]
+    draft_expert = n // 2 + math.ceil(n / 128) * 2 * 2  # 4 bits a weight + bf16 scale and shift per 128
+    kv = KVCache(spec, ctx, "cpu", torch.float32).nbytes()  # what the engine really allocates
+    per_slot = h["L"] * h["expert_fp32"]
+    for draft in (True, False):
+        fixed = h["non_expert_numel"] * 4 + (h["L"] * h["E"] * draft_expert if draft else 0) + kv
+        plan = make_plan(spec, numel, torch.float32, device_memory=fixed + 3 * per_slot, context=ctx, draft=draft)
+        assert (plan.non_expert_bytes, plan.kv_bytes, plan.context) == (h["non_expert_numel"] * 4, kv, ctx)
+        assert plan.draft_bytes == (h["L"] * h["E"] * draft_expert if draft else 0)
+        assert plan.slots_per_layer == 3 and plan.total_bytes == fixed + 3 * per_slot
+        assert make_plan(spec, numel, torch.float32, device_memory=fixed + 3 * per_slot - 1, context=ctx,
+                         draft=draft).slots_per_layer == 2
+        with pytest.raises(specter.BudgetError):  # one slot short of top-k
+            make_plan(spec, numel, torch.float32, device_memory=fixed + h["k"] * per_slot - 1, context=ctx, draft=draft)
+        with pytest.raises(specter.BudgetError, match="device_memory"):  # not even the fixed part
+            make_plan(spec, numel, torch.float32, device_memory=fixed - 1, context=ctx, draft=draft)
+
+
+def test_kv_bytes_match_the_cache_the_engine_allocates(case):
+    spec, numel, _, _ = case
+    for dtype in (torch.float32, torch.bfloat16):
+        plan = make_plan(spec, numel, dtype, residency=1.0, context=10)
+        assert plan.kv_bytes == KVCache(spec, 10, "cpu", dtype).nbytes()
+    # the context is capped at the model's
+    assert make_plan(spec, numel, torch.float32, context=10**9).context == spec.max_position
+
+
+def test_budgets_below_top_k_are_refused(case):
+    spec, numel, h, _ = case
+    per_slot = h["L"] * h["expert_fp32"]
+    k = h["k"]
+    for kw in (dict(residency=(k - 1) / h["E"]), dict(residency=1e-6), dict(expert_memory=k * per_slot - 1),
+               dict(expert_memory="1KB"), dict(expert_memory=0)):
+        with pytest.raises(specter.BudgetError) as err:
+            make_plan(spec, numel, torch.float32, **kw)
+        assert isinstance(err.value, specter.SpecterError)
+        assert f"top-{k}" in str(err.value) and "\n" not in str(err.value)
+    # exactly top-k is enough
+    assert make_plan(spec, numel, torch.float32, expert_memory=k * per_slot).slots_per_layer == k
+    assert make_plan(spec, numel, torch.float32, residency=k / h["E"]).slots_per_layer == k
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.25, 1.0001, 1.5, 2, float("nan"), float("inf"), "0.5"])
+def test_residency_outside_unit_interval_is_a_config_error(tiny, bad):
+    path, _ = tiny("deepseek_v2")
+    ckpt = open_checkpoint(path)
+    with pytest.raises(specter.ConfigError, match="residency"):
+        make_plan(ckpt.spec, _checkpoint_numel(ckpt), torch.float32, residency=bad)
+
+
+def test_residency_bool_is_a_config_error(tiny):
+    path, _ = tiny("deepseek_v2")
+    ckpt = open_checkpoint(path)
+    with pytest.raises(specter.ConfigError):
+        make_plan(ckpt.spec, _checkpoint_numel(ckpt), torch.float32, residency=True)
+
+
+def test_two_budgets_at_once_is_a_config_error(tiny):
+    path, _ = tiny("deepseek_v2")
+    ckpt = open_checkpoint(path)
+    n = _checkpoint_numel(ckpt)
+    for kw in (dict(residency=0.5, expert_memory="1GiB"), dict(residency=0.5, device_memory="1GiB"),
+               dict(expert_memory="1GiB", device_memory="1GiB"),
+               dict(residency=0.5, expert_memory="1GiB", device_memory="1GiB")):
+        with pytest.raises(specter.ConfigError, match="one budget"):
+            make_plan(ckpt.spec, n, torch.float32, **kw)
+
+
+@pytest.mark.parametrize("bad", ["lots", "6 parsecs", "-1GiB", -5, 1.5, "1.5B"])
+def test_malformed_byte_budgets_are_config_errors(tiny, bad):
+    path, _ = tiny("deepseek_v2")
+    ckpt = open_checkpoint(path)
+    n = _checkpoint_numel(ckpt)
+    for name in ("expert_memory", "device_memory"):
+        with pytest.raises(specter.ConfigError, match=name):
+            make_plan(ckpt.spec, n, torch.float32, **{name: bad})
+
+
+def test_table_mentions_the_numbers(tiny):
+    path, _ = tiny("deepseek_v2")
+    ckpt = open_checkpoint(path)
+    plan = make_plan(ckpt.spec, _checkpoint_numel(ckpt), torch.float32, residency=0.5)
+    assert isinstance(plan, MemoryPlan)
+    text = plan.table()
+    assert "4 of 8" in text and "50.0%" in text and "top-2" in text and "2 layers x 4 slots" in text
+
+
+def test_load_uses_the_plan_and_refuses_bad_budgets(tiny):
+    """specter.load turns the same budgets into the same slot counts, and refuses the same way (before loading)."""
+    path, _ = tiny("deepseek_v2")
+    ckpt = open_checkpoint(path)
+    n = _checkpoint_numel(ckpt)
+    engine = specter.load(path, device="cpu", policy="on-demand", expert_memory="144KiB")
+    try:
+        assert engine.plan.slots_per_layer == 3
+        assert engine.plan == make_plan(ckpt.spec, n, torch.float32, expert_memory="144KiB", draft=False)
+        mgr = engine.decoder.experts
+        assert mgr.slots.n_slots == 3 and tuple(mgr.pool[0].w13.shape[:1]) == (3,)
+    finally:
+        engine.close()
+    with pytest.raises(specter.BudgetError):
+        specter.load(path, device="cpu", policy="on-demand", residency=0.125)
+    with pytest.raises(specter.BudgetError):
+        specter.load(path, device="cpu", policy="next-layer", expert_memory="1KB")
+    with pytest.raises(specter.ConfigError):
+        specter.load(path, device="cpu", policy="on-demand", residency=0.5, expert_memory="1MiB")
+    with pytest.raises(specter.ConfigError):
+        specter.load(path, device="cpu", policy="on-demand", residency=1.5)
