@@ -10,6 +10,10 @@ Chunk size: a chunk should carry about as much copying as one draft step hides. 
 step time and c the copy time of the experts one drafted token newly needs (moving averages),
 chunk = clamp(round(d / c), 1, K): a slow link plans after every step so it never idles; a fast
 one plans less often and saves the reads.
+
+Eviction follows the lookahead too: each expert keeps a score, its predicted demand decayed by
+half every cycle, and the slot cache evicts the lowest score first (least recently used among
+equals). An expert the draft keeps predicting survives the verifications in between.
 """
 from __future__ import annotations
 
@@ -20,14 +24,19 @@ from .lookahead import Lookahead
 
 
 class PrefetchPlanner:
-    def __init__(self, mgr: OffloadedExperts, lookahead: Lookahead):
-        self.mgr, self.lookahead = mgr, lookahead
+    def __init__(self, mgr: OffloadedExperts, lookahead: Lookahead, decay: float = 0.5):
+        self.mgr, self.lookahead, self.decay = mgr, lookahead, decay
+        self.score = [[0.0] * mgr.slots.n_experts for _ in range(lookahead.n_layers)]
+        mgr.slots.set_planner(lambda layer, e: self.score[layer][e])
         self.demand: list[Counter] = []
         self.read_upto = 0
         self.new_per_token = 1.0   # EMA: experts one drafted token newly needs (not resident)
         self.issued_this_cycle = 0
 
     def begin_cycle(self) -> None:
+        for row in self.score:
+            for e in range(len(row)):
+                row[e] *= self.decay
         self.demand = [Counter() for _ in range(self.lookahead.n_layers)]
         self.read_upto = 0
         self.issued_this_cycle = 0
@@ -48,6 +57,8 @@ class PrefetchPlanner:
         for row in rows:
             for layer, ids in enumerate(row):
                 self.demand[layer].update(ids)
+                for e in ids:
+                    self.score[layer][e] += 1.0
         issued = 0
         slots = self.mgr.slots.n_slots
         for layer, counts in enumerate(self.demand):  # earliest layer first
