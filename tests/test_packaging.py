@@ -1,0 +1,47 @@
+"""compiled/ and triton_ops/ install as specter.compiled / specter.triton_ops (setuptools
+package-dir), profiles and the default model ship as package data: in a wheel and editable."""
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_editable_install_maps_the_subpackages():
+    import specter.compiled
+    import specter.profiles
+    import specter.triton_ops
+
+    assert Path(specter.compiled.__file__).parent == ROOT / "compiled"
+    assert Path(specter.triton_ops.__file__).parent == ROOT / "triton_ops"
+    assert Path(specter.profiles.__file__).parent == ROOT / "profiles"
+
+
+@pytest.mark.slow
+def test_wheel_carries_subpackages_profiles_and_default_model(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT),
+                        "-w", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    wheel = next(tmp_path.glob("specter-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for must in ("specter/compiled/__init__.py", "specter/triton_ops/__init__.py",
+                 "specter/profiles/A100-40GB-PCIe4.json", "specter/cli.py"):
+        assert must in names, must
+    if (ROOT / "specter" / "default_model" / "model.safetensors").exists():
+        assert "specter/default_model/model.safetensors" in names
+        assert "specter/default_model/tokenizer.json" in names
+    target = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    code = ("import specter, specter.compiled, specter.triton_ops, specter.profiles, pathlib; "
+            "from specter.offload.calibrate import available_profiles; "
+            "print(pathlib.Path(specter.compiled.__file__).parent.parent.parent, len(available_profiles()))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    where, n = r.stdout.split()
+    assert Path(where) == target and int(n) == 4
