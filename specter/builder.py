@@ -51,6 +51,8 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
                  device_memory=None, k_max: int = 6, **options) -> Engine:
     if options:
         raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}")
+    if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
+        raise ConfigError(f"k_max must be an integer >= 0 (0 = no speculation), got {k_max!r}")
     ckpt = open_checkpoint(path)
     dt = compute_dtype(device, ckpt.dtype, dtype)
     configure_threads(device, threads)
