@@ -37,6 +37,7 @@ class OffloadedExperts:
         self.inflight: dict[tuple[int, int], Transfer] = {}
         self.prefetched: set[tuple[int, int]] = set()   # copies issued ahead of need, not yet used
         self.next_layer_router = None                   # set by the next-layer policy
+        self.all_resident = False                       # set by warm() when the budget holds everything
         self.reset_stats()
 
     # ------------------------------------------------------------------------------- copies
@@ -86,6 +87,11 @@ class OffloadedExperts:
             self.next_layer_router(layer, x)
         groups = group_by_expert(ids)
         need = sorted(groups)
+        if self.all_resident:  # the budget holds every expert: nothing to fetch, nothing to evict
+            self._stats["expert_hits"] += len(need)
+            pool, slot = self.pool[layer], self.slots.slot_of
+            return run_experts(x, ids, weights, lambda e: (pool.w13[slot(layer, e)], pool.w2[slot(layer, e)]),
+                               groups=groups)
         self.poll()
         self._count(layer, need)
         # ready experts compute first, then those in flight, then misses (fetched at the queue's front)
@@ -152,6 +158,7 @@ class OffloadedExperts:
         self.poll()
         self.slots.reset()
         self.prefetched.clear()
+        self.all_resident = False
 
     def warm(self) -> None:
         """Fill every slot with the first experts of each layer (a deterministic start)."""
@@ -160,6 +167,7 @@ class OffloadedExperts:
         self.link.synchronize()
         self.poll()
         self.prefetched.clear()
+        self.all_resident = self.slots.n_slots == self.slots.n_experts
 
     def close(self) -> None:
         self.link.close()
