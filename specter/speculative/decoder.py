@@ -35,7 +35,8 @@ class SpeculativeDecoder:
         self.device, self.dtype, self.k_max = device, dtype, k_max
         self.planner = planner                  # None: spec-lru (verify fetches on demand)
         self.governor = governor or Governor(k_max)
-        self.fallback = fallback                # prefetcher for K = 0 steps (next-layer)
+        self.fallback = fallback                # prefetcher candidate for K = 0 steps (next-layer)
+        self.plain = _PlainArms()               # K = 0: with or without it, whichever measures faster
         self.reset_stats()
 
     @property
@@ -66,7 +67,8 @@ class SpeculativeDecoder:
         drafted, q_rows = self._draft(t, n, k, cache, params, gen)
         t1 = time.perf_counter()
         stall0, hits0, miss0 = self.target._stats["stall_s"], self.target._stats["expert_hits"], self.target._stats["expert_misses"]
-        self.target.next_layer_router = self.fallback if k == 0 else None
+        use_fallback = k == 0 and self.fallback is not None and self.plain.pick()
+        self.target.next_layer_router = self.fallback if use_fallback else None
         tokens = torch.tensor([t] + drafted, device=self.device)
         logits = self.model(tokens, n, cache, self.target)   # [K+1, V]
         self.target.next_layer_router = None
@@ -85,6 +87,8 @@ class SpeculativeDecoder:
         st["drafted_tokens"] += k
         st["accepted_tokens"] += m
         self.governor.observe_cycle(k, m, t1 - t0, t2 - t1, stall)
+        if k == 0 and self.fallback is not None:
+            self.plain.observe(use_fallback, t2 - t1)
         return drafted[:m] + [nxt]
 
     def _draft(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen):
@@ -130,3 +134,26 @@ class SpeculativeDecoder:
 
     def close(self) -> None:
         self.target.close()
+
+
+class _PlainArms:
+    """K = 0 is plain decoding "with the best non-speculative prefetch": next-layer prefetch helps
+    when the link has slack and hurts when it is saturated (a wrong guess costs a whole copy and
+    evicts a useful expert). Keep a moving average of the step time with and without it, use the
+    faster, and try the other every `probe_every` plain steps."""
+
+    def __init__(self, probe_every: int = 8, alpha: float = 0.25):
+        self.t = {True: None, False: None}
+        self.n, self.probe_every, self.alpha = 0, probe_every, alpha
+
+    def pick(self) -> bool:
+        self.n += 1
+        for arm in (True, False):
+            if self.t[arm] is None:
+                return arm
+        best = self.t[True] <= self.t[False]
+        return (not best) if self.n % self.probe_every == 0 else best
+
+    def observe(self, arm: bool, step_s: float) -> None:
+        old = self.t[arm]
+        self.t[arm] = step_s if old is None else (1 - self.alpha) * old + self.alpha * step_s
