@@ -7,7 +7,8 @@ experts the lookahead does not predict (everything predicted this cycle is prote
 asks for more experts in a layer than that layer has slots.
 
 Chunk size: a chunk should carry about as much copying as one draft step hides. With d the draft
-step time and c the copy time of the experts one drafted token newly needs (moving averages),
+step time and c the copy time of the experts one drafted token newly needs (moving averages;
+c from the link's measured busy time per transfer),
 chunk = clamp(round(d / c), 1, K): a slow link plans after every step so it never idles; a fast
 one plans less often and saves the reads.
 
@@ -41,8 +42,15 @@ class PrefetchPlanner:
         self.read_upto = 0
         self.issued_this_cycle = 0
 
+    def copy_time(self) -> float:
+        """Seconds one expert copy takes, from the link's measured busy time when it has any."""
+        st, link = self.mgr.link.stats, self.mgr.link
+        if st["transfers"] and st["busy_s"] > 0:
+            return st["busy_s"] / st["transfers"]  # every transfer is one expert
+        return self.mgr.expert_bytes / link.bandwidth + link.latency
+
     def chunk_size(self, draft_step_s: float, k: int) -> int:
-        copy_s = self.new_per_token * (self.mgr.expert_bytes / self.mgr.link.bandwidth + self.mgr.link.latency)
+        copy_s = self.new_per_token * self.copy_time()
         if copy_s <= 0:
             return k
         return max(1, min(k, round(draft_step_s / copy_s)))
