@@ -7,14 +7,26 @@ RESIDENCIES = (0.125, 0.25, 0.5, 1.0)
 def residency_sweep(model, policies: list[str], out_png: str, *, residencies=RESIDENCIES, **bench_kw) -> dict:
     from .bench import run_bench
 
-    sweep = {}
+    import sys
+
+    from .errors import BudgetError
+
+    sweep, link = {}, None
     for r in residencies:
-        res = run_bench(model, policies, residency=r, **bench_kw)
+        try:
+            res = run_bench(model, policies, residency=r, **bench_kw)
+        except BudgetError as e:  # below top-k experts per layer: this model cannot run there
+            print(f"residency {r:g}: skipped ({e})", file=sys.stderr)
+            continue
+        link = res.get("link") or link
         sweep[str(r)] = {p: v["tpot_s"] for p, v in res["policies"].items()}
-        print(f"residency {r:g}: " + ", ".join(f"{p} {v * 1e3:.2f} ms" for p, v in sweep[str(r)].items()), flush=True)
-    draw(sweep, out_png, link=res.get("link"))
-    print(f"wrote {out_png}")
-    return {"residencies": sweep, "link": res.get("link"), "plot": out_png}
+        print(f"residency {r:g}: " + ", ".join(f"{p} {v * 1e3:.2f} ms" for p, v in sweep[str(r)].items()),
+              file=sys.stderr, flush=True)
+    if not sweep:
+        raise BudgetError("no residency in the sweep can hold one layer's top-k experts")
+    draw(sweep, out_png, link=link)
+    print(f"wrote {out_png}", file=sys.stderr)
+    return {"residencies": sweep, "link": link, "plot": out_png}
 
 
 def draw(sweep: dict, out_png: str, link: str | None = None) -> None:

@@ -1,0 +1,17 @@
+import json
+
+from specter.cli import main
+
+
+def test_bench_plot_sweeps_residencies_and_writes_a_png(tiny, tmp_path, capsys):
+    path, _ = tiny("qwen3_moe")
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([[1, 2, 3, 4]]))
+    png = tmp_path / "tpot.png"
+    code = main(["bench", "--model", str(path), "--device", "cpu", "--policies", "resident,on-demand",
+                 "--prompts", str(prompts), "--max-new-tokens", "4", "--plot", str(png), "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out["residencies"]) == {"0.25", "0.5", "1.0"}  # 1/8 of 8 experts < top-2: skipped
+    assert all(set(v) == {"resident", "on-demand"} for v in out["residencies"].values())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
