@@ -37,6 +37,7 @@ class OffloadedExperts:
         self.inflight: dict[tuple[int, int], Transfer] = {}
         self.prefetched: set[tuple[int, int]] = set()   # copies issued ahead of need, not yet used
         self.next_layer_router = None                   # set by the next-layer policy
+        self.use_hook = None                            # use_hook(layer, experts) after each layer computes
         self.all_resident = False                       # set by warm() when the budget holds everything
         self.reset_stats()
 
@@ -123,6 +124,8 @@ class OffloadedExperts:
             if current:
                 self.slots.unpin(layer, current)
         self.slots.touch(layer, need)
+        if self.use_hook is not None:
+            self.use_hook(layer, need)
         return out
 
     def _issue_blocking(self, layer: int, e: int, protect) -> None:

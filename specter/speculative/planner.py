@@ -25,14 +25,45 @@ from .lookahead import Lookahead
 
 
 class PrefetchPlanner:
-    def __init__(self, mgr: OffloadedExperts, lookahead: Lookahead, decay: float = 0.5):
-        self.mgr, self.lookahead, self.decay = mgr, lookahead, decay
+    def __init__(self, mgr: OffloadedExperts, lookahead: Lookahead, decay: float = 0.5, use_weight: float = 1.0,
+                 admission: bool = True):
+        self.mgr, self.lookahead, self.decay, self.use_weight = mgr, lookahead, decay, use_weight
+        self.admission = admission
         self.score = [[0.0] * mgr.slots.n_experts for _ in range(lookahead.n_layers)]
         mgr.slots.set_planner(lambda layer, e: self.score[layer][e])
+        mgr.use_hook = self.observe_use
         self.demand: list[Counter] = []
         self.read_upto = 0
         self.new_per_token = 1.0   # EMA: experts one drafted token newly needs (not resident)
         self.issued_this_cycle = 0
+
+    def _admit(self, layer: int, ranked: list[int]) -> list[int]:
+        """Predicted experts worth a copy: into a free slot, or displacing a resident whose score
+        (decayed predicted + actual demand) is lower than theirs. A prefetch that evicts something
+        more likely to be needed costs two copies instead of saving one."""
+        if not self.admission:
+            return ranked
+        score, slots = self.score[layer], self.mgr.slots
+        keep = set(ranked)
+        victims = sorted(score[e] for e in slots.residents(layer) if e not in keep)
+        free, out = slots.free_slots(layer), []
+        for e in ranked:
+            if slots.slot_of(layer, e) is not None:
+                continue
+            if free > 0:
+                free -= 1
+            elif victims and score[e] > victims[0]:
+                victims.pop(0)
+            else:
+                continue
+            out.append(e)
+        return out
+
+    def observe_use(self, layer: int, experts) -> None:
+        """Verification used these: actual demand counts like predicted demand."""
+        row = self.score[layer]
+        for e in experts:
+            row[e] += self.use_weight
 
     def begin_cycle(self) -> None:
         for row in self.score:
@@ -71,7 +102,7 @@ class PrefetchPlanner:
         slots = self.mgr.slots.n_slots
         for layer, counts in enumerate(self.demand):  # earliest layer first
             ranked = [e for e, _ in counts.most_common(slots)]  # at most `slots` experts per layer
-            issued += self.mgr.prefetch(layer, ranked, protect=set(ranked))
+            issued += self.mgr.prefetch(layer, self._admit(layer, ranked), protect=set(ranked))
         self.new_per_token = 0.8 * self.new_per_token + 0.2 * (issued / n_rows)
         self.issued_this_cycle += issued
         return issued
