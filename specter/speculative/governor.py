@@ -18,8 +18,9 @@ linear fit of verify compute time. K = 0 is plain decoding, whose measured step 
 its own stalls: rate(0) = 1 / t0.
 
 The governor returns argmax_K E[tokens | K] / cycle(K). Every estimate is a moving average, and
-every `probe_every` cycles it tries one other K (round robin), so stale estimates heal and a
-useful draft is never locked out; with a useless draft a_i -> 0 and K = 0 wins, so speculation
+now and then it tries one other K (round robin), so stale estimates heal and a useful draft is
+never locked out: first after `probe_every` cycles, then at doubling intervals (up to 8x) while
+the best K stays the same, back to `probe_every` when it changes; with a useless draft a_i -> 0 and K = 0 wins, so speculation
 never makes a run slower than not speculating (beyond the probes).
 """
 from __future__ import annotations
@@ -36,6 +37,9 @@ class Governor:
         self.step0: float | None = None      # t0: a plain decode step, stalls included
         self.cycles = 0
         self._probe = 0
+        self._best = None                    # argmax of the last decision
+        self._interval, self._next_probe = probe_every, probe_every
+        self.probe_max = 8 * probe_every
         self.k = k_init if fixed is None else fixed
 
     def _ema(self, old, new):
@@ -95,12 +99,17 @@ class Governor:
             return min(self.fixed, cap)
         if self.step0 is None and self.cycles >= 2:
             k = 0  # measure plain decoding once early: it is the floor we must beat
-        elif self.cycles and self.cycles % self.probe_every == 0:
+        elif self.cycles >= self._next_probe:
             self._probe = (self._probe + 1) % (self.k_max + 1)
             k = self._probe
+            self._next_probe = self.cycles + self._interval
+            self._interval = min(self._interval * 2, self.probe_max)  # probes that keep losing back off
         else:
             rates = {k: self.rate(k) for k in range(self.k_max + 1)}
             known = {k: r for k, r in rates.items() if r is not None}
             k = max(known, key=known.get) if known else self.k
+            if k != self._best:  # the landscape moved: look around again soon
+                self._best, self._interval = k, self.probe_every
+                self._next_probe = min(self._next_probe, self.cycles + self.probe_every)
         self.k = k
         return min(k, cap)
