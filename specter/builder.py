@@ -48,7 +48,7 @@ def configure_threads(device: torch.device, threads: int | None) -> None:
 
 def build_engine(path: Path, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                  link=None, dtype=None, threads: int | None = None, eviction: str = "lru",
-                 device_memory=None, k_max: int = 6, **options) -> Engine:
+                 device_memory=None, k_max: int = 16, **options) -> Engine:
     if options:
         raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}")
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
@@ -94,8 +94,8 @@ def _decoder(policy, model, mgr, experts, device, dt, k_max):
     spec = model.spec
     lookahead = Lookahead(k_max, spec.n_moe_layers, spec.top_k, device)
     draft = DraftExperts(experts, lookahead, device, dt, packed=device.type == "cuda")
-    if policy == "spec-lru":  # speculation alone: fixed K, experts fetched when verification needs them
-        return SpeculativeDecoder(model, mgr, draft, device, dt, k_max=k_max, governor=Governor(k_max, fixed=4))
+    if policy == "spec-lru":  # speculation alone: same governor, experts fetched when verification needs them
+        return SpeculativeDecoder(model, mgr, draft, device, dt, k_max=k_max, governor=Governor(k_max))
     return SpeculativeDecoder(model, mgr, draft, device, dt, k_max=k_max, planner=PrefetchPlanner(mgr, lookahead),
                               governor=Governor(k_max), fallback=NextLayerPrefetch(model, mgr))
 

@@ -191,7 +191,7 @@ def test_speculative_greedy_equals_resident(tiny, resident_tokens, fast_link, ar
         assert min(rates) < 1.0 and max(rates) > 0.0, rates
     finally:
         engine.close()
-    # spec-lru: fixed K = 4 (capped by K_max), on-demand fetches, no planner
+    # spec-lru: governor-chosen K (never above K_max), on-demand fetches, no planner
     for k_max in lru_k_maxes:
         engine = load(path, "spec-lru", residency=residency, k_max=k_max)
         try:
@@ -201,8 +201,7 @@ def test_speculative_greedy_equals_resident(tiny, resident_tokens, fast_link, ar
         hist = Counter()
         for o in outs:
             hist.update(o.stats["k_histogram"])
-        k = min(4, k_max)
-        assert hist[k] > 0 and max(hist) == k, hist  # smaller K only when few tokens are left
+        assert max(hist) <= k_max and sum(n for k, n in hist.items() if k > 0) > 0, hist
         assert total(outs, "prefetch_issued") == 0
         if residency < 1.0:
             assert total(outs, "expert_misses") > 0
