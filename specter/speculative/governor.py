@@ -18,7 +18,7 @@ linear fit of verify compute time. K = 0 is plain decoding, whose measured step 
 its own stalls: rate(0) = 1 / t0.
 
 The governor returns argmax_K E[tokens | K] / cycle(K). Every estimate is a moving average, and
-now and then it tries one other K (round robin), so stale estimates heal and a useful draft is
+now and then it tries a K next to the best one, so stale estimates heal and a useful draft is
 never locked out: first after `probe_every` cycles, then at doubling intervals (up to 8x) while
 the best K stays the same, back to `probe_every` when it changes; with a useless draft a_i -> 0 and K = 0 wins, so speculation
 never makes a run slower than not speculating (beyond the probes).
@@ -80,17 +80,44 @@ class Governor:
             total += run
         return total
 
-    def cycle_time(self, k: int) -> float | None:
+    def cycle_time(self, k: int, unseen_stall: float | None = None) -> float | None:
+        """cycle(K); a K never observed borrows the smallest stall seen (`unseen_stall`)."""
         if k == 0:
             return self.step0
         if self.draft_s is None or self.v0 is None:
             return None
-        stall = self.stall.get(k, min(self.stall.values()) if self.stall else 0.0)
-        return k * self.draft_s + stall + self.v0 + self.v1 * (k + 1)
+        if unseen_stall is None:
+            unseen_stall = min(self.stall.values()) if self.stall else 0.0
+        return k * self.draft_s + self.stall.get(k, unseen_stall) + self.v0 + self.v1 * (k + 1)
 
     def rate(self, k: int) -> float | None:
         t = self.cycle_time(k)
         return None if not t else self.expected_tokens(k) / t
+
+    def _argmax_rate(self) -> int:
+        """argmax_K rate(K) in one pass (this runs every cycle, so no per-K recomputation)."""
+        best_k, best_r = self.k, None
+        if self.step0:
+            best_k, best_r = 0, 1.0 / self.step0
+        if self.draft_s is None or self.v0 is None:
+            return best_k
+        unseen = min(self.stall.values()) if self.stall else 0.0
+        tokens, run = 1.0, 1.0
+        for k in range(1, self.k_max + 1):
+            run *= self.acc[k]
+            tokens += run
+            t = self.cycle_time(k, unseen)
+            if t > 0 and (best_r is None or tokens / t > best_r):
+                best_k, best_r = k, tokens / t
+        return best_k
+
+    def _neighbour(self) -> int:
+        """A probe next to the best K (alternately above and below): cheap, and enough for the
+        rate model, which already extrapolates to every K from acceptance and the verify fit."""
+        best = self.k if self._best is None else self._best
+        around = [k for k in (best + 1, best - 1) if 0 <= k <= self.k_max]
+        self._probe += 1
+        return around[self._probe % len(around)] if around else best
 
     def next_k(self, remaining: int) -> int:
         """K for the next cycle; `remaining` tokens are still wanted (no point drafting past them)."""
@@ -100,14 +127,11 @@ class Governor:
         if self.step0 is None and self.cycles >= 2:
             k = 0  # measure plain decoding once early: it is the floor we must beat
         elif self.cycles >= self._next_probe:
-            self._probe = (self._probe + 1) % (self.k_max + 1)
-            k = self._probe
+            k = self._neighbour()
             self._next_probe = self.cycles + self._interval
             self._interval = min(self._interval * 2, self.probe_max)  # probes that keep losing back off
         else:
-            rates = {k: self.rate(k) for k in range(self.k_max + 1)}
-            known = {k: r for k, r in rates.items() if r is not None}
-            k = max(known, key=known.get) if known else self.k
+            k = self._argmax_rate()
             if k != self._best:  # the landscape moved: look around again soon
                 self._best, self._interval = k, self.probe_every
                 self._next_probe = min(self._next_probe, self.cycles + self.probe_every)
