@@ -37,6 +37,7 @@ class SpeculativeDecoder:
         self.governor = governor or Governor(k_max)
         self.fallback = fallback                # prefetcher candidate for K = 0 steps (next-layer)
         self.plain = _PlainArms()               # K = 0: with or without it, whichever measures faster
+        self.plan_backlog = 1                   # plan again when at most this many copies are queued
         self.reset_stats()
 
     @property
@@ -110,8 +111,10 @@ class SpeculativeDecoder:
                 tok = int(torch.multinomial(q, 1, generator=gen))
                 q_rows.append(q)
             drafted.append(tok)
-            if planner is not None and ((i + 1) % chunk == 0 or i == 0):
-                planner.plan(i + 1)  # the first row at once: copies should start as early as possible
+            if planner is not None and (i == 0 or ((i + 1) % chunk == 0 and self.target.link.pending() <= self.plan_backlog)):
+                # the first row at once (copies should start as early as possible); later chunks only
+                # when the link is about to run dry: planning into a backlog costs draft time, buys nothing
+                planner.plan(i + 1)
         self.draft.row = None
         if planner is not None:
             planner.plan(k)
