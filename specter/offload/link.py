@@ -12,6 +12,7 @@ so a CPU run sees the same copy : compute ratio as the real GPU (see calibrate.p
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import collections
 import concurrent.futures
@@ -95,7 +96,7 @@ def _check(dst, src) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return dst, src
 
 
-class Link:
+class Link(abc.ABC):
     """Base: a FIFO copy engine with an urgent lane, counters and a clean shutdown."""
 
     name: str
@@ -110,8 +111,9 @@ class Link:
         self._closed = False
         self.stats = {"transfers": 0, "bytes": 0, "busy_s": 0.0}
 
+    @abc.abstractmethod
     def copy(self, dst, src, *, urgent: bool = False, tag=None) -> Transfer:
-        raise NotImplementedError
+        """Enqueue copying src[i] into dst[i]; urgent copies go ahead of queued ordinary ones."""
 
     def pending(self) -> int:
         with self._lock:
