@@ -75,11 +75,16 @@ def cmd_bench(args) -> int:
         if args.json:
             print(json.dumps(sweep))
         return 0
-    res = run_bench(args.model, policies, residency=args.residency, expert_memory=args.expert_memory, **kw)
+    residency = args.residency
+    if residency is None and args.expert_memory is None:
+        residency = 0.25  # a budget where offloading matters; everything resident would tie every policy
+    res = run_bench(args.model, policies, residency=residency, expert_memory=args.expert_memory, **kw)
     if args.json:
         print(json.dumps(res))
     else:
-        print(f"link: {res['link']}, {res['prompts']} prompts x {res['repeat']}, {res['max_new_tokens']} new tokens")
+        budget = f"expert_memory {args.expert_memory}" if args.expert_memory else f"residency {residency:g}"
+        print(f"link: {res['link']}, {budget}, {res['prompts']} prompts x {res['repeat']}, "
+              f"{res['max_new_tokens']} new tokens")
         print(format_table(res))
     return 0
 
