@@ -1,7 +1,6 @@
 """Wires a checkpoint, a device and a policy into an Engine."""
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
@@ -63,7 +62,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         if residency is None and expert_memory is None and device_memory is None and device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             device_memory = int(free * 0.9)
-        numel = _checkpoint_numel(ckpt)
+        numel = ckpt.numel()
         plan = make_plan(spec, numel, dt, residency=residency, expert_memory=expert_memory,
                          device_memory=device_memory, draft=policy in ("spec-lru", "specter"))
     model, experts, _ = load_checkpoint(path, device, dt, pin_experts=offload and device.type == "cuda")
@@ -98,14 +97,3 @@ def _decoder(policy, model, mgr, experts, device, dt, k_max):
         return SpeculativeDecoder(model, mgr, draft, device, dt, k_max=k_max, governor=Governor(k_max))
     return SpeculativeDecoder(model, mgr, draft, device, dt, k_max=k_max, planner=PrefetchPlanner(mgr, lookahead),
                               governor=Governor(k_max), fallback=NextLayerPrefetch(model, mgr))
-
-
-def _checkpoint_numel(ckpt) -> int:
-    from safetensors import safe_open
-
-    n = 0
-    for f in sorted(set(ckpt.files.values())):
-        with safe_open(str(f), framework="pt") as h:
-            for name in h.keys():
-                n += math.prod(h.get_slice(name).get_shape())
-    return n

@@ -39,7 +39,7 @@ def add_subcommands(sub, model_args, sampling_args) -> None:
 
 def cmd_plan(args) -> int:
     from . import resolve_device
-    from .builder import _checkpoint_numel, compute_dtype
+    from .builder import compute_dtype
     from .loader import open_checkpoint
     from .offload.plan import make_plan
     from . import default_model_path
@@ -47,7 +47,7 @@ def cmd_plan(args) -> int:
     ckpt = open_checkpoint(args.model or default_model_path())
     device = resolve_device(args.device)
     dtype = compute_dtype(device, ckpt.dtype)
-    plan = make_plan(ckpt.spec, _checkpoint_numel(ckpt), dtype, residency=args.residency,
+    plan = make_plan(ckpt.spec, ckpt.numel(), dtype, residency=args.residency,
                      expert_memory=args.expert_memory, device_memory=args.device_memory, context=args.context)
     if args.json:
         print(json.dumps(plan.as_dict()))

@@ -8,6 +8,7 @@ holds two copies. Only safetensors are read: no pickle, no remote code.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,14 @@ class Checkpoint:
 
     def nbytes(self) -> int:
         return sum(f.stat().st_size for f in set(self.files.values()))
+
+    def numel(self) -> int:
+        """Parameters in the checkpoint, from the safetensors headers (no tensor is read)."""
+        n = 0
+        for f in sorted(set(self.files.values())):
+            with safe_open(str(f), framework="pt") as h:
+                n += sum(math.prod(h.get_slice(name).get_shape()) for name in h.keys())
+        return n
 
 
 def read_config(path: str | os.PathLike):

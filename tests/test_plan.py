@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import specter
-from specter.builder import _checkpoint_numel
 from specter.layers import KVCache
 from specter.loader import open_checkpoint
 from specter.offload.plan import MemoryPlan, make_plan
@@ -48,7 +47,7 @@ def case(request, tiny):
     arch, kw = request.param
     path, ref = tiny(arch, **kw)
     ckpt = open_checkpoint(path)
-    return ckpt.spec, _checkpoint_numel(ckpt), by_hand(ref), path
+    return ckpt.spec, ckpt.numel(), by_hand(ref), path
 
 
 def test_geometry_matches_the_hand_numbers(case):
@@ -87,7 +86,7 @@ def test_residency_to_slots(case, fraction):
 def test_residency_table_by_hand_for_eight_experts(tiny):
     path, _ = tiny("deepseek_v2")
     ckpt = open_checkpoint(path)
-    got = {f: make_plan(ckpt.spec, _checkpoint_numel(ckpt), torch.float32, residency=f).slots_per_layer
+    got = {f: make_plan(ckpt.spec, ckpt.numel(), torch.float32, residency=f).slots_per_layer
            for f in (0.25, 0.26, 0.375, 0.5, 0.625, 0.875, 0.9, 1.0)}
     assert got == {0.25: 2, 0.26: 3, 0.375: 3, 0.5: 4, 0.625: 5, 0.875: 7, 0.9: 8, 1.0: 8}
 
@@ -112,7 +111,7 @@ def test_expert_memory_units(tiny):
     """deepseek_v2 tiny, fp32: 2 MoE layers x 24576 B = 48 KiB per slot per layer."""
     path, _ = tiny("deepseek_v2")
     ckpt = open_checkpoint(path)
-    n = _checkpoint_numel(ckpt)
+    n = ckpt.numel()
     slots = lambda b: make_plan(ckpt.spec, n, torch.float32, expert_memory=b).slots_per_layer  # noqa: E731
     assert slots("144KiB") == 3 and slots("143KiB") == 2 and slots("144 kib") == 3
     assert slots("147456") == 3 and slots(147456) == 3 and slots("147.456KB") == 3
@@ -170,20 +169,20 @@ def test_residency_outside_unit_interval_is_a_config_error(tiny, bad):
     path, _ = tiny("deepseek_v2")
     ckpt = open_checkpoint(path)
     with pytest.raises(specter.ConfigError, match="residency"):
-        make_plan(ckpt.spec, _checkpoint_numel(ckpt), torch.float32, residency=bad)
+        make_plan(ckpt.spec, ckpt.numel(), torch.float32, residency=bad)
 
 
 def test_residency_bool_is_a_config_error(tiny):
     path, _ = tiny("deepseek_v2")
     ckpt = open_checkpoint(path)
     with pytest.raises(specter.ConfigError):
-        make_plan(ckpt.spec, _checkpoint_numel(ckpt), torch.float32, residency=True)
+        make_plan(ckpt.spec, ckpt.numel(), torch.float32, residency=True)
 
 
 def test_two_budgets_at_once_is_a_config_error(tiny):
     path, _ = tiny("deepseek_v2")
     ckpt = open_checkpoint(path)
-    n = _checkpoint_numel(ckpt)
+    n = ckpt.numel()
     for kw in (dict(residency=0.5, expert_memory="1GiB"), dict(residency=0.5, device_memory="1GiB"),
                dict(expert_memory="1GiB", device_memory="1GiB"),
                dict(residency=0.5, expert_memory="1GiB", device_memory="1GiB")):
@@ -195,7 +194,7 @@ def test_two_budgets_at_once_is_a_config_error(tiny):
 def test_malformed_byte_budgets_are_config_errors(tiny, bad):
     path, _ = tiny("deepseek_v2")
     ckpt = open_checkpoint(path)
-    n = _checkpoint_numel(ckpt)
+    n = ckpt.numel()
     for name in ("expert_memory", "device_memory"):
         with pytest.raises(specter.ConfigError, match=name):
             make_plan(ckpt.spec, n, torch.float32, **{name: bad})
@@ -204,7 +203,7 @@ def test_malformed_byte_budgets_are_config_errors(tiny, bad):
 def test_table_mentions_the_numbers(tiny):
     path, _ = tiny("deepseek_v2")
     ckpt = open_checkpoint(path)
-    plan = make_plan(ckpt.spec, _checkpoint_numel(ckpt), torch.float32, residency=0.5)
+    plan = make_plan(ckpt.spec, ckpt.numel(), torch.float32, residency=0.5)
     assert isinstance(plan, MemoryPlan)
     text = plan.table()
     assert "4 of 8" in text and "50.0%" in text and "top-2" in text and "2 layers x 4 slots" in text
@@ -214,7 +213,7 @@ def test_load_uses_the_plan_and_refuses_bad_budgets(tiny):
     """specter.load turns the same budgets into the same slot counts, and refuses the same way (before loading)."""
     path, _ = tiny("deepseek_v2")
     ckpt = open_checkpoint(path)
-    n = _checkpoint_numel(ckpt)
+    n = ckpt.numel()
     engine = specter.load(path, device="cpu", policy="on-demand", expert_memory="144KiB")
     try:
         assert engine.plan.slots_per_layer == 3

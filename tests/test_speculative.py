@@ -142,6 +142,13 @@ def gen_all(engine, prompts=PROMPTS, n=NEW):
     return [engine.generate(p, max_new_tokens=n) for p in prompts]
 
 
+def k_histogram(outs) -> Counter:
+    hist = Counter()
+    for o in outs:
+        hist.update(o.stats["k_histogram"])
+    return hist
+
+
 def total(outs, key):
     return sum(o.stats[key] for o in outs)
 
@@ -160,17 +167,19 @@ def test_speculative_greedy_equals_resident(tiny, resident_tokens, fast_link, ar
             assert out.token_ids == w, f"{arch} {label}, prompt {p}: {out.token_ids} != resident {w}"
         return outs
 
-    # specter, adaptive K (the governor's choice), at several K_max
-    for k_max in k_maxes:
-        engine = load(path, "specter", residency=residency, k_max=k_max)
+    def adaptive(policy, k_max):
+        """Governor-chosen K: exact tokens, never above K_max, and some cycles did speculate."""
+        engine = load(path, policy, residency=residency, k_max=k_max)
         try:
-            outs = check(engine, f"specter residency={residency} k_max={k_max}")
+            outs = check(engine, f"{policy} residency={residency} k_max={k_max}")
         finally:
             engine.close()
-        hist = Counter()
-        for o in outs:
-            hist.update(o.stats["k_histogram"])
+        hist = k_histogram(outs)
         assert max(hist) <= k_max and sum(v for k, v in hist.items() if k > 0) > 0, hist
+        return outs
+
+    for k_max in k_maxes:
+        adaptive("specter", k_max)
     # K forced (fixed governor): the whole draft/verify/accept/rollback path at each K
     engine = load(path, "specter", residency=residency, k_max=6)
     try:
@@ -178,9 +187,7 @@ def test_speculative_greedy_equals_resident(tiny, resident_tokens, fast_link, ar
         for k in forced:
             engine.decoder.governor = Governor(6, fixed=k)
             outs = check(engine, f"specter residency={residency} fixed K={k}")
-            hist = Counter()
-            for o in outs:
-                hist.update(o.stats["k_histogram"])
+            hist = k_histogram(outs)
             assert hist[k] > 0 and max(hist) == k, (k, hist)
             rates.append(total(outs, "accepted_tokens") / total(outs, "drafted_tokens"))
             if residency < 1.0:
@@ -193,15 +200,7 @@ def test_speculative_greedy_equals_resident(tiny, resident_tokens, fast_link, ar
         engine.close()
     # spec-lru: governor-chosen K (never above K_max), on-demand fetches, no planner
     for k_max in lru_k_maxes:
-        engine = load(path, "spec-lru", residency=residency, k_max=k_max)
-        try:
-            outs = check(engine, f"spec-lru residency={residency} k_max={k_max}")
-        finally:
-            engine.close()
-        hist = Counter()
-        for o in outs:
-            hist.update(o.stats["k_histogram"])
-        assert max(hist) <= k_max and sum(n for k, n in hist.items() if k > 0) > 0, hist
+        outs = adaptive("spec-lru", k_max)
         assert total(outs, "prefetch_issued") == 0
         if residency < 1.0:
             assert total(outs, "expert_misses") > 0

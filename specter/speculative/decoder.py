@@ -67,7 +67,7 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         drafted, q_rows = self._draft(t, n, k, cache, params, gen)
         t1 = time.perf_counter()
-        stall0, hits0, miss0 = self.target._stats["stall_s"], self.target._stats["expert_hits"], self.target._stats["expert_misses"]
+        before = self.target.stats()
         use_fallback = k == 0 and self.fallback is not None and self.plain.pick()
         self.target.next_layer_router = self.fallback if use_fallback else None
         tokens = torch.tensor([t] + drafted, device=self.device)
@@ -78,11 +78,12 @@ class SpeculativeDecoder:
         else:
             m, nxt = accept_sampling(drafted, torch.stack(q_rows) if q_rows else None, probs(logits, params), gen)
         t2 = time.perf_counter()
-        stall = self.target._stats["stall_s"] - stall0
-        if k:
-            hits = self.target._stats["expert_hits"] - hits0
+        after = self.target.stats()
+        stall = after["stall_s"] - before["stall_s"]
+        if k:  # recall: share of verification's experts resident or in flight when it reached them
+            hits = after["expert_hits"] - before["expert_hits"]
             st["recall_hits"] += hits
-            st["recall_total"] += hits + self.target._stats["expert_misses"] - miss0
+            st["recall_total"] += hits + after["expert_misses"] - before["expert_misses"]
         st["draft_s"] += t1 - t0
         st["verify_s"] += t2 - t1
         st["drafted_tokens"] += k

@@ -73,13 +73,6 @@ class Governor:
         self.v0 = max(0.0, my - self.v1 * mx)
 
     # ----------------------------------------------------------------------------- decide
-    def expected_tokens(self, k: int) -> float:
-        total, run = 1.0, 1.0
-        for i in range(1, k + 1):
-            run *= self.acc[i]
-            total += run
-        return total
-
     def cycle_time(self, k: int, unseen_stall: float | None = None) -> float | None:
         """cycle(K); a K never observed borrows the smallest stall seen (`unseen_stall`)."""
         if k == 0:
@@ -89,10 +82,6 @@ class Governor:
         if unseen_stall is None:
             unseen_stall = min(self.stall.values()) if self.stall else 0.0
         return k * self.draft_s + self.stall.get(k, unseen_stall) + self.v0 + self.v1 * (k + 1)
-
-    def rate(self, k: int) -> float | None:
-        t = self.cycle_time(k)
-        return None if not t else self.expected_tokens(k) / t
 
     def _argmax_rate(self) -> int:
         """argmax_K rate(K) in one pass (this runs every cycle, so no per-K recomputation)."""

@@ -37,7 +37,6 @@ class PrefetchPlanner:
         self.demand: list[Counter] = []
         self.read_upto = 0
         self.new_per_token = 1.0   # EMA: experts one drafted token newly needs (not resident)
-        self.issued_this_cycle = 0
 
     def _admit(self, layer: int, ranked: list[int]) -> list[int]:
         """Predicted experts worth a copy: into a free slot, or displacing a resident whose score
@@ -73,7 +72,6 @@ class PrefetchPlanner:
                 row[e] *= self.decay
         self.demand = [Counter() for _ in range(self.lookahead.n_layers)]
         self.read_upto = 0
-        self.issued_this_cycle = 0
 
     def copy_time(self) -> float:
         """Seconds one expert copy takes, from the link's measured busy time when it has any."""
@@ -106,5 +104,4 @@ class PrefetchPlanner:
             ranked = [e for e, _ in counts.most_common(slots)]  # at most `slots` experts per layer
             issued += self.mgr.prefetch(layer, self._admit(layer, ranked), protect=set(ranked))
         self.new_per_token = 0.8 * self.new_per_token + 0.2 * (issued / n_rows)
-        self.issued_this_cycle += issued
         return issued
