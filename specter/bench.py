@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from .errors import ConfigError
+from .speculative.decoder import acceptance_stats
 
 DEFAULT_PROMPTS = [
     "def fibonacci(n):",
@@ -38,7 +39,8 @@ def read_prompts(path: str | None) -> list:
 
 
 SUM_KEYS = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "prefetch_issued", "prefetch_used",
-            "cycles", "draft_s", "verify_s", "accepted_tokens", "drafted_tokens", "recall_hits", "recall_total")
+            "cycles", "draft_s", "verify_s", "accepted_tokens", "drafted_tokens", "rejections", "recall_hits", "recall_total",
+            "cover_hits", "cover_total")
 
 
 def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int = 64, repeat: int = 1,
@@ -90,10 +92,12 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
             if hm:
                 r["hit_rate"] = r.get("expert_hits", 0) / hm
             if r.get("drafted_tokens"):
-                r["acceptance_rate"] = r["accepted_tokens"] / r["drafted_tokens"]
-                r["accepted_per_cycle"] = r["accepted_tokens"] / max(r["cycles"], 1)
+                spec_cycles = sum(n for k, n in r["k_histogram"].items() if k > 0)
+                r.update(acceptance_stats(r["accepted_tokens"], r["drafted_tokens"], r["rejections"], spec_cycles))
             if r.get("recall_total"):
                 r["prefetch_recall"] = r["recall_hits"] / r["recall_total"]
+            if r.get("cover_total"):
+                r["route_coverage"] = r["cover_hits"] / r["cover_total"]
             plan = getattr(engines[p], "plan", None)
             if plan is not None:
                 r["slots_per_layer"], r["residency"] = plan.slots_per_layer, plan.residency
@@ -120,14 +124,22 @@ def format_table(res: dict) -> str:
     pols = res["policies"]
     first = next(iter(pols))
     head = f"{'policy':<11} {'TPOT ms':>8} {'speedup':>8} {'TTFT ms':>8} {'hit rate':>8} {'misses':>7} " \
-           f"{'H2D MB':>8} {'stall s':>8} {'accept':>7} {'tok/cyc':>7} {'recall':>7} {'lossless':>8}"
+           f"{'H2D MB':>8} {'stall s':>8} {'accept':>7} {'effic':>6} {'tok/cyc':>7} {'recall':>7} {'cover':>7} {'lossless':>8}"
     lines = [head, "-" * len(head)]
     for p, r in pols.items():
         f = lambda k, fmt: (fmt.format(r[k]) if k in r else "-")  # noqa: E731
         lines.append(
             f"{p:<11} {r['tpot_s'] * 1e3:>8.2f} {r['speedup_vs_' + first]:>7.2f}x {r['ttft_s'] * 1e3:>8.1f} "
             f"{f('hit_rate', '{:.1%}'):>8} {f('expert_misses', '{}'):>7} "
-            f"{(r.get('h2d_bytes', 0) / 1e6):>8.1f} {f('stall_s', '{:.3f}'):>8} {f('acceptance_rate', '{:.2f}'):>7} "
+            f"{(r.get('h2d_bytes', 0) / 1e6):>8.1f} {f('stall_s', '{:.3f}'):>8} "
+            f"{f('acceptance_rate', '{:.2f}'):>7} {f('draft_efficiency', '{:.2f}'):>6} "
             f"{f('accepted_per_cycle', '{:.2f}'):>7} {f('prefetch_recall', '{:.1%}'):>7} "
-            f"{str(r['lossless_vs_' + first]):>8}")
-    return "\n".join(lines)
+            f"{f('route_coverage', '{:.1%}'):>7} {str(r['lossless_vs_' + first]):>8}")
+    return "\n".join(lines + ["", LEGEND])
+
+
+LEGEND = """\
+speedup: TPOT of the first policy / this one's. hit rate: expert uses found resident. stall: seconds waited on copies.
+accept: P(draft token accepted | the ones before it were). effic: accepted / drafted (falls as K grows).
+tok/cyc: drafted tokens accepted per speculative cycle. recall: expert uses resident or in flight when
+verification reached them (bounded by the slots). cover: expert uses the draft's routers predicted."""

@@ -47,7 +47,7 @@ def configure_threads(device: torch.device, threads: int | None) -> None:
 
 def build_engine(path: Path, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                  link=None, dtype=None, threads: int | None = None, eviction: str = "lru",
-                 device_memory=None, k_max: int = 16, **options) -> Engine:
+                 device_memory=None, k_max: int = 32, **options) -> Engine:
     if options:
         raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}")
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:

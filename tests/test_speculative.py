@@ -730,3 +730,39 @@ def test_k_max_zero_is_plain_decoding(tiny, fast_link, resident_tokens):
         engine.close()
     assert out.token_ids == resident_tokens("qwen3_moe")[0]
     assert out.stats["drafted_tokens"] == 0 and set(out.stats["k_histogram"]) == {0}
+
+
+def test_acceptance_stats_alpha_and_efficiency():
+    """Two cycles of K = 4: all four accepted, then one accepted and the second rejected (two never tried)."""
+    from specter.speculative.decoder import acceptance_stats
+    s = acceptance_stats(accepted=5, drafted=8, rejections=1, spec_cycles=2)
+    assert s == dict(acceptance_rate=5 / 6, draft_efficiency=5 / 8, accepted_per_cycle=2.5)
+    assert acceptance_stats(0, 0, 0, 0) == dict(acceptance_rate=0.0, draft_efficiency=0.0, accepted_per_cycle=0.0)
+
+
+def test_governor_reaches_long_k_quickly_with_a_good_draft():
+    """Positions never drafted borrow the pooled acceptance: with a draft that is always right and a
+    verify cost that grows slowly, the governor must reach K_max within a few cycles, not climb one
+    probe at a time (a short generation would end before it got there)."""
+    gov = Governor(32)
+    d = drive(gov, 12, accepted_of=lambda k, r: k, draft_step=1e-3, verify=lambda k: 20e-3 + 0.2e-3 * (k + 1),
+              stall_of=lambda k: 0.0)
+    assert max(k for k, _ in d[:6]) == 32, d
+
+
+def test_route_coverage_of_an_exact_draft(tiny, fast_link):
+    """A draft whose experts are the target's own full-precision weights routes exactly like the
+    target: every expert verification uses for t, d1 .. d_{K-1} was predicted; only d_K (never drafted)
+    can surprise. So coverage >= K / (K + 1) with a fixed K, and every drafted token is accepted."""
+    path, _ = tiny("qwen3_moe", eos_token_id=None)
+    engine = load(path, "specter", residency=0.5, k_max=4)
+    try:
+        dec = engine.decoder
+        dec.governor = Governor(4, fixed=4)
+        dec.draft.layers = [ExpertWeights(w.w13.clone(), w.w2.clone()) for w in dec.target.store]
+        out = engine.generate([1, 5, 9, 33, 2], max_new_tokens=41)
+    finally:
+        engine.close()
+    s = out.stats
+    assert s["acceptance_rate"] == 1.0 and s["draft_efficiency"] == 1.0, s
+    assert s["route_coverage"] >= 4 / 5 and s["route_coverage"] <= 1.0, s

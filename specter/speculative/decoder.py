@@ -73,6 +73,8 @@ class SpeculativeDecoder:
         tokens = torch.tensor([t] + drafted, device=self.device)
         logits = self.model(tokens, n, cache, self.target)   # [K+1, V]
         self.target.next_layer_router = None
+        if self.planner is not None:
+            self.planner.end_cycle()
         if params.greedy:
             m, nxt = accept_greedy(drafted, logits)
         else:
@@ -88,6 +90,7 @@ class SpeculativeDecoder:
         st["verify_s"] += t2 - t1
         st["drafted_tokens"] += k
         st["accepted_tokens"] += m
+        st["rejections"] += k > 0 and m < k
         self.governor.observe_cycle(k, m, t1 - t0, t2 - t1, stall)
         if k == 0 and self.fallback is not None:
             self.plain.observe(use_fallback, t2 - t1)
@@ -124,20 +127,36 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------------------ stats
     def reset_stats(self) -> None:
         self.target.reset_stats()
-        self._stats = dict(cycles=0, drafted_tokens=0, accepted_tokens=0, draft_s=0.0, verify_s=0.0,
+        if self.planner is not None:
+            self.planner.reset_stats()
+        self._stats = dict(cycles=0, drafted_tokens=0, accepted_tokens=0, rejections=0, draft_s=0.0, verify_s=0.0,
                            recall_hits=0, recall_total=0, k_histogram=Counter())
 
     def stats(self) -> dict:
         s = {**self.target.stats(), **self._stats}
+        if self.planner is not None:
+            s["cover_hits"], s["cover_total"] = self.planner.cover_hits, self.planner.cover_total
+            s["route_coverage"] = s["cover_hits"] / s["cover_total"] if s["cover_total"] else 0.0
         s["k_histogram"] = {int(k): v for k, v in sorted(s["k_histogram"].items())}
         spec_cycles = sum(v for k, v in s["k_histogram"].items() if k > 0)
-        s["acceptance_rate"] = s["accepted_tokens"] / s["drafted_tokens"] if s["drafted_tokens"] else 0.0
-        s["accepted_per_cycle"] = s["accepted_tokens"] / spec_cycles if spec_cycles else 0.0
+        s.update(acceptance_stats(s["accepted_tokens"], s["drafted_tokens"], s["rejections"], spec_cycles))
         s["prefetch_recall"] = s["recall_hits"] / s["recall_total"] if s["recall_total"] else 0.0
         return s
 
     def close(self) -> None:
         self.target.close()
+
+
+def acceptance_stats(accepted: int, drafted: int, rejections: int, spec_cycles: int) -> dict:
+    """acceptance_rate is alpha, the probability that a drafted token is accepted given that the
+    ones before it were: accepted / (accepted + rejected), where a cycle rejects at most one token
+    and drafts after it are never tried. It measures the draft and does not depend on K.
+    draft_efficiency = accepted / drafted also counts the drafts past a rejection, so it falls as
+    the governor picks a longer K (which it does when copies, not drafting, bound the cycle)."""
+    tried = accepted + rejections
+    return dict(acceptance_rate=accepted / tried if tried else 0.0,
+                draft_efficiency=accepted / drafted if drafted else 0.0,
+                accepted_per_cycle=accepted / spec_cycles if spec_cycles else 0.0)
 
 
 class _PlainArms:

@@ -5,7 +5,9 @@ Model (the amortisation roofline). A cycle with K drafted tokens commits
     E[tokens | K] = 1 + sum_{j=1..K} prod_{i=1..j} a_i
 
 where a_i is the moving-average probability that drafted position i is accepted given that
-position i-1 was. Its time is
+position i-1 was. A position never yet reached (K grows past anything tried) borrows the pooled
+acceptance of all positions seen: a fixed pessimistic prior there would make the governor climb
+one probe at a time towards a good long K, and a short generation never gets there. Its time is
 
     cycle(K) = max(K * d, c_first(K)) + c_rest(K) + v(K)
              = K * d + s(K) + v(K)
@@ -30,6 +32,8 @@ class Governor:
     def __init__(self, k_max: int, k_init: int = 4, alpha: float = 0.25, probe_every: int = 8, fixed: int | None = None):
         self.k_max, self.alpha, self.probe_every, self.fixed = k_max, alpha, probe_every, fixed
         self.acc = [0.8] * (k_max + 1)       # acc[i]: P(accept position i | accepted i-1), i >= 1
+        self.seen = [False] * (k_max + 1)    # acc[i] has been observed at least once
+        self.pool = 0.8                      # acceptance over all observed positions: the prior for unseen ones
         self.draft_s: float | None = None    # d
         self.stall: dict[int, float] = {}    # s(K)
         self.v0, self.v1 = None, None        # verify compute fit
@@ -53,7 +57,10 @@ class Governor:
             return
         for i in range(1, min(accepted + 1, k) + 1):  # positions 1..accepted were accepted, accepted+1 rejected
             hit = 1.0 if i <= accepted else 0.0
-            self.acc[i] = (1 - self.alpha) * self.acc[i] + self.alpha * hit
+            prior = self.acc[i] if self.seen[i] else self.pool
+            self.acc[i] = (1 - self.alpha) * prior + self.alpha * hit
+            self.seen[i] = True
+            self.pool = (1 - self.alpha / 4) * self.pool + self.alpha / 4 * hit
         self.draft_s = self._ema(self.draft_s, draft_s / k)
         self.stall[k] = self._ema(self.stall.get(k), stall_s)
         self._v[k] = self._ema(self._v.get(k), verify_s - stall_s)
@@ -93,7 +100,7 @@ class Governor:
         unseen = min(self.stall.values()) if self.stall else 0.0
         tokens, run = 1.0, 1.0
         for k in range(1, self.k_max + 1):
-            run *= self.acc[k]
+            run *= self.acc[k] if self.seen[k] else self.pool
             tokens += run
             t = self.cycle_time(k, unseen)
             if t > 0 and (best_r is None or tokens / t > best_r):

@@ -37,6 +37,7 @@ class PrefetchPlanner:
         self.demand: list[Counter] = []
         self.read_upto = 0
         self.new_per_token = 1.0   # EMA: experts one drafted token newly needs (not resident)
+        self.cover_hits = self.cover_total = 0  # route coverage: verified uses the lookahead predicted
 
     def _admit(self, layer: int, ranked: list[int]) -> list[int]:
         """Predicted experts worth a copy: into a free slot, or displacing a resident whose score
@@ -61,10 +62,23 @@ class PrefetchPlanner:
         return out
 
     def observe_use(self, layer: int, experts) -> None:
-        """Verification used these: actual demand counts like predicted demand."""
+        """Verification used these: actual demand counts like predicted demand. While a drafted
+        cycle is being verified, also count how many of them the draft's routers predicted (route
+        coverage: the draft's accuracy as a predictor, whatever the slot budget let us prefetch)."""
         row = self.score[layer]
         for e in experts:
             row[e] += self.use_weight
+        if self.read_upto:
+            predicted = self.demand[layer]
+            self.cover_hits += sum(1 for e in experts if e in predicted)
+            self.cover_total += len(experts)
+
+    def end_cycle(self) -> None:
+        """Verification is over: uses from now on (plain steps, prefill) are not predictions' to cover."""
+        self.read_upto = 0
+
+    def reset_stats(self) -> None:
+        self.cover_hits = self.cover_total = 0
 
     def begin_cycle(self) -> None:
         for row in self.score:
