@@ -49,6 +49,7 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = "s
     residency: fraction of each layer's routed experts kept on the device (0 < F <= 1), or
     expert_memory: a byte budget for the device slot pool ("6GiB"). Neither: all resident.
     link: CPU only, the link profile that the emulated PCIe link is calibrated from.
+    k_max: the longest draft the governor may choose (default 32; 0 = plain decoding only).
     """
     from .builder import build_engine
 

@@ -16,6 +16,8 @@ def _model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
     p.add_argument("--residency", type=float, default=None, help="fraction of each layer's experts kept on the device")
     p.add_argument("--expert-memory", default=None, help="device bytes for the expert slot pool, e.g. 6GiB")
     p.add_argument("--link", default=None, help="CPU only: link profile of the emulated PCIe link (see `specter profile`)")
+    p.add_argument("--k-max", type=int, default=None,
+                   help="longest draft the governor may choose (default 32; 0 = never speculate)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -47,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _load(args, policy: str | None = None):
     import specter
 
+    extra = {} if args.k_max is None else {"k_max": args.k_max}
     return specter.load(args.model, device=args.device, policy=policy or args.policy, residency=args.residency,
-                        expert_memory=args.expert_memory, link=args.link)
+                        expert_memory=args.expert_memory, link=args.link, **extra)
 
 
 def cmd_generate(args) -> int:

@@ -68,6 +68,8 @@ def cmd_bench(args) -> int:
     prompts = read_prompts(args.prompts)
     kw = dict(prompts=prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat, device=args.device,
               link=args.link)
+    if args.k_max is not None:
+        kw["k_max"] = args.k_max
     if args.plot:
         from .plot import residency_sweep
 

@@ -24,9 +24,9 @@ from .sampling import SamplingParams, sample
 
 # every generation reports every key (zeros where a policy has nothing to say), one schema for all
 STATS_DEFAULTS = dict(ttft_s=0.0, tpot_s=0.0, new_tokens=0, cycles=0, accepted_per_cycle=0.0, acceptance_rate=0.0,
-                      draft_efficiency=0.0, k_histogram={}, expert_hits=0, expert_misses=0, prefetch_issued=0, prefetch_used=0,
-                      prefetch_recall=0.0, route_coverage=0.0, h2d_bytes=0, stall_s=0.0, draft_s=0.0, verify_s=0.0,
-                      drafted_tokens=0, accepted_tokens=0, rejections=0)
+                      draft_efficiency=0.0, k_histogram={}, expert_hits=0, expert_misses=0, prefetch_issued=0,
+                      prefetch_used=0, prefetch_recall=0.0, route_coverage=0.0, h2d_bytes=0, stall_s=0.0,
+                      decode_stall_s=0.0, draft_s=0.0, verify_s=0.0, drafted_tokens=0, accepted_tokens=0, rejections=0)
 
 POLICIES = ("resident", "on-demand", "next-layer", "spec-lru", "specter")
 BENCH_POLICIES = POLICIES + ("oracle",)  # oracle needs the whole run in advance: benchmarks only
@@ -137,6 +137,7 @@ class Engine:
         for chunk in self.decoder.run(ids, params, max_new_tokens):
             if t_first is None:
                 t_first = time.perf_counter()
+                prefill_stall = self.decoder.stats().get("stall_s", 0.0)
             done = False
             for t in chunk:
                 new.append(t)
@@ -154,10 +155,12 @@ class Engine:
             if done:
                 break
         t_end = time.perf_counter()
-        t_first = t_first or t_end
+        if t_first is None:
+            t_first, prefill_stall = t_end, 0.0
         stats.update(STATS_DEFAULTS)
         stats.update(self.decoder.stats())
         stats.update(
+            decode_stall_s=stats["stall_s"] - prefill_stall,  # copies waited on after the first token
             ttft_s=t_first - t0,
             tpot_s=(t_end - t_first) / max(len(new) - 1, 1),
             new_tokens=len(new),

@@ -77,3 +77,13 @@ def test_cli_generate_streams_text(capsys):
     assert main(["generate", PROMPT, "--device", "cpu", "--max-new-tokens", "8"]) == 0
     captured = capsys.readouterr()
     assert captured.out.strip() and "TPOT" in captured.err
+
+
+def test_cli_k_max(capsys):
+    """--k-max 0 never speculates (every cycle is a plain step); a negative one is a one-line error."""
+    argv = ["generate", PROMPT, "--device", "cpu", "--residency", "0.25", "--max-new-tokens", "8", "--json"]
+    assert main(argv + ["--k-max", "0"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert set(stats["k_histogram"]) == {"0"} and stats["drafted_tokens"] == 0
+    assert main(argv + ["--k-max", "-1"]) == 2
+    assert "k_max must be an integer >= 0" in capsys.readouterr().err

@@ -99,6 +99,7 @@ def test_bench_json_three_policies(capsys, model, tmp_path):
     res = json.loads(out)
     assert out.count("\n") == 1
     assert res["max_new_tokens"] == 8 and res["prompts"] == len(PROMPTS) and res["repeat"] == 1
+    assert res["speedup_baseline"] == "on-demand"
     pols = res["policies"]
     assert list(pols) == ["resident", "on-demand", "next-layer"]
     for name, r in pols.items():
@@ -107,12 +108,13 @@ def test_bench_json_three_policies(capsys, model, tmp_path):
         assert r["lossless_vs_resident"] is True, name
         assert 0 < r["new_tokens"] <= 8 * len(PROMPTS)
         assert r["new_tokens"] == pols["resident"]["new_tokens"]
-        assert r["speedup_vs_resident"] > 0
+        assert r["speedup_vs_on-demand"] > 0  # speed-ups are over plain offloading
     for name in ("on-demand", "next-layer"):
         r = pols[name]
         assert r["slots_per_layer"] == 4 and r["residency"] == 0.5
         assert r["expert_hits"] + r["expert_misses"] > 0 and 0 <= r["hit_rate"] <= 1
         assert r["expert_misses"] > 0 and r["h2d_bytes"] > 0
+        assert 0 < r["decode_stall_s"] <= r["stall_s"] and r["decode_stall_s"] < r["decode_s"]
     assert pols["next-layer"]["prefetch_issued"] > 0
     assert "slots_per_layer" not in pols["resident"]
 
@@ -140,3 +142,14 @@ def test_bench_bad_arguments_exit_2(capsys, model, tmp_path):
     assert_one_line_error(*run_cli(capsys, *common, "--policies", "resident", "--max-new-tokens", "0"), "max-new-tokens")
     assert_one_line_error(*run_cli(capsys, *common, "--policies", "on-demand", "--residency", "0.1"), "top-2")
     assert_one_line_error(*run_cli(capsys, *common, "--policies", "bogus"), "bogus")
+
+
+def test_time_split_and_table_sections():
+    from specter.bench import format_table, time_split
+
+    r = dict(tpot_s=0.01, ttft_s=0.1, decode_s=2.0, draft_s=0.5, decode_stall_s=1.0, speedup_vs_a=1.0,
+             lossless_vs_a=True)
+    assert time_split(r) == "draft 25% | copy stall 50% | compute 25%"
+    assert time_split(dict(r, draft_s=0.0)) == "copy stall 50% | compute 50%"
+    table = format_table({"policies": {"a": r}})
+    assert "where decode time goes" in table and "a           draft 25%" in table
