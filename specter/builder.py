@@ -47,11 +47,14 @@ def configure_threads(device: torch.device, threads: int | None) -> None:
 
 def build_engine(path: Path, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                  link=None, dtype=None, threads: int | None = None, eviction: str = "lru",
-                 device_memory=None, k_max: int = 32, **options) -> Engine:
+                 device_memory=None, k_max: int = 32, compile: bool = False, **options) -> Engine:
     if options:
         raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}")
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
         raise ConfigError(f"k_max must be an integer >= 0 (0 = no speculation), got {k_max!r}")
+    if compile and device.type != "cpu":
+        raise ConfigError("compile=True compiles the CPU draft step (its experts are kept unpacked there); "
+                          "a compiled step over packed INT4 on CUDA is not built yet: run without compile")
     ckpt = open_checkpoint(path)
     dt = compute_dtype(device, ckpt.dtype, dtype)
     configure_threads(device, threads)
@@ -75,9 +78,19 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         mgr = OffloadedExperts(experts, plan.slots_per_layer, device, lk, eviction=eviction)
         mgr.warm()
         decoder = _decoder(policy, model, mgr, experts, device, dt, k_max)
+        if compile and hasattr(decoder, "draft"):
+            decoder.draft_step = _compiled_draft_step(model, decoder.draft)
     engine = Engine(model, experts, tokenizer, path=path, device=device, dtype=dt, policy=policy, decoder=decoder)
     engine.plan = plan
     return engine
+
+
+def _compiled_draft_step(model, draft):
+    from specter.compiled.draft_step import CompiledDraftStep
+
+    step = CompiledDraftStep(model, draft.layers, draft.lookahead)
+    step.warmup()
+    return step
 
 
 def _decoder(policy, model, mgr, experts, device, dt, k_max):

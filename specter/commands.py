@@ -70,6 +70,8 @@ def cmd_bench(args) -> int:
               link=args.link)
     if args.k_max is not None:
         kw["k_max"] = args.k_max
+    if args.compile:
+        kw["compile"] = True
     if args.plot:
         from .plot import residency_sweep
 

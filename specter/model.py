@@ -62,6 +62,11 @@ class MoETransformer(nn.Module):
         T = tokens.shape[0]
         if start + T > cache.max_len:
             raise IndexError(f"positions up to {start + T} exceed the KV cache ({cache.max_len})")
+        return self.run(tokens, start, cache, experts, logits_for)
+
+    def run(self, tokens, start: int, cache: KVCache, experts: ExpertProvider, logits_for: str = "all"):
+        """`forward` without its checks and its inference mode: the body torch.compile traces."""
+        T = tokens.shape[0]
         x = self.model.embed_tokens(tokens)  # [T, H]
         pos = torch.arange(start, start + T, device=tokens.device)
         cos, sin = self.rope.cos_sin(pos, x.dtype)

@@ -38,6 +38,7 @@ class SpeculativeDecoder:
         self.fallback = fallback                # prefetcher candidate for K = 0 steps (next-layer)
         self.plain = _PlainArms()               # K = 0: with or without it, whichever measures faster
         self.plan_backlog = 1                   # plan again when at most this many copies are queued
+        self.draft_step = None                  # a compiled one-token draft step (specter.compiled), if any
         self.reset_stats()
 
     @property
@@ -106,8 +107,12 @@ class SpeculativeDecoder:
         chunk = planner.chunk_size(self.governor.draft_s or 0.0, k) if planner else k
         tok = t
         for i in range(k):
-            self.draft.row = i
-            logits = self.model(torch.tensor([tok], device=self.device), n + i, cache, self.draft)  # [1, V]
+            token = torch.tensor([tok], device=self.device)
+            if self.draft_step is not None:
+                logits = self.draft_step(token, n + i, i, cache)  # [1, V]
+            else:
+                self.draft.row = i
+                logits = self.model(token, n + i, cache, self.draft)  # [1, V]
             if params.greedy:
                 tok = int(logits.argmax(-1))
             else:

@@ -1,0 +1,80 @@
+"""specter.compiled: the draft's one-token step under torch.compile (CPU, Inductor).
+
+1. The compiled step computes what the eager draft computes (logits to float tolerance, the same
+   lookahead rows), at several positions and rows, through one graph.
+2. An engine built with compile=True gives exactly the resident tokens (verification decides), and
+   generations with new KV caches of other lengths do not recompile.
+3. compile=True off the CPU is a clear error before anything loads.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo.utils as dynamo_utils
+
+import specter
+from specter import builder
+from specter.errors import ConfigError
+from specter.layers import KVCache
+
+PROMPT = [1, 5, 9, 33, 2, 17, 4]
+
+
+@pytest.fixture(scope="module")
+def compiled_engine(tmp_path_factory):
+    from specter.testing import make_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("compiled")
+    make_tiny_checkpoint(path, "qwen3_moe", eos_token_id=None)
+    engine = specter.load(path, device="cpu", policy="specter", residency=0.5, compile=True)
+    yield path, engine
+    engine.close()
+
+
+def unique_graphs() -> int:
+    return dynamo_utils.counters["stats"]["unique_graphs"]
+
+
+def test_compiled_step_matches_eager_draft(compiled_engine):
+    _, engine = compiled_engine
+    dec = engine.decoder
+    model, step, la = dec.model, dec.draft_step, dec.draft.lookahead
+    graphs = unique_graphs()
+    caches = [KVCache(model.spec, 48, dec.device, dec.dtype) for _ in range(2)]
+    for c in caches:  # the same committed prefix in both
+        model(torch.tensor(PROMPT), 0, c, dec.target)
+    for i, tok in enumerate([3, 60, 7, 21, 99]):
+        pos = len(PROMPT) + i
+        dec.draft.row = i
+        want = model(torch.tensor([tok]), pos, caches[0], dec.draft)           # eager, records row i
+        want_ids = la.ids[i].clone()
+        la.ids[i] = -1
+        got = step(torch.tensor([tok]), pos, i, caches[1])                      # compiled, records row i
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(la.ids[i], want_ids), (i, la.ids[i], want_ids)
+        torch.testing.assert_close(caches[1].k[0][:, pos], caches[0].k[0][:, pos], rtol=1e-5, atol=1e-5)
+    dec.draft.row = None
+    assert unique_graphs() == graphs, "every row and position must replay the warm-up's graph"
+
+
+def test_compiled_engine_is_lossless_and_does_not_recompile(compiled_engine):
+    path, engine = compiled_engine
+    ref = specter.load(path, device="cpu", policy="resident")
+    calls = []
+    step = engine.decoder.draft_step
+    engine.decoder.draft_step = lambda *a: calls.append(a[1]) or step(*a)
+    graphs = unique_graphs()
+    try:
+        for n in (40, 25):  # two generations, two KV cache lengths
+            out = engine.generate(PROMPT, max_new_tokens=n)
+            assert out.token_ids == ref.generate(PROMPT, max_new_tokens=n).token_ids, n
+    finally:
+        engine.decoder.draft_step = step
+        ref.close()
+    assert calls, "the compiled step was never used"
+    assert unique_graphs() == graphs
+
+
+def test_compile_off_the_cpu_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="compile=True"):
+        builder.build_engine(tmp_path, torch.device("cuda"), policy="specter", compile=True)
