@@ -680,6 +680,18 @@ def test_planner_never_evicts_what_this_cycle_predicted(planner_setup):
     link.synchronize()
 
 
+def test_planner_keeps_a_predicted_resident_outside_the_top_slots(planner_setup):
+    """Layer 0 predicts 7 (3x), 5 and 6 (2x) and resident 0 (once): more experts than its 3 slots. Evicting
+    0 for 6 would only swap two copies (verification needs both), so 0 stays and 6 waits for verification."""
+    store, mgr, la, planner, link = planner_setup
+    planner.begin_cycle()
+    fill(la, [[(5, 6), (5, 6), (5, 6)], [(7, 5), (5, 6), (5, 6)], [(6, 7), (5, 6), (5, 6)], [(7, 0), (5, 6), (5, 6)]])
+    planner.plan(4)
+    assert [t for t in link.tags if t[0] == 0] == [(0, 7), (0, 5)], link.tags  # into 1's and 2's slots
+    assert residents(mgr, 0) == {7, 5, 0}
+    link.synchronize()
+
+
 def test_planner_prefetch_is_what_verification_hits(planner_setup):
     """After planning and the copies landing, running each layer on the predicted routing is all hits,
     and the outputs equal the resident experts' (the bytes landed in the right slots)."""

@@ -39,14 +39,15 @@ class PrefetchPlanner:
         self.new_per_token = 1.0   # EMA: experts one drafted token newly needs (not resident)
         self.cover_hits = self.cover_total = 0  # route coverage: verified uses the lookahead predicted
 
-    def _admit(self, layer: int, ranked: list[int]) -> list[int]:
-        """Predicted experts worth a copy: into a free slot, or displacing a resident whose score
-        (decayed predicted + actual demand) is lower than theirs. A prefetch that evicts something
-        more likely to be needed costs two copies instead of saving one."""
+    def _admit(self, layer: int, ranked: list[int], predicted: set[int]) -> list[int]:
+        """Predicted experts worth a copy: into a free slot, or displacing a resident that this
+        cycle does not predict and whose score (decayed predicted + actual demand) is lower than
+        theirs. A prefetch that evicts something more likely to be needed costs two copies instead
+        of saving one; one that evicts an expert this cycle predicts only swaps two copies."""
         if not self.admission:
             return ranked
         score, slots = self.score[layer], self.mgr.slots
-        keep = set(ranked)
+        keep = predicted
         victims = sorted(score[e] for e in slots.residents(layer) if e not in keep)
         free, out = slots.free_slots(layer), []
         for e in ranked:
@@ -116,6 +117,7 @@ class PrefetchPlanner:
         slots = self.mgr.slots.n_slots
         for layer, counts in enumerate(self.demand):  # earliest layer first
             ranked = [e for e, _ in counts.most_common(slots)]  # at most `slots` experts per layer
-            issued += self.mgr.prefetch(layer, self._admit(layer, ranked), protect=set(ranked))
+            predicted = set(counts)  # never evicted for a prefetch: verification needs each of them
+            issued += self.mgr.prefetch(layer, self._admit(layer, ranked, predicted), protect=predicted)
         self.new_per_token = 0.8 * self.new_per_token + 0.2 * (issued / n_rows)
         return issued
