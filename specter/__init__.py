@@ -50,7 +50,7 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = "s
     expert_memory: a byte budget for the device slot pool ("6GiB"). Neither: all resident.
     link: CPU only, the link profile that the emulated PCIe link is calibrated from.
     k_max: the longest draft the governor may choose (default 32; 0 = plain decoding only).
-    compile: CPU only, compile the draft's one-token step (specter.compiled; ~30 s at load).
+    compile: CPU only, compile the draft's one-token step (specter.compiled; 10-30 s at load).
     """
     from .builder import build_engine
 

@@ -38,9 +38,9 @@ def read_prompts(path: str | None) -> list:
     return prompts
 
 
-SUM_KEYS = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "decode_stall_s", "prefetch_issued", "prefetch_used",
-            "cycles", "draft_s", "verify_s", "accepted_tokens", "drafted_tokens", "rejections", "recall_hits", "recall_total",
-            "cover_hits", "cover_total")
+SUM_KEYS = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "decode_stall_s", "prefetch_issued",
+            "prefetch_used", "cycles", "draft_s", "verify_s", "accepted_tokens", "drafted_tokens", "rejections",
+            "recall_hits", "recall_total", "cover_hits", "cover_total")
 
 
 def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int = 64, repeat: int = 1,
@@ -132,7 +132,8 @@ def format_table(res: dict) -> str:
     pols = res["policies"]
     first, base = next(iter(pols)), speedup_baseline(list(pols))
     head = f"{'policy':<11} {'TPOT ms':>8} {'speedup':>8} {'TTFT ms':>8} {'hit rate':>8} {'misses':>7} " \
-           f"{'H2D MB':>8} {'stall s':>8} {'accept':>7} {'effic':>6} {'tok/cyc':>7} {'recall':>7} {'cover':>7} {'lossless':>8}"
+           f"{'H2D MB':>8} {'stall s':>8} {'accept':>7} {'effic':>6} {'tok/cyc':>7} {'recall':>7} {'cover':>7} " \
+           f"{'lossless':>8}"
     lines = [head, "-" * len(head)]
     for p, r in pols.items():
         f = lambda k, fmt: (fmt.format(r[k]) if k in r else "-")  # noqa: E731

@@ -19,7 +19,8 @@ def _model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
     p.add_argument("--k-max", type=int, default=None,
                    help="longest draft the governor may choose (default 32; 0 = never speculate)")
     p.add_argument("--compile", action="store_true",
-                   help="CPU: compile the draft's one-token step with torch.compile (about 30 s once, then faster drafts)")
+                   help="CPU: compile the draft's one-token step with torch.compile (10-30 s at load, then "
+                        "faster drafts)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
