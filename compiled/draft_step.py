@@ -81,7 +81,7 @@ class CompiledDraftStep:
         if start + 1 > cache.max_len:
             raise IndexError(f"position {start} is past the KV cache ({cache.max_len})")
         if cache is not self._cache:  # a new generation's cache: its length is symbolic, not a recompile
-            for t in cache.k + cache.v:
+            for t in cache.k + cache.v:  # (v may be a view of k: the MLA latent)
                 torch._dynamo.mark_dynamic(t, 1)
             self._cache = cache
         with torch.no_grad():

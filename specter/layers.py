@@ -86,26 +86,35 @@ class KVCache:
 
     Positions are the truth: `update` writes T rows at `start` and returns the view [0, start+T).
     Anything past the committed length is scratch (draft tokens, rejected verifications) that the
-    next write overwrites, so rollback is just a smaller `start` next time."""
+    next write overwrites, so rollback is just a smaller `start` next time.
+
+    MLA models cache the latent instead: k [1, max_len, rank + rope] holds the normalised KV latent
+    and the rotary key, and v is a view of its first `rank` columns (see MLAttention)."""
 
     def __init__(self, spec: ModelSpec, max_len: int, device, dtype):
-        if spec.attention == "mla":
-            n_kv, dk, dv = spec.n_heads, spec.head_dim, spec.v_head_dim
-        else:
-            n_kv, dk, dv = spec.n_kv_heads, spec.head_dim, spec.head_dim
         self.max_len = max_len
-        self.k = [torch.zeros(n_kv, max_len, dk, device=device, dtype=dtype) for _ in range(spec.n_layers)]
-        self.v = [torch.zeros(n_kv, max_len, dv, device=device, dtype=dtype) for _ in range(spec.n_layers)]
+        if spec.attention == "mla":
+            rank = spec.kv_lora_rank
+            self.k = [torch.zeros(1, max_len, rank + spec.qk_rope_dim, device=device, dtype=dtype)
+                      for _ in range(spec.n_layers)]
+            self.v = [k[..., :rank] for k in self.k]
+            return
+        n_kv, d = spec.n_kv_heads, spec.head_dim
+        self.k = [torch.zeros(n_kv, max_len, d, device=device, dtype=dtype) for _ in range(spec.n_layers)]
+        self.v = [torch.zeros(n_kv, max_len, d, device=device, dtype=dtype) for _ in range(spec.n_layers)]
 
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        # k: [T, n_kv, dk], v: [T, n_kv, dv]
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor | None):
+        # k: [T, n_kv, dk], v: [T, n_kv, dv] (None when v is a view of k: the MLA latent)
         end = start + k.shape[0]
         self.k[layer][:, start:end] = k.transpose(0, 1)
-        self.v[layer][:, start:end] = v.transpose(0, 1)
+        if v is not None:
+            self.v[layer][:, start:end] = v.transpose(0, 1)
         return self.k[layer][:, :end], self.v[layer][:, :end]  # [n_kv, end, d]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        """Bytes allocated (a view shares its base's storage and counts once)."""
+        bases = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.k + self.v}
+        return sum(bases.values())
 
 
 def attention_mask(start: int, T: int, window: int | None, device) -> torch.Tensor | None:
@@ -167,9 +176,17 @@ class Attention(nn.Module):
 
 class MLAttention(nn.Module):
     """DeepSeek-V2 multi-head latent attention. Queries come straight from `q_proj` (V2-Lite) or
-    through a low-rank `q_a -> norm -> q_b` path (V2); keys and values are decompressed from a
-    shared latent (`kv_a_proj_with_mqa -> norm -> kv_b_proj`) plus one shared rotary key. The cache
-    keeps the decompressed per-head K/V (simple and exact; a latent cache would be 9x smaller)."""
+    through a low-rank `q_a -> norm -> q_b` path (V2); keys and values come from a shared latent
+    (`kv_a_proj_with_mqa -> norm`, rank r) plus one shared rotary key.
+
+    The cache keeps only the latent c and the rotary key (r + rope per token, 9x less than
+    per-head K/V for DeepSeek-V2), and attention runs in the latent space with kv_b_proj absorbed:
+    with W_uk [nh, nope, r] and W_uv [nh, dv, r] the two halves of kv_b_proj,
+
+        q_nope . k_nope = q_nope . (W_uk c) = (q_nope W_uk) . c        scores over [c, k_pe]
+        sum_s p_s v_s = W_uv (sum_s p_s c_s)                          values are c itself
+
+    so one MQA pass over [end, r + rope] replaces decompressing every cached position."""
 
     def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
@@ -191,18 +208,19 @@ class MLAttention(nn.Module):
         self.lora_q = spec.q_lora_rank is not None
 
     def forward(self, x, rope: Rope, cos, sin, cache: KVCache, start: int) -> torch.Tensor:
-        T = x.shape[0]
+        T, nh = x.shape[0], self.nh
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.lora_q else self.q_proj(x)
-        q_nope, q_pe = q.view(T, self.nh, -1).split([self.nope, self.rope_dim], dim=-1)
+        q_nope, q_pe = q.view(T, nh, -1).split([self.nope, self.rope_dim], dim=-1)
         kv_lat, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(kv_lat)).view(T, self.nh, self.nope + self.dv)
-        k_nope, v = kv.split([self.nope, self.dv], dim=-1)
-        q_pe, k_pe = rope.apply(q_pe, cos, sin), rope.apply(k_pe[:, None], cos, sin)  # k_pe: [T, 1, rope]
-        q = torch.cat((q_nope, q_pe), dim=-1)                                        # [T, nh, qk]
-        k = torch.cat((k_nope, k_pe.expand(T, self.nh, self.rope_dim)), dim=-1)      # [T, nh, qk]
-        k_all, v_all = cache.update(self.layer, start, k, v)
+        c = self.kv_a_layernorm(kv_lat)                                               # [T, r]
+        q_pe, k_pe = rope.apply(q_pe, cos, sin), rope.apply(k_pe[:, None], cos, sin)  # [T, nh, rope], [T, 1, rope]
+        ckv, c_all = cache.update(self.layer, start, torch.cat((c[:, None], k_pe), dim=-1), None)  # [1, end, r+rope]
+        w = self.kv_b_proj.weight.view(nh, self.nope + self.dv, self.rank)
+        q_lat = torch.einsum("tnd,ndr->tnr", q_nope, w[:, :self.nope])                # [T, nh, r]
         mask = attention_mask(start, T, None, x.device)
-        return self.o_proj(sdpa(q, k_all, v_all, mask, self.scale))
+        o_lat = sdpa(torch.cat((q_lat, q_pe), dim=-1), ckv, c_all, mask, self.scale)  # [T, nh * r]
+        o = torch.einsum("tnr,ndr->tnd", o_lat.view(T, nh, self.rank), w[:, self.nope:])  # [T, nh, dv]
+        return self.o_proj(o.reshape(T, nh * self.dv))
 
 
 class MLP(nn.Module):

@@ -147,6 +147,9 @@ def test_kv_bytes_match_the_cache_the_engine_allocates(case):
         assert plan.kv_bytes == KVCache(spec, 10, "cpu", dtype).nbytes()
     # the context is capped at the model's
     assert make_plan(spec, numel, torch.float32, context=10**9).context == spec.max_position
+    if spec.attention == "mla":  # the latent cache: normalised KV latent + rotary key, nothing per head
+        assert KVCache(spec, 10, "cpu", torch.float32).nbytes() == spec.n_layers * 10 * (
+            spec.kv_lora_rank + spec.qk_rope_dim) * 4
 
 
 def test_budgets_below_top_k_are_refused(case):

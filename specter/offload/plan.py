@@ -65,8 +65,8 @@ class MemoryPlan:
 
 
 def kv_bytes_per_token(spec: ModelSpec, itemsize: int) -> int:
-    if spec.attention == "mla":
-        per_layer = spec.n_heads * (spec.head_dim + spec.v_head_dim)
+    if spec.attention == "mla":  # the latent cache: normalised KV latent + rotary key
+        per_layer = spec.kv_lora_rank + spec.qk_rope_dim
     else:
         per_layer = 2 * spec.n_kv_heads * spec.head_dim
     return spec.n_layers * per_layer * itemsize
