@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU check, prepared to fit one device lease (15 minutes of device time in all; this takes
+# about 5 after the machine starts). It runs the whole test suite where CUDA is present (the
+# CudaLink tests stop being skipped) and `specter bench` over the real PCIe link, whose CUDA
+# paths (CudaLink, the packed INT4 draft, the pinned host store) never run on the CPU CI.
+#
+# The device image has torch, transformers, accelerate, safetensors, tokenizers, triton, pytest
+# and matplotlib, but not optimum-quanto, which travels as a wheel. Here, once, in the repo root:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl optimum-quanto==0.2.7
+# then call the device tool's run with carry [".whl"], timeout_s 540 and the command
+#   bash bench/device_check.sh
+# Logs land in $OUT (pytest.log, bench-*.txt); the tail of each is printed.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/specter-device-check}
+mkdir -p "$OUT"
+REPO=$(pwd)
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
+export PYTHONPATH=/tmp/site
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+# from outside the checkout, so `import specter` is the installed package (compiled/ and
+# triton_ops/ are mapped into it at install)
+(cd /tmp && timeout 300 python3 -m pytest -q -x -p no:cacheprovider "$REPO/tests" > "$OUT/pytest.log" 2>&1)
+echo "pytest exit $?"; tail -n 15 "$OUT/pytest.log"
+for r in 0.25 0.5 1.0; do
+  (cd /tmp && timeout 150 python3 -m specter.cli bench --device cuda --residency $r --repeat 2 \
+     > "$OUT/bench-$r.txt" 2>&1)
+  echo "bench residency $r exit $?"; head -n 9 "$OUT/bench-$r.txt"; tail -n 7 "$OUT/bench-$r.txt"
+done
