@@ -52,6 +52,8 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}")
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
         raise ConfigError(f"k_max must be an integer >= 0 (0 = no speculation), got {k_max!r}")
+    if not isinstance(compile, bool):
+        raise ConfigError(f"compile must be True or False, got {compile!r}")
     if compile and device.type != "cpu":
         raise ConfigError("compile=True compiles the CPU draft step (its experts are kept unpacked there); "
                           "a compiled step over packed INT4 on CUDA is not built yet: run without compile")

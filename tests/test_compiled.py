@@ -75,6 +75,8 @@ def test_compiled_engine_is_lossless_and_does_not_recompile(compiled_engine):
     assert unique_graphs() == graphs
 
 
-def test_compile_off_the_cpu_is_a_clear_error(tmp_path):
+def test_compile_off_the_cpu_or_not_a_bool_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="compile=True"):
         builder.build_engine(tmp_path, torch.device("cuda"), policy="specter", compile=True)
+    with pytest.raises(ConfigError, match="compile must be True or False"):
+        builder.build_engine(tmp_path, torch.device("cpu"), policy="specter", compile="yes")
