@@ -14,9 +14,10 @@ generation: nothing recompiles after `warmup`, which the builder calls at load (
 cores; Inductor's on-disk cache makes later loads faster).
 
 Measured on the bundled model (2-core CPU): a draft step takes ~2.8 ms eager and ~1.7 ms compiled.
-In a link-bound decode that buys less than it seems (specter at 25% residency: 17.1 -> 16.1 ms
-TPOT), because a shorter draft also hides fewer copies: the draft's share of decode time fell from
-27% to 19% and the copy stall's rose from 64% to 71%.
+In a link-bound decode that buys less than it seems (`bench/compile_speedup.py`, side by side:
+decode 7% faster at 25% residency, 13% at 50%), because a shorter draft also hides fewer copies:
+at 25% the draft's share of decode time fell from 27% to 19% and the copy stall's rose from 64%
+to 71%.
 
 CPU only for now: on CUDA the draft keeps quanto's packed INT4 tensors, which the gather above
 cannot index; a compiled (and CUDA-graph) step over packed INT4 is the next piece.
