@@ -80,3 +80,26 @@ def test_compile_off_the_cpu_or_not_a_bool_is_a_clear_error(tmp_path):
         builder.build_engine(tmp_path, torch.device("cuda"), policy="specter", compile=True)
     with pytest.raises(ConfigError, match="compile must be True or False"):
         builder.build_engine(tmp_path, torch.device("cpu"), policy="specter", compile="yes")
+
+
+def test_bench_cli_compile_flag(compiled_engine, capsys, tmp_path, monkeypatch):
+    """--compile reaches the engines `specter bench` builds: the speculative one drafts through a
+    compiled step, the plain one ignores it, and both give the first policy's tokens."""
+    import json
+
+    from specter.cli import main
+
+    path, _ = compiled_engine
+    built = []
+    real = builder._compiled_draft_step
+    monkeypatch.setattr(builder, "_compiled_draft_step", lambda *a: built.append(a) or real(*a))
+    prompts = tmp_path / "prompts.json"  # the tiny checkpoint ships no tokenizer: token-id prompts
+    prompts.write_text(json.dumps([PROMPT, [3, 60, 7]]))
+    rc = main(["bench", "--model", str(path), "--device", "cpu", "--policies", "on-demand,specter",
+               "--residency", "0.5", "--max-new-tokens", "12", "--compile", "--k-max", "4",
+               "--prompts", str(prompts), "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    pols = json.loads(out)["policies"]
+    assert pols["specter"]["lossless_vs_on-demand"] is True and pols["specter"]["drafted_tokens"] > 0
+    assert len(built) == 1  # the specter engine's draft, and nothing for on-demand
