@@ -59,6 +59,21 @@ def _load(args, policy: str | None = None):
                         expert_memory=args.expert_memory, link=args.link, **extra)
 
 
+def summary_line(stats: dict) -> str:
+    """One line after a streamed generation: speed, then what offloading and speculation did."""
+    n, tpot = stats.get("new_tokens", 0), stats.get("tpot_s", 0.0)
+    parts = [f"{n} tokens", f"TTFT {stats.get('ttft_s', 0) * 1e3:.0f} ms",
+             f"TPOT {tpot * 1e3:.1f} ms ({1 / tpot if tpot else 0:.1f} tok/s)", f"policy {stats.get('policy')}"]
+    uses = stats.get("expert_hits", 0) + stats.get("expert_misses", 0)
+    if stats.get("expert_misses"):
+        parts.append(f"expert hit rate {stats['expert_hits'] / uses:.0%}, "
+                     f"{stats.get('h2d_bytes', 0) / 1e6:.0f} MB copied")
+    if stats.get("drafted_tokens"):
+        parts.append(f"{stats['accepted_per_cycle']:.1f} drafted tokens accepted a cycle "
+                     f"(alpha {stats['acceptance_rate']:.2f})")
+    return "[" + ", ".join(parts) + "]"
+
+
 def cmd_generate(args) -> int:
     prompt = args.prompt
     if prompt is None:
@@ -78,9 +93,7 @@ def cmd_generate(args) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
-        n, tpot = stats.get("new_tokens", 0), stats.get("tpot_s", 0.0)
-        print(f"[{n} tokens, TTFT {stats.get('ttft_s', 0) * 1e3:.0f} ms, TPOT {tpot * 1e3:.1f} ms"
-              f" ({1 / tpot if tpot else 0:.1f} tok/s), policy {stats.get('policy')}]", file=sys.stderr)
+        print(summary_line(stats), file=sys.stderr)
         return 0
     finally:
         engine.close()
