@@ -45,8 +45,15 @@ SUM_KEYS = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "decode_stal
 
 def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int = 64, repeat: int = 1,
               device: str = "auto", residency=None, expert_memory=None, link=None, warmup: bool = True,
-              **load_kw) -> dict:
+              sampling: dict | None = None, **load_kw) -> dict:
+    """`sampling`: generate()'s temperature / top_p / top_k / seed (default greedy). Under sampling,
+    speculative policies draw their random numbers differently (exactly the target's distribution,
+    not the same tokens), so token equality is only checked for greedy runs."""
     import specter
+    from .sampling import SamplingParams
+
+    sampling = dict(sampling or {})
+    greedy = SamplingParams(**sampling).greedy  # and a bad value fails here, before any engine loads
 
     unknown = [p for p in policies if p not in specter.BENCH_POLICIES]
     if unknown:
@@ -58,12 +65,12 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
                                       expert_memory=expert_memory, link=link, **load_kw)
         if warmup:  # first-call costs (allocator, lazy init) out of the measurement
             for e in engines.values():
-                e.generate(prompts[0], max_new_tokens=4)
+                e.generate(prompts[0], max_new_tokens=4, **sampling)
         agg = {p: {"decode_s": 0.0, "decode_tokens": 0, "ttft_s": 0.0, "runs": 0, "outputs": []} for p in policies}
         for _ in range(repeat):
             for prompt in prompts:
                 for p in policies:
-                    out = engines[p].generate(prompt, max_new_tokens=max_new_tokens)
+                    out = engines[p].generate(prompt, max_new_tokens=max_new_tokens, **sampling)
                     a, s = agg[p], out.stats
                     a["decode_s"] += s["tpot_s"] * max(s["new_tokens"] - 1, 1)
                     a["decode_tokens"] += max(s["new_tokens"] - 1, 1)
@@ -85,7 +92,7 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
             r = {"tpot_s": a["decode_s"] / a["decode_tokens"], "ttft_s": a["ttft_s"] / a["runs"],
                  "decode_s": a["decode_s"],
                  "new_tokens": sum(len(o) for o in a["outputs"]),
-                 "lossless_vs_" + first: a["outputs"] == agg[first]["outputs"]}
+                 "lossless_vs_" + first: a["outputs"] == agg[first]["outputs"] if greedy else None}
             r.update({k: a[k] for k in SUM_KEYS if k in a})
             if "k_histogram" in a:
                 r["k_histogram"] = a["k_histogram"]
@@ -107,7 +114,7 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
         for p in policies:
             result[p]["speedup_vs_" + base] = result[base]["tpot_s"] / result[p]["tpot_s"]
         return {"policies": result, "max_new_tokens": max_new_tokens, "prompts": len(prompts), "repeat": repeat,
-                "link": _link_name(engines), "speedup_baseline": base}
+                "link": _link_name(engines), "speedup_baseline": base, "sampling": "greedy" if greedy else sampling}
     finally:
         for e in engines.values():
             e.close()
@@ -143,9 +150,13 @@ def format_table(res: dict) -> str:
             f"{(r.get('h2d_bytes', 0) / 1e6):>8.1f} {f('stall_s', '{:.3f}'):>8} "
             f"{f('acceptance_rate', '{:.2f}'):>7} {f('draft_efficiency', '{:.2f}'):>6} "
             f"{f('accepted_per_cycle', '{:.2f}'):>7} {f('prefetch_recall', '{:.1%}'):>7} "
-            f"{f('route_coverage', '{:.1%}'):>7} {str(r['lossless_vs_' + first]):>8}")
+            f"{f('route_coverage', '{:.1%}'):>7} {_same_tokens(r['lossless_vs_' + first]):>8}")
     return "\n".join(lines + ["", LEGEND.format(base=base), "", "where decode time goes (after the first token):"]
                      + [f"  {p:<11} {time_split(r)}" for p, r in pols.items() if "decode_stall_s" in r])
+
+
+def _same_tokens(v) -> str:
+    return "n/a" if v is None else str(v)  # None: a sampled run (tokens are compared only when greedy)
 
 
 def time_split(r: dict) -> str:

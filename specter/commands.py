@@ -24,6 +24,10 @@ def add_subcommands(sub, model_args, sampling_args) -> None:
     bn.add_argument("--max-new-tokens", type=int, default=64)
     bn.add_argument("--prompts", default=None, help="file: one prompt a line, or a .json list")
     bn.add_argument("--repeat", type=int, default=1)
+    bn.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; tokens are compared)")
+    bn.add_argument("--top-p", type=float, default=1.0)
+    bn.add_argument("--top-k", type=int, default=0)
+    bn.add_argument("--seed", type=int, default=0, help="sampling seed of every generation (default 0)")
     bn.add_argument("--plot", default=None, help="PNG: TPOT per policy across residencies 1/8, 1/4, 1/2, 1")
     bn.add_argument("--json", action="store_true")
     bn.set_defaults(func=cmd_bench)
@@ -68,6 +72,7 @@ def cmd_bench(args) -> int:
     prompts = read_prompts(args.prompts)
     kw = dict(prompts=prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat, device=args.device,
               link=args.link)
+    kw["sampling"] = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if args.k_max is not None:
         kw["k_max"] = args.k_max
     if args.compile:
@@ -87,8 +92,10 @@ def cmd_bench(args) -> int:
         print(json.dumps(res))
     else:
         budget = f"expert_memory {args.expert_memory}" if args.expert_memory else f"residency {residency:g}"
+        mode = "greedy" if not args.temperature else f"sampling (temperature {args.temperature:g}, " \
+            f"top-p {args.top_p:g}, top-k {args.top_k}, seed {args.seed})"
         print(f"link: {res['link']}, {budget}, {res['prompts']} prompts x {res['repeat']}, "
-              f"{res['max_new_tokens']} new tokens")
+              f"{res['max_new_tokens']} new tokens, {mode}")
         print(format_table(res))
     return 0
 

@@ -142,6 +142,27 @@ def test_bench_bad_arguments_exit_2(capsys, model, tmp_path):
     assert_one_line_error(*run_cli(capsys, *common, "--policies", "resident", "--max-new-tokens", "0"), "max-new-tokens")
     assert_one_line_error(*run_cli(capsys, *common, "--policies", "on-demand", "--residency", "0.1"), "top-2")
     assert_one_line_error(*run_cli(capsys, *common, "--policies", "bogus"), "bogus")
+    assert_one_line_error(*run_cli(capsys, *common, "--policies", "on-demand", "--temperature", "0.7",
+                                   "--top-p", "0"), "top_p")
+
+
+def test_bench_sampling_reports_speed_not_token_equality(capsys, model, tmp_path):
+    """Sampled runs: speculative policies draw their random numbers differently (the target's
+    distribution, not the same tokens), so the lossless column is n/a; the table says how it sampled."""
+    f = tmp_path / "prompts.json"
+    f.write_text(json.dumps(PROMPTS[:2]))
+    rc, out, err = run_cli(capsys, "bench", "--model", model, "--device", "cpu", "--prompts", str(f),
+                           "--policies", "on-demand,specter", "--residency", "0.5", "--max-new-tokens", "10",
+                           "--temperature", "0.8", "--seed", "3", "--json")
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["sampling"] == dict(temperature=0.8, top_p=1.0, top_k=0, seed=3)
+    assert all(r["lossless_vs_on-demand"] is None for r in res["policies"].values())
+    assert res["policies"]["specter"]["drafted_tokens"] > 0
+    rc, out, err = run_cli(capsys, "bench", "--model", model, "--device", "cpu", "--prompts", str(f),
+                           "--policies", "on-demand,next-layer", "--residency", "0.5", "--max-new-tokens", "10",
+                           "--temperature", "0.8", "--seed", "3")
+    assert rc == 0 and "sampling (temperature 0.8" in out and "n/a" in out, err
 
 
 def test_time_split_and_table_sections():
