@@ -46,7 +46,9 @@ class SpeculativeDecoder:
         return self.target
 
     def run(self, prompt: list[int], params: SamplingParams, max_new: int) -> Iterator[list[int]]:
-        cache = KVCache(self.model.spec, len(prompt) + max_new + self.k_max + 1, self.device, self.dtype)
+        # no scratch beyond the plan's context: K <= remaining - 1 keeps drafts and verification inside
+        # positions [0, len(prompt) + max_new - 1)
+        cache = KVCache(self.model.spec, len(prompt) + max_new, self.device, self.dtype)
         gen = params.generator(self.device)
         logits = self.model(torch.tensor(prompt, device=self.device), 0, cache, self.target, logits_for="last")
         t = int(sample(logits, params, gen))
