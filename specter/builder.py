@@ -109,6 +109,6 @@ def _decoder(policy, model, mgr, experts, device, dt, k_max):
     lookahead = Lookahead(k_max, spec.n_moe_layers, spec.top_k, device)
     draft = DraftExperts(experts, lookahead, device, dt, packed=device.type == "cuda")
     if policy == "spec-lru":  # speculation alone: same governor, experts fetched when verification needs them
-        return SpeculativeDecoder(model, mgr, draft, device, dt, k_max=k_max, governor=Governor(k_max))
-    return SpeculativeDecoder(model, mgr, draft, device, dt, k_max=k_max, planner=PrefetchPlanner(mgr, lookahead),
-                              governor=Governor(k_max), fallback=NextLayerPrefetch(model, mgr))
+        return SpeculativeDecoder(model, mgr, draft, device, dt, governor=Governor(k_max))
+    return SpeculativeDecoder(model, mgr, draft, device, dt, governor=Governor(k_max),
+                              planner=PrefetchPlanner(mgr, lookahead), fallback=NextLayerPrefetch(model, mgr))

@@ -49,14 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def engine_options(args) -> dict:
+    """specter.load options from _model_args' flags that have no value of their own by default."""
+    opts = {} if args.k_max is None else {"k_max": args.k_max}
+    if args.compile:
+        opts["compile"] = True
+    return opts
+
+
 def _load(args, policy: str | None = None):
     import specter
 
-    extra = {} if args.k_max is None else {"k_max": args.k_max}
-    if args.compile:
-        extra["compile"] = True
     return specter.load(args.model, device=args.device, policy=policy or args.policy, residency=args.residency,
-                        expert_memory=args.expert_memory, link=args.link, **extra)
+                        expert_memory=args.expert_memory, link=args.link, **engine_options(args))
 
 
 def summary_line(stats: dict) -> str:

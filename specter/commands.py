@@ -63,6 +63,7 @@ def cmd_plan(args) -> int:
 
 def cmd_bench(args) -> int:
     from .bench import format_table, read_prompts, run_bench
+    from .cli import engine_options
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
@@ -73,10 +74,7 @@ def cmd_bench(args) -> int:
     kw = dict(prompts=prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat, device=args.device,
               link=args.link)
     kw["sampling"] = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    if args.k_max is not None:
-        kw["k_max"] = args.k_max
-    if args.compile:
-        kw["compile"] = True
+    kw.update(engine_options(args))
     if args.plot:
         from .plot import residency_sweep
 

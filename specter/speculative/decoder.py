@@ -29,12 +29,11 @@ from .planner import PrefetchPlanner
 
 class SpeculativeDecoder:
     def __init__(self, model: MoETransformer, target: OffloadedExperts, draft: DraftExperts, device, dtype, *,
-                 k_max: int = 6, planner: PrefetchPlanner | None = None, governor: Governor | None = None,
-                 fallback=None):
+                 governor: Governor, planner: PrefetchPlanner | None = None, fallback=None):
         self.model, self.target, self.draft = model, target, draft
-        self.device, self.dtype, self.k_max = device, dtype, k_max
+        self.device, self.dtype = device, dtype
         self.planner = planner                  # None: spec-lru (verify fetches on demand)
-        self.governor = governor or Governor(k_max)
+        self.governor = governor                # picks each cycle's K (0..K_max)
         self.fallback = fallback                # prefetcher candidate for K = 0 steps (next-layer)
         self.plain = _PlainArms()               # K = 0: with or without it, whichever measures faster
         self.plan_backlog = 1                   # plan again when at most this many copies are queued

@@ -31,8 +31,8 @@ from __future__ import annotations
 class Governor:
     def __init__(self, k_max: int, k_init: int = 4, alpha: float = 0.25, probe_every: int = 8, fixed: int | None = None):
         self.k_max, self.alpha, self.probe_every, self.fixed = k_max, alpha, probe_every, fixed
-        self.acc = [0.8] * (k_max + 1)       # acc[i]: P(accept position i | accepted i-1), i >= 1
-        self.seen = [False] * (k_max + 1)    # acc[i] has been observed at least once
+        # acc[i]: P(accept position i | accepted i-1), i >= 1; None until position i is first observed
+        self.acc: list[float | None] = [None] * (k_max + 1)
         self.pool = 0.8                      # acceptance over all observed positions: the prior for unseen ones
         self.draft_s: float | None = None    # d
         self.stall: dict[int, float] = {}    # s(K)
@@ -57,14 +57,16 @@ class Governor:
             return
         for i in range(1, min(accepted + 1, k) + 1):  # positions 1..accepted were accepted, accepted+1 rejected
             hit = 1.0 if i <= accepted else 0.0
-            prior = self.acc[i] if self.seen[i] else self.pool
-            self.acc[i] = (1 - self.alpha) * prior + self.alpha * hit
-            self.seen[i] = True
+            self.acc[i] = (1 - self.alpha) * self._acc(i) + self.alpha * hit
             self.pool = (1 - self.alpha / 4) * self.pool + self.alpha / 4 * hit
         self.draft_s = self._ema(self.draft_s, draft_s / k)
         self.stall[k] = self._ema(self.stall.get(k), stall_s)
         self._v[k] = self._ema(self._v.get(k), verify_s - stall_s)
         self._fit()
+
+    def _acc(self, i: int) -> float:
+        a = self.acc[i]
+        return self.pool if a is None else a
 
     def _fit(self) -> None:
         pts = sorted(self._v.items())
@@ -100,7 +102,7 @@ class Governor:
         unseen = min(self.stall.values()) if self.stall else 0.0
         tokens, run = 1.0, 1.0
         for k in range(1, self.k_max + 1):
-            run *= self.acc[k] if self.seen[k] else self.pool
+            run *= self._acc(k)
             tokens += run
             t = self.cycle_time(k, unseen)
             if t > 0 and (best_r is None or tokens / t > best_r):

@@ -47,8 +47,7 @@ class PrefetchPlanner:
         if not self.admission:
             return ranked
         score, slots = self.score[layer], self.mgr.slots
-        keep = predicted
-        victims = sorted(score[e] for e in slots.residents(layer) if e not in keep)
+        victims = sorted(score[e] for e in slots.residents(layer) if e not in predicted)
         free, out = slots.free_slots(layer), []
         for e in ranked:
             if slots.slot_of(layer, e) is not None:
