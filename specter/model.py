@@ -10,6 +10,7 @@ weights are not parameters of this module: they come through the expert provider
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelSpec
@@ -74,4 +75,26 @@ class MoETransformer(nn.Module):
             x = layer(x, self.rope, cos, sin, cache, start, experts)
         if logits_for == "last":
             x = x[-1:]
-        return self.lm_head(self.model.norm(x)).float()  # [T or 1, V]
+        return self.logits(x)  # [T or 1, V] fp32
+
+    def logits(self, x: torch.Tensor, chunk: int = 32768) -> torch.Tensor:
+        """x [T, H] -> fp32 logits [T, V]: the final norm and lm_head computed in fp32 whatever the
+        compute dtype. bf16 logits keep 8 significant bits, so a 16-bit head turns near-ties into exact
+        ties that a batched verification and a one-token step break differently. The weight is
+        upcast a vocabulary chunk at a time (no fp32 copy of lm_head is kept; on CPU at fp32 this is
+        one plain linear)."""
+        h = fp32_norm(self.model.norm, x)  # [T, H] fp32
+        w, b = self.lm_head.weight, self.lm_head.bias
+        if w.dtype == torch.float32 or w.shape[0] <= chunk:
+            return F.linear(h, w.float(), None if b is None else b.float())
+        parts = [F.linear(h, w[i:i + chunk].float(), None if b is None else b[i:i + chunk].float())
+                 for i in range(0, w.shape[0], chunk)]
+        return torch.cat(parts, dim=-1)
+
+
+def fp32_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The module's normalisation of x computed in fp32 (its weights upcast), whatever their dtype."""
+    x = x.float()
+    if isinstance(norm, nn.LayerNorm):
+        return F.layer_norm(x, norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
+    return norm.weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))

@@ -63,3 +63,33 @@ def make_tiny_checkpoint(path: str | Path, arch: str = "qwen3_moe", *, seed: int
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.to(dtype).save_pretrained(str(path), **kw)
     return model.float()
+
+
+def first_divergence(ref: list[int], got: list[int]) -> int | None:
+    """Index of the first token where two continuations differ (None: one is a prefix of the other)."""
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            return i
+    return None
+
+
+def tie_gap(engine, prompt: list[int], ref: list[int], got: list[int]) -> tuple[int | None, float]:
+    """Where `got` leaves `ref` (both continuations of `prompt`), and how far apart the two tokens
+    score there: the reference logit of ref's token minus that of got's, from one plain forward of
+    prompt + ref[:i] on `engine`'s model (fp32 logits). (None, 0.0) when they never diverge.
+
+    A lossless decoder at 16-bit precision may only diverge where this gap is within rounding: a
+    one-token step and a batched verification sum in different orders, so an exact-looking tie can
+    break either way, but a decisive token never changes."""
+    import torch
+
+    from .layers import KVCache
+
+    i = first_divergence(ref, got)
+    if i is None:
+        return None, 0.0
+    dec = engine.decoder
+    ids = list(prompt) + list(ref[:i])
+    cache = KVCache(engine.spec, len(ids), engine.device, engine.dtype)
+    logits = dec.model(torch.tensor(ids, device=engine.device), 0, cache, dec.experts, logits_for="last")[0]
+    return i, float(logits[ref[i]] - logits[got[i]])

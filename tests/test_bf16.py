@@ -1,0 +1,66 @@
+"""bf16: what speculation guarantees at 16-bit precision.
+
+1. The final norm and lm_head run in fp32 whatever the compute dtype (bf16 logits keep 8
+   significant bits and turn near-ties into exact ties); the vocabulary-chunked upcast gives the
+   same logits as one fp32 linear.
+2. Speculative decoding at bf16 gives plain bf16 decoding's tokens, except that it may part from
+   them at a near-tie: where it does, plain decoding's own logits for the two tokens are within
+   bf16 rounding of each other. A wrong token anywhere else fails.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+
+import specter
+from specter.testing import tie_gap
+
+# bf16 rounding of a hidden state moves a logit by ~1e-3 here; a decisive token wins by ~1
+TIE = 0.02
+
+
+def test_head_is_fp32_and_chunking_changes_nothing(tiny):
+    path, _ = tiny("phimoe")  # LayerNorm with bias and an lm_head bias: the awkward case
+    engine = specter.load(path, device="cpu", policy="resident", dtype="bf16")
+    model = engine.decoder.model
+    x = torch.randn(3, model.spec.hidden).bfloat16()
+    got = model.logits(x)
+    norm, head = model.model.norm, model.lm_head
+    h = F.layer_norm(x.double(), norm.normalized_shape, norm.weight.double(), norm.bias.double(), norm.eps)
+    want = F.linear(h, head.weight.double(), head.bias.double())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.logits(x, chunk=40), got, rtol=0, atol=1e-6)  # 128 = 40+40+40+8
+
+
+def test_speculation_at_bf16_differs_only_at_ties():
+    plain = specter.load(None, device="cpu", policy="resident", dtype="bf16")
+    spec = specter.load(None, device="cpu", policy="specter", residency=0.5, dtype="bf16")
+    rng = random.Random(1)
+    drafted = 0
+    try:
+        for _ in range(3):
+            prompt = [rng.randrange(plain.spec.vocab_size) for _ in range(10)]
+            ref = plain.generate(prompt, max_new_tokens=64).token_ids
+            out = spec.generate(prompt, max_new_tokens=64)
+            drafted += out.stats["drafted_tokens"]
+            i, gap = tie_gap(plain, prompt, ref, out.token_ids)
+            assert i is None or abs(gap) <= TIE, (prompt, i, gap)
+    finally:
+        plain.close()
+        spec.close()
+    assert drafted > 0
+
+
+def test_tie_gap_sees_a_decisive_difference(tiny):
+    """The comparison can fail: a continuation with one token changed where the model is sure."""
+    path, _ = tiny("qwen3_moe")
+    engine = specter.load(path, device="cpu", policy="resident", dtype="bf16")
+    prompt = [1, 5, 9, 33]
+    ref = engine.generate(prompt, max_new_tokens=6).token_ids
+    wrong = ref[:3] + [(ref[3] + 1) % engine.spec.vocab_size] + ref[4:]
+    i, gap = tie_gap(engine, prompt, ref, wrong)
+    assert i == 3 and gap > TIE
+    assert tie_gap(engine, prompt, ref, ref) == (None, 0.0)
