@@ -32,9 +32,18 @@ def add_subcommands(sub, model_args, sampling_args) -> None:
     bn.add_argument("--json", action="store_true")
     bn.set_defaults(func=cmd_bench)
 
-    pr = sub.add_parser("profile", help="list link profiles and this machine's emulated-link calibration")
+    pr = sub.add_parser("profile", help="list link profiles and this machine's emulated-link calibration; "
+                                        "--trace: a torch.profiler trace of a short generation")
     pr.add_argument("--model", default=None)
     pr.add_argument("--json", action="store_true")
+    pr.add_argument("--trace", default=None, metavar="FILE.json",
+                    help="write a Chrome/Perfetto trace (open in ui.perfetto.dev) of a short generation, with the "
+                         "ranges draft step, plan, copy issue, verify, layer N, accept")
+    pr.add_argument("--device", default="auto")
+    pr.add_argument("--policy", default="specter")
+    pr.add_argument("--residency", type=float, default=0.25)
+    pr.add_argument("--max-new-tokens", type=int, default=16)
+    pr.add_argument("--prompt", default="def fibonacci(n):")
     pr.set_defaults(func=cmd_profile)
 
     sv = sub.add_parser("serve", help="HTTP server (not available yet)")
@@ -99,6 +108,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_profile(args) -> int:
+    if args.trace:
+        return cmd_trace(args)
     from .offload.calibrate import available_profiles, emulated_link_params, load_profile, measure_expert_throughput
     from .loader import open_checkpoint
     from . import default_model_path
@@ -123,4 +134,24 @@ def cmd_profile(args) -> int:
     for r in rows:
         print(f"{r['name']:<18} {r['device_memory_GBps']:>9.0f} {r['pcie_GBps']:>9.1f} "
               f"{r['device_memory_GBps'] / r['pcie_GBps']:>6.0f} {r['emulated_MBps']:>13.1f} {r['emulated_latency_us']:>10.0f}")
+    return 0
+
+
+def cmd_trace(args) -> int:
+    import specter
+    from .profiling import trace
+
+    if args.max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens must be >= 1")
+    engine = specter.load(args.model, device=args.device, policy=args.policy,
+                          residency=None if args.policy == "resident" else args.residency)
+    try:
+        prompt = args.prompt if engine.tokenizer is not None else [1, 2, 3]
+        engine.generate(prompt, max_new_tokens=2)  # warm up outside the trace
+        out = trace(args.trace, lambda: engine.generate(prompt, max_new_tokens=args.max_new_tokens),
+                    cuda=engine.device.type == "cuda")
+    finally:
+        engine.close()
+    print(f"wrote {args.trace}: {out.stats['new_tokens']} tokens, policy {args.policy} on {engine.device} "
+          f"(open in https://ui.perfetto.dev or chrome://tracing)")
     return 0

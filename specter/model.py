@@ -16,6 +16,7 @@ from torch import nn
 from .config import ModelSpec
 from .layers import MLP, Attention, KVCache, MLAttention, Rope, make_norm
 from .moe import ExpertProvider, MoEBlock
+from .profiling import span
 
 
 class DecoderLayer(nn.Module):
@@ -40,6 +41,7 @@ class Backbone(nn.Module):
         moe_ids = {l: i for i, l in enumerate(spec.moe_layer_ids)}
         self.layers = nn.ModuleList(DecoderLayer(spec, l, moe_ids.get(l)) for l in range(spec.n_layers))
         self.norm = make_norm(spec)
+        self.span_names = [f"layer {l}" for l in range(spec.n_layers)]  # profiling ranges
 
 
 class MoETransformer(nn.Module):
@@ -71,8 +73,9 @@ class MoETransformer(nn.Module):
         x = self.model.embed_tokens(tokens)  # [T, H]
         pos = torch.arange(start, start + T, device=tokens.device)
         cos, sin = self.rope.cos_sin(pos, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, self.rope, cos, sin, cache, start, experts)
+        for layer, name in zip(self.model.layers, self.model.span_names):
+            with span(name):
+                x = layer(x, self.rope, cos, sin, cache, start, experts)
         if logits_for == "last":
             x = x[-1:]
         return self.logits(x)  # [T or 1, V] fp32

@@ -43,6 +43,7 @@ class Transfer:
         self._future: concurrent.futures.Future = concurrent.futures.Future()
         self._event = None                     # CUDA only: recorded on the copy stream after the copies
         self._device = None
+        self._waits = None                     # CUDA only: the link's (compute reached, copy done) pairs
 
     def done(self) -> bool:
         if self._event is not None:
@@ -50,9 +51,14 @@ class Transfer:
         return self._future.done()
 
     def wait(self) -> float:
-        """Block until the bytes are in place; seconds spent waiting. CUDA: stream wait, no host sync."""
+        """Block until the bytes are in place; seconds spent waiting. CUDA: a stream wait, no host sync,
+        so it returns 0 and the device-side stall is measured by events (`CudaLink.drain_stall_s`)."""
         if self._event is not None:
-            torch.cuda.current_stream(self._device).wait_event(self._event)
+            stream = torch.cuda.current_stream(self._device)
+            reached = torch.cuda.Event(enable_timing=True)
+            reached.record(stream)  # compute got here; it stalls until the copy's event
+            self._waits.append((reached, self._event))
+            stream.wait_event(self._event)
             return 0.0
         if self._future.done():
             self._future.result()  # re-raise a failed copy
@@ -126,6 +132,11 @@ class Link(abc.ABC):
     def reset_stats(self) -> None:
         with self._lock:
             self.stats.update(transfers=0, bytes=0, busy_s=0.0)
+
+    def drain_stall_s(self) -> float:
+        """Device-side seconds compute spent waiting on copies since the last call, where the host
+        cannot see them (CUDA); 0 for links whose waits block the host and are timed there."""
+        return 0.0
 
     def close(self) -> None:
         pass
@@ -251,6 +262,8 @@ class CudaLink(Link):
             bandwidth = load_profile(profile).pcie_bandwidth  # nominal; unknown GPU -> default profile
         super().__init__(name, bandwidth, latency)
         self.stream = torch.cuda.Stream(self.device)
+        self._waits: collections.deque = collections.deque()  # (compute reached the wait, copy done) events
+        self._stall_s = 0.0
         self._warned_unpinned = False
         self._watch: queue.SimpleQueue = queue.SimpleQueue()
         self._watcher = threading.Thread(target=self._run, name=f"specter-link-{name}", daemon=True)
@@ -260,11 +273,13 @@ class CudaLink(Link):
         dst, src = _check(dst, src)
         src = [self._pinned(s) for s in src]
         t = Transfer(dst, src, tag)
-        t._device = self.device
+        t._device, t._waits = self.device, self._waits
         begin = torch.cuda.Event(enable_timing=True)
         t._event = torch.cuda.Event(enable_timing=True, blocking=True)  # blocking: the watcher sleeps
         if self._closed:
             raise RuntimeError(f"{self.name}: copy() on a closed link")
+        if len(self._waits) > 256:  # keep the event backlog short between stats() calls
+            self._collect_stalls()
         compute = torch.cuda.current_stream(self.device)
         with torch.no_grad(), torch.cuda.stream(self.stream):
             self.stream.wait_stream(compute)
@@ -298,6 +313,20 @@ class CudaLink(Link):
     def synchronize(self) -> None:
         self.stream.synchronize()
         super().synchronize()
+
+    def drain_stall_s(self) -> float:
+        """Seconds compute stalled on copies since the last call, over the waits whose events have
+        completed (queried, never synchronised; later ones count next time)."""
+        self._collect_stalls()
+        total, self._stall_s = self._stall_s, 0.0
+        return total
+
+    def _collect_stalls(self) -> None:
+        # a wait stalls from when compute reached it until the copy's event (0 if it had landed)
+        waits = self._waits
+        while waits and waits[0][0].query() and waits[0][1].query():
+            reached, done = waits.popleft()
+            self._stall_s += max(0.0, reached.elapsed_time(done)) / 1e3
 
     def close(self) -> None:
         with self._lock:

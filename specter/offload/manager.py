@@ -19,6 +19,7 @@ import time
 import torch
 
 from ..moe import ExpertWeights, group_by_expert, run_experts
+from ..profiling import span
 from .link import Link, Transfer
 from .slots import SlotCache
 
@@ -48,8 +49,9 @@ class OffloadedExperts:
         if slot is None:
             return False
         src, dst = self.store[layer], self.pool[layer]
-        self.inflight[(layer, e)] = self.link.copy([dst.w13[slot], dst.w2[slot]], [src.w13[e], src.w2[e]],
-                                                   urgent=urgent, tag=(layer, e))
+        with span("copy issue"):
+            self.inflight[(layer, e)] = self.link.copy([dst.w13[slot], dst.w2[slot]], [src.w13[e], src.w2[e]],
+                                                       urgent=urgent, tag=(layer, e))
         self._stats["h2d_bytes"] += self.expert_bytes
         return True
 
@@ -148,11 +150,13 @@ class OffloadedExperts:
 
     # -------------------------------------------------------------------------------- stats
     def reset_stats(self) -> None:
+        self.link.drain_stall_s()  # waits before now belong to no one
         self.prefetched.clear()
         self._stats = dict(expert_hits=0, expert_misses=0, h2d_bytes=0, stall_s=0.0, prefetch_issued=0,
                            prefetch_used=0)
 
     def stats(self) -> dict:
+        self._stats["stall_s"] += self.link.drain_stall_s()  # CUDA: stream waits, timed by events
         return dict(self._stats)
 
     def reset(self) -> None:

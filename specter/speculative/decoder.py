@@ -20,6 +20,7 @@ import torch
 from ..layers import KVCache
 from ..model import MoETransformer
 from ..offload.manager import OffloadedExperts
+from ..profiling import span
 from ..sampling import SamplingParams, probs, sample
 from .acceptance import accept_greedy, accept_sampling
 from .draft import DraftExperts
@@ -73,14 +74,16 @@ class SpeculativeDecoder:
         use_fallback = k == 0 and self.fallback is not None and self.plain.pick()
         self.target.next_layer_router = self.fallback if use_fallback else None
         tokens = torch.tensor([t] + drafted, device=self.device)
-        logits = self.model(tokens, n, cache, self.target)   # [K+1, V]
+        with span("verify"):
+            logits = self.model(tokens, n, cache, self.target)   # [K+1, V]
         self.target.next_layer_router = None
         if self.planner is not None:
             self.planner.end_cycle()
-        if params.greedy:
-            m, nxt = accept_greedy(drafted, logits)
-        else:
-            m, nxt = accept_sampling(drafted, torch.stack(q_rows) if q_rows else None, probs(logits, params), gen)
+        with span("accept"):
+            if params.greedy:
+                m, nxt = accept_greedy(drafted, logits)
+            else:
+                m, nxt = accept_sampling(drafted, torch.stack(q_rows) if q_rows else None, probs(logits, params), gen)
         t2 = time.perf_counter()
         after = self.target.stats()
         stall = after["stall_s"] - before["stall_s"]
@@ -108,26 +111,29 @@ class SpeculativeDecoder:
         chunk = planner.chunk_size(self.governor.draft_s or 0.0, k) if planner else k
         tok = t
         for i in range(k):
-            token = torch.tensor([tok], device=self.device)
-            if self.draft_step is not None:
-                logits = self.draft_step(token, n + i, i, cache)  # [1, V]
-            else:
-                self.draft.row = i
-                logits = self.model(token, n + i, cache, self.draft)  # [1, V]
-            if params.greedy:
-                tok = int(logits.argmax(-1))
-            else:
-                q = probs(logits, params)[0]
-                tok = int(torch.multinomial(q, 1, generator=gen))
-                q_rows.append(q)
+            with span("draft step"):
+                token = torch.tensor([tok], device=self.device)
+                if self.draft_step is not None:
+                    logits = self.draft_step(token, n + i, i, cache)  # [1, V]
+                else:
+                    self.draft.row = i
+                    logits = self.model(token, n + i, cache, self.draft)  # [1, V]
+                if params.greedy:
+                    tok = int(logits.argmax(-1))
+                else:
+                    q = probs(logits, params)[0]
+                    tok = int(torch.multinomial(q, 1, generator=gen))
+                    q_rows.append(q)
             drafted.append(tok)
             if planner is not None and (i == 0 or ((i + 1) % chunk == 0 and self.target.link.pending() <= self.plan_backlog)):
                 # the first row at once (copies should start as early as possible); later chunks only
                 # when the link is about to run dry: planning into a backlog costs draft time, buys nothing
-                planner.plan(i + 1)
+                with span("plan"):
+                    planner.plan(i + 1)
         self.draft.row = None
         if planner is not None:
-            planner.plan(k)
+            with span("plan"):
+                planner.plan(k)
         return drafted, q_rows
 
     # ------------------------------------------------------------------------------ stats
