@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from specter.errors import ConfigError
-from specter.triton_ops import Int4Experts, pack_int4, quantize_int4
+from specter.triton_ops import (Int4Experts, combine_rows, expert_rows, fused_moe, merge_rows, pack_int4,
+                                quantize_int4)
+from specter.triton_ops.align import BLOCK_M, align_rows, max_blocks
 
 
 def _weights(E=3, N=48, K=256, dtype=torch.float32, seed=0):
@@ -97,3 +99,130 @@ def test_packed_draft_runs_in_the_compute_dtype(dtype):
     y = packed(0, x, ids, w)
     assert y.dtype == dtype and y.shape == (T, H)
     torch.testing.assert_close(y, plain(0, x, ids, w), rtol=0.05, atol=0.02)
+
+
+# ------------------------------------------------------------------------------ fused_moe (torch)
+def moe_case(T, k, E=6, H=32, I=32, R=None, dtype=torch.float32, int4=False, seed=0):
+    """x, ids, weights, w13, w2 and a remap over R < E rows when R is given. Token 0 routes to expert
+    0 at every position it can, every token uses expert 1 (position 0), experts E-1, E-2 are unused."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    scores = torch.rand(T, E - 2, generator=g)
+    scores[:, 1] = 2.0  # every token uses expert 1
+    ids = scores.topk(k, dim=1).indices
+    weights = torch.rand(T, k, generator=g).to(dtype)
+    rows = R or E
+    w13 = torch.randn(rows, 2 * I, H, generator=g) * 0.2
+    w2 = torch.randn(rows, H, I, generator=g) * 0.2
+    if int4:
+        w13, w2 = pack_int4(w13, 16, dtype=dtype), pack_int4(w2, 16, dtype=dtype)
+    else:
+        w13, w2 = w13.to(dtype), w2.to(dtype)
+    remap = None
+    if R is not None:  # experts 0 and 3 not resident; the others in scrambled rows
+        perm = torch.randperm(R, generator=g).tolist()
+        remap = torch.full((E,), -1, dtype=torch.int32)
+        for e in [e for e in range(E) if e not in (0, 3)][:R]:
+            remap[e] = perm.pop()
+    return x, ids, weights, w13, w2, remap
+
+
+def naive_moe(x, ids, weights, w13, w2, remap=None):
+    """fp64, one (token, position) at a time; rows whose expert maps to -1 are left out."""
+    dense = lambda w: (w.dequantize() if isinstance(w, Int4Experts) else w).double()
+    w13, w2, x = dense(w13), dense(w2), x.double()
+    y = torch.zeros_like(x)
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            r = int(ids[t, j]) if remap is None else int(remap[ids[t, j]])
+            if r >= 0:
+                gate, up = (w13[r] @ x[t]).chunk(2)
+                y[t] += float(weights[t, j]) * (w2[r] @ (torch.nn.functional.silu(gate) * up))
+    return y
+
+
+@pytest.mark.parametrize("T", [1, 5, 33, 65])
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("int4", [False, True])
+@pytest.mark.parametrize("R", [None, 3])
+def test_torch_backend_matches_the_naive_loop(T, k, int4, R):
+    x, ids, w, w13, w2, remap = moe_case(T, k, int4=int4, R=R)
+    y = fused_moe(x, ids, w, w13, w2, remap=remap, backend="torch")
+    torch.testing.assert_close(y.double(), naive_moe(x, ids, w, w13, w2, remap), rtol=1e-5, atol=1e-5)
+
+
+def test_top8_and_more_experts_than_one_block():
+    x, ids, w, w13, w2, _ = moe_case(33, 8, E=12)
+    torch.testing.assert_close(fused_moe(x, ids, w, w13, w2).double(), naive_moe(x, ids, w, w13, w2),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_alignment_groups_rows_by_expert_in_padded_blocks():
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]])
+    remap = torch.tensor([1, -1, 0], dtype=torch.int32)  # expert 1 not resident
+    a = align_rows(ids, 2, remap)
+    nb = max_blocks(6, 2)
+    assert a.block_expert.tolist() == [0, 1] + [-1] * (nb - 2)   # row 0 = expert 2 (3 rows), row 1 = expert 0
+    assert int(a.n_padded) == 2 * BLOCK_M
+    slots = a.slot_row.tolist()
+    assert slots[:4] == [0, 2, 5, 6] and slots[BLOCK_M:BLOCK_M + 3] == [1, 4, 6]  # stable: token order
+    assert a.row_slot.tolist() == [0, BLOCK_M, 1, nb * BLOCK_M, BLOCK_M + 1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("int4", [False, True])
+def test_batch_invariance_bit_for_bit(dtype, int4):
+    """A token's output is the same bits alone, in a batch of 65, or among other tokens."""
+    x, ids, w, w13, w2, _ = moe_case(65, 2, dtype=dtype, int4=int4)
+    full = fused_moe(x, ids, w, w13, w2)
+    others = moe_case(9, 2, dtype=dtype, seed=5)[0]
+    for t in (0, 17, 64):
+        assert torch.equal(fused_moe(x[t:t + 1], ids[t:t + 1], w[t:t + 1], w13, w2)[0], full[t])
+        mixed = torch.cat((others[:4], x[t:t + 1], others[4:]))
+        mids = torch.cat((ids[:4], ids[t:t + 1], ids[4:9]))
+        mw = torch.cat((w[:4], w[t:t + 1], w[4:9]))
+        assert torch.equal(fused_moe(mixed, mids, mw, w13, w2)[4], full[t])
+
+
+@pytest.mark.parametrize("int4", [False, True])
+def test_two_calls_give_the_bits_of_one(int4):
+    """Resident experts first, late arrivals second, merged: the very bits of one call over all."""
+    x, ids, w, w13, w2, _ = moe_case(33, 2, E=8, int4=int4)
+    everything = torch.arange(8, dtype=torch.int32)
+    first = torch.where(torch.tensor([1, 0, 1, 1, 0, 1, 0, 1], dtype=torch.bool), everything, -1)
+    late = torch.where(first < 0, everything, -1)
+    rows = expert_rows(x, ids, w, w13, w2, remap=first)
+    assert (rows[first[ids] < 0] == 0).all()  # skipped rows are left (zero) for the caller
+    merged = merge_rows(rows, expert_rows(x, ids, w, w13, w2, remap=late), ids, late)
+    one = expert_rows(x, ids, w, w13, w2, remap=everything)
+    assert torch.equal(merged, one)
+    assert torch.equal(combine_rows(merged), fused_moe(x, ids, w, w13, w2))
+
+
+def test_all_rows_skipped_gives_zeros():
+    x, ids, w, w13, w2, _ = moe_case(5, 2)
+    nothing = torch.full((6,), -1, dtype=torch.int32)
+    assert torch.equal(fused_moe(x, ids, w, w13, w2, remap=nothing), torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("int4", [False, True])
+def test_compiles_fullgraph_through_the_custom_ops(int4):
+    x, ids, w, w13, w2, remap = moe_case(5, 2, R=3, int4=int4)
+
+    def layer(x, ids, w, remap):
+        return torch.tanh(fused_moe(x * 2, ids, w, w13, w2, remap=remap)) + 1
+
+    compiled = torch.compile(layer, fullgraph=True)
+    assert torch.equal(compiled(x, ids, w, remap), layer(x, ids, w, remap))
+
+
+def test_fused_moe_bad_input_is_a_clear_error():
+    x, ids, w, w13, w2, _ = moe_case(5, 2)
+    with pytest.raises(ConfigError, match="backend"):
+        fused_moe(x, ids, w, w13, w2, backend="cuda")
+    with pytest.raises(ConfigError, match="do not fit"):
+        fused_moe(x[:, :16], ids, w, w13, w2)
+    with pytest.raises(ConfigError, match=r"\[T=5, k\]"):
+        fused_moe(x, ids, w[:, :1], w13, w2)
+    with pytest.raises(ConfigError, match="remap"):
+        fused_moe(x, ids, w, w13, w2, remap=torch.zeros(6))
