@@ -102,7 +102,7 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
             if r.get("drafted_tokens"):
                 spec_cycles = sum(n for k, n in r["k_histogram"].items() if k > 0)
                 r.update(acceptance_stats(r["accepted_tokens"], r["drafted_tokens"], r["rejections"], spec_cycles))
-            if r.get("recall_total"):
+            if r.get("recall_total") and r.get("prefetch_issued"):  # recall of no prefetch is not 1.0
                 r["prefetch_recall"] = r["recall_hits"] / r["recall_total"]
             if r.get("cover_total"):
                 r["route_coverage"] = r["cover_hits"] / r["cover_total"]

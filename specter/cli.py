@@ -24,12 +24,28 @@ def _model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much mass, in (0, 1] "
+                                                            "(default 1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the K likeliest tokens (default 0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below MIN_P x the likeliest token's probability, in [0, 1] (default 0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 discourages tokens of the prompt and output (default 1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="[-2, 2]: subtracted once from each generated token's logit (default 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="[-2, 2]: subtracted per occurrence among generated tokens (default 0)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one each run)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def sampling_kwargs(args) -> dict:
+    """generate()'s sampling keywords from _sampling_args' flags."""
+    return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, seed=args.seed)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,8 +102,7 @@ def cmd_generate(args) -> int:
             raise SpecterError('no prompt: pass one, e.g. specter generate "def add(a, b):", or pipe it on stdin')
         prompt = sys.stdin.read()
     engine = _load(args)
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-              top_k=args.top_k, seed=args.seed, stop=args.stop)
+    kw = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, **sampling_kwargs(args))
     try:
         if args.json:
             out = engine.generate(prompt, **kw)

@@ -1,14 +1,19 @@
-"""The engine: load once, then generate / stream / astream.
+"""The engine: load once, then generate / stream / stream_ids / astream.
 
 A policy is a *decoder*: an object whose `run(prompt_ids, params, max_new)` yields lists of
 committed token ids (one token a step for plain decoding, several a cycle for speculation) and
 whose `stats()` reports what it did. The engine owns everything around it: prompts and
-tokenizers, validation, stop conditions, detokenisation, timing.
+tokenizers, validation, stop conditions, detokenisation, timing, and turns: one engine runs one
+generation at a time (they share the slot pool, the planner and the KV cache), so concurrent
+callers wait for their turn in arrival order and get exactly the text they would get alone.
 """
 from __future__ import annotations
 
 import asyncio
+import bisect
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Iterator
@@ -22,10 +27,11 @@ from .model import MoETransformer
 from .moe import ExpertWeights
 from .sampling import SamplingParams, sample
 
-# every generation reports every key (zeros where a policy has nothing to say), one schema for all
-STATS_DEFAULTS = dict(ttft_s=0.0, tpot_s=0.0, new_tokens=0, cycles=0, accepted_per_cycle=0.0, acceptance_rate=0.0,
-                      draft_efficiency=0.0, k_histogram={}, expert_hits=0, expert_misses=0, prefetch_issued=0,
-                      prefetch_used=0, prefetch_recall=0.0, route_coverage=0.0, h2d_bytes=0, stall_s=0.0,
+# every generation reports every key, one schema for all: counts are 0 where nothing happened, ratios
+# None where they do not apply (acceptance without drafting, recall without prefetching)
+STATS_DEFAULTS = dict(ttft_s=0.0, tpot_s=0.0, new_tokens=0, cycles=0, accepted_per_cycle=None, acceptance_rate=None,
+                      draft_efficiency=None, k_histogram={}, expert_hits=0, expert_misses=0, prefetch_issued=0,
+                      prefetch_used=0, prefetch_recall=None, route_coverage=None, h2d_bytes=0, stall_s=0.0,
                       decode_stall_s=0.0, draft_s=0.0, verify_s=0.0, drafted_tokens=0, accepted_tokens=0, rejections=0)
 
 POLICIES = ("resident", "on-demand", "next-layer", "spec-lru", "specter")
@@ -49,11 +55,13 @@ class PlainDecoder:
         spec = self.model.spec
         cache = KVCache(spec, len(prompt) + max_new, self.device, self.dtype)
         gen = params.generator(self.device)
+        hist = params.history(prompt, spec.vocab_size, self.device)  # what penalties look at
         tokens = torch.tensor(prompt, device=self.device)
         logits = self.model(tokens, 0, cache, self.experts, logits_for="last")  # [1, V]
         pos = len(prompt)
         for _ in range(max_new):
-            tok = sample(logits, params, gen)  # [1]
+            tok = sample(logits, params, gen, hist)  # [1]
+            hist.commit([int(tok)])
             yield [int(tok)]
             logits = self.model(tok, pos, cache, self.experts)
             pos += 1
@@ -69,12 +77,64 @@ class PlainDecoder:
         getattr(self.experts, "close", lambda: None)()
 
 
+class Turns:
+    """One generation at a time on an engine, served in arrival order (a ticket lock)."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._next = self._serving = 0
+        self._owner: int | None = None  # thread running the current generation
+
+    @property
+    def waiting(self) -> int:
+        """Generations queued behind the running one."""
+        with self._cv:
+            return self._next - self._serving - (self._owner is not None)
+
+    @contextmanager
+    def turn(self):
+        me = threading.get_ident()
+        with self._cv:
+            if self._owner == me:
+                raise ConfigError("this thread is already generating on this engine (a stream it has not "
+                                  "finished); finish or close that stream before starting another")
+            ticket, self._next = self._next, self._next + 1
+            self._cv.wait_for(lambda: self._serving == ticket)
+            self._owner = me
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._owner = None
+                self._serving += 1
+                self._cv.notify_all()
+
+
+def stop_list(stop) -> list[str]:
+    """None, a string or a list of strings -> a list of non-empty stop strings (else a ConfigError)."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+        raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}")
+    if any(s == "" for s in stops):
+        raise ConfigError("an empty stop string matches at once; remove it")
+    return list(stops)
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest end of `text` that could be the start of a stop string (not yet printable)."""
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+               default=0)
+
+
 class Engine:
     def __init__(self, model: MoETransformer, experts: list[ExpertWeights], tokenizer, *, path: Path,
                  device: torch.device, dtype: torch.dtype, policy: str, decoder):
         self.model, self.expert_weights, self.tokenizer = model, experts, tokenizer
         self.path, self.device, self.dtype, self.policy = path, device, dtype, policy
         self.decoder = decoder
+        self.turns = Turns()
 
     @property
     def spec(self) -> ModelSpec:
@@ -84,10 +144,11 @@ class Engine:
     def encode(self, prompt) -> list[int]:
         """A string, a list of token ids, or a chat (list of {"role", "content"} dicts)."""
         if isinstance(prompt, str):
-            tok = self._need_tokenizer("a string prompt")
+            tok = self._need_tokenizer("a string prompt cannot be encoded; pass a list of token ids "
+                                       "(CLI: --prompt-ids)")
             ids = tok(prompt)["input_ids"]
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            tok = self._need_tokenizer("a chat prompt")
+            tok = self._need_tokenizer("a chat prompt cannot be rendered; pass a list of token ids")
             if not getattr(tok, "chat_template", None):
                 raise TokenizerError(f"the tokenizer in {self.path} has no chat template; pass a plain string")
             ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
@@ -108,20 +169,104 @@ class Engine:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _need_tokenizer(self, what: str):
+    def _need_tokenizer(self, consequence: str):
         if self.tokenizer is None:
-            raise TokenizerError(f"{self.path} ships no tokenizer, so {what} cannot be encoded; pass a list of token ids")
+            raise TokenizerError(f"{self.path} ships no tokenizer, so {consequence}")
         return self.tokenizer
 
     # ---------------------------------------------------------------------------- generation
-    def _tokens(self, prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, stats):
-        """Yields (new_ids_so_far, finished_text_or_None). Fills `stats` as it goes."""
-        params = SamplingParams(temperature, top_p, top_k, seed)
+    def generate(self, prompt, max_new_tokens: int = 128, *, stop=None, **sampling) -> GenerationOutput:
+        """The whole continuation at once.
+
+        sampling: temperature (0 = greedy), top_p, top_k, min_p, repetition_penalty, presence_penalty,
+        frequency_penalty, seed (see specter.sampling.SamplingParams). stop: a string or a list; the
+        text ends before the first one, and token_ids end with the token that completes that text."""
+        stats: dict = {}
+        new, text = [], ""
+        for new, text in self._generation(prompt, max_new_tokens, stop, sampling, stats, None):
+            pass
+        return GenerationOutput(text=text or "", token_ids=list(new), stats=stats)
+
+    def stream(self, prompt, max_new_tokens: int = 128, *, stop=None, stats: dict | None = None,
+               cancel: threading.Event | None = None, **sampling) -> Iterator[str]:
+        """Text pieces as tokens are committed; they join to generate()'s text. Text that could be the
+        start of a stop string is held back until it is known not to be. Pass a dict as `stats` to
+        receive the stats; set `cancel` (from any thread) to end the generation at the next cycle."""
+        self._need_tokenizer("there is no text to stream; use stream_ids() or generate()")
+        for _, text in self._pieces(prompt, max_new_tokens, stop, sampling, stats, cancel):
+            if text:
+                yield text
+
+    def stream_ids(self, prompt, max_new_tokens: int = 128, *, stop=None, stats: dict | None = None,
+                   cancel: threading.Event | None = None, **sampling) -> Iterator[list[int]]:
+        """Lists of new token ids as they are committed (no tokenizer needed); they join to
+        generate()'s token_ids."""
+        for ids, _ in self._pieces(prompt, max_new_tokens, stop, sampling, stats, cancel):
+            if ids:
+                yield ids
+
+    async def astream(self, prompt, max_new_tokens: int = 128, **kwargs) -> AsyncIterator[str]:
+        """`stream` for asyncio code. The generation runs in its own thread (so waiting for the engine's
+        turn never blocks the event loop or its executor); leaving the loop early, or cancelling the
+        task, ends the generation at its next cycle."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+        end = object()
+
+        def put(item) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop has closed: nobody is listening
+                cancel.set()
+
+        def produce() -> None:
+            try:
+                for piece in self.stream(prompt, max_new_tokens, cancel=cancel, **kwargs):
+                    put(piece)
+            except BaseException as e:  # handed to the consumer, raised there
+                put(e)
+            put(end)
+
+        threading.Thread(target=produce, name="specter-astream", daemon=True).start()
+        try:
+            while (item := await queue.get()) is not end:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            cancel.set()
+
+    def _pieces(self, prompt, max_new_tokens, stop, sampling, stats, cancel) -> Iterator[tuple[list[int], str]]:
+        """(new token ids, new text) as they become final: nothing that a stop string could still cut."""
+        stops = stop_list(stop)
+        stats = {} if stats is None else stats
+        sent, printed = 0, 0
+        new, text = [], None
+        for new, text in self._generation(prompt, max_new_tokens, stop, sampling, stats, cancel):
+            if text is None:  # no tokenizer (and so no stop strings)
+                ids_end, text_end = len(new), 0
+            else:
+                text_end = len(text) - held_back(text, stops)
+                if text[:text_end].endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait
+                    continue
+                ids_end = len(new) if text_end == len(text) else self._tokens_within(new, text_end)
+            if ids_end > sent or text_end > printed:
+                yield new[sent:ids_end], (text or "")[printed:text_end]
+                sent, printed = max(sent, ids_end), max(printed, text_end)
+        if len(new) > sent or len(text or "") > printed:  # the end: nothing is held back any more
+            yield new[sent:], (text or "")[printed:]
+
+    def _generation(self, prompt, max_new_tokens, stop, sampling, stats: dict, cancel
+                    ) -> Iterator[tuple[list[int], str | None]]:
+        """Validates, waits for the engine's turn, decodes. Yields (new ids so far, their text or None
+        without a tokenizer) after each committed chunk, both cut at a stop string; fills `stats`."""
+        params = SamplingParams.from_kwargs(sampling)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if stops and self.tokenizer is None:
-            raise TokenizerError("stop strings need a tokenizer; this checkpoint ships none")
+        stops = stop_list(stop)
+        if stops:
+            self._need_tokenizer("stop strings cannot be matched; stop on max_new_tokens or the EOS token")
         ids = self.encode(prompt)
         limit = self.spec.max_position
         if len(ids) + max_new_tokens > limit:
@@ -129,31 +274,43 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "
                 f"exceeds the model's context of {limit} tokens; shorten the prompt or lower max_new_tokens"
             )
+        with self.turns.turn():
+            if cancel is not None and cancel.is_set():
+                return
+            yield from self._decode(ids, max_new_tokens, params, stops, stats, cancel)
+
+    def _decode(self, ids, max_new_tokens, params, stops, stats, cancel):
         eos = set(self.spec.eos_token_ids)
+        longest = max(map(len, stops), default=0)
         self.decoder.reset_stats()
         new: list[int] = []
+        checked = 0  # text before this offset holds no stop string
         t0 = time.perf_counter()
         t_first = None
-        for chunk in self.decoder.run(ids, params, max_new_tokens):
-            if t_first is None:
-                t_first = time.perf_counter()
-                prefill_stall = self.decoder.stats().get("stall_s", 0.0)
-            done = False
-            for t in chunk:
-                new.append(t)
-                if t in eos or len(new) >= max_new_tokens:
-                    done = True
+        run = self.decoder.run(ids, params, max_new_tokens)
+        try:
+            for chunk in run:
+                if t_first is None:
+                    t_first = time.perf_counter()
+                    prefill_stall = self.decoder.stats().get("stall_s", 0.0)
+                done = False
+                for t in chunk:
+                    new.append(t)
+                    if t in eos or len(new) >= max_new_tokens:
+                        done = True
+                        break
+                text = self.decode(new) if self.tokenizer is not None else None
+                if stops:
+                    start = max(0, checked - longest + 1)
+                    hit = min((i for s in stops if (i := text.find(s, start)) >= 0), default=-1)
+                    checked = len(text)
+                    if hit >= 0:
+                        text, new, done = text[:hit], new[:self._tokens_for(new, hit)], True
+                yield new, text
+                if done or (cancel is not None and cancel.is_set()):
                     break
-            if stops:
-                text = self.decode(new)
-                hit = min((text.find(s) for s in stops if s in text), default=-1)
-                if hit >= 0:
-                    yield new, text[:hit]
-                    done = True
-                    break
-            yield new, None
-            if done:
-                break
+        finally:
+            run.close()
         t_end = time.perf_counter()
         if t_first is None:
             t_first, prefill_stall = t_end, 0.0
@@ -169,34 +326,13 @@ class Engine:
             policy=self.policy,
         )
 
-    def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, stop=None) -> GenerationOutput:
-        stats: dict = {}
-        new, final = [], None
-        for new, final in self._tokens(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, stats):
-            pass
-        text = final if final is not None else self.decode(new)
-        return GenerationOutput(text=text, token_ids=list(new), stats=stats)
+    def _tokens_for(self, new: list[int], n_chars: int) -> int:
+        """The fewest leading tokens whose text reaches `n_chars` characters (the text up to a stop)."""
+        return bisect.bisect_left(range(len(new) + 1), n_chars, key=lambda j: len(self.decode(new[:j])))
 
-    def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, seed: int | None = None, stop=None, stats: dict | None = None) -> Iterator[str]:
-        """Text pieces as tokens are committed. Pass a dict as `stats` to receive the stats."""
-        stats = {} if stats is None else stats
-        printed = 0
-        for new, final in self._tokens(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, stats):
-            text = final if final is not None else self.decode(new)
-            if final is None and text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait
-                continue
-            if len(text) > printed:
-                yield text[printed:]
-                printed = len(text)
-
-    async def astream(self, prompt, **kwargs) -> AsyncIterator[str]:
-        """`stream` for asyncio code: each step runs in a worker thread, so the loop stays free."""
-        it = self.stream(prompt, **kwargs)
-        end = object()
-        while (piece := await asyncio.to_thread(next, it, end)) is not end:
-            yield piece
+    def _tokens_within(self, new: list[int], n_chars: int) -> int:
+        """The most leading tokens whose text fits in `n_chars` characters."""
+        return bisect.bisect_right(range(len(new) + 1), n_chars, key=lambda j: len(self.decode(new[:j]))) - 1
 
     def close(self) -> None:
         if hasattr(self.decoder, "close"):

@@ -1,51 +1,146 @@
 """Sampling parameters and the logits -> probabilities transform.
 
-`probs` applies temperature, top-k and top-p the same way to any distribution, so speculative
-acceptance can filter the draft's and the target's distributions identically.
+One pipeline, applied the same way to any distribution so speculative acceptance sees the draft's
+and the target's distributions processed identically:
+
+    logits [N, V] -> penalties (repetition, presence, frequency; from the token history)
+                  -> temperature -> top-k -> top-p -> min-p -> probabilities [N, V]
+
+Greedy parameters take the argmax of the penalised logits. Penalties read a `History`: the prompt
+and every committed token, plus, for row i of a multi-row call, the drafted tokens before it.
+As OpenAI and vLLM define them, `presence_penalty` / `frequency_penalty` count generated tokens
+only and `repetition_penalty` (the CTRL / Hugging Face one) covers the prompt too.
 """
 from __future__ import annotations
 
+import difflib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Sequence
 
 import torch
 
 from .errors import ConfigError
 
 
+def _number(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0   # 0 = greedy
-    top_p: float = 1.0         # nucleus mass kept, in (0, 1]
-    top_k: int = 0             # 0 = off
-    seed: int | None = None
+    temperature: float = 0.0          # 0 = greedy
+    top_p: float = 1.0                # nucleus mass kept, in (0, 1]
+    top_k: int = 0                    # 0 = off
+    seed: int | None = None           # None: a fresh seed (never from the global torch RNG)
+    min_p: float = 0.0                # drop tokens below min_p x the top token's probability; 0 = off
+    repetition_penalty: float = 1.0   # > 0; seen tokens' logits divided (if > 0) or multiplied by it
+    presence_penalty: float = 0.0     # [-2, 2]; subtracted once from every generated token's logit
+    frequency_penalty: float = 0.0    # [-2, 2]; subtracted per occurrence among generated tokens
 
     def __post_init__(self):
         t, p, k, s = self.temperature, self.top_p, self.top_k, self.seed
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        if not _number(t) or t < 0:
             raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
+        if not _number(p) or not (0 < p <= 1):
             raise ConfigError(f"top_p must be in (0, 1], got {p!r}")
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
         if s is not None and (isinstance(s, bool) or not isinstance(s, int)):
             raise ConfigError(f"seed must be an integer or None, got {s!r}")
+        if not _number(self.min_p) or not (0 <= self.min_p <= 1):
+            raise ConfigError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if not _number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _number(v) or not (-2 <= v <= 2):
+                raise ConfigError(f"{name} must be in [-2, 2] (0 = off), got {v!r}")
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict) -> "SamplingParams":
+        """generate()'s sampling keywords -> params; an unknown keyword is a ConfigError naming it."""
+        names = [f.name for f in fields(cls)]
+        for key in kwargs:
+            if key not in names:
+                close = difflib.get_close_matches(key, names + ["max_new_tokens", "stop", "stats"], n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(f"unknown argument {key!r}{hint}; sampling arguments are {', '.join(names)}")
+        return cls(**kwargs)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
     def generator(self, device) -> torch.Generator | None:
         if self.greedy:
             return None
         g = torch.Generator(device=device)
-        g.manual_seed(self.seed if self.seed is not None else torch.seed())
+        if self.seed is None:
+            g.seed()  # the generator's own fresh seed: the caller's global RNG is never touched
+        else:
+            g.manual_seed(self.seed)
         return g
 
+    def history(self, prompt: Sequence[int], vocab: int, device) -> "History":
+        return History(prompt, vocab, device, track=self.penalized)
 
-def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """logits [N, V] -> filtered probabilities [N, V] (fp32). Greedy params give one-hot rows."""
+
+class History:
+    """The tokens penalties look at, as device tensors: `prompt_seen` [V] (bool) and `counts` [V]
+    (occurrences among committed generated tokens). Tracks nothing when no penalty is set."""
+
+    def __init__(self, prompt: Sequence[int], vocab: int, device, track: bool = True):
+        self.track = track
+        if track:
+            self.prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            self.prompt_seen[torch.tensor(list(prompt), device=device)] = True
+            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        if self.track and tokens:
+            idx = torch.tensor(list(tokens), device=self.counts.device)
+            self.counts.index_add_(0, idx, torch.ones(len(tokens), device=idx.device))
+
+    def rows(self, n: int, pending: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seen [n, V], counts [n, V]) for the last n positions: the last row's history includes all
+        of `pending` (uncommitted drafted tokens), row i its first len(pending) - n + 1 + i."""
+        counts = self.counts.expand(n, -1)
+        P = len(pending)
+        if P:
+            dev = counts.device
+            idx = torch.tensor(list(pending), device=dev).expand(n, P)                          # [n, P]
+            upto = torch.arange(n, device=dev)[:, None] + (P - n + 1)
+            w = (torch.arange(P, device=dev)[None, :] < upto).float()                          # [n, P]
+            counts = counts + torch.zeros_like(counts).scatter_add_(1, idx, w)
+        return self.prompt_seen | (counts > 0), counts
+
+
+def penalize(logits: torch.Tensor, p: SamplingParams, history: History | None,
+             pending: Sequence[int] = ()) -> torch.Tensor:
+    """logits [N, V] -> logits [N, V] with repetition, frequency and presence penalties applied."""
+    if history is None or not history.track:
+        return logits
+    seen, counts = history.rows(logits.shape[0], pending)
     logits = logits.float()
+    r = p.repetition_penalty
+    if r != 1:
+        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    if p.frequency_penalty:
+        logits = logits - p.frequency_penalty * counts
+    if p.presence_penalty:
+        logits = logits - p.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def probs(logits: torch.Tensor, p: SamplingParams, history: History | None = None,
+          pending: Sequence[int] = ()) -> torch.Tensor:
+    """logits [N, V] -> filtered probabilities [N, V] (fp32). Greedy params give one-hot rows."""
+    logits = penalize(logits, p, history, pending).float()
     if p.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / p.temperature
@@ -59,11 +154,15 @@ def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         drop = torch.zeros_like(out, dtype=torch.bool).scatter(-1, order, before >= p.top_p)
         out = out.masked_fill(drop, 0.0)
         out = out / out.sum(-1, keepdim=True)
+    if p.min_p > 0:
+        out = out.masked_fill(out < p.min_p * out.amax(-1, keepdim=True), 0.0)
+        out = out / out.sum(-1, keepdim=True)
     return out
 
 
-def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
+def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, history: History | None = None,
+           pending: Sequence[int] = ()) -> torch.Tensor:
     """logits [N, V] -> token ids [N] (int64)."""
     if p.greedy:
-        return logits.argmax(-1)
-    return torch.multinomial(probs(logits, p), 1, generator=gen)[:, 0]
+        return penalize(logits, p, history, pending).argmax(-1)
+    return torch.multinomial(probs(logits, p, history, pending), 1, generator=gen)[:, 0]

@@ -97,3 +97,125 @@ def test_generate_summary_line():
     line = summary_line(dict(base, expert_hits=1, expert_misses=3, h2d_bytes=5e6, drafted_tokens=8,
                              accepted_per_cycle=3.5, acceptance_rate=0.9))
     assert "expert hit rate 25%, 5 MB copied" in line and "3.5 drafted tokens accepted a cycle (alpha 0.90)" in line
+
+
+# --------------------------------------------------------------- one engine, many callers; stop strings
+@pytest.fixture(scope="module")
+def spec_engine():
+    e = specter.load(None, device="cpu", policy="specter", residency=0.5)
+    yield e
+    e.close()
+
+
+PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n", "for i in range(10):"]
+
+
+@pytest.mark.parametrize("which", ["specter greedy", "resident seeded"])
+def test_concurrent_generations_give_their_solo_texts(engine, spec_engine, which):
+    """Threads and astreams on one engine share its slot pool, planner and cache: they take turns,
+    and each gets exactly the text it gets alone. (Seeded sampling under speculation depends on the
+    governor's K choices, so its seeded runs are compared on `resident`.)"""
+    import threading
+
+    eng = spec_engine if which == "specter greedy" else engine
+    kws = [dict(), dict(repetition_penalty=1.3), dict(frequency_penalty=0.5), dict()] if eng is spec_engine else \
+        [dict(temperature=0.9, seed=3), dict(temperature=1.0, seed=4, min_p=0.05), dict(temperature=0.8, seed=5),
+         dict(temperature=1.2, seed=6)]
+    solo = [eng.generate(p, max_new_tokens=20, **kw).text for p, kw in zip(PROMPTS, kws)]
+    got = {}
+
+    def worker(i):
+        got[i] = eng.generate(PROMPTS[i], max_new_tokens=20, **kws[i]).text
+
+    async def streams():
+        async def one(i):
+            return "".join([p async for p in eng.astream(PROMPTS[i], max_new_tokens=20, **kws[i])])
+        return await asyncio.gather(one(2), one(3))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    got[2], got[3] = asyncio.run(streams())
+    for t in threads:
+        t.join(timeout=120)
+    assert [got.get(i) for i in range(4)] == solo
+
+
+def test_a_stream_in_progress_refuses_a_nested_generation_in_its_thread(engine):
+    it = engine.stream(PROMPT, max_new_tokens=8)
+    next(it)
+    with pytest.raises(specter.ConfigError, match="finish or close that stream"):
+        engine.generate(PROMPT, max_new_tokens=2)
+    it.close()
+    assert engine.generate(PROMPT, max_new_tokens=2).token_ids  # the turn was handed back
+
+
+def test_leaving_an_astream_early_frees_the_engine(engine):
+    async def first_piece():
+        async for piece in engine.astream(PROMPT, max_new_tokens=64):
+            return piece
+
+    assert asyncio.run(first_piece())
+    done = []
+    import threading
+
+    t = threading.Thread(target=lambda: done.append(engine.generate(PROMPT, max_new_tokens=4)))
+    t.start()
+    t.join(timeout=60)
+    assert done, "the abandoned astream kept the engine"
+    assert engine.turns.waiting == 0
+
+
+def _stops(engine):
+    """Stop strings from the greedy continuation: one starting on a token boundary, one inside a token."""
+    full = engine.generate(PROMPT, max_new_tokens=32)
+    ids = full.token_ids
+    b = next(i for i in range(2, len(ids)) if len(engine.decode(ids[i:i + 1])) >= 3)  # token i has >= 3 chars
+    at = len(engine.decode(ids[:b]))
+    return full.text, at, [full.text[at:at + 4], full.text[at + 1:at + 5]]
+
+
+def test_stop_string_cuts_text_and_token_ids_alike(engine, spec_engine):
+    full, at, (boundary, inside) = _stops(engine)
+    for stop in (boundary, inside):
+        hit = full.find(stop)
+        out = engine.generate(PROMPT, max_new_tokens=32, stop=stop)
+        assert out.text == full[:hit], stop
+        shown = engine.decode(out.token_ids)
+        assert shown.startswith(out.text) and len(engine.decode(out.token_ids[:-1])) < len(out.text), stop
+        if hit == at:  # the stop starts where a token starts: the ids decode to the text exactly
+            assert shown == out.text
+        # streamed: never a character of the stop string, pieces join to the text
+        pieces = list(engine.stream(PROMPT, max_new_tokens=32, stop=[stop]))
+        assert "".join(pieces) == out.text, (stop, pieces)
+        ids = [t for chunk in engine.stream_ids(PROMPT, max_new_tokens=32, stop=stop) for t in chunk]
+        assert ids == out.token_ids
+        # the same ids under speculation (whole multi-token chunks are committed at once)
+        spec = spec_engine.generate(PROMPT, max_new_tokens=32, stop=stop)
+        assert (spec.text, spec.token_ids) == (out.text, out.token_ids)
+        assert "".join(spec_engine.stream(PROMPT, max_new_tokens=32, stop=stop)) == out.text
+
+
+def test_held_back():
+    from specter.engine import held_back
+
+    assert held_back("abc k.c", ["k.ca"]) == 3 and held_back("abc k", ["k.ca", "zz"]) == 1
+    assert held_back("abc", ["k.ca"]) == 0 and held_back("", ["ab"]) == 0 and held_back("a", ["a"]) == 0
+
+
+def test_stats_are_none_where_not_applicable(engine, spec_engine):
+    e = specter.load(None, device="cpu", policy="on-demand", residency=0.5)
+    try:
+        s = e.generate(PROMPT, max_new_tokens=6).stats
+    finally:
+        e.close()
+    for k in ("acceptance_rate", "draft_efficiency", "accepted_per_cycle", "prefetch_recall", "route_coverage"):
+        assert s[k] is None and engine.generate(PROMPT, max_new_tokens=3).stats[k] is None, k
+    s = spec_engine.generate(PROMPT, max_new_tokens=24).stats
+    assert s["drafted_tokens"] and 0 <= s["acceptance_rate"] <= 1 and 0 <= s["route_coverage"] <= 1
+    e = specter.load(None, device="cpu", policy="spec-lru", residency=0.5)
+    try:
+        s = e.generate(PROMPT, max_new_tokens=24).stats
+    finally:
+        e.close()
+    assert s["drafted_tokens"] and s["prefetch_issued"] == 0 and s["prefetch_recall"] is None

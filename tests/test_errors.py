@@ -1,5 +1,6 @@
 """Every user error: a SpecterError with an actionable message through the API, and through the
 CLI one line on stderr with exit code 2 (never a traceback)."""
+import asyncio
 import json
 import shutil
 import subprocess
@@ -121,3 +122,36 @@ def test_cli_subprocess_unsupported_arch(tmp_path):
     code, out, err = cli("generate", "hi", "--model", str(tmp_path), "--device", "cpu")
     assert code == 2
     assert "Traceback" not in err and "'gpt2' is not supported" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(stop=""), "empty stop string"),
+    (dict(stop=["ok", ""]), "empty stop string"),
+    (dict(stop=[5]), "stop must be a string or a list of strings"),
+    (dict(stop=5), "stop must be a string or a list of strings"),
+    (dict(max_tokens=5), "unknown argument 'max_tokens'"),
+    (dict(topp=0.5), "did you mean 'top_p'"),
+])
+def test_bad_arguments_are_specter_errors(kw, match):
+    e = specter.load(None, device="cpu", policy="resident")  # a tokenizer, so stop strings are allowed
+    for call in (lambda: e.generate("x", **kw), lambda: list(e.stream("x", **kw)),
+                 lambda: list(e.stream_ids("x", **kw))):
+        with pytest.raises(specter.SpecterError, match=match):
+            call()
+
+    async def astream():
+        return [p async for p in e.astream("x", **kw)]
+
+    with pytest.raises(specter.SpecterError, match=match):
+        asyncio.run(astream())
+
+
+def test_streaming_without_a_tokenizer(engine):
+    """No tokenizer: stream() says to use stream_ids(), which yields the generated ids."""
+    with pytest.raises(specter.TokenizerError, match="stream_ids"):
+        next(engine.stream([1, 2, 3], max_new_tokens=4))
+    chunks = list(engine.stream_ids([1, 2, 3], max_new_tokens=6))
+    assert [t for c in chunks for t in c] == engine.generate([1, 2, 3], max_new_tokens=6).token_ids
+    assert len(chunks) == 6
+    with pytest.raises(specter.TokenizerError, match="stop strings"):
+        engine.generate([1, 2, 3], stop="x")

@@ -48,3 +48,85 @@ def test_sampling_follows_the_distribution():
     params = SamplingParams(temperature=1.0, seed=0)
     counts = torch.bincount(sample(logits, params, params.generator("cpu")), minlength=3).float() / 20000
     torch.testing.assert_close(counts, torch.tensor([0.6, 0.3, 0.1]), atol=0.015, rtol=0)
+
+
+# ------------------------------------------------------------------ penalties and min-p, against references
+def test_repetition_penalty_and_min_p_match_transformers():
+    from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
+
+    from specter.sampling import History, penalize
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50) * 3
+    prompt, out = [3, 7, 7, 11], [20, 3, 41]
+    p = SamplingParams(temperature=1.0, repetition_penalty=1.7, min_p=0.08)
+    hist = History(prompt, 50, "cpu")
+    hist.commit(out)
+    ref = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + out]), logits.clone())
+    torch.testing.assert_close(penalize(logits, p, hist), ref)
+    ref_p = torch.softmax(MinPLogitsWarper(0.08)(None, ref), -1)
+    torch.testing.assert_close(probs(logits, p, hist), ref_p)
+    assert (probs(logits, p, hist) == 0).sum() > 10  # min-p really dropped the tail
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    """OpenAI's definition: logit[j] -= frequency * count[j] + presence * (count[j] > 0), over the
+    generated tokens (the prompt is not counted)."""
+    from specter.sampling import History, penalize
+
+    logits = torch.zeros(1, 8)
+    hist = History([1, 2], 8, "cpu")
+    hist.commit([2, 5, 5, 5])
+    got = penalize(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), hist)
+    want = torch.zeros(1, 8)
+    want[0, 2] = -(0.5 + 0.25)
+    want[0, 5] = -(0.5 + 3 * 0.25)
+    torch.testing.assert_close(got, want)
+
+
+def test_history_rows_see_the_drafted_prefix():
+    """Row i of a K+1-row verification sees the committed history plus drafted[:i] -- what the draft
+    saw when it drew drafted[i]."""
+    from specter.sampling import History, penalize
+
+    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5)
+    logits = torch.randn(4, 16)
+    drafted = [9, 4, 9]
+    hist = History([1], 16, "cpu")
+    hist.commit([4])
+    rows = penalize(logits, p, hist, drafted)
+    for i in range(4):
+        alone = History([1], 16, "cpu")
+        alone.commit([4] + drafted[:i])
+        torch.testing.assert_close(rows[i:i + 1], penalize(logits[i:i + 1], p, alone))
+        # the draft's single-row form: the last row sees every pending token
+        torch.testing.assert_close(rows[i:i + 1], penalize(logits[i:i + 1], p, hist, drafted[:i]))
+
+
+def test_greedy_repetition_penalty_matches_transformers(tiny):
+    path, ref = tiny("qwen3_moe")
+    engine = specter.load(path, device="cpu", policy="resident")
+    prompt = [7, 7, 7, 1, 5]
+    ours = engine.generate(prompt, max_new_tokens=20, repetition_penalty=1.4).token_ids
+    theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, repetition_penalty=1.4,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    assert ours == theirs
+    assert ours != engine.generate(prompt, max_new_tokens=20).token_ids  # the penalty changed something
+
+
+@pytest.mark.parametrize("kw,match", [(dict(min_p=1.5), "min_p"), (dict(repetition_penalty=0), "repetition_penalty"),
+                                      (dict(presence_penalty=3), "presence_penalty"),
+                                      (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+                                      (dict(temprature=1.0), "did you mean 'temperature'")])
+def test_bad_sampling_controls_are_config_errors(engine, kw, match):
+    with pytest.raises(specter.ConfigError, match=match):
+        engine.generate([1, 2, 3], max_new_tokens=2, **kw)
+
+
+def test_seeds_never_touch_the_global_rng(engine):
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    engine.generate([1, 2, 3], max_new_tokens=8, temperature=1.0)            # seed=None: a fresh seed
+    engine.generate([1, 2, 3], max_new_tokens=8, temperature=1.0, seed=5)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.initial_seed() == 123

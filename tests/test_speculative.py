@@ -22,6 +22,9 @@
    predicted experts are never evicted by the same cycle's later chunks, and what it prefetches is
    what verification then hits.
 6. Configuration: K_max = 0 is plain decoding; a bad K_max is a ConfigError.
+7. Penalties (repetition / presence / frequency) and min-p: greedy speculation with them equals
+   plain decoding, sampled speculation follows the penalised target's exact joint distribution, and
+   an exact draft (penalised like the target, position by position) has every token accepted.
 
 Statistical tests use fixed seeds, so each outcome is deterministic; P_FALSE_ALARM is the chance
 that a correct implementation fails over the choice of seeds.
@@ -214,6 +217,27 @@ def test_speculative_greedy_equals_resident(tiny, resident_tokens, fast_link, ar
         engine.close()
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_speculative_greedy_with_penalties_equals_resident(tiny, fast_link, arch):
+    """Penalties read the history (prompt, committed tokens, and at each drafted position the drafted
+    tokens before it): greedy speculation with them still gives plain decoding's tokens."""
+    path, _ = tiny(arch, eos_token_id=None)
+    kw = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3)
+    res, spec = load(path, "resident"), load(path, "specter", residency=0.25, k_max=6)
+    try:
+        want = [o.token_ids for o in gen_all(res)]
+        for k in (2, 5):
+            spec.decoder.governor = Governor(6, fixed=k)
+            outs = [spec.generate(p, max_new_tokens=NEW, **kw) for p in PROMPTS]
+            assert [o.token_ids for o in outs] == [res.generate(p, max_new_tokens=NEW, **kw).token_ids
+                                                  for p in PROMPTS], (arch, k)
+            assert total(outs, "drafted_tokens") > 0 and total(outs, "rejections") > 0
+        assert [o.token_ids for o in outs] != want  # the penalties changed the tokens
+    finally:
+        spec.close()
+        res.close()
+
+
 def test_default_model_speculative_greedy_equals_resident(fast_link):
     path = specter.default_model_path()
     if not (path / "model.safetensors").exists():
@@ -327,44 +351,68 @@ def test_accept_sampling_power_and_edge_cases(device):
 
 
 SAMPLE = dict(temperature=1.0, top_k=3)   # top-k applies to draft and target alike; 3^3 = 27 outcomes
+# penalties and min-p: history-dependent, so every drafted position must see its own prefix
+PENALIZED = dict(SAMPLE, repetition_penalty=1.8, presence_penalty=0.6, frequency_penalty=0.9, min_p=0.2)
 
 
-def target_probs(model, experts, ids: list[int]) -> torch.Tensor:
+def target_probs(model, experts, ids: list[int], n_prompt: int, kw: dict) -> torch.Tensor:
+    """The target's next-token probabilities after `ids`, processed by a reference written out here
+    (independent of specter.sampling's history tensors): penalties over prompt / generated tokens,
+    then temperature, top-k, min-p."""
     cache = KVCache(model.spec, len(ids) + 1, "cpu", torch.float32)
-    logits = model(torch.tensor(ids), 0, cache, experts, logits_for="last")
-    return probs(logits, SamplingParams(**SAMPLE))[0]
+    logits = model(torch.tensor(ids), 0, cache, experts, logits_for="last")[0].clone()
+    r = kw.get("repetition_penalty", 1.0)
+    for t in set(ids):
+        logits[t] = logits[t] / r if logits[t] > 0 else logits[t] * r
+    generated = Counter(ids[n_prompt:])
+    for t, c in generated.items():
+        logits[t] -= kw.get("frequency_penalty", 0.0) * c + kw.get("presence_penalty", 0.0)
+    logits = logits / kw["temperature"]
+    logits[logits < torch.topk(logits, kw["top_k"]).values[-1]] = float("-inf")
+    p = torch.softmax(logits, -1)
+    p[p < kw.get("min_p", 0.0) * p.max()] = 0
+    return p / p.sum()
 
 
-def exact_joint(model, experts, prompt: list[int], depth: int) -> dict:
+def exact_joint(model, experts, prompt: list[int], depth: int, kw: dict) -> dict:
     """The target's exact distribution of its first `depth` sampled tokens: {(t1, .., td): P}."""
     out = {(): 1.0}
     for _ in range(depth):
         nxt = {}
         for prefix, pr in out.items():
-            row = target_probs(model, experts, prompt + list(prefix))
+            row = target_probs(model, experts, prompt + list(prefix), len(prompt), kw)
             for t in torch.nonzero(row).flatten().tolist():
                 nxt[prefix + (t,)] = pr * float(row[t])
         out = nxt
     return out
 
 
-def test_speculative_sampling_matches_target_end_to_end(tiny, fast_link):
+@pytest.mark.parametrize("kw", [SAMPLE, PENALIZED], ids=["top-k", "penalties+min-p"])
+def test_speculative_sampling_matches_target_end_to_end(tiny, fast_link, kw):
     """The first three tokens of `specter` (K fixed at 2, then 1: both come from speculation) over
     300 seeds follow the target's exact joint distribution; a `resident` run over the same seeds is
-    the control. Same seed -> the same first token (sampled from prefill, before any speculation)."""
+    the control. Same seed -> the same first token (sampled from prefill, before any speculation).
+    With penalties the target's distribution at each drafted position depends on the drafted tokens
+    before it: a decoder that penalised the draft and the target differently would fail here."""
     path, _ = tiny("qwen3_moe", eos_token_id=None)
     prompt, n, depth = [1, 5, 9, 33, 2], 300, 3
     res = load(path, "resident")
     spec = load(path, "specter", residency=0.5, k_max=4)
     try:
-        joint = exact_joint(res.model, res.decoder.experts, prompt, depth)
-        assert sum(joint.values()) == pytest.approx(1.0, abs=1e-5) and len(joint) == 27
+        joint = exact_joint(res.model, res.decoder.experts, prompt, depth, kw)
+        assert sum(joint.values()) == pytest.approx(1.0, abs=1e-5)
+        if kw is SAMPLE:
+            assert len(joint) == 27
+        else:  # the penalties move real mass: the test would catch their absence
+            plain = exact_joint(res.model, res.decoder.experts, prompt, depth, SAMPLE)
+            tv = sum(abs(joint.get(c, 0) - plain.get(c, 0)) for c in set(joint) | set(plain)) / 2
+            assert tv > 0.3, tv
         spec.decoder.governor = Governor(4, fixed=4)
         got_spec, got_res = Counter(), Counter()
         drafted = accepted = 0
         for seed in range(n):
-            a = spec.generate(prompt, max_new_tokens=depth + 1, seed=seed, **SAMPLE)
-            b = res.generate(prompt, max_new_tokens=depth, seed=seed, **SAMPLE)
+            a = spec.generate(prompt, max_new_tokens=depth + 1, seed=seed, **kw)
+            b = res.generate(prompt, max_new_tokens=depth, seed=seed, **kw)
             assert a.token_ids[0] == b.token_ids[0], seed
             assert a.stats["k_histogram"].get(2) == 1, a.stats["k_histogram"]  # the first cycle speculated
             drafted += a.stats["drafted_tokens"]
@@ -749,7 +797,7 @@ def test_acceptance_stats_alpha_and_efficiency():
     from specter.speculative.decoder import acceptance_stats
     s = acceptance_stats(accepted=5, drafted=8, rejections=1, spec_cycles=2)
     assert s == dict(acceptance_rate=5 / 6, draft_efficiency=5 / 8, accepted_per_cycle=2.5)
-    assert acceptance_stats(0, 0, 0, 0) == dict(acceptance_rate=0.0, draft_efficiency=0.0, accepted_per_cycle=0.0)
+    assert acceptance_stats(0, 0, 0, 0) == dict(acceptance_rate=None, draft_efficiency=None, accepted_per_cycle=None)
 
 
 def test_governor_reaches_long_k_quickly_with_a_good_draft():
@@ -773,8 +821,11 @@ def test_route_coverage_of_an_exact_draft(tiny, fast_link):
         dec.governor = Governor(4, fixed=4)
         dec.draft.layers = [ExpertWeights(w.w13.clone(), w.w2.clone()) for w in dec.target.store]
         out = engine.generate([1, 5, 9, 33, 2], max_new_tokens=41)
+        # penalties too: the draft's step i must see the drafted prefix exactly as target row i does
+        pen = engine.generate([1, 5, 9, 33, 2], max_new_tokens=41, repetition_penalty=1.5, frequency_penalty=0.7)
     finally:
         engine.close()
     s = out.stats
     assert s["acceptance_rate"] == 1.0 and s["draft_efficiency"] == 1.0, s
     assert s["route_coverage"] >= 4 / 5 and s["route_coverage"] <= 1.0, s
+    assert pen.stats["acceptance_rate"] == 1.0 and pen.token_ids != out.token_ids, pen.stats

@@ -21,7 +21,7 @@ from ..layers import KVCache
 from ..model import MoETransformer
 from ..offload.manager import OffloadedExperts
 from ..profiling import span
-from ..sampling import SamplingParams, probs, sample
+from ..sampling import History, SamplingParams, penalize, probs, sample
 from .acceptance import accept_greedy, accept_sampling
 from .draft import DraftExperts
 from .governor import Governor
@@ -50,25 +50,29 @@ class SpeculativeDecoder:
         # positions [0, len(prompt) + max_new - 1)
         cache = KVCache(self.model.spec, len(prompt) + max_new, self.device, self.dtype)
         gen = params.generator(self.device)
+        hist = params.history(prompt, self.model.spec.vocab_size, self.device)  # what penalties look at
         logits = self.model(torch.tensor(prompt, device=self.device), 0, cache, self.target, logits_for="last")
-        t = int(sample(logits, params, gen))
+        t = int(sample(logits, params, gen, hist))
+        hist.commit([t])
         n, produced = len(prompt), 0
         yield [t]
         produced += 1
         while produced < max_new:
             k = self.governor.next_k(max_new - produced)
-            new = self._cycle(t, n, k, cache, params, gen)
+            new = self._cycle(t, n, k, cache, params, gen, hist)
+            hist.commit(new)
             n += len(new)
             t = new[-1]
             produced += len(new)
             yield new
 
-    def _cycle(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen) -> list[int]:
+    def _cycle(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen, hist: History
+               ) -> list[int]:
         st = self._stats
         st["k_histogram"][k] += 1
         st["cycles"] += 1
         t0 = time.perf_counter()
-        drafted, q_rows = self._draft(t, n, k, cache, params, gen)
+        drafted, q_rows = self._draft(t, n, k, cache, params, gen, hist)
         t1 = time.perf_counter()
         before = self.target.stats()
         use_fallback = k == 0 and self.fallback is not None and self.plain.pick()
@@ -79,11 +83,13 @@ class SpeculativeDecoder:
         self.target.next_layer_router = None
         if self.planner is not None:
             self.planner.end_cycle()
+        # row i of the target sees the history plus drafted[:i], exactly as the draft's step i did
         with span("accept"):
             if params.greedy:
-                m, nxt = accept_greedy(drafted, logits)
+                m, nxt = accept_greedy(drafted, penalize(logits, params, hist, drafted))
             else:
-                m, nxt = accept_sampling(drafted, torch.stack(q_rows) if q_rows else None, probs(logits, params), gen)
+                p = probs(logits, params, hist, drafted)
+                m, nxt = accept_sampling(drafted, torch.stack(q_rows) if q_rows else None, p, gen)
         t2 = time.perf_counter()
         after = self.target.stats()
         stall = after["stall_s"] - before["stall_s"]
@@ -101,7 +107,7 @@ class SpeculativeDecoder:
             self.plain.observe(use_fallback, t2 - t1)
         return drafted[:m] + [nxt]
 
-    def _draft(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen):
+    def _draft(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen, hist: History):
         drafted, q_rows = [], []
         if k == 0:
             return drafted, q_rows
@@ -119,9 +125,9 @@ class SpeculativeDecoder:
                     self.draft.row = i
                     logits = self.model(token, n + i, cache, self.draft)  # [1, V]
                 if params.greedy:
-                    tok = int(logits.argmax(-1))
+                    tok = int(sample(logits, params, None, hist, drafted))
                 else:
-                    q = probs(logits, params)[0]
+                    q = probs(logits, params, hist, drafted)[0]
                     tok = int(torch.multinomial(q, 1, generator=gen))
                     q_rows.append(q)
             drafted.append(tok)
@@ -148,11 +154,12 @@ class SpeculativeDecoder:
         s = {**self.target.stats(), **self._stats}
         if self.planner is not None:
             s["cover_hits"], s["cover_total"] = self.planner.cover_hits, self.planner.cover_total
-            s["route_coverage"] = s["cover_hits"] / s["cover_total"] if s["cover_total"] else 0.0
+            s["route_coverage"] = s["cover_hits"] / s["cover_total"] if s["cover_total"] else None
         s["k_histogram"] = {int(k): v for k, v in sorted(s["k_histogram"].items())}
         spec_cycles = sum(v for k, v in s["k_histogram"].items() if k > 0)
         s.update(acceptance_stats(s["accepted_tokens"], s["drafted_tokens"], s["rejections"], spec_cycles))
-        s["prefetch_recall"] = s["recall_hits"] / s["recall_total"] if s["recall_total"] else 0.0
+        prefetched = self.planner is not None and s.get("prefetch_issued")  # spec-lru never prefetches
+        s["prefetch_recall"] = s["recall_hits"] / s["recall_total"] if prefetched and s["recall_total"] else None
         return s
 
     def close(self) -> None:
@@ -164,11 +171,12 @@ def acceptance_stats(accepted: int, drafted: int, rejections: int, spec_cycles: 
     ones before it were: accepted / (accepted + rejected), where a cycle rejects at most one token
     and drafts after it are never tried. It measures the draft and does not depend on K.
     draft_efficiency = accepted / drafted also counts the drafts past a rejection, so it falls as
-    the governor picks a longer K (which it does when copies, not drafting, bound the cycle)."""
+    the governor picks a longer K (which it does when copies, not drafting, bound the cycle).
+    Each is None when nothing was drafted (not applicable, rather than a measured zero)."""
     tried = accepted + rejections
-    return dict(acceptance_rate=accepted / tried if tried else 0.0,
-                draft_efficiency=accepted / drafted if drafted else 0.0,
-                accepted_per_cycle=accepted / spec_cycles if spec_cycles else 0.0)
+    return dict(acceptance_rate=accepted / tried if tried else None,
+                draft_efficiency=accepted / drafted if drafted else None,
+                accepted_per_cycle=accepted / spec_cycles if spec_cycles else None)
 
 
 class _PlainArms:
