@@ -275,7 +275,8 @@ class Engine:
                 f"exceeds the model's context of {limit} tokens; shorten the prompt or lower max_new_tokens"
             )
         with self.turns.turn():
-            if cancel is not None and cancel.is_set():
+            if cancel is not None and cancel.is_set():  # cancelled while waiting for the turn
+                stats.update(STATS_DEFAULTS, finish_reason="cancelled", prompt_tokens=len(ids), policy=self.policy)
                 return
             yield from self._decode(ids, max_new_tokens, params, stops, stats, cancel)
 
@@ -285,6 +286,7 @@ class Engine:
         self.decoder.reset_stats()
         new: list[int] = []
         checked = 0  # text before this offset holds no stop string
+        finish = "length"
         t0 = time.perf_counter()
         t_first = None
         run = self.decoder.run(ids, params, max_new_tokens)
@@ -297,7 +299,7 @@ class Engine:
                 for t in chunk:
                     new.append(t)
                     if t in eos or len(new) >= max_new_tokens:
-                        done = True
+                        done, finish = True, "stop" if t in eos else "length"
                         break
                 text = self.decode(new) if self.tokenizer is not None else None
                 if stops:
@@ -305,9 +307,12 @@ class Engine:
                     hit = min((i for s in stops if (i := text.find(s, start)) >= 0), default=-1)
                     checked = len(text)
                     if hit >= 0:
-                        text, new, done = text[:hit], new[:self._tokens_for(new, hit)], True
+                        text, new, done, finish = text[:hit], new[:self._tokens_for(new, hit)], True, "stop"
                 yield new, text
-                if done or (cancel is not None and cancel.is_set()):
+                if done:
+                    break
+                if cancel is not None and cancel.is_set():
+                    finish = "cancelled"
                     break
         finally:
             run.close()
@@ -324,6 +329,7 @@ class Engine:
             prompt_tokens=len(ids),
             total_s=t_end - t0,
             policy=self.policy,
+            finish_reason=finish,  # OpenAI's: "stop" (EOS or a stop string), "length", or "cancelled"
         )
 
     def _tokens_for(self, new: list[int], n_chars: int) -> int:

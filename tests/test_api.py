@@ -219,3 +219,18 @@ def test_stats_are_none_where_not_applicable(engine, spec_engine):
     finally:
         e.close()
     assert s["drafted_tokens"] and s["prefetch_issued"] == 0 and s["prefetch_recall"] is None
+
+
+def test_finish_reason_and_cancel(engine):
+    import threading
+
+    assert engine.generate(PROMPT, max_new_tokens=4).stats["finish_reason"] == "length"
+    full = engine.generate(PROMPT, max_new_tokens=16).text
+    assert engine.generate(PROMPT, max_new_tokens=16, stop=full[3:6]).stats["finish_reason"] == "stop"
+    cancel, stats = threading.Event(), {}
+    pieces = []
+    for piece in engine.stream(PROMPT, max_new_tokens=64, stats=stats, cancel=cancel):
+        pieces.append(piece)
+        cancel.set()  # e.g. the client went away: the generation ends at its next cycle
+    assert stats["finish_reason"] == "cancelled" and stats["new_tokens"] <= 3, stats
+    assert "".join(pieces) == full[:len("".join(pieces))]
