@@ -1,0 +1,172 @@
+"""The Triton backend of fused_moe: two grouped kernels and the top-k combine.
+
+    gate_up  grid (NB, cdiv(I, BLOCK_N))  block b, columns n:
+             a[slot, n] = silu(x[tok] . W1[e, n]) * (x[tok] . W3[e, n])   for the BLOCK_M slots of b
+    down     grid (NB, cdiv(H, BLOCK_N))
+             out[row, n] = weights[row] * (a[slot] . W2[e, n])           stored at the slot's (t, j) row
+    combine  grid (T, cdiv(H, BLOCK_H))    y[t] = out[t, 0] + out[t, 1] + ... in fp32, rounded once
+
+e = the block's weight row (align.py), tok = row // top_k. INT4 weights (int4.py's layout) are
+dequantized inside the K loop, a [BLOCK_K, BLOCK_N] tile at a time (`scale * q - shift` in fp32,
+then the compute dtype), so no whole expert is ever dequantized. Every tl.dot is at least 16 in
+each dimension (NVIDIA's minimum; the interpreter would accept less). Block sizes never depend on
+T, and each output is one K loop in a fixed order, so a token's bits do not depend on the batch.
+
+CPU tensors run under TRITON_INTERPRET=1 (set before triton is imported), which has no bf16
+arithmetic: test there in fp16/fp32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .align import BLOCK_M, align_rows
+from .int4 import Int4Experts
+
+BLOCK_N, BLOCK_K, BLOCK_H = 32, 64, 128
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, offs_k, mask, stride_wn, stride_sn, group_size,
+                 INT4: tl.constexpr, DTYPE: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] tile of expert e's weight rows offs_n at columns offs_k, in DTYPE.
+    INT4: w_ptr is the expert's uint8 codes (two a byte along K), s_ptr/z_ptr its scales/shifts."""
+    if INT4:
+        byte = tl.load(w_ptr + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None], mask=mask, other=0)
+        q = (byte >> ((offs_k % 2) * 4)[:, None]) & 0xF
+        g = offs_n[None, :] * stride_sn + (offs_k // group_size)[:, None]
+        s = tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g, mask=mask, other=0.0).to(tl.float32)
+        return (q.to(tl.float32) * s - z).to(DTYPE)
+    return tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0)
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:  # fp32 inputs: full precision, not TF32
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, a_ptr, slot_row_ptr, block_expert_ptr, n_padded_ptr,
+                    H, I, M, top_k, stride_xt, stride_we, stride_wn, stride_se, stride_sn, group_size,
+                    INT4: tl.constexpr, IEEE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(n_padded_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(slot_row_ptr + offs_m)                 # flat (t, j) rows; M = padding
+    tok = tl.where(rows < M, rows // top_k, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)      # intermediate columns
+    n_ok = offs_n < I
+    w_e, s_e, z_e = w_ptr + e * stride_we, s_ptr + e * stride_se, z_ptr + e * stride_se
+    up = I * stride_wn                                    # W3 rows follow W1's
+    up_s = I * stride_sn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < H
+        x = tl.load(x_ptr + tok[:, None] * stride_xt + offs_k[None, :],
+                    mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
+        mask = k_ok[:, None] & n_ok[None, :]
+        wg = _weight_tile(w_e, s_e, z_e, offs_n, offs_k, mask, stride_wn, stride_sn, group_size,
+                          INT4, x.dtype)
+        wu = _weight_tile(w_e + up, s_e + up_s, z_e + up_s, offs_n, offs_k, mask, stride_wn, stride_sn,
+                          group_size, INT4, x.dtype)
+        acc_g = _dot(x, wg, acc_g, IEEE)
+        acc_u = _dot(x, wu, acc_u, IEEE)
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u          # silu(gate) * up
+    tl.store(a_ptr + offs_m[:, None] * I + offs_n[None, :], act.to(a_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, rw_ptr, slot_row_ptr, block_expert_ptr, n_padded_ptr,
+                 H, I, M, stride_we, stride_wn, stride_se, stride_sn, group_size,
+                 INT4: tl.constexpr, IEEE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(n_padded_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(slot_row_ptr + offs_m)
+    real = rows < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)      # hidden columns
+    n_ok = offs_n < H
+    w_e, s_e, z_e = w_ptr + e * stride_we, s_ptr + e * stride_se, z_ptr + e * stride_se
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < I
+        a = tl.load(a_ptr + offs_m[:, None] * I + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+        w = _weight_tile(w_e, s_e, z_e, offs_n, offs_k, k_ok[:, None] & n_ok[None, :], stride_wn, stride_sn,
+                         group_size, INT4, a.dtype)
+        acc = _dot(a, w, acc, IEEE)
+    rw = tl.load(rw_ptr + rows, mask=real, other=0.0).to(tl.float32)
+    acc = acc * rw[:, None]                               # the routing weight, in-kernel
+    tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=real[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(rows_ptr, y_ptr, H, top_k, BLOCK_H: tl.constexpr):
+    t, pid_h = tl.program_id(0), tl.program_id(1)
+    offs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = offs < H
+    base = rows_ptr + t.to(tl.int64) * top_k * H
+    acc = tl.load(base + offs, mask=ok, other=0.0).to(tl.float32)
+    for j in range(1, top_k):                             # left to right: the order is the contract
+        acc += tl.load(base + j * H + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t.to(tl.int64) * H + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def _parts(w, dtype):
+    """(codes or dense weights, scales, shifts, stride_e of scales, stride_n of scales, group size)."""
+    if isinstance(w, Int4Experts):
+        q, s, z = w.qweight.contiguous(), w.scale.contiguous(), w.shift.contiguous()
+        return q, s, z, s.stride(0), s.stride(1), w.group_size
+    w = w.to(dtype).contiguous()
+    return w, w, w, 0, 0, 1  # scales unused: any pointer will do
+
+
+def moe_rows_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13, w2,
+                    remap: torch.Tensor | None) -> torch.Tensor:
+    """[T, k, H]: the Triton version of reference.moe_rows_torch."""
+    T, k = ids.shape
+    H, M = x.shape[1], T * k
+    int4 = isinstance(w13, Int4Experts)
+    R = w13.n_experts if int4 else w13.shape[0]
+    I = w2.shape[2]
+    x = x.contiguous()
+    a = align_rows(ids, R, remap)
+    nb = a.block_expert.numel()
+    act = x.new_empty(nb * BLOCK_M, I)
+    out = x.new_zeros(M, H)
+    if nb == 0:
+        return out.view(T, k, H)
+    rw = weights.reshape(-1).contiguous()
+    ieee = x.dtype == torch.float32
+    q13, s13, z13, se13, sn13, g13 = _parts(w13, x.dtype)
+    _gate_up_kernel[(nb, triton.cdiv(I, BLOCK_N))](
+        x, q13, s13, z13, act, a.slot_row, a.block_expert, a.n_padded,
+        H, I, M, k, x.stride(0), q13.stride(0), q13.stride(1), se13, sn13, g13,
+        INT4=int4, IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    q2, s2, z2, se2, sn2, g2 = _parts(w2, x.dtype)
+    _down_kernel[(nb, triton.cdiv(H, BLOCK_N))](
+        act, q2, s2, z2, out, rw, a.slot_row, a.block_expert, a.n_padded,
+        H, I, M, q2.stride(0), q2.stride(1), se2, sn2, g2,
+        INT4=int4, IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    return out.view(T, k, H)
+
+
+def combine_triton(rows: torch.Tensor) -> torch.Tensor:
+    T, k, H = rows.shape
+    rows = rows.contiguous()
+    y = rows.new_empty(T, H)
+    _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](rows, y, H, k, BLOCK_H=BLOCK_H)
+    return y
