@@ -7,19 +7,18 @@ import json
 from pathlib import Path
 
 from .errors import ConfigError
+from . import workloads
 from .speculative.decoder import acceptance_stats
 
-DEFAULT_PROMPTS = [
-    "def fibonacci(n):",
-    "class Stack:\n    def __init__(self):",
-    "for i in range(10):",
-    "import os\n\ndef read_lines(path):",
-]
+DEFAULT_PROMPTS = list(workloads.DEFAULT)
 
 
-def read_prompts(path: str | None) -> list:
+def read_prompts(path: str | None, workload: str | None = None) -> list:
+    """Prompts from a file, or a built-in workload (specter/workloads.py; `default` when neither is given)."""
+    if path is not None and workload is not None:
+        raise ConfigError("pass either --prompts FILE or --workload NAME, not both")
     if path is None:
-        return list(DEFAULT_PROMPTS)
+        return workloads.workload_prompts(workload or "default")
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"prompts file {path!r} does not exist")

@@ -23,6 +23,9 @@ def add_subcommands(sub, model_args, sampling_args) -> None:
     model_args(bn, policy=False)
     bn.add_argument("--max-new-tokens", type=int, default=64)
     bn.add_argument("--prompts", default=None, help="file: one prompt a line, or a .json list")
+    bn.add_argument("--workload", default=None,
+                    help="built-in prompt set: default (4 short prompts) | diverse (12 prompts in domains the "
+                         "bundled model never saw; run it sampled too: --temperature 1.0 --top-p 0.95)")
     bn.add_argument("--repeat", type=int, default=1)
     bn.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; tokens are compared)")
     bn.add_argument("--top-p", type=float, default=1.0)
@@ -79,7 +82,7 @@ def cmd_bench(args) -> int:
         raise ConfigError("--policies is empty")
     if args.repeat < 1 or args.max_new_tokens < 1:
         raise ConfigError("--repeat and --max-new-tokens must be >= 1")
-    prompts = read_prompts(args.prompts)
+    prompts = read_prompts(args.prompts, args.workload)
     kw = dict(prompts=prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat, device=args.device,
               link=args.link)
     kw["sampling"] = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -101,7 +104,8 @@ def cmd_bench(args) -> int:
         budget = f"expert_memory {args.expert_memory}" if args.expert_memory else f"residency {residency:g}"
         mode = "greedy" if not args.temperature else f"sampling (temperature {args.temperature:g}, " \
             f"top-p {args.top_p:g}, top-k {args.top_k}, seed {args.seed})"
-        print(f"link: {res['link']}, {budget}, {res['prompts']} prompts x {res['repeat']}, "
+        workload = f"workload {args.workload or 'default'}" if args.prompts is None else args.prompts
+        print(f"link: {res['link']}, {budget}, {workload}: {res['prompts']} prompts x {res['repeat']}, "
               f"{res['max_new_tokens']} new tokens, {mode}")
         print(format_table(res))
     return 0

@@ -1,72 +1,145 @@
-"""The governor: picks the next cycle's K (0..K_max) to maximise tokens per second.
+"""The governor: picks each cycle's K (0..K_max) so that speculation never loses to plain decoding.
 
-Model (the amortisation roofline). A cycle with K drafted tokens commits
+It works at two levels.
 
-    E[tokens | K] = 1 + sum_{j=1..K} prod_{i=1..j} a_i
+1. Arms, judged by realised throughput. Plain decoding (K = 0) and speculation (K >= 1) each keep
+   a window of their latest cycles as (tokens, seconds) pairs, and an arm's rate is
 
-where a_i is the moving-average probability that drafted position i is accepted given that
-position i-1 was. A position never yet reached (K grows past anything tried) borrows the pooled
-acceptance of all positions seen: a fixed pessimistic prior there would make the governor climb
-one probe at a time towards a good long K, and a short generation never gets there. Its time is
+       R = sum(tokens) / sum(seconds)            over its window (W_plain steps, W_spec cycles)
 
-    cycle(K) = max(K * d, c_first(K)) + c_rest(K) + v(K)
-             = K * d + s(K) + v(K)
+   seconds are the cycle's measured wall time (draft + verify + acceptance: whatever the model
+   below leaves out is in it); tokens are what the cycle was worth, E[tokens | K] by the
+   acceptance estimates (a window of a few cycles' own accepted counts is too noisy to rank two
+   arms within a few percent). The running arm keeps running until the other's R beats its R by
+   `margin` (3%: under timing noise, two arms closer than that would take turns, and each switch
+   pays probes); a margin within the "never more than 3% slower" promise. The other is probed
+   (`plain_probe` plain steps, or one speculative cycle at its best K) `probe_every` cycles after
+   it lost, then at doubling intervals up to `probe_max` cycles while it keeps losing, so K = 0 is
+   re-measured as the cache and the text change, and speculation comes back when it pays again.
+   A probe whose own rate beats the running arm's R is followed up at once, so a changed
+   landscape is confirmed within a window, not after several back-off intervals. Once an arm has
+   lost for a while, it costs one probe per `probe_max` cycles.
 
-with d the draft step time, c_first the copies issued during drafting, c_rest the copies still
-missing when verification reaches them, and v(K) the compute of verifying K+1 tokens. The copy
-terms are not modelled from bytes but measured: s(K), the stall the verifier actually waited,
-is exactly the part of the copies drafting did not hide. v(K) = v0 + v1 * (K + 1) is a running
-linear fit of verify compute time. K = 0 is plain decoding, whose measured step time t0 includes
-its own stalls: rate(0) = 1 / t0.
+2. Inside speculation, K from the model of the cycle (the amortisation roofline). A cycle with K
+   drafted tokens commits
 
-The governor returns argmax_K E[tokens | K] / cycle(K). Every estimate is a moving average, and
-now and then it tries a K next to the best one, so stale estimates heal and a useful draft is
-never locked out: first after `probe_every` cycles, then at doubling intervals (up to 8x) while
-the best K stays the same, back to `probe_every` when it changes; with a useless draft a_i -> 0 and K = 0 wins, so speculation
-never makes a run slower than not speculating (beyond the probes).
+       E[tokens | K] = 1 + sum_{j=1..K} prod_{i=1..j} a_i
+
+   a_i is the probability that drafted position i is accepted given that position i-1 was. With
+   h_i, n_i the decayed accepted / tried counts of position i and p the pooled acceptance of
+   every position (the prior, worth m pseudo-observations),
+
+       a_i = (h_i + m p) / (n_i + m),     a_i^- = a_i - z sqrt(a_i (1 - a_i) / (N_i + m))
+
+   with N_i the plain count of observations of position i (capped at 64), and K is chosen with
+   the lower bounds a_i^-: a position rarely reached is held near the pooled rate with a wide
+   bound, not at the last value it happened to show. z = 0.5: the bounds multiply along a draft,
+   so a wider one would rule out long drafts that measurably pay. The cycle takes
+
+       cycle(K) = K d + v0 + v1 (K + 1) + s(K)
+
+   d the draft step time, v0 + v1 (K + 1) a running linear fit of verify compute, s(K) the copy
+   stall verification waited on (the copies drafting did not hide). Each tried K keeps sbar_K, a
+   moving average of its stalls, and n_K, its count (capped at 16); s(K) smooths them over K,
+
+       s(K) = sum_t w_t sbar_t / sum_t w_t,     w_t = n_t exp(-|K' - t| / h),   K' = clamp(K, K_lo, K_hi)
+
+   (h = `bandwidth`, K_lo..K_hi the tried range). One cycle's stall swings with what the cache
+   happened to hold, so a lone K's own value is noise, and neighbouring K copy about the same
+   union of experts. Outside the tried range the estimate is that of its nearest end: a cycle's
+   copies are the union of its tokens' experts missing from the slots, which saturates, so a
+   longer draft copies about as much as the longest tried (this is what lets long drafts amortise
+   copies). Unlike a borrowed "smallest stall ever seen", no untried K looks better than what was
+   measured next to it, and one lucky cycle is outweighed by its neighbours' counts. Speculation's
+   K is the argmax of
+   E^-[tokens | K] / cycle(K) over K >= 1. Every `probe_every` cycles (doubling up to `probe_max`
+   while the best K holds) it tries a K next to the best one, alternately above and below, so
+   stale estimates heal.
 """
 from __future__ import annotations
 
+import math
+from collections import deque
+
+
+class _Window:
+    """The latest (tokens, seconds) of one arm; its rate is their ratio of sums."""
+
+    def __init__(self, size: int):
+        self.obs: deque = deque(maxlen=size)
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.obs.append((tokens, seconds))
+
+    def rate(self) -> float | None:
+        if not self.obs:
+            return None
+        secs = sum(s for _, s in self.obs)
+        return sum(t for t, _ in self.obs) / secs if secs > 0 else math.inf
+
 
 class Governor:
-    def __init__(self, k_max: int, k_init: int = 4, alpha: float = 0.25, probe_every: int = 8, fixed: int | None = None):
-        self.k_max, self.alpha, self.probe_every, self.fixed = k_max, alpha, probe_every, fixed
-        # acc[i]: P(accept position i | accepted i-1), i >= 1; None until position i is first observed
-        self.acc: list[float | None] = [None] * (k_max + 1)
-        self.pool = 0.8                      # acceptance over all observed positions: the prior for unseen ones
+    def __init__(self, k_max: int, k_init: int = 4, alpha: float = 0.25, probe_every: int = 8,
+                 probe_max: int = 64, plain_probe: int = 2, windows: tuple[int, int] = (8, 4), z: float = 0.5,
+                 prior_weight: float = 4.0, bandwidth: float = 3.0, margin: float = 0.03, fixed: int | None = None):
+        self.k_max, self.alpha, self.fixed = k_max, alpha, fixed
+        self.probe_every, self.probe_max, self.plain_probe = probe_every, probe_max, plain_probe
+        self.z, self.m, self.bandwidth, self.margin = z, prior_weight, bandwidth, margin
+        # acceptance: decayed accepted / tried counts per drafted position (1..K_max) and pooled
+        self.hits, self.tries = [0.0] * (k_max + 1), [0.0] * (k_max + 1)
+        self.seen = [0] * (k_max + 1)        # observations of each position (capped): its confidence
+        self.pool_hits, self.pool_tries = 0.8, 1.0
         self.draft_s: float | None = None    # d
-        self.stall: dict[int, float] = {}    # s(K)
+        self.stall: dict[int, float] = {}    # sbar_K
+        self.stall_n: dict[int, int] = {}    # n_K (capped)
         self.v0, self.v1 = None, None        # verify compute fit
         self._v: dict[int, float] = {}       # per-K verify compute EMA
-        self.step0: float | None = None      # t0: a plain decode step, stalls included
+        self.step0: float | None = None      # a plain decode step, stalls included (EMA, for reports)
+        self.plain, self.spec = _Window(windows[0]), _Window(windows[1])
         self.cycles = 0
-        self._probe = 0
-        self._best = None                    # argmax of the last decision
-        self._interval, self._next_probe = probe_every, probe_every
-        self.probe_max = 8 * probe_every
+        self.arm = "spec"                    # the running arm: "spec" or "plain"
+        self.probe = False                   # the last decision was a probe (of the other arm, or of a K)
+        self._arm_probe = False              # ... of the other arm
+        self._arm_probe_left = 0             # cycles still to run of the current arm probe
+        self._arm_interval, self._arm_next = probe_every, probe_every
+        self._best: int | None = None        # speculation's argmax K at the last decision
+        self._k_interval, self._k_next, self._side = probe_every, probe_every, 0
         self.k = k_init if fixed is None else fixed
-
-    def _ema(self, old, new):
-        return new if old is None else (1 - self.alpha) * old + self.alpha * new
 
     # ---------------------------------------------------------------------------- observe
     def observe_cycle(self, k: int, accepted: int, draft_s: float, verify_s: float, stall_s: float) -> None:
         self.cycles += 1
+        seconds = draft_s + verify_s
+        for i in range(1, min(accepted + 1, k) + 1):  # positions 1..accepted were accepted, accepted+1 rejected
+            hit = 1.0 if i <= accepted else 0.0
+            self.hits[i] = 0.9 * self.hits[i] + hit
+            self.tries[i] = 0.9 * self.tries[i] + 1.0
+            self.seen[i] = min(self.seen[i] + 1, 64)
+            self.pool_hits = 0.98 * self.pool_hits + hit
+            self.pool_tries = 0.98 * self.pool_tries + 1.0
+        tokens = self.expected_tokens(k)  # what the cycle was worth: its own count is too noisy for a window
+        if self._arm_probe and self._arm_probe_left == 0 and seconds > 0:
+            self._follow_up(k, tokens / seconds)
+        (self.plain if k == 0 else self.spec).add(tokens, seconds)
         if k == 0:
             self.step0 = self._ema(self.step0, verify_s)
             return
-        for i in range(1, min(accepted + 1, k) + 1):  # positions 1..accepted were accepted, accepted+1 rejected
-            hit = 1.0 if i <= accepted else 0.0
-            self.acc[i] = (1 - self.alpha) * self._acc(i) + self.alpha * hit
-            self.pool = (1 - self.alpha / 4) * self.pool + self.alpha / 4 * hit
         self.draft_s = self._ema(self.draft_s, draft_s / k)
         self.stall[k] = self._ema(self.stall.get(k), stall_s)
+        self.stall_n[k] = min(self.stall_n.get(k, 0) + 1, 16)
         self._v[k] = self._ema(self._v.get(k), verify_s - stall_s)
         self._fit()
 
-    def _acc(self, i: int) -> float:
-        a = self.acc[i]
-        return self.pool if a is None else a
+    def _follow_up(self, k: int, rate: float) -> None:
+        """An arm probe just ended: if it alone beats the running arm, probe again right away."""
+        probed_plain = k == 0
+        if probed_plain != (self.arm == "plain"):
+            running = (self.plain if self.arm == "plain" else self.spec).rate()
+            if running is not None and rate > running * (1 + self.margin):
+                self._arm_next = self.cycles
+
+    def _ema(self, old, new):
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
 
     def _fit(self) -> None:
         pts = sorted(self._v.items())
@@ -81,57 +154,119 @@ class Governor:
         self.v1 = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
         self.v0 = max(0.0, my - self.v1 * mx)
 
-    # ----------------------------------------------------------------------------- decide
-    def cycle_time(self, k: int, unseen_stall: float | None = None) -> float | None:
-        """cycle(K); a K never observed borrows the smallest stall seen (`unseen_stall`)."""
+    # ------------------------------------------------------------------------- estimates
+    @property
+    def pool(self) -> float:
+        return self.pool_hits / self.pool_tries
+
+    def acceptance(self, i: int, z: float | None = None) -> float:
+        """a_i^-: the lower confidence bound of position i's acceptance (see the module docstring);
+        z = 0 gives the estimate itself."""
+        a = (self.hits[i] + self.m * self.pool) / (self.tries[i] + self.m)
+        return max(0.0, a - (self.z if z is None else z) * math.sqrt(a * (1.0 - a) / (self.seen[i] + self.m)))
+
+    def expected_tokens(self, k: int) -> float:
+        """E[tokens | K] by the acceptance estimates (not their bounds)."""
+        tokens, run = 1.0, 1.0
+        for i in range(1, k + 1):
+            run *= self.acceptance(i, z=0.0)
+            tokens += run
+        return tokens
+
+    def stall_estimate(self, k: int) -> float:
+        """s(K): kernel-smoothed measured stalls, clamped to the tried range (see the module docstring)."""
+        if not self.stall:
+            return 0.0
+        k = min(max(k, min(self.stall)), max(self.stall))
+        num = den = 0.0
+        for t, s in self.stall.items():
+            w = self.stall_n[t] * math.exp(-abs(k - t) / self.bandwidth)
+            num, den = num + w * s, den + w
+        return num / den
+
+    def cycle_time(self, k: int) -> float | None:
+        """cycle(K) in seconds, or None before anything is measured."""
         if k == 0:
             return self.step0
         if self.draft_s is None or self.v0 is None:
             return None
-        if unseen_stall is None:
-            unseen_stall = min(self.stall.values()) if self.stall else 0.0
-        return k * self.draft_s + self.stall.get(k, unseen_stall) + self.v0 + self.v1 * (k + 1)
+        return k * self.draft_s + self.v0 + self.v1 * (k + 1) + self.stall_estimate(k)
 
-    def _argmax_rate(self) -> int:
-        """argmax_K rate(K) in one pass (this runs every cycle, so no per-K recomputation)."""
-        best_k, best_r = self.k, None
-        if self.step0:
-            best_k, best_r = 0, 1.0 / self.step0
-        if self.draft_s is None or self.v0 is None:
-            return best_k
-        unseen = min(self.stall.values()) if self.stall else 0.0
+    def rate(self, k: int) -> float | None:
+        """The model's tokens per second at K (E[tokens | K] / cycle(K))."""
+        t = self.cycle_time(k)
+        if not t:
+            return None
         tokens, run = 1.0, 1.0
-        for k in range(1, self.k_max + 1):
-            run *= self._acc(k)
+        for i in range(1, k + 1):
+            run *= self.acceptance(i)
             tokens += run
-            t = self.cycle_time(k, unseen)
-            if t > 0 and (best_r is None or tokens / t > best_r):
+        return tokens / t
+
+    def _argmax_k(self) -> int:
+        """argmax_{K >= 1} rate(K), in one pass over K."""
+        if self.draft_s is None or self.v0 is None:
+            return max(1, self.k)
+        best_k, best_r, tokens, run = 1, -1.0, 1.0, 1.0
+        for k in range(1, self.k_max + 1):
+            run *= self.acceptance(k)
+            tokens += run
+            t = self.cycle_time(k)
+            if t > 0 and tokens / t > best_r:
                 best_k, best_r = k, tokens / t
         return best_k
 
-    def _neighbour(self) -> int:
-        """A probe next to the best K (alternately above and below): cheap, and enough for the
-        rate model, which already extrapolates to every K from acceptance and the verify fit."""
-        best = self.k if self._best is None else self._best
-        around = [k for k in (best + 1, best - 1) if 0 <= k <= self.k_max]
-        self._probe += 1
-        return around[self._probe % len(around)] if around else best
-
+    # ----------------------------------------------------------------------------- decide
     def next_k(self, remaining: int) -> int:
         """K for the next cycle; `remaining` tokens are still wanted (no point drafting past them)."""
         cap = max(0, min(self.k_max, remaining - 1))
         if self.fixed is not None:
             return min(self.fixed, cap)
-        if self.step0 is None and self.cycles >= 2:
-            k = 0  # measure plain decoding once early: it is the floor we must beat
-        elif self.cycles >= self._next_probe:
-            k = self._neighbour()
-            self._next_probe = self.cycles + self._interval
-            self._interval = min(self._interval * 2, self.probe_max)  # probes that keep losing back off
-        else:
-            k = self._argmax_rate()
-            if k != self._best:  # the landscape moved: look around again soon
-                self._best, self._interval = k, self.probe_every
-                self._next_probe = min(self._next_probe, self.cycles + self.probe_every)
-        self.k = k
-        return min(k, cap)
+        if self.k_max == 0:
+            return 0
+        self.probe = self._arm_probe = False
+        arm = self._arm()
+        self._arm_probe = self.probe
+        if arm == "plain":
+            self.k = 0
+        else:  # an arm probe of speculation runs its best K; only running speculation explores K
+            self.k = self._argmax_k() if self.probe else self._spec_k()
+        return min(self.k, cap)
+
+    def _arm(self) -> str:
+        """Which arm runs this cycle: both are measured first, then the faster, with probes of the other."""
+        if self._arm_probe_left > 0:  # inside a probe of the other arm
+            self._arm_probe_left -= 1
+            self.probe = True
+            return "spec" if self.arm == "plain" else "plain"
+        if len(self.spec.obs) < 2:
+            return "spec"
+        if len(self.plain.obs) < self.plain_probe:
+            return "plain"
+        running, other = (self.spec, self.plain) if self.arm == "spec" else (self.plain, self.spec)
+        if other.rate() > running.rate() * (1 + self.margin):  # the landscape moved: look at the loser again soon
+            self.arm = "plain" if self.arm == "spec" else "spec"
+            self._arm_interval = self.probe_every
+            self._arm_next = self.cycles + self.probe_every
+        if self.cycles >= self._arm_next:
+            self._arm_next = self.cycles + self._arm_interval
+            self._arm_interval = min(2 * self._arm_interval, self.probe_max)  # probes that keep losing back off
+            self._arm_probe_left = (self.plain_probe if self.arm == "spec" else 1) - 1
+            self.probe = True
+            return "plain" if self.arm == "spec" else "spec"
+        return self.arm
+
+    def _spec_k(self) -> int:
+        best = self._argmax_k()
+        if best != self._best:  # the best K moved: look around it again soon
+            self._best, self._k_interval = best, self.probe_every
+            self._k_next = min(self._k_next, self.cycles + self.probe_every)
+        if self.cycles >= self._k_next:
+            self._k_next = self.cycles + self._k_interval
+            self._k_interval = min(2 * self._k_interval, self.probe_max)
+            self._side += 1
+            around = [k for k in (best + 1, best - 1) if 1 <= k <= self.k_max]
+            if around:
+                self.probe = True
+                return around[self._side % len(around)]
+        return best

@@ -1,0 +1,236 @@
+"""The governor against simulated cycle costs: deterministic (seeded), no engine, no timing.
+
+A `World` says what a cycle costs: a plain step's seconds, a draft step's, verify compute as a
+function of K, the copy stall as a function of K, and how many drafted tokens are accepted.
+`drive` feeds the governor its own decisions' outcomes (times jittered +-10%), like the decoder.
+
+1. Settling: a useless draft, a useless draft on a slow link, an expensive draft, and speculation
+   that is simply slower than plain decoding (concentrated routing: plain decoding rarely stalls)
+   all settle on K = 0; a good draft on a slow link and a good draft on its own settle on K > 0.
+2. Never loses, and comes back: speculation made slower than plain decoding converges to K = 0
+   within a bounded number of cycles and then costs at most a probe per `probe_max` cycles; when
+   it pays again (the cache or the text changed), the governor is speculating again within a
+   bounded number of cycles -- both ways, because K = 0 keeps being re-measured.
+3. Honest bounds: a K never tried does not borrow a better stall than the K next to it; a drafted
+   position seen once is held near the pooled acceptance with a wide bound, not at its one value;
+   a lucky cycle at an untried K does not make it the best K.
+4. Caps: K never exceeds K_max or the tokens still wanted; `fixed` forces K.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+from specter.speculative.governor import Governor
+
+
+@dataclass
+class World:
+    plain: float                                       # seconds of a plain decode step (stalls included)
+    draft: float                                       # seconds of one draft step
+    verify: Callable[[int], float]                     # verify compute at K
+    stall: Callable[[int], float]                      # copy stall at K (K >= 1)
+    accepted: Callable[[int, random.Random], int]      # drafted tokens accepted at K
+
+    def tokens_per_s(self, k: int, rng: random.Random, n: int = 2000) -> float:
+        """Expected rate of a fixed K (Monte Carlo, no jitter): what an oracle of this world would pick from."""
+        if k == 0:
+            return 1.0 / self.plain
+        toks = sum(self.accepted(k, rng) + 1 for _ in range(n))
+        return toks / (n * (k * self.draft + self.verify(k) + self.stall(k)))
+
+
+def drive(gov: Governor, world: World, cycles: int, seed: int = 0):
+    """Run `cycles` cycles; returns (K, was_probe, tokens, seconds) per cycle."""
+    rng = random.Random(seed)
+    jit = lambda t: t * rng.uniform(0.9, 1.1)  # noqa: E731
+    out = []
+    for _ in range(cycles):
+        k = gov.next_k(1000)
+        if k == 0:
+            t = jit(world.plain)
+            gov.observe_cycle(0, 0, 0.0, t, 0.0)
+            out.append((0, gov.probe, 1, t))
+            continue
+        m = world.accepted(k, rng)
+        stall = jit(world.stall(k))
+        draft, verify = jit(k * world.draft), jit(world.verify(k)) + stall
+        gov.observe_cycle(k, m, draft, verify, stall)
+        out.append((k, gov.probe, m + 1, draft + verify))
+    return out
+
+
+def settled(decisions, last: int = 50) -> Counter:
+    return Counter(d[0] for d in decisions[-last:] if not d[1])
+
+
+def realised(decisions) -> float:
+    return sum(d[2] for d in decisions) / sum(d[3] for d in decisions)
+
+
+def geometric(alpha: float):
+    """Accepted drafted tokens when each is accepted with probability alpha given the ones before it were."""
+    def accepted(k, rng):
+        m = 0
+        while m < k and rng.random() < alpha:
+            m += 1
+        return m
+    return accepted
+
+
+# speculation slower than plain decoding: copies are rare (plain decoding finds most experts resident),
+# so a good draft still costs more than it saves -- the Mixtral-like case that made the old governor lose
+SLOWER = World(plain=10e-3, draft=8e-3, verify=lambda k: 9e-3 + 0.5e-3 * (k + 1), stall=lambda k: 1e-3 * k,
+               accepted=geometric(0.8))
+# speculation that pays: plain decoding stalls on copies, drafting hides them
+PAYS = World(plain=40e-3, draft=3e-3, verify=lambda k: 9e-3 + 0.5e-3 * (k + 1), stall=lambda k: 12e-3 + 0.5e-3 * k,
+             accepted=geometric(0.9))
+
+
+# ------------------------------------------------------------------------------------------- 1. settling
+def test_useless_draft_settles_on_plain_decoding():
+    gov = Governor(6)
+    w = World(plain=10e-3, draft=2e-3, verify=lambda k: 8e-3 + 1e-3 * (k + 1), stall=lambda k: 0.0,
+              accepted=lambda k, r: 0)
+    d = drive(gov, w, 200)
+    got = settled(d)
+    assert got[0] == sum(got.values()), got
+    assert any(d[0] > 0 for d in d[-100:] if d[1])  # probes still try K > 0
+
+
+def test_useless_draft_on_slow_link_still_plain():
+    """A slow link, but a draft that is never right: its prefetches hide nothing, so K = 0 still wins."""
+    gov = Governor(6)
+    w = World(plain=38e-3, draft=2e-3, verify=lambda k: 8e-3 + 1e-3 * (k + 1), stall=lambda k: 30e-3 + 2e-3 * k,
+              accepted=lambda k, r: 0)
+    got = settled(drive(gov, w, 200))
+    assert got[0] == sum(got.values()), got
+
+
+def test_good_draft_slow_link_speculates():
+    """Plain decoding stalls 40 ms a step on copies; drafting hides them and is almost always right."""
+    gov = Governor(6)
+    w = World(plain=49e-3, draft=2e-3, verify=lambda k: 8e-3 + 1e-3 * (k + 1), stall=lambda k: 1e-3,
+              accepted=lambda k, r: k if r.random() < 0.9 else r.randrange(k))
+    got = settled(drive(gov, w, 200))
+    assert got[0] == 0 and got.most_common(1)[0][0] >= 3, got
+
+
+def test_good_draft_fast_link_speculates():
+    gov = Governor(6)
+    w = World(plain=11e-3, draft=1e-3, verify=lambda k: 10e-3 + 0.5e-3 * (k + 1), stall=lambda k: 0.0,
+              accepted=lambda k, r: k)
+    got = settled(drive(gov, w, 200))
+    assert got[0] == 0 and got.most_common(1)[0][0] == 6, got
+
+
+def test_expensive_draft_settles_on_plain_decoding():
+    """A perfect draft whose step costs 3x a plain decode step never pays for itself."""
+    gov = Governor(6)
+    w = World(plain=11e-3, draft=30e-3, verify=lambda k: 10e-3 + 1e-3 * (k + 1), stall=lambda k: 0.0,
+              accepted=lambda k, r: k)
+    got = settled(drive(gov, w, 200))
+    assert got[0] == sum(got.values()), got
+
+
+# ----------------------------------------------------------------------------- 2. never loses, comes back
+def test_slower_speculation_converges_to_plain_and_stays_within_3_percent():
+    rng = random.Random(1)
+    assert max(SLOWER.tokens_per_s(k, rng) for k in range(1, 33)) < SLOWER.tokens_per_s(0, rng)  # the premise
+    gov = Governor(32)
+    d = drive(gov, SLOWER, 400)
+    first_plain_run = next(i for i in range(len(d)) if all(k == 0 for k, *_ in d[i:i + 8]))
+    assert first_plain_run <= 16, d[:20]  # converged within a bounded number of cycles
+    tail = d[100:]
+    spec = sum(1 for k, *_ in tail if k > 0)
+    assert spec <= len(tail) // gov.probe_max + 2, Counter(k for k, *_ in tail)  # a probe per probe_max cycles
+    assert realised(tail) >= 0.97 / SLOWER.plain, realised(tail) * SLOWER.plain
+
+
+def test_comes_back_when_speculation_pays_again_and_leaves_when_it_stops():
+    gov = Governor(32)
+    drive(gov, SLOWER, 300, seed=2)            # settled on plain decoding, probes backed off to probe_max
+    d = drive(gov, PAYS, 300, seed=3)          # the text/cache changed: plain steps now stall on copies
+    back = next(i for i in range(len(d)) if all(k > 0 for k, *_ in d[i:i + 8]))
+    assert back <= gov.probe_max + 16, [k for k, *_ in d[:back + 8]]
+    assert realised(d[150:]) >= 1.5 / PAYS.plain  # and it really speculates well: well over plain decoding
+    d = drive(gov, SLOWER, 300, seed=4)        # and back again
+    gone = next(i for i in range(len(d)) if all(k == 0 for k, *_ in d[i:i + 8]))
+    assert gone <= gov.probe_max + 16, [k for k, *_ in d[:gone + 8]]
+    assert realised(d[150:]) >= 0.97 / SLOWER.plain
+
+
+def test_plain_decoding_is_remeasured_while_speculating():
+    """K = 0 gets probed at backed-off intervals (never more than probe_max cycles apart) while speculation wins."""
+    gov = Governor(32)
+    d = drive(gov, PAYS, 600, seed=5)
+    zeros = [i for i, (k, *_) in enumerate(d) if k == 0]
+    assert zeros and max(b - a for a, b in zip(zeros, zeros[1:])) <= gov.probe_max + gov.plain_probe + 1, zeros
+    assert len(zeros) <= 600 // gov.probe_max * gov.plain_probe + 12, len(zeros)
+
+
+def test_never_slower_than_plain_across_worlds():
+    """A sweep of worlds between the two: the governor's realised rate (after a 100-cycle warm-up) is
+    within 3% of plain decoding's whenever plain is the faster, and never below it otherwise."""
+    for i, draft in enumerate((3e-3, 5e-3, 7e-3, 9e-3)):
+        for stall0 in (0.0, 4e-3, 8e-3):
+            w = World(plain=10e-3 + stall0, draft=draft, verify=lambda k: 9e-3 + 0.5e-3 * (k + 1),
+                      stall=lambda k, s=stall0: 0.5 * s + 0.5e-3 * k, accepted=geometric(0.7))
+            gov = Governor(16)
+            d = drive(gov, w, 500, seed=10 + i)
+            assert realised(d[100:]) >= 0.97 / w.plain, (draft, stall0, realised(d[100:]) * w.plain,
+                                                          Counter(k for k, *_ in d[100:]))
+
+
+# ----------------------------------------------------------------------------------------- 3. honest bounds
+def test_untried_k_does_not_borrow_a_better_stall():
+    gov = Governor(32)
+    gov.observe_cycle(4, 4, 4e-3, 20e-3, 8e-3)
+    gov.observe_cycle(8, 8, 8e-3, 30e-3, 16e-3)
+    for k in range(1, 33):
+        assert gov.stall_estimate(k) >= 8e-3 - 1e-12, (k, gov.stall_estimate(k))  # never the smallest seen
+    assert abs(gov.stall_estimate(6) - 12e-3) < 1e-9   # between tried K: between their stalls
+    assert gov.stall_estimate(2) == gov.stall_estimate(4)               # outside: the nearest tried end
+    assert gov.stall_estimate(32) == gov.stall_estimate(8) > 12e-3     # (the union of experts saturates)
+
+
+def test_rarely_seen_position_is_held_to_a_confidence_bound():
+    gov = Governor(8)
+    for _ in range(60):  # positions 1..2 seen often, accepted 50%
+        gov.observe_cycle(2, 1, 2e-3, 10e-3, 0.0)
+        gov.observe_cycle(2, 2, 2e-3, 10e-3, 0.0)
+    gov.observe_cycle(3, 3, 3e-3, 10e-3, 0.0)  # position 3 accepted once
+    pool = gov.pool
+    assert gov.acceptance(3) < pool < 1.0       # one acceptance does not make it a sure thing
+    assert gov.acceptance(5) < pool             # unseen: the pooled rate, minus its uncertainty
+    # more evidence tightens the bound
+    before = gov.acceptance(3)
+    for _ in range(30):
+        gov.observe_cycle(3, 3, 3e-3, 10e-3, 0.0)
+    assert gov.acceptance(3) > before
+
+
+def test_one_lucky_cycle_does_not_make_an_untried_k_the_best():
+    """Many cycles at K = 4; one at K = 12 that happened to stall little. The model must not jump to 12 on
+    that alone: its stall estimate is shrunk towards the prior from its neighbours."""
+    gov = Governor(16)
+    for _ in range(40):
+        gov.observe_cycle(4, 2, 8e-3, 30e-3, 20e-3)
+        gov.observe_cycle(6, 2, 12e-3, 34e-3, 23e-3)
+    gov.observe_cycle(12, 2, 24e-3, 14e-3, 1e-3)  # lucky: almost no stall, but acceptance is ~2 a cycle
+    assert gov.stall_estimate(12) > 10e-3
+    assert gov._argmax_k() < 12
+
+
+# ------------------------------------------------------------------------------------------------- 4. caps
+def test_caps_and_fixed():
+    gov = Governor(6, fixed=4)
+    assert [gov.next_k(r) for r in (100, 5, 4, 2, 1)] == [4, 4, 3, 1, 0]
+    gov = Governor(3)
+    assert all(0 <= gov.next_k(100) <= 3 for _ in range(5)) and gov.next_k(1) == 0
+    assert Governor(0).next_k(100) == 0
+    gov = Governor(12)
+    d = drive(gov, PAYS, 100)
+    assert all(0 <= k <= 12 for k, *_ in d)
