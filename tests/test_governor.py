@@ -184,6 +184,18 @@ def test_never_slower_than_plain_across_worlds():
                                                           Counter(k for k, *_ in d[100:]))
 
 
+def test_reaches_long_k_quickly_with_a_good_draft():
+    """Positions never drafted borrow the pooled acceptance and K beyond the longest tried the stall
+    measured there: with a draft that is always right and a verify cost that grows slowly, the
+    governor must reach K_max within a few cycles, not climb one probe at a time (a short
+    generation would end before it got there)."""
+    gov = Governor(32)
+    w = World(plain=21e-3, draft=1e-3, verify=lambda k: 20e-3 + 0.2e-3 * (k + 1), stall=lambda k: 0.0,
+              accepted=lambda k, r: k)
+    d = drive(gov, w, 12)
+    assert max(k for k, *_ in d[:6]) == 32, d
+
+
 # ----------------------------------------------------------------------------------------- 3. honest bounds
 def test_untried_k_does_not_borrow_a_better_stall():
     gov = Governor(32)

@@ -183,11 +183,14 @@ class _PlainArms:
     """K = 0 is plain decoding "with the best non-speculative prefetch": next-layer prefetch helps
     when the link has slack and hurts when it is saturated (a wrong guess costs a whole copy and
     evicts a useful expert). Keep a moving average of the step time with and without it, use the
-    faster, and try the other every `probe_every` plain steps."""
+    faster, and try the other after `probe_every` plain steps, then at doubling intervals while it
+    keeps losing -- and never more often than keeps its excess under `budget` of the time: an arm
+    measured 10x slower is tried once every ~900 steps, not every 8 (up to `probe_max`)."""
 
-    def __init__(self, probe_every: int = 8, alpha: float = 0.25):
+    def __init__(self, probe_every: int = 8, probe_max: int = 1024, budget: float = 0.01, alpha: float = 0.25):
         self.t = {True: None, False: None}
-        self.n, self.probe_every, self.alpha = 0, probe_every, alpha
+        self.probe_every, self.probe_max, self.budget, self.alpha = probe_every, probe_max, budget, alpha
+        self.n, self.best, self.interval, self.next = 0, None, probe_every, probe_every
 
     def pick(self) -> bool:
         self.n += 1
@@ -195,8 +198,14 @@ class _PlainArms:
             if self.t[arm] is None:
                 return arm
         best = self.t[True] <= self.t[False]
-        return (not best) if self.n % self.probe_every == 0 else best
-
+        if best != self.best:
+            self.best, self.interval, self.next = best, self.probe_every, self.n + self.probe_every
+        if self.n < self.next:
+            return best
+        excess = self.t[not best] / max(self.t[best], 1e-12) - 1.0
+        self.interval = min(max(2 * self.interval, round(excess / self.budget)), self.probe_max)
+        self.next = self.n + self.interval
+        return not best
     def observe(self, arm: bool, step_s: float) -> None:
         old = self.t[arm]
         self.t[arm] = step_s if old is None else (1 - self.alpha) * old + self.alpha * step_s

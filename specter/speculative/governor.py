@@ -17,8 +17,10 @@ It works at two levels.
    it lost, then at doubling intervals up to `probe_max` cycles while it keeps losing, so K = 0 is
    re-measured as the cache and the text change, and speculation comes back when it pays again.
    A probe whose own rate beats the running arm's R is followed up at once, so a changed
-   landscape is confirmed within a window, not after several back-off intervals. Once an arm has
-   lost for a while, it costs one probe per `probe_max` cycles.
+   landscape is confirmed within a window, not after several back-off intervals. The interval is
+   also never shorter than keeps a probe's excess under `budget` (1%) of the time: an arm that
+   measured twice as slow is probed every 100 cycles. Once an arm has lost for a while, it costs
+   one probe per `probe_max` cycles at most.
 
 2. Inside speculation, K from the model of the cycle (the amortisation roofline). A cycle with K
    drafted tokens commits
@@ -81,10 +83,11 @@ class _Window:
 class Governor:
     def __init__(self, k_max: int, k_init: int = 4, alpha: float = 0.25, probe_every: int = 8,
                  probe_max: int = 64, plain_probe: int = 2, windows: tuple[int, int] = (8, 4), z: float = 0.5,
-                 prior_weight: float = 4.0, bandwidth: float = 3.0, margin: float = 0.03, fixed: int | None = None):
+                 prior_weight: float = 4.0, bandwidth: float = 3.0, margin: float = 0.03, budget: float = 0.01,
+                 fixed: int | None = None):
         self.k_max, self.alpha, self.fixed = k_max, alpha, fixed
         self.probe_every, self.probe_max, self.plain_probe = probe_every, probe_max, plain_probe
-        self.z, self.m, self.bandwidth, self.margin = z, prior_weight, bandwidth, margin
+        self.z, self.m, self.bandwidth, self.margin, self.budget = z, prior_weight, bandwidth, margin, budget
         # acceptance: decayed accepted / tried counts per drafted position (1..K_max) and pooled
         self.hits, self.tries = [0.0] * (k_max + 1), [0.0] * (k_max + 1)
         self.seen = [0] * (k_max + 1)        # observations of each position (capped): its confidence
@@ -250,7 +253,9 @@ class Governor:
             self._arm_next = self.cycles + self.probe_every
         if self.cycles >= self._arm_next:
             self._arm_next = self.cycles + self._arm_interval
-            self._arm_interval = min(2 * self._arm_interval, self.probe_max)  # probes that keep losing back off
+            # probes that keep losing back off, and never cost more than `budget` of the time
+            excess = running.rate() / max(other.rate(), 1e-12) - 1.0
+            self._arm_interval = min(max(2 * self._arm_interval, round(excess / self.budget)), self.probe_max)
             self._arm_probe_left = (self.plain_probe if self.arm == "spec" else 1) - 1
             self.probe = True
             return "plain" if self.arm == "spec" else "spec"
