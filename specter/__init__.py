@@ -56,6 +56,12 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = "s
 
     if policy not in BENCH_POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    budgets = dict(residency=residency, expert_memory=expert_memory, device_memory=options.get("device_memory"))
+    given = {k: v for k, v in budgets.items() if v is not None}
+    if policy == "resident" and given:  # a budget it would silently ignore
+        k, v = next(iter(given.items()))
+        raise ConfigError(f"policy 'resident' keeps every expert on the device, so {k}={v!r} would be ignored; "
+                          f"drop the budget, or pick an offloading policy (on-demand, next-layer, spec-lru, specter)")
     path = Path(model) if model is not None else default_model_path()
     return build_engine(path, resolve_device(device), policy=policy, residency=residency,
                         expert_memory=expert_memory, link=link, dtype=dtype, **options)

@@ -60,8 +60,8 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
     engines = {}
     try:
         for p in policies:
-            engines[p] = specter.load(model, device=device, policy=p, residency=residency,
-                                      expert_memory=expert_memory, link=link, **load_kw)
+            budget = {} if p == "resident" else dict(residency=residency, expert_memory=expert_memory)
+            engines[p] = specter.load(model, device=device, policy=p, link=link, **budget, **load_kw)
         if warmup:  # first-call costs (allocator, lazy init) out of the measurement
             for e in engines.values():
                 e.generate(prompts[0], max_new_tokens=4, **sampling)

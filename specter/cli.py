@@ -3,18 +3,48 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from .errors import SpecterError
+from .errors import ConfigError, SpecterError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
+def token_ids(text: str) -> list[int]:
+    """argparse type: "1,2,3" or "1 2 3" -> [1, 2, 3]."""
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids such as 1,2,3, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one token id")
+    return ids
 
 
 def _model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
     p.add_argument("--model", default=None, help="local Hugging Face model directory (default: the bundled model)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="compute dtype (default: float32 on CPU, the checkpoint's 16-bit dtype on CUDA)")
     if policy:
-        p.add_argument("--policy", default="specter", help="resident | on-demand | next-layer | spec-lru | specter")
-    p.add_argument("--residency", type=float, default=None, help="fraction of each layer's experts kept on the device")
-    p.add_argument("--expert-memory", default=None, help="device bytes for the expert slot pool, e.g. 6GiB")
+        p.add_argument("--policy", default="specter",
+                       help="resident | on-demand | next-layer | spec-lru | specter (default: specter)")
+    p.add_argument("--residency", type=float, default=None,
+                   help="fraction of each layer's experts kept on the device, in (0, 1] (offloading policies)")
+    p.add_argument("--expert-memory", default=None,
+                   help="device bytes for the expert slot pool, e.g. 6GiB (offloading policies)")
     p.add_argument("--link", default=None, help="CPU only: link profile of the emulated PCIe link (see `specter profile`)")
     p.add_argument("--k-max", type=int, default=None,
                    help="longest draft the governor may choose (default 32; 0 = never speculate)")
@@ -38,7 +68,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="[-2, 2]: subtracted per occurrence among generated tokens (default 0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one each run)")
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--stop", action="append", default=None,
+                   help="stop string: the text ends before it (repeatable)")
 
 
 def sampling_kwargs(args) -> dict:
@@ -49,11 +80,20 @@ def sampling_kwargs(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     ap = argparse.ArgumentParser(prog="specter", description="Lossless speculative expert offloading for MoE LLMs")
+    ap.add_argument("--version", action="version", version=f"specter {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a continuation, streamed to the terminal")
     g.add_argument("prompt", nargs="?", help="the prompt (default: read standard input)")
+    g.add_argument("--prompt-ids", type=token_ids, default=None, metavar="IDS",
+                   help="the prompt as token ids, e.g. 1,2,3 (for checkpoints without a tokenizer; output is then "
+                        "token ids too)")
+    g.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the checkpoint's chat template")
+    g.add_argument("--system", default=None, help="a system message before the prompt (implies --chat)")
     _model_args(g)
     _sampling_args(g)
     g.add_argument("--json", action="store_true", help='print one JSON object {"text", "token_ids", "stats"}')
@@ -70,6 +110,8 @@ def engine_options(args) -> dict:
     opts = {} if args.k_max is None else {"k_max": args.k_max}
     if args.compile:
         opts["compile"] = True
+    if getattr(args, "dtype", None):
+        opts["dtype"] = args.dtype
     return opts
 
 
@@ -95,12 +137,27 @@ def summary_line(stats: dict) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
-def cmd_generate(args) -> int:
+def _prompt(args):
+    """The prompt from the arguments: text, --prompt-ids, or standard input; --chat/--system wrap it."""
+    if args.prompt_ids is not None:
+        if args.prompt is not None:
+            raise ConfigError("give the prompt as text or as --prompt-ids, not both")
+        if args.chat or args.system is not None:
+            raise ConfigError("--chat/--system render text through the chat template; --prompt-ids are already tokens")
+        return args.prompt_ids
     prompt = args.prompt
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
             raise SpecterError('no prompt: pass one, e.g. specter generate "def add(a, b):", or pipe it on stdin')
         prompt = sys.stdin.read()
+    if args.chat or args.system is not None:
+        system = [] if args.system is None else [{"role": "system", "content": args.system}]
+        return system + [{"role": "user", "content": prompt}]
+    return prompt
+
+
+def cmd_generate(args) -> int:
+    prompt = _prompt(args)
     engine = _load(args)
     kw = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, **sampling_kwargs(args))
     try:
@@ -109,10 +166,15 @@ def cmd_generate(args) -> int:
             print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats}))
             return 0
         stats: dict = {}
-        for piece in engine.stream(prompt, stats=stats, **kw):
+        if engine.tokenizer is None:  # no text to show: the new token ids, as they are committed
+            pieces = (" ".join(map(str, ids)) + " " for ids in engine.stream_ids(prompt, stats=stats, **kw))
+        else:
+            pieces = engine.stream(prompt, stats=stats, **kw)
+        for piece in pieces:
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        sys.stdout.flush()
         print(summary_line(stats), file=sys.stderr)
         return 0
     finally:
@@ -128,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader left (`specter generate ... | head -2`): stop quietly, like any filter
+        try:  # and keep Python's final flush of stdout from failing again at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141  # 128 + SIGPIPE, what a shell reports for a filter stopped by a closed pipe
 
 
 if __name__ == "__main__":

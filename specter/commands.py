@@ -3,50 +3,54 @@ from __future__ import annotations
 
 import json
 
+from .cli import positive_int
 from .errors import ConfigError, NotAvailableError
 
 
 def add_subcommands(sub, model_args, sampling_args) -> None:
     p = sub.add_parser("plan", help="print the device memory plan for a budget, before running")
-    p.add_argument("--model", default=None)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--model", default=None, help="local Hugging Face model directory (default: the bundled model)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]: the device to plan for (default: auto)")
     b = p.add_mutually_exclusive_group()
     b.add_argument("--residency", type=float, default=None, help="fraction of each layer's experts on device")
     b.add_argument("--expert-memory", default=None, help="slot pool budget, e.g. 6GiB")
     b.add_argument("--device-memory", default=None, help="whole-device budget, e.g. 16GiB")
-    p.add_argument("--context", type=int, default=None, help="KV cache tokens (default: the model's context)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--context", type=positive_int, default=None, help="KV cache tokens (default: the model's context)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=cmd_plan)
 
     bn = sub.add_parser("bench", help="run several policies side by side on the same prompts")
-    bn.add_argument("--policies", default="resident,on-demand,next-layer,spec-lru,specter,oracle")
+    bn.add_argument("--policies", default="resident,on-demand,next-layer,spec-lru,specter,oracle",
+                    help="comma-separated policies to compare; the first is the reference for token equality "
+                         "(default: all six)")
     model_args(bn, policy=False)
-    bn.add_argument("--max-new-tokens", type=int, default=64)
+    bn.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (default 64)")
     bn.add_argument("--prompts", default=None, help="file: one prompt a line, or a .json list")
     bn.add_argument("--workload", default=None,
                     help="built-in prompt set: default (4 short prompts) | diverse (12 prompts in domains the "
                          "bundled model never saw; run it sampled too: --temperature 1.0 --top-p 0.95)")
-    bn.add_argument("--repeat", type=int, default=1)
+    bn.add_argument("--repeat", type=int, default=1, help="passes over the prompts (default 1)")
     bn.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; tokens are compared)")
-    bn.add_argument("--top-p", type=float, default=1.0)
-    bn.add_argument("--top-k", type=int, default=0)
+    bn.add_argument("--top-p", type=float, default=1.0, help="nucleus mass kept when sampling (default 1 = off)")
+    bn.add_argument("--top-k", type=int, default=0, help="likeliest tokens kept when sampling (default 0 = off)")
     bn.add_argument("--seed", type=int, default=0, help="sampling seed of every generation (default 0)")
     bn.add_argument("--plot", default=None, help="PNG: TPOT per policy across residencies 1/8, 1/4, 1/2, 1")
-    bn.add_argument("--json", action="store_true")
+    bn.add_argument("--json", action="store_true", help="print the results as one JSON object")
     bn.set_defaults(func=cmd_bench)
 
     pr = sub.add_parser("profile", help="list link profiles and this machine's emulated-link calibration; "
                                         "--trace: a torch.profiler trace of a short generation")
-    pr.add_argument("--model", default=None)
-    pr.add_argument("--json", action="store_true")
+    pr.add_argument("--model", default=None, help="local Hugging Face model directory (default: the bundled model)")
+    pr.add_argument("--json", action="store_true", help="print the calibration as one JSON object")
     pr.add_argument("--trace", default=None, metavar="FILE.json",
                     help="write a Chrome/Perfetto trace (open in ui.perfetto.dev) of a short generation, with the "
                          "ranges draft step, plan, copy issue, verify, layer N, accept")
-    pr.add_argument("--device", default="auto")
-    pr.add_argument("--policy", default="specter")
-    pr.add_argument("--residency", type=float, default=0.25)
-    pr.add_argument("--max-new-tokens", type=int, default=16)
-    pr.add_argument("--prompt", default="def fibonacci(n):")
+    pr.add_argument("--device", default="auto", help="--trace: auto | cpu | cuda[:N] (default: auto)")
+    pr.add_argument("--policy", default="specter", help="--trace: the policy traced (default: specter)")
+    pr.add_argument("--residency", type=float, default=0.25,
+                    help="--trace: fraction of each layer's experts on the device (default 0.25)")
+    pr.add_argument("--max-new-tokens", type=int, default=16, help="--trace: tokens generated (default 16)")
+    pr.add_argument("--prompt", default="def fibonacci(n):", help="--trace: the prompt (default: def fibonacci(n):)")
     pr.set_defaults(func=cmd_profile)
 
     sv = sub.add_parser("serve", help="HTTP server (not available yet)")

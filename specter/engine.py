@@ -150,7 +150,8 @@ class Engine:
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             tok = self._need_tokenizer("a chat prompt cannot be rendered; pass a list of token ids")
             if not getattr(tok, "chat_template", None):
-                raise TokenizerError(f"the tokenizer in {self.path} has no chat template; pass a plain string")
+                raise TokenizerError(f"the tokenizer in {self.path} has no chat template, so chat messages cannot be "
+                                     "rendered; pass a plain string prompt (CLI: drop --chat/--system)")
             ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):

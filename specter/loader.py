@@ -23,6 +23,7 @@ from .config import SUPPORTED, ModelSpec, supported_list
 from .errors import CheckpointError, UnsupportedModelError
 from .model import MoETransformer
 from .moe import ExpertWeights
+from .sources import check_not_quantized, check_source, weights_hint
 
 # per-expert tensor names as published: (gate, up, down)
 _EXPERT_NAMES = {
@@ -53,8 +54,7 @@ class Checkpoint:
 
 def read_config(path: str | os.PathLike):
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"model directory {str(path)!r} does not exist (pass a local Hugging Face model directory)")
+    check_source(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path / 'config.json'} is missing: not a Hugging Face model directory")
     try:
@@ -65,6 +65,7 @@ def read_config(path: str | os.PathLike):
 
     if model_type not in SUPPORTED:
         raise UnsupportedModelError(f"architecture {model_type!r} is not supported; supported: {supported_list()}")
+    check_not_quantized(raw, path)
     from transformers import AutoConfig
 
     try:
@@ -104,8 +105,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     else:
         shard_files = sorted(path.glob("*.safetensors"))
         if not shard_files:
-            extra = " (pickle .bin checkpoints are not loaded; convert them to safetensors)" if list(path.glob("*.bin")) else ""
-            raise CheckpointError(f"no *.safetensors weights in {path}{extra}")
+            raise CheckpointError(f"no *.safetensors weights in {path}{weights_hint(path)}")
         for f, names in _check_headers(shard_files).items():
             files.update({n: f for n in names})
     dtype = _storage_dtype(files)

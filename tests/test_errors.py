@@ -155,3 +155,36 @@ def test_streaming_without_a_tokenizer(engine):
     assert len(chunks) == 6
     with pytest.raises(specter.TokenizerError, match="stop strings"):
         engine.generate([1, 2, 3], stop="x")
+
+
+def test_a_gguf_file_a_hub_id_and_a_quantized_checkpoint_say_what_to_pass(tiny, tmp_path):
+    gguf = tmp_path / "model-Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
+    with pytest.raises(specter.CheckpointError, match="GGUF file.*Hugging Face model directory"):
+        specter.load(gguf, device="cpu")
+    with pytest.raises(specter.CheckpointError, match="huggingface-cli download Qwen/Qwen3-30B-A3B --local-dir DIR"):
+        specter.load("Qwen/Qwen3-30B-A3B", device="cpu")
+    d = tmp_path / "gguf-dir"
+    d.mkdir()
+    shutil.copy(tiny("qwen3_moe")[0] / "config.json", d / "config.json")
+    (d / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(specter.CheckpointError, match="GGUF files"):
+        specter.load(d, device="cpu")
+    path, _ = tiny("qwen3_moe")
+    q = tmp_path / "gptq"
+    shutil.copytree(path, q)
+    cfg = json.loads((q / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (q / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(specter.UnsupportedModelError, match=r"quantized checkpoint \(gptq\).*original"):
+        specter.load(q, device="cpu")
+
+
+def test_a_budget_the_policy_would_ignore_is_refused(tiny, capsys):
+    path, _ = tiny("qwen3_moe")
+    for kw in (dict(residency=0.25), dict(expert_memory="1MiB"), dict(device_memory="1GiB")):
+        with pytest.raises(specter.ConfigError, match="'resident' keeps every expert.*would be ignored"):
+            specter.load(path, device="cpu", policy="resident", **kw)
+    assert main(["generate", "--prompt-ids", "1,2", "--model", str(path), "--policy", "resident",
+                 "--residency", "0.25"]) == 2
+    assert "would be ignored" in capsys.readouterr().err

@@ -1,0 +1,6 @@
+"""`python -m specter`: the `specter` command."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,119 @@
+"""The command line as a user meets it: every option explained, --version, python -m specter,
+token-id prompts for tokenizer-less checkpoints, chat, --dtype, penalties, argument checks, and
+a closed pipe (`| head`) ending quietly."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import specter
+from specter.cli import build_parser, engine_options, main
+
+DEFAULT = specter.default_model_path()
+needs_default = pytest.mark.skipif(not (DEFAULT / "model.safetensors").exists(), reason="no bundled model")
+
+
+def _parsers(parser, name="specter"):
+    yield name, parser
+    for action in parser._actions:
+        if action.choices and hasattr(action, "_name_parser_map"):
+            for sub, p in action._name_parser_map.items():
+                yield from _parsers(p, f"{name} {sub}")
+
+
+def test_every_option_has_help_text():
+    missing = [f"{name} {'/'.join(a.option_strings) or a.dest}" for name, p in _parsers(build_parser())
+               for a in p._actions if not a.help and not hasattr(a, "_name_parser_map")]
+    assert not missing, f"options without --help text: {missing}"
+
+
+def test_version_and_python_dash_m(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"specter {specter.__version__}"
+    r = subprocess.run([sys.executable, "-m", "specter", "--version"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == f"specter {specter.__version__}", r.stderr
+
+
+def test_prompt_ids_on_a_checkpoint_without_tokenizer(tiny, capsys):
+    path, _ = tiny("qwen3_moe", eos_token_id=None)
+    engine = specter.load(path, device="cpu", policy="resident")
+    want = engine.generate([1, 5, 9], max_new_tokens=6).token_ids
+    base = ["generate", "--prompt-ids", "1,5,9", "--model", str(path), "--policy", "resident", "--device", "cpu",
+            "--max-new-tokens", "6"]
+    assert main(base) == 0  # streamed: the new token ids, as they come
+    out = capsys.readouterr()
+    assert [int(t) for t in out.out.split()] == want and "6 tokens" in out.err
+    assert main(base + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want
+    with pytest.raises(SystemExit) as e:  # argparse: a usage error, exit 2
+        main(["generate", "--prompt-ids", "1,x", "--model", str(path)])
+    assert e.value.code == 2 and "expected token ids" in capsys.readouterr().err
+    assert main(["generate", "hi", "--prompt-ids", "1", "--model", str(path), "--policy", "resident"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+@needs_default
+def test_chat_and_system(tmp_path, capsys):
+    model = tmp_path / "chat-model"
+    shutil.copytree(DEFAULT, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                            "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    engine = specter.load(model, device="cpu", policy="resident")
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}]
+    want = engine.generate(msgs, max_new_tokens=8).token_ids
+    assert want != engine.generate("def add(a, b):", max_new_tokens=8).token_ids
+    argv = ["generate", "def add(a, b):", "--model", str(model), "--policy", "resident", "--device", "cpu",
+            "--max-new-tokens", "8", "--json"]
+    assert main(argv + ["--system", "be brief"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want
+    assert main(argv + ["--chat"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == engine.generate(msgs[1:], max_new_tokens=8).token_ids
+    # the bundled model has no chat template: one clear line
+    assert main(["generate", "hi", "--chat", "--policy", "resident", "--device", "cpu"]) == 2
+    assert "no chat template" in capsys.readouterr().err
+
+
+@needs_default
+def test_dtype_and_penalties_reach_the_engine(capsys):
+    args = build_parser().parse_args(["generate", "x", "--dtype", "bfloat16"])
+    assert engine_options(args) == {"dtype": "bfloat16"}
+    argv = ["generate", "def add(a, b):", "--policy", "resident", "--device", "cpu", "--max-new-tokens", "12",
+            "--json", "--repetition-penalty", "1.4", "--frequency-penalty", "0.5", "--min-p", "0.1"]
+    assert main(argv) == 0
+    got = json.loads(capsys.readouterr().out)["token_ids"]
+    engine = specter.load(None, device="cpu", policy="resident")
+    assert got == engine.generate("def add(a, b):", max_new_tokens=12, repetition_penalty=1.4,
+                                  frequency_penalty=0.5, min_p=0.1).token_ids
+    assert main(argv[:-6] + ["--dtype", "bfloat16"]) == 0  # runs in bf16 on CPU
+    assert json.loads(capsys.readouterr().out)["token_ids"]
+    assert main(argv + ["--presence-penalty", "5"]) == 2
+    assert "presence_penalty must be in [-2, 2]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "x", "--dtype", "int8"])
+
+
+@needs_default
+def test_plan_refuses_a_negative_context(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--context", "-5"])
+    assert e.value.code == 2 and "--context: expected an integer >= 1, got -5" in capsys.readouterr().err
+
+
+@needs_default
+def test_a_closed_pipe_ends_quietly():
+    """`specter generate ... | head -2`: head leaves early; specter stops without a traceback."""
+    gen = subprocess.Popen([sys.executable, "-m", "specter", "generate", "def f(x):\n    return x\n\n\ndef g(",
+                            "--device", "cpu", "--policy", "resident", "--max-new-tokens", "400"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    head = subprocess.Popen(["head", "-2"], stdin=gen.stdout, stdout=subprocess.PIPE)
+    gen.stdout.close()
+    head_out, _ = head.communicate(timeout=120)
+    err = gen.communicate(timeout=120)[1].decode()
+    assert len(head_out.decode().splitlines()) <= 2
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert gen.returncode in (0, 141), (gen.returncode, err)
