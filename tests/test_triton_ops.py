@@ -231,65 +231,19 @@ def test_fused_moe_bad_input_is_a_clear_error():
 
 
 # ------------------------------------------------------------------- Triton kernels (interpreter)
-@pytest.fixture(scope="module")
-def interpreted():
-    """The kernels under TRITON_INTERPRET=1. Triton reads it when a kernel is decorated, so the
-    kernel module is (re)imported with it set; it stays set while these tests run."""
-    import importlib
+def test_kernels_under_the_triton_interpreter():
+    """kernels_interpreted.py in a fresh process: TRITON_INTERPRET=1 must be set before anything
+    imports triton.language (quanto does), or its library functions stay compiled-only."""
     import os
+    import subprocess
     import sys
+    from pathlib import Path
 
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    from triton.runtime.interpreter import InterpretedFunction
-
-    import specter.triton_ops.kernels as kernels
-    if not isinstance(kernels._gate_up_kernel, InterpretedFunction):
-        kernels = importlib.reload(sys.modules["specter.triton_ops.kernels"])
-    assert isinstance(kernels._gate_up_kernel, InterpretedFunction)
-    yield kernels
-    if old is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = old
-
-
-def test_every_dot_block_is_at_least_16(interpreted):
-    from specter.triton_ops.align import BLOCK_M
-    assert min(BLOCK_M, interpreted.BLOCK_N, interpreted.BLOCK_K) >= 16
-
-
-KERNEL_SHAPES = dict(H=80, I=40)  # two K-loop steps over H, partial tiles everywhere, INT4 groups of 8
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("int4", [False, True])
-@pytest.mark.parametrize("R", [None, 3])
-def test_kernels_match_the_torch_backend(interpreted, dtype, int4, R):
-    """Every (T, top-k) of the issue's matrix: rows per (token, position), skipped rows zero."""
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=4e-3)
-    for T, k in [(1, 1), (5, 2), (33, 8), (65, 2)]:
-        x, ids, w, w13, w2, remap = moe_case(T, k, E=10, R=R, dtype=dtype, int4=int4, **KERNEL_SHAPES)
-        rows = expert_rows(x, ids, w, w13, w2, remap=remap, backend="triton")
-        ref = expert_rows(x, ids, w, w13, w2, remap=remap, backend="torch")
-        torch.testing.assert_close(rows, ref, **tol)
-        if remap is not None:
-            assert (rows[remap[ids] < 0] == 0).all()
-        assert torch.equal(combine_rows(rows, backend="triton"), combine_rows(rows, backend="torch"))
-
-
-@pytest.mark.parametrize("int4", [False, True])
-def test_kernels_are_batch_invariant_and_split_calls_merge_exactly(interpreted, int4):
-    x, ids, w, w13, w2, _ = moe_case(33, 2, E=8, dtype=torch.float16, int4=int4, **KERNEL_SHAPES)
-    full = fused_moe(x, ids, w, w13, w2, backend="triton")
-    for t in (0, 32):
-        assert torch.equal(fused_moe(x[t:t + 1], ids[t:t + 1], w[t:t + 1], w13, w2, backend="triton")[0], full[t])
-    everything = torch.arange(8, dtype=torch.int32)
-    first = torch.where(everything % 3 == 0, everything, -1)
-    late = torch.where(first < 0, everything, -1)
-    merged = merge_rows(expert_rows(x, ids, w, w13, w2, remap=first, backend="triton"),
-                        expert_rows(x, ids, w, w13, w2, remap=late, backend="triton"), ids, late)
-    assert torch.equal(combine_rows(merged, backend="triton"), full)
+    path = Path(__file__).with_name("kernels_interpreted.py")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)],
+                       env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specter.errors import ConfigError
+
 from .align import BLOCK_M, align_rows
 from .int4 import Int4Experts
 
@@ -137,6 +139,9 @@ def _parts(w, dtype):
 def moe_rows_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13, w2,
                     remap: torch.Tensor | None) -> torch.Tensor:
     """[T, k, H]: the Triton version of reference.moe_rows_torch."""
+    if not x.is_cuda and type(_gate_up_kernel).__name__ != "InterpretedFunction":
+        raise ConfigError("the triton backend on CPU tensors needs TRITON_INTERPRET=1 in the environment "
+                          "before triton is first imported (optimum-quanto imports it)")
     T, k = ids.shape
     H, M = x.shape[1], T * k
     int4 = isinstance(w13, Int4Experts)

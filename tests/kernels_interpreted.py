@@ -1,0 +1,56 @@
+"""The Triton kernels under TRITON_INTERPRET=1, against the torch backend. Run through
+test_triton_ops.py::test_kernels_under_the_triton_interpreter, which starts a process with the
+variable set before triton is imported (the interpreter needs it at import time); collected on its
+own (`TRITON_INTERPRET=1 pytest tests/kernels_interpreted.py`) it skips without it.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 from process start", allow_module_level=True)
+
+from specter.triton_ops import combine_rows, expert_rows, fused_moe, merge_rows  # noqa: E402
+from specter.triton_ops import kernels  # noqa: E402
+from test_triton_ops import moe_case  # noqa: E402
+
+
+def test_every_dot_block_is_at_least_16():
+    from specter.triton_ops.align import BLOCK_M
+    assert min(BLOCK_M, kernels.BLOCK_N, kernels.BLOCK_K) >= 16
+
+
+KERNEL_SHAPES = dict(H=80, I=40)  # two K-loop steps over H, partial tiles everywhere, INT4 groups of 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("int4", [False, True])
+@pytest.mark.parametrize("R", [None, 3])
+def test_kernels_match_the_torch_backend(dtype, int4, R):
+    """Every (T, top-k) of the issue's matrix: rows per (token, position), skipped rows zero."""
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=4e-3)
+    for T, k in [(1, 1), (5, 2), (33, 8), (65, 2)]:
+        x, ids, w, w13, w2, remap = moe_case(T, k, E=10, R=R, dtype=dtype, int4=int4, **KERNEL_SHAPES)
+        rows = expert_rows(x, ids, w, w13, w2, remap=remap, backend="triton")
+        ref = expert_rows(x, ids, w, w13, w2, remap=remap, backend="torch")
+        torch.testing.assert_close(rows, ref, **tol)
+        if remap is not None:
+            assert (rows[remap[ids] < 0] == 0).all()
+        assert torch.equal(combine_rows(rows, backend="triton"), combine_rows(rows, backend="torch"))
+
+
+@pytest.mark.parametrize("int4", [False, True])
+def test_kernels_are_batch_invariant_and_split_calls_merge_exactly(int4):
+    x, ids, w, w13, w2, _ = moe_case(33, 2, E=8, dtype=torch.float16, int4=int4, **KERNEL_SHAPES)
+    full = fused_moe(x, ids, w, w13, w2, backend="triton")
+    for t in (0, 32):
+        assert torch.equal(fused_moe(x[t:t + 1], ids[t:t + 1], w[t:t + 1], w13, w2, backend="triton")[0], full[t])
+    everything = torch.arange(8, dtype=torch.int32)
+    first = torch.where(everything % 3 == 0, everything, -1)
+    late = torch.where(first < 0, everything, -1)
+    merged = merge_rows(expert_rows(x, ids, w, w13, w2, remap=first, backend="triton"),
+                        expert_rows(x, ids, w, w13, w2, remap=late, backend="triton"), ids, late)
+    assert torch.equal(combine_rows(merged, backend="triton"), full)
