@@ -117,3 +117,17 @@ def test_a_closed_pipe_ends_quietly():
     assert len(head_out.decode().splitlines()) <= 2
     assert "Traceback" not in err and "BrokenPipe" not in err, err
     assert gen.returncode in (0, 141), (gen.returncode, err)
+
+
+def test_readme_lists_the_architectures_and_the_docs_stand_alone():
+    from pathlib import Path
+
+    from specter.config import SUPPORTED
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    for arch in SUPPORTED:
+        assert f"| `{arch}` |" in readme, arch
+    for doc in ("README.md", "docs/ARCHITECTURE.md"):
+        text = (root / doc).read_text()
+        assert "../shared" not in text and "DESIGN.md" not in text, doc  # a clone has no shared/

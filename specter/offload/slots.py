@@ -3,7 +3,7 @@ which one to evict when a new expert needs a slot.
 
 All state lives on the host except `remap` ([n_layers, n_experts] int32 on the device, expert -> slot,
 -1 = absent), which kernels read. It is allocated once and only written in place, one entry at a time,
-never read back in a hot path (graph safety: see DESIGN.md). An expert moves through three states:
+never read back in a hot path (graph safety: see docs/ARCHITECTURE.md). An expert moves through three states:
 
     absent --reserve--> loading --mark_ready--> ready --(evicted by a later reserve)--> absent
     absent <--cancel--- loading
