@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from .engine import BENCH_POLICIES, POLICIES, Engine, GenerationOutput
@@ -48,14 +49,26 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = "s
     policy: resident | on-demand | next-layer | spec-lru | specter.
     residency: fraction of each layer's routed experts kept on the device (0 < F <= 1), or
     expert_memory: a byte budget for the device slot pool ("6GiB"). Neither: all resident.
+    (policy "resident" takes no budget: one given to it is refused, not ignored.)
+    dtype: compute dtype, "float32" | "bfloat16" | "float16" (default: fp32 on CPU, the
+    checkpoint's 16-bit dtype on CUDA).
     link: CPU only, the link profile that the emulated PCIe link is calibrated from.
     k_max: the longest draft the governor may choose (default 32; 0 = plain decoding only).
     compile: CPU only, compile the draft's one-token step (specter.compiled; 10-30 s at load).
     """
+    import torch
+
     from .builder import build_engine
 
     if policy not in BENCH_POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise ConfigError(f"model must be a directory path (a str or a Path), got {type(model).__name__}")
+    if dtype is not None and not isinstance(dtype, str) and not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"dtype must be a name such as 'bfloat16' or a torch.dtype, got {dtype!r}")
+    threads = options.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
     budgets = dict(residency=residency, expert_memory=expert_memory, device_memory=options.get("device_memory"))
     given = {k: v for k, v in budgets.items() if v is not None}
     if policy == "resident" and given:  # a budget it would silently ignore

@@ -63,7 +63,8 @@ class SamplingParams:
         names = [f.name for f in fields(cls)]
         for key in kwargs:
             if key not in names:
-                close = difflib.get_close_matches(key, names + ["max_new_tokens", "stop", "stats"], n=1)
+                others = [n for n in names + ["max_new_tokens", "stop"] if n != key]
+                close = difflib.get_close_matches(key, others, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ConfigError(f"unknown argument {key!r}{hint}; sampling arguments are {', '.join(names)}")
         return cls(**kwargs)

@@ -188,3 +188,14 @@ def test_a_budget_the_policy_would_ignore_is_refused(tiny, capsys):
     assert main(["generate", "--prompt-ids", "1,2", "--model", str(path), "--policy", "resident",
                  "--residency", "0.25"]) == 2
     assert "would be ignored" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(model=123), "model must be a directory path"),
+    (dict(dtype=5), "dtype must be a name"),
+    (dict(dtype="int8"), "dtype must be one of"),
+    (dict(threads="x"), "threads must be an integer"),
+])
+def test_bad_load_arguments_are_config_errors(kw, match):
+    with pytest.raises(specter.ConfigError, match=match):
+        specter.load(device="cpu", **kw)
