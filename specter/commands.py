@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from .cli import positive_int
-from .errors import ConfigError, NotAvailableError
+from .errors import ConfigError
 
 
 def add_subcommands(sub, model_args, sampling_args) -> None:
@@ -53,8 +53,29 @@ def add_subcommands(sub, model_args, sampling_args) -> None:
     pr.add_argument("--prompt", default="def fibonacci(n):", help="--trace: the prompt (default: def fibonacci(n):)")
     pr.set_defaults(func=cmd_profile)
 
-    sv = sub.add_parser("serve", help="HTTP server (not available yet)")
-    sv.set_defaults(func=lambda args: (_ for _ in ()).throw(NotAvailableError("`specter serve` is not available yet")))
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                      "/v1/models, /health, /metrics)")
+    model_args(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    sv.add_argument("--max-queue", type=int, default=32,
+                    help="requests that may wait for the engine; more get 503 + Retry-After (default 32)")
+    sv.add_argument("--model-name", default=None, help="model id clients send (default: the model directory's name)")
+    sv.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from .cli import _load
+    from .server import serve
+
+    if args.max_queue < 0 or not 0 <= args.port <= 65535:
+        raise ConfigError("--max-queue must be >= 0 and --port in [0, 65535]")
+    engine = _load(args)
+    try:
+        serve(engine, host=args.host, port=args.port, model_name=args.model_name, max_queue=args.max_queue)
+    finally:
+        engine.close()
+    return 0
 
 
 def cmd_plan(args) -> int:

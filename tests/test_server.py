@@ -1,0 +1,302 @@
+"""`specter serve` through the real `openai` client (sync and async), on loopback servers started
+inside the test: one on the speculative path with a chat template, one small resident one for the
+queue bound, chats without a template and seeded sampling."""
+import asyncio
+import json
+import shutil
+import time
+
+import httpx
+import openai
+import pytest
+
+import specter
+from specter.server import ServerThread, create_app
+
+pytestmark = pytest.mark.skipif(not (specter.default_model_path() / "model.safetensors").exists(),
+                                reason="the bundled default model is not built")
+
+PROMPT = "def fibonacci(n):"
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "class Stack:"}]
+
+
+def start(engine, **kw):
+    app = create_app(engine, **kw)
+    server = ServerThread(app)
+    url = server.__enter__()
+    return server, url
+
+
+@pytest.fixture(scope="module")
+def main(tmp_path_factory):
+    """The bundled model plus a chat template, on the speculative policy with half the experts resident."""
+    path = tmp_path_factory.mktemp("chat_model") / "model"
+    shutil.copytree(specter.default_model_path(), path)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE}))
+    engine = specter.load(path, device="cpu", policy="specter", residency=0.5, k_max=8)
+    server, url = start(engine, model_name="tiny", max_queue=8)
+    yield engine, url
+    server.__exit__()
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def aux():
+    """The bundled model as shipped (no chat template), resident, with room for one waiting request."""
+    engine = specter.load(None, device="cpu", policy="resident")
+    server, url = start(engine, max_queue=1)
+    yield engine, url
+    server.__exit__()
+    engine.close()
+
+
+def client(url, cls=openai.OpenAI):
+    return cls(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metric(url, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def wait_idle(url):
+    """Until the server has let go of every client that left (bounded: 10 s)."""
+    for _ in range(1000):
+        health = httpx.get(url + "/health").json()
+        if health["queue_depth"] == health["running"] == 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the server still works for clients that left: {health}")
+
+
+def stream_text(stream) -> tuple[str, str | None, object]:
+    """Joined text, finish_reason and usage of a completions or chat stream."""
+    text, finish, use = [], None, None
+    for chunk in stream:
+        use = chunk.usage or use
+        for c in chunk.choices:
+            text.append(c.text if hasattr(c, "text") else (c.delta.content or ""))
+            finish = c.finish_reason or finish
+    return "".join(text), finish, use
+
+
+# ------------------------------------------------------------------------------------------ basics
+def test_models_health_and_metrics(main):
+    engine, url = main
+    c = client(url)
+    assert [m.id for m in c.models.list()] == ["tiny"]
+    assert c.models.retrieve("tiny").id == "tiny"
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+    body = httpx.get(url + "/metrics").text
+    for name in ("specter_tokens_per_second", "specter_ttft_seconds", "specter_tpot_seconds", "specter_expert_hit_rate",
+                 "specter_h2d_bytes_total", "specter_acceptance_rate", "specter_queue_depth"):
+        assert name in body, name
+
+
+def test_completion_is_the_python_api_text(main):
+    engine, url = main
+    want = engine.generate(PROMPT, max_new_tokens=16, temperature=0.0)
+    r = client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
+    assert r.choices[0].text == want.text
+    assert r.choices[0].finish_reason == want.stats["finish_reason"] in ("stop", "length")
+    assert r.usage.completion_tokens == len(want.token_ids) and r.usage.prompt_tokens == want.stats["prompt_tokens"]
+    assert r.model_extra["specter"]["policy"] == "specter" and r.model_extra["specter"]["new_tokens"] == 16
+
+
+def test_stream_text_is_the_non_stream_text(main):
+    engine, url = main
+    c = client(url)
+    whole = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
+    text, finish, use = stream_text(c.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,
+                                                         stream=True, stream_options={"include_usage": True}))
+    assert text == whole.choices[0].text and finish == whole.choices[0].finish_reason
+    assert use.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_with_the_checkpoint_template_sync_and_async(main):
+    engine, url = main
+    want = engine.generate(CHAT, max_new_tokens=16, temperature=0.0).text
+    r = client(url).chat.completions.create(model="tiny", messages=CHAT, max_tokens=16, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want
+
+    async def streamed():
+        s = await client(url, openai.AsyncOpenAI).chat.completions.create(
+            model="tiny", messages=CHAT, max_completion_tokens=16, temperature=0, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in s if c.choices])
+
+    assert asyncio.run(streamed()) == want
+
+
+def test_stop_sequences(main):
+    engine, url = main
+    c = client(url)
+    full = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=32, temperature=0).choices[0].text
+    stop = full.strip()[len(full.strip()) // 2:][:3]
+    assert stop and stop in full
+    want = full[:full.find(stop)]
+    for stops in (stop, ["\x00never", stop]):
+        r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=32, temperature=0, stop=stops)
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+        s = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=32, temperature=0, stop=stops, stream=True)
+        assert stream_text(s)[:2] == (want, "stop")
+
+
+def test_concurrent_requests_give_their_one_at_a_time_texts(main):
+    engine, url = main
+    prompts = [PROMPT, "import os\n", "class Stack:", "def add(a, b):"]
+
+    async def one(c, i, p):
+        r = await c.completions.create(model="tiny", prompt=p, max_tokens=12 + 4 * i, temperature=0)
+        return r.choices[0].text
+
+    async def run(concurrent: bool):
+        c = client(url, openai.AsyncOpenAI)
+        if concurrent:
+            return await asyncio.gather(*(one(c, i, p) for i, p in enumerate(prompts)))
+        return [await one(c, i, p) for i, p in enumerate(prompts)]
+
+    assert asyncio.run(run(True)) == asyncio.run(run(False))
+
+
+def test_a_dropped_stream_stops_its_generation_and_the_next_request_is_served(main):
+    engine, url = main
+    c = client(url)
+    want = c.completions.create(model="tiny", prompt="import os\n", max_tokens=8, temperature=0).choices[0].text
+    tokens, cancelled = metric(url, "specter_generated_tokens_total"), metric(url, "specter_requests_cancelled_total")
+    long = 1500
+    with c.completions.create(model="tiny", prompt=PROMPT, max_tokens=long, temperature=0, stream=True) as s:
+        for _, _chunk in zip(range(3), s):
+            pass
+    r = c.completions.create(model="tiny", prompt="import os\n", max_tokens=8, temperature=0)
+    assert r.choices[0].text == want  # an abandoned speculative generation leaves nothing behind
+    assert metric(url, "specter_requests_cancelled_total") == cancelled + 1
+    dropped = metric(url, "specter_generated_tokens_total") - tokens - r.usage.completion_tokens
+    assert 0 < dropped < long // 3  # stopped within a few cycles of the disconnect, not at max_tokens
+
+
+# --------------------------------------------------------------------------------- bad requests
+BAD = [  # (request fields, status, param)
+    (dict(prompt=5), 400, "prompt"),
+    (dict(temperature="hot"), 400, "temperature"),
+    (dict(temperature=-0.5), 400, "temperature"),
+    (dict(top_p=0), 400, "top_p"),
+    (dict(top_p=1.5), 400, "top_p"),
+    (dict(max_tokens=0), 400, "max_tokens"),
+    (dict(max_tokens=1.5), 400, "max_tokens"),
+    (dict(max_tokens=2048), 400, "max_tokens"),          # prompt + max_tokens past the 2048-token context
+    (dict(model="gpt-4o"), 404, "model"),
+    (dict(n=2), 400, "n"),
+    (dict(best_of=3), 400, "best_of"),
+    (dict(echo=True), 400, "echo"),
+    (dict(logprobs=2), 400, "logprobs"),
+    (dict(suffix="x"), 400, "suffix"),
+    (dict(logit_bias={"5": 10}), 400, "logit_bias"),
+    (dict(stop=""), 400, "stop"),
+    (dict(stop=[5]), 400, "stop"),
+    (dict(seed="1"), 400, "seed"),
+    (dict(stream="yes"), 400, "stream"),
+    (dict(prompt=["a", "b"]), 400, "prompt"),
+    (dict(prompt=[99999]), 400, None),                    # a token id outside the vocabulary
+    (dict(extra_body={"best_effort": 1}), 400, "best_effort"),
+]
+BAD_CHAT = [
+    (dict(messages=[]), 400, "messages"),
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages.0.role"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400, None),
+    (dict(messages=CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    (dict(messages=CHAT, max_completion_tokens=-1), 400, "max_completion_tokens"),
+]
+
+
+def test_every_bad_request_gets_an_openai_error_and_the_server_keeps_serving(main):
+    engine, url = main
+    c = client(url)
+    for fields, status, param in BAD:
+        kw = dict(model="tiny", prompt=PROMPT, max_tokens=4) | fields
+        with pytest.raises(openai.APIStatusError) as e:
+            c.completions.create(**kw)
+        assert e.value.status_code == status, fields
+        err = e.value.response.json()["error"]
+        assert err["message"] and err["type"], fields
+        if param is not None:
+            assert err["param"] == param, (fields, err)
+    for fields, status, param in BAD_CHAT:
+        with pytest.raises(openai.APIStatusError) as e:
+            c.chat.completions.create(**(dict(model="tiny", max_tokens=4) | fields))
+        assert e.value.status_code == status, fields
+        if param is not None:
+            assert e.value.response.json()["error"]["param"] == param, fields
+    for body in (b"{not json", b"[1, 2]", b""):
+        r = httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"], body
+    assert httpx.get(url + "/v1/nothing").status_code == 404
+    assert httpx.get(url + "/v1/completions").status_code == 405
+    r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert r.choices[0].text and r.usage.completion_tokens == 4
+
+
+def test_sampling_penalties_are_passed_through_or_refused(main):
+    engine, url = main
+    c = client(url)
+    for field, value in (("presence_penalty", 0.5), ("frequency_penalty", 0.5)):
+        try:
+            r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, **{field: value})
+        except openai.BadRequestError as e:
+            assert field not in __import__("inspect").signature(engine.stream).parameters
+            assert e.response.json()["error"]["param"] == field
+        else:
+            assert r.usage.completion_tokens >= 1
+
+
+# ---------------------------------------------------------------------------- the resident server
+def test_chat_without_a_template_is_a_clear_400(aux):
+    engine, url = aux
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).chat.completions.create(model="default_model", messages=CHAT)
+    assert "chat template" in e.value.response.json()["error"]["message"]
+
+
+def test_seeded_sampling_is_reproducible_and_is_the_python_api_draw(aux):
+    engine, url = aux
+    c = client(url)
+    kw = dict(model="default_model", prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0.95)
+    a, b = (c.completions.create(seed=7, **kw).choices[0].text for _ in range(2))
+    want = engine.generate(PROMPT, max_new_tokens=16, temperature=0.9, top_p=0.95, seed=7).text
+    assert a == b == want
+
+
+def test_a_full_queue_answers_503_with_retry_after(aux):
+    engine, url = aux
+    c = client(url)
+    kw = dict(model="default_model", prompt=PROMPT, max_tokens=1500, temperature=0, stream=True)
+    with c.completions.create(**kw) as running:
+        next(iter(running))                             # generating
+        with c.completions.create(**kw) as waiting:     # queued (max_queue=1)
+            with pytest.raises(openai.APIStatusError) as e:
+                c.completions.create(model="default_model", prompt=PROMPT, max_tokens=4)
+            assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+            assert e.value.response.json()["error"]["code"] == "queue_full"
+            assert httpx.get(url + "/health").json()["queue_depth"] == 1
+    wait_idle(url)  # both clients are gone: the server notices within a cycle
+    r = c.completions.create(model="default_model", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+
+
+# ---------------------------------------------------------------------------------------- the CLI
+def test_cli_serve_wires_the_engine_options_into_uvicorn(monkeypatch):
+    import uvicorn
+
+    from specter.cli import main
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    assert main(["serve", "--device", "cpu", "--policy", "resident", "--port", "8123", "--max-queue", "3",
+                 "--model-name", "m"]) == 0
+    assert (seen["host"], seen["port"]) == ("127.0.0.1", 8123)
+    assert seen["app"].state.scheduler.max_queue == 3 and seen["app"].state.scheduler.engine.policy == "resident"
+    assert main(["serve", "--max-queue", "-1"]) == 2
