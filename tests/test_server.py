@@ -240,20 +240,21 @@ def test_every_bad_request_gets_an_openai_error_and_the_server_keeps_serving(mai
     assert r.choices[0].text and r.usage.completion_tokens == 4
 
 
-def test_sampling_penalties_are_passed_through_or_refused(main):
-    engine, url = main
-    c = client(url)
-    for field, value in (("presence_penalty", 0.5), ("frequency_penalty", 0.5)):
-        try:
-            r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, **{field: value})
-        except openai.BadRequestError as e:
-            assert field not in __import__("inspect").signature(engine.stream).parameters
-            assert e.response.json()["error"]["param"] == field
-        else:
-            assert r.usage.completion_tokens >= 1
-
-
 # ---------------------------------------------------------------------------- the resident server
+def test_sampling_penalties_reach_the_engine(aux):
+    engine, url = aux
+    c = client(url)
+    extra = dict(repetition_penalty=1.3, min_p=0.05)  # not OpenAI fields: extensions, as vLLM has them
+    kw = dict(presence_penalty=0.8, frequency_penalty=0.5, temperature=0.9, seed=3)
+    want = engine.generate(PROMPT, max_new_tokens=16, **kw, **extra).text
+    assert want != engine.generate(PROMPT, max_new_tokens=16, temperature=0.9, seed=3).text  # they matter here
+    r = c.completions.create(model="default_model", prompt=PROMPT, max_tokens=16, extra_body=extra, **kw)
+    assert r.choices[0].text == want
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="default_model", prompt=PROMPT, max_tokens=4, presence_penalty=3)
+    assert e.value.response.json()["error"]["param"] == "presence_penalty"
+
+
 def test_chat_without_a_template_is_a_clear_400(aux):
     engine, url = aux
     with pytest.raises(openai.BadRequestError) as e:
@@ -285,6 +286,15 @@ def test_a_full_queue_answers_503_with_retry_after(aux):
     wait_idle(url)  # both clients are gone: the server notices within a cycle
     r = c.completions.create(model="default_model", prompt=PROMPT, max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4
+
+
+def test_a_client_that_gives_up_on_a_non_streamed_request_cancels_it(aux):
+    engine, url = aux
+    cancelled = metric(url, "specter_requests_cancelled_total")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=dict(prompt=PROMPT, max_tokens=1500, temperature=0), timeout=0.5)
+    wait_idle(url)
+    assert metric(url, "specter_requests_cancelled_total") == cancelled + 1
 
 
 # ---------------------------------------------------------------------------------------- the CLI

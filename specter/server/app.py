@@ -8,7 +8,6 @@ extra field, "specter".
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import math
 from contextlib import asynccontextmanager
@@ -25,8 +24,7 @@ from .metrics import Metrics
 from .protocol import APIError, ChatRequest, CompletionRequest, new_id, now, usage
 from .scheduler import Job, QueueFull, Scheduler
 
-# OpenAI's field -> (engine keyword, neutral value). Passed to the engine when it takes the keyword.
-PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
+EXTRA_SAMPLING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
@@ -36,7 +34,6 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32) ->
     scheduler = Scheduler(engine, max_queue, metrics)
     name = model_name or engine.path.name
     created = now()
-    engine_takes = set(inspect.signature(engine.stream).parameters)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -130,14 +127,9 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32) ->
             raise APIError(400, "stop strings need a tokenizer; this model ships none", param="stop")
         kw = dict(max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                   top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed, stop=req.stop)
-        for field, neutral in PENALTIES.items():
-            value = getattr(req, field)
-            if value is None or value == neutral:
-                continue
-            if field not in engine_takes:
-                raise APIError(400, f"{field} is not supported by this engine yet; leave it at {neutral}",
-                               param=field, code="unsupported_parameter")
-            kw[field] = value
+        for field in EXTRA_SAMPLING:  # the engine's own defaults stand for fields not given
+            if getattr(req, field) is not None:
+                kw[field] = getattr(req, field)
         return kw
 
     async def answer(request: Request, req, ids: list[int], max_tokens: int, chat: bool):

@@ -3,8 +3,8 @@
     request -> submit() (QueueFull -> 503 when max_queue requests wait) -> Job
     _run:   wait its turn (asyncio.Lock is FIFO) -> engine.stream(...) on the engine thread ->
             pieces into Job.events (call_soon_threadsafe) -> the HTTP handler reads them
-    client gone -> Job.cancel(): the engine finishes the cycle it is in, the generator is closed
-            on the engine thread, and the next job starts at once
+    client gone -> Job.cancel(): the engine finishes the cycle it is in and stops (its `cancel`
+            event), and the next job starts at once
 
 The engine only ever runs on that one thread, so generations never overlap (batch size one) and a
 request's text is the text it would get alone.
@@ -85,18 +85,14 @@ class Scheduler:
 
         stats: dict = {}
         try:
-            it = self.engine.stream(job.ids, stats=stats, **job.sampling)
-            try:
-                for piece in it:
-                    if job.cancelled.is_set():
-                        break
+            # `cancel`: the engine ends the generation after the cycle it is in and still fills stats
+            for piece in self.engine.stream(job.ids, stats=stats, cancel=job.cancelled, **job.sampling):
+                if not job.cancelled.is_set():
                     put("piece", piece)
-            finally:
-                it.close()  # fills stats; finish_reason "cancelled" when we stopped it early
         except Exception as e:  # a SpecterError from the engine, or a bug: the handler answers, we go on
             put("error", e)
             return
-        if stats.get("finish_reason") == "cancelled":
+        if stats.get("finish_reason", "cancelled") == "cancelled":
             self.metrics.cancelled.inc()
         self.metrics.observe(stats)
         put("done", stats)
