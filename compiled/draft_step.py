@@ -1,26 +1,32 @@
-"""The draft's one-token step, compiled with torch.compile (Inductor).
+"""The draft's one-token step with zero host syncs, eager or compiled (torch.compile, fullgraph).
 
-Eager, one drafted token of a small MoE is mostly dispatch: a few hundred tiny ops, each a
-Python call and a kernel launch. Compiled, Inductor fuses the norms, RoPE and attention glue, and
-the routed experts become one gather and two batched GEMVs, with no host read of the routing:
+Everything the step reads or writes is a static device buffer, updated in place, so the host only
+launches work and K steps run back to back without ever waiting for the device:
+
+    tokens [K_max+1] int64   tokens[0] = the pending token; step i reads tokens[i], writes tokens[i+1]
+    base, row        0-d     position of tokens[0]; the step's row (incremented by the step)
+    lookahead rows   [K_max, L, k]   the draft routers' choices (GatheredExperts writes row `row`)
+    q                [K_max, V]      sampling: the draft's filtered probabilities, one row a step
+    noise            [V]     sampling: Exp(1) noise drawn (eagerly) before each step
+    KV cache         static buffers, written at `base + row` with index_copy_, masked by position
+
+Greedy drafts take the argmax; sampled drafts take argmax(q / noise) with noise ~ Exp(1), which
+is an exact draw from q (the minimum of independent exponentials with rates q_i is the i-th with
+probability q_i / sum q) and needs no multinomial (no host sync, graph safe). Temperature, top-k
+and top-p are 0-d tensors, so no sampling setting is a recompile.
+
+The routed experts are gathered, not grouped on the host:
 
     x [1, H], ids [1, k]
       -> w13[ids] [k, 2I, H] @ x -> [k, 2I] -> silu(gate) * up      [k, I]
       -> w2[ids]  [k, H, I]  @ .  -> [k, H]  -> sum_j weight_j * y_j  [1, H]   (top-k order)
 
-The step writes its routing into the lookahead buffer at a row given as a 0-d tensor, and
-positions and KV cache lengths are symbolic, so one graph serves every row, position and
-generation: nothing recompiles after `warmup`, which the builder calls at load (10-25 s on two CPU
-cores; Inductor's on-disk cache makes later loads faster).
+The host learns each lookahead row through `Lookahead.publish` (a non-blocking copy into a host
+mirror plus an event), never by waiting on the step. The acceptance read after verification is
+the cycle's only read of drafted tokens (decoder.py).
 
-Measured on the bundled model (2-core CPU): a draft step takes ~2.8 ms eager and ~1.7 ms compiled.
-In a link-bound decode that buys less than it seems (`bench/compile_speedup.py`, side by side:
-decode 7% faster at 25% residency, 13% at 50%), because a shorter draft also hides fewer copies:
-at 25% the draft's share of decode time fell from 27% to 19% and the copy stall's rose from 64%
-to 71%.
-
-CPU only for now: on CUDA the draft keeps quanto's packed INT4 tensors, which the gather above
-cannot index; a compiled (and CUDA-graph) step over packed INT4 is the next piece.
+CPU only for now (the draft's experts dequantised): on CUDA the draft keeps packed INT4, which
+the gather above cannot index; a step over the fused MoE op (specter.triton_ops) is the next piece.
 
 The draft's tokens may differ in the last bits from the eager draft's (a different summation
 order); that changes nothing downstream, because verification by the target decides every
@@ -34,6 +40,7 @@ import torch.nn.functional as F
 from specter.layers import KVCache
 from specter.model import MoETransformer
 from specter.moe import ExpertWeights
+from specter.sampling import SamplingParams
 from specter.speculative.lookahead import Lookahead
 
 
@@ -41,14 +48,14 @@ class GatheredExperts:
     """Expert provider for one token over resident weights, without host syncs (graph friendly).
     Records the router's choice into `lookahead` at row `self.row` (a 0-d tensor)."""
 
-    def __init__(self, layers: list[ExpertWeights], lookahead: Lookahead):
-        self.layers, self.lookahead = layers, lookahead
-        self.row = torch.zeros(1, dtype=torch.int64, device=lookahead.ids.device)
+    def __init__(self, layers: list[ExpertWeights], lookahead: Lookahead, row: torch.Tensor):
+        self.layers, self.lookahead, self.row = layers, lookahead, row
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x [1, H], ids [1, k], weights [1, k]
-        self.lookahead.ids[:, layer].index_copy_(0, self.row, ids.to(torch.int32))
-        self.lookahead.weights[:, layer].index_copy_(0, self.row, weights.float())
+        at = self.row.view(1)
+        self.lookahead.ids[:, layer].index_copy_(0, at, ids.to(torch.int32))
+        self.lookahead.weights[:, layer].index_copy_(0, at, weights.float())
         ew = self.layers[layer]
         h = torch.matmul(ew.w13[ids[0]], x[0])                          # [k, 2I]
         gate, up = h.chunk(2, dim=-1)
@@ -56,35 +63,116 @@ class GatheredExperts:
         return (y * weights[0, :, None].to(y.dtype)).sum(0, keepdim=True)        # [1, H]
 
 
-class CompiledDraftStep:
-    """draft_step(token [1], start, row, cache) -> logits [1, V]; fills lookahead row `row`."""
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """sampling.probs (without penalties) with its settings as 0-d tensors: logits [N, V] ->
+    probabilities [N, V] fp32. top_k = V, top_p > 1 and min_p = 0 turn those filters off (the
+    same tokens survive as in `probs`)."""
+    z = logits.float() / temperature
+    sorted_z, order = torch.sort(z, dim=-1, descending=True)                # [N, V]
+    kth = sorted_z.gather(-1, (top_k - 1).expand(z.shape[0], 1))           # [N, 1]
+    z = z.masked_fill(z < kth, float("-inf"))
+    p = torch.softmax(z, dim=-1)
+    sorted_p = p.gather(-1, order)
+    drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p                        # mass of more likely tokens
+    p = p.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), 0.0)
+    p = p / p.sum(-1, keepdim=True)
+    p = p.masked_fill(p < min_p * p.amax(-1, keepdim=True), 0.0)
+    return p / p.sum(-1, keepdim=True)
 
-    def __init__(self, model: MoETransformer, layers: list[ExpertWeights], lookahead: Lookahead):
-        self.model, self.experts = model, GatheredExperts(layers, lookahead)
-        self._step = torch.compile(self._run, dynamic=True)
-        self._cache = None
 
-    def warmup(self) -> None:
-        """Compile now, on a scratch cache, so the first generation's timings (which the governor
-        learns from) do not include the compile."""
-        dev = self.experts.row.device
-        # position 4 and row 2, not 0 or 1: torch.compile specialises on those two values
-        self(torch.zeros(1, dtype=torch.int64, device=dev), 4, 2, KVCache(self.model.spec, 16, dev, self.dtype))
+class DraftStep:
+    """K sync-free draft steps: `begin(t, n, params)`, then `step(cache, gen)` K times; the drafted
+    tokens are `tokens[1:K+1]` (device) and, when sampling, their distributions `q[:K]`.
+
+    compile=True runs the step under torch.compile(fullgraph=True): Inductor on CPU; on CUDA
+    mode="reduce-overhead" (CUDA graphs). `backend` overrides (tests pass a capture-checking one)."""
+
+    def __init__(self, model: MoETransformer, layers: list[ExpertWeights], lookahead: Lookahead, *,
+                 compile: bool = False, backend=None, mode: str | None = None):
+        dev = lookahead.ids.device
+        V = model.spec.vocab_size
+        self.model, self.lookahead, self.compiled = model, lookahead, compile
+        self.tokens = torch.zeros(lookahead.k_max + 1, dtype=torch.int64, device=dev)
+        self.base = torch.zeros((), dtype=torch.int64, device=dev)
+        self.row = torch.zeros((), dtype=torch.int64, device=dev)
+        self.noise = torch.ones(V, dtype=torch.float32, device=dev)
+        self.q = torch.zeros(lookahead.k_max, V, dtype=torch.float32, device=dev)
+        self.temperature = torch.ones((), dtype=torch.float32, device=dev)
+        self.top_k = torch.full((), V, dtype=torch.int64, device=dev)
+        self.top_p = torch.full((), 2.0, dtype=torch.float32, device=dev)
+        self.min_p = torch.zeros((), dtype=torch.float32, device=dev)
+        self.experts = GatheredExperts(layers, lookahead, self.row)
+        self._cache, self._sample, self._i = None, False, 0
+        fns = (self._step_greedy, self._step_sampled)
+        if compile:
+            if mode is None and dev.type == "cuda":
+                mode = "reduce-overhead"
+            for t in (self.tokens, self.base, self.row, self.noise, self.q, lookahead.ids, lookahead.weights):
+                torch._dynamo.mark_static_address(t)
+            kw = dict(fullgraph=True, mode=mode) if backend is None else \
+                dict(fullgraph=True, backend=backend)
+            fns = tuple(torch.compile(f, **kw) for f in fns)
+        self._greedy, self._sampled = fns
 
     @property
     def dtype(self) -> torch.dtype:
         return self.model.lm_head.weight.dtype
 
-    def _run(self, token: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
-        return self.model.run(token, start, cache, self.experts)
+    # --------------------------------------------------------------------- the traced steps
+    def _step_greedy(self, cache: KVCache) -> None:
+        at = self.row.view(1)
+        logits = self.model.run(self.tokens.index_select(0, at), self.base + self.row, cache, self.experts)  # [1, V]
+        self.tokens.index_copy_(0, at + 1, logits.argmax(-1))
+        self.row.add_(1)
 
-    def __call__(self, token: torch.Tensor, start: int, row: int, cache: KVCache) -> torch.Tensor:
-        if start + 1 > cache.max_len:
-            raise IndexError(f"position {start} is past the KV cache ({cache.max_len})")
-        if cache is not self._cache:  # a new generation's cache: its length is symbolic, not a recompile
-            for t in cache.k + cache.v:  # (v may be a view of k: the MLA latent)
-                torch._dynamo.mark_dynamic(t, 1)
+    def _step_sampled(self, cache: KVCache) -> None:
+        at = self.row.view(1)
+        logits = self.model.run(self.tokens.index_select(0, at), self.base + self.row, cache, self.experts)
+        p = filtered_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)  # [1, V]
+        self.q.index_copy_(0, at, p)
+        self.tokens.index_copy_(0, at + 1, (p / self.noise).argmax(-1))
+        self.row.add_(1)
+
+    # ------------------------------------------------------------------------------ host API
+    def begin(self, t: int, n: int, params: SamplingParams) -> None:
+        """A new cycle: pending token t at position n. Host scalars go in with fill_ (no sync).
+        Penalties are not applied here: the decoder drafts eagerly when any is set."""
+        self.tokens[:1].fill_(t)
+        self.base.fill_(n)
+        self.row.zero_()
+        self._sample, self._i = not params.greedy, 0
+        if self._sample:
+            self.temperature.fill_(params.temperature)
+            self.top_k.fill_(params.top_k if 0 < params.top_k < self.q.shape[1] else self.q.shape[1])
+            self.top_p.fill_(params.top_p if params.top_p < 1.0 else 2.0)
+            self.min_p.fill_(params.min_p)
+        self.lookahead.begin()
+
+    def step(self, cache: KVCache, gen: torch.Generator | None = None) -> None:
+        """Draft one token and publish its lookahead row; returns before the device is done."""
+        if cache is not self._cache:  # a new cache: its length is symbolic, not a recompile
+            if self.compiled:
+                for t in cache.k + cache.v:  # (v may be a view of k: the MLA latent)
+                    torch._dynamo.mark_dynamic(t, 1)
+                    torch._dynamo.mark_static_address(t)
             self._cache = cache
         with torch.no_grad():
-            self.experts.row.fill_(row)
-            return self._step(token, start, cache)
+            if self._sample:
+                self.noise.exponential_(generator=gen)
+                self._sampled(cache)
+            else:
+                self._greedy(cache)
+        self.lookahead.publish(self._i)
+        self._i += 1
+
+    def warmup(self, cache_len: int = 64) -> None:
+        """Compile (or trace) both steps now, on a scratch cache, so the first generation's timings
+        (which the governor learns from) do not include it."""
+        dev = self.tokens.device
+        cache = KVCache(self.model.spec, cache_len, dev, self.dtype)
+        self.begin(0, 3, SamplingParams())
+        self.step(cache)
+        self.begin(0, 3, SamplingParams(temperature=1.0))
+        self.step(cache, torch.Generator(device=dev).manual_seed(0))
+        self._cache = None

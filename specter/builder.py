@@ -87,10 +87,10 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     return engine
 
 
-def _compiled_draft_step(model, draft):
-    from specter.compiled.draft_step import CompiledDraftStep
+def _compiled_draft_step(model, draft, compile: bool = True):
+    from specter.compiled.draft_step import DraftStep
 
-    step = CompiledDraftStep(model, draft.layers, draft.lookahead)
+    step = DraftStep(model, draft.layers, draft.lookahead, compile=compile)
     step.warmup()
     return step
 

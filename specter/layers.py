@@ -88,6 +88,10 @@ class KVCache:
     Anything past the committed length is scratch (draft tokens, rejected verifications) that the
     next write overwrites, so rollback is just a smaller `start` next time.
 
+    `start` may also be a 0-d device tensor (the captured draft step): then the rows are written
+    with index_copy_ and the whole buffer comes back, its unwritten tail masked by position (see
+    `attention_mask`), so no shape depends on a host integer.
+
     MLA models cache the latent instead: k [1, max_len, rank + rope] holds the normalised KV latent
     and the rotary key, and v is a view of its first `rank` columns (see MLAttention)."""
 
@@ -103,8 +107,14 @@ class KVCache:
         self.k = [torch.zeros(n_kv, max_len, d, device=device, dtype=dtype) for _ in range(spec.n_layers)]
         self.v = [torch.zeros(n_kv, max_len, d, device=device, dtype=dtype) for _ in range(spec.n_layers)]
 
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor | None):
+    def update(self, layer: int, start, k: torch.Tensor, v: torch.Tensor | None):
         # k: [T, n_kv, dk], v: [T, n_kv, dv] (None when v is a view of k: the MLA latent)
+        if isinstance(start, torch.Tensor):
+            pos = start + torch.arange(k.shape[0], device=k.device)  # [T]
+            self.k[layer].index_copy_(1, pos, k.transpose(0, 1))
+            if v is not None:
+                self.v[layer].index_copy_(1, pos, v.transpose(0, 1))
+            return self.k[layer], self.v[layer]  # [n_kv, max_len, d]
         end = start + k.shape[0]
         self.k[layer][:, start:end] = k.transpose(0, 1)
         if v is not None:
@@ -117,12 +127,17 @@ class KVCache:
         return sum(bases.values())
 
 
-def attention_mask(start: int, T: int, window: int | None, device) -> torch.Tensor | None:
-    """[T, start+T] boolean mask (True = attend), or None when plain full attention is right."""
-    if T == 1 and (window is None or start < window):
+def attention_mask(start, T: int, window: int | None, device, keys: int | None = None) -> torch.Tensor | None:
+    """[T, start+T] boolean mask (True = attend), or None when plain full attention is right.
+    With `start` a 0-d tensor: always a [T, keys] mask over the whole cache buffer, from positions."""
+    if isinstance(start, torch.Tensor):
+        q = (start + torch.arange(T, device=device))[:, None]
+        k = torch.arange(keys, device=device)[None, :]
+    elif T == 1 and (window is None or start < window):
         return None
-    q = torch.arange(start, start + T, device=device)[:, None]
-    k = torch.arange(start + T, device=device)[None, :]
+    else:
+        q = torch.arange(start, start + T, device=device)[:, None]
+        k = torch.arange(start + T, device=device)[None, :]
     allowed = k <= q
     if window is not None:
         allowed &= k > q - window
@@ -170,7 +185,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         k_all, v_all = cache.update(self.layer, start, k, v)
-        mask = attention_mask(start, T, self.window, x.device)
+        mask = attention_mask(start, T, self.window, x.device, k_all.shape[1])
         return self.o_proj(sdpa(q, k_all, v_all, mask, self.scale))
 
 
@@ -217,7 +232,7 @@ class MLAttention(nn.Module):
         ckv, c_all = cache.update(self.layer, start, torch.cat((c[:, None], k_pe), dim=-1), None)  # [1, end, r+rope]
         w = self.kv_b_proj.weight.view(nh, self.nope + self.dv, self.rank)
         q_lat = torch.einsum("tnd,ndr->tnr", q_nope, w[:, :self.nope])                # [T, nh, r]
-        mask = attention_mask(start, T, None, x.device)
+        mask = attention_mask(start, T, None, x.device, ckv.shape[1])
         o_lat = sdpa(torch.cat((q_lat, q_pe), dim=-1), ckv, c_all, mask, self.scale)  # [T, nh * r]
         o = torch.einsum("tnr,ndr->tnd", o_lat.view(T, nh, self.rank), w[:, self.nope:])  # [T, nh, dv]
         return self.o_proj(o.reshape(T, nh * self.dv))

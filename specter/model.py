@@ -71,7 +71,7 @@ class MoETransformer(nn.Module):
         """`forward` without its checks and its inference mode: the body torch.compile traces."""
         T = tokens.shape[0]
         x = self.model.embed_tokens(tokens)  # [T, H]
-        pos = torch.arange(start, start + T, device=tokens.device)
+        pos = torch.arange(T, device=tokens.device) + start  # start: an int, or a 0-d device tensor
         cos, sin = self.rope.cos_sin(pos, x.dtype)
         for layer, name in zip(self.model.layers, self.model.span_names):
             with span(name):

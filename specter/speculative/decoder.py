@@ -22,7 +22,7 @@ from ..model import MoETransformer
 from ..offload.manager import OffloadedExperts
 from ..profiling import span
 from ..sampling import History, SamplingParams, penalize, probs, sample
-from .acceptance import accept_greedy, accept_sampling
+from .acceptance import accept_greedy, accept_on_device, accept_sampling
 from .draft import DraftExperts
 from .governor import Governor
 from .planner import PrefetchPlanner
@@ -38,7 +38,7 @@ class SpeculativeDecoder:
         self.fallback = fallback                # prefetcher candidate for K = 0 steps (next-layer)
         self.plain = _PlainArms()               # K = 0: with or without it, whichever measures faster
         self.plan_backlog = 1                   # plan again when at most this many copies are queued
-        self.draft_step = None                  # a compiled one-token draft step (specter.compiled), if any
+        self.draft_step = None                  # a sync-free draft step (specter.compiled.draft_step), if any
         self.reset_stats()
 
     @property
@@ -72,12 +72,17 @@ class SpeculativeDecoder:
         st["k_histogram"][k] += 1
         st["cycles"] += 1
         t0 = time.perf_counter()
-        drafted, q_rows = self._draft(t, n, k, cache, params, gen, hist)
+        sync_free = self.draft_step is not None and not params.penalized
+        if sync_free:  # drafted tokens stay on the device until acceptance
+            tokens, q = self._draft_on_device(t, n, k, cache, params, gen)
+            self._step_drafted += k
+        else:
+            drafted, q_rows = self._draft(t, n, k, cache, params, gen, hist)
+            tokens = torch.tensor([t] + drafted, device=self.device)
         t1 = time.perf_counter()
         before = self.target.stats()
         use_fallback = k == 0 and self.fallback is not None and self.plain.pick()
         self.target.next_layer_router = self.fallback if use_fallback else None
-        tokens = torch.tensor([t] + drafted, device=self.device)
         with span("verify"):
             logits = self.model(tokens, n, cache, self.target)   # [K+1, V]
         self.target.next_layer_router = None
@@ -85,7 +90,9 @@ class SpeculativeDecoder:
             self.planner.end_cycle()
         # row i of the target sees the history plus drafted[:i], exactly as the draft's step i did
         with span("accept"):
-            if params.greedy:
+            if sync_free:  # no penalties: nothing depends on the history
+                m, nxt, drafted = accept_on_device(tokens, logits, q, params, gen)  # one host read
+            elif params.greedy:
                 m, nxt = accept_greedy(drafted, penalize(logits, params, hist, drafted))
             else:
                 p = probs(logits, params, hist, drafted)
@@ -107,6 +114,29 @@ class SpeculativeDecoder:
             self.plain.observe(use_fallback, t2 - t1)
         return drafted[:m] + [nxt]
 
+    def _draft_on_device(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen):
+        """K draft steps without a host sync (compiled/draft_step.py): -> tokens [K+1] (the pending
+        token, then the drafted ones) and q [K, V] (sampling) or None, all on the device. The planner
+        reads only lookahead rows whose copies to the host have landed."""
+        ds, planner = self.draft_step, self.planner
+        ds.begin(t, n, params)
+        if k and planner is not None:
+            planner.begin_cycle()
+            chunk = planner.chunk_size(self.governor.draft_s or 0.0, k)
+            for i in range(k):
+                with span("draft step"):
+                    ds.step(cache, gen)
+                if i == 0 or ((i + 1) % chunk == 0 and self.target.link.pending() <= self.plan_backlog):
+                    with span("plan"):  # as in _draft
+                        planner.plan(ds.lookahead.ready(), host=True)
+            with span("plan"):
+                planner.plan(ds.lookahead.ready(), host=True)
+        else:
+            for _ in range(k):
+                with span("draft step"):
+                    ds.step(cache, gen)
+        return ds.tokens[:k + 1], (None if params.greedy else ds.q[:k])
+
     def _draft(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen, hist: History):
         drafted, q_rows = [], []
         if k == 0:
@@ -119,11 +149,8 @@ class SpeculativeDecoder:
         for i in range(k):
             with span("draft step"):
                 token = torch.tensor([tok], device=self.device)
-                if self.draft_step is not None:
-                    logits = self.draft_step(token, n + i, i, cache)  # [1, V]
-                else:
-                    self.draft.row = i
-                    logits = self.model(token, n + i, cache, self.draft)  # [1, V]
+                self.draft.row = i
+                logits = self.model(token, n + i, cache, self.draft)  # [1, V]
                 if params.greedy:
                     tok = int(sample(logits, params, None, hist, drafted))
                 else:
@@ -149,6 +176,7 @@ class SpeculativeDecoder:
             self.planner.reset_stats()
         self._stats = dict(cycles=0, drafted_tokens=0, accepted_tokens=0, rejections=0, draft_s=0.0, verify_s=0.0,
                            recall_hits=0, recall_total=0, k_histogram=Counter())
+        self._step_drafted = 0  # tokens drafted by draft_step (it does not run with penalties)
 
     def stats(self) -> dict:
         s = {**self.target.stats(), **self._stats}
@@ -160,6 +188,7 @@ class SpeculativeDecoder:
         s.update(acceptance_stats(s["accepted_tokens"], s["drafted_tokens"], s["rejections"], spec_cycles))
         prefetched = self.planner is not None and s.get("prefetch_issued")  # spec-lru never prefetches
         s["prefetch_recall"] = s["recall_hits"] / s["recall_total"] if prefetched and s["recall_total"] else None
+        s["compiled"] = ["draft"] if self._step_drafted and getattr(self.draft_step, "compiled", False) else []
         return s
 
     def close(self) -> None:

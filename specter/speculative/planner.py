@@ -100,9 +100,10 @@ class PrefetchPlanner:
             return k
         return max(1, min(k, round(draft_step_s / copy_s)))
 
-    def plan(self, upto: int) -> int:
-        """Read lookahead rows [read_upto, upto) and issue what they newly predict. Returns copies issued."""
-        rows = self.lookahead.read(self.read_upto, upto)
+    def plan(self, upto: int, host: bool = False) -> int:
+        """Read lookahead rows [read_upto, upto) and issue what they newly predict. Returns copies issued.
+        host=True: from the host mirror the sync-free draft publishes to (Lookahead.publish)."""
+        rows = (self.lookahead.read_host if host else self.lookahead.read)(self.read_upto, upto)
         if not rows:
             return 0
         n_rows = len(rows)

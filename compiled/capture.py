@@ -1,0 +1,135 @@
+"""Capture safety, checked without a GPU.
+
+`capture_check_backend(found)`: a torch.compile backend that lowers each graph to ATen (AOT
+autograd, as Inductor sees it), records every op a CUDA graph cannot hold, then runs the graph
+eagerly. On CPU `mode="reduce-overhead"` silently skips CUDA graphs, so this is how CI learns that
+a step would not capture:
+
+    aten._local_scalar_dense   .item() / int() / bool() inside the graph: a host sync
+    aten._assert_scalar        a runtime check on a data-dependent value: a host sync
+    aten.nonzero, masked_select ... outputs whose shape depends on data: a host sync
+    aten.multinomial           RNG that reads back (and is not capturable)
+    device copies              _to_copy / copy_ between devices inside the graph
+    CPU ops                    a node on another device than the graph's inputs (a CPU op in a CUDA graph)
+
+`HostReads`: counts the host's reads of tensor values while it is active (item / int / float /
+bool / tolist / cpu, and device-to-host copies): on CUDA each one is a sync that drains the GPU
+queue. Reads of host mirrors through numpy (pinned memory, already landed) are not counted.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+UNSAFE = {aten._local_scalar_dense.default, aten._assert_scalar.default, aten.multinomial.default,
+          aten.nonzero.default, aten.masked_select.default, aten.item.default,
+          aten._assert_async.default, aten._assert_async.msg}
+
+
+def unsafe_ops(gm: torch.fx.GraphModule) -> list[str]:
+    """The nodes of an ATen graph that a CUDA graph cannot hold, as 'op (why)' strings."""
+    def device_of(node):
+        v = node.meta.get("val")
+        return v.device if isinstance(v, torch.Tensor) else None
+
+    home = collections.Counter(d for n in gm.graph.nodes if n.op == "placeholder" and (d := device_of(n)))
+    home = home.most_common(1)[0][0] if home else None
+    found = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = str(n.target)
+        if n.target in UNSAFE:
+            found.append(f"{name} (host sync)")
+        elif n.target in (aten._to_copy.default, aten.copy_.default, aten.copy.default):
+            srcs = [device_of(a) for a in n.args if isinstance(a, torch.fx.Node)]
+            dst = device_of(n)
+            if dst is not None and any(s is not None and s != dst for s in srcs):
+                found.append(f"{name} (device copy {srcs[-1]} -> {dst})")
+        elif home is not None and (d := device_of(n)) is not None and d != home:
+            found.append(f"{name} (runs on {d}, the graph on {home})")
+    return found
+
+
+def capture_check_backend(found: list[str], graphs: list | None = None):
+    """A torch.compile backend: append each graph's unsafe ops to `found` (and the graph to
+    `graphs`), then run it eagerly."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def fw(gm: torch.fx.GraphModule, example_inputs):
+        found.extend(unsafe_ops(gm))
+        if graphs is not None:
+            graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=fw)
+
+
+_READS = {"item", "tolist", "cpu", "__bool__", "__int__", "__float__", "__index__"}
+
+
+class HostReads:
+    """with HostReads() as r: ...; r.count -> host reads of tensor values (r.calls: which)."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        state = {"in_read": False}  # a read already counted: its own d2h copy is not another
+        self._fn, self._dispatch = _FnMode(self.calls, state), _D2HMode(self.calls, state)
+
+    @property
+    def count(self) -> int:
+        return len(self.calls)
+
+    def __enter__(self):
+        self._dispatch.__enter__()
+        self._fn.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._fn.__exit__(*exc)
+        self._dispatch.__exit__(*exc)
+        return False
+
+
+class _FnMode(TorchFunctionMode):
+    def __init__(self, calls, state):
+        super().__init__()
+        self.calls, self.state = calls, state
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if self.state["in_read"] or not (name in _READS or (name == "to" and _to_host(args, kwargs))):
+            return func(*args, **(kwargs or {}))
+        self.calls.append(name)
+        self.state["in_read"] = True
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.state["in_read"] = False
+
+
+def _to_host(args, kwargs) -> bool:
+    dev = (kwargs or {}).get("device", args[1] if len(args) > 1 else None)
+    return isinstance(dev, (str, torch.device)) and torch.device(dev).type == "cpu"
+
+
+class _D2HMode(TorchDispatchMode):
+    """Device-to-host copies that no Python-level read shows (CUDA only: CPU tensors never copy)."""
+
+    def __init__(self, calls, state):
+        super().__init__()
+        self.calls, self.state = calls, state
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.state["in_read"] and func in (aten._to_copy.default, aten.copy_.default):
+            src = args[1] if func is aten.copy_.default else args[0]
+            dst_cpu = (args[0].device.type == "cpu") if func is aten.copy_.default else \
+                torch.device((kwargs or {}).get("device") or src.device).type == "cpu"
+            if isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst_cpu:
+                self.calls.append(f"d2h {func}")
+        return func(*args, **(kwargs or {}))
