@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check, prepared to fit one device lease (15 minutes of device time in all; this takes
-# about 5 after the machine starts). It runs the whole test suite where CUDA is present (the
-# CudaLink tests stop being skipped) and `specter bench` over the real PCIe link, whose CUDA
-# paths (CudaLink, the packed INT4 draft, the pinned host store) never run on the CPU CI.
+# at most 10 after the machine starts). It runs the whole test suite where CUDA is present (the
+# CudaLink tests stop being skipped), the captured draft step (bench/graph_check.py: no host sync
+# under set_sync_debug_mode("error"), TPOT with and without CUDA graphs) and `specter bench` over
+# the real PCIe link, whose CUDA paths (CudaLink, the packed INT4 draft, the pinned host store,
+# stall_s from CUDA events) never run on the CPU CI.
 #
 # The device image has torch, transformers, accelerate, safetensors, tokenizers, triton, pytest
 # and matplotlib, but not optimum-quanto, which travels as a wheel. Here, once, in the repo root:
@@ -22,11 +24,23 @@ export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 # from outside the checkout, so `import specter` is the installed package (compiled/ and
-# triton_ops/ are mapped into it at install)
-(cd /tmp && timeout 300 python3 -m pytest -q -x -p no:cacheprovider "$REPO/tests" > "$OUT/pytest.log" 2>&1)
-echo "pytest exit $?"; tail -n 15 "$OUT/pytest.log"
-for r in 0.25 0.5 1.0; do
-  (cd /tmp && timeout 150 python3 -m specter.cli bench --device cuda --residency $r --repeat 2 \
-     > "$OUT/bench-$r.txt" 2>&1)
-  echo "bench residency $r exit $?"; head -n 9 "$OUT/bench-$r.txt"; tail -n 7 "$OUT/bench-$r.txt"
-done
+# triton_ops/ are mapped into it at install). CHECKS picks parts (default all three; each has its
+# own timeout so that together they fit one 600 s command).
+CHECKS=${CHECKS:-"pytest graphs bench"}
+if [[ $CHECKS == *pytest* ]]; then
+  (cd /tmp && timeout 200 python3 -m pytest -q -x -p no:cacheprovider "$REPO/tests" > "$OUT/pytest.log" 2>&1)
+  echo "pytest exit $?"; tail -n 15 "$OUT/pytest.log"
+fi
+# the captured draft step: zero syncs under set_sync_debug_mode("error"), TPOT eager / compiled /
+# compiled + CUDA graphs, tokens against resident bf16 decoding (tie-aware)
+if [[ $CHECKS == *graphs* ]]; then
+  (cd /tmp && timeout 180 python3 "$REPO/bench/graph_check.py" --residency 0.5 > "$OUT/graphs.txt" 2>&1)
+  echo "graph check exit $?"; tail -n 12 "$OUT/graphs.txt"
+fi
+if [[ $CHECKS == *bench* ]]; then
+  for r in 0.25 1.0; do
+    (cd /tmp && timeout 100 python3 -m specter.cli bench --device cuda --residency $r --repeat 2 \
+       > "$OUT/bench-$r.txt" 2>&1)
+    echo "bench residency $r exit $?"; head -n 9 "$OUT/bench-$r.txt"; tail -n 7 "$OUT/bench-$r.txt"
+  done
+fi

@@ -25,8 +25,9 @@ The host learns each lookahead row through `Lookahead.publish` (a non-blocking c
 mirror plus an event), never by waiting on the step. The acceptance read after verification is
 the cycle's only read of drafted tokens (decoder.py).
 
-CPU only for now (the draft's experts dequantised): on CUDA the draft keeps packed INT4, which
-the gather above cannot index; a step over the fused MoE op (specter.triton_ops) is the next piece.
+On CPU the draft's experts are dequantised and gathered as above; on CUDA they stay packed INT4
+and the step calls the fused MoE op (specter.triton_ops.fused_moe, a custom op torch.compile
+traces through).
 
 The draft's tokens may differ in the last bits from the eager draft's (a different summation
 order); that changes nothing downstream, because verification by the target decides every
@@ -42,11 +43,14 @@ from specter.model import MoETransformer
 from specter.moe import ExpertWeights
 from specter.sampling import SamplingParams
 from specter.speculative.lookahead import Lookahead
+from specter.triton_ops import Int4Experts, fused_moe
 
 
 class GatheredExperts:
     """Expert provider for one token over resident weights, without host syncs (graph friendly).
-    Records the router's choice into `lookahead` at row `self.row` (a 0-d tensor)."""
+    Records the router's choice into `lookahead` at row `self.row` (a 0-d tensor). Dense weights
+    are gathered (below); packed INT4 ones (Int4Experts, the CUDA draft) go through the fused MoE
+    custom op, which reads routing on the device only."""
 
     def __init__(self, layers: list[ExpertWeights], lookahead: Lookahead, row: torch.Tensor):
         self.layers, self.lookahead, self.row = layers, lookahead, row
@@ -57,10 +61,19 @@ class GatheredExperts:
         self.lookahead.ids[:, layer].index_copy_(0, at, ids.to(torch.int32))
         self.lookahead.weights[:, layer].index_copy_(0, at, weights.float())
         ew = self.layers[layer]
+        if isinstance(ew.w13, Int4Experts):
+            return fused_moe(x, ids, weights, ew.w13, ew.w2)           # [1, H]
         h = torch.matmul(ew.w13[ids[0]], x[0])                          # [k, 2I]
         gate, up = h.chunk(2, dim=-1)
         y = torch.matmul(ew.w2[ids[0]], (F.silu(gate) * up)[..., None])[..., 0]  # [k, H]
         return (y * weights[0, :, None].to(y.dtype)).sum(0, keepdim=True)        # [1, H]
+
+
+def draft_layers(draft) -> list[ExpertWeights]:
+    """The draft's experts per MoE layer, as the step reads them: dense (unpacked) or Int4Experts."""
+    if draft.packed:
+        return [ExpertWeights(w13, w2) for w13, w2 in zip(draft.q13, draft.q2)]
+    return draft.layers
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

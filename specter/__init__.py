@@ -54,7 +54,8 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = "s
     checkpoint's 16-bit dtype on CUDA).
     link: CPU only, the link profile that the emulated PCIe link is calibrated from.
     k_max: the longest draft the governor may choose (default 32; 0 = plain decoding only).
-    compile: CPU only, compile the draft's one-token step (specter.compiled; 10-30 s at load).
+    compile: compile the draft's sync-free one-token step (specter.compiled). None (default): on
+    CUDA (CUDA graphs), off on CPU; True/False force it.
     """
     import torch
 

@@ -8,7 +8,7 @@
 2. The scanner sees what it must (it can fail).
 3. Inductor (what compile=True runs): the step drafts what the eager draft drafts (tokens and
    lookahead rows), and an engine built with compile=True is lossless.
-4. compile=True off the CPU, or not a bool, is a clear error before anything loads.
+4. compile that is not a bool (or None: auto) is a clear error; auto leaves CPU engines eager.
 """
 from __future__ import annotations
 
@@ -105,11 +105,12 @@ def test_inductor_step_drafts_what_the_eager_draft_drafts(tiny_path):
         eng.close()
 
 
-def test_compile_off_the_cpu_or_not_a_bool_is_a_clear_error(tmp_path):
-    with pytest.raises(ConfigError, match="compile=True"):
-        builder.build_engine(tmp_path, torch.device("cuda"), policy="specter", compile=True)
-    with pytest.raises(ConfigError, match="compile must be True or False"):
-        builder.build_engine(tmp_path, torch.device("cpu"), policy="specter", compile="yes")
+def test_compile_not_a_bool_is_a_clear_error_and_auto_is_off_on_cpu(tiny_path):
+    with pytest.raises(ConfigError, match="compile must be True, False or None"):
+        builder.build_engine(tiny_path, torch.device("cpu"), policy="specter", compile="yes")
+    eng = specter.load(tiny_path, device="cpu", policy="specter", residency=0.5)
+    assert eng.decoder.draft_step is None  # auto: compiled on CUDA only (see builder._draft_step)
+    eng.close()
 
 
 def test_bench_cli_compile_flag(tiny_path, capsys, tmp_path, monkeypatch):
