@@ -56,7 +56,7 @@ class PlainDecoder:
         spec = self.model.spec
         cache = KVCache(spec, len(prompt) + max_new, self.device, self.dtype)
         gen = params.generator(self.device)
-        hist = params.history(prompt, spec.vocab_size, self.device)  # what penalties look at
+        hist = params.history(prompt, self.device)  # what penalties look at
         tokens = torch.tensor(prompt, device=self.device)
         logits = self.model(tokens, 0, cache, self.experts, logits_for="last")  # [1, V]
         pos = len(prompt)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import math
+from collections import Counter
 from dataclasses import dataclass, fields
 from typing import Sequence
 
@@ -87,38 +88,54 @@ class SamplingParams:
             g.manual_seed(self.seed)
         return g
 
-    def history(self, prompt: Sequence[int], vocab: int, device) -> "History":
-        return History(prompt, vocab, device, track=self.penalized)
+    def history(self, prompt: Sequence[int], device) -> "History":
+        return History(prompt, device, track=self.penalized)
 
 
 class History:
-    """The tokens penalties look at, as device tensors: `prompt_seen` [V] (bool) and `counts` [V]
-    (occurrences among committed generated tokens). Tracks nothing when no penalty is set."""
+    """The tokens penalties look at: the prompt's (a set) and the generated tokens' counts, on the host
+    (commits are a few ints a cycle, never a device read). Penalties touch only these U columns of
+    the logits, never all V: U is the prompt plus the output, V may be 150k. Tracks nothing when no
+    penalty is set."""
 
-    def __init__(self, prompt: Sequence[int], vocab: int, device, track: bool = True):
-        self.track = track
-        if track:
-            self.prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-            self.prompt_seen[torch.tensor(list(prompt), device=device)] = True
-            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+    def __init__(self, prompt: Sequence[int], device, track: bool = True):
+        self.track, self.device = track, device
+        self.prompt = set(prompt) if track else set()
+        self.counts: Counter = Counter()
+        self._base = None  # (token ids, column of each id, seen [U], counts [U]) of the committed history
 
     def commit(self, tokens: Sequence[int]) -> None:
         if self.track and tokens:
-            idx = torch.tensor(list(tokens), device=self.counts.device)
-            self.counts.index_add_(0, idx, torch.ones(len(tokens), device=idx.device))
+            self.counts.update(tokens)
+            self._base = None
 
-    def rows(self, n: int, pending: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(seen [n, V], counts [n, V]) for the last n positions: the last row's history includes all
-        of `pending` (uncommitted drafted tokens), row i its first len(pending) - n + 1 + i."""
-        counts = self.counts.expand(n, -1)
+    def _committed(self):
+        if self._base is None:
+            ids = sorted(self.prompt | set(self.counts))
+            seen = torch.tensor([t in self.prompt for t in ids], dtype=torch.bool)
+            counts = torch.tensor([float(self.counts[t]) for t in ids])
+            self._base = (ids, {t: c for c, t in enumerate(ids)}, seen.to(self.device), counts.to(self.device))
+        return self._base
+
+    def rows(self, n: int, pending: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids [U], seen [n, U], counts [n, U]) for the last n positions: the last row's history
+        includes all of `pending` (uncommitted drafted tokens), row i its first len(pending) - n + 1 + i."""
+        ids, col, seen, counts = self._committed()
+        extra = [t for t in dict.fromkeys(pending) if t not in col]
+        if extra:
+            col = {**col, **{t: len(ids) + j for j, t in enumerate(extra)}}
+            ids = ids + extra
+            seen = torch.cat([seen, seen.new_zeros(len(extra))])
+            counts = torch.cat([counts, counts.new_zeros(len(extra))])
+        counts = counts.expand(n, -1)
         P = len(pending)
         if P:
             dev = counts.device
-            idx = torch.tensor(list(pending), device=dev).expand(n, P)                          # [n, P]
+            cols = torch.tensor([col[t] for t in pending], device=dev).expand(n, P)              # [n, P]
             upto = torch.arange(n, device=dev)[:, None] + (P - n + 1)
             w = (torch.arange(P, device=dev)[None, :] < upto).float()                          # [n, P]
-            counts = counts + torch.zeros_like(counts).scatter_add_(1, idx, w)
-        return self.prompt_seen | (counts > 0), counts
+            counts = counts.scatter_add(1, cols, w)
+        return torch.tensor(ids, device=counts.device), seen | (counts > 0), counts
 
 
 def penalize(logits: torch.Tensor, p: SamplingParams, history: History | None,
@@ -126,16 +143,20 @@ def penalize(logits: torch.Tensor, p: SamplingParams, history: History | None,
     """logits [N, V] -> logits [N, V] with repetition, frequency and presence penalties applied."""
     if history is None or not history.track:
         return logits
-    seen, counts = history.rows(logits.shape[0], pending)
-    logits = logits.float()
+    ids, seen, counts = history.rows(logits.shape[0], pending)   # [U], [N, U], [N, U]
+    if not len(ids):
+        return logits
+    out = logits.float().clone()
+    sub = out[:, ids]                                              # [N, U]
     r = p.repetition_penalty
     if r != 1:
-        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+        sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
     if p.frequency_penalty:
-        logits = logits - p.frequency_penalty * counts
+        sub = sub - p.frequency_penalty * counts
     if p.presence_penalty:
-        logits = logits - p.presence_penalty * (counts > 0).float()
-    return logits
+        sub = sub - p.presence_penalty * (counts > 0).float()
+    out[:, ids] = sub
+    return out
 
 
 def probs(logits: torch.Tensor, p: SamplingParams, history: History | None = None,

@@ -60,7 +60,7 @@ def test_repetition_penalty_and_min_p_match_transformers():
     logits = torch.randn(1, 50) * 3
     prompt, out = [3, 7, 7, 11], [20, 3, 41]
     p = SamplingParams(temperature=1.0, repetition_penalty=1.7, min_p=0.08)
-    hist = History(prompt, 50, "cpu")
+    hist = History(prompt, "cpu")
     hist.commit(out)
     ref = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + out]), logits.clone())
     torch.testing.assert_close(penalize(logits, p, hist), ref)
@@ -75,7 +75,7 @@ def test_presence_and_frequency_penalties_count_generated_tokens_only():
     from specter.sampling import History, penalize
 
     logits = torch.zeros(1, 8)
-    hist = History([1, 2], 8, "cpu")
+    hist = History([1, 2], "cpu")
     hist.commit([2, 5, 5, 5])
     got = penalize(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), hist)
     want = torch.zeros(1, 8)
@@ -92,11 +92,11 @@ def test_history_rows_see_the_drafted_prefix():
     p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5)
     logits = torch.randn(4, 16)
     drafted = [9, 4, 9]
-    hist = History([1], 16, "cpu")
+    hist = History([1], "cpu")
     hist.commit([4])
     rows = penalize(logits, p, hist, drafted)
     for i in range(4):
-        alone = History([1], 16, "cpu")
+        alone = History([1], "cpu")
         alone.commit([4] + drafted[:i])
         torch.testing.assert_close(rows[i:i + 1], penalize(logits[i:i + 1], p, alone))
         # the draft's single-row form: the last row sees every pending token

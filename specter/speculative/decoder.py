@@ -50,7 +50,7 @@ class SpeculativeDecoder:
         # positions [0, len(prompt) + max_new - 1)
         cache = KVCache(self.model.spec, len(prompt) + max_new, self.device, self.dtype)
         gen = params.generator(self.device)
-        hist = params.history(prompt, self.model.spec.vocab_size, self.device)  # what penalties look at
+        hist = params.history(prompt, self.device)  # what penalties look at
         logits = self.model(torch.tensor(prompt, device=self.device), 0, cache, self.target, logits_for="last")
         t = int(sample(logits, params, gen, hist))
         hist.commit([t])
