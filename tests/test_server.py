@@ -22,13 +22,6 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% 
 CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "class Stack:"}]
 
 
-def start(engine, **kw):
-    app = create_app(engine, **kw)
-    server = ServerThread(app)
-    url = server.__enter__()
-    return server, url
-
-
 @pytest.fixture(scope="module")
 def main(tmp_path_factory):
     """The bundled model plus a chat template, on the speculative policy with half the experts resident."""
@@ -37,9 +30,8 @@ def main(tmp_path_factory):
     cfg = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE}))
     engine = specter.load(path, device="cpu", policy="specter", residency=0.5, k_max=8)
-    server, url = start(engine, model_name="tiny", max_queue=8)
-    yield engine, url
-    server.__exit__()
+    with ServerThread(create_app(engine, model_name="tiny", max_queue=8)) as url:
+        yield engine, url
     engine.close()
 
 
@@ -47,9 +39,8 @@ def main(tmp_path_factory):
 def aux():
     """The bundled model as shipped (no chat template), resident, with room for one waiting request."""
     engine = specter.load(None, device="cpu", policy="resident")
-    server, url = start(engine, max_queue=1)
-    yield engine, url
-    server.__exit__()
+    with ServerThread(create_app(engine, max_queue=1)) as url:
+        yield engine, url
     engine.close()
 
 
@@ -96,6 +87,21 @@ def test_models_health_and_metrics(main):
     for name in ("specter_tokens_per_second", "specter_ttft_seconds", "specter_tpot_seconds", "specter_expert_hit_rate",
                  "specter_h2d_bytes_total", "specter_acceptance_rate", "specter_queue_depth"):
         assert name in body, name
+
+
+def test_metrics_count_what_a_request_did(main):
+    engine, url = main
+    names = ("specter_generated_tokens_total", "specter_h2d_bytes_total", "specter_expert_hits_total",
+             "specter_ttft_seconds_count", "specter_accepted_tokens_total")
+    before = {n: metric(url, n) for n in names}
+    r = client(url).completions.create(model="tiny", prompt="class Stack:", max_tokens=12, temperature=0)
+    st = r.model_extra["specter"]
+    after = {n: metric(url, n) - before[n] for n in names}
+    assert after == {"specter_generated_tokens_total": r.usage.completion_tokens, "specter_h2d_bytes_total":
+                     st["h2d_bytes"], "specter_expert_hits_total": st["expert_hits"], "specter_ttft_seconds_count": 1,
+                     "specter_accepted_tokens_total": st["accepted_tokens"]}
+    assert st["h2d_bytes"] > 0  # half the experts resident: copies happened, and /metrics saw them
+    assert 'specter_requests_total{endpoint="/v1/completions",status="200"}' in httpx.get(url + "/metrics").text
 
 
 def test_completion_is_the_python_api_text(main):
