@@ -292,3 +292,23 @@ def test_cuda_link_unpinned_source_warns_once_and_await():
 def test_make_link_cuda():
     with make_link(torch.device("cuda")) as link:
         assert isinstance(link, CudaLink) and link.bandwidth > 1e9
+
+
+@cuda
+def test_cuda_urgent_copy_overtakes_the_prefetch_backlog_and_after_orders_a_copy():
+    """An urgent copy (own high-priority stream) lands before a backlog of prefetches does; a copy
+    ordered `after` a read event waits for that reader only."""
+    with CudaLink("cuda") as link:
+        srcs = [torch.randn(16 << 20).pin_memory() for _ in range(8)]        # 8 x 64 MB of prefetches
+        dsts = [torch.empty_like(s, device="cuda") for s in srcs]
+        backlog = [link.copy(d, s) for d, s in zip(dsts, srcs)]
+        small, small_dst = torch.randn(4096).pin_memory(), torch.empty(4096, device="cuda")
+        urgent = link.copy(small_dst, small, urgent=True)
+        urgent._event.synchronize()
+        assert not backlog[-1].done(), "the urgent copy waited for the prefetch backlog"
+        slot = torch.ones(1 << 20, device="cuda")
+        reader = slot * 2                                                      # the slot's last reader
+        t = link.copy(slot, torch.zeros(1 << 20).pin_memory(), after=link.read_event())
+        t.wait()
+        link.synchronize()
+        assert float(reader.sum()) == 2.0 * (1 << 20) and float(slot.sum()) == 0.0

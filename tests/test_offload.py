@@ -413,3 +413,64 @@ def test_engine_close_closes_the_link(tiny):
             link.copy(torch.zeros(4), torch.ones(4))
     finally:
         link.close()
+
+
+class OrderLink(EmulatedLink):
+    """An emulated link that plays the CUDA ordering contract: `read_event()` is the number of
+    expert computes queued so far, and every copy checks that its `after` covers the last compute
+    that read its destination slot (what a per-slot event must guarantee on a GPU)."""
+
+    def __init__(self, mgr_ref):
+        super().__init__(bandwidth=2e6, latency=1e-3, name="order")
+        self.mgr_ref, self.queued, self.last_reader, self.checked = mgr_ref, 0, {}, 0
+
+    def read_event(self):
+        return self.queued
+
+    def copy(self, dst, src, *, urgent=False, tag=None, after="all"):
+        mgr = self.mgr_ref()
+        if mgr is not None and tag is not None:
+            layer = tag[0]
+            slot = (dst[0].data_ptr() - mgr.pool[layer].w13.data_ptr()) // dst[0][0].nbytes // dst[0].shape[0]
+            need = self.last_reader.get((layer, slot))
+            if need is not None:
+                assert after != "all", "the manager must name the slot's last reader, not wait for all compute"
+                assert after is not None and after >= need, \
+                    f"copy into layer {layer} slot {slot} ordered after {after}, but compute {need} reads it"
+                self.checked += 1
+        return super().copy(dst, src, urgent=urgent, tag=tag, after=after)
+
+
+def test_copies_wait_for_the_last_reader_of_their_slot(monkeypatch):
+    """Per-slot ordering (CUDA's contract, checked on CPU): a copy into a slot is ordered after the
+    compute that last read it -- including an expert computed earlier in the same layer call whose
+    slot a later miss takes -- instead of after all queued compute."""
+    store = make_store(L=2)
+    resident = ResidentExperts(store)
+    holder = {}
+    link = OrderLink(lambda: holder.get("mgr"))
+    real = manager_mod.run_experts
+
+    def run(x, ids, weights, weights_of, groups=None, order=None):
+        def counted(e):
+            w13, w2 = weights_of(e)
+            link.queued += 1  # this expert's compute is queued now
+            mgr = holder["mgr"]
+            layer = next(l for l in range(len(mgr.pool)) if mgr.pool[l].w13.data_ptr() <= w13.data_ptr()
+                         < mgr.pool[l].w13.data_ptr() + mgr.pool[l].w13.nbytes)
+            link.last_reader[(layer, mgr.slots.slot_of(layer, e))] = link.queued
+            return w13, w2
+        return real(x, ids, weights, counted, groups=groups, order=order)
+
+    monkeypatch.setattr(manager_mod, "run_experts", run)
+    with link:
+        mgr = OffloadedExperts(store, 2, torch.device("cpu"), link)
+        holder["mgr"] = mgr
+        gen, rng = torch.Generator().manual_seed(3), random.Random(3)
+        for step in range(10):
+            layer = rng.randrange(2)
+            if step % 3 == 1:
+                mgr.prefetch(layer, rng.sample(range(8), 2))
+            x, ids, weights = routed(rng.choice([1, 4]), 2, 8, gen)
+            assert torch.equal(mgr(layer, x, ids, weights), resident(layer, x, ids, weights)), step
+    assert link.checked > 5 and any(v is not None for row in mgr.last_read for v in row)

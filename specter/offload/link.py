@@ -118,8 +118,16 @@ class Link(abc.ABC):
         self.stats = {"transfers": 0, "bytes": 0, "busy_s": 0.0}
 
     @abc.abstractmethod
-    def copy(self, dst, src, *, urgent: bool = False, tag=None) -> Transfer:
-        """Enqueue copying src[i] into dst[i]; urgent copies go ahead of queued ordinary ones."""
+    def copy(self, dst, src, *, urgent: bool = False, tag=None, after="all") -> Transfer:
+        """Enqueue copying src[i] into dst[i]; urgent copies go ahead of queued ordinary ones.
+        `after` orders the copy after device work that may still read dst: "all" (everything queued
+        on the current stream), an event from `read_event()` (the destination's last reader), or
+        None (nothing reads it). Only CUDA needs it: CPU compute has finished when copy() is called."""
+
+    def read_event(self):
+        """A marker, recorded now on the compute stream, that copies can be ordered `after` (CUDA);
+        None where compute is synchronous (CPU)."""
+        return None
 
     def pending(self) -> int:
         with self._lock:
@@ -186,7 +194,7 @@ class EmulatedLink(Link):
         self._worker = threading.Thread(target=self._run, name=f"specter-link-{name}", daemon=True)
         self._worker.start()
 
-    def copy(self, dst, src, *, urgent: bool = False, tag=None) -> Transfer:
+    def copy(self, dst, src, *, urgent: bool = False, tag=None, after="all") -> Transfer:
         dst, src = _check(dst, src)
         t = Transfer(dst, src, tag)
         with self._lock:
@@ -246,11 +254,13 @@ def _copy_serial(d: torch.Tensor, s: torch.Tensor) -> None:
 
 
 class CudaLink(Link):
-    """Copies on a dedicated CUDA stream from pinned host memory; one event per transfer.
+    """Copies on dedicated CUDA streams from pinned host memory; one event per transfer.
 
-    Each copy first waits (on the GPU) for the work already queued on the current stream, so a slot
-    that compute may still be reading is never overwritten early. `urgent` has no effect: copies
-    are issued immediately. A small host thread resolves futures (for await / callbacks / stats).
+    Prefetches go on one copy stream, in order; `urgent` copies (a miss verification waits for) on
+    a second stream of the highest priority, so they do not queue behind the prefetch backlog.
+    Each copy waits (on the GPU) only for what `after` names: the last reader of its destination
+    slot (an event from `read_event`), or by default all work queued so far on the current stream.
+    A small host thread resolves futures (for await / callbacks / stats).
     """
 
     def __init__(self, device, bandwidth: float | None = None, latency: float = 10e-6, name: str = "cuda"):
@@ -262,6 +272,7 @@ class CudaLink(Link):
             bandwidth = load_profile(profile).pcie_bandwidth  # nominal; unknown GPU -> default profile
         super().__init__(name, bandwidth, latency)
         self.stream = torch.cuda.Stream(self.device)
+        self.urgent_stream = torch.cuda.Stream(self.device, priority=-100)  # clamped to the highest priority
         self._waits: collections.deque = collections.deque()  # (compute reached the wait, copy done) events
         self._stall_s = 0.0
         self._warned_unpinned = False
@@ -269,7 +280,12 @@ class CudaLink(Link):
         self._watcher = threading.Thread(target=self._run, name=f"specter-link-{name}", daemon=True)
         self._watcher.start()
 
-    def copy(self, dst, src, *, urgent: bool = False, tag=None) -> Transfer:
+    def read_event(self):
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def copy(self, dst, src, *, urgent: bool = False, tag=None, after="all") -> Transfer:
         dst, src = _check(dst, src)
         src = [self._pinned(s) for s in src]
         t = Transfer(dst, src, tag)
@@ -280,15 +296,19 @@ class CudaLink(Link):
             raise RuntimeError(f"{self.name}: copy() on a closed link")
         if len(self._waits) > 256:  # keep the event backlog short between stats() calls
             self._collect_stalls()
+        stream = self.urgent_stream if urgent else self.stream
         compute = torch.cuda.current_stream(self.device)
-        with torch.no_grad(), torch.cuda.stream(self.stream):
-            self.stream.wait_stream(compute)
-            begin.record(self.stream)
+        with torch.no_grad(), torch.cuda.stream(stream):
+            if isinstance(after, str):  # "all": whatever compute has queued may still read dst
+                stream.wait_stream(compute)
+            elif after is not None:
+                stream.wait_event(after)
+            begin.record(stream)
             for d, s in zip(dst, src):
                 d.copy_(s, non_blocking=True)
                 if d.is_cuda:
-                    d.record_stream(self.stream)
-            t._event.record(self.stream)
+                    d.record_stream(stream)
+            t._event.record(stream)
         t.t_started = time.perf_counter()
         with self._lock:
             self._admit()
@@ -312,6 +332,7 @@ class CudaLink(Link):
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+        self.urgent_stream.synchronize()
         super().synchronize()
 
     def drain_stall_s(self) -> float:

@@ -40,6 +40,9 @@ class OffloadedExperts:
         self.next_layer_router = None                   # set by the next-layer policy
         self.use_hook = None                            # use_hook(layer, experts) after each layer computes
         self.all_resident = False                       # set by warm() when the budget holds everything
+        # per slot, the event recorded after its last reader's compute was queued (CUDA; None on CPU,
+        # where compute is synchronous): a copy into the slot waits for that, not for all compute
+        self.last_read: list[list] = [[None] * n_slots for _ in range(L)]
         self.reset_stats()
 
     # ------------------------------------------------------------------------------- copies
@@ -49,9 +52,11 @@ class OffloadedExperts:
         if slot is None:
             return False
         src, dst = self.store[layer], self.pool[layer]
+        last = self.last_read[layer][slot]  # CUDA: wait for the slot's last reader, not all compute
+        order = {} if last is None else {"after": last}
         with span("copy issue"):
             self.inflight[(layer, e)] = self.link.copy([dst.w13[slot], dst.w2[slot]], [src.w13[e], src.w2[e]],
-                                                       urgent=urgent, tag=(layer, e))
+                                                       urgent=urgent, tag=(layer, e), **order)
         self._stats["h2d_bytes"] += self.expert_bytes
         return True
 
@@ -61,6 +66,7 @@ class OffloadedExperts:
         if t is not None:
             self._stats["stall_s"] += t.wait()
             self.slots.mark_ready(layer, e)
+            self._read_done(layer, [e])  # CUDA: compute now waits for the copy; a later one waits for that
 
     def poll(self) -> None:
         """Mark every completed copy ready (cheap; called between layers)."""
@@ -108,7 +114,8 @@ class OffloadedExperts:
         current = []
 
         def weights_of(e: int):
-            if current:
+            if current:  # its compute is queued: the slot may be refilled once that has run
+                self._read_done(layer, current)
                 self.slots.unpin(layer, current)
                 current.clear()
             todo.discard(e)
@@ -124,11 +131,19 @@ class OffloadedExperts:
             out = run_experts(x, ids, weights, weights_of, groups=groups, order=ready + flying + missing)
         finally:
             if current:
+                self._read_done(layer, current)
                 self.slots.unpin(layer, current)
         self.slots.touch(layer, need)
         if self.use_hook is not None:
             self.use_hook(layer, need)
         return out
+
+    def _read_done(self, layer: int, experts) -> None:
+        """Compute reading these experts' slots has been queued: note the point a copy must wait for."""
+        ev = self.link.read_event()
+        if ev is not None:
+            for e in experts:
+                self.last_read[layer][self.slots.slot_of(layer, e)] = ev
 
     def _issue_blocking(self, layer: int, e: int, protect) -> None:
         """Issue (layer, e) now; if every slot is loading, wait for this layer's copies to land first."""
