@@ -5,7 +5,8 @@ next token -- exactly the tokens of plain greedy decoding.
 Sampling: standard speculative rejection sampling. Drafted token x_i (drawn from q_i) is accepted
 with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the token is resampled from
 normalise(max(p_i - q_i, 0)); if every token is accepted, one more is drawn from p_K. The output is
-distributed exactly as the target's p (p and q already have temperature/top-k/top-p applied alike).
+distributed exactly as the target's p (p and q already have penalties, temperature, top-k, top-p
+and min-p applied alike, each row with its own history: the committed tokens plus drafted[:i]).
 """
 from __future__ import annotations
 

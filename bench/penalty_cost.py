@@ -1,0 +1,33 @@
+"""What the sampling controls cost: the sampling arithmetic of one K = 32 speculative cycle (a
+33-row verification plus 32 single-row draft steps) with min-p only and with penalties + min-p,
+at the default model's vocabulary and at Qwen's (151936), one thread, side by side.
+
+    python bench/penalty_cost.py
+"""
+import time
+
+import torch
+
+from specter.sampling import SamplingParams, probs
+
+PENALTIES = dict(repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.3)
+
+
+def cycle_ms(V: int, params: SamplingParams, reps: int = 10) -> float:
+    hist = params.history(list(range(50)), "cpu")     # a 50-token prompt
+    hist.commit(list(range(100, 164)))               # 64 generated tokens
+    verify, step, drafted = torch.randn(33, V), torch.randn(1, V), list(range(200, 232))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        probs(verify, params, hist, drafted)
+        for i in range(32):
+            probs(step, params, hist, drafted[:i])
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    for V in (4096, 151936):
+        plain = cycle_ms(V, SamplingParams(temperature=1.0, min_p=0.05))
+        pen = cycle_ms(V, SamplingParams(temperature=1.0, min_p=0.05, **PENALTIES))
+        print(f"V={V:>6}: min-p only {plain:6.2f} ms a cycle, penalties + min-p {pen:6.2f} ms ({pen / plain:.2f}x)")
