@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help='print one JSON object {"text", "token_ids", "stats"}')
     g.set_defaults(func=cmd_generate)
 
+    c = sub.add_parser("chat", help="an interactive chat through the checkpoint's chat template")
+    c.add_argument("--system", default=None, help="a system message at the start of the conversation")
+    _model_args(c)
+    _sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+
     from . import commands
 
     commands.add_subcommands(sub, _model_args, _sampling_args)
@@ -177,6 +183,43 @@ def cmd_generate(args) -> int:
         sys.stdout.flush()
         print(summary_line(stats), file=sys.stderr)
         return 0
+    finally:
+        engine.close()
+
+
+def cmd_chat(args) -> int:
+    """One line from standard input is one user turn; the reply streams to standard output. `/reset`
+    starts over, `/exit` (or end of input) ends. An error in one turn is reported and the chat goes on."""
+    engine = _load(args)
+    try:
+        if not getattr(engine.tokenizer, "chat_template", None):
+            engine.encode([{"role": "user", "content": ""}])  # raises the engine's own clear error
+        start = [] if args.system is None else [{"role": "system", "content": args.system}]
+        messages = list(start)
+        kw = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, **sampling_kwargs(args))
+        interactive = sys.stdin.isatty()
+        while True:
+            if interactive:
+                print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line or line.strip() == "/exit":
+                return 0
+            if line.strip() == "/reset":
+                messages = list(start)
+                continue
+            turn = messages + [{"role": "user", "content": line.rstrip("\n")}]
+            reply = []
+            try:
+                for piece in engine.stream(turn, **kw):
+                    reply.append(piece)
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            except SpecterError as e:  # e.g. the conversation outgrew the context: say so, keep chatting
+                print(f"specter: error: {e} (/reset starts over)", file=sys.stderr)
+                continue
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            messages = turn + [{"role": "assistant", "content": "".join(reply)}]
     finally:
         engine.close()
 

@@ -131,3 +131,32 @@ def test_readme_lists_the_architectures_and_the_docs_stand_alone():
     for doc in ("README.md", "docs/ARCHITECTURE.md"):
         text = (root / doc).read_text()
         assert "../shared" not in text and "DESIGN.md" not in text, doc  # a clone has no shared/
+
+
+@needs_default
+def test_interactive_chat(tmp_path, capsys, monkeypatch):
+    """`specter chat`: each input line is a user turn, answered through the chat template with the
+    conversation so far; /reset starts over; the bundled model (no template) gets one clear line."""
+    import io
+
+    model = tmp_path / "chat-model"
+    shutil.copytree(DEFAULT, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                            "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def add(a, b):\nclass Stack:\n/reset\nclass Stack:\n"))
+    assert main(["chat", "--model", str(model), "--policy", "resident", "--device", "cpu",
+                 "--max-new-tokens", "6", "--system", "be brief"]) == 0
+    got = capsys.readouterr().out.split("\n")
+    engine = specter.load(model, device="cpu", policy="resident")
+    sys_msg = [{"role": "system", "content": "be brief"}]
+    r1 = engine.generate(sys_msg + [{"role": "user", "content": "def add(a, b):"}], max_new_tokens=6).text
+    r2 = engine.generate(sys_msg + [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": r1},
+                                    {"role": "user", "content": "class Stack:"}], max_new_tokens=6).text
+    r3 = engine.generate(sys_msg + [{"role": "user", "content": "class Stack:"}], max_new_tokens=6).text
+    assert r2 != r3  # the history mattered
+    assert "\n".join(got) == f"{r1}\n{r2}\n{r3}\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    assert main(["chat", "--policy", "resident", "--device", "cpu"]) == 2
+    assert "no chat template" in capsys.readouterr().err
