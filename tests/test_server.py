@@ -12,12 +12,16 @@ import pytest
 
 import specter
 from specter.server import ServerThread, create_app
+from specter.server.metrics import Metrics
+from specter.server.scheduler import Scheduler
 
 pytestmark = pytest.mark.skipif(not (specter.default_model_path() / "model.safetensors").exists(),
                                 reason="the bundled default model is not built")
 
 PROMPT = "def fibonacci(n):"
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+TEMPLATE = ("{% for m in messages %}"
+            "{% if loop.first and m['role'] == 'assistant' %}{{ raise_exception('start with a user message') }}{% endif %}"
+            "<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "class Stack:"}]
 
@@ -216,6 +220,7 @@ BAD_CHAT = [
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400, None),
     (dict(messages=CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     (dict(messages=CHAT, max_completion_tokens=-1), 400, "max_completion_tokens"),
+    (dict(messages=[{"role": "assistant", "content": "hi"}]), 400, "messages"),  # the template's raise_exception
 ]
 
 
@@ -301,6 +306,22 @@ def test_a_client_that_gives_up_on_a_non_streamed_request_cancels_it(aux):
         httpx.post(url + "/v1/completions", json=dict(prompt=PROMPT, max_tokens=1500, temperature=0), timeout=0.5)
     wait_idle(url)
     assert metric(url, "specter_requests_cancelled_total") == cancelled + 1
+
+
+def test_closing_the_scheduler_stops_the_generation_in_flight(aux):
+    engine, _ = aux
+    metrics = Metrics()
+
+    async def run():
+        scheduler = Scheduler(engine, 4, metrics)
+        job = scheduler.submit(engine.encode(PROMPT), dict(max_new_tokens=1500, temperature=0.0))
+        assert (await job.events.get())[0] == "piece"  # generating
+        scheduler.close()                               # what the server's shutdown does
+
+    asyncio.run(run())
+    # close() returned after the engine thread did: the generation was stopped, not run to 1500 tokens
+    assert metrics.registry.get_sample_value("specter_requests_cancelled_total") == 1
+    assert 0 < metrics.registry.get_sample_value("specter_generated_tokens_total") < 500
 
 
 # ---------------------------------------------------------------------------------------- the CLI

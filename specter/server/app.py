@@ -41,7 +41,7 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32) ->
         scheduler.close()
 
     app = FastAPI(title="Specter", lifespan=lifespan)
-    app.state.scheduler = scheduler
+    app.state.scheduler, app.state.metrics = scheduler, metrics
     app.add_middleware(CountRequests, metrics=metrics)
 
     # ------------------------------------------------------------------------------- errors
@@ -65,6 +65,10 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32) ->
         msgs = dict.fromkeys(err["msg"] for err in errors if _param(err["loc"])[:len(param)] == param)
         text = " or ".join(msgs)
         return JSONResponse(APIError(400, f"{param}: {text}" if param else text, param=param or None).body(), 400)
+
+    @app.exception_handler(Exception)
+    async def _bug(request, e: Exception):  # still an OpenAI-shaped body; uvicorn logs the traceback
+        return JSONResponse(APIError(500, f"internal error: {e!r}", type="server_error").body(), 500)
 
     @app.exception_handler(HTTPException)
     async def _http(request, e: HTTPException):
@@ -104,7 +108,13 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32) ->
             raise APIError(400, f"model {name!r} has no chat template, so it cannot chat; use /v1/completions "
                                 f"with a plain prompt, or add a chat_template to its tokenizer_config.json",
                            param="messages", code="no_chat_template")
-        ids = engine.encode([m.as_template_dict() for m in req.messages])
+        try:
+            ids = engine.encode([m.as_template_dict() for m in req.messages])
+        except SpecterError:
+            raise
+        except Exception as e:  # the template's own checks (jinja's raise_exception: "roles must alternate" ...)
+            raise APIError(400, f"the chat template of {name!r} refused these messages: {e}", param="messages",
+                           code="invalid_messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens or max(engine.spec.max_position - len(ids), 1)
         return await answer(request, req, ids, max_tokens, chat=True)
 
@@ -194,6 +204,12 @@ class Reply:
         return usage(self.prompt_tokens, stats.get("new_tokens", 0))
 
     async def collect(self, job: Job, request: Request):
+        try:
+            return await self._collect(job, request)
+        finally:
+            job.cancel()  # the client left, or the server is shutting down: stop the engine at its next cycle
+
+    async def _collect(self, job: Job, request: Request):
         pieces = []
         while True:
             try:
@@ -201,7 +217,6 @@ class Reply:
             except asyncio.TimeoutError:
                 kind = None
             if await request.is_disconnected():
-                job.cancel()
                 return Response(status_code=499)  # nobody reads it; the status tells the request metric
             if kind == "piece":
                 pieces.append(value)

@@ -25,7 +25,7 @@ class QueueFull(Exception):
     pass
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity
 class Job:
     ids: list[int]
     sampling: dict                              # engine.stream keyword arguments
@@ -45,7 +45,7 @@ class Scheduler:
         self.turn = asyncio.Lock()              # FIFO: waiters acquire in arrival order
         self.waiting = 0
         self.running = 0
-        self.tasks: set[asyncio.Task] = set()
+        self.jobs: dict[Job, asyncio.Task] = {}  # queued or running (the loop keeps only weak task refs)
 
     def submit(self, ids: list[int], sampling: dict) -> Job:
         """Queue a generation, or raise QueueFull when max_queue requests already wait."""
@@ -54,9 +54,8 @@ class Scheduler:
         job = Job(ids, sampling)
         self.waiting += 1
         self.metrics.queue_depth.set(self.waiting)
-        task = asyncio.get_running_loop().create_task(self._run(job))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self.jobs[job] = asyncio.get_running_loop().create_task(self._run(job))
+        self.jobs[job].add_done_callback(lambda _: self.jobs.pop(job, None))
         return job
 
     async def _run(self, job: Job) -> None:
@@ -81,7 +80,10 @@ class Scheduler:
     def _generate(self, job: Job, loop) -> None:
         """On the engine thread: the whole generation, pieces handed to the event loop as they come."""
         def put(kind, value):
-            loop.call_soon_threadsafe(job.events.put_nowait, (kind, value))
+            try:
+                loop.call_soon_threadsafe(job.events.put_nowait, (kind, value))
+            except RuntimeError:  # the event loop has closed: nobody is listening
+                job.cancel()
 
         stats: dict = {}
         try:
@@ -98,6 +100,7 @@ class Scheduler:
         put("done", stats)
 
     def close(self) -> None:
-        for task in list(self.tasks):
-            task.cancel()
-        self.thread.shutdown(wait=False, cancel_futures=True)
+        """Stop every generation at its next cycle and wait for the engine thread (then the engine may close)."""
+        for job in list(self.jobs):
+            job.cancel()
+        self.thread.shutdown(wait=True, cancel_futures=True)
