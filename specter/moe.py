@@ -5,17 +5,20 @@ w13 = gate and up rows stacked, w2 = down), and are reached through an *expert p
 callable `provider(moe_layer, x, ids, weights) -> y`. The model never knows where an expert's
 bytes are; resident weights, an offloaded slot pool or an INT4 draft are just other providers.
 
-Outputs are combined in a fixed order (by top-k position, never by the order experts ran or
-arrived), so a provider that computes experts in a different order gives identical bits.
+Providers compute through `specter.triton_ops.fused_moe`: one grouped call per layer (Triton on
+CUDA, its torch reference on CPU), combined by top-k position, never by the order experts ran or
+arrived, so a provider that computes experts in several calls gives identical bits.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specter.triton_ops import fused_moe
 
 from .config import ModelSpec
 from .layers import MLP
@@ -40,44 +43,6 @@ class ExpertProvider(Protocol):
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor: ...
 
 
-def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    # x: [n, H], w13: [2I, H], w2: [H, I] -> [n, H]
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
-
-
-def group_by_expert(ids: torch.Tensor) -> dict[int, list[int]]:
-    """{expert: [flat rows of ids]} with rows = token * top_k + position. One host read of ids."""
-    groups: dict[int, list[int]] = {}
-    for row, e in enumerate(ids.reshape(-1).tolist()):
-        groups.setdefault(e, []).append(row)
-    return groups
-
-
-def run_experts(
-    x: torch.Tensor,                 # [T, H]
-    ids: torch.Tensor,               # [T, k]
-    weights: torch.Tensor,           # [T, k]
-    weights_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    groups: dict[int, list[int]] | None = None,
-    order: Iterable[int] | None = None,
-) -> torch.Tensor:
-    """Run each routed expert once on its tokens and combine. `order` is the order experts are
-    computed in (a verifier runs resident experts first); it never changes the result."""
-    T, k = ids.shape
-    groups = group_by_expert(ids) if groups is None else groups
-    out = x.new_empty(T * k, x.shape[1])  # [T*k, H]: one row per (token, top-k position)
-    for e in (sorted(groups) if order is None else order):
-        rows = groups[e]
-        w13, w2 = weights_of(e)
-        if T == 1:
-            out[rows[0]] = expert_mlp(x, w13, w2)[0]
-        else:
-            idx = torch.tensor(rows, device=x.device)
-            out[idx] = expert_mlp(x[idx // k], w13, w2)
-    return (out.view(T, k, -1) * weights[..., None].to(out.dtype)).sum(1)  # [T, H]
-
-
 class ResidentExperts:
     """Every expert on the device: the `resident` policy and the upper bound of all others."""
 
@@ -86,7 +51,7 @@ class ResidentExperts:
 
     def __call__(self, layer, x, ids, weights):
         ew = self.layers[layer]
-        return run_experts(x, ids, weights, lambda e: (ew.w13[e], ew.w2[e]))
+        return fused_moe(x, ids, weights, ew.w13, ew.w2)
 
 
 # -------------------------------------------------------------------------------------- routers

@@ -6,10 +6,11 @@ dense first layer each: deepseek_v2 and qwen2_moe with mlp_only_layers=[0]; mixt
 and on the bundled default model when it is present.
 
 Invariants: `Watch` wraps an `OffloadedExperts` as the model's expert provider and, through a
-patched `run_experts`, inspects every expert at the moment it is computed: its copy has completed
-(the link's transfer is done, the expert is ready and remapped), it is computed from its device
-slot, the slot holds exactly the store's weights, and the slot is still its own (not evicted, not
-overwritten) when its computation ends. After every layer call it runs `SlotCache.check()` and
+patched `expert_rows`, inspects every expert at the moment a grouped call computes it: its copy
+has completed (the link's transfer is done, the expert is ready and remapped), it is computed from
+its device slot through the remap table, the slot holds exactly the store's weights, no expert is
+computed twice in one layer call, and the slot is still its own (not evicted, not overwritten)
+when the call ends. After every layer call it runs `SlotCache.check()` and
 checks that in-flight copies and loading slots agree and that every ready slot holds its expert.
 A deliberately slow `EmulatedLink` keeps copies in flight while layers run.
 """
@@ -148,7 +149,7 @@ def test_default_model_offloaded_greedy_equals_resident(emulated_link):
 # ------------------------------------------------------------------------------------- invariant watcher
 class Watch:
     """An expert provider wrapping `mgr` that checks the cache's invariants on every layer call and at
-    every expert computation (install `checked_run_experts` in the manager module for the latter)."""
+    every grouped expert computation (install `checked_expert_rows` in the manager module for that)."""
 
     def __init__(self, mgr: OffloadedExperts):
         self.mgr = mgr
@@ -168,7 +169,7 @@ class Watch:
         return getattr(self.mgr, name)
 
     def __call__(self, layer, x, ids, weights):
-        self.layer = layer
+        self.layer, self.done = layer, set()
         try:
             out = self.mgr(layer, x, ids, weights)
         finally:
@@ -190,38 +191,33 @@ class Watch:
                 assert torch.equal(mgr.pool[l].w13[s], mgr.store[l].w13[e]), (l, e, s)
                 assert torch.equal(mgr.pool[l].w2[s], mgr.store[l].w2[e]), (l, e, s)
 
-    def checked_run_experts(self, real):
-        def run(x, ids, weights, weights_of, groups=None, order=None):
+    def checked_expert_rows(self, real):
+        def run(x, ids, weights, w13, w2, *, remap=None, backend=None):
             mgr, layer = self.mgr, self.layer
-            assert layer is not None, "run_experts called outside a watched layer call"
+            assert layer is not None, "expert_rows called outside a watched layer call"
             store, pool, slots = mgr.store[layer], mgr.pool[layer], mgr.slots
-            in_use = []
+            assert w13.data_ptr() == pool.w13.data_ptr() and w2.data_ptr() == pool.w2.data_ptr(), \
+                "not computed from the slot pool"
+            assert remap is not None, "a call over the slot pool without its remap row"
+            used = [(e, int(remap[e])) for e in sorted(set(ids.reshape(-1).tolist())) if int(remap[e]) >= 0]
 
-            def still_intact():  # the expert last handed out kept its slot and bytes while it computed
-                for e, s in in_use:
-                    assert slots.slot_of(layer, e) == s, f"expert {e} lost slot {s} while in use"
-                    assert torch.equal(pool.w13[s], store.w13[e]) and torch.equal(pool.w2[s], store.w2[e]), \
-                        f"slot {s} of expert {e} was overwritten while in use"
+            def intact(e, s, when):
+                assert slots.slot_of(layer, e) == s, f"expert {e} lost slot {s} {when}"
+                assert torch.equal(pool.w13[s], store.w13[e]) and torch.equal(pool.w2[s], store.w2[e]), \
+                    f"slot {s} does not hold expert {e}'s weights {when}"
 
-            def checked(e):
-                still_intact()
-                w13, w2 = weights_of(e)
-                s = slots.slot_of(layer, e)
-                assert s is not None, f"expert {e} computed without a slot"
+            for e, s in used:
                 t = self.transfers.get((layer, e))
                 assert t is None or t.done(), f"expert {e} computed before its copy completed"
                 assert slots.is_ready(layer, e) and (layer, e) not in mgr.inflight
                 assert int(slots.remap[layer, e]) == s
-                assert w13.data_ptr() == pool.w13[s].data_ptr() and w2.data_ptr() == pool.w2[s].data_ptr(), \
-                    "not computed from its device slot"
-                assert torch.equal(w13, store.w13[e]) and torch.equal(w2, store.w2[e]), \
-                    f"slot {s} does not hold expert {e}'s weights at compute time"
-                in_use[:] = [(e, s)]
-                self.computed += 1
-                return w13, w2
-
-            out = real(x, ids, weights, checked, groups=groups, order=order)
-            still_intact()
+                assert e not in self.done, f"expert {e} computed twice in one layer call"
+                intact(e, s, "at compute time")
+            out = real(x, ids, weights, w13, w2, remap=remap, backend=backend)
+            for e, s in used:
+                intact(e, s, "after its computation")
+            self.done.update(e for e, _ in used)
+            self.computed += len(used)
             return out
 
         return run
@@ -229,10 +225,10 @@ class Watch:
 
 @pytest.fixture
 def watch(monkeypatch):
-    """watch(mgr) -> Watch, with the manager's run_experts checked (one watched manager per test)."""
+    """watch(mgr) -> Watch, with the manager's expert_rows checked (one watched manager per test)."""
     def install(mgr):
         w = Watch(mgr)
-        monkeypatch.setattr(manager_mod, "run_experts", w.checked_run_experts(manager_mod.run_experts))
+        monkeypatch.setattr(manager_mod, "expert_rows", w.checked_expert_rows(manager_mod.expert_rows))
         return w
 
     return install
@@ -449,20 +445,18 @@ def test_copies_wait_for_the_last_reader_of_their_slot(monkeypatch):
     resident = ResidentExperts(store)
     holder = {}
     link = OrderLink(lambda: holder.get("mgr"))
-    real = manager_mod.run_experts
+    real = manager_mod.expert_rows
 
-    def run(x, ids, weights, weights_of, groups=None, order=None):
-        def counted(e):
-            w13, w2 = weights_of(e)
-            link.queued += 1  # this expert's compute is queued now
-            mgr = holder["mgr"]
-            layer = next(l for l in range(len(mgr.pool)) if mgr.pool[l].w13.data_ptr() <= w13.data_ptr()
-                         < mgr.pool[l].w13.data_ptr() + mgr.pool[l].w13.nbytes)
-            link.last_reader[(layer, mgr.slots.slot_of(layer, e))] = link.queued
-            return w13, w2
-        return real(x, ids, weights, counted, groups=groups, order=order)
+    def run(x, ids, weights, w13, w2, *, remap=None, backend=None):
+        link.queued += 1  # this grouped call's compute is queued now
+        mgr = holder["mgr"]
+        layer = next(l for l in range(len(mgr.pool)) if mgr.pool[l].w13.data_ptr() == w13.data_ptr())
+        for e in set(ids.reshape(-1).tolist()):
+            if int(remap[e]) >= 0:
+                link.last_reader[(layer, int(remap[e]))] = link.queued
+        return real(x, ids, weights, w13, w2, remap=remap, backend=backend)
 
-    monkeypatch.setattr(manager_mod, "run_experts", run)
+    monkeypatch.setattr(manager_mod, "expert_rows", run)
     with link:
         mgr = OffloadedExperts(store, 2, torch.device("cpu"), link)
         holder["mgr"] = mgr

@@ -7,9 +7,11 @@ so the model runs on it exactly as on resident weights.
     slots            SlotCache(n_moe_layers, E, S): expert -> slot, eviction policy, remap table
     link             EmulatedLink (CPU) | CudaLink: transfers are awaitables
 
-When a layer runs, experts already resident compute first; missing ones are requested at the
-front of the link's queue and compute as they land. Outputs combine in a fixed order (moe.py), so
-nothing depends on what was resident. `prefetch` is the hook for every smarter policy: next-layer
+When a layer runs, every expert already resident computes in one grouped call over the slot
+pool through the layer's remap row (`specter.triton_ops.expert_rows`); missing ones are requested
+at the front of the link's queue and compute in a second call as they land (more calls only when
+a layer needs more experts than it has slots). Rows combine by (token, top-k position), so the
+result is the bits of one call over resident weights, whatever was resident. `prefetch` is the hook for every smarter policy: next-layer
 routing and the speculative planner issue copies through it ahead of need.
 """
 from __future__ import annotations
@@ -18,7 +20,9 @@ import time
 
 import torch
 
-from ..moe import ExpertWeights, group_by_expert, run_experts
+from specter.triton_ops import combine_rows, expert_rows, merge_rows
+
+from ..moe import ExpertWeights
 from ..profiling import span
 from .link import Link, Transfer
 from .slots import SlotCache
@@ -94,49 +98,54 @@ class OffloadedExperts:
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.next_layer_router is not None:
             self.next_layer_router(layer, x)
-        groups = group_by_expert(ids)
-        need = sorted(groups)
-        if self.all_resident:  # the budget holds every expert: nothing to fetch, nothing to evict
-            self._stats["expert_hits"] += len(need)
-            pool, slot = self.pool[layer], self.slots.slot_of
-            return run_experts(x, ids, weights, lambda e: (pool.w13[slot(layer, e)], pool.w2[slot(layer, e)]),
-                               groups=groups)
+        pool, slots = self.pool[layer], self.slots
+        if self.all_resident:  # the budget holds every expert: one call, no host read of the routing
+            used = self._resident_hits.new_zeros(self.slots.n_experts).index_fill_(0, ids.reshape(-1), 1)
+            self._resident_hits += used.sum()  # distinct experts, counted on the device
+            return combine_rows(expert_rows(x, ids, weights, pool.w13, pool.w2, remap=slots.remap[layer]))
+        need = sorted(set(ids.reshape(-1).tolist()))
         self.poll()
         self._count(layer, need)
-        # ready experts compute first, then those in flight, then misses (fetched at the queue's front)
-        ready = [e for e in need if self.slots.is_ready(layer, e)]
+        ready = [e for e in need if slots.is_ready(layer, e)]
         flying = [e for e in need if (layer, e) in self.inflight]
-        missing = [e for e in need if self.slots.slot_of(layer, e) is None]
-        todo = set(need)  # not computed yet: never evicted to make room for each other
-        for e in missing:
-            if not self._issue(layer, e, urgent=True, protect=todo):
+        missing = [e for e in need if slots.slot_of(layer, e) is None]
+        for e in missing:  # fetched at the queue's front, never evicting each other
+            if not self._issue(layer, e, urgent=True, protect=set(need)):
                 break  # more experts than slots: the rest are fetched as computed ones free theirs
-        current = []
-
-        def weights_of(e: int):
-            if current:  # its compute is queued: the slot may be refilled once that has run
-                self._read_done(layer, current)
-                self.slots.unpin(layer, current)
-                current.clear()
-            todo.discard(e)
-            if self.slots.slot_of(layer, e) is None:
-                self._issue_blocking(layer, e, protect=todo)
-            self._land(layer, e)
-            self.slots.pin(layer, [e])
-            current.append(e)
-            slot = self.slots.slot_of(layer, e)
-            return self.pool[layer].w13[slot], self.pool[layer].w2[slot]
-
-        try:
-            out = run_experts(x, ids, weights, weights_of, groups=groups, order=ready + flying + missing)
-        finally:
-            if current:
-                self._read_done(layer, current)
-                self.slots.unpin(layer, current)
-        self.slots.touch(layer, need)
+        if ready:  # every resident expert, in one call through the remap row (-1 rows left for later)
+            rows = expert_rows(x, ids, weights, pool.w13, pool.w2, remap=slots.remap[layer])
+            self._read_done(layer, ready)  # queued: a copy into these slots now waits for this call
+        else:
+            rows = x.new_zeros(ids.shape + x.shape[1:])
+        todo = flying + missing
+        while todo:  # the late experts, in as few calls as the slots allow
+            batch = self._land_batch(layer, todo)
+            late = [-1] * slots.n_experts
+            for e in batch:
+                late[e] = slots.slot_of(layer, e)
+            late = torch.tensor(late, dtype=torch.int32, device=self.device)
+            rows = merge_rows(rows, expert_rows(x, ids, weights, pool.w13, pool.w2, remap=late), ids, late)
+            self._read_done(layer, batch)
+            todo = todo[len(batch):]
+        slots.touch(layer, need)
         if self.use_hook is not None:
             self.use_hook(layer, need)
-        return out
+        return combine_rows(rows)
+
+    def _land_batch(self, layer: int, todo: list[int]) -> list[int]:
+        """The longest prefix of `todo` that holds slots (issuing copies for those without, never
+        evicting another of `todo`), landed. At least one expert, waiting for copies if it must."""
+        protect, batch = set(todo), []
+        for e in todo:
+            if self.slots.slot_of(layer, e) is None and not self._issue(layer, e, urgent=True, protect=protect):
+                break
+            batch.append(e)
+        if not batch:
+            self._issue_blocking(layer, todo[0], protect=protect)
+            batch = todo[:1]
+        for e in batch:
+            self._land(layer, e)
+        return batch
 
     def _read_done(self, layer: int, experts) -> None:
         """Compute reading these experts' slots has been queued: note the point a copy must wait for."""
@@ -167,11 +176,14 @@ class OffloadedExperts:
     def reset_stats(self) -> None:
         self.link.drain_stall_s()  # waits before now belong to no one
         self.prefetched.clear()
+        self._resident_hits = torch.zeros((), dtype=torch.int64, device=self.device)  # read in stats()
         self._stats = dict(expert_hits=0, expert_misses=0, h2d_bytes=0, stall_s=0.0, prefetch_issued=0,
                            prefetch_used=0)
 
     def stats(self) -> dict:
         self._stats["stall_s"] += self.link.drain_stall_s()  # CUDA: stream waits, timed by events
+        self._stats["expert_hits"] += int(self._resident_hits)
+        self._resident_hits.zero_()
         return dict(self._stats)
 
     def reset(self) -> None:

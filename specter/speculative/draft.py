@@ -5,16 +5,16 @@ costs only its packed experts.
 
 How INT4 is multiplied is a backend choice: `unpacked` dequantises once into the compute dtype
 (CPUs have no INT4 GEMV, and the values are exactly the INT4 grid); `packed` keeps the packed
-codes with scales in the compute dtype (CUDA). Either way the draft computes with the quantised
+codes with scales in the compute dtype and multiplies them in fused_moe's kernels (CUDA). Either way the draft computes with the quantised
 weights.
 """
 from __future__ import annotations
 
 import torch
 
-from specter.triton_ops import Int4Experts, pack_int4
+from specter.triton_ops import Int4Experts, fused_moe, pack_int4
 
-from ..moe import ExpertWeights, run_experts
+from ..moe import ExpertWeights
 from .lookahead import Lookahead
 
 
@@ -39,8 +39,7 @@ class DraftExperts:
     def __call__(self, layer: int, x, ids, weights):
         if self.row is not None:
             self.lookahead.record(self.row, layer, ids, weights)
-        if self.packed:
-            q13, q2 = self.q13[layer], self.q2[layer]
-            return run_experts(x, ids, weights, lambda e: (q13[e].dequantize()[0], q2[e].dequantize()[0]))
+        if self.packed:  # INT4 dequantized tile by tile inside the kernels' K loops
+            return fused_moe(x, ids, weights, self.q13[layer], self.q2[layer])
         ew = self.layers[layer]
-        return run_experts(x, ids, weights, lambda e: (ew.w13[e], ew.w2[e]))
+        return fused_moe(x, ids, weights, ew.w13, ew.w2)
