@@ -6,7 +6,7 @@
     each dense or Int4Experts; remap [E] int32 expert -> row of w13/w2, -1 = not resident.
 
 Two steps, both torch.library custom ops (with fake implementations, so torch.compile traces
-through them with fullgraph=True):
+through them with fullgraph=True; eager calls skip the dispatcher):
 
     rows = expert_rows(...)   [T, k, H]  row (t, j) weighted; rows whose expert maps to -1 are zero
     y = combine_rows(rows)    [T, H]     top-k positions added left to right in fp32
@@ -63,8 +63,7 @@ def _check(x, ids, weights, w13, w2, remap) -> None:
 
 
 # --------------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("specter::expert_rows", mutates_args=())
-def _expert_rows_op(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+def _expert_rows_impl(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                     w2: torch.Tensor, s13: Optional[torch.Tensor], z13: Optional[torch.Tensor],
                     s2: Optional[torch.Tensor], z2: Optional[torch.Tensor], remap: Optional[torch.Tensor],
                     backend: str) -> torch.Tensor:
@@ -76,17 +75,22 @@ def _expert_rows_op(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     return moe_rows_torch(x, ids, weights, w13, w2, remap)
 
 
+_expert_rows_op = torch.library.custom_op("specter::expert_rows", _expert_rows_impl, mutates_args=())
+
+
 @_expert_rows_op.register_fake
 def _(x, ids, weights, w13, w2, s13, z13, s2, z2, remap, backend):
     return x.new_empty(ids.shape[0], ids.shape[1], x.shape[1])
 
 
-@torch.library.custom_op("specter::combine_rows", mutates_args=())
-def _combine_rows_op(rows: torch.Tensor, backend: str) -> torch.Tensor:
+def _combine_rows_impl(rows: torch.Tensor, backend: str) -> torch.Tensor:
     if backend == "triton":
         from .kernels import combine_triton
         return combine_triton(rows)
     return combine_torch(rows)
+
+
+_combine_rows_op = torch.library.custom_op("specter::combine_rows", _combine_rows_impl, mutates_args=())
 
 
 @_combine_rows_op.register_fake
@@ -101,17 +105,17 @@ def expert_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13, 
     backend = backend or default_backend(x)
     _check_backend(backend, x)
     _check(x, ids, weights, w13, w2, remap)
+    op = _expert_rows_op if torch.compiler.is_compiling() else _expert_rows_impl  # eager: skip the dispatcher
     if isinstance(w13, Int4Experts):
-        return _expert_rows_op(x, ids, weights, w13.qweight, w2.qweight, w13.scale, w13.shift,
-                               w2.scale, w2.shift, remap, backend)
-    return _expert_rows_op(x, ids, weights, w13, w2, None, None, None, None, remap, backend)
+        return op(x, ids, weights, w13.qweight, w2.qweight, w13.scale, w13.shift, w2.scale, w2.shift, remap, backend)
+    return op(x, ids, weights, w13, w2, None, None, None, None, remap, backend)
 
 
 def combine_rows(rows: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """[T, k, H] -> [T, H], positions added left to right in fp32 and rounded once."""
     backend = backend or default_backend(rows)
     _check_backend(backend, rows)
-    return _combine_rows_op(rows, backend)
+    return (_combine_rows_op if torch.compiler.is_compiling() else _combine_rows_impl)(rows, backend)
 
 
 def merge_rows(rows: torch.Tensor, late: torch.Tensor, ids: torch.Tensor, late_remap: torch.Tensor) -> torch.Tensor:

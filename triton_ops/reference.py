@@ -1,47 +1,56 @@
-"""The torch backend of fused_moe: the same grouped computation as the Triton kernels, in plain
-torch ops (the CPU default, and the reference the kernels are tested against).
+"""The torch backend of fused_moe: the CPU default, and the reference the kernels are tested against.
 
-Per block of BLOCK_M rows (align.py) it gathers the block's expert and runs two batched matmuls
-of exactly BLOCK_M rows, so a token's bits never depend on T (CPU GEMMs pick their reduction
-order by the row count: a 1-row and a 4-row fp32 matmul of the same row differ).
+Experts are grouped on the host (one read of the routing: free on a CPU; on CUDA this backend is
+only a reference and pays one sync), and each expert runs once over all its rows. CPU GEMMs pick
+their reduction order by the row count (a 1-row and a 4-row fp32 matmul of the same row differ in
+the last bits), so fp32 rows are multiplied one row per batch entry of a bmm against the expert's
+weights, broadcast without a copy: a row's bits never depend on T or on the other rows. 16-bit
+CPU matmuls already give every row the same bits whatever the row count (tested), and run as
+plain linears.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .align import BLOCK_M, align_rows
 from .int4 import Int4Experts
 
 
-def _gather(w, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The experts of `blocks` as dense [NB, N, K] in `dtype` (INT4 dequantized as quanto does)."""
+def _dense(w, r: int, dtype: torch.dtype) -> torch.Tensor:
+    """Weight row r as [N, K] in `dtype` (INT4 dequantized as quanto does)."""
     if isinstance(w, Int4Experts):
-        return Int4Experts(w.qweight[blocks], w.scale[blocks], w.shift[blocks]).dequantize().to(dtype)
-    return w[blocks].to(dtype)
+        return w[r].dequantize()[0].to(dtype)
+    return w[r].to(dtype)
+
+
+def rowwise_linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a [n, K] @ w [N, K].T -> [n, N], each row computed as if alone."""
+    if a.dtype != torch.float32:
+        return F.linear(a, w)
+    n, K = a.shape
+    return torch.bmm(a.view(n, 1, K), w.t().expand(n, K, w.shape[0])).view(n, -1)
 
 
 def moe_rows_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13, w2,
                    remap: torch.Tensor | None) -> torch.Tensor:
     """[T, k, H]: row (t, j) = weights[t, j] * expert(x[t]), zero where remap sends the expert to -1."""
     T, k = ids.shape
-    H, M = x.shape[1], T * k
-    a = align_rows(ids, w13.shape[0] if not isinstance(w13, Int4Experts) else w13.n_experts, remap)
-    blocks = a.block_expert
-    if x.device.type == "cpu":  # host reads are free here: skip the blocks past the end
-        blocks = blocks[: int(a.n_padded) // BLOCK_M]
-    nb = blocks.numel()
-    slot_row = a.slot_row[: nb * BLOCK_M].long()
-    real = slot_row < M
-    xs = torch.cat((x, x.new_zeros(1, H)))[torch.where(real, slot_row // k, T)]           # [NB*BM, H]
-    w = blocks.clamp(min=0).long()
-    h = torch.bmm(xs.view(nb, BLOCK_M, H), _gather(w13, w, x.dtype).transpose(1, 2))      # [NB, BM, 2I]
-    gate, up = h.chunk(2, dim=-1)
-    y = torch.bmm(F.silu(gate) * up, _gather(w2, w, x.dtype).transpose(1, 2))             # [NB, BM, H]
-    rw = torch.cat((weights.reshape(-1).float(), weights.new_zeros(1, dtype=torch.float32)))[slot_row]
-    y = (y.view(nb * BLOCK_M, H).float() * rw[:, None]).to(x.dtype)
-    y = torch.cat((y, x.new_zeros(1, H)))
-    return y[a.row_slot.clamp(max=nb * BLOCK_M)].view(T, k, H)
+    H = x.shape[1]
+    flat = ids.reshape(-1)
+    wrow = (remap[flat] if remap is not None else flat).tolist()  # weight row of each (t, j)
+    groups: dict[int, list[int]] = {}
+    for row, r in enumerate(wrow):
+        if r >= 0:
+            groups.setdefault(r, []).append(row)
+    out = x.new_zeros(T * k, H)
+    wf = weights.reshape(-1, 1).float()
+    for r, rows in sorted(groups.items()):
+        idx = torch.tensor(rows, device=x.device) if len(rows) > 1 else slice(rows[0], rows[0] + 1)
+        xs = x[idx // k] if len(rows) > 1 else x[rows[0] // k][None]
+        gate, up = rowwise_linear(xs, _dense(w13, r, x.dtype)).chunk(2, dim=-1)
+        y = rowwise_linear(F.silu(gate) * up, _dense(w2, r, x.dtype))   # [n, H]
+        out[idx] = (y.float() * wf[idx]).to(x.dtype)
+    return out.view(T, k, H)
 
 
 def combine_torch(rows: torch.Tensor) -> torch.Tensor:
