@@ -124,7 +124,16 @@ def engine_options(args) -> dict:
 def _load(args, policy: str | None = None):
     import specter
 
-    return specter.load(args.model, device=args.device, policy=policy or args.policy, residency=args.residency,
+    policy = policy or args.policy
+    ignored = [flag for flag, given, used in (("--k-max", args.k_max is not None, ("spec-lru", "specter")),
+                                              ("--compile", args.compile, ("spec-lru", "specter")),
+                                              ("--link", args.link is not None, ("on-demand", "next-layer",
+                                                                                 "spec-lru", "specter")))
+               if given and policy not in used]
+    if ignored:
+        raise ConfigError(f"policy {policy!r} does not use {ignored[0]}, so it would be ignored; drop it or pick a "
+                          "policy that does (--k-max/--compile: spec-lru, specter; --link: any offloading policy)")
+    return specter.load(args.model, device=args.device, policy=policy, residency=args.residency,
                         expert_memory=args.expert_memory, link=args.link, **engine_options(args))
 
 

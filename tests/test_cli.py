@@ -160,3 +160,15 @@ def test_interactive_chat(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
     assert main(["chat", "--policy", "resident", "--device", "cpu"]) == 2
     assert "no chat template" in capsys.readouterr().err
+
+
+def test_flags_a_policy_would_ignore_are_refused(tiny, capsys):
+    path, _ = tiny("qwen3_moe")
+    base = ["generate", "--prompt-ids", "1,2", "--model", str(path), "--device", "cpu", "--max-new-tokens", "2"]
+    for extra, flag in [(["--policy", "on-demand", "--k-max", "4"], "--k-max"),
+                        (["--policy", "next-layer", "--compile"], "--compile"),
+                        (["--policy", "resident", "--link", "H100-PCIe5"], "--link"),
+                        (["--policy", "resident", "--residency", "0.5"], "residency=0.5")]:
+        assert main(base + extra) == 2, extra
+        assert flag in capsys.readouterr().err
+    assert main(base + ["--policy", "on-demand", "--residency", "0.5", "--no-compile"]) == 0
