@@ -4,7 +4,8 @@
 # CudaLink tests stop being skipped), the captured draft step (bench/graph_check.py: no host sync
 # under set_sync_debug_mode("error"), TPOT with and without CUDA graphs) and `specter bench` over
 # the real PCIe link, whose CUDA paths (CudaLink, the packed INT4 draft, the pinned host store,
-# stall_s from CUDA events) never run on the CPU CI.
+# stall_s from CUDA events) never run on the CPU CI, and bench/pinned_check.py: exact-size pinning
+# of the host store (no power-of-two rounding) and its fallback.
 #
 # The device image has torch, transformers, accelerate, safetensors, tokenizers, triton, pytest
 # and matplotlib, but not optimum-quanto, which travels as a wheel. Here, once, in the repo root:
@@ -23,6 +24,9 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tm
 export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+# pinned host store: the caching host allocator's rounding vs the exact in-place arena, and the fallback
+(cd /tmp && timeout 60 python3 "$REPO/bench/pinned_check.py" > "$OUT/pinned.txt" 2>&1)
+echo "pinned check exit $?"; cat "$OUT/pinned.txt"
 # from outside the checkout, so `import specter` is the installed package (compiled/ and
 # triton_ops/ are mapped into it at install). CHECKS picks parts (default all three; each has its
 # own timeout so that together they fit one 600 s command).

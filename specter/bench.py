@@ -59,9 +59,11 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
         raise ConfigError(f"unknown policy {unknown[0]!r}; choose from {', '.join(specter.BENCH_POLICIES)}")
     engines = {}
     try:
+        shared = None  # one host store, one model and one draft under every policy
         for p in policies:
             budget = {} if p == "resident" else dict(residency=residency, expert_memory=expert_memory)
-            engines[p] = specter.load(model, device=device, policy=p, link=link, **budget, **load_kw)
+            engines[p] = specter.load(model, device=device, policy=p, link=link, shared=shared, **budget, **load_kw)
+            shared = engines[p].shared
         if warmup:  # first-call costs (allocator, lazy init) out of the measurement
             for e in engines.values():
                 e.generate(prompts[0], max_new_tokens=4, **sampling)

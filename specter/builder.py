@@ -1,17 +1,20 @@
 """Wires a checkpoint, a device and a policy into an Engine."""
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .engine import Engine, PlainDecoder
 from .errors import ConfigError
-from .loader import load_checkpoint, load_tokenizer, open_checkpoint
-from .moe import ResidentExperts
+from .loader import Checkpoint, load_checkpoint, load_tokenizer, open_checkpoint
+from .model import MoETransformer
+from .moe import ExpertWeights, ResidentExperts
 from .offload.link import make_link
 from .offload.manager import OffloadedExperts
 from .offload.plan import make_plan
@@ -19,6 +22,7 @@ from .offload.oracle import OracleDecoder
 from .offload.policies import NextLayerPrefetch
 from .speculative.decoder import SpeculativeDecoder
 from .speculative.draft import DraftExperts
+from .speculative.draft_cache import draft_int4
 from .speculative.governor import Governor
 from .speculative.lookahead import Lookahead
 from .speculative.planner import PrefetchPlanner
@@ -47,18 +51,48 @@ def configure_threads(device: torch.device, threads: int | None) -> None:
         torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
 
 
+@dataclass
+class Loaded:
+    """One checkpoint loaded once: what every engine over it shares (`specter bench` builds all its
+    policies on one). The store is the only host copy of the routed experts; the draft is quantised
+    at most once."""
+
+    path: Path
+    ckpt: Checkpoint
+    device: torch.device
+    dtype: torch.dtype               # compute dtype
+    model: MoETransformer
+    store: list[ExpertWeights]       # host, the checkpoint's dtype (pinned in place on CUDA)
+    tokenizer: object
+    draft_cache: str | None = None   # None: $SPECTER_DRAFT_CACHE or the user cache; "off": none
+    draft: DraftExperts | None = None
+
+
+def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | None = None,
+                draft_cache=None) -> Loaded:
+    ckpt = open_checkpoint(path)
+    dt = compute_dtype(device, ckpt.dtype, dtype)
+    configure_threads(device, threads)
+    model, store, _ = load_checkpoint(path, device, dt, pin_experts=device.type == "cuda")
+    return Loaded(Path(path), ckpt, device, dt, model, store, load_tokenizer(path), draft_cache)
+
+
 def build_engine(path: Path, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                  link=None, dtype=None, threads: int | None = None, eviction: str = "lru",
-                 device_memory=None, k_max: int = 32, compile: bool | None = None, **options) -> Engine:
+                 device_memory=None, k_max: int = 32, compile: bool | None = None, shared: Loaded | None = None,
+                 draft_cache=None, **options) -> Engine:
+    """An engine for `policy`. `shared`: a checkpoint already loaded (load_shared) to build on instead
+    of loading it again; its store, model and draft are reused, never copied."""
     if options:
         raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}")
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
         raise ConfigError(f"k_max must be an integer >= 0 (0 = no speculation), got {k_max!r}")
     if compile is not None and not isinstance(compile, bool):
         raise ConfigError(f"compile must be True, False or None (auto: on CUDA), got {compile!r}")
-    ckpt = open_checkpoint(path)
-    dt = compute_dtype(device, ckpt.dtype, dtype)
-    configure_threads(device, threads)
+    if shared is not None and Path(path).resolve() != shared.path.resolve():
+        raise ConfigError(f"shared: {shared.path} was loaded, but {path} was asked for")
+    ckpt = shared.ckpt if shared is not None else open_checkpoint(path)
+    dt = shared.dtype if shared is not None else compute_dtype(device, ckpt.dtype, dtype)
     spec = ckpt.spec
     offload = policy != "resident"
     plan = None
@@ -66,23 +100,26 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         if residency is None and expert_memory is None and device_memory is None and device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             device_memory = int(free * 0.9)
-        numel = ckpt.numel()
-        plan = make_plan(spec, numel, dt, residency=residency, expert_memory=expert_memory,
+        plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
                          device_memory=device_memory, draft=policy in ("spec-lru", "specter"))
-    model, experts, _ = load_checkpoint(path, device, dt, pin_experts=offload and device.type == "cuda")
-    tokenizer = load_tokenizer(path)
+    if offload:  # calibrating allocates a working set of experts: before the store exists, not beside it
+        lk = make_link(device, link, calibration=(spec.hidden, spec.expert_inter, dt))
+    if shared is None:
+        shared = load_shared(path, device, dtype=dt, threads=threads, draft_cache=draft_cache)
+    model, store = shared.model, shared.store
     if not offload:
-        experts = [type(e)(e.w13.to(device), e.w2.to(device)) for e in experts]
+        experts = [ExpertWeights(e.w13.to(device, dt), e.w2.to(device, dt)) for e in store]
         decoder = PlainDecoder(model, ResidentExperts(experts), device, dt)
     else:
-        lk = make_link(device, link, calibration=(spec.hidden, spec.expert_inter, dt))
-        mgr = OffloadedExperts(experts, plan.slots_per_layer, device, lk, eviction=eviction)
+        experts = store
+        mgr = OffloadedExperts(store, plan.slots_per_layer, device, lk, eviction=eviction, dtype=dt)
         mgr.warm()
-        decoder = _decoder(policy, model, mgr, experts, device, dt, k_max)
+        decoder = _decoder(policy, shared, mgr, k_max)
         if hasattr(decoder, "draft"):
             decoder.draft_step = _draft_step(model, decoder.draft, compile, device)
-    engine = Engine(model, experts, tokenizer, path=path, device=device, dtype=dt, policy=policy, decoder=decoder)
-    engine.plan = plan
+    engine = Engine(model, experts, shared.tokenizer, path=path, device=device, dtype=dt, policy=policy,
+                    decoder=decoder)
+    engine.plan, engine.shared = plan, shared
     return engine
 
 
@@ -117,20 +154,32 @@ def _compiled_draft_step(model, draft, compile: bool = True):
     return step
 
 
-def _decoder(policy, model, mgr, experts, device, dt, k_max):
+def _decoder(policy, shared: Loaded, mgr, k_max):
     """The decode loop each policy runs; all of them share the model and the offload manager."""
+    model, device, dt = shared.model, shared.device, shared.dtype
     if policy == "on-demand":
         return PlainDecoder(model, mgr, device, dt)
     if policy == "next-layer":
         mgr.next_layer_router = NextLayerPrefetch(model, mgr)
         return PlainDecoder(model, mgr, device, dt)
     if policy == "oracle":
-        resident = ResidentExperts([type(e)(e.w13.to(device), e.w2.to(device)) for e in experts])
+        resident = ResidentExperts([ExpertWeights(e.w13.to(device, dt), e.w2.to(device, dt)) for e in shared.store])
         return OracleDecoder(model, mgr, resident, device, dt)
     spec = model.spec
     lookahead = Lookahead(k_max, spec.n_moe_layers, spec.top_k, device)
-    draft = DraftExperts(experts, lookahead, device, dt, packed=device.type == "cuda")
+    draft = _draft(shared, lookahead)
     if policy == "spec-lru":  # speculation alone: same governor, experts fetched when verification needs them
         return SpeculativeDecoder(model, mgr, draft, device, dt, governor=Governor(k_max))
     return SpeculativeDecoder(model, mgr, draft, device, dt, governor=Governor(k_max),
                               planner=PrefetchPlanner(mgr, lookahead), fallback=NextLayerPrefetch(model, mgr))
+
+
+def _draft(shared: Loaded, lookahead: Lookahead) -> DraftExperts:
+    """The shared draft's INT4 experts (quantised on first use) behind this engine's own lookahead."""
+    if shared.draft is None:
+        int4 = draft_int4(shared.store, shared.ckpt.files.values(), shared.device, cache=shared.draft_cache)
+        shared.draft = DraftExperts(int4, lookahead, shared.device, shared.dtype, packed=shared.device.type == "cuda")
+        return shared.draft
+    draft = copy.copy(shared.draft)  # shares the quantised weights; lookahead and row are per engine
+    draft.lookahead, draft.row = lookahead, None
+    return draft

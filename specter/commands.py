@@ -8,7 +8,8 @@ from .errors import ConfigError
 
 
 def add_subcommands(sub, model_args, sampling_args) -> None:
-    p = sub.add_parser("plan", help="print the device memory plan for a budget, before running")
+    p = sub.add_parser("plan", help="device memory plan and host needs, from config.json alone if need be; "
+                                    "with --device-memory: does it fit, and what to change")
     p.add_argument("--model", default=None, help="local Hugging Face model directory (default: the bundled model)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]: the device to plan for (default: auto)")
     b = p.add_mutually_exclusive_group()
@@ -16,6 +17,7 @@ def add_subcommands(sub, model_args, sampling_args) -> None:
     b.add_argument("--expert-memory", default=None, help="slot pool budget, e.g. 6GiB")
     b.add_argument("--device-memory", default=None, help="whole-device budget, e.g. 16GiB")
     p.add_argument("--context", type=positive_int, default=None, help="KV cache tokens (default: the model's context)")
+    p.add_argument("--policy", default="specter", help="the policy to plan for (a draft only with spec-lru/specter)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=cmd_plan)
 
@@ -79,23 +81,65 @@ def cmd_serve(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from . import resolve_device
-    from .builder import compute_dtype
-    from .loader import open_checkpoint
-    from .offload.plan import make_plan
-    from . import default_model_path
+    """The device plan (and, with --device-memory, whether it fits and what to change), from the weights'
+    headers or from config.json alone: it answers before anything is downloaded."""
+    import torch
 
-    ckpt = open_checkpoint(args.model or default_model_path())
-    device = resolve_device(args.device)
-    dtype = compute_dtype(device, ckpt.dtype)
-    plan = make_plan(ckpt.spec, ckpt.numel(), dtype, residency=args.residency,
-                     expert_memory=args.expert_memory, device_memory=args.device_memory, context=args.context)
+    from . import default_model_path
+    from .builder import compute_dtype
+    from .loader import describe
+    from .offload.plan import fit, host_needs, make_plan
+    from .sizes import format_size
+
+    path = args.model or default_model_path()
+    spec, store_dtype, numel, weights = describe(path)
+    device = _plan_device(args.device, args.device_memory is not None)
+    dtype = compute_dtype(device, store_dtype)
+    host = host_needs(spec, store_dtype, device.type, draft=args.policy in ("spec-lru", "specter"))
+    head = f"model {path} ({spec.arch}), stored {str(store_dtype)[6:]} " \
+           f"({'weights' if weights else 'config.json only'}), computed {str(dtype)[6:]} on {device.type}"
+    hosts = f"host memory: expert store {format_size(host.store_bytes)} (pinned {format_size(host.pinned_bytes)}), " \
+            f"draft cache {format_size(host.draft_cache_bytes)} on disk"
+    if args.device_memory is not None:
+        f = fit(spec, numel, dtype, args.device_memory, policy=args.policy, context=args.context)
+        if args.json:
+            print(json.dumps({**f.as_dict(), "host": vars(host), "dtype": str(dtype)[6:]}))
+            return 0
+        print(head)
+        if f.fits:
+            print(f.plan.table())
+            print(f"{args.policy} runs in {format_size(f.device_memory)}: residency {f.plan.residency:.1%} "
+                  f"({f.plan.slots_per_layer} of {spec.n_experts} experts a layer on the device)")
+        else:
+            print(f"{args.policy} does NOT fit in {format_size(f.device_memory)}: it needs at least "
+                  f"{format_size(f.minimum)} at {f.context} tokens of context")
+        print(hosts)
+        for tip in f.suggestions:
+            print(f"  - {tip}")
+        return 0
+    plan = make_plan(spec, numel, dtype, residency=args.residency, expert_memory=args.expert_memory,
+                     context=args.context, draft=args.policy in ("spec-lru", "specter"))
     if args.json:
-        print(json.dumps(plan.as_dict()))
+        print(json.dumps({**plan.as_dict(), "host": vars(host)}))
     else:
-        print(f"model {ckpt.path} ({ckpt.spec.arch}), {dtype} on {device}")
+        print(head)
         print(plan.table())
+        print(hosts)
     return 0
+
+
+def _plan_device(device: str, sized: bool):
+    """A plan is arithmetic: `cuda` needs no GPU here. auto = cuda when present or when a device size
+    is given (the question is then "will it run on that GPU"), else cpu."""
+    import torch
+
+    from . import resolve_device
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() or sized else "cpu")
+    if device.startswith("cuda"):
+        return torch.device("cuda")
+    return resolve_device(device)
 
 
 def cmd_bench(args) -> int:

@@ -24,6 +24,7 @@ from .errors import CheckpointError, UnsupportedModelError
 from .model import MoETransformer
 from .moe import ExpertWeights
 from .sources import check_not_quantized, check_source, weights_hint
+from .offload.store import allocate_store
 
 # per-expert tensor names as published: (gate, up, down)
 _EXPERT_NAMES = {
@@ -86,6 +87,26 @@ def read_config(path: str | os.PathLike):
     return cfg, spec
 
 
+def describe(path: str | os.PathLike) -> tuple[ModelSpec, torch.dtype, int, bool]:
+    """(spec, storage dtype, parameter count, weights present) for `specter plan`: from the weights'
+    headers when the directory has them, else from config.json alone (dtype as the config states it,
+    parameters counted on a meta-device model), so a plan needs no download."""
+    path = Path(path)
+    cfg, spec = read_config(path)
+    if any(path.glob("*.safetensors")):
+        ckpt = open_checkpoint(path)
+        return ckpt.spec, ckpt.dtype, ckpt.numel(), True
+    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.replace("torch.", ""), None)
+    if dtype not in _DTYPES.values():
+        raise CheckpointError(f"{path / 'config.json'}: dtype {dtype!r} is not one of float32, float16, bfloat16")
+    with init_empty_weights(include_buffers=True):
+        model = MoETransformer(spec, 1)
+    numel = sum(p.numel() for p in model.parameters()) + spec.n_moe_layers * spec.n_experts * spec.expert_numel()
+    return spec, dtype, numel, False
+
+
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     path = Path(path)
     _, spec = read_config(path)
@@ -133,25 +154,75 @@ def _storage_dtype(files: dict[str, Path]) -> torch.dtype:
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
+_ST_DTYPES = {**_DTYPES, "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+              "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
 class _Reader:
-    """Memory-mapped tensor access across shards; keeps each shard open once."""
+    """Reads tensors with pread straight into their destination: no mapping stays resident and no
+    page is held twice, so filling a store of N bytes raises RSS by N bytes and nothing more."""
 
     def __init__(self, ckpt: Checkpoint):
-        self.ckpt, self.handles = ckpt, {}
+        self.ckpt, self.fds, self.entries = ckpt, {}, {}
+        for f in sorted(set(ckpt.files.values())):
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(n))
+            for name, e in header.items():
+                if name != "__metadata__":
+                    begin, end = e["data_offsets"]
+                    self.entries[name] = (f, e["dtype"], tuple(e["shape"]), 8 + n + begin, end - begin)
 
     def has(self, name: str) -> bool:
-        return name in self.ckpt.files
+        return name in self.entries
+
+    def dtype(self, name: str) -> torch.dtype:
+        f, dt, *_ = self._entry(name)
+        if dt not in _ST_DTYPES:
+            raise CheckpointError(f"{f}: tensor {name!r} has dtype {dt}, which is not supported")
+        return _ST_DTYPES[dt]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name)[2]
 
     def get(self, name: str) -> torch.Tensor:
-        f = self.ckpt.files.get(name)
-        if f is None:
+        t = torch.empty(self.shape(name), dtype=self.dtype(name))
+        self.read_into(name, t)
+        return t
+
+    def read_into(self, name: str, dst: torch.Tensor) -> None:
+        """dst (contiguous, any dtype, the tensor's shape) <- the stored tensor."""
+        f, _, shape, offset, nbytes = self._entry(name)
+        if tuple(dst.shape) != shape:
+            raise CheckpointError(f"{name}: shape {shape} does not match the config's {tuple(dst.shape)}")
+        if dst.dtype != self.dtype(name):  # a mixed-dtype checkpoint: convert through one temporary
+            dst.copy_(self.get(name))
+            return
+        if dst.numel() * dst.element_size() != nbytes:
+            raise CheckpointError(f"{f}: tensor {name!r} has {nbytes} bytes for shape {shape}; the file is corrupt")
+        buf = memoryview(dst.view(-1).view(torch.uint8).numpy())
+        fd, done = self._fd(f), 0
+        while done < nbytes:
+            n = os.preadv(fd, [buf[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{f}: tensor {name!r} could not be read (the file is truncated); "
+                                      f"re-download or re-save it")
+            done += n
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def _entry(self, name: str):
+        if name not in self.entries:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.ckpt.path}")
-        if f not in self.handles:
-            self.handles[f] = safe_open(str(f), framework="pt")
-        try:
-            return self.handles[f].get_tensor(name)
-        except Exception as e:
-            raise CheckpointError(f"{f}: tensor {name!r} could not be read ({e}); the file may be truncated") from None
+        return self.entries[name]
+
+    def _fd(self, f: Path) -> int:
+        if f not in self.fds:
+            self.fds[f] = os.open(f, os.O_RDONLY)
+        return self.fds[f]
 
 
 def _checkpoint_name(name: str, spec: ModelSpec) -> str:
@@ -175,56 +246,76 @@ def load_checkpoint(
     pin_experts: bool = False,
     progress: bool | None = None,
 ) -> tuple[MoETransformer, list[ExpertWeights], Checkpoint]:
-    """Build the model with its non-expert weights on `device` and return the routed experts on the
-    host (pinned when `pin_experts`), one `ExpertWeights` per MoE layer, in `dtype`."""
+    """Build the model with its non-expert weights on `device` in `dtype`, and return the routed experts
+    as the host store: one `ExpertWeights` per MoE layer, in the checkpoint's own dtype (pinned in
+    place when `pin_experts`), read once from the files straight into it."""
     ckpt = open_checkpoint(path)
     spec = ckpt.spec
     with init_empty_weights(include_buffers=False):
         model = MoETransformer(spec, max_len)
     reader = _Reader(ckpt)
-    params = [n for n, _ in model.named_parameters()]
-    if progress is None:
-        progress = ckpt.nbytes() > (512 << 20)
-    bar = tqdm(total=len(params) + spec.n_moe_layers, desc="loading", unit="tensor", disable=not progress)
-    for name in params:
-        src = _checkpoint_name(name, spec)
-        if name == "lm_head.weight" and not reader.has(src):
-            src = "model.embed_tokens.weight"  # tied embeddings
-        t = reader.get(src)
-        expected = model.get_parameter(name).shape
-        if t.shape != expected:
-            raise CheckpointError(f"{src}: shape {tuple(t.shape)} does not match the config's {tuple(expected)}")
-        set_module_tensor_to_device(model, name, device, value=t, dtype=dtype)
-        bar.update()
-    model.rope.to(device)
-    experts = []
-    for layer in spec.moe_layer_ids:
-        experts.append(_load_experts(reader, spec, layer, dtype, pin_experts))
-        bar.update()
-    bar.close()
+    try:
+        params = [(n, _source(n, spec, reader)) for n, _ in model.named_parameters()]
+        names = _expert_names(reader, spec)
+        total = sum(reader.entries[src][4] for _, src in params if src in reader.entries)
+        total += sum(reader.entries[n][4] for layer in names for n in layer if n in reader.entries)
+        if progress is None:
+            progress = total > (512 << 20)
+        bar = tqdm(total=total, desc="loading", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress)
+        for name, src in params:
+            t = reader.get(src)
+            expected = model.get_parameter(name).shape
+            if t.shape != expected:
+                raise CheckpointError(f"{src}: shape {tuple(t.shape)} does not match the config's {tuple(expected)}")
+            set_module_tensor_to_device(model, name, device, value=t, dtype=dtype)
+            bar.update(reader.entries[src][4])
+        model.rope.to(device)
+        store = allocate_store(spec, ckpt.dtype, pin=pin_experts)
+        for ew, layer in zip(store, names):
+            dsts = iter((ew.w13, ew.w2)) if len(layer) == 2 else _per_expert_views(ew)
+            for name, dst in zip(layer, dsts):
+                reader.read_into(name, dst)
+                bar.update(reader.entries[name][4])
+        bar.close()
+    finally:
+        reader.close()
     model.eval()
-    return model, experts, ckpt
+    return model, store, ckpt
 
 
-def _load_experts(reader: _Reader, spec: ModelSpec, layer: int, dtype, pin: bool) -> ExpertWeights:
-    E, I, H = spec.n_experts, spec.expert_inter, spec.hidden
-    w13 = torch.empty(E, 2 * I, H, dtype=dtype, pin_memory=pin)  # [E, 2I, H]
-    w2 = torch.empty(E, H, I, dtype=dtype, pin_memory=pin)       # [E, H, I]
-    prefix = f"model.layers.{layer}."
-    fused = prefix + "mlp.experts.gate_up_proj"
-    if reader.has(fused):  # transformers-v5 in-memory layout saved as is
-        w13.copy_(reader.get(fused))
-        w2.copy_(reader.get(prefix + "mlp.experts.down_proj"))
-        return ExpertWeights(w13, w2)
+def _source(name: str, spec: ModelSpec, reader: _Reader) -> str:
+    src = _checkpoint_name(name, spec)
+    if name == "lm_head.weight" and not reader.has(src):
+        src = "model.embed_tokens.weight"  # tied embeddings
+    if not reader.has(src):
+        raise CheckpointError(f"tensor {src!r} is missing from the checkpoint in {reader.ckpt.path}")
+    return src
+
+
+def _expert_names(reader: _Reader, spec: ModelSpec) -> list[list[str]]:
+    """Per MoE layer, the stored tensors in store order: the fused (gate_up [E, 2I, H], down [E, H, I])
+    pair of transformers-v5 layouts, or gate [I, H], up [I, H], down [H, I] of each expert in turn."""
     gate, up, down = _EXPERT_NAMES.get(spec.arch, _DEFAULT_EXPERT_NAMES)
-    for e in range(E):
-        for dst, name, shape in ((w13[e, :I], gate, (I, H)), (w13[e, I:], up, (I, H)), (w2[e], down, (H, I))):
-            full = prefix + name.format(e=e) + ".weight"
-            t = reader.get(full)
-            if tuple(t.shape) != shape:
-                raise CheckpointError(f"{full}: shape {tuple(t.shape)} does not match the config's {shape}")
-            dst.copy_(t)
-    return ExpertWeights(w13, w2)
+    out = []
+    for layer in spec.moe_layer_ids:
+        prefix = f"model.layers.{layer}."
+        if reader.has(prefix + "mlp.experts.gate_up_proj"):  # transformers-v5 in-memory layout saved as is
+            names = [prefix + "mlp.experts.gate_up_proj", prefix + "mlp.experts.down_proj"]
+        else:
+            names = [prefix + n.format(e=e) + ".weight" for e in range(spec.n_experts) for n in (gate, up, down)]
+        for n in names:
+            if not reader.has(n):
+                raise CheckpointError(f"tensor {n!r} is missing from the checkpoint in {reader.ckpt.path}")
+        out.append(names)
+    return out
+
+
+def _per_expert_views(ew: ExpertWeights):
+    I = ew.w2.shape[2]
+    for e in range(ew.n_experts):
+        yield ew.w13[e, :I]
+        yield ew.w13[e, I:]
+        yield ew.w2[e]
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -7,6 +7,12 @@ from specter.testing import ARCHS, make_tiny_checkpoint
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+@pytest.fixture(scope="session", autouse=True)
+def _draft_cache(tmp_path_factory):
+    """Drafts cached under the session's temporary directory, never the user's cache."""
+    os.environ["SPECTER_DRAFT_CACHE"] = str(tmp_path_factory.mktemp("draft-cache"))
+
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 

@@ -8,6 +8,11 @@
 CudaLink issues copies on a dedicated stream and hands back events. EmulatedLink is one worker
 thread that really copies the bytes and then sleeps until `start + latency + nbytes / bandwidth`,
 so a CPU run sees the same copy : compute ratio as the real GPU (see calibrate.py).
+
+A copy converts into the destination's dtype: the host store keeps the checkpoint's dtype (bf16 / fp16)
+and the slot pool holds the compute dtype. CUDA stages a converting copy through the device (the bus
+carries the stored bytes); the emulated link upcasts as it copies and times the copy by the bytes it
+writes, the width its compute was calibrated at, so the copy : compute ratio stays the GPU's.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ class Transfer:
     """One host-to-device copy of one or more tensors. Awaitable."""
 
     def __init__(self, dst: list[torch.Tensor], src: list[torch.Tensor], tag=None):
-        self.nbytes = sum(s.numel() * s.element_size() for s in src)
+        self.nbytes = sum(s.numel() * s.element_size() for s in src)   # bytes read from the host
+        self.dst_nbytes = sum(d.numel() * d.element_size() for d in dst)
         self.tag = tag
         self.t_enqueued = time.perf_counter()  # host clock (s); t_started/t_finished filled in by the link
         self.t_started: float | None = None
@@ -226,7 +232,7 @@ class EmulatedLink(Link):
         last_end = 0.0  # actual completion time of the previous transfer
         while (t := self._next()) is not None:
             start = max(t.t_enqueued, deadline)
-            deadline = start + self.latency + t.nbytes / self.bandwidth
+            deadline = start + self.latency + t.dst_nbytes / self.bandwidth
             t.t_started = time.perf_counter()
             error = None
             try:
@@ -244,8 +250,8 @@ class EmulatedLink(Link):
 
 
 def _copy_serial(d: torch.Tensor, s: torch.Tensor) -> None:
-    """d.copy_(s) in chunks small enough that ATen stays on this one thread (no OpenMP team)."""
-    if d.is_contiguous() and s.is_contiguous() and d.dtype == s.dtype and d.numel() > _CHUNK:
+    """d.copy_(s) (converting dtype) in chunks small enough that ATen stays on this one thread."""
+    if d.is_contiguous() and s.is_contiguous() and d.numel() > _CHUNK:
         d, s = d.view(-1), s.view(-1)
         for i in range(0, d.numel(), _CHUNK):
             d[i:i + _CHUNK].copy_(s[i:i + _CHUNK])
@@ -305,6 +311,10 @@ class CudaLink(Link):
                 stream.wait_event(after)
             begin.record(stream)
             for d, s in zip(dst, src):
+                if d.dtype != s.dtype:  # the stored bytes cross the bus, then convert on the device
+                    staged = torch.empty(s.shape, dtype=s.dtype, device=self.device)
+                    staged.copy_(s, non_blocking=True)
+                    s = staged
                 d.copy_(s, non_blocking=True)
                 if d.is_cuda:
                     d.record_stream(stream)

@@ -30,12 +30,14 @@ from .slots import SlotCache
 
 class OffloadedExperts:
     def __init__(self, store: list[ExpertWeights], n_slots: int, device: torch.device, link: Link,
-                 eviction: str = "lru"):
+                 eviction: str = "lru", dtype: torch.dtype | None = None):
+        """`dtype`: the compute dtype of the slot pool (default the store's); copies convert into it."""
         self.store, self.link, self.device = store, link, device
         L, E = len(store), store[0].n_experts
         w13, w2 = store[0].w13, store[0].w2
-        self.pool = [ExpertWeights(torch.zeros((n_slots,) + w13.shape[1:], dtype=w13.dtype, device=device),
-                                   torch.zeros((n_slots,) + w2.shape[1:], dtype=w2.dtype, device=device))
+        dtype = dtype or w13.dtype
+        self.pool = [ExpertWeights(torch.zeros((n_slots,) + w13.shape[1:], dtype=dtype, device=device),
+                                   torch.zeros((n_slots,) + w2.shape[1:], dtype=dtype, device=device))
                      for _ in range(L)]
         self.slots = SlotCache(L, E, n_slots, device=device, policy=eviction)
         self.expert_bytes = store[0].expert_nbytes()

@@ -126,3 +126,73 @@ def parse_budget(value, name: str) -> int:
         return parse_size(value)
     except ValueError as e:
         raise ConfigError(f"{name}: {e}") from None
+
+
+# ------------------------------------------------------------------------------ will it run here?
+@dataclass
+class HostNeeds:
+    store_bytes: int        # every routed expert once, in the checkpoint's dtype
+    pinned_bytes: int       # of which page-locked (CUDA: all of it, exactly; CPU: none)
+    draft_cache_bytes: int  # the INT4 draft on disk (0 without a draft)
+
+
+def host_needs(spec: ModelSpec, store_dtype: torch.dtype, device_type: str, draft: bool = True) -> HostNeeds:
+    store = spec.n_moe_layers * spec.n_experts * spec.expert_numel() * torch.empty((), dtype=store_dtype).element_size()
+    return HostNeeds(store, store if device_type == "cuda" else 0,
+                     spec.n_moe_layers * spec.n_experts * draft_expert_bytes(spec) if draft else 0)
+
+
+@dataclass
+class Fit:
+    """The answer to "does this model run in `device_memory` with `policy`", and what to change if not."""
+
+    policy: str
+    device_memory: int
+    context: int
+    plan: MemoryPlan | None       # None when it does not fit
+    minimum: int                  # device bytes the policy needs at this context (top-k slots a layer)
+    full: int                     # device bytes for every expert resident
+    suggestions: list[str]
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None
+
+    def as_dict(self) -> dict:
+        return dict(policy=self.policy, device_memory=self.device_memory, context=self.context, fits=self.fits, minimum_bytes=self.minimum,
+                    all_resident_bytes=self.full, suggestions=self.suggestions,
+                    plan=self.plan.as_dict() if self.plan else None)
+
+
+def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *, policy: str = "specter",
+        context: int | None = None) -> Fit:
+    draft = policy in ("spec-lru", "specter")
+    budget = parse_budget(device_memory, "device_memory")
+    item = torch.empty((), dtype=dtype).element_size()
+    L, E, k, expert = spec.n_moe_layers, spec.n_experts, spec.top_k, spec.expert_numel() * item
+    context = min(context or spec.max_position, spec.max_position)
+    non = non_expert_numel(spec, total_numel) * item
+    draft_b = L * E * draft_expert_bytes(spec) if draft else 0
+    kv_tok = kv_bytes_per_token(spec, item)
+    minimum = lambda d, c: non + d + kv_tok * c + L * k * expert  # noqa: E731
+    full = non + draft_b + kv_tok * context + L * E * expert
+    try:
+        plan = make_plan(spec, total_numel, dtype, device_memory=budget, context=context, draft=draft)
+    except BudgetError:
+        plan = None
+    tips = []
+    if plan is None:
+        if draft and non + draft_b >= budget:
+            tips.append(f"the INT4 draft alone takes {format_size(draft_b)}, leaving too little of "
+                        f"{format_size(budget)}: run without a draft (--policy on-demand or next-layer), which "
+                        f"needs {format_size(minimum(0, context))}")
+        elif draft and minimum(0, context) <= budget:
+            tips.append(f"--policy on-demand or next-layer (no draft) runs in {format_size(minimum(0, context))}")
+        c = (budget - minimum(draft_b, 0)) // max(kv_tok, 1)
+        if 512 <= c < context:  # a context too short to be useful is no advice
+            tips.append(f"a shorter context fits: --context {int(c)} (KV cache {format_size(kv_tok * int(c))})")
+        tips.append(f"a device with at least {format_size(minimum(draft_b, context))} runs {policy} at "
+                    f"{context} tokens of context (top-{k} slots a layer)")
+    elif plan.slots_per_layer < E:
+        tips.append(f"every expert resident needs {format_size(full)}")
+    return Fit(policy, budget, context, plan, minimum(draft_b, context), full, tips)

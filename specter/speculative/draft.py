@@ -22,19 +22,22 @@ class DraftExperts:
     """Expert provider of the draft. While `row` is set it records each MoE layer's routing into
     the lookahead buffer; that record is the whole point of drafting with the real routers."""
 
-    def __init__(self, experts: list[ExpertWeights], lookahead: Lookahead, device, dtype, packed: bool = False):
+    def __init__(self, experts: list, lookahead: Lookahead, device, dtype, packed: bool = False):
+        """experts: per MoE layer, the host full-precision ExpertWeights (quantised here, layer by layer
+        on the device), or its (w13, w2) Int4Experts with fp32 scales (the draft cache's)."""
         self.lookahead, self.row, self.packed = lookahead, None, packed
         self.q13: list[Int4Experts] = []
         self.q2: list[Int4Experts] = []
         self.layers: list[ExpertWeights] = []
-        for ew in experts:  # host full-precision weights, quantised layer by layer on the device
-            w13, w2 = ew.w13.to(device), ew.w2.to(device)
-            if packed:  # scales in the compute dtype: the kernels multiply in it
-                self.q13.append(pack_int4(w13, dtype=dtype))
-                self.q2.append(pack_int4(w2, dtype=dtype))
+        for ew in experts:
+            if isinstance(ew, ExpertWeights):
+                ew = (pack_int4(ew.w13.to(device), dtype=torch.float32), pack_int4(ew.w2.to(device), dtype=torch.float32))
+            q13, q2 = (q.to(device) for q in ew)
+            if packed:  # scales in the compute dtype (rounded once from fp32): the kernels multiply in it
+                self.q13.append(q13.to(device, dtype))
+                self.q2.append(q2.to(device, dtype))
             else:       # dequantised in fp32, exactly quanto's values, then rounded once
-                self.layers.append(ExpertWeights(pack_int4(w13, dtype=torch.float32).dequantize().to(dtype),
-                                                 pack_int4(w2, dtype=torch.float32).dequantize().to(dtype)))
+                self.layers.append(ExpertWeights(q13.dequantize().to(dtype), q2.dequantize().to(dtype)))
 
     def __call__(self, layer: int, x, ids, weights):
         if self.row is not None:

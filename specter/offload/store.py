@@ -1,0 +1,110 @@
+"""The host expert store: every routed expert once, in the checkpoint's own dtype, in one arena.
+
+    arena  [host]  one flat buffer, exactly sum over MoE layers of E * 3 * I * H elements
+    store          ExpertWeights views into it per MoE layer: w13 [E, 2I, H], w2 [E, H, I]
+
+On CUDA the arena is page-locked in place with cudaHostRegister, exactly its size: PyTorch's
+caching host allocator (`pin_memory=True`) rounds every block up to a power of two, which can
+double the pinned RAM of a store allocated layer by layer. When the host cannot pin that much
+(RLIMIT_MEMLOCK, container limits), the store stays pageable, a warning names the shortfall and
+CudaLink stages each copy through pinned memory (slower, but it runs). A store larger than the
+memory the host has available is refused up front, naming the shortfall.
+"""
+from __future__ import annotations
+
+import resource
+import warnings
+import weakref
+
+import torch
+
+from ..config import ModelSpec
+from ..errors import BudgetError
+from ..moe import ExpertWeights
+from ..sizes import format_size
+
+
+def store_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
+    item = torch.empty((), dtype=dtype).element_size()
+    return spec.n_moe_layers * spec.n_experts * spec.expert_numel() * item
+
+
+def allocate_store(spec: ModelSpec, dtype: torch.dtype, *, pin: bool = False) -> list[ExpertWeights]:
+    """Empty store views over one arena (pages are touched only as the loader fills them)."""
+    E, I, H = spec.n_experts, spec.expert_inter, spec.hidden
+    nbytes = store_bytes(spec, dtype)
+    available = host_available()
+    if available is not None and nbytes > available:
+        raise BudgetError(f"the expert store needs {format_size(nbytes)} of host memory but only "
+                          f"{format_size(available)} is available ({format_size(nbytes - available)} short): "
+                          f"free host memory or use a machine with more RAM")
+    arena = torch.empty(spec.n_moe_layers * E * 3 * I * H, dtype=dtype)
+    if pin:
+        pin_in_place(arena)
+    store, off = [], 0
+    for _ in range(spec.n_moe_layers):
+        w13 = arena[off:off + E * 2 * I * H].view(E, 2 * I, H)
+        off += w13.numel()
+        w2 = arena[off:off + E * H * I].view(E, H, I)
+        off += w2.numel()
+        store.append(ExpertWeights(w13, w2))
+    return store
+
+
+def pin_in_place(t: torch.Tensor) -> bool:
+    """Page-lock `t`'s exact bytes (cudaHostRegister). False, with a warning naming the shortfall and
+    the way out, when the host refuses; the tensor then stays pageable and everything still runs."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return True
+    cudart = torch.cuda.cudart()
+    res = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
+    if res != cudart.cudaError.success:
+        _clear_cuda_error()
+        _unpinned(nbytes, f"cudaHostRegister: {res}; {host_limits()}")
+        return False
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return True
+
+
+def _unpinned(nbytes: int, why: str) -> None:
+    warnings.warn(f"could not pin the {format_size(nbytes)} expert store ({why}); it stays pageable and each "
+                  f"copy is staged through pinned memory (slower). Raise `ulimit -l` (memlock) or free host "
+                  f"memory to pin it.", stacklevel=3)
+
+
+def _clear_cuda_error() -> None:
+    """A failed runtime call leaves the thread's last error set, and PyTorch's next kernel-launch check
+    would raise it: read it back (cudaGetLastError resets it) from the runtime already loaded."""
+    import ctypes
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except OSError:
+            continue
+
+
+def host_limits() -> str:
+    """What bounds pinning here, for error messages."""
+    avail, limit = host_available(), memlock_limit()
+    return (f"host MemAvailable {format_size(avail) if avail is not None else 'unknown'}, "
+            f"RLIMIT_MEMLOCK {format_size(limit) if limit is not None else 'unlimited'}")
+
+
+def memlock_limit() -> int | None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def host_available() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

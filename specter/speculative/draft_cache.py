@@ -1,0 +1,147 @@
+"""The draft's INT4 experts, quantised once per checkpoint and cached on disk.
+
+    <cache>/<key>/layer-<i>.safetensors    w13.{qweight,scale,shift}, w2.{...}: Int4Experts, fp32 scales
+
+key = sha256 of the quantiser's settings and the checkpoint's content fingerprint (every shard's
+size and safetensors header, which holds every tensor's name, dtype, shape and offsets, plus 32
+blocks of 64 KiB sampled across its data), so a re-saved or edited checkpoint gets a new entry.
+Each layer file records the key, its layer and a CRC32 of every tensor in its metadata; a file that
+is missing, unreadable, truncated, for another key or layer, or whose bytes fail the CRC is
+rebuilt from the host store, never trusted. Files are written to a temporary name and renamed,
+so a crash never leaves half a file under the real name.
+
+Quantisation runs layer by layer, on the device when there is one: one layer's experts in full
+precision exist beside the store at a time, never all of them.
+
+The cache lives in $SPECTER_DRAFT_CACHE, else $XDG_CACHE_HOME/specter/drafts (~/.cache/...);
+`specter.load(..., draft_cache=DIR)` and `--draft-cache DIR` override both, and "off" disables it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from specter.triton_ops import Int4Experts, pack_int4
+
+from ..errors import ConfigError
+from ..moe import ExpertWeights
+
+FORMAT = 1
+GROUP_SIZE = 128
+_SAMPLES, _BLOCK = 32, 64 << 10
+
+
+def cache_root(override: str | os.PathLike | None = None) -> Path | None:
+    """The cache directory: `override`, else $SPECTER_DRAFT_CACHE, else the user cache; None = off."""
+    where = override if override is not None else os.environ.get("SPECTER_DRAFT_CACHE")
+    if where is None:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        return Path(base) / "specter" / "drafts"
+    if str(where).lower() in ("", "off", "none", "0"):
+        return None
+    return Path(where)
+
+
+def settings() -> dict:
+    """What the cached bytes depend on besides the checkpoint."""
+    from optimum.quanto import __version__ as quanto_version
+
+    return {"format": FORMAT, "quantizer": "optimum-quanto MaxOptimizer qint4 float-shift",
+            "quanto": quanto_version, "group_size": GROUP_SIZE, "scales": "float32"}
+
+
+def fingerprint(files) -> str:
+    """Content fingerprint of safetensors shards (see the module docstring); reads ~2 MiB a shard."""
+    h = hashlib.sha256()
+    for f in sorted({Path(f) for f in files}):
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(f.name.encode() + size.to_bytes(8, "little") + fh.read(n))
+            data = 8 + n
+            for i in range(_SAMPLES):
+                fh.seek(data + (size - data - _BLOCK) * i // max(_SAMPLES - 1, 1) if size - data > _BLOCK else data)
+                h.update(fh.read(_BLOCK))
+    return h.hexdigest()
+
+
+def cache_key(files) -> str:
+    h = hashlib.sha256(json.dumps(settings(), sort_keys=True).encode())
+    h.update(fingerprint(files).encode())
+    return h.hexdigest()[:32]
+
+
+def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache=None,
+               progress: bool | None = None) -> list[tuple[Int4Experts, Int4Experts]]:
+    """(w13, w2) Int4Experts per MoE layer (fp32 scales, on the CPU): read from the cache, or
+    quantised from `store` (on `device`) and written to it."""
+    root = cache_root(cache)
+    entry = root / cache_key(files) if root is not None else None
+    if entry is not None:
+        try:
+            entry.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"draft cache {root} is not writable ({e}); pass another --draft-cache or 'off'") from None
+    nbytes = sum(ew.w13.nbytes + ew.w2.nbytes for ew in store)
+    if progress is None:
+        progress = nbytes > (256 << 20)
+    out = []
+    bar = tqdm(store, desc="draft (INT4)", unit="layer", disable=not progress)
+    for i, ew in enumerate(bar):
+        path = entry / f"layer-{i}.safetensors" if entry is not None else None
+        layer = _read(path, entry.name, i) if path is not None else None
+        if layer is None:
+            bar.set_description("draft: quantising")
+            layer = (pack_int4(ew.w13.to(device), GROUP_SIZE, dtype=torch.float32).to("cpu"),
+                     pack_int4(ew.w2.to(device), GROUP_SIZE, dtype=torch.float32).to("cpu"))
+            if path is not None:
+                _write(path, entry.name, i, layer)
+        out.append(layer)
+    bar.close()
+    return out
+
+
+def _tensors(layer: tuple[Int4Experts, Int4Experts]) -> dict[str, torch.Tensor]:
+    return {f"{m}.{k}": t.contiguous() for m, q in zip(("w13", "w2"), layer) for k, t in q.tensors().items()}
+
+
+def _crc(t: torch.Tensor) -> str:
+    return f"{zlib.crc32(t.view(-1).view(torch.uint8).numpy()):08x}"
+
+
+def _write(path: Path, key: str, layer: int, q: tuple[Int4Experts, Int4Experts]) -> None:
+    tensors = _tensors(q)
+    meta = {"key": key, "layer": str(layer), "crc32": json.dumps({n: _crc(t) for n, t in tensors.items()})}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    except OSError:  # a full or read-only disk costs the cache, not the load
+        tmp.unlink(missing_ok=True)
+
+
+def _read(path: Path, key: str, layer: int) -> tuple[Int4Experts, Int4Experts] | None:
+    """The cached layer, or None when it is missing, corrupt or stale (and then it is rebuilt)."""
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("key") != key or meta.get("layer") != str(layer):
+                return None
+            crcs = json.loads(meta["crc32"])
+            tensors = {n: f.get_tensor(n) for n in crcs}
+        if any(_crc(t) != crcs[n] for n, t in tensors.items()):
+            return None
+        return tuple(Int4Experts(**{k: tensors[f"{m}.{k}"] for k in ("qweight", "scale", "shift")})
+                     for m in ("w13", "w2"))
+    except Exception:  # unreadable, truncated, malformed metadata, wrong tensors: rebuild
+        return None
