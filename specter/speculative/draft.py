@@ -18,6 +18,14 @@ from ..moe import ExpertWeights
 from .lookahead import Lookahead
 
 
+def _dequantized(q: Int4Experts, dtype) -> torch.Tensor:
+    """q.dequantize().to(dtype), one expert at a time: no layer-sized fp32 temporaries beside it."""
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)  # [E, N, K]
+    for e in range(q.n_experts):
+        out[e] = q[e].dequantize()[0]
+    return out
+
+
 class DraftExperts:
     """Expert provider of the draft. While `row` is set it records each MoE layer's routing into
     the lookahead buffer; that record is the whole point of drafting with the real routers."""
@@ -37,7 +45,7 @@ class DraftExperts:
                 self.q13.append(q13.to(device, dtype))
                 self.q2.append(q2.to(device, dtype))
             else:       # dequantised in fp32, exactly quanto's values, then rounded once
-                self.layers.append(ExpertWeights(q13.dequantize().to(dtype), q2.dequantize().to(dtype)))
+                self.layers.append(ExpertWeights(_dequantized(q13, dtype), _dequantized(q2, dtype)))
 
     def __call__(self, layer: int, x, ids, weights):
         if self.row is not None:
