@@ -251,3 +251,39 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     x, ids, w, w13, w2, _ = moe_case(2, 1)
     with pytest.raises(ConfigError, match="TRITON_INTERPRET"):
         fused_moe(x, ids, w, w13, w2, backend="triton")
+
+
+# ------------------------------------------------------------------------------ on a GPU (compiled)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("int4", [False, True])
+def test_compiled_kernels_on_cuda(dtype, int4):
+    """The kernels compiled for the GPU: against the torch backend, skipped rows, batch invariance
+    and split calls merging exactly, at the shapes a real layer has (tiles full and partial)."""
+    for T, k, R in [(1, 2, None), (33, 8, 6), (65, 2, None)]:
+        case = moe_case(T, k, E=12, H=256, I=160, R=R, dtype=dtype, int4=int4)
+        x, ids, w = (t.cuda() for t in case[:3])
+        w13, w2 = (t.to("cuda") for t in case[3:5])
+        remap = None if case[5] is None else case[5].cuda()
+        rows = expert_rows(x, ids, w, w13, w2, remap=remap)  # triton: the CUDA default
+        ref = expert_rows(x, ids, w, w13, w2, remap=remap, backend="torch")
+        torch.testing.assert_close(rows, ref, rtol=2e-2, atol=1e-2)
+        full = fused_moe(x, ids, w, w13, w2, remap=remap)
+        assert torch.equal(fused_moe(x[-1:], ids[-1:], w[-1:], w13, w2, remap=remap)[0], full[-1])
+    everything = torch.arange(12, dtype=torch.int32, device="cuda")
+    first = torch.where(everything % 2 == 0, everything, -1)
+    late = torch.where(first < 0, everything, -1)
+    merged = merge_rows(expert_rows(x, ids, w, w13, w2, remap=first), expert_rows(x, ids, w, w13, w2, remap=late),
+                        ids, late)
+    assert torch.equal(combine_rows(merged), fused_moe(x, ids, w, w13, w2, remap=everything))
+
+
+@cuda
+def test_packing_on_cuda_equals_packing_on_cpu():
+    w = _weights(E=4, N=64, K=512, dtype=torch.bfloat16)
+    on_gpu, on_cpu = pack_int4(w.cuda()), pack_int4(w)
+    assert on_gpu.device.type == "cuda"
+    assert torch.equal(on_gpu.qweight.cpu(), on_cpu.qweight) and torch.equal(on_gpu.scale.cpu(), on_cpu.scale)
