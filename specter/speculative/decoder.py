@@ -48,7 +48,7 @@ class SpeculativeDecoder:
     def run(self, prompt: list[int], params: SamplingParams, max_new: int) -> Iterator[list[int]]:
         # no scratch beyond the plan's context: K <= remaining - 1 keeps drafts and verification inside
         # positions [0, len(prompt) + max_new - 1)
-        cache = KVCache(self.model.spec, len(prompt) + max_new, self.device, self.dtype)
+        cache = self._kv_cache(len(prompt) + max_new)
         gen = params.generator(self.device)
         hist = params.history(prompt, self.device)  # what penalties look at
         logits = self.model(torch.tensor(prompt, device=self.device), 0, cache, self.target, logits_for="last")
@@ -65,6 +65,17 @@ class SpeculativeDecoder:
             t = new[-1]
             produced += len(new)
             yield new
+
+    def _kv_cache(self, need: int) -> KVCache:
+        """The KV cache, kept across generations (one generation runs at a time) and grown only when
+        a generation needs more: a captured draft step then replays on the same buffer addresses
+        instead of re-recording its CUDA graphs every generation. Stale rows past the committed
+        length are scratch, as within a generation."""
+        cache = getattr(self, "_cache", None)
+        if cache is None or cache.max_len < need:  # grow geometrically, within the model's context
+            size = need if cache is None else max(need, min(2 * cache.max_len, self.model.spec.max_position))
+            cache = self._cache = KVCache(self.model.spec, size, self.device, self.dtype)
+        return cache
 
     def _cycle(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen, hist: History
                ) -> list[int]:
