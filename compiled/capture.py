@@ -19,6 +19,7 @@ queue. Reads of host mirrors through numpy (pinned memory, already landed) are n
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -78,12 +79,22 @@ class HostReads:
 
     def __init__(self):
         self.calls: list[str] = []
-        state = {"in_read": False}  # a read already counted: its own d2h copy is not another
+        state = self._state = {"in_read": False}  # a read already counted: its own d2h copy is not another
         self._fn, self._dispatch = _FnMode(self.calls, state), _D2HMode(self.calls, state)
 
     @property
     def count(self) -> int:
         return len(self.calls)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Reads inside are not counted: for CPU stand-ins of device code that reads nothing on
+        CUDA (the torch reference backend of fused_moe groups routing on the host)."""
+        was, self._state["in_read"] = self._state["in_read"], True
+        try:
+            yield
+        finally:
+            self._state["in_read"] = was
 
     def __enter__(self):
         self._dispatch.__enter__()

