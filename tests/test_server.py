@@ -308,6 +308,26 @@ def test_a_client_that_gives_up_on_a_non_streamed_request_cancels_it(aux):
     assert metric(url, "specter_requests_cancelled_total") == cancelled + 1
 
 
+def test_the_queue_serves_requests_in_arrival_order(aux):
+    engine, _ = aux
+    finished = []
+
+    async def run():
+        scheduler = Scheduler(engine, 4, Metrics())
+        jobs = [scheduler.submit(engine.encode(PROMPT), dict(max_new_tokens=n, temperature=0.0)) for n in (24, 2, 12, 1)]
+
+        async def wait(i):
+            while (await jobs[i].events.get())[0] != "done":
+                pass
+            finished.append(i)
+
+        await asyncio.gather(*(wait(i) for i in (3, 2, 1, 0)))
+        scheduler.close()
+
+    asyncio.run(run())
+    assert finished == [0, 1, 2, 3]  # shorter requests that came later did not jump the queue
+
+
 def test_closing_the_scheduler_stops_the_generation_in_flight(aux):
     engine, _ = aux
     metrics = Metrics()
