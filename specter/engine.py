@@ -193,7 +193,8 @@ class Engine:
                cancel: threading.Event | None = None, **sampling) -> Iterator[str]:
         """Text pieces as tokens are committed; they join to generate()'s text. Text that could be the
         start of a stop string is held back until it is known not to be. Pass a dict as `stats` to
-        receive the stats; set `cancel` (from any thread) to end the generation at the next cycle."""
+        receive the stats; set `cancel` (from any thread) to end the generation at the next cycle.
+        The engine is this stream's from its first piece until it is exhausted or closed."""
         self._need_tokenizer("there is no text to stream; use stream_ids() or generate()")
         for _, text in self._pieces(prompt, max_new_tokens, stop, sampling, stats, cancel):
             if text:
