@@ -55,14 +55,21 @@ def test_prompt_ids_on_a_checkpoint_without_tokenizer(tiny, capsys):
     assert "not both" in capsys.readouterr().err
 
 
-@needs_default
-def test_chat_and_system(tmp_path, capsys):
+@pytest.fixture
+def chat_model(tmp_path):
+    """A copy of the bundled model with a chat template added."""
     model = tmp_path / "chat-model"
     shutil.copytree(DEFAULT, model)
     cfg = json.loads((model / "tokenizer_config.json").read_text())
     cfg["chat_template"] = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                             "{% if add_generation_prompt %}<assistant>{% endif %}")
     (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return model
+
+
+@needs_default
+def test_chat_and_system(chat_model, capsys):
+    model = chat_model
     engine = specter.load(model, device="cpu", policy="resident")
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}]
     want = engine.generate(msgs, max_new_tokens=8).token_ids
@@ -134,17 +141,12 @@ def test_readme_lists_the_architectures_and_the_docs_stand_alone():
 
 
 @needs_default
-def test_interactive_chat(tmp_path, capsys, monkeypatch):
+def test_interactive_chat(chat_model, capsys, monkeypatch):
     """`specter chat`: each input line is a user turn, answered through the chat template with the
     conversation so far; /reset starts over; the bundled model (no template) gets one clear line."""
     import io
 
-    model = tmp_path / "chat-model"
-    shutil.copytree(DEFAULT, model)
-    cfg = json.loads((model / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                            "{% if add_generation_prompt %}<assistant>{% endif %}")
-    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    model = chat_model
     monkeypatch.setattr(sys, "stdin", io.StringIO("def add(a, b):\nclass Stack:\n/reset\nclass Stack:\n"))
     assert main(["chat", "--model", str(model), "--policy", "resident", "--device", "cpu",
                  "--max-new-tokens", "6", "--system", "be brief"]) == 0
