@@ -161,13 +161,13 @@ def test_draft_cache_miss_hit_corrupt_stale(tmp_path, monkeypatch, bf16):
     _, store, ckpt = load_checkpoint(bf16, CPU, torch.float32)
     files, L = list(ckpt.files.values()), len(store)
     calls = _count_packs(monkeypatch)
-    first = draft_cache.draft_int4(store, files, CPU, cache=tmp_path)
+    first = list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path))
     assert len(calls) == 2 * L  # miss: every layer quantised (w13 and w2)
     entry = next(tmp_path.iterdir())
     assert sorted(p.name for p in entry.iterdir()) == [f"layer-{i}.safetensors" for i in range(L)]
 
     calls.clear()
-    again = draft_cache.draft_int4(store, files, CPU, cache=tmp_path)
+    again = list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path))
     assert calls == []  # hit: nothing quantised, the same bits
     for (a13, a2), (b13, b2) in zip(first, again):
         assert all(torch.equal(x, y) for qa, qb in ((a13, b13), (a2, b2))
@@ -179,20 +179,20 @@ def test_draft_cache_miss_hit_corrupt_stale(tmp_path, monkeypatch, bf16):
     f.write_bytes(bytes(raw))
     (entry / "layer-0.safetensors").write_bytes(b"\0" * 10)  # truncated to nothing useful
     calls.clear()
-    rebuilt = draft_cache.draft_int4(store, files, CPU, cache=tmp_path)
+    rebuilt = list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path))
     assert len(calls) == 4  # exactly the two bad layers, rebuilt and rewritten
     assert torch.equal(rebuilt[1][1].qweight, first[1][1].qweight)
     calls.clear()
-    draft_cache.draft_int4(store, files, CPU, cache=tmp_path)
+    list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path))
     assert calls == []
 
     # stale: a file from another entry (another checkpoint) copied under this key is not trusted
     monkeypatch.setattr(draft_cache, "cache_key", lambda files: "another-key")
-    draft_cache.draft_int4(store, files, CPU, cache=tmp_path)
+    list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path))
     shutil.copy(tmp_path / "another-key" / "layer-0.safetensors", entry / "layer-0.safetensors")
     monkeypatch.undo()
     calls = _count_packs(monkeypatch)
-    draft_cache.draft_int4(store, files, CPU, cache=tmp_path)
+    list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path))
     assert len(calls) == 2
 
 
@@ -204,6 +204,17 @@ def test_cache_key_follows_content_and_settings(tmp_path, monkeypatch):
     assert ka != kb and ka == draft_cache.cache_key(open_checkpoint(a).files.values())
     monkeypatch.setattr(draft_cache, "GROUP_SIZE", 64)
     assert draft_cache.cache_key(open_checkpoint(a).files.values()) != ka
+
+
+def test_unwritable_draft_cache(monkeypatch, tmp_path, bf16):
+    _, store, ckpt = load_checkpoint(bf16, CPU, torch.float32)
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the cache directory should be
+    with pytest.raises(specter.ConfigError, match="not writable"):
+        list(draft_cache.draft_int4(store, ckpt.files.values(), CPU, cache=blocker / "cache"))
+    monkeypatch.setenv("SPECTER_DRAFT_CACHE", str(blocker / "cache"))
+    with pytest.warns(UserWarning, match="without a cache"):
+        assert len(list(draft_cache.draft_int4(store, ckpt.files.values(), CPU))) == len(store)
 
 
 def test_draft_cache_location(monkeypatch, tmp_path):

@@ -21,8 +21,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 import zlib
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -51,11 +53,12 @@ def cache_root(override: str | os.PathLike | None = None) -> Path | None:
 
 
 def settings() -> dict:
-    """What the cached bytes depend on besides the checkpoint."""
-    from optimum.quanto import __version__ as quanto_version
+    """What the cached bytes depend on besides the checkpoint. (The version from the package's metadata:
+    importing optimum.quanto takes seconds, which a cache hit never needs to spend.)"""
+    from importlib.metadata import version
 
     return {"format": FORMAT, "quantizer": "optimum-quanto MaxOptimizer qint4 float-shift",
-            "quanto": quanto_version, "group_size": GROUP_SIZE, "scales": "float32"}
+            "quanto": version("optimum-quanto"), "group_size": GROUP_SIZE, "scales": "float32"}
 
 
 def fingerprint(files) -> str:
@@ -80,20 +83,25 @@ def cache_key(files) -> str:
 
 
 def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache=None,
-               progress: bool | None = None) -> list[tuple[Int4Experts, Int4Experts]]:
-    """(w13, w2) Int4Experts per MoE layer (fp32 scales, on the CPU): read from the cache, or
-    quantised from `store` (on `device`) and written to it."""
+               progress: bool | None = None) -> Iterator[tuple[Int4Experts, Int4Experts]]:
+    """Yields (w13, w2) Int4Experts per MoE layer (fp32 scales, on the CPU), each read from the cache
+    or quantised from `store` (on `device`) and written to it: one layer at a time, so a consumer that
+    moves or dequantises each as it comes never holds the whole INT4 draft on the host."""
     root = cache_root(cache)
     entry = root / cache_key(files) if root is not None else None
     if entry is not None:
         try:
             entry.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"draft cache {root} is not writable ({e}); pass another --draft-cache or 'off'") from None
+            if cache is not None:  # asked for by name: the caller's mistake to fix
+                raise ConfigError(f"draft cache {root} is not writable ({e}); pass another --draft-cache "
+                                  f"or 'off'") from None
+            warnings.warn(f"draft cache {root} is not writable ({e}); quantising without a cache "
+                          f"(set SPECTER_DRAFT_CACHE to a writable directory)")
+            entry = None
     nbytes = sum(ew.w13.nbytes + ew.w2.nbytes for ew in store)
     if progress is None:
         progress = nbytes > (256 << 20)
-    out = []
     bar = tqdm(store, desc="draft (INT4)", unit="layer", disable=not progress)
     for i, ew in enumerate(bar):
         path = entry / f"layer-{i}.safetensors" if entry is not None else None
@@ -104,9 +112,8 @@ def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache
                      pack_int4(ew.w2.to(device), GROUP_SIZE, dtype=torch.float32).to("cpu"))
             if path is not None:
                 _write(path, entry.name, i, layer)
-        out.append(layer)
+        yield layer
     bar.close()
-    return out
 
 
 def _tensors(layer: tuple[Int4Experts, Int4Experts]) -> dict[str, torch.Tensor]:
