@@ -117,6 +117,26 @@ def measure(model: str, policy: str, residency: float) -> dict:
                 specter=specter.__file__)
 
 
+def side_by_side(model: str, policies: list[str], residency: float, repeat: int) -> dict:
+    """Load times measured alternately in one process (imports done, draft cache warm): the honest
+    ratio on a machine whose load drifts. Median seconds per policy."""
+    import gc
+
+    import specter
+
+    times = {p: [] for p in policies}
+    for i in range(repeat + 1):  # the first round warms imports and caches and is not counted
+        for p in policies:
+            t0 = time.perf_counter()
+            engine = specter.load(model, device="cpu", policy=p, residency=residency)
+            if i:
+                times[p].append(time.perf_counter() - t0)
+            engine.close()
+            del engine
+            gc.collect()
+    return {p: statistics.median(t) for p, t in times.items()}
+
+
 def _nbytes(q) -> int:
     """Bytes of a quantised tensor's own storage (packed data, scales, shifts)."""
     inner, _ = q.__tensor_flatten__()
@@ -144,11 +164,16 @@ def main(argv=None) -> int:
     ap.add_argument("--specter-src", default=None, help="import specter from this checkout (e.g. main, for 'before')")
     ap.add_argument("--repeat", type=int, default=1, help="loads per row: median load time, highest peak")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--side-by-side", type=int, default=0, metavar="R",
+                    help="also time loads of the policies alternately in one process, R rounds (cached draft)")
     ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # internal: one load in this process
     args = ap.parse_args(argv)
     policies = [p for p in args.policies.split(",") if p]
     if args.measure:
-        print(json.dumps(measure(args.measure, policies[0], args.residency)))
+        if args.side_by_side:
+            print(json.dumps(side_by_side(args.measure, policies, args.residency, args.side_by_side)))
+        else:
+            print(json.dumps(measure(args.measure, policies[0], args.residency)))
         return 0
 
     path = Path(args.dir or tempfile.mkdtemp(prefix="specter-big-", dir="/tmp"))
@@ -176,14 +201,26 @@ def main(argv=None) -> int:
                 r.update(load=which, checkpoint_bytes=size, load_s=statistics.median(x["load_s"] for x in runs))
                 rows.append(r)
                 print(_row(r), file=sys.stderr)
+        side = None
+        if args.side_by_side:
+            cmd = ["nice", sys.executable, __file__, "--measure", str(path), "--policies", ",".join(policies),
+                   "--residency", str(args.residency), "--side-by-side", str(args.side_by_side)]
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if out.returncode:
+                raise SystemExit(f"side by side: child failed\n{out.stderr[-3000:]}")
+            side = json.loads(out.stdout.strip().splitlines()[-1])
         if args.json:
-            print(json.dumps({"shape": args.shape, "layers": args.layers, "residency": args.residency, "rows": rows}))
+            print(json.dumps({"shape": args.shape, "side_by_side": side, "layers": args.layers, "residency": args.residency, "rows": rows}))
         else:
             print(f"{args.shape}, {args.layers} layer(s), checkpoint {size / 1e9:.2f} GB, residency {args.residency}")
             print(f"{'policy':<11} {'load':<7} {'load s':>7} {'peak RSS GB':>11} {'/ ckpt':>7} {'load adds':>9} "
                   f"{'/ ckpt':>7} {'device GB':>9} {'host GB':>8} {'/ ckpt':>7}")
             for r in rows:
                 print(_row(r))
+            if side:
+                base = side.get("on-demand", next(iter(side.values())))
+                print(f"load time side by side in one process ({args.side_by_side} rounds, median, draft cached): "
+                      + ", ".join(f"{p} {t:.2f} s ({t / base:.2f}x)" for p, t in side.items()))
     finally:
         shutil.rmtree(cache, ignore_errors=True)
         if not args.keep:
