@@ -31,8 +31,8 @@ BLOCK_N, BLOCK_K, BLOCK_H = 32, 64, 128
 
 @triton.jit
 def _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, offs_k, mask, stride_wn, stride_sn, group_size,
-                 INT4: tl.constexpr, DTYPE: tl.constexpr):
-    """[BLOCK_K, BLOCK_N] tile of expert e's weight rows offs_n at columns offs_k, in DTYPE.
+                 INT4: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] tile of an expert's weight rows offs_n at columns offs_k (INT4: in fp32).
     INT4: w_ptr is the expert's uint8 codes (two a byte along K), s_ptr/z_ptr its scales/shifts."""
     if INT4:
         byte = tl.load(w_ptr + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None], mask=mask, other=0)
@@ -40,7 +40,7 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, offs_k, mask, stride_wn, stride_sn
         g = offs_n[None, :] * stride_sn + (offs_k // group_size)[:, None]
         s = tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g, mask=mask, other=0.0).to(tl.float32)
-        return (q.to(tl.float32) * s - z).to(DTYPE)
+        return q.to(tl.float32) * s - z
     return tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0)
 
 
@@ -76,12 +76,11 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, a_ptr, slot_row_ptr, block_exper
         x = tl.load(x_ptr + tok[:, None] * stride_xt + offs_k[None, :],
                     mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
         mask = k_ok[:, None] & n_ok[None, :]
-        wg = _weight_tile(w_e, s_e, z_e, offs_n, offs_k, mask, stride_wn, stride_sn, group_size,
-                          INT4, x.dtype)
+        wg = _weight_tile(w_e, s_e, z_e, offs_n, offs_k, mask, stride_wn, stride_sn, group_size, INT4)
         wu = _weight_tile(w_e + up, s_e + up_s, z_e + up_s, offs_n, offs_k, mask, stride_wn, stride_sn,
-                          group_size, INT4, x.dtype)
-        acc_g = _dot(x, wg, acc_g, IEEE)
-        acc_u = _dot(x, wu, acc_u, IEEE)
+                          group_size, INT4)
+        acc_g = _dot(x, wg.to(x.dtype), acc_g, IEEE)
+        acc_u = _dot(x, wu.to(x.dtype), acc_u, IEEE)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u          # silu(gate) * up
     tl.store(a_ptr + offs_m[:, None] * I + offs_n[None, :], act.to(a_ptr.dtype.element_ty), mask=n_ok[None, :])
 
@@ -107,8 +106,8 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, rw_ptr, slot_row_ptr, bloc
         k_ok = offs_k < I
         a = tl.load(a_ptr + offs_m[:, None] * I + offs_k[None, :], mask=k_ok[None, :], other=0.0)
         w = _weight_tile(w_e, s_e, z_e, offs_n, offs_k, k_ok[:, None] & n_ok[None, :], stride_wn, stride_sn,
-                         group_size, INT4, a.dtype)
-        acc = _dot(a, w, acc, IEEE)
+                         group_size, INT4)
+        acc = _dot(a, w.to(a.dtype), acc, IEEE)
     rw = tl.load(rw_ptr + rows, mask=real, other=0.0).to(tl.float32)
     acc = acc * rw[:, None]                               # the routing weight, in-kernel
     tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),

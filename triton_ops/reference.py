@@ -20,14 +20,15 @@ def _dense(w, r: int, dtype: torch.dtype) -> torch.Tensor:
     """Weight row r as [N, K] in `dtype` (INT4 dequantized as quanto does)."""
     if isinstance(w, Int4Experts):
         return w[r].dequantize()[0].to(dtype)
-    return w[r].to(dtype)
+    return w[r] if w.dtype == dtype else w[r].to(dtype)
 
 
 def rowwise_linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """a [n, K] @ w [N, K].T -> [n, N], each row computed as if alone."""
-    if a.dtype != torch.float32:
-        return F.linear(a, w)
+    """a [n, K] @ w [N, K].T -> [n, N], each row computed as if alone (one row: a plain linear,
+    which gives the same bits as a bmm entry)."""
     n, K = a.shape
+    if a.dtype != torch.float32 or n == 1:
+        return F.linear(a, w)
     return torch.bmm(a.view(n, 1, K), w.t().expand(n, K, w.shape[0])).view(n, -1)
 
 
@@ -43,19 +44,28 @@ def moe_rows_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
         if r >= 0:
             groups.setdefault(r, []).append(row)
     out = x.new_zeros(T * k, H)
-    wf = weights.reshape(-1, 1).float()
+    wl = weights.reshape(-1).tolist()  # exact in fp32, which is what the products below run in
+    fp32 = x.dtype == torch.float32
     for r, rows in sorted(groups.items()):
-        idx = torch.tensor(rows, device=x.device) if len(rows) > 1 else slice(rows[0], rows[0] + 1)
-        xs = x[idx // k] if len(rows) > 1 else x[rows[0] // k][None]
+        if len(rows) == 1:  # a decode step's every expert: plain slices, no index tensors
+            row = rows[0]
+            idx, xs, w = slice(row, row + 1), x[row // k:row // k + 1], wl[row]
+        else:
+            idx = torch.tensor(rows, device=x.device)
+            xs = x[torch.tensor([row // k for row in rows], device=x.device)]
+            w = torch.tensor([wl[row] for row in rows], device=x.device)[:, None]
         gate, up = rowwise_linear(xs, _dense(w13, r, x.dtype)).chunk(2, dim=-1)
         y = rowwise_linear(F.silu(gate) * up, _dense(w2, r, x.dtype))   # [n, H]
-        out[idx] = (y.float() * wf[idx]).to(x.dtype)
+        out[idx] = y * w if fp32 else (y.float() * w).to(x.dtype)
     return out.view(T, k, H)
 
 
 def combine_torch(rows: torch.Tensor) -> torch.Tensor:
     """[T, k, H] -> [T, H]: positions added left to right in fp32, rounded once."""
-    acc = rows[:, 0].to(torch.float32, copy=True)
-    for j in range(1, rows.shape[1]):
-        acc = acc + rows[:, j].float()
-    return acc.to(rows.dtype)
+    if rows.shape[1] == 1:
+        return rows[:, 0].clone()
+    fp32 = rows.dtype == torch.float32
+    acc = rows[:, 0] + rows[:, 1] if fp32 else rows[:, 0].float() + rows[:, 1].float()
+    for j in range(2, rows.shape[1]):
+        acc += rows[:, j] if fp32 else rows[:, j].float()
+    return acc if fp32 else acc.to(rows.dtype)

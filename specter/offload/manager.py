@@ -40,6 +40,7 @@ class OffloadedExperts:
                                    torch.zeros((n_slots,) + w2.shape[1:], dtype=dtype, device=device))
                      for _ in range(L)]
         self.slots = SlotCache(L, E, n_slots, device=device, policy=eviction)
+        self._late = torch.full((E,), -1, dtype=torch.int32, device=device)  # late experts' remap
         self.expert_bytes = store[0].expert_nbytes()
         self.inflight: dict[tuple[int, int], Transfer] = {}
         self.prefetched: set[tuple[int, int]] = set()   # copies issued ahead of need, not yet used
@@ -123,10 +124,9 @@ class OffloadedExperts:
         todo = flying + missing
         while todo:  # the late experts, in as few calls as the slots allow
             batch = self._land_batch(layer, todo)
-            late = [-1] * slots.n_experts
+            late = self._late.fill_(-1)  # this batch's remap, written in place: no host-to-device sync
             for e in batch:
                 late[e] = slots.slot_of(layer, e)
-            late = torch.tensor(late, dtype=torch.int32, device=self.device)
             rows = merge_rows(rows, expert_rows(x, ids, weights, pool.w13, pool.w2, remap=late), ids, late)
             self._read_done(layer, batch)
             todo = todo[len(batch):]

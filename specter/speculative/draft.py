@@ -5,8 +5,8 @@ costs only its packed experts.
 
 How INT4 is multiplied is a backend choice: `unpacked` dequantises once into the compute dtype
 (CPUs have no INT4 GEMV, and the values are exactly the INT4 grid); `packed` keeps the packed
-codes with scales in the compute dtype and multiplies them in fused_moe's kernels (CUDA). Either way the draft computes with the quantised
-weights.
+codes with scales in the compute dtype and fused_moe's kernels dequantize them tile by tile (CUDA).
+Either way the draft computes with the quantised weights.
 """
 from __future__ import annotations
 
