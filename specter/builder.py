@@ -128,10 +128,10 @@ def _draft_step(model, draft, compile: bool | None, device: torch.device):
 
     CUDA: compiled with CUDA graphs unless compile=False (a compile that fails at load falls back
     to the eager draft with a warning when compile was not asked for explicitly). CPU: only with
-    compile=True -- measured (bench/compile_speedup.py), the compiled step makes decode 9% faster
-    at 25% residency and 28% at 50%, for a 20-60 s compile at every load on two cores; a CLI that
+    compile=True -- measured (bench/compile_speedup.py), the compiled step makes decode 4-9% faster
+    at 25% residency and 9-28% at 50%, for a 20-60 s compile at every load on two cores; a CLI that
     loads per command loses more than it gains, so it is not the CPU default. The sync-free step
-    run eagerly is no win on CPU either (0.94-1.09x the eager draft's TPOT: it attends over the
+    run eagerly is no win on CPU either (0.94-1.11x the eager draft's TPOT: it attends over the
     whole static cache)."""
     if compile is False or (compile is None and device.type != "cuda"):
         return None

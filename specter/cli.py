@@ -53,7 +53,7 @@ def _model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
                         "~/.cache/specter/drafts)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the draft's one-token step with torch.compile (default: on CUDA, with CUDA "
-                        "graphs; off on CPU, where it costs 20-60 s at load for 9-28%% faster decode)")
+                        "graphs; off on CPU, where it costs 20-60 s at load for 4-28%% faster decode)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
