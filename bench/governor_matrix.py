@@ -2,11 +2,11 @@
 budgets and links, each cell side by side in one process (`specter.bench.run_bench`).
 
     nice python bench/governor_matrix.py [--out matrix.json] [--models concentrated,top8,shared,bundled]
-        [--residencies 0.125 0.25 0.5 1] [--links A100-40GB-PCIe4 H100-PCIe5] [--max-new-tokens 48]
+        [--residencies 0.125 0.25 0.5 1] [--links A100-40GB-PCIe4 H100-PCIe5] [--max-new-tokens 32]
         [--temperature 1.0 --top-p 0.95 | --temperature 0]
 
 Models (random-init checkpoints built here with transformers' config classes, plus the bundled one):
-  concentrated  Mixtral-shaped, 8 experts top-2, embeddings sharing one large common direction so the
+  concentrated  Mixtral-shaped (hidden 256), 8 experts top-2, embeddings sharing one large common direction so the
                 hidden states, and with them the routing, barely change from token to token: plain
                 decoding finds most experts resident and a draft has little to hide
   top8          Qwen3-MoE-shaped, 64 small experts, top-8: wide unions, many small copies
@@ -44,7 +44,7 @@ def build(kind: str, path: Path) -> None:
     base = dict(vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512)
     if kind == "concentrated":
-        cfg = tiny_config("mixtral", **base, intermediate_size=256)
+        cfg = tiny_config("mixtral", **{**base, "hidden_size": 256}, intermediate_size=768)
     elif kind == "top8":
         cfg = tiny_config("qwen3_moe", **base, head_dim=32, num_experts=64, num_experts_per_tok=8,
                           moe_intermediate_size=32)
@@ -97,8 +97,8 @@ def main() -> int:
     ap.add_argument("--models", default="concentrated,top8,shared,bundled")
     ap.add_argument("--residencies", type=float, nargs="+", default=[0.125, 0.25, 0.5, 1.0])
     ap.add_argument("--links", nargs="+", default=["A100-40GB-PCIe4", "H100-PCIe5"])
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--prompts", type=int, default=3, help="prompts per cell")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per cell")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--out", default="governor_matrix.json")

@@ -187,13 +187,14 @@ def test_never_slower_than_plain_across_worlds():
 def test_reaches_long_k_quickly_with_a_good_draft():
     """Positions never drafted borrow the pooled acceptance and K beyond the longest tried the stall
     measured there: with a draft that is always right and a verify cost that grows slowly, the
-    governor must reach K_max within a few cycles, not climb one probe at a time (a short
+    governor must reach long drafts within a few cycles, not climb one probe at a time (a short
     generation would end before it got there)."""
     gov = Governor(32)
     w = World(plain=21e-3, draft=1e-3, verify=lambda k: 20e-3 + 0.2e-3 * (k + 1), stall=lambda k: 0.0,
               accepted=lambda k, r: k)
     d = drive(gov, w, 12)
-    assert max(k for k, *_ in d[:6]) == 32, d
+    assert [k for k, *_ in d[:2]] == [4, 8], d     # each new K at most doubles the longest tried ...
+    assert max(k for k, *_ in d[:6]) >= 24, d      # ... and long drafts within a few cycles
 
 
 # ----------------------------------------------------------------------------------------- 3. honest bounds

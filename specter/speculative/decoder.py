@@ -120,7 +120,9 @@ class SpeculativeDecoder:
         st["drafted_tokens"] += k
         st["accepted_tokens"] += m
         st["rejections"] += k > 0 and m < k
-        self.governor.observe_cycle(k, m, t1 - t0, t2 - t1, stall)
+        plain_probe = k == 0 and self.fallback is not None and self.plain.probing
+        if not plain_probe:  # a probe of the slower plain arm is not what K = 0 costs: keep it from the governor
+            self.governor.observe_cycle(k, m, t1 - t0, t2 - t1, stall)
         if k == 0 and self.fallback is not None:
             self.plain.observe(use_fallback, t2 - t1)
         return drafted[:m] + [nxt]
@@ -231,16 +233,20 @@ class _PlainArms:
         self.t = {True: None, False: None}
         self.probe_every, self.probe_max, self.budget, self.alpha = probe_every, probe_max, budget, alpha
         self.n, self.best, self.interval, self.next = 0, None, probe_every, probe_every
+        self.probing = False  # the last pick measures an arm other than the best one
 
     def pick(self) -> bool:
         self.n += 1
-        for arm in (True, False):
+        self.probing = True
+        for arm in (False, True):
             if self.t[arm] is None:
+                self.probing = arm  # without next-layer is the baseline, measured first
                 return arm
         best = self.t[True] <= self.t[False]
         if best != self.best:
             self.best, self.interval, self.next = best, self.probe_every, self.n + self.probe_every
         if self.n < self.next:
+            self.probing = False
             return best
         excess = self.t[not best] / max(self.t[best], 1e-12) - 1.0
         self.interval = min(max(2 * self.interval, round(excess / self.budget)), self.probe_max)

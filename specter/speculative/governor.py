@@ -53,10 +53,10 @@ It works at two levels.
    longer draft copies about as much as the longest tried (this is what lets long drafts amortise
    copies). Unlike a borrowed "smallest stall ever seen", no untried K looks better than what was
    measured next to it, and one lucky cycle is outweighed by its neighbours' counts. Speculation's
-   K is the argmax of
-   E^-[tokens | K] / cycle(K) over K >= 1. Every `probe_every` cycles (doubling up to `probe_max`
-   while the best K holds) it tries a K next to the best one, alternately above and below, so
-   stale estimates heal.
+   K is the argmax of E^-[tokens | K] / cycle(K) over 1 <= K <= 2 K_hi: a draft at most doubles
+   the longest tried, so a bet on long drafts that do not pay costs a few short cycles, not one
+   K_max cycle. Every `probe_every` cycles (doubling up to `probe_max` while the best K holds) it
+   tries a K next to the best one, alternately above and below, so stale estimates heal.
 """
 from __future__ import annotations
 
@@ -211,7 +211,7 @@ class Governor:
         if self.draft_s is None or self.v0 is None:
             return max(1, self.k)
         best_k, best_r, tokens, run = 1, -1.0, 1.0, 1.0
-        for k in range(1, self.k_max + 1):
+        for k in range(1, min(self.k_max, 2 * max(self.stall)) + 1):  # at most twice the longest tried
             run *= self.acceptance(k)
             tokens += run
             t = self.cycle_time(k)
