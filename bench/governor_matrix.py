@@ -3,14 +3,16 @@ budgets and links, each cell side by side in one process (`specter.bench.run_ben
 
     nice python bench/governor_matrix.py [--out matrix.json] [--models concentrated,top8,shared,bundled]
         [--residencies 0.125 0.25 0.5 1] [--links A100-40GB-PCIe4 H100-PCIe5] [--max-new-tokens 32]
+        [--prompts 2] [--repeat 3]
         [--temperature 1.0 --top-p 0.95 | --temperature 0]
 
 Models (random-init checkpoints built here with transformers' config classes, plus the bundled one):
-  concentrated  Mixtral-shaped (hidden 256), 8 experts top-2, embeddings sharing one large common direction so the
+  concentrated  Mixtral-shaped (hidden 256), 16 experts top-2, embeddings sharing one large common direction so the
                 hidden states, and with them the routing, barely change from token to token: plain
                 decoding finds most experts resident and a draft has little to hide
   top8          Qwen3-MoE-shaped, 64 small experts, top-8: wide unions, many small copies
-  shared        DeepSeek-V2-shaped: a dense first layer, 2 shared experts, 16 routed top-4, MLA
+  shared        DeepSeek-V2-shaped: a dense first layer, 2 shared experts, 32 routed top-4, MLA
+(every model keeps at least top-k experts a layer at 1/8 residency)
   bundled       the bundled default model, on the diverse workload (specter/workloads.py)
 
 Each cell prints TPOT(policy) / TPOT(best baseline) for specter and spec-lru, where the best baseline is
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 
 from specter.bench import run_bench
+from specter.errors import BudgetError
 from specter.workloads import DIVERSE
 
 LIMIT = 1.03
@@ -44,12 +47,12 @@ def build(kind: str, path: Path) -> None:
     base = dict(vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512)
     if kind == "concentrated":
-        cfg = tiny_config("mixtral", **{**base, "hidden_size": 256}, intermediate_size=768)
+        cfg = tiny_config("mixtral", **{**base, "hidden_size": 256}, intermediate_size=768, num_local_experts=16)
     elif kind == "top8":
         cfg = tiny_config("qwen3_moe", **base, head_dim=32, num_experts=64, num_experts_per_tok=8,
                           moe_intermediate_size=32)
     elif kind == "shared":
-        cfg = tiny_config("deepseek_v2", **{**base, "num_key_value_heads": 4}, n_routed_experts=16,
+        cfg = tiny_config("deepseek_v2", **{**base, "num_key_value_heads": 4}, n_routed_experts=32,
                           num_experts_per_tok=4, n_shared_experts=2, moe_intermediate_size=64,
                           first_k_dense_replace=1, intermediate_size=256)
     else:
@@ -81,7 +84,7 @@ def cell(model, kind, residency, link, args) -> dict:
     policies = list(BASELINES) + list(SPECULATIVE) + (["resident"] if residency >= 1 else [])
     sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=0)
     res = run_bench(model, policies, prompts=prompts_for(kind, args.prompts), max_new_tokens=args.max_new_tokens,
-                    residency=residency, link=link, sampling=sampling)["policies"]
+                    repeat=args.repeat, residency=residency, link=link, sampling=sampling)["policies"]
     tpot = {p: r["tpot_s"] for p, r in res.items()}
     best = min((p for p in tpot if p not in SPECULATIVE), key=tpot.get)
     out = dict(best_baseline=best, tpot_ms={p: t * 1e3 for p, t in tpot.items()},
@@ -99,6 +102,7 @@ def main() -> int:
     ap.add_argument("--links", nargs="+", default=["A100-40GB-PCIe4", "H100-PCIe5"])
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=2, help="prompts per cell")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds over the prompts (policies alternate each time)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--out", default="governor_matrix.json")
@@ -113,7 +117,11 @@ def main() -> int:
                 build(kind, model)
             for link in args.links:
                 for residency in args.residencies:
-                    runs = [cell(model, kind, residency, link, args)]
+                    try:
+                        runs = [cell(model, kind, residency, link, args)]
+                    except BudgetError as e:  # below top-k experts a layer: this model cannot run there
+                        print(f"{kind:<13} {link:<16} residency {residency:<6g} skipped: {e}", flush=True)
+                        continue
                     if max(runs[0]["ratio"].values()) > LIMIT:
                         runs.append(cell(model, kind, residency, link, args))  # a suspicious cell: once more
                     ok = min(max(r["ratio"].values()) for r in runs) <= LIMIT

@@ -25,7 +25,7 @@ from ..sampling import History, SamplingParams, penalize, probs, sample
 from .acceptance import accept_greedy, accept_on_device, accept_sampling
 from .draft import DraftExperts
 from .governor import Governor
-from .planner import PrefetchPlanner
+from .planner import PrefetchPlanner, copy_time, new_copies
 
 
 class SpeculativeDecoder:
@@ -37,6 +37,7 @@ class SpeculativeDecoder:
         self.governor = governor                # picks each cycle's K (0..K_max)
         self.fallback = fallback                # prefetcher candidate for K = 0 steps (next-layer)
         self.plain = _PlainArms()               # K = 0: with or without it, whichever measures faster
+        self.truncate = True                    # verify only the drafted tokens worth their copies
         self.plan_backlog = 1                   # plan again when at most this many copies are queued
         self.draft_step = None                  # a sync-free draft step (specter.compiled.draft_step), if any
         self.reset_stats()
@@ -87,9 +88,16 @@ class SpeculativeDecoder:
         if sync_free:  # drafted tokens stay on the device until acceptance
             tokens, q = self._draft_on_device(t, n, k, cache, params, gen)
             self._step_drafted += k
+            if k and self.truncate and self.planner is not None and len(self.planner.rows) >= k:
+                kv = self._worth_verifying(k)  # the rows are on the host already: no sync
+                tokens, q = tokens[:kv + 1], (None if q is None else q[:kv])
         else:
             drafted, q_rows = self._draft(t, n, k, cache, params, gen, hist)
+            if k and self.truncate:
+                kv = self._worth_verifying(k)
+                drafted, q_rows = drafted[:kv], q_rows[:kv]
             tokens = torch.tensor([t] + drafted, device=self.device)
+        verified = tokens.shape[0] - 1  # drafted tokens verification takes (a shape: no sync)
         t1 = time.perf_counter()
         before = self.target.stats()
         use_fallback = k == 0 and self.fallback is not None and self.plain.pick()
@@ -118,11 +126,12 @@ class SpeculativeDecoder:
         st["draft_s"] += t1 - t0
         st["verify_s"] += t2 - t1
         st["drafted_tokens"] += k
+        st["truncated_tokens"] += k - verified
         st["accepted_tokens"] += m
-        st["rejections"] += k > 0 and m < k
+        st["rejections"] += m < verified
         plain_probe = k == 0 and self.fallback is not None and self.plain.probing
         if not plain_probe:  # a probe of the slower plain arm is not what K = 0 costs: keep it from the governor
-            self.governor.observe_cycle(k, m, t1 - t0, t2 - t1, stall)
+            self.governor.observe_cycle(k, m, t1 - t0, t2 - t1, stall, verified=verified)
         if k == 0 and self.fallback is not None:
             self.plain.observe(use_fallback, t2 - t1)
         return drafted[:m] + [nxt]
@@ -149,6 +158,14 @@ class SpeculativeDecoder:
                 with span("draft step"):
                     ds.step(cache, gen)
         return ds.tokens[:k + 1], (None if params.greedy else ds.q[:k])
+
+    def _worth_verifying(self, k: int) -> int:
+        """How many of the K drafted tokens verification should take (Governor.verify_k): the draft's
+        routers said which experts each needs; a late one needing copies nothing earlier needs may
+        cost more than the fraction of a token it is worth."""
+        rows = self.planner.rows if self.planner is not None else self.draft.lookahead.read(0, k)
+        new = new_copies(rows[:k], self.target.is_resident)
+        return self.governor.verify_k(k, new, copy_time(self.target))
 
     def _draft(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen, hist: History):
         drafted, q_rows = [], []
@@ -187,8 +204,8 @@ class SpeculativeDecoder:
         self.target.reset_stats()
         if self.planner is not None:
             self.planner.reset_stats()
-        self._stats = dict(cycles=0, drafted_tokens=0, accepted_tokens=0, rejections=0, draft_s=0.0, verify_s=0.0,
-                           recall_hits=0, recall_total=0, k_histogram=Counter())
+        self._stats = dict(cycles=0, drafted_tokens=0, truncated_tokens=0, accepted_tokens=0, rejections=0,
+                           draft_s=0.0, verify_s=0.0, recall_hits=0, recall_total=0, k_histogram=Counter())
         self._step_drafted = 0  # tokens drafted by draft_step (it does not run with penalties)
 
     def stats(self) -> dict:

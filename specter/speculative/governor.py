@@ -110,9 +110,14 @@ class Governor:
         self.k = k_init if fixed is None else fixed
 
     # ---------------------------------------------------------------------------- observe
-    def observe_cycle(self, k: int, accepted: int, draft_s: float, verify_s: float, stall_s: float) -> None:
+    def observe_cycle(self, k: int, accepted: int, draft_s: float, verify_s: float, stall_s: float,
+                      verified: int | None = None) -> None:
+        """A cycle drafted K tokens (in draft_s), verified the first `verified` of them (default all:
+        see `verify_k`), accepted `accepted` of those, and verification took verify_s, stall_s of it
+        waiting on copies."""
         self.cycles += 1
         seconds = draft_s + verify_s
+        drafted, k = k, (k if verified is None else verified)
         for i in range(1, min(accepted + 1, k) + 1):  # positions 1..accepted were accepted, accepted+1 rejected
             hit = 1.0 if i <= accepted else 0.0
             self.hits[i] = 0.9 * self.hits[i] + hit
@@ -122,14 +127,14 @@ class Governor:
             self.pool_tries = 0.98 * self.pool_tries + 1.0
         tokens = self.expected_tokens(k)  # what the cycle was worth: its own count is too noisy for a window
         if self._arm_probe and self._arm_probe_left == 0 and seconds > 0:
-            self._follow_up(k, tokens / seconds)
-        (self.plain if k == 0 else self.spec).add(tokens, seconds)
-        if k == 0:
+            self._follow_up(drafted, tokens / seconds)
+        (self.plain if drafted == 0 else self.spec).add(tokens, seconds)
+        if drafted == 0:
             self.step0 = self._ema(self.step0, verify_s)
             return
-        self.draft_s = self._ema(self.draft_s, draft_s / k)
-        self.stall[k] = self._ema(self.stall.get(k), stall_s)
-        self.stall_n[k] = min(self.stall_n.get(k, 0) + 1, 16)
+        self.draft_s = self._ema(self.draft_s, draft_s / drafted)
+        self.stall[drafted] = self._ema(self.stall.get(drafted), stall_s)  # what drafting K costs, as verified
+        self.stall_n[drafted] = min(self.stall_n.get(drafted, 0) + 1, 16)
         self._v[k] = self._ema(self._v.get(k), verify_s - stall_s)
         self._fit()
 
@@ -218,6 +223,31 @@ class Governor:
             if t > 0 and tokens / t > best_r:
                 best_k, best_r = k, tokens / t
         return best_k
+
+    def verify_k(self, k: int, new: list[int], copy_s: float) -> int:
+        """How many of K drafted tokens to verify, now that the draft's routers said what each needs.
+
+        Drafted token j (1..K) is worth value_j = prod_{i<=j} a_i tokens and costs v1 + c new_j seconds
+        to verify, new_j the experts it needs that no earlier token needs and that are not on the device
+        or on their way, c one copy's time. Verifying the first K' pays when, summed over j <= K', it
+        buys tokens at least as cheaply as the speculative arm's realised rate R does:
+
+            K' = argmax_{K'} sum_{j<=K'} (value_j - R (v1 + c new_j))
+
+        A late token that needs an expert nothing earlier needs costs a whole copy for a fraction of
+        a token. `new` holds new_j for j = 0..K-1 (the draft's routers saw those tokens); the last
+        drafted token was never run through the draft, so it is charged the mean of the others."""
+        rate = self.spec.rate()
+        if k == 0 or rate is None or self.v1 is None:
+            return k
+        tail = sum(new[1:]) / (len(new) - 1) if len(new) > 1 else 0.0
+        best, gain, best_gain, run = 0, 0.0, 0.0, 1.0
+        for j in range(1, k + 1):
+            run *= self.acceptance(j, z=0.0)
+            gain += run - rate * (self.v1 + copy_s * (new[j] if j < len(new) else tail))
+            if gain > best_gain:
+                best, best_gain = j, gain
+        return best
 
     # ----------------------------------------------------------------------------- decide
     def next_k(self, remaining: int) -> int:

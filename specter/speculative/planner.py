@@ -35,6 +35,7 @@ class PrefetchPlanner:
         mgr.slots.set_planner(lambda layer, e: self.score[layer][e])
         mgr.use_hook = self.observe_use
         self.demand: list[Counter] = []
+        self.rows: list = []       # this cycle's lookahead rows read so far: [row][layer][k]
         self.read_upto = 0
         self.new_per_token = 1.0   # EMA: experts one drafted token newly needs (not resident)
         self.cover_hits = self.cover_total = 0  # route coverage: verified uses the lookahead predicted
@@ -85,17 +86,11 @@ class PrefetchPlanner:
             for e in range(len(row)):
                 row[e] *= self.decay
         self.demand = [Counter() for _ in range(self.lookahead.n_layers)]
+        self.rows = []
         self.read_upto = 0
 
-    def copy_time(self) -> float:
-        """Seconds one expert copy takes, from the link's measured busy time when it has any."""
-        st, link = self.mgr.link.stats, self.mgr.link
-        if st["transfers"] and st["busy_s"] > 0:
-            return st["busy_s"] / st["transfers"]  # every transfer is one expert
-        return self.mgr.expert_bytes / link.bandwidth + link.latency
-
     def chunk_size(self, draft_step_s: float, k: int) -> int:
-        copy_s = self.new_per_token * self.copy_time()
+        copy_s = self.new_per_token * copy_time(self.mgr)
         if copy_s <= 0:
             return k
         return max(1, min(k, round(draft_step_s / copy_s)))
@@ -107,6 +102,7 @@ class PrefetchPlanner:
         if not rows:
             return 0
         n_rows = len(rows)
+        self.rows += rows
         self.read_upto = upto
         for row in rows:
             for layer, ids in enumerate(row):
@@ -121,3 +117,27 @@ class PrefetchPlanner:
             issued += self.mgr.prefetch(layer, self._admit(layer, ranked, predicted), protect=predicted)
         self.new_per_token = 0.8 * self.new_per_token + 0.2 * (issued / n_rows)
         return issued
+
+
+def copy_time(mgr: OffloadedExperts) -> float:
+    """Seconds one expert copy takes, from the link's measured busy time when it has any."""
+    st, link = mgr.link.stats, mgr.link
+    if st["transfers"] and st["busy_s"] > 0:
+        return st["busy_s"] / st["transfers"]  # every transfer is one expert
+    return mgr.expert_bytes / link.bandwidth + link.latency
+
+
+def new_copies(rows: list, is_resident) -> list[int]:
+    """Per lookahead row (row 0 is the pending token, row j drafted token j): the experts it needs that
+    no earlier row needs and that are neither resident nor on their way -- the copies verifying it adds."""
+    seen: set = set()
+    out = []
+    for row in rows:
+        n = 0
+        for layer, ids in enumerate(row):
+            for e in ids:
+                if e >= 0 and (layer, e) not in seen:
+                    seen.add((layer, e))
+                    n += not is_resident(layer, e)
+        out.append(n)
+    return out
