@@ -46,7 +46,7 @@ from specter.moe import ExpertWeights, ResidentExperts
 from specter.offload.link import EmulatedLink
 from specter.offload.manager import OffloadedExperts
 from specter.sampling import SamplingParams, probs
-from specter.speculative.acceptance import accept_greedy, accept_sampling
+from specter.speculative.acceptance import accept_greedy, accept_on_device, accept_sampling
 from specter.speculative.draft import DraftExperts
 from specter.speculative.governor import Governor
 from specter.speculative.lookahead import Lookahead
@@ -279,7 +279,17 @@ Q_POOR = torch.tensor([[0.02, 0.03, 0.05, 0.10, 0.80],     # mass where p has li
                        [0.00, 0.90, 0.00, 0.00, 0.10]])
 
 
-def run_acceptance(K: int, q: torch.Tensor, p: torch.Tensor, n: int, seed: int, device="cpu"):
+def accept_on_device_as_lists(drafted, q, p, gen):
+    """accept_on_device (the sync-free draft's rule) behind accept_sampling's signature: the target
+    logits log p give back p under temperature 1."""
+    tokens = torch.tensor([0] + list(drafted), device=p.device)
+    m, nxt, accepted = accept_on_device(tokens, p.log(), q, SamplingParams(temperature=1.0), gen)
+    assert accepted == list(drafted[:m])
+    return m, nxt
+
+
+def run_acceptance(K: int, q: torch.Tensor, p: torch.Tensor, n: int, seed: int, device="cpu",
+                   accept=accept_sampling):
     """n independent cycles: draft K tokens from q, accept against p. Returns the emitted token lists."""
     q, p = q.to(device), p.to(device)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -287,7 +297,7 @@ def run_acceptance(K: int, q: torch.Tensor, p: torch.Tensor, n: int, seed: int, 
         if K else torch.zeros(n, 0, dtype=torch.long, device=device)
     out = []
     for row in drafts.tolist():
-        m, nxt = accept_sampling(row, q[:K], p[:K + 1], gen)
+        m, nxt = accept(row, q[:K], p[:K + 1], gen)
         assert 0 <= m <= K
         out.append(row[:m] + [nxt])
     return out
@@ -312,11 +322,13 @@ def test_accept_sampling_first_token_follows_target(device):
     assert_fits(Counter(second), P_TARGET[1], len(second), "bonus token")
 
 
-def test_accept_sampling_multi_position_follows_target(device):
+@pytest.mark.parametrize("accept", [accept_sampling, accept_on_device_as_lists], ids=["host", "on-device"])
+def test_accept_sampling_multi_position_follows_target(device, accept):
     """K=2: the first emitted token ~ p[0]; given one was accepted, the next ~ p[1] (accepted draft,
-    residual resample or never reached); given two, the bonus ~ p[2]."""
+    residual resample or never reached); given two, the bonus ~ p[2]. Both rules: the host one and
+    the sync-free draft's (all rows' replacements drawn at once by argmax(r / Exp(1)))."""
     n = 12000
-    outs = run_acceptance(2, Q_POOR, P_TARGET, n, seed=99, device=device)
+    outs = run_acceptance(2, Q_POOR, P_TARGET, n, seed=99, device=device, accept=accept)
     assert_fits(Counter(o[0] for o in outs), P_TARGET[0], n, "K=2 token 0")
     second = [o[1] for o in outs if len(o) >= 2]
     assert len(second) > 1000
