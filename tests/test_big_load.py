@@ -118,6 +118,23 @@ def test_pinning_is_exact_size(monkeypatch):
     assert fake.calls == [t.numel() * 2]
 
 
+def test_pinned_store_is_page_aligned_and_exact(monkeypatch, bf16):
+    fake = _FakeCudart(0)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    _, store, ckpt = load_checkpoint(bf16, CPU, torch.float32, pin_experts=True)
+    assert store[0].w13.data_ptr() % 4096 == 0
+    assert fake.calls == [sum(ew.w13.nbytes + ew.w2.nbytes for ew in store)]
+
+
+def test_draft_cache_flag_reaches_the_engine(tmp_path, bf16):
+    from specter.cli import main
+
+    argv = ["generate", "--model", str(bf16), "--device", "cpu", "--residency", "0.25", "--max-new-tokens", "2",
+            "--json", "--draft-cache", str(tmp_path / "dc"), "--prompt-ids", "1,2,3"]
+    assert main(argv) == 0
+    assert len(list((tmp_path / "dc").glob("*/layer-*.safetensors"))) == 3  # mixtral: 3 MoE layers
+
+
 def test_pinning_shortfall_warns_and_runs_unpinned(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: _FakeCudart(2))  # cudaErrorMemoryAllocation
     t = torch.empty(1 << 20, dtype=torch.float16)

@@ -24,6 +24,9 @@ from ..moe import ExpertWeights
 from ..sizes import format_size
 
 
+_PAGE = 4096
+
+
 def store_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
     item = torch.empty((), dtype=dtype).element_size()
     return spec.n_moe_layers * spec.n_experts * spec.expert_numel() * item
@@ -38,9 +41,15 @@ def allocate_store(spec: ModelSpec, dtype: torch.dtype, *, pin: bool = False) ->
         raise BudgetError(f"the expert store needs {format_size(nbytes)} of host memory but only "
                           f"{format_size(available)} is available ({format_size(nbytes - available)} short): "
                           f"free host memory or use a machine with more RAM")
-    arena = torch.empty(spec.n_moe_layers * E * 3 * I * H, dtype=dtype)
-    if pin:
+    numel = spec.n_moe_layers * E * 3 * I * H
+    if pin:  # page-aligned, so the locked range is exactly the arena's pages and no neighbour's
+        item = torch.empty((), dtype=dtype).element_size()
+        raw = torch.empty(numel + _PAGE // item, dtype=dtype)
+        start = (-raw.data_ptr() % _PAGE) // item
+        arena = raw[start:start + numel]
         pin_in_place(arena)
+    else:
+        arena = torch.empty(numel, dtype=dtype)
     store, off = [], 0
     for _ in range(spec.n_moe_layers):
         w13 = arena[off:off + E * 2 * I * H].view(E, 2 * I, H)
@@ -63,7 +72,8 @@ def pin_in_place(t: torch.Tensor) -> bool:
         _clear_cuda_error()
         _unpinned(nbytes, f"cudaHostRegister: {res}; {host_limits()}")
         return False
-    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    owner = t if t._base is None else t._base  # what every view keeps alive: unregister when it dies
+    weakref.finalize(owner, cudart.cudaHostUnregister, t.data_ptr())
     return True
 
 
