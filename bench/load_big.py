@@ -210,7 +210,8 @@ def main(argv=None) -> int:
                 raise SystemExit(f"side by side: child failed\n{out.stderr[-3000:]}")
             side = json.loads(out.stdout.strip().splitlines()[-1])
         if args.json:
-            print(json.dumps({"shape": args.shape, "side_by_side": side, "layers": args.layers, "residency": args.residency, "rows": rows}))
+            print(json.dumps({"shape": args.shape, "layers": args.layers, "residency": args.residency, "rows": rows,
+                              "side_by_side": side}))
         else:
             print(f"{args.shape}, {args.layers} layer(s), checkpoint {size / 1e9:.2f} GB, residency {args.residency}")
             print(f"{'policy':<11} {'load':<7} {'load s':>7} {'peak RSS GB':>11} {'/ ckpt':>7} {'load adds':>9} "

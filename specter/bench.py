@@ -44,8 +44,10 @@ SUM_KEYS = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "decode_stal
 
 def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int = 64, repeat: int = 1,
               device: str = "auto", residency=None, expert_memory=None, link=None, warmup: bool = True,
-              sampling: dict | None = None, **load_kw) -> dict:
-    """`sampling`: generate()'s temperature / top_p / top_k / seed (default greedy). Under sampling,
+              sampling: dict | None = None, shared=None, **load_kw) -> dict:
+    """`shared`: a checkpoint already loaded (`load_once`) for every policy to build on; default: the
+    first policy's load, which the others share (one store, one model, one draft).
+    `sampling`: generate()'s temperature / top_p / top_k / seed (default greedy). Under sampling,
     speculative policies draw their random numbers differently (exactly the target's distribution,
     not the same tokens), so token equality is only checked for greedy runs."""
     import specter
@@ -59,7 +61,6 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
         raise ConfigError(f"unknown policy {unknown[0]!r}; choose from {', '.join(specter.BENCH_POLICIES)}")
     engines = {}
     try:
-        shared = None  # one host store, one model and one draft under every policy
         for p in policies:
             budget = {} if p == "resident" else dict(residency=residency, expert_memory=expert_memory)
             engines[p] = specter.load(model, device=device, policy=p, link=link, shared=shared, **budget, **load_kw)
@@ -119,6 +120,16 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
     finally:
         for e in engines.values():
             e.close()
+
+
+def load_once(model, device: str = "auto", **load_kw):
+    """The checkpoint loaded once for several benches (a residency sweep): a builder.Loaded."""
+    from . import default_model_path, resolve_device
+    from .builder import load_shared
+
+    path = Path(model) if model is not None else default_model_path()
+    return load_shared(path, resolve_device(device), dtype=load_kw.get("dtype"), threads=load_kw.get("threads"),
+                       draft_cache=load_kw.get("draft_cache"))
 
 
 def _link_name(engines) -> str | None:

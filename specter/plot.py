@@ -5,16 +5,18 @@ RESIDENCIES = (0.125, 0.25, 0.5, 1.0)
 
 
 def residency_sweep(model, policies: list[str], out_png: str, *, residencies=RESIDENCIES, **bench_kw) -> dict:
-    from .bench import run_bench
+    from .bench import load_once, run_bench
 
     import sys
 
     from .errors import BudgetError
 
     sweep, link = {}, None
+    shared = load_once(model, **{k: v for k, v in bench_kw.items()  # one load under every residency
+                                 if k in ("device", "dtype", "threads", "draft_cache")})
     for r in residencies:
         try:
-            res = run_bench(model, policies, residency=r, **bench_kw)
+            res = run_bench(model, policies, residency=r, shared=shared, **bench_kw)
         except BudgetError as e:  # below top-k experts per layer: this model cannot run there
             print(f"residency {r:g}: skipped ({e})", file=sys.stderr)
             continue

@@ -331,3 +331,15 @@ def test_peak_rss_on_a_100mb_checkpoint(tmp_path):
     pool_fp32 = 2 * expert * 4  # residency 1/8 of 12 experts -> 2 slots
     bound = size + (size - experts_bf16) + pool_fp32 + 0.1 * size
     assert r["peak"] - r["base"] <= bound, (r, size, bound)
+
+
+def test_residency_sweep_loads_the_checkpoint_once(monkeypatch, tmp_path, bf16):
+    import specter.builder as builder
+    from specter.plot import residency_sweep
+
+    calls = []
+    real = builder.load_checkpoint
+    monkeypatch.setattr(builder, "load_checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = residency_sweep(str(bf16), ["on-demand", "specter"], str(tmp_path / "s.png"), residencies=(0.25, 0.5),
+                          prompts=[[1, 2, 3]], max_new_tokens=3, device="cpu")
+    assert set(out["residencies"]) == {"0.25", "0.5"} and len(calls) == 1

@@ -159,8 +159,8 @@ class Fit:
         return self.plan is not None
 
     def as_dict(self) -> dict:
-        return dict(policy=self.policy, device_memory=self.device_memory, context=self.context, fits=self.fits, minimum_bytes=self.minimum,
-                    all_resident_bytes=self.full, suggestions=self.suggestions,
+        return dict(policy=self.policy, device_memory=self.device_memory, context=self.context, fits=self.fits,
+                    minimum_bytes=self.minimum, all_resident_bytes=self.full, suggestions=self.suggestions,
                     plan=self.plan.as_dict() if self.plan else None)
 
 
