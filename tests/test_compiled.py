@@ -135,3 +135,19 @@ def test_bench_cli_compile_flag(tiny_path, capsys, tmp_path, monkeypatch):
     pols = json.loads(out)["policies"]
     assert pols["specter"]["lossless_vs_on-demand"] is True and pols["specter"]["drafted_tokens"] > 0
     assert built == [True]  # the specter engine's draft, and nothing for on-demand
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.7), dict(temperature=1.3, top_k=5), dict(temperature=1.0, top_p=0.8),
+                                dict(temperature=0.9, top_k=7, top_p=0.6, min_p=0.1)], ids=str)
+def test_step_filters_as_sampling_probs(kw):
+    """The step's tensor-parameter filter keeps the tokens, and the probabilities, of sampling.probs."""
+    from specter.compiled.draft_step import filtered_probs
+    from specter.sampling import probs
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    p = SamplingParams(**kw)
+    V = logits.shape[1]
+    t = lambda v, dt=torch.float32: torch.tensor(v, dtype=dt)  # noqa: E731
+    got = filtered_probs(logits, t(p.temperature), t(p.top_k if p.top_k else V, torch.int64),
+                         t(p.top_p if p.top_p < 1 else 2.0), t(p.min_p))
+    torch.testing.assert_close(got, probs(logits, p), rtol=1e-5, atol=1e-6)
