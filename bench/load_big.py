@@ -110,8 +110,8 @@ def measure(model: str, policy: str, residency: float) -> dict:
     draft = getattr(engine.decoder, "draft", None)
     for ew in getattr(draft, "layers", []):
         device += ew.w13.nbytes + ew.w2.nbytes
-    for qs in getattr(draft, "q13", []) + getattr(draft, "q2", []):
-        device += sum(_nbytes(q) for q in qs)
+    for q in getattr(draft, "q13", []) + getattr(draft, "q2", []):  # packed Int4Experts (CUDA)
+        device += sum(t.nbytes for t in q.tensors().values())
     engine.close()
     return dict(policy=policy, load_s=load_s, peak_rss=peak, base_rss=base, device_bytes=device,
                 specter=specter.__file__)
@@ -135,12 +135,6 @@ def side_by_side(model: str, policies: list[str], residency: float, repeat: int)
             del engine
             gc.collect()
     return {p: statistics.median(t) for p, t in times.items()}
-
-
-def _nbytes(q) -> int:
-    """Bytes of a quantised tensor's own storage (packed data, scales, shifts)."""
-    inner, _ = q.__tensor_flatten__()
-    return sum(getattr(q, n).nbytes for n in inner)
 
 
 def run_child(model: Path, policy: str, residency: float, env: dict) -> dict:

@@ -137,7 +137,9 @@ class HostNeeds:
 
 
 def host_needs(spec: ModelSpec, store_dtype: torch.dtype, device_type: str, draft: bool = True) -> HostNeeds:
-    store = spec.n_moe_layers * spec.n_experts * spec.expert_numel() * torch.empty((), dtype=store_dtype).element_size()
+    from .store import store_bytes
+
+    store = store_bytes(spec, store_dtype)
     return HostNeeds(store, store if device_type == "cuda" else 0,
                      spec.n_moe_layers * spec.n_experts * draft_expert_bytes(spec) if draft else 0)
 
