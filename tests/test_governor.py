@@ -203,6 +203,22 @@ def test_reaches_long_k_quickly_with_a_good_draft():
     assert max(k for k, *_ in d[:6]) >= 24, d      # ... and long drafts within a few cycles
 
 
+def test_a_burst_of_load_does_not_flip_the_arms():
+    """Another process stalls one plain step 20x: the median window shrugs it off, and the governor
+    keeps decoding plainly in a world where speculation loses."""
+    gov = Governor(32)
+    drive(gov, SLOWER, 200, seed=6)
+    for i in range(100):  # until plain decoding runs and its window is all plain steps
+        if gov.arm == "plain" and not gov.probe and i > 10:
+            break
+        drive(gov, SLOWER, 1, seed=100 + i)
+    assert gov.arm == "plain"
+    for _ in range(3):
+        k = gov.next_k(1000)
+        gov.observe_cycle(k, 0, 0.0, 20 * SLOWER.plain, 0.0) if k == 0 else gov.observe_cycle(k, 0, 1e-2, 1e-2, 0.0)
+    assert gov.arm == "plain" and gov.plain.rate() > 0.9 / SLOWER.plain
+
+
 # ----------------------------------------------------------------------------------------- 3. honest bounds
 def test_untried_k_does_not_borrow_a_better_stall():
     gov = Governor(32)
@@ -292,6 +308,7 @@ def test_verifying_a_prefix_is_lossless(tiny, monkeypatch):
     spec = specter.load(path, policy="specter", device="cpu", residency=0.5, k_max=6)
     try:
         spec.decoder.governor = Governor(6, fixed=6)
+        spec.decoder.truncate = True
         cut = iter([0, 1, 3, 5, 6] * 20)
         monkeypatch.setattr(spec.decoder.governor, "verify_k", lambda k, new, copy_s: min(k, next(cut)))
         prompt = [1, 5, 9, 33, 2]

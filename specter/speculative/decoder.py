@@ -37,7 +37,8 @@ class SpeculativeDecoder:
         self.governor = governor                # picks each cycle's K (0..K_max)
         self.fallback = fallback                # prefetcher candidate for K = 0 steps (next-layer)
         self.plain = _PlainArms()               # K = 0: with or without it, whichever measures faster
-        self.truncate = True                    # verify only the drafted tokens worth their copies
+        self.truncate = False                   # verify only the drafted tokens worth their copies (measured:
+                                                # not a win on balance yet, see docs/ARCHITECTURE.md)
         self.plan_backlog = 1                   # plan again when at most this many copies are queued
         self.draft_step = None                  # a sync-free draft step (specter.compiled.draft_step), if any
         self.reset_stats()

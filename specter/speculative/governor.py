@@ -3,9 +3,9 @@
 It works at two levels.
 
 1. Arms, judged by realised throughput. Plain decoding (K = 0) and speculation (K >= 1) each keep
-   a window of their latest cycles as (tokens, seconds) pairs, and an arm's rate is
+   a window of their latest cycles' rates, and an arm's rate is
 
-       R = sum(tokens) / sum(seconds)            over its window (W_plain steps, W_spec cycles)
+       R = median(tokens / seconds)              over its window (W_plain steps, W_spec cycles)
 
    seconds are the cycle's measured wall time (draft + verify + acceptance: whatever the model
    below leaves out is in it); tokens are what the cycle was worth, E[tokens | K] by the
@@ -18,9 +18,9 @@ It works at two levels.
    re-measured as the cache and the text change, and speculation comes back when it pays again.
    A probe whose own rate beats the running arm's R is followed up at once, so a changed
    landscape is confirmed within a window, not after several back-off intervals. The interval is
-   also never shorter than keeps a probe's excess under `budget` (1%) of the time: an arm that
-   measured twice as slow is probed every 100 cycles. Once an arm has lost for a while, it costs
-   one probe per `probe_max` cycles at most.
+   also never shorter than keeps a probe's excess under `budget` (1%) of the time, up to
+   `probe_max`: an arm that measured 20% slower is probed every 20 cycles or more. Once an arm has
+   lost for a while, it costs one probe per `probe_max` cycles at most.
 
 2. Inside speculation, K from the model of the cycle (the amortisation roofline). A cycle with K
    drafted tokens commits
@@ -61,23 +61,23 @@ It works at two levels.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 
 
 class _Window:
-    """The latest (tokens, seconds) of one arm; its rate is their ratio of sums."""
+    """The latest cycles of one arm; its rate is the median of their tokens / seconds. A burst of
+    load from another process slows a cycle or two many times over: a ratio of sums would carry it
+    into the comparison of the arms, the median does not."""
 
     def __init__(self, size: int):
         self.obs: deque = deque(maxlen=size)
 
     def add(self, tokens: float, seconds: float) -> None:
-        self.obs.append((tokens, seconds))
+        self.obs.append(tokens / seconds if seconds > 0 else math.inf)
 
     def rate(self) -> float | None:
-        if not self.obs:
-            return None
-        secs = sum(s for _, s in self.obs)
-        return sum(t for t, _ in self.obs) / secs if secs > 0 else math.inf
+        return statistics.median(self.obs) if self.obs else None
 
 
 class Governor:
