@@ -89,7 +89,8 @@ def cell(model, kind, residency, link, args) -> dict:
     policies = list(BASELINES) + list(SPECULATIVE) + (["resident"] if residency >= 1 else [])
     sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=0)
     prompts = prompts_for(kind, args.prompts)
-    engines = {p: specter.load(model, policy=p, residency=residency, link=link) for p in policies}
+    engines = {p: specter.load(model, policy=p, residency=residency, link=link) if p != "resident"
+               else specter.load(model, policy=p) for p in policies}  # resident takes no budget or link
     rounds = {p: [] for p in policies}
     stats = {p: dict(h2d_bytes=0, tokens=0, k_histogram={}) for p in policies}
     try:

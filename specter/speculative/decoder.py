@@ -100,7 +100,7 @@ class SpeculativeDecoder:
             tokens = torch.tensor([t] + drafted, device=self.device)
         verified = tokens.shape[0] - 1  # drafted tokens verification takes (a shape: no sync)
         t1 = time.perf_counter()
-        before = self.target.stats()
+        before = self.target.stats() if k else None  # K = 0 needs neither stall nor recall: no reads
         use_fallback = k == 0 and self.fallback is not None and self.plain.pick()
         self.target.next_layer_router = self.fallback if use_fallback else None
         with span("verify"):
@@ -118,9 +118,10 @@ class SpeculativeDecoder:
                 p = probs(logits, params, hist, drafted)
                 m, nxt = accept_sampling(drafted, torch.stack(q_rows) if q_rows else None, p, gen)
         t2 = time.perf_counter()
-        after = self.target.stats()
-        stall = after["stall_s"] - before["stall_s"]
+        stall = 0.0
         if k:  # recall: share of verification's experts resident or in flight when it reached them
+            after = self.target.stats()
+            stall = after["stall_s"] - before["stall_s"]
             hits = after["expert_hits"] - before["expert_hits"]
             st["recall_hits"] += hits
             st["recall_total"] += hits + after["expert_misses"] - before["expert_misses"]
