@@ -45,24 +45,46 @@ TRAIN_SEQ_DEFAULT = 256
 # --------------------------------------------------------------------------------------------
 # corpus
 # --------------------------------------------------------------------------------------------
+HELD_OUT = ("transformers", "tqdm", "safetensors")  # eval_default.py's held-out text: never trained on
+# Permissively licensed distributions whose installed .py sources join the corpus (SPDX as their metadata states
+# it; the listing records each one's version and metadata licence in files.json and the card). Left out: the
+# held-out three, copyleft/MPL code (certifi, hypothesis), mostly-generated data (botocore, awscli, cfn-lint,
+# aws-sam-translator), docutils (mixed licences) and Specter itself.
+SITE_PACKAGES = {
+    "accelerate": "Apache-2.0", "anyio": "MIT", "attrs": "MIT", "click": "BSD-3-Clause", "cloudpickle": "BSD-3-Clause",
+    "decorator": "BSD-2-Clause", "docker": "Apache-2.0", "einops": "MIT", "fastapi": "MIT", "filelock": "MIT",
+    "Flask": "BSD-3-Clause", "fonttools": "MIT", "fsspec": "BSD-3-Clause", "h11": "MIT", "httpcore": "BSD-3-Clause",
+    "httpx": "BSD-3-Clause", "huggingface_hub": "Apache-2.0", "idna": "BSD-3-Clause", "ipython": "BSD-3-Clause",
+    "jedi": "MIT", "Jinja2": "BSD-3-Clause", "jsonschema": "MIT", "libcst": "MIT", "markdown-it-py": "MIT",
+    "matplotlib": "PSF-based matplotlib licence", "moto": "Apache-2.0", "mpmath": "BSD-3-Clause",
+    "networkx": "BSD-3-Clause", "numpy": "BSD-3-Clause", "openai": "Apache-2.0", "optimum-quanto": "Apache-2.0",
+    "packaging": "Apache-2.0 OR BSD-2-Clause", "parso": "MIT", "pillow": "MIT-CMU", "pip": "MIT", "pluggy": "MIT",
+    "prometheus_client": "Apache-2.0", "prompt_toolkit": "BSD-3-Clause", "psutil": "BSD-3-Clause",
+    "pydantic": "MIT", "Pygments": "BSD-2-Clause", "pyparsing": "MIT", "pytest": "MIT",
+    "python-dateutil": "Apache-2.0 OR BSD-3-Clause", "PyYAML": "MIT", "requests": "Apache-2.0", "rich": "MIT",
+    "scipy": "BSD-3-Clause", "setuptools": "MIT", "sortedcontainers": "Apache-2.0", "starlette": "BSD-3-Clause",
+    "sympy": "BSD-3-Clause", "torch": "BSD-3-Clause", "trio": "MIT OR Apache-2.0", "triton": "MIT",
+    "typer": "MIT", "urllib3": "MIT", "uvicorn": "BSD-3-Clause", "Werkzeug": "BSD-3-Clause", "wrapt": "BSD-2-Clause",
+}
+PACKAGE_CAP_BYTES = 2_000_000  # per distribution: no one package's style dominates
+STDLIB_TEST_CAP_BYTES = 1_500_000  # the stdlib's own test suite, weighted far down (it was 60% of the old corpus)
+TEST_PARTS = {"test", "tests", "testing", "idle_test", "unittests"}
+VENDORED_PARTS = {"_vendor", "vendor", "vendored", "_vendored", "third_party", "externals", "__pycache__"}
+
+
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"]).resolve()
 
 
-def list_corpus(root: Path, val_percent: float) -> dict:
-    """Sorted relative paths of the stdlib .py files (no site-packages), split by path hash."""
-    rels = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
-        for fn in filenames:
-            if fn.endswith(".py"):
-                rels.append(Path(dirpath, fn).relative_to(root).as_posix())
-    rels.sort()
-    train, val = [], []
-    for rel in rels:
-        h = int(hashlib.sha1(rel.encode()).hexdigest()[:8], 16) % 10000
-        (val if h < val_percent * 100 else train).append(rel)
-    return {"root": str(root), "train": train, "val": val}
+def site_root() -> Path:
+    return Path(sysconfig.get_paths()["purelib"]).resolve()
+
+
+def is_test(rel: str) -> bool:
+    parts = rel.split("/")
+    name = parts[-1]
+    return (bool(TEST_PARTS & set(parts[:-1])) or name.startswith("test_") or name.endswith("_test.py")
+            or name == "conftest.py")
 
 
 def read_source(path: Path) -> str | None:
@@ -73,10 +95,91 @@ def read_source(path: Path) -> str | None:
     return text
 
 
+def usable(text: str | None) -> bool:
+    """Real source, not data: at least a few lines, no line over 500 characters."""
+    return text is not None and len(text) >= 200 and max(map(len, text.splitlines()), default=0) <= 500
+
+
+def fingerprint(text: str) -> str:
+    """Content hash blind to trailing spaces and blank lines: vendored or copied files collapse to one."""
+    return hashlib.sha1("\n".join(ln.rstrip() for ln in text.splitlines() if ln.strip()).encode()).hexdigest()
+
+
+def _hash_order(rels: list[str]) -> list[str]:
+    return sorted(rels, key=lambda r: hashlib.sha1(r.encode()).hexdigest())
+
+
+def _take(root: Path, rels: list[str], cap: int | None, seen: set) -> list[str]:
+    """Usable, not-yet-seen files of rels in a fixed pseudo-random order until cap bytes (None: all, sorted)."""
+    taken, total = [], 0
+    for rel in (sorted(rels) if cap is None else _hash_order(rels)):
+        text = read_source(root / rel)
+        if not usable(text):
+            continue
+        fp = fingerprint(text)
+        if fp in seen:
+            continue
+        if cap is not None and total + len(text) > cap:
+            continue
+        seen.add(fp)
+        taken.append(rel)
+        total += len(text)
+    return sorted(taken)
+
+
+def list_corpus(val_percent: float) -> dict:
+    """The corpus: stdlib modules, a capped slice of the stdlib tests, and capped slices of permissively licensed
+    installed packages (no tests, no vendored copies, deduplicated), split train/val by a hash of each entry.
+
+    Entries are "stdlib/REL" or "site/REL" (REL relative to that root); the held-out packages never appear."""
+    import importlib.metadata as md
+
+    roots = {"stdlib": stdlib_root(), "site": site_root()}
+    seen: set = set()
+    modules, tests = [], []
+    for dirpath, dirnames, filenames in os.walk(roots["stdlib"]):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        for fn in filenames:
+            if fn.endswith(".py"):
+                rel = Path(dirpath, fn).relative_to(roots["stdlib"]).as_posix()
+                (tests if is_test(rel) else modules).append(rel)
+    entries = [f"stdlib/{r}" for r in _take(roots["stdlib"], modules, None, seen)]
+    entries += [f"stdlib/{r}" for r in _take(roots["stdlib"], tests, STDLIB_TEST_CAP_BYTES, seen)]
+    sources = {"stdlib": {"licence": "PSF-2.0", "version": sys.version.split()[0], "files": len(entries)}}
+    for name in sorted(SITE_PACKAGES, key=str.lower):
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue  # recorded as absent: the card lists what was actually used
+        rels = []
+        for f in dist.files or []:
+            rel = str(f).replace("\\", "/")
+            parts = rel.split("/")
+            if (rel.endswith(".py") and not rel.startswith("..") and not is_test(rel)
+                    and not (VENDORED_PARTS & set(parts)) and parts[0] not in HELD_OUT
+                    and (roots["site"] / rel).is_file()):
+                rels.append(rel)
+        taken = _take(roots["site"], rels, PACKAGE_CAP_BYTES, seen)
+        meta = dist.metadata
+        sources[name] = {"licence": SITE_PACKAGES[name], "version": dist.version, "files": len(taken),
+                         "metadata_licence": (meta.get("License-Expression") or meta.get("License") or "")[:80]}
+        entries += [f"site/{r}" for r in taken]
+    train, val = [], []
+    for e in entries:
+        h = int(hashlib.sha1(e.encode()).hexdigest()[:8], 16) % 10000
+        (val if h < val_percent * 100 else train).append(e)
+    return {"roots": {k: str(v) for k, v in roots.items()}, "sources": sources, "train": train, "val": val}
+
+
+def entry_path(corpus: dict, entry: str) -> Path:
+    src, rel = entry.split("/", 1)
+    return Path(corpus["roots"][src]) / rel
+
+
 # --------------------------------------------------------------------------------------------
 # tokenizer
 # --------------------------------------------------------------------------------------------
-def train_tokenizer(root: Path, files: list[str], vocab_size: int, out_dir: Path):
+def train_tokenizer(corpus: dict, files: list[str], vocab_size: int, out_dir: Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -92,8 +195,8 @@ def train_tokenizer(root: Path, files: list[str], vocab_size: int, out_dir: Path
     )
 
     def it():
-        for rel in files:
-            t = read_source(root / rel)
+        for e in files:
+            t = read_source(entry_path(corpus, e))
             if t is not None:
                 yield t
 
@@ -123,12 +226,12 @@ def load_tokenizer(out_dir: Path):
     return AutoTokenizer.from_pretrained(str(out_dir))
 
 
-def tokenize_split(tok, root: Path, files: list[str]) -> torch.Tensor:
+def tokenize_split(tok, corpus: dict, files: list[str]) -> torch.Tensor:
     """All files of a split as one stream, each file followed by EOS."""
     eos = tok.convert_tokens_to_ids(EOS)
     backend = tok.backend_tokenizer
     ids: list[int] = []
-    texts = [t for t in (read_source(root / rel) for rel in files) if t is not None]
+    texts = [t for t in (read_source(entry_path(corpus, e)) for e in files) if t is not None]
     B = 64
     for i in range(0, len(texts), B):
         for enc in backend.encode_batch(texts[i : i + B], add_special_tokens=False):
@@ -374,9 +477,8 @@ def _main(argv=None) -> dict:
             return torch.autocast("cpu", enabled=False)
 
     # 1. corpus listing (cached; the listing is part of the cache key of everything below)
-    root = stdlib_root()
     files_path = work / "files.json"
-    corpus = list_corpus(root, args.val_percent)
+    corpus = list_corpus(args.val_percent)
     if args.max_files is not None:
         corpus["train"] = corpus["train"][: args.max_files]
         corpus["val"] = corpus["val"][: args.max_files // 10 + 1]
@@ -386,13 +488,14 @@ def _main(argv=None) -> dict:
         for f in ("tokens_train.pt", "tokens_val.pt", "tokenizer.json", "tokenizer_config.json"):
             (work / f).unlink(missing_ok=True)
         files_path.write_text(json.dumps({"key": key, **corpus}, indent=0))
-    print(f"[corpus] {root}: {len(corpus['train'])} train / {len(corpus['val'])} val files", flush=True)
+    print(f"[corpus] {len(corpus['sources'])} sources: {len(corpus['train'])} train / {len(corpus['val'])} val files",
+          flush=True)
 
     # 2. tokenizer (trained once, cached in work/, then copied to out/)
     tok_dir = work / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
         t0 = time.time()
-        train_tokenizer(root, corpus["train"], args.vocab_size, tok_dir)
+        train_tokenizer(corpus, corpus["train"], args.vocab_size, tok_dir)
         print(f"[tokenizer] trained in {time.time() - t0:.1f}s", flush=True)
     tok = load_tokenizer(tok_dir)
     eos_id = tok.convert_tokens_to_ids(EOS)
@@ -405,7 +508,7 @@ def _main(argv=None) -> dict:
             data[split] = torch.load(path)
         else:
             t0 = time.time()
-            data[split] = tokenize_split(tok, root, corpus[split])
+            data[split] = tokenize_split(tok, corpus, corpus[split])
             atomic_save(data[split], path)
             print(f"[data] tokenized {split}: {data[split].numel():,} tokens in {time.time() - t0:.1f}s", flush=True)
     train_data, val_data = data["train"], data["val"]
@@ -532,6 +635,7 @@ def _main(argv=None) -> dict:
         "val_tokens": val_data.numel(),
         "train_files": len(corpus["train"]),
         "val_files": len(corpus["val"]),
+        "sources": corpus["sources"],
         "params": n_params,
         "expert_params": n_expert,
         "train_seconds": round(train_seconds, 1),
