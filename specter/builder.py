@@ -12,6 +12,7 @@ import torch
 
 from .engine import Engine, PlainDecoder
 from .errors import ConfigError
+from .generation_defaults import read_generation_defaults
 from .loader import Checkpoint, load_checkpoint, load_tokenizer, open_checkpoint
 from .model import MoETransformer
 from .moe import ExpertWeights, ResidentExperts
@@ -92,6 +93,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     if shared is not None and Path(path).resolve() != shared.path.resolve():
         raise ConfigError(f"shared: {shared.path} was loaded, but {path} was asked for")
     ckpt = shared.ckpt if shared is not None else open_checkpoint(path)
+    defaults = read_generation_defaults(path)  # a malformed file fails before the weights load
     dt = shared.dtype if shared is not None else compute_dtype(device, ckpt.dtype, dtype)
     spec = ckpt.spec
     offload = policy != "resident"
@@ -118,7 +120,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         if hasattr(decoder, "draft"):
             decoder.draft_step = _draft_step(model, decoder.draft, compile, device)
     engine = Engine(model, experts, shared.tokenizer, path=path, device=device, dtype=dt, policy=policy,
-                    decoder=decoder)
+                    decoder=decoder, generation_defaults=defaults)
     engine.plan, engine.shared = plan, shared
     return engine
 

@@ -58,27 +58,33 @@ def _model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much mass, in (0, 1] "
-                                                            "(default 1 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the K likeliest tokens (default 0 = off)")
-    p.add_argument("--min-p", type=float, default=0.0,
-                   help="drop tokens below MIN_P x the likeliest token's probability, in [0, 1] (default 0 = off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="> 1 discourages tokens of the prompt and output (default 1 = off)")
-    p.add_argument("--presence-penalty", type=float, default=0.0,
-                   help="[-2, 2]: subtracted once from each generated token's logit (default 0)")
-    p.add_argument("--frequency-penalty", type=float, default=0.0,
-                   help="[-2, 2]: subtracted per occurrence among generated tokens (default 0)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one each run)")
+    s = p.add_argument_group("sampling", "With none of these (--seed aside), the model's own settings apply: its "
+                                         "generation_config.json, greedy if it has none. With any, exactly those "
+                                         "apply, the rest at the neutral values shown.")
+    t = s.add_mutually_exclusive_group()
+    t.add_argument("--greedy", action="store_true", help="always the likeliest token (the same as --temperature 0)")
+    t.add_argument("--temperature", type=float, default=None, help="0 = greedy (neutral value 0)")
+    s.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep this much mass, in (0, 1] "
+                                                             "(neutral 1 = off)")
+    s.add_argument("--top-k", type=int, default=None, help="keep the K likeliest tokens (neutral 0 = off)")
+    s.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens below MIN_P x the likeliest token's probability, in [0, 1] (neutral 0 = off)")
+    s.add_argument("--repetition-penalty", type=float, default=None,
+                   help="> 1 discourages tokens of the prompt and output (neutral 1 = off)")
+    s.add_argument("--presence-penalty", type=float, default=None,
+                   help="[-2, 2]: subtracted once from each generated token's logit (neutral 0)")
+    s.add_argument("--frequency-penalty", type=float, default=None,
+                   help="[-2, 2]: subtracted per occurrence among generated tokens (neutral 0)")
+    s.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one each run)")
     p.add_argument("--stop", action="append", default=None,
                    help="stop string: the text ends before it (repeatable)")
 
 
 def sampling_kwargs(args) -> dict:
-    """generate()'s sampling keywords from _sampling_args' flags."""
-    return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+    """generate()'s sampling keywords from _sampling_args' flags; None = not given (the engine then
+    applies the model's own settings if no flag was given at all)."""
+    return dict(temperature=0.0 if args.greedy else args.temperature, top_p=args.top_p, top_k=args.top_k,
+                min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                 frequency_penalty=args.frequency_penalty, seed=args.seed)
 
 
@@ -154,6 +160,9 @@ def summary_line(stats: dict) -> str:
     if stats.get("drafted_tokens"):
         parts.append(f"{stats['accepted_per_cycle']:.1f} drafted tokens accepted a cycle "
                      f"(alpha {stats['acceptance_rate']:.2f})")
+    if stats.get("sampling"):
+        parts.append(stats["sampling"] + (" (the model's generation_config.json)"
+                                          if stats.get("sampling_from") == "model" else ""))
     return "[" + ", ".join(parts) + "]"
 
 

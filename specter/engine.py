@@ -22,13 +22,16 @@ import torch
 
 from .config import ModelSpec
 from .errors import ConfigError, ContextLengthError, TokenizerError
+from .generation_defaults import choose, describe
 from .layers import KVCache
 from .model import MoETransformer
 from .moe import ExpertWeights
 from .sampling import SamplingParams, sample
 
 # every generation reports every key, one schema for all: counts are 0 where nothing happened, ratios
-# None where they do not apply (acceptance without drafting, recall without prefetching)
+# None where they do not apply (acceptance without drafting, recall without prefetching); and what it
+# sampled with: `sampling` ("greedy", "temperature 0.7, top-p 0.95, ...") and `sampling_from`
+# ("caller", "model": the model's generation_config.json, "none": greedy, as nothing was set)
 STATS_DEFAULTS = dict(ttft_s=0.0, tpot_s=0.0, new_tokens=0, cycles=0, accepted_per_cycle=None, acceptance_rate=None,
                       draft_efficiency=None, k_histogram={}, expert_hits=0, expert_misses=0, prefetch_issued=0,
                       prefetch_used=0, prefetch_recall=None, route_coverage=None, h2d_bytes=0, stall_s=0.0,
@@ -131,15 +134,30 @@ def held_back(text: str, stops: list[str]) -> int:
 
 class Engine:
     def __init__(self, model: MoETransformer, experts: list[ExpertWeights], tokenizer, *, path: Path,
-                 device: torch.device, dtype: torch.dtype, policy: str, decoder):
+                 device: torch.device, dtype: torch.dtype, policy: str, decoder, generation_defaults: dict | None = None):
         self.model, self.expert_weights, self.tokenizer = model, experts, tokenizer
         self.path, self.device, self.dtype, self.policy = path, device, dtype, policy
         self.decoder = decoder
         self.turns = Turns()
+        self._generation_defaults = dict(generation_defaults or {})
+        SamplingParams(**self._generation_defaults)  # valid, or a ConfigError now rather than at each call
 
     @property
     def spec(self) -> ModelSpec:
         return self.model.spec
+
+    @property
+    def generation_defaults(self) -> dict:
+        """The model's own sampling keywords (from its generation_config.json; {} = greedy): what a
+        generation that passes no sampling keyword uses. Override one of them with
+        generate(..., **{**engine.generation_defaults, "temperature": 0.5})."""
+        return dict(self._generation_defaults)
+
+    def sampling_params(self, sampling: dict) -> tuple[SamplingParams, str]:
+        """(params, source) for a call's sampling keywords: the caller's own when they give any (a seed
+        alone does not count), else the model's defaults. source: "caller", "model" or "none"."""
+        chosen, source = choose(sampling, self._generation_defaults)
+        return SamplingParams.from_kwargs(chosen), source
 
     # ------------------------------------------------------------------------------- prompts
     def encode(self, prompt) -> list[int]:
@@ -181,7 +199,9 @@ class Engine:
         """The whole continuation at once.
 
         sampling: temperature (0 = greedy), top_p, top_k, min_p, repetition_penalty, presence_penalty,
-        frequency_penalty, seed (see specter.sampling.SamplingParams). stop: a string or a list; the
+        frequency_penalty, seed (see specter.sampling.SamplingParams). None of them (a seed alone
+        included): the model's own settings, `generation_defaults`; any of them: exactly those, the
+        others at their neutral values (temperature 0 = greedy). stop: a string or a list; the
         text ends before the first one, and token_ids end with the token that completes that text."""
         stats: dict = {}
         new, text = [], ""
@@ -264,7 +284,8 @@ class Engine:
                     ) -> Iterator[tuple[list[int], str | None]]:
         """Validates, waits for the engine's turn, decodes. Yields (new ids so far, their text or None
         without a tokenizer) after each committed chunk, both cut at a stop string; fills `stats`."""
-        params = SamplingParams.from_kwargs(sampling)
+        params, source = self.sampling_params(sampling)
+        stats.update(sampling=describe(params), sampling_from=source)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         stops = stop_list(stop)

@@ -344,6 +344,31 @@ def test_closing_the_scheduler_stops_the_generation_in_flight(aux):
     assert 0 < metrics.registry.get_sample_value("specter_generated_tokens_total") < 500
 
 
+# ------------------------------------------------------------------------- the model's own settings
+def test_a_request_without_sampling_fields_gets_the_model_defaults(tmp_path):
+    """As vLLM's --generation-config auto: no sampling field -> the model's generation_config.json;
+    any field -> the request's own settings, OpenAI's defaults for the rest."""
+    path = tmp_path / "model"
+    shutil.copytree(specter.default_model_path(), path)
+    gen = dict(do_sample=True, temperature=0.8, top_p=0.9, repetition_penalty=1.2, eos_token_id=0)
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    engine = specter.load(path, device="cpu", policy="resident")
+    try:
+        with ServerThread(create_app(engine, model_name="m")) as url:
+            c = client(url)
+            kw = dict(model="m", prompt=PROMPT, max_tokens=16, seed=5)
+            want = engine.generate(PROMPT, max_new_tokens=16, seed=5)
+            assert want.stats["sampling_from"] == "model"
+            assert c.completions.create(**kw).choices[0].text == want.text
+            greedy = engine.generate(PROMPT, max_new_tokens=16, temperature=0.0).text
+            assert want.text != greedy
+            assert c.completions.create(**kw, temperature=0).choices[0].text == greedy
+            hot = engine.generate(PROMPT, max_new_tokens=16, seed=5, temperature=1.0, top_p=0.5).text
+            assert c.completions.create(**kw, top_p=0.5).choices[0].text == hot  # temperature: OpenAI's 1
+    finally:
+        engine.close()
+
+
 # ---------------------------------------------------------------------------------------- the CLI
 def test_cli_serve_wires_the_engine_options_into_uvicorn(monkeypatch):
     import uvicorn

@@ -24,7 +24,10 @@ from .metrics import Metrics
 from .protocol import APIError, ChatRequest, CompletionRequest, new_id, now, usage
 from .scheduler import Job, QueueFull, Scheduler
 
-EXTRA_SAMPLING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+# request fields that choose how tokens are drawn; a request that sets none of them gets the model's own
+# settings, as vLLM's --generation-config auto does; one that sets any gets OpenAI's defaults for the rest
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+OPENAI_NEUTRAL = dict(temperature=1.0, top_p=1.0)
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
@@ -135,12 +138,11 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32) ->
                                 f"prompt or lower max_tokens", param="max_tokens", code="context_length_exceeded")
         if req.stop and engine.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; this model ships none", param="stop")
-        kw = dict(max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                  top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed, stop=req.stop)
-        for field in EXTRA_SAMPLING:  # the engine's own defaults stand for fields not given
-            if getattr(req, field) is not None:
-                kw[field] = getattr(req, field)
-        return kw
+        kw = dict(max_new_tokens=max_tokens, seed=req.seed, stop=req.stop)
+        given = {f: getattr(req, f) for f in SAMPLING if getattr(req, f) is not None}
+        if given:  # the request's own settings; OpenAI's defaults for the rest (temperature 1, top_p 1)
+            kw.update(OPENAI_NEUTRAL, **given)
+        return kw  # none: the engine applies the model's own (its generation_config.json; greedy if none)
 
     async def answer(request: Request, req, ids: list[int], max_tokens: int, chat: bool):
         kw = sampling(req, ids, max_tokens)
