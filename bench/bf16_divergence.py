@@ -32,8 +32,8 @@ def main() -> None:
     differ, tokens_same, tokens_total, gaps = 0, 0, 0, []
     for p in range(args.prompts):
         prompt = [rng.randrange(V) for _ in range(args.prompt_len)]
-        ref = plain.generate(prompt, max_new_tokens=args.max_new_tokens).token_ids
-        got = spec.generate(prompt, max_new_tokens=args.max_new_tokens).token_ids
+        ref = plain.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=0.0).token_ids
+        got = spec.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=0.0).token_ids
         i, gap = tie_gap(plain, prompt, ref, got)
         same = len(ref) if i is None else i
         tokens_same += same

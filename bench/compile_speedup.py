@@ -29,14 +29,14 @@ def measure(residency: float, repeat: int, max_new: int) -> dict:
     dec.draft_step = _compiled_draft_step(dec.model, dec.draft, compile=False)
     try:
         for e in engines.values():
-            e.generate(DEFAULT_PROMPTS[0], max_new_tokens=8)
+            e.generate(DEFAULT_PROMPTS[0], max_new_tokens=8, temperature=0.0)
         decode = {k: 0.0 for k in engines}
         tokens = {k: 0 for k in engines}
         draft = {k: 0.0 for k in engines}
         for _ in range(repeat):
             for prompt in DEFAULT_PROMPTS:
                 for name, e in engines.items():
-                    s = e.generate(prompt, max_new_tokens=max_new).stats
+                    s = e.generate(prompt, max_new_tokens=max_new, temperature=0.0).stats
                     n = s["new_tokens"] - 1
                     decode[name] += s["tpot_s"] * n
                     tokens[name] += n

@@ -73,7 +73,7 @@ def main() -> None:
     except Exception as e:  # report and go on to the timings
         print(f"SYNC CHECK FAILED: {type(e).__name__}: {e}", flush=True)
     for e in engines.values():
-        e.generate(DEFAULT_PROMPTS[0], max_new_tokens=8)
+        e.generate(DEFAULT_PROMPTS[0], max_new_tokens=8, temperature=0.0)
     decode = {k: 0.0 for k in engines}
     tokens = {k: 0 for k in engines}
     stall = {k: 0.0 for k in engines}
@@ -82,9 +82,9 @@ def main() -> None:
     for _ in range(args.repeat):
         for prompt in DEFAULT_PROMPTS:
             ids = plain.encode(prompt)
-            ref = plain.generate(ids, max_new_tokens=args.max_new_tokens).token_ids
+            ref = plain.generate(ids, max_new_tokens=args.max_new_tokens, temperature=0.0).token_ids
             for name, e in engines.items():
-                out = e.generate(ids, max_new_tokens=args.max_new_tokens)
+                out = e.generate(ids, max_new_tokens=args.max_new_tokens, temperature=0.0)
                 s = out.stats
                 decode[name] += s["tpot_s"] * (s["new_tokens"] - 1)
                 tokens[name] += s["new_tokens"] - 1

@@ -47,13 +47,14 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
               sampling: dict | None = None, shared=None, **load_kw) -> dict:
     """`shared`: a checkpoint already loaded (`load_once`) for every policy to build on; default: the
     first policy's load, which the others share (one store, one model, one draft).
-    `sampling`: generate()'s temperature / top_p / top_k / seed (default greedy). Under sampling,
+    `sampling`: generate()'s temperature / top_p / top_k / seed (default greedy: a benchmark never
+    takes the model's generation_config.json, so its runs compare across models). Under sampling,
     speculative policies draw their random numbers differently (exactly the target's distribution,
     not the same tokens), so token equality is only checked for greedy runs."""
     import specter
     from .sampling import SamplingParams
 
-    sampling = dict(sampling or {})
+    sampling = {"temperature": 0.0, **(sampling or {})}
     greedy = SamplingParams(**sampling).greedy  # and a bad value fails here, before any engine loads
 
     unknown = [p for p in policies if p not in specter.BENCH_POLICIES]

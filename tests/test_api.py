@@ -15,6 +15,7 @@ PROMPT = "def fibonacci(n):"
 STATS_KEYS = {"ttft_s", "tpot_s", "new_tokens", "cycles", "accepted_per_cycle", "acceptance_rate", "k_histogram",
               "expert_hits", "expert_misses", "prefetch_issued", "prefetch_used", "h2d_bytes", "stall_s",
               "draft_s", "verify_s"}
+GREEDY = dict(temperature=0.0)  # the bundled model's own settings sample: comparisons of tokens ask for greedy
 
 
 @pytest.fixture(scope="module")
@@ -32,37 +33,37 @@ def test_generate_string_prompt(engine):
 
 
 def test_stream_pieces_join_to_the_text(engine):
-    out = engine.generate(PROMPT, max_new_tokens=24)
+    out = engine.generate(PROMPT, max_new_tokens=24, seed=3)  # the model's own settings, one draw
     stats = {}
-    pieces = list(engine.stream(PROMPT, max_new_tokens=24, stats=stats))
+    pieces = list(engine.stream(PROMPT, max_new_tokens=24, stats=stats, seed=3))
     assert "".join(pieces) == out.text
     assert stats["new_tokens"] == len(out.token_ids)
 
 
 def test_astream(engine):
     async def collect():
-        return [p async for p in engine.astream(PROMPT, max_new_tokens=16)]
+        return [p async for p in engine.astream(PROMPT, max_new_tokens=16, seed=3)]
 
-    assert "".join(asyncio.run(collect())) == engine.generate(PROMPT, max_new_tokens=16).text
+    assert "".join(asyncio.run(collect())) == engine.generate(PROMPT, max_new_tokens=16, seed=3).text
 
 
 def test_stop_string_cuts_the_text(engine):
-    full = engine.generate(PROMPT, max_new_tokens=32, stop=None).text
+    full = engine.generate(PROMPT, max_new_tokens=32, stop=None, **GREEDY).text
     stop = full.strip()[len(full.strip()) // 2:][:3]
     assume = stop and stop in full
     if not assume:
         pytest.skip("continuation too short to pick a stop string")
-    out = engine.generate(PROMPT, max_new_tokens=32, stop=[stop])
+    out = engine.generate(PROMPT, max_new_tokens=32, stop=[stop], **GREEDY)
     assert out.text == full[: full.find(stop)]
     assert len(out.token_ids) <= 32
 
 
 def test_policies_give_resident_tokens_on_the_default_model(engine):
-    want = engine.generate(PROMPT, max_new_tokens=24).token_ids
+    want = engine.generate(PROMPT, max_new_tokens=24, **GREEDY).token_ids
     for policy in ("on-demand", "specter"):
         e = specter.load(None, device="cpu", policy=policy, residency=0.5)
         try:
-            assert e.generate(PROMPT, max_new_tokens=24).token_ids == want, policy
+            assert e.generate(PROMPT, max_new_tokens=24, **GREEDY).token_ids == want, policy
         finally:
             e.close()
 
@@ -74,7 +75,7 @@ def test_cli_generate_json(capsys):
 
 
 def test_cli_generate_streams_text(capsys):
-    assert main(["generate", PROMPT, "--device", "cpu", "--max-new-tokens", "8"]) == 0
+    assert main(["generate", PROMPT, "--device", "cpu", "--max-new-tokens", "8", "--seed", "0"]) == 0
     captured = capsys.readouterr()
     assert captured.out.strip() and "TPOT" in captured.err
 
@@ -118,7 +119,7 @@ def test_concurrent_generations_give_their_solo_texts(engine, spec_engine, which
     import threading
 
     eng = spec_engine if which == "specter greedy" else engine
-    kws = [dict(), dict(repetition_penalty=1.3), dict(frequency_penalty=0.5), dict()] if eng is spec_engine else \
+    kws = [GREEDY, dict(repetition_penalty=1.3), dict(frequency_penalty=0.5), GREEDY] if eng is spec_engine else \
         [dict(temperature=0.9, seed=3), dict(temperature=1.0, seed=4, min_p=0.05), dict(temperature=0.8, seed=5),
          dict(temperature=1.2, seed=6)]
     solo = [eng.generate(p, max_new_tokens=20, **kw).text for p, kw in zip(PROMPTS, kws)]
@@ -168,7 +169,7 @@ def test_leaving_an_astream_early_frees_the_engine(engine):
 
 def _stops(engine):
     """Stop strings from the greedy continuation: one starting on a token boundary, one inside a token."""
-    full = engine.generate(PROMPT, max_new_tokens=32)
+    full = engine.generate(PROMPT, max_new_tokens=32, **GREEDY)
     ids = full.token_ids
     b = next(i for i in range(2, len(ids)) if len(engine.decode(ids[i:i + 1])) >= 3)  # token i has >= 3 chars
     at = len(engine.decode(ids[:b]))
@@ -179,21 +180,21 @@ def test_stop_string_cuts_text_and_token_ids_alike(engine, spec_engine):
     full, at, (boundary, inside) = _stops(engine)
     for stop in (boundary, inside):
         hit = full.find(stop)
-        out = engine.generate(PROMPT, max_new_tokens=32, stop=stop)
+        out = engine.generate(PROMPT, max_new_tokens=32, stop=stop, **GREEDY)
         assert out.text == full[:hit], stop
         shown = engine.decode(out.token_ids)
         assert shown.startswith(out.text) and len(engine.decode(out.token_ids[:-1])) < len(out.text), stop
         if hit == at:  # the stop starts where a token starts: the ids decode to the text exactly
             assert shown == out.text
         # streamed: never a character of the stop string, pieces join to the text
-        pieces = list(engine.stream(PROMPT, max_new_tokens=32, stop=[stop]))
+        pieces = list(engine.stream(PROMPT, max_new_tokens=32, stop=[stop], **GREEDY))
         assert "".join(pieces) == out.text, (stop, pieces)
-        ids = [t for chunk in engine.stream_ids(PROMPT, max_new_tokens=32, stop=stop) for t in chunk]
+        ids = [t for chunk in engine.stream_ids(PROMPT, max_new_tokens=32, stop=stop, **GREEDY) for t in chunk]
         assert ids == out.token_ids
         # the same ids under speculation (whole multi-token chunks are committed at once)
-        spec = spec_engine.generate(PROMPT, max_new_tokens=32, stop=stop)
+        spec = spec_engine.generate(PROMPT, max_new_tokens=32, stop=stop, **GREEDY)
         assert (spec.text, spec.token_ids) == (out.text, out.token_ids)
-        assert "".join(spec_engine.stream(PROMPT, max_new_tokens=32, stop=stop)) == out.text
+        assert "".join(spec_engine.stream(PROMPT, max_new_tokens=32, stop=stop, **GREEDY)) == out.text
 
 
 def test_held_back():
@@ -225,11 +226,11 @@ def test_finish_reason_and_cancel(engine):
     import threading
 
     assert engine.generate(PROMPT, max_new_tokens=4).stats["finish_reason"] == "length"
-    full = engine.generate(PROMPT, max_new_tokens=16).text
-    assert engine.generate(PROMPT, max_new_tokens=16, stop=full[3:6]).stats["finish_reason"] == "stop"
+    full = engine.generate(PROMPT, max_new_tokens=16, **GREEDY).text
+    assert engine.generate(PROMPT, max_new_tokens=16, stop=full[3:6], **GREEDY).stats["finish_reason"] == "stop"
     cancel, stats = threading.Event(), {}
     pieces = []
-    for piece in engine.stream(PROMPT, max_new_tokens=64, stats=stats, cancel=cancel):
+    for piece in engine.stream(PROMPT, max_new_tokens=64, stats=stats, cancel=cancel, **GREEDY):
         pieces.append(piece)
         cancel.set()  # e.g. the client went away: the generation ends at its next cycle
     assert stats["finish_reason"] == "cancelled" and stats["new_tokens"] <= 3, stats

@@ -72,14 +72,15 @@ def test_chat_and_system(chat_model, capsys):
     model = chat_model
     engine = specter.load(model, device="cpu", policy="resident")
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}]
-    want = engine.generate(msgs, max_new_tokens=8).token_ids
-    assert want != engine.generate("def add(a, b):", max_new_tokens=8).token_ids
+    want = engine.generate(msgs, max_new_tokens=8, temperature=0.0).token_ids
+    assert want != engine.generate("def add(a, b):", max_new_tokens=8, temperature=0.0).token_ids
     argv = ["generate", "def add(a, b):", "--model", str(model), "--policy", "resident", "--device", "cpu",
-            "--max-new-tokens", "8", "--json"]
+            "--max-new-tokens", "8", "--json", "--greedy"]
     assert main(argv + ["--system", "be brief"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == want
     assert main(argv + ["--chat"]) == 0
-    assert json.loads(capsys.readouterr().out)["token_ids"] == engine.generate(msgs[1:], max_new_tokens=8).token_ids
+    assert json.loads(capsys.readouterr().out)["token_ids"] == engine.generate(msgs[1:], max_new_tokens=8,
+                                                                               temperature=0.0).token_ids
     # the bundled model has no chat template: one clear line
     assert main(["generate", "hi", "--chat", "--policy", "resident", "--device", "cpu"]) == 2
     assert "no chat template" in capsys.readouterr().err
@@ -149,14 +150,14 @@ def test_interactive_chat(chat_model, capsys, monkeypatch):
     model = chat_model
     monkeypatch.setattr(sys, "stdin", io.StringIO("def add(a, b):\nclass Stack:\n/reset\nclass Stack:\n"))
     assert main(["chat", "--model", str(model), "--policy", "resident", "--device", "cpu",
-                 "--max-new-tokens", "6", "--system", "be brief"]) == 0
+                 "--max-new-tokens", "6", "--system", "be brief", "--greedy"]) == 0
     got = capsys.readouterr().out.split("\n")
     engine = specter.load(model, device="cpu", policy="resident")
     sys_msg = [{"role": "system", "content": "be brief"}]
-    r1 = engine.generate(sys_msg + [{"role": "user", "content": "def add(a, b):"}], max_new_tokens=6).text
+    r1 = engine.generate(sys_msg + [{"role": "user", "content": "def add(a, b):"}], max_new_tokens=6, temperature=0.0).text
     r2 = engine.generate(sys_msg + [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": r1},
-                                    {"role": "user", "content": "class Stack:"}], max_new_tokens=6).text
-    r3 = engine.generate(sys_msg + [{"role": "user", "content": "class Stack:"}], max_new_tokens=6).text
+                                    {"role": "user", "content": "class Stack:"}], max_new_tokens=6, temperature=0.0).text
+    r3 = engine.generate(sys_msg + [{"role": "user", "content": "class Stack:"}], max_new_tokens=6, temperature=0.0).text
     assert r2 != r3  # the history mattered
     assert "\n".join(got) == f"{r1}\n{r2}\n{r3}\n"
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))

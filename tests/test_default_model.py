@@ -26,8 +26,9 @@ def hf():
 
 
 def hf_greedy(model, tok, ids: list[int], n: int) -> list[int]:
+    """Plain greedy (no repetition penalty, whatever the generation_config.json recommends)."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, repetition_penalty=1.0,
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
     return out[0, len(ids):].tolist()
 

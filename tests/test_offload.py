@@ -128,7 +128,7 @@ def test_default_model_offloaded_greedy_equals_resident(emulated_link):
     prompts = ["def fibonacci(n):", "import os\n\ndef read_lines(path):"]
     engine = specter.load(None, device="cpu", policy="resident")
     try:
-        want = [engine.generate(p, max_new_tokens=NEW).token_ids for p in prompts]
+        want = [engine.generate(p, max_new_tokens=NEW, temperature=0.0).token_ids for p in prompts]
     finally:
         engine.close()
     assert all(len(w) > 0 for w in want)
@@ -137,7 +137,7 @@ def test_default_model_offloaded_greedy_equals_resident(emulated_link):
         for residency in (0.25, 0.5):
             engine = specter.load(None, device="cpu", policy=policy, residency=residency)
             try:
-                outs = [engine.generate(p, max_new_tokens=NEW) for p in prompts]
+                outs = [engine.generate(p, max_new_tokens=NEW, temperature=0.0) for p in prompts]
             finally:
                 engine.close()
             for p, out, w in zip(prompts, outs, want):

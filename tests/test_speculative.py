@@ -140,7 +140,8 @@ def resident_tokens(tiny):
 
 
 def gen_all(engine, prompts=PROMPTS, n=NEW):
-    return [engine.generate(p, max_new_tokens=n) for p in prompts]
+    """Greedy continuations (explicitly: a model's generation_config.json may say to sample)."""
+    return [engine.generate(p, max_new_tokens=n, temperature=0.0) for p in prompts]
 
 
 def k_histogram(outs) -> Counter:
