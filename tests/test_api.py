@@ -170,10 +170,16 @@ def test_leaving_an_astream_early_frees_the_engine(engine):
 def _stops(engine):
     """Stop strings from the greedy continuation: one starting on a token boundary, one inside a token."""
     full = engine.generate(PROMPT, max_new_tokens=32, **GREEDY)
-    ids = full.token_ids
-    b = next(i for i in range(2, len(ids)) if len(engine.decode(ids[i:i + 1])) >= 3)  # token i has >= 3 chars
+    ids, text = full.token_ids, full.text
+
+    def first_here(i):  # token i has >= 3 chars, and both stops first occur where token i starts (resp. +1)
+        at = len(engine.decode(ids[:i]))
+        return (len(engine.decode(ids[i:i + 1])) >= 3 and text.find(text[at:at + 4]) == at
+                and text.find(text[at + 1:at + 5]) == at + 1)
+
+    b = next(i for i in range(2, len(ids)) if first_here(i))
     at = len(engine.decode(ids[:b]))
-    return full.text, at, [full.text[at:at + 4], full.text[at + 1:at + 5]]
+    return text, at, [text[at:at + 4], text[at + 1:at + 5]]
 
 
 def test_stop_string_cuts_text_and_token_ids_alike(engine, spec_engine):

@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Recipe for Specter's bundled default model (a small Qwen3-MoE trained on Python code).
 
-Corpus: the ``.py`` sources of the Python standard library of the interpreter that runs this
-script (``sysconfig.get_paths()["stdlib"]``, test suite included, ``site-packages`` excluded),
-in sorted relative-path order, split into train/validation by a hash of the relative path.
-No download is needed.
+Corpus: ``.py`` sources already installed with the interpreter that runs this script: the
+standard library's modules, a capped slice of its test suite, and capped slices of the permissively
+licensed packages in ``SITE_PACKAGES`` (no tests, no vendored copies, deduplicated); the held-out
+packages of ``eval_default.py`` (``HELD_OUT``) are never included. Split into train/validation by a
+hash of each entry. No download is needed.
 
 Steps (each cached under ``--work-dir`` so a restart is fast):
   1. list + split the corpus files                      -> work/files.json
@@ -12,7 +13,8 @@ Steps (each cached under ``--work-dir`` so a restart is fast):
   3. tokenize both splits once                           -> work/tokens_{train,val}.pt (uint16/int32)
   4. train a Qwen3-MoE (transformers' Qwen3MoeForCausalLM) with the router load-balancing loss,
      AdamW + linear warmup + cosine decay, checkpoints every ``--ckpt-minutes`` (``--resume``)
-  5. save the final model in Hugging Face format (bf16 safetensors) + generation_config.json
+  5. save the final model in Hugging Face format (bf16 safetensors) + generation_config.json (the recommended
+     sampling settings, ``--gen-*``)
 
 Usage (the bundled model was made with the defaults):
     python bench/models/train_default.py --out runs/default_model
@@ -379,6 +381,15 @@ def evaluate(model, data: torch.Tensor, seq_len: int, device, max_tokens: int, a
     return {"loss": tot_loss / tot_n, "acc": tot_correct / tot_n, "tokens": tot_n}
 
 
+def write_generation_config(out: Path, eos_id: int, args):
+    """The sampling settings the card recommends: `specter generate` and transformers apply them by default."""
+    from transformers import GenerationConfig
+
+    GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, do_sample=True,
+                     temperature=args.gen_temperature, top_p=args.gen_top_p, top_k=args.gen_top_k,
+                     repetition_penalty=args.gen_repetition_penalty, max_new_tokens=64).save_pretrained(str(out))
+
+
 def atomic_save(obj, path: Path):
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save(obj, tmp)
@@ -411,13 +422,13 @@ def parse_args(argv=None):
     p.add_argument("--aux-coef", type=float, default=0.02,
                    help="phase 1: transformers' load-balancing loss (computed over all layers pooled)")
     # optimisation
-    p.add_argument("--steps", type=int, default=3200)
+    p.add_argument("--steps", type=int, default=9500)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=TRAIN_SEQ_DEFAULT)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr", type=float, default=1e-4)
-    p.add_argument("--warmup", type=int, default=150)
-    p.add_argument("--rebalance-steps", type=int, default=400,
+    p.add_argument("--warmup", type=int, default=250)
+    p.add_argument("--rebalance-steps", type=int, default=700,
                    help="phase 2, after --steps: train with a PER-LAYER load-balancing loss so that no expert of "
                         "any layer starves (transformers' aux loss pools all layers, which lets single layers "
                         "collapse onto a few experts)")
@@ -434,6 +445,11 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-minutes", type=float, default=4.0)
     p.add_argument("--eval-tokens", type=int, default=65536, help="validation tokens for the final eval")
     p.add_argument("--no-progress", action="store_true")
+    # the recommended sampling settings written to generation_config.json (the card measures them)
+    p.add_argument("--gen-temperature", type=float, default=0.7)
+    p.add_argument("--gen-top-p", type=float, default=0.95)
+    p.add_argument("--gen-top-k", type=int, default=50)
+    p.add_argument("--gen-repetition-penalty", type=float, default=1.0)
     p.add_argument("--stop-after", type=int, default=None,
                    help="stop (with a checkpoint, no export) after this many steps: simulates an interrupted run")
     return p.parse_args(argv)
@@ -453,7 +469,7 @@ def main(argv=None) -> dict:
 def _main(argv=None) -> dict:
     args = parse_args(argv)
     from tqdm import tqdm
-    from transformers import GenerationConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
 
     out = Path(args.out)
     work = Path(args.work_dir) if args.work_dir else out / "work"
@@ -620,9 +636,7 @@ def _main(argv=None) -> dict:
     model.config.use_cache = True
     model.config.dtype = "bfloat16"
     model.save_pretrained(str(out), safe_serialization=True)
-    gen = GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False,
-                           max_new_tokens=64)
-    gen.save_pretrained(str(out))
+    write_generation_config(out, eos_id, args)
     for f in tok_dir.iterdir():
         if f.is_file():
             shutil.copy(f, out / f.name)
