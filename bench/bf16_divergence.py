@@ -34,7 +34,7 @@ def main() -> None:
         prompt = [rng.randrange(V) for _ in range(args.prompt_len)]
         ref = plain.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=0.0).token_ids
         got = spec.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=0.0).token_ids
-        i, gap = tie_gap(plain, prompt, ref, got)
+        i, gap, _ = tie_gap(plain, prompt, ref, got)
         same = len(ref) if i is None else i
         tokens_same += same
         tokens_total += len(ref)

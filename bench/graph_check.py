@@ -90,7 +90,7 @@ def main() -> None:
                 tokens[name] += s["new_tokens"] - 1
                 stall[name] += s["decode_stall_s"]
                 compiled[name] = s["compiled"]
-                i, gap = tie_gap(plain, ids, ref, out.token_ids)
+                i, gap, _ = tie_gap(plain, ids, ref, out.token_ids)
                 if i is not None:
                     worst[name] = max(worst[name], abs(gap))
     base = decode["eager"] / tokens["eager"]

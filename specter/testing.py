@@ -73,10 +73,11 @@ def first_divergence(ref: list[int], got: list[int]) -> int | None:
     return None
 
 
-def tie_gap(engine, prompt: list[int], ref: list[int], got: list[int]) -> tuple[int | None, float]:
-    """Where `got` leaves `ref` (both continuations of `prompt`), and how far apart the two tokens
-    score there: the reference logit of ref's token minus that of got's, from one plain forward of
-    prompt + ref[:i] on `engine`'s model (fp32 logits). (None, 0.0) when they never diverge.
+def tie_gap(engine, prompt: list[int], ref: list[int], got: list[int]) -> tuple[int | None, float, float]:
+    """Where `got` leaves `ref` (both continuations of `prompt`), how far apart the two tokens
+    score there (the reference logit of ref's token minus that of got's, from one plain forward of
+    prompt + ref[:i] on `engine`'s model, fp32 logits), and that logit of ref's token.
+    (None, 0.0, 0.0) when they never diverge. `rounding_unit` turns the logit into a tolerance.
 
     A lossless decoder at 16-bit precision may only diverge where this gap is within rounding: a
     one-token step and a batched verification sum in different orders, so an exact-looking tie can
@@ -87,9 +88,20 @@ def tie_gap(engine, prompt: list[int], ref: list[int], got: list[int]) -> tuple[
 
     i = first_divergence(ref, got)
     if i is None:
-        return None, 0.0
+        return None, 0.0, 0.0
     dec = engine.decoder
     ids = list(prompt) + list(ref[:i])
     cache = KVCache(engine.spec, len(ids), engine.device, engine.dtype)
     logits = dec.model(torch.tensor(ids, device=engine.device), 0, cache, dec.experts, logits_for="last")[0]
-    return i, float(logits[ref[i]] - logits[got[i]])
+    return i, float(logits[ref[i]] - logits[got[i]]), float(logits[ref[i]])
+
+
+def rounding_unit(dtype, value: float) -> float:
+    """One unit in the last place of `dtype` at |value|: the spacing of representable numbers there.
+    A logit computed from a 16-bit hidden state is uncertain by about this much (bf16 at 6.35: 1/32)."""
+    import math
+
+    import torch
+
+    a = abs(value)
+    return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(a)) if a > 0 else torch.finfo(dtype).tiny
