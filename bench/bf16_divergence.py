@@ -29,24 +29,28 @@ def main() -> None:
     spec = specter.load(args.model, device="cpu", policy="specter", residency=args.residency, dtype=args.dtype)
     rng = random.Random(0)
     V = plain.spec.vocab_size
-    differ, tokens_same, tokens_total, gaps = 0, 0, 0, []
+    differ, tokens_same, tokens_total, gaps, units_all = 0, 0, 0, [], []
     for p in range(args.prompts):
         prompt = [rng.randrange(V) for _ in range(args.prompt_len)]
         ref = plain.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=0.0).token_ids
         got = spec.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=0.0).token_ids
-        i, gap, _ = tie_gap(plain, prompt, ref, got)
+        i, gap, noise = tie_gap(plain, prompt, ref, got)
         same = len(ref) if i is None else i
         tokens_same += same
         tokens_total += len(ref)
         if i is not None:
             differ += 1
+            units = abs(gap) / max(noise, 1e-12)
             gaps.append(gap)
-            print(f"prompt {p}: differs at token {i} of {len(ref)}; plain's logit gap there {gap:.4f}")
+            units_all.append(units)
+            print(f"prompt {p}: differs at token {i} of {len(ref)}; plain's logit gap there {gap:.4f} "
+                  f"(rounding noise there {noise:.4f}: gap = {units:.2f}x noise)")
         else:
             print(f"prompt {p}: identical ({len(ref)} tokens)")
     print(f"{args.dtype}: {differ} of {args.prompts} continuations differ from plain decoding; "
           f"{tokens_same} of {tokens_total} tokens before the first difference; "
-          f"largest gap at a difference {max(gaps, default=0.0):.4f}")
+          f"largest gap at a difference {max(gaps, default=0.0):.4f} "
+          f"(at most {max(units_all, default=0.0):.2f}x the rounding noise at that position)")
     plain.close()
     spec.close()
 

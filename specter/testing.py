@@ -74,14 +74,18 @@ def first_divergence(ref: list[int], got: list[int]) -> int | None:
 
 
 def tie_gap(engine, prompt: list[int], ref: list[int], got: list[int]) -> tuple[int | None, float, float]:
-    """Where `got` leaves `ref` (both continuations of `prompt`), how far apart the two tokens
-    score there (the reference logit of ref's token minus that of got's, from one plain forward of
-    prompt + ref[:i] on `engine`'s model, fp32 logits), and that logit of ref's token.
-    (None, 0.0, 0.0) when they never diverge. `rounding_unit` turns the logit into a tolerance.
+    """Where `got` leaves `ref` (both continuations of `prompt`), how far apart the two tokens score
+    there, and how much rounding alone moves a logit there.
 
-    A lossless decoder at 16-bit precision may only diverge where this gap is within rounding: a
-    one-token step and a batched verification sum in different orders, so an exact-looking tie can
-    break either way, but a decisive token never changes."""
+    The gap is plain decoding's own: logits of ref's token minus got's after a prefill of the prompt
+    and one-token steps over ref[:i], exactly the order plain decoding summed in. The noise is the
+    largest difference over the vocabulary between those logits and one batched forward of the same
+    tokens (the order a verification sums in): at 16-bit precision it is the size of a tie, at fp32
+    about 1e-6. (None, 0.0, 0.0) when the continuations never diverge.
+
+    A lossless decoder at 16-bit precision may only diverge where the gap is within that noise: a
+    one-token step and a batched verification sum in different orders, so a near-tie can break
+    either way, but a decisive token never changes."""
     import torch
 
     from .layers import KVCache
@@ -91,17 +95,14 @@ def tie_gap(engine, prompt: list[int], ref: list[int], got: list[int]) -> tuple[
         return None, 0.0, 0.0
     dec = engine.decoder
     ids = list(prompt) + list(ref[:i])
-    cache = KVCache(engine.spec, len(ids), engine.device, engine.dtype)
-    logits = dec.model(torch.tensor(ids, device=engine.device), 0, cache, dec.experts, logits_for="last")[0]
-    return i, float(logits[ref[i]] - logits[got[i]]), float(logits[ref[i]])
 
+    def forward(chunks):  # one cache, the chunks in order; the last chunk's last logits
+        cache, start = KVCache(engine.spec, len(ids), engine.device, engine.dtype), 0
+        for c in chunks:
+            logits = dec.model(torch.tensor(c, device=engine.device), start, cache, dec.experts, logits_for="last")[0]
+            start += len(c)
+        return logits.float()
 
-def rounding_unit(dtype, value: float) -> float:
-    """One unit in the last place of `dtype` at |value|: the spacing of representable numbers there.
-    A logit computed from a 16-bit hidden state is uncertain by about this much (bf16 at 6.35: 1/32)."""
-    import math
-
-    import torch
-
-    a = abs(value)
-    return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(a)) if a > 0 else torch.finfo(dtype).tiny
+    stepped = forward([list(prompt)] + [[t] for t in ref[:i]])
+    batched = forward([ids])
+    return i, float(stepped[ref[i]] - stepped[got[i]]), float((stepped - batched).abs().max())

@@ -15,12 +15,13 @@ import torch
 import torch.nn.functional as F
 
 import specter
-from specter.testing import rounding_unit, tie_gap
+from specter.testing import tie_gap
 
-# A logit computed from a bf16 hidden state is uncertain by about one bf16 unit at its magnitude (1/32 at
-# 6.35): differing there is a tie (the bundled model has three-way ties within 0.05 at logit 6.35);
-# a decisive token wins by ~1 (dozens of units)
-TIE_ULPS = 2
+# A tie: plain decoding's gap between the two tokens is within TIE_NOISE times what summing the same tokens
+# in the other order (one batched forward) moves a logit there. The noise is one sample of the rounding
+# (verification batches in yet another order): the bundled model's differences measured 0.03-2.3x it
+# (bench/bf16_divergence.py --prompts 24), hence 4. A decisive token wins by ~1, far beyond that.
+TIE_NOISE = 4.0
 
 
 def test_head_is_fp32_and_chunking_changes_nothing(tiny):
@@ -48,9 +49,8 @@ def test_speculation_at_bf16_differs_only_at_ties():
             ref = plain.generate(prompt, max_new_tokens=64, temperature=0.0).token_ids
             out = spec.generate(prompt, max_new_tokens=64, temperature=0.0)
             drafted += out.stats["drafted_tokens"]
-            i, gap, logit = tie_gap(plain, prompt, ref, out.token_ids)
-            # within rounding of the 16-bit hidden state the logits come from (TIE_ULPS units at the logit)
-            assert i is None or abs(gap) <= TIE_ULPS * rounding_unit(torch.bfloat16, logit), (prompt, i, gap, logit)
+            i, gap, noise = tie_gap(plain, prompt, ref, out.token_ids)
+            assert i is None or abs(gap) <= TIE_NOISE * noise, (prompt, i, gap, noise)
     finally:
         plain.close()
         spec.close()
@@ -64,6 +64,6 @@ def test_tie_gap_sees_a_decisive_difference(tiny):
     prompt = [1, 5, 9, 33]
     ref = engine.generate(prompt, max_new_tokens=6).token_ids
     wrong = ref[:3] + [(ref[3] + 1) % engine.spec.vocab_size] + ref[4:]
-    i, gap, logit = tie_gap(engine, prompt, ref, wrong)
-    assert i == 3 and gap > TIE_ULPS * rounding_unit(torch.bfloat16, logit), (gap, logit)
+    i, gap, noise = tie_gap(engine, prompt, ref, wrong)
+    assert i == 3 and gap > max(TIE_NOISE * noise, 0.5), (gap, noise)
     assert tie_gap(engine, prompt, ref, ref) == (None, 0.0, 0.0)
