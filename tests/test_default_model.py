@@ -116,11 +116,7 @@ def test_greedy_continuation_of_readme_prompt_is_code_not_a_one_token_loop(hf):
     """README's first prompt: the greedy continuation is indented Python with some variety (the old model
     repeated one call for all 64 tokens: distinct 4-gram share 0.2)."""
     tok, model = hf
-    sys.path.insert(0, str(RECIPE_DIR))
-    try:
-        from eval_default import distinct_ngrams
-    finally:
-        sys.path.remove(str(RECIPE_DIR))
+    distinct_ngrams = _bench_module("eval_default").distinct_ngrams
     ids = tok("def add(a, b):", add_special_tokens=False)["input_ids"]
     new = hf_greedy(model, tok, ids, 64)
     text = tok.decode(new)
@@ -135,13 +131,19 @@ TINY = ["--max-files", "8", "--vocab-size", "300", "--hidden", "32", "--layers",
         "--no-progress", "--threads", "2"]
 
 
-def _recipe():
+def _bench_module(name: str):
+    """A script of bench/models imported as a module (they import each other by name)."""
+    import importlib
+
     sys.path.insert(0, str(RECIPE_DIR))
     try:
-        import train_default
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(RECIPE_DIR))
-    return train_default
+
+
+def _recipe():
+    return _bench_module("train_default")
 
 
 def test_recipe_end_to_end_tiny(tmp_path):

@@ -30,6 +30,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import train_default as recipe  # noqa: E402
 
+from specter.generation_defaults import describe, read_generation_defaults  # noqa: E402
+from specter.sampling import SamplingParams  # noqa: E402
+
 REPO = HERE.parents[1]
 DEFAULT_MODEL = REPO / "specter" / "default_model"
 PROMPTS = [  # fixed and varied: the README's first prompt, then definitions, statements and idioms
@@ -283,20 +286,11 @@ is given (`--greedy` for greedy decoding, which the losslessness tests use).
 """
 
 
-def _settings(gc) -> str:
-    if gc is None:
-        return "greedy decoding"
-    parts = [f"temperature {gc.temperature}", f"top_p {gc.top_p}", f"top_k {gc.top_k}"]
-    if getattr(gc, "repetition_penalty", 1.0) not in (None, 1.0):
-        parts.append(f"repetition_penalty {gc.repetition_penalty}")
-    return ", ".join(parts)
-
-
 def _mean(rows: list[dict], key: str) -> float:
     return sum(r[key] for r in rows) / max(1, len(rows))
 
 
-def build_card(model_dir: Path, ho: dict, va: dict, greedy: list[dict], sampled: list[dict], gc,
+def build_card(model_dir: Path, ho: dict, va: dict, greedy: list[dict], sampled: list[dict], sampling: str,
                summary: dict | None, eval_cmd: str) -> str:
     from transformers import AutoConfig
 
@@ -353,7 +347,7 @@ def build_card(model_dir: Path, ho: dict, va: dict, greedy: list[dict], sampled:
         n_packages=sum(1 for k, v in sources.items() if k != "stdlib" and v.get("files")),
         cap_mb=recipe.PACKAGE_CAP_BYTES / 1e6, stdlib_test_mb=recipe.STDLIB_TEST_CAP_BYTES / 1e6,
         greedy_d4=_mean(greedy, "distinct4"), greedy_len=_mean(greedy, "tokens"),
-        sampled_d4=_mean(sampled, "distinct4"), sampled_len=_mean(sampled, "tokens"), sampling=_settings(gc),
+        sampled_d4=_mean(sampled, "distinct4"), sampled_len=_mean(sampled, "tokens"), sampling=sampling,
         last_seed=SAMPLE_SEED + len(PROMPTS) - 1, goal_top1=GOALS["heldout_top1"], goal_d4=GOALS["greedy_distinct4"],
         greedy_md=cont_md["greedy"], sampled_md=cont_md["sampled"],
     )
@@ -392,9 +386,10 @@ def main(argv=None) -> dict:
           f"top1 {va['top1']:.4f}", flush=True)
 
     gc = sampling_settings(model_dir)
+    sampling = describe(SamplingParams(**read_generation_defaults(model_dir)))  # as `specter generate` reports it
     greedy = continuations(model, tok)
     sampled = continuations(model, tok, gc) if gc is not None else []
-    for name, rows in (("greedy", greedy), (f"sampled ({_settings(gc)})", sampled)):
+    for name, rows in (("greedy", greedy), (f"sampled ({sampling})", sampled)):
         for r in rows:
             print(f"---- {name} {r['prompt']!r} distinct4 {r['distinct4']:.3f}\n{r['prompt']}{r['text']}", flush=True)
         if rows:
@@ -403,13 +398,13 @@ def main(argv=None) -> dict:
 
     summary = json.loads(Path(args.summary).read_text()) if args.summary else None
     eval_cmd = "python bench/models/eval_default.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    result = {"heldout": ho, "val": va, "greedy": greedy, "sampled": sampled, "sampling": _settings(gc),
+    result = {"heldout": ho, "val": va, "greedy": greedy, "sampled": sampled, "sampling": sampling,
               "greedy_distinct4": _mean(greedy, "distinct4"),
               "sampled_distinct4": _mean(sampled, "distinct4") if sampled else None, "eval_command": eval_cmd}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.write_card:
-        (model_dir / "README.md").write_text(build_card(model_dir, ho, va, greedy, sampled, gc, summary, eval_cmd))
+        (model_dir / "README.md").write_text(build_card(model_dir, ho, va, greedy, sampled, sampling, summary, eval_cmd))
         print(f"[card] wrote {model_dir / 'README.md'}", flush=True)
     return result
 
