@@ -78,7 +78,7 @@ def main() -> None:
     tokens = {k: 0 for k in engines}
     stall = {k: 0.0 for k in engines}
     compiled = {}
-    worst = {k: 0.0 for k in engines}
+    worst = {k: 0.0 for k in engines}  # largest gap / rounding noise where tokens part (a tie: <= 4)
     for _ in range(args.repeat):
         for prompt in DEFAULT_PROMPTS:
             ids = plain.encode(prompt)
@@ -90,14 +90,15 @@ def main() -> None:
                 tokens[name] += s["new_tokens"] - 1
                 stall[name] += s["decode_stall_s"]
                 compiled[name] = s["compiled"]
-                i, gap, _ = tie_gap(plain, ids, ref, out.token_ids)
+                i, gap, noise = tie_gap(plain, ids, ref, out.token_ids)
                 if i is not None:
-                    worst[name] = max(worst[name], abs(gap))
+                    worst[name] = max(worst[name], abs(gap) / max(noise, 1e-12))
     base = decode["eager"] / tokens["eager"]
     for name in engines:
         tpot = decode[name] / tokens[name]
         print(f"{name:<24} TPOT {tpot * 1e3:7.2f} ms  x{base / tpot:5.2f} vs eager  stall {stall[name]:.3f} s  "
-              f"compiled {compiled[name]}  largest logit gap where tokens part from resident {worst[name]:.4f}")
+              f"compiled {compiled[name]}  where tokens part from resident, largest gap {worst[name]:.2f}x the "
+              f"rounding noise (tests/test_bf16.py's tie: <= 4)")
     for e in list(engines.values()) + [plain]:
         e.close()
 
