@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -69,6 +70,25 @@ def capture_check_backend(found: list[str], graphs: list | None = None):
         return make_boxed_func(gm.forward)
 
     return aot_autograd(fw_compiler=fw)
+
+
+_copies = itertools.count(1)
+
+
+def own_code(method):
+    """`method` (bound) re-made on a copy of its code object, named apart (`_step_greedy#2`). Dynamo
+    keys its compiled graphs and its recompile limit (8) on the code object, and its memory of
+    which dims vary (automatic dynamic shapes) on the code's file, line and name, so every instance
+    of a class that compiles its own methods (one per engine; tests build many models in one
+    process) would otherwise share one cache, recompile against the others' guards, and see a
+    model's constants (head counts) turned symbolic because another model had other ones."""
+    import types
+
+    fn = method.__func__
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}#{next(_copies)}")
+    own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    own.__qualname__, own.__kwdefaults__ = fn.__qualname__, fn.__kwdefaults__
+    return types.MethodType(own, method.__self__)
 
 
 _READS = {"item", "tolist", "cpu", "__bool__", "__int__", "__float__", "__index__"}

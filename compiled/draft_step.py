@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specter.compiled.capture import own_code
 from specter.layers import KVCache
 from specter.model import MoETransformer
 from specter.moe import ExpertWeights
@@ -125,7 +126,7 @@ class DraftStep:
                 torch._dynamo.mark_static_address(t)
             kw = dict(fullgraph=True, mode=mode) if backend is None else \
                 dict(fullgraph=True, backend=backend)
-            fns = tuple(torch.compile(f, **kw) for f in fns)
+            fns = tuple(torch.compile(own_code(f), **kw) for f in fns)
         self._greedy, self._sampled = fns
 
     @property

@@ -118,15 +118,15 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         mgr.warm()
         decoder = _decoder(policy, shared, mgr, k_max)
         if hasattr(decoder, "draft"):
-            decoder.draft_step = _draft_step(model, decoder.draft, compile, device)
+            decoder.draft_step, decoder.verify_step = _compiled_steps(model, decoder.draft, compile, device, k_max)
     engine = Engine(model, experts, shared.tokenizer, path=path, device=device, dtype=dt, policy=policy,
                     decoder=decoder, generation_defaults=defaults)
     engine.plan, engine.shared = plan, shared
     return engine
 
 
-def _draft_step(model, draft, compile: bool | None, device: torch.device):
-    """The sync-free draft step the speculative decoder runs, or None for the eager draft.
+def _compiled_steps(model, draft, compile: bool | None, device: torch.device, k_max: int):
+    """(draft step, verify step) the speculative decoder runs, or (None, None) for eager ones.
 
     CUDA: compiled with CUDA graphs unless compile=False (a compile that fails at load falls back
     to the eager draft with a warning when compile was not asked for explicitly). CPU: only with
@@ -134,24 +134,34 @@ def _draft_step(model, draft, compile: bool | None, device: torch.device):
     at 25% residency and 9-28% at 50%, for a 20-60 s compile at every load on two cores; a CLI that
     loads per command loses more than it gains, so it is not the CPU default. The sync-free step
     run eagerly is no win on CPU either (0.94-1.11x the eager draft's TPOT: it attends over the
-    whole static cache)."""
+    whole static cache). The verifier's pieces (compiled/verify_step.py) compile with it: see
+    docs/ARCHITECTURE.md for what they measured on CPU."""
     if compile is False or (compile is None and device.type != "cuda"):
-        return None
-    print("specter: compiling the draft step (torch.compile; once per load, Inductor caches it)",
-          file=sys.stderr, flush=True)
+        return None, None
+    print("specter: compiling the draft step and the verifier (torch.compile; once per load, Inductor "
+          "caches it)", file=sys.stderr, flush=True)
     try:
-        return _compiled_draft_step(model, draft)
+        return _compiled_draft_step(model, draft), _compiled_verify_step(model, k_max)
     except Exception as e:  # noqa: BLE001 -- auto mode must never stop a load that works eagerly
         if compile:
             raise
-        warnings.warn(f"compiling the draft step failed ({type(e).__name__}: {e}); drafting eagerly")
-        return None
+        warnings.warn(f"compiling the draft step or the verifier failed ({type(e).__name__}: {e}); "
+                      "drafting and verifying eagerly")
+        return None, None
 
 
 def _compiled_draft_step(model, draft, compile: bool = True):
     from specter.compiled.draft_step import DraftStep, draft_layers
 
     step = DraftStep(model, draft_layers(draft), draft.lookahead, compile=compile)
+    step.warmup()
+    return step
+
+
+def _compiled_verify_step(model, k_max: int, compile: bool = True):
+    from specter.compiled.verify_step import VerifyStep
+
+    step = VerifyStep(model, k_max, compile=compile)
     step.warmup()
     return step
 

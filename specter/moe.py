@@ -118,12 +118,18 @@ class MoEBlock(nn.Module):
             return route_sparsemixer(logits, s.router_jitter)
         return route_softmax(logits, s.top_k, s.norm_topk_prob)
 
-    def forward(self, x: torch.Tensor, experts: ExpertProvider) -> torch.Tensor:
+    def prepare(self, x: torch.Tensor):
+        """Everything before the routed experts: x [T, H] -> shared expert output [T, H] (or None),
+        ids [T, k], weights [T, k]. The piecewise verifier captures this part (compiled/verify_step.py)."""
         shared = None
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(x)) * shared
         ids, w = self.route(x)
+        return shared, ids, w
+
+    def forward(self, x: torch.Tensor, experts: ExpertProvider) -> torch.Tensor:
+        shared, ids, w = self.prepare(x)
         y = experts(self.moe_index, x, ids, w)
         return y if shared is None else y + shared

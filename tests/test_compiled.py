@@ -1,13 +1,16 @@
-"""specter.compiled: the sync-free draft step under torch.compile(fullgraph=True), on CPU.
+"""specter.compiled: the sync-free draft step and the piecewise verifier under
+torch.compile(fullgraph=True), on CPU.
 
 1. Capture safety without a GPU: compiled through a backend that scans each ATen graph for what a
    CUDA graph cannot hold (host syncs, multinomial, device copies, ops on another device), the
-   step is one graph with none of them, greedy and sampled; nothing recompiles across
-   generations of other prompt lengths, K and sampling settings ("fail_on_recompile"); greedy
-   tokens equal resident decoding; out.stats["compiled"] says the draft ran compiled.
+   draft step is one graph with none of them, greedy and sampled, and the verifier's pieces two
+   each (width 1, then any width); nothing recompiles across generations of other prompt lengths,
+   K (0 included) and sampling settings ("fail_on_recompile"); greedy tokens equal resident
+   decoding; out.stats["compiled"] says which steps ran compiled. The verifier's pieces also on
+   the other layer kinds (MLA with a dense first layer and a shared expert; LayerNorm + biases).
 2. The scanner sees what it must (it can fail).
 3. Inductor (what compile=True runs): the step drafts what the eager draft drafts (tokens and
-   lookahead rows), and an engine built with compile=True is lossless.
+   lookahead rows), the verifier's logits are the eager forward's, and an engine on both is lossless.
 4. compile that is not a bool (or None: auto) is a clear error; auto leaves CPU engines eager.
 """
 from __future__ import annotations
@@ -19,6 +22,7 @@ import specter
 from specter import builder
 from specter.compiled.capture import capture_check_backend
 from specter.compiled.draft_step import DraftStep
+from specter.compiled.verify_step import VerifyStep
 from specter.errors import ConfigError
 from specter.layers import KVCache
 from specter.sampling import SamplingParams
@@ -35,26 +39,31 @@ def tiny_path(tmp_path_factory):
     return path
 
 
-def test_draft_step_captures_cleanly_and_never_recompiles(tiny_path):
+def test_draft_and_verify_steps_capture_cleanly_and_never_recompile(tiny_path):
     ref = specter.load(tiny_path, device="cpu", policy="resident")
     eng = specter.load(tiny_path, device="cpu", policy="specter", residency=0.5)
     found, graphs = [], []
     dec = eng.decoder
     dec.draft_step = DraftStep(dec.model, dec.draft.layers, dec.draft.lookahead, compile=True,
                                backend=capture_check_backend(found, graphs))
+    dec.verify_step = VerifyStep(dec.model, dec.governor.k_max, compile=True,
+                                 backend=capture_check_backend(found, graphs))
     try:
         dec.draft_step.warmup()
         assert len(graphs) == 2 and found == [], found  # greedy and sampled: one graph each, clean
+        dec.verify_step.warmup()
+        # embed, MoE-layer segment, head (no dense layer here): widths 1 and any, clean
+        assert len(graphs) == 2 + 3 * 2 and found == [], found
         with torch.compiler.set_stance("fail_on_recompile"):
-            for prompt, n, k in ((PROMPT, 30, 3), (PROMPT[:3], 17, 6), (PROMPT * 3, 24, 5)):
+            for prompt, n, k in ((PROMPT, 9, 0), (PROMPT, 30, 3), (PROMPT[:3], 17, 6), (PROMPT * 3, 24, 5)):
                 dec.governor.fixed = k
                 out = eng.generate(prompt, max_new_tokens=n)
                 assert out.token_ids == ref.generate(prompt, max_new_tokens=n).token_ids, (prompt, n, k)
-                assert out.stats["compiled"] == ["draft"]
+                assert out.stats["compiled"] == (["draft", "verify"] if k else ["verify"])
             for t, top_k, top_p in ((0.7, 0, 1.0), (1.3, 5, 0.9)):
                 out = eng.generate(PROMPT, max_new_tokens=12, temperature=t, top_k=top_k, top_p=top_p, seed=1)
                 assert out.stats["drafted_tokens"] > 0
-        assert len(graphs) == 2 and found == [], found
+        assert len(graphs) == 8 and found == [], found
     finally:
         eng.close()
         ref.close()
@@ -71,9 +80,43 @@ def test_the_scanner_catches_graph_breakers():
         assert any(op in f for f in found), (op, found)
 
 
-def test_inductor_step_drafts_what_the_eager_draft_drafts(tiny_path):
+@pytest.mark.parametrize("arch", ["deepseek_v2", "phimoe"])
+def test_verify_pieces_compute_the_forward_on_every_layer_kind(arch, tmp_path):
+    """MLA attention, a dense first layer and a shared expert (deepseek_v2); LayerNorm, biases and
+    the sparsemixer router (phimoe): the pieces are clean graphs, give the forward's logits and
+    tokens at every width, and recompile for neither a width nor a longer cache."""
+    from specter.testing import make_tiny_checkpoint
+
+    make_tiny_checkpoint(tmp_path, arch, eos_token_id=None)
+    eng = specter.load(tmp_path, device="cpu", policy="resident")
+    model, experts = eng.decoder.model, eng.decoder.experts
+    found, graphs = [], []
+    step = VerifyStep(model, 8, compile=True, backend=capture_check_backend(found, graphs))
+    step.warmup()
+    pieces = len(graphs)
+    assert pieces == 2 * (4 if model.spec.n_moe_layers < model.spec.n_layers else 3) and found == [], found
+    n = len(PROMPT)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for max_len in (n + 9 + step.headroom, 64):
+            caches = [KVCache(model.spec, max_len, eng.device, eng.dtype) for _ in range(2)]
+            for c in caches:
+                model(torch.tensor(PROMPT), 0, c, experts)
+            for T in (1, 2, 5, 9):
+                toks = torch.arange(T) + 3
+                want = model(toks, n, caches[0], experts)
+                got = step.step(toks, n, caches[1], experts)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                assert torch.equal(got.argmax(-1), want.argmax(-1)), (arch, max_len, T)
+    assert len(graphs) == pieces and found == [], found
+    with pytest.raises(IndexError, match="headroom"):
+        step.step(torch.arange(3), 62, caches[1], experts)  # padded to 4: past the cache's 64 rows
+    eng.close()
+
+
+def test_inductor_steps_compute_what_the_eager_ones_do(tiny_path):
     """The real compile (Inductor), greedy only to keep CI short: per step the same drafted token
-    and lookahead row as the eager INT4 draft, then a lossless engine on it."""
+    and lookahead row as the eager INT4 draft; the verifier's logits those of the eager forward;
+    then a lossless engine on both."""
     eng = specter.load(tiny_path, device="cpu", policy="specter", residency=0.5)
     dec = eng.decoder
     try:
@@ -94,13 +137,23 @@ def test_inductor_step_drafts_what_the_eager_draft_drafts(tiny_path):
             assert la.read_host(i, i + 1) == [want_ids.tolist()]  # published to the host mirror
             torch.testing.assert_close(caches[1].k[0][:, n + i], caches[0].k[0][:, n + i], rtol=1e-5, atol=1e-5)
         dec.draft.row = None
+        verify = VerifyStep(model, dec.governor.k_max, compile=True)
+        verify.warmup()
+        cache = KVCache(model.spec, 48, dec.device, dec.dtype)
+        model(torch.tensor(PROMPT), 0, cache, dec.target)
+        for T in (1, 4, 7):
+            toks = torch.arange(T) + 11
+            want = model(toks, n, caches[0], dec.target)
+            got = verify.step(toks, n, cache, dec.target)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(got.argmax(-1), want.argmax(-1)), T
         ref = specter.load(tiny_path, device="cpu", policy="resident")
-        dec.draft_step = step
+        dec.draft_step, dec.verify_step = step, verify
         with torch.compiler.set_stance("fail_on_recompile"):
             for m in (25, 90):  # two generations; the second grows the KV cache (a dynamic length)
                 out = eng.generate(PROMPT, max_new_tokens=m)
                 assert out.token_ids == ref.generate(PROMPT, max_new_tokens=m).token_ids, m
-                assert out.stats["compiled"] == ["draft"]
+                assert out.stats["compiled"] == ["draft", "verify"]
         ref.close()
     finally:
         eng.close()
@@ -110,7 +163,7 @@ def test_compile_not_a_bool_is_a_clear_error_and_auto_is_off_on_cpu(tiny_path):
     with pytest.raises(ConfigError, match="compile must be True, False or None"):
         builder.build_engine(tiny_path, torch.device("cpu"), policy="specter", compile="yes")
     eng = specter.load(tiny_path, device="cpu", policy="specter", residency=0.5)
-    assert eng.decoder.draft_step is None  # auto: compiled on CUDA only (see builder._draft_step)
+    assert eng.decoder.draft_step is None and eng.decoder.verify_step is None  # auto: CUDA only (builder._compiled_steps)
     eng.close()
 
 
@@ -125,6 +178,8 @@ def test_bench_cli_compile_flag(tiny_path, capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(builder, "_compiled_draft_step",
                         lambda model, draft, compile=True: built.append(compile) or DraftStep(
                             model, draft.layers, draft.lookahead, compile=False))
+    monkeypatch.setattr(builder, "_compiled_verify_step",
+                        lambda model, k_max, compile=True: built.append(k_max) or VerifyStep(model, k_max))
     prompts = tmp_path / "prompts.json"  # the tiny checkpoint ships no tokenizer: token-id prompts
     prompts.write_text(json.dumps([PROMPT, [3, 60, 7]]))
     rc = main(["bench", "--model", str(tiny_path), "--device", "cpu", "--policies", "on-demand,specter",
@@ -134,7 +189,7 @@ def test_bench_cli_compile_flag(tiny_path, capsys, tmp_path, monkeypatch):
     assert rc == 0, out
     pols = json.loads(out)["policies"]
     assert pols["specter"]["lossless_vs_on-demand"] is True and pols["specter"]["drafted_tokens"] > 0
-    assert built == [True]  # the specter engine's draft, and nothing for on-demand
+    assert built == [True, 4]  # the specter engine's draft and verifier, and nothing for on-demand
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=0.7), dict(temperature=1.3, top_k=5), dict(temperature=1.0, top_p=0.8),

@@ -2,7 +2,7 @@
 
 `HostReads` counts every read of a tensor value by the host (item, int, bool, tolist, cpu,
 device-to-host copies): on CUDA each one stalls until the GPU queue drains. With the sync-free
-draft step (compiled/draft_step.py):
+draft step (compiled/draft_step.py) and the piecewise verifier (compiled/verify_step.py):
   - K draft steps make zero reads (greedy and sampled): tokens stay on the device, lookahead rows
     reach the planner through the host mirror;
   - verification reads at most one small routing tensor per MoE layer, acceptance exactly one.
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import specter
-from specter.builder import _compiled_draft_step
+from specter.builder import _compiled_draft_step, _compiled_verify_step
 from specter.compiled.capture import HostReads
 
 PROMPT = [1, 5, 9, 33, 2, 17, 4]
@@ -94,10 +94,11 @@ def count_phases(engine, monkeypatch, **gen):
 def test_sync_free_draft_makes_no_host_reads(engines, monkeypatch, sampling):
     ref, eng = engines
     eng.decoder.draft_step = _compiled_draft_step(eng.model, eng.decoder.draft, compile=False)
+    eng.decoder.verify_step = _compiled_verify_step(eng.model, K, compile=False)  # the verifier's pieces
     try:
         out, cycles = count_phases(eng, monkeypatch, **sampling)
     finally:
-        eng.decoder.draft_step = None
+        eng.decoder.draft_step = eng.decoder.verify_step = None
     assert len(cycles) >= 2
     moe_layers = eng.spec.n_moe_layers
     for c in cycles:

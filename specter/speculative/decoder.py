@@ -41,6 +41,7 @@ class SpeculativeDecoder:
                                                 # not a win on balance yet, see docs/ARCHITECTURE.md)
         self.plan_backlog = 1                   # plan again when at most this many copies are queued
         self.draft_step = None                  # a sync-free draft step (specter.compiled.draft_step), if any
+        self.verify_step = None                 # a piecewise-compiled verifier (specter.compiled.verify_step), if any
         self.reset_stats()
 
     @property
@@ -50,7 +51,8 @@ class SpeculativeDecoder:
     def run(self, prompt: list[int], params: SamplingParams, max_new: int) -> Iterator[list[int]]:
         # no scratch beyond the plan's context: K <= remaining - 1 keeps drafts and verification inside
         # positions [0, len(prompt) + max_new - 1)
-        cache = self._kv_cache(len(prompt) + max_new)
+        headroom = self.verify_step.headroom if self.verify_step is not None else 0  # it pads to a width bucket
+        cache = self._kv_cache(len(prompt) + max_new + headroom)
         gen = params.generator(self.device)
         hist = params.history(prompt, self.device)  # what penalties look at
         logits = self.model(torch.tensor(prompt, device=self.device), 0, cache, self.target, logits_for="last")
@@ -104,7 +106,11 @@ class SpeculativeDecoder:
         use_fallback = k == 0 and self.fallback is not None and self.plain.pick()
         self.target.next_layer_router = self.fallback if use_fallback else None
         with span("verify"):
-            logits = self.model(tokens, n, cache, self.target)   # [K+1, V]
+            if self.verify_step is not None:
+                logits = self.verify_step.step(tokens, n, cache, self.target)  # [K+1, V]
+                self._step_verified += 1
+            else:
+                logits = self.model(tokens, n, cache, self.target)   # [K+1, V]
         self.target.next_layer_router = None
         if self.planner is not None:
             self.planner.end_cycle()
@@ -209,6 +215,7 @@ class SpeculativeDecoder:
         self._stats = dict(cycles=0, drafted_tokens=0, truncated_tokens=0, accepted_tokens=0, rejections=0,
                            draft_s=0.0, verify_s=0.0, recall_hits=0, recall_total=0, k_histogram=Counter())
         self._step_drafted = 0  # tokens drafted by draft_step (it does not run with penalties)
+        self._step_verified = 0  # verifications verify_step ran
 
     def stats(self) -> dict:
         s = {**self.target.stats(), **self._stats}
@@ -220,7 +227,9 @@ class SpeculativeDecoder:
         s.update(acceptance_stats(s["accepted_tokens"], s["drafted_tokens"], s["rejections"], spec_cycles))
         prefetched = self.planner is not None and s.get("prefetch_issued")  # spec-lru never prefetches
         s["prefetch_recall"] = s["recall_hits"] / s["recall_total"] if prefetched and s["recall_total"] else None
-        s["compiled"] = ["draft"] if self._step_drafted and getattr(self.draft_step, "compiled", False) else []
+        s["compiled"] = [name for name, ran, step in (("draft", self._step_drafted, self.draft_step),
+                                                      ("verify", self._step_verified, self.verify_step))
+                         if ran and getattr(step, "compiled", False)]
         return s
 
     def close(self) -> None:

@@ -1,0 +1,176 @@
+"""Verification in pieces: the target's forward compiled between its MoE layers.
+
+A verification runs the target over T = K+1 tokens at positions n .. n+K. Everything but the routed
+experts is static work, so it is compiled (torch.compile, fullgraph; CUDA graphs on CUDA) in
+segments; each MoE layer's routed experts run eagerly between two segments, through the offload
+manager (its one small routing read, its waits for late copies) and the fused MoE op:
+
+    tokens [T] -> padded to a width bucket W (1, 2, 4, 8, 16, ..., K_max+1)     rows T..W-1: scratch
+    enter         embed [W, H]; cos/sin of positions base + arange(W)           (base: 0-d, on the device)
+    per layer l   dense: x = layer(x + mlp_out)                                   -> x [W, H]
+                  MoE:   x += mlp_out; x += attn(norm(x)); h = norm2(x);          -> x, h [W, H], ids/w [W, k],
+                         shared expert(h); router(h)                                 shared [W, H] | None
+                         then eagerly: y = experts(moe, h[:T], ids[:T], w[:T])     (the real rows only)
+                                       mlp_out = pad(y, W) (+ shared)
+    head          x += mlp_out; fp32 norm + lm_head -> logits [W, V] -> [:T]
+
+One traced function per kind of piece serves every layer: a segment takes the layer's K/V buffers
+(`LayerKV`), not the cache object, so the layer index is never a constant of the graph. The width
+is dynamic after W = 1 (Dynamo's automatic dynamic shapes: two graphs per piece, W = 1 and W >= 2);
+on CUDA the buckets bound how many CUDA graphs are recorded (one per width and piece). KV is
+written at base + i for all W rows, so the cache needs W - 1 rows of headroom past n + T (`headroom`);
+rows past n + T are scratch, as a rejected draft's are, and every query attends only positions up to
+its own, so padding never reaches a real row. Attention masks the whole static buffer by position
+(as the draft step does), so nothing depends on a host integer.
+
+Outputs a later replay overwrites (CUDA graphs) are cloned before the next piece runs; on CPU
+nothing is replayed and nothing is cloned.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specter.compiled.capture import own_code
+from specter.layers import KVCache
+from specter.model import MoETransformer
+from specter.moe import ExpertProvider
+from specter.profiling import span
+
+
+def width_buckets(k_max: int) -> tuple[int, ...]:
+    """Verification widths the step pads to: powers of two below K_max+1, then K_max+1 itself."""
+    top, w, out = k_max + 1, 1, []
+    while w < top:
+        out.append(w)
+        w *= 2
+    return tuple(out) + (top,)
+
+
+class LayerKV(KVCache):
+    """One layer's K/V buffers seen as a cache: what a segment's attention writes. The layer index
+    the attention module passes is ignored, so one graph serves every layer."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, max_len: int):
+        self.k, self.v, self.max_len = [k], [v], max_len
+
+    def update(self, layer: int, start, k: torch.Tensor, v: torch.Tensor | None):
+        return super().update(0, start, k, v)
+
+
+class VerifyStep:
+    """`step(tokens [T], n, cache, experts) -> logits [T, V]` (fp32): the target's forward at positions
+    n .. n+T-1, as `MoETransformer.forward` computes it, with the non-expert work compiled.
+
+    compile=False runs the same pieces eagerly (the reference for tests); compile=True runs them
+    under torch.compile(fullgraph=True): Inductor on CPU, mode="reduce-overhead" (CUDA graphs) on
+    CUDA. `backend` overrides (tests pass a capture-checking one)."""
+
+    def __init__(self, model: MoETransformer, k_max: int, *, compile: bool = False, backend=None,
+                 mode: str | None = None):
+        p = next(model.parameters())
+        dev, H = p.device, model.spec.hidden
+        self.model, self.compiled = model, compile
+        self.buckets = width_buckets(k_max)
+        self.headroom = self.buckets[-1] - 1      # KV rows written past n + T at most
+        self.graphs = compile and (mode == "reduce-overhead" or (mode is None and backend is None and dev.type == "cuda"))
+        W = self.buckets[-1]
+        self.tokens = torch.zeros(W, dtype=torch.int64, device=dev)      # the padded input
+        self.base = torch.zeros((), dtype=torch.int64, device=dev)       # position of tokens[0]
+        self.zeros = torch.zeros(W, H, dtype=p.dtype, device=dev)        # the first segment's mlp_out
+        self._cache, self._kv = None, []
+        fns = (self._enter, self._dense, self._moe_in, self._head)
+        if compile:
+            for t in (self.tokens, self.base, self.zeros):
+                torch._dynamo.mark_static_address(t)
+            kw = dict(fullgraph=True, backend=backend) if backend is not None else \
+                dict(fullgraph=True, mode="reduce-overhead" if self.graphs else mode)
+            fns = tuple(torch.compile(own_code(f), **kw) for f in fns)
+        self.enter, self.dense, self.moe_in, self.head = fns
+
+    # --------------------------------------------------------------------- the traced pieces
+    def _enter(self, tokens):
+        x = self.model.model.embed_tokens(tokens)                                 # [W, H]
+        pos = torch.arange(tokens.shape[0], device=tokens.device) + self.base     # [W]
+        cos, sin = self.model.rope.cos_sin(pos, x.dtype)
+        return x, cos, sin
+
+    def _dense(self, layer, x, mlp_out, cos, sin, kv: LayerKV):
+        return layer(x + mlp_out, self.model.rope, cos, sin, kv, self.base, None)  # [W, H]
+
+    def _moe_in(self, layer, x, mlp_out, cos, sin, kv: LayerKV):
+        x = x + mlp_out
+        x = x + layer.self_attn(layer.input_layernorm(x), self.model.rope, cos, sin, kv, self.base)
+        h = layer.post_attention_layernorm(x)
+        shared, ids, w = layer.mlp.prepare(h)
+        return x, h, ids, w, shared
+
+    def _head(self, x, mlp_out):
+        return self.model.logits(x + mlp_out)                                      # [W, V] fp32
+
+    # ------------------------------------------------------------------------------ host API
+    def width(self, T: int) -> int:
+        for w in self.buckets:
+            if w >= T:
+                return w
+        raise ValueError(f"verification of {T} tokens exceeds the largest width bucket {self.buckets[-1]}")
+
+    def _layer_kv(self, cache: KVCache) -> list[LayerKV]:
+        if cache is not self._cache:  # a new cache: its length is symbolic, not a recompile
+            if self.compiled:
+                for t in cache.k + cache.v:
+                    torch._dynamo.mark_dynamic(t, 1)
+                    torch._dynamo.mark_static_address(t)
+            self._kv = [LayerKV(k, v, cache.max_len) for k, v in zip(cache.k, cache.v)]
+            self._cache = cache
+        return self._kv
+
+    def _out(self, t):
+        """A piece's output, cloned when the next replay of a CUDA graph would overwrite it."""
+        if not self.graphs or t is None:
+            return t
+        return t.clone()
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, n: int, cache: KVCache, experts: ExpertProvider) -> torch.Tensor:
+        T = tokens.shape[0]
+        W = self.width(T)
+        if n + W > cache.max_len:
+            raise IndexError(f"positions up to {n + W} exceed the KV cache ({cache.max_len}): "
+                             f"verification pads to {W} and needs {self.headroom} rows of headroom")
+        kv = self._layer_kv(cache)
+        self.tokens[:T].copy_(tokens)  # host-to-device at most (tokens built on the host): no sync
+        self.base.fill_(n)
+        mark = torch.compiler.cudagraph_mark_step_begin if self.graphs else (lambda: None)
+        mark()
+        x, cos, sin = map(self._out, self.enter(self.tokens[:W]))
+        mlp_out = self.zeros[:W]
+        model = self.model.model
+        for layer, name, lkv in zip(model.layers, model.span_names, kv):
+            with span(name):
+                mark()
+                if not layer.is_moe:
+                    x = self._out(self.dense(layer, x, mlp_out, cos, sin, lkv))
+                    mlp_out = self.zeros[:W]
+                    continue
+                x, h, ids, w, shared = map(self._out, self.moe_in(layer, x, mlp_out, cos, sin, lkv))
+                y = experts(layer.mlp.moe_index, h[:T], ids[:T], w[:T])          # [T, H], eagerly
+                mlp_out = F.pad(y, (0, 0, 0, W - T)) if W > T else y
+                if shared is not None:
+                    mlp_out = mlp_out + shared
+        mark()
+        return self._out(self.head(x, mlp_out))[:T]                             # [T, V]
+
+    def warmup(self, cache_len: int = 64) -> None:
+        """Compile every piece now (widths 1 and 2: the second makes the width dynamic, so no later
+        width recompiles), on a scratch cache with stand-in experts (zeros: the offload manager is
+        not touched), so the first generation's timings exclude it."""
+        p = next(self.model.parameters())
+        cache = KVCache(self.model.spec, max(cache_len, 3 + self.buckets[-1]), p.device, p.dtype)
+        for T in (1, 2, 3):
+            self.step(torch.zeros(T, dtype=torch.int64, device=p.device), 3, cache, _no_experts)
+        self._cache, self._kv = None, []
+
+
+def _no_experts(layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(x)
