@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, prepared to fit one device lease (15 minutes of device time in all; this takes
 # at most 10 after the machine starts). It runs the whole test suite where CUDA is present (the
-# CudaLink tests stop being skipped), the captured draft step (bench/graph_check.py: no host sync
+# CudaLink tests stop being skipped), the captured draft step and verifier (bench/graph_check.py: no host sync
 # under set_sync_debug_mode("error"), TPOT with and without CUDA graphs) and `specter bench` over
 # the real PCIe link, whose CUDA paths (CudaLink, the packed INT4 draft, the pinned host store,
 # stall_s from CUDA events) never run on the CPU CI, and bench/pinned_check.py: exact-size pinning
@@ -36,11 +36,12 @@ if [[ $CHECKS == *pytest* ]]; then
   (cd /tmp && timeout 200 python3 -m pytest -q -x -p no:cacheprovider "$REPO/tests" > "$OUT/pytest.log" 2>&1)
   echo "pytest exit $?"; tail -n 15 "$OUT/pytest.log"
 fi
-# the captured draft step: zero syncs under set_sync_debug_mode("error"), TPOT eager / compiled /
-# compiled + CUDA graphs, tokens against resident bf16 decoding (tie-aware)
+# the captured draft step and piecewise verifier: zero syncs under set_sync_debug_mode("error")
+# (draft steps; the verifier's pieces at every width), TPOT eager / compiled / CUDA graphs with the
+# eager verifier / CUDA graphs for both, tokens against resident bf16 decoding (tie-aware)
 if [[ $CHECKS == *graphs* ]]; then
-  (cd /tmp && timeout 180 python3 "$REPO/bench/graph_check.py" --residency 0.5 > "$OUT/graphs.txt" 2>&1)
-  echo "graph check exit $?"; tail -n 12 "$OUT/graphs.txt"
+  (cd /tmp && timeout 240 python3 "$REPO/bench/graph_check.py" --residency 0.5 > "$OUT/graphs.txt" 2>&1)
+  echo "graph check exit $?"; tail -n 14 "$OUT/graphs.txt"
 fi
 if [[ $CHECKS == *bench* ]]; then
   for r in 0.25 1.0; do

@@ -39,9 +39,11 @@ from specter.profiling import span
 
 
 def width_buckets(k_max: int) -> tuple[int, ...]:
-    """Verification widths the step pads to: powers of two below K_max+1, then K_max+1 itself."""
+    """Verification widths the step pads to: powers of two up to half of K_max+1, then K_max+1
+    itself (K_max 32: 1, 2, 4, 8, 16, 33, as the issue asked). Padding costs the non-expert pieces
+    only: the routed experts run on the real rows."""
     top, w, out = k_max + 1, 1, []
-    while w < top:
+    while 2 * w <= top:
         out.append(w)
         w *= 2
     return tuple(out) + (top,)
@@ -167,7 +169,7 @@ class VerifyStep:
         not touched), so the first generation's timings exclude it."""
         p = next(self.model.parameters())
         cache = KVCache(self.model.spec, max(cache_len, 3 + self.buckets[-1]), p.device, p.dtype)
-        for T in (1, 2, 3):
+        for T in (t for t in (1, 2, 3) if t <= self.buckets[-1]):
             self.step(torch.zeros(T, dtype=torch.int64, device=p.device), 3, cache, _no_experts)
         self._cache, self._kv = None, []
 

@@ -129,13 +129,13 @@ def _compiled_steps(model, draft, compile: bool | None, device: torch.device, k_
     """(draft step, verify step) the speculative decoder runs, or (None, None) for eager ones.
 
     CUDA: compiled with CUDA graphs unless compile=False (a compile that fails at load falls back
-    to the eager draft with a warning when compile was not asked for explicitly). CPU: only with
-    compile=True -- measured (bench/compile_speedup.py), the compiled step makes decode 4-9% faster
-    at 25% residency and 9-28% at 50%, for a 20-60 s compile at every load on two cores; a CLI that
-    loads per command loses more than it gains, so it is not the CPU default. The sync-free step
-    run eagerly is no win on CPU either (0.94-1.11x the eager draft's TPOT: it attends over the
-    whole static cache). The verifier's pieces (compiled/verify_step.py) compile with it: see
-    docs/ARCHITECTURE.md for what they measured on CPU."""
+    to the eager draft and verifier with a warning when compile was not asked for explicitly). CPU:
+    only with compile=True -- measured (bench/compile_speedup.py, bundled model), both compiled make
+    decode 23% faster at 25% and 50% residency (the verifier's pieces 8-10% of that), for a compile
+    at every load of 28 s cold and 5 s from Inductor's cache on two cores; a CLI that loads per
+    command loses more than it gains, so it is not the CPU default. The sync-free step run eagerly
+    is no win on CPU either (1.06-1.11x the eager draft's TPOT: it attends over the whole static
+    cache)."""
     if compile is False or (compile is None and device.type != "cuda"):
         return None, None
     print("specter: compiling the draft step and the verifier (torch.compile; once per load, Inductor "

@@ -52,8 +52,9 @@ def _model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
                    help="directory of the INT4 draft cache, or 'off' (default: $SPECTER_DRAFT_CACHE, else "
                         "~/.cache/specter/drafts)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the draft's one-token step with torch.compile (default: on CUDA, with CUDA "
-                        "graphs; off on CPU, where it costs 20-60 s at load for 4-28%% faster decode)")
+                   help="compile the draft's one-token step and the verifier's non-expert pieces with "
+                        "torch.compile (default: on CUDA, with CUDA graphs; off on CPU, where it costs 5-60 s "
+                        "at load for ~20%% faster decode)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

@@ -113,6 +113,15 @@ def test_verify_pieces_compute_the_forward_on_every_layer_kind(arch, tmp_path):
     eng.close()
 
 
+def test_width_buckets():
+    from specter.compiled.verify_step import width_buckets
+
+    assert width_buckets(32) == (1, 2, 4, 8, 16, 33) and width_buckets(4) == (1, 2, 5) and width_buckets(0) == (1,)
+    for k_max in range(40):  # sorted, the largest is every verification's K_max + 1
+        b = width_buckets(k_max)
+        assert list(b) == sorted(set(b)) and b[0] == 1 and b[-1] == k_max + 1
+
+
 def test_inductor_steps_compute_what_the_eager_ones_do(tiny_path):
     """The real compile (Inductor), greedy only to keep CI short: per step the same drafted token
     and lookahead row as the eager INT4 draft; the verifier's logits those of the eager forward;
