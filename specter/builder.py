@@ -22,7 +22,7 @@ from .offload.plan import make_plan
 from .offload.oracle import OracleDecoder
 from .offload.policies import NextLayerPrefetch
 from .speculative.decoder import SpeculativeDecoder
-from .speculative.draft import DraftExperts
+from .speculative.draft import DraftExperts, keep_packed
 from .speculative.draft_cache import draft_int4
 from .speculative.governor import Governor
 from .speculative.lookahead import Lookahead
@@ -190,7 +190,9 @@ def _draft(shared: Loaded, lookahead: Lookahead) -> DraftExperts:
     """The shared draft's INT4 experts (quantised on first use) behind this engine's own lookahead."""
     if shared.draft is None:
         int4 = draft_int4(shared.store, shared.ckpt.files.values(), shared.device, cache=shared.draft_cache)
-        shared.draft = DraftExperts(int4, lookahead, shared.device, shared.dtype, packed=shared.device.type == "cuda")
+        n = sum(ew.w13.numel() + ew.w2.numel() for ew in shared.store)
+        packed = keep_packed(shared.device, n, shared.dtype)
+        shared.draft = DraftExperts(int4, lookahead, shared.device, shared.dtype, packed=packed)
         return shared.draft
     draft = copy.copy(shared.draft)  # shares the quantised weights; lookahead and row are per engine
     draft.lookahead, draft.row = lookahead, None

@@ -78,10 +78,10 @@ def test_int4_bad_input_is_a_clear_error():
 
 
 # --------------------------------------------------------------------------------- the packed draft
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_packed_draft_runs_in_the_compute_dtype(dtype):
-    """The packed draft (CUDA's) at bf16/fp16: scales follow the compute dtype, and it computes
-    what the unpacked draft computes (both hold the same INT4 codes)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_packed_cpu_draft_is_the_dense_draft(dtype):
+    """The packed draft on CPU (what a big checkpoint's draft is) keeps fp32 scales and dequantizes
+    each expert it runs as the unpacked draft did once: the very same outputs, in every dtype."""
     from specter.moe import ExpertWeights
     from specter.speculative.draft import DraftExperts
     from specter.speculative.lookahead import Lookahead
@@ -92,13 +92,22 @@ def test_packed_draft_runs_in_the_compute_dtype(dtype):
     look = Lookahead(4, 1, k, "cpu")
     packed = DraftExperts(experts, look, "cpu", dtype, packed=True)
     plain = DraftExperts(experts, look, "cpu", dtype, packed=False)
-    assert packed.q13[0].dtype == dtype
+    assert packed.layers == [] and packed.q13[0].qweight.dtype == torch.uint8
+    assert packed.q13[0].dtype == torch.float32 and plain.layers[0].w13.dtype == dtype
     x = torch.randn(T, H, generator=g).to(dtype)
     ids = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 1], [0, 3]])
     w = torch.rand(T, k, generator=g).to(dtype)
     y = packed(0, x, ids, w)
     assert y.dtype == dtype and y.shape == (T, H)
-    torch.testing.assert_close(y, plain(0, x, ids, w), rtol=0.05, atol=0.02)
+    assert torch.equal(y, plain(0, x, ids, w))
+
+
+def test_draft_stays_packed_when_dense_would_be_large(monkeypatch):
+    from specter.speculative import draft
+
+    assert draft.keep_packed("cuda", 10, torch.bfloat16)  # CUDA: always (the kernels dequantize)
+    assert not draft.keep_packed("cpu", draft.DENSE_MAX_BYTES // 4, torch.float32)
+    assert draft.keep_packed("cpu", draft.DENSE_MAX_BYTES // 4 + 1, torch.float32)
 
 
 # ------------------------------------------------------------------------------ fused_moe (torch)
@@ -287,3 +296,25 @@ def test_packing_on_cuda_equals_packing_on_cpu():
     on_gpu, on_cpu = pack_int4(w.cuda()), pack_int4(w)
     assert on_gpu.device.type == "cuda"
     assert torch.equal(on_gpu.qweight.cpu(), on_cpu.qweight) and torch.equal(on_gpu.scale.cpu(), on_cpu.scale)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_cuda_draft_runs_in_the_compute_dtype(dtype):
+    """On CUDA the packed draft's scales follow the compute dtype (the kernels multiply in it), and
+    it computes what the unpacked draft computes up to that rounding."""
+    from specter.moe import ExpertWeights
+    from specter.speculative.draft import DraftExperts
+    from specter.speculative.lookahead import Lookahead
+
+    E, H, I, T, k = 4, 64, 32, 5, 2
+    g = torch.Generator().manual_seed(1)
+    experts = [ExpertWeights(torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1)]
+    look = Lookahead(4, 1, k, "cuda")
+    packed = DraftExperts(experts, look, "cuda", dtype, packed=True)
+    plain = DraftExperts(experts, look, "cuda", dtype, packed=False)
+    assert packed.q13[0].dtype == dtype
+    x = torch.randn(T, H, generator=g).to("cuda", dtype)
+    ids = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 1], [0, 3]], device="cuda")
+    w = torch.rand(T, k, generator=g).to("cuda", dtype)
+    torch.testing.assert_close(packed(0, x, ids, w), plain(0, x, ids, w), rtol=0.05, atol=0.02)

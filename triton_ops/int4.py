@@ -101,9 +101,12 @@ class Int4Experts:
     def dequantize(self) -> torch.Tensor:
         """[E, N, K] in `dtype`: exactly quanto's dequantization (`scale * q - shift`)."""
         E, N, K = self.shape
-        q = self.codes().view(E, N, -1, self.group_size)
-        w = self.scale[..., None] * q  # uint8 promotes to the scale dtype, as in quanto
-        w -= self.shift[..., None]
+        q = self.qweight
+        w = torch.empty(E, N, K // 2, 2, dtype=self.dtype, device=self.device)
+        w[..., 0] = q & 0xF  # the codes, converted to the scale dtype as they are written (exact: 0..15)
+        w[..., 1] = q >> 4
+        w = w.view(E, N, -1, self.group_size)
+        w.mul_(self.scale[..., None]).sub_(self.shift[..., None])  # in place: ~3x faster on CPU, same bits
         return w.view(E, N, K)
 
 

@@ -4,9 +4,11 @@ shared experts, embeddings, lm_head and the committed KV cache -- is the target'
 costs only its packed experts.
 
 How INT4 is multiplied is a backend choice: `unpacked` dequantises once into the compute dtype
-(CPUs have no INT4 GEMV, and the values are exactly the INT4 grid); `packed` keeps the packed
-codes with scales in the compute dtype and fused_moe's kernels dequantize them tile by tile (CUDA).
-Either way the draft computes with the quantised weights.
+(CPUs have no INT4 GEMV, and the values are exactly the INT4 grid; fp32 on CPU, twice the bf16
+checkpoint's experts); `packed` keeps the packed codes (a quarter of bf16) and dequantizes at use:
+on CUDA fused_moe's kernels do it tile by tile with scales in the compute dtype; on CPU the torch
+backend dequantizes each expert it runs from fp32 scales and rounds once, which is exactly the
+unpacked draft's values. Either way the draft computes with the quantised weights.
 """
 from __future__ import annotations
 
@@ -16,6 +18,19 @@ from specter.triton_ops import Int4Experts, fused_moe, pack_int4
 
 from ..moe import ExpertWeights
 from .lookahead import Lookahead
+
+# On CPU the draft is dequantised (fast: one GEMV an expert) while that costs at most this much
+# memory, and stays packed above it (dequantised at use: ~10% slower draft steps on the bundled
+# model, several times slower expert GEMVs at Qwen3-30B-A3B's shapes, but a quarter of the bf16
+# experts instead of twice them). See docs/ARCHITECTURE.md (issue 14) for the measurements.
+DENSE_MAX_BYTES = 256 << 20
+
+
+def keep_packed(device, n_weights: int, dtype: torch.dtype) -> bool:
+    """Whether a draft of `n_weights` routed-expert weights stays packed INT4 on `device`: always
+    on CUDA (the kernels dequantize tile by tile); on CPU once dequantising would take more than
+    DENSE_MAX_BYTES."""
+    return torch.device(device).type == "cuda" or n_weights * dtype.itemsize > DENSE_MAX_BYTES
 
 
 def _dequantized(q: Int4Experts, dtype) -> torch.Tensor:
@@ -41,9 +56,10 @@ class DraftExperts:
             if isinstance(ew, ExpertWeights):
                 ew = (pack_int4(ew.w13.to(device), dtype=torch.float32), pack_int4(ew.w2.to(device), dtype=torch.float32))
             q13, q2 = (q.to(device) for q in ew)
-            if packed:  # scales in the compute dtype (rounded once from fp32): the kernels multiply in it
-                self.q13.append(q13.to(device, dtype))
-                self.q2.append(q2.to(device, dtype))
+            if packed:  # CUDA: scales in the compute dtype (rounded once from fp32), the kernels multiply in it
+                sdt = dtype if torch.device(device).type == "cuda" else torch.float32
+                self.q13.append(q13.to(device, sdt))
+                self.q2.append(q2.to(device, sdt))
             else:       # dequantised in fp32, exactly quanto's values, then rounded once
                 self.layers.append(ExpertWeights(_dequantized(q13, dtype), _dequantized(q2, dtype)))
 

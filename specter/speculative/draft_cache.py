@@ -28,7 +28,6 @@ from typing import Iterator
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from specter.triton_ops import Int4Experts, pack_int4
@@ -124,15 +123,33 @@ def _crc(t: torch.Tensor) -> str:
     return f"{zlib.crc32(t.view(-1).view(torch.uint8).numpy()):08x}"
 
 
+_ST_NAMES = {torch.uint8: "U8", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
 def _write(path: Path, key: str, layer: int, q: tuple[Int4Experts, Int4Experts]) -> None:
     tensors = _tensors(q)
     meta = {"key": key, "layer": str(layer), "crc32": json.dumps({n: _crc(t) for n, t in tensors.items()})}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        save_file(tensors, str(tmp), metadata=meta)
+        _save(tensors, tmp, meta)
         os.replace(tmp, path)
     except OSError:  # a full or read-only disk costs the cache, not the load
         tmp.unlink(missing_ok=True)
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """A safetensors file written from the tensors' own memory (safetensors.torch.save_file first
+    copies every tensor into a bytes object: a second copy of the layer at the load's peak)."""
+    header, off = {"__metadata__": metadata}, 0
+    for name, t in tensors.items():
+        header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+        off += t.nbytes
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)  # data 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        for t in tensors.values():
+            f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
 
 
 def _read(path: Path, key: str, layer: int) -> tuple[Int4Experts, Int4Experts] | None:
