@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -358,8 +359,12 @@ def test_peak_rss_on_a_100mb_checkpoint(tmp_path, policy):
                          num_attention_heads=8, num_key_value_heads=2)
     size = lb.write_checkpoint(tmp_path / "ckpt", cfg)
     assert 100e6 < size < 140e6
+    # glibc's mmap threshold fixed at 1 MiB: a freed temporary goes back to the OS instead of staying in
+    # a heap that the next load reuses, so the peak is what the load holds, the same in every run (with
+    # the dynamic threshold, the same load measured 1.10x-1.78x on this 132 MB checkpoint)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
     out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "ckpt"), policy, str(tmp_path / "cache")],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, env=env)
     if "SKIP:" in out.stderr:
         pytest.skip(out.stderr.strip().splitlines()[-1])
     assert out.returncode == 0, out.stderr[-2000:]
@@ -367,7 +372,9 @@ def test_peak_rss_on_a_100mb_checkpoint(tmp_path, policy):
     expert = 3 * 2048 * 768
     experts_bf16 = 12 * expert * 2
     pool_fp32 = 2 * expert * 4  # residency 1/8 of 12 experts -> 2 slots
-    draft_int4 = experts_bf16 // 4 + experts_bf16 // 32 if policy == "specter" else 0  # codes + fp32 scales
+    draft_int4 = 0
+    if policy == "specter":  # codes + fp32 scales, and the quantiser's working set (~4 chunks of 4 MiB)
+        draft_int4 = experts_bf16 // 4 + experts_bf16 // 32 + (16 << 20)
     bound = size + (size - experts_bf16) + pool_fp32 + draft_int4 + 0.1 * size
     print(policy, [f"{a / size:.3f}x" for a in adds], f"bound {bound / size:.3f}x")
     assert max(adds) <= bound, (adds, size, bound)
