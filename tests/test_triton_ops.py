@@ -195,6 +195,61 @@ def test_batch_invariance_bit_for_bit(dtype, int4):
         assert torch.equal(fused_moe(mixed, mids, mw, w13, w2)[4], full[t])
 
 
+def _positions_off_alone(threads, int4=False):
+    """Token 0 of one batch, alone and then at every position p of a 33-token batch of other tokens
+    (new neighbours for each p). Every token uses expert 1, so p is also its place in that expert's
+    run of 33 rows. Returns the positions whose output differs from the token's own, bit for bit."""
+    x, ids, w, w13, w2, _ = moe_case(33, 2, int4=int4)
+    ox, oids, ow = moe_case(64, 2, seed=7)[:3]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = fused_moe(x[:1], ids[:1], w[:1], w13, w2, backend="torch")[0]
+        off = []
+        for p in range(33):
+            pick = torch.arange(p, p + 32)  # other neighbours at every p
+            cat = lambda a, b: torch.cat((b[pick[:p]], a[:1], b[pick[p:]]))  # noqa: E731
+            y = fused_moe(cat(x, ox), cat(ids, oids), cat(w, ow), w13, w2, backend="torch")
+            if not torch.equal(y[p], alone):
+                off.append(p)
+        return off
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("int4", [False, True])
+def test_a_row_has_the_same_bits_at_every_position_of_its_expert_run(threads, int4):
+    assert _positions_off_alone(threads, int4) == []
+
+
+def test_the_position_check_catches_plain_cpu_gemms(monkeypatch):
+    """Multiplying each expert's run with one plain matmul (what the per-expert loop did) changes
+    the bits with the run's length: the check above must see it."""
+    import specter.triton_ops.reference as ref
+    monkeypatch.setattr(ref, "grouped_linear", lambda a, w, runs: torch.cat(
+        [torch.nn.functional.linear(a[s:e], ref._dense(w, r, a.dtype)) for r, s, e in runs]))
+    assert len(_positions_off_alone(1)) > 16
+
+
+def test_silu_mul_rows_do_not_depend_on_the_thread_split():
+    """fp32 SiLU differs in the last bit between ATen's vector body and its scalar tail; an
+    elementwise op over more than 32768 elements is split between threads anywhere, even within a
+    row, so silu_mul works in chunks that stay on one thread."""
+    from specter.triton_ops.reference import silu_mul
+    h = torch.randn(401, 400, generator=torch.Generator().manual_seed(0)) * 4  # 401 rows, I = 200
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        plain = torch.nn.functional.silu(h[:, :200]) * h[:, 200:]
+        ours = silu_mul(h)
+        alone = torch.cat([silu_mul(h[r:r + 1]) for r in range(401)])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(ours, alone)
+    assert not torch.equal(plain, alone)  # the split this guards against (row 200 is cut in two)
+
+
 @pytest.mark.parametrize("int4", [False, True])
 def test_two_calls_give_the_bits_of_one(int4):
     """Resident experts first, late arrivals second, merged: the very bits of one call over all."""
