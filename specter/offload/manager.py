@@ -46,6 +46,8 @@ class OffloadedExperts:
         self.prefetched: set[tuple[int, int]] = set()   # copies issued ahead of need, not yet used
         self.next_layer_router = None                   # set by the next-layer policy
         self.use_hook = None                            # use_hook(layer, experts) after each layer computes
+        self.keep_rank = None                           # keep_rank(layer, e): late experts load lowest first,
+                                                        # so the highest ranked are the ones left resident
         self.all_resident = False                       # set by warm() when the budget holds everything
         # per slot, the event recorded after its last reader's compute was queued (CUDA; None on CPU,
         # where compute is synchronous): a copy into the slot waits for that, not for all compute
@@ -113,6 +115,8 @@ class OffloadedExperts:
         ready = [e for e in need if slots.is_ready(layer, e)]
         flying = [e for e in need if (layer, e) in self.inflight]
         missing = [e for e in need if slots.slot_of(layer, e) is None]
+        if self.keep_rank is not None and len(need) > slots.n_slots:  # more than fit: choose who stays
+            missing.sort(key=lambda e: self.keep_rank(layer, e))
         for e in missing:  # fetched at the queue's front, never evicting each other
             if not self._issue(layer, e, urgent=True, protect=set(need)):
                 break  # more experts than slots: the rest are fetched as computed ones free theirs

@@ -151,7 +151,7 @@ class SpeculativeDecoder:
         ds, planner = self.draft_step, self.planner
         ds.begin(t, n, params)
         if k and planner is not None:
-            planner.begin_cycle()
+            planner.begin_cycle(k)
             chunk = planner.chunk_size(self.governor.draft_s or 0.0, k)
             for i in range(k):
                 with span("draft step"):
@@ -181,7 +181,7 @@ class SpeculativeDecoder:
             return drafted, q_rows
         planner = self.planner
         if planner is not None:
-            planner.begin_cycle()
+            planner.begin_cycle(k)
         chunk = planner.chunk_size(self.governor.draft_s or 0.0, k) if planner else k
         tok = t
         for i in range(k):

@@ -17,6 +17,19 @@ drafted token) plus its verified use (+3 a verification), decayed by 0.8 every c
 cache evicts the lowest score first (least recently used among equals), and a prediction is only
 admitted if it outscores its victim. Measured on the default model (4 prompts x 64 tokens), these
 constants beat decay 0.5 / use 1 by 7% TPOT at both 25% and 50% residency.
+
+When a verification needs more experts in a layer than it has slots (a long cycle at a small
+budget: 10-13 of 16 experts a layer for 4 slots on the bundled model), the experts it must copy
+load lowest score first, so the ones left resident for the next cycle are the highest scored
+(`keep`; measured: 3-5% fewer bytes a token, time level, bench/planner_levers.py).
+
+`guard` (off by default) is Belady on the prediction: early in a draft most residents are not
+predicted *yet*, though the rows still to come need them (85-90% of the residents a cycle starts
+with are used by its verification at 25% residency). With a guard, a prefetch only evicts a
+resident whose probability of being needed by the remaining rows, 1 - (1 - f)^(K + 1 - rows read)
+with f its per-token routing frequency, is under `guard`, least likely first. It removes the
+needless copies (each such eviction is one more copy, moved from the draft's shadow into
+verification: bytes up, time level) but measured no faster under the governor, so it stays off.
 """
 from __future__ import annotations
 
@@ -28,11 +41,16 @@ from .lookahead import Lookahead
 
 class PrefetchPlanner:
     def __init__(self, mgr: OffloadedExperts, lookahead: Lookahead, decay: float = 0.8, use_weight: float = 3.0,
-                 admission: bool = True):
+                 admission: bool = True, guard: float | None = None, freq_alpha: float = 0.05, keep: bool = True):
         self.mgr, self.lookahead, self.decay, self.use_weight = mgr, lookahead, decay, use_weight
-        self.admission = admission
-        self.score = [[0.0] * mgr.slots.n_experts for _ in range(lookahead.n_layers)]
-        mgr.slots.set_planner(lambda layer, e: self.score[layer][e])
+        self.admission, self.guard, self.freq_alpha = admission, guard, freq_alpha
+        E = mgr.slots.n_experts
+        self.score = [[0.0] * E for _ in range(lookahead.n_layers)]
+        # per-token routing frequency of each expert (EMA over drafted rows): how likely a token needs it
+        self.freq = [[lookahead.ids.shape[-1] / E] * E for _ in range(lookahead.n_layers)]
+        self.k = 0                 # this cycle's K: verification takes K + 1 rows
+        mgr.slots.set_planner(self.rank)
+        mgr.keep_rank = self.rank if keep else None  # a verification wider than the slots leaves the best resident
         mgr.use_hook = self.observe_use
         self.demand: list[Counter] = []
         self.rows: list = []       # this cycle's lookahead rows read so far: [row][layer][k]
@@ -48,6 +66,8 @@ class PrefetchPlanner:
         if not self.admission:
             return ranked
         score, slots = self.score[layer], self.mgr.slots
+        if self.guard is not None:
+            return self._admit_guarded(layer, ranked, predicted)
         victims = sorted(score[e] for e in slots.residents(layer) if e not in predicted)
         free, out = slots.free_slots(layer), []
         for e in ranked:
@@ -56,6 +76,39 @@ class PrefetchPlanner:
             if free > 0:
                 free -= 1
             elif victims and score[e] > victims[0]:
+                victims.pop(0)
+            else:
+                continue
+            out.append(e)
+        return out
+
+    def rank(self, layer: int, e: int) -> float:
+        """The slot cache evicts the lowest rank first."""
+        if self.guard is None:
+            return self.score[layer][e]
+        return self.need_prob(layer, e) + 1e-3 * self.score[layer][e]
+
+    def need_prob(self, layer: int, e: int) -> float:
+        """Probability that verification needs `e` through the rows not read yet this cycle:
+        1 - (1 - f_e)^(K + 1 - rows read), f_e the per-token routing frequency."""
+        left = max(0, self.k + 1 - len(self.rows))
+        return 1.0 - (1.0 - self.freq[layer][e]) ** left
+
+    def _admit_guarded(self, layer: int, ranked: list[int], predicted: set[int]) -> list[int]:
+        """Belady on the prediction: a resident this cycle has not predicted yet may still be needed by
+        the rows not drafted yet. Evict the one least likely to be (the farthest expected next use),
+        and only while that probability is under `guard`: evicting a needed resident for a needed
+        prefetch costs one more copy and saves none."""
+        slots = self.mgr.slots
+        victims = sorted((self.need_prob(layer, e), e) for e in slots.residents(layer)
+                         if e not in predicted and slots.is_ready(layer, e))
+        free, out = slots.free_slots(layer), []
+        for e in ranked:
+            if slots.slot_of(layer, e) is not None:
+                continue
+            if free > 0:
+                free -= 1
+            elif victims and victims[0][0] < self.guard:
                 victims.pop(0)
             else:
                 continue
@@ -81,7 +134,8 @@ class PrefetchPlanner:
     def reset_stats(self) -> None:
         self.cover_hits = self.cover_total = 0
 
-    def begin_cycle(self) -> None:
+    def begin_cycle(self, k: int = 0) -> None:
+        self.k = k
         for row in self.score:
             for e in range(len(row)):
                 row[e] *= self.decay
@@ -104,11 +158,16 @@ class PrefetchPlanner:
         n_rows = len(rows)
         self.rows += rows
         self.read_upto = upto
+        a = self.freq_alpha
         for row in rows:
             for layer, ids in enumerate(row):
                 self.demand[layer].update(ids)
+                f = self.freq[layer]
+                for e in range(len(f)):
+                    f[e] *= 1.0 - a
                 for e in ids:
                     self.score[layer][e] += 1.0
+                    f[e] += a
         issued = 0
         slots = self.mgr.slots.n_slots
         for layer, counts in enumerate(self.demand):  # earliest layer first
