@@ -63,6 +63,10 @@ def test_draft_and_verify_steps_capture_cleanly_and_never_recompile(tiny_path):
             for t, top_k, top_p in ((0.7, 0, 1.0), (1.3, 5, 0.9)):
                 out = eng.generate(PROMPT, max_new_tokens=12, temperature=t, top_k=top_k, top_p=top_p, seed=1)
                 assert out.stats["drafted_tokens"] > 0
+            # penalties draft eagerly (tokens built on the host) and still verify through the pieces
+            out = eng.generate(PROMPT, max_new_tokens=16, repetition_penalty=1.3)
+            assert out.token_ids == ref.generate(PROMPT, max_new_tokens=16, repetition_penalty=1.3).token_ids
+            assert out.stats["compiled"] == ["verify"]
         assert len(graphs) == 8 and found == [], found
     finally:
         eng.close()
