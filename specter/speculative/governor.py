@@ -108,6 +108,7 @@ class Governor:
         self._best: int | None = None        # speculation's argmax K at the last decision
         self._k_interval, self._k_next, self._side = probe_every, probe_every, 0
         self.k = k_init if fixed is None else fixed
+        self._kernel = [math.exp(-d / bandwidth) for d in range(k_max + 1)]  # s(K)'s weights by |K' - t|
 
     # ---------------------------------------------------------------------------- observe
     def observe_cycle(self, k: int, accepted: int, draft_s: float, verify_s: float, stall_s: float,
@@ -186,9 +187,10 @@ class Governor:
         if not self.stall:
             return 0.0
         k = min(max(k, min(self.stall)), max(self.stall))
+        kernel = self._kernel
         num = den = 0.0
         for t, s in self.stall.items():
-            w = self.stall_n[t] * math.exp(-abs(k - t) / self.bandwidth)
+            w = self.stall_n[t] * kernel[abs(k - t)]
             num, den = num + w * s, den + w
         return num / den
 
@@ -216,10 +218,12 @@ class Governor:
         if self.draft_s is None or self.v0 is None:
             return max(1, self.k)
         best_k, best_r, tokens, run = 1, -1.0, 1.0, 1.0
-        for k in range(1, min(self.k_max, 2 * max(self.stall)) + 1):  # at most twice the longest tried
+        lo, hi = min(self.stall), max(self.stall)
+        stall = {k: self.stall_estimate(k) for k in range(lo, hi + 1)}  # clamped outside: computed once
+        for k in range(1, min(self.k_max, 2 * hi) + 1):  # at most twice the longest tried
             run *= self.acceptance(k)
             tokens += run
-            t = self.cycle_time(k)
+            t = k * self.draft_s + self.v0 + self.v1 * (k + 1) + stall[min(max(k, lo), hi)]  # cycle_time(k)
             if t > 0 and tokens / t > best_r:
                 best_k, best_r = k, tokens / t
         return best_k
