@@ -8,7 +8,8 @@
 
 e = the block's weight row (align.py), tok = row // top_k. INT4 weights (int4.py's layout) are
 dequantized inside the K loop, a [BLOCK_K, BLOCK_N] tile at a time (`scale * q - shift` in fp32,
-then the compute dtype), so no whole expert is ever dequantized. Every tl.dot is at least 16 in
+then the compute dtype), so no whole expert is ever dequantized; when BLOCK_K divides the group
+size (128 on real models) a tile's scales and shifts are one load per column, not per element. Every tl.dot is at least 16 in
 each dimension (NVIDIA's minimum; the interpreter would accept less). Block sizes never depend on
 T, and each output is one K loop in a fixed order, so a token's bits do not depend on the batch.
 
@@ -30,16 +31,24 @@ BLOCK_N, BLOCK_K, BLOCK_H = 32, 64, 128
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, offs_k, mask, stride_wn, stride_sn, group_size,
-                 INT4: tl.constexpr):
-    """[BLOCK_K, BLOCK_N] tile of an expert's weight rows offs_n at columns offs_k (INT4: in fp32).
-    INT4: w_ptr is the expert's uint8 codes (two a byte along K), s_ptr/z_ptr its scales/shifts."""
+def _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, n_ok, offs_k, k_ok, k0, stride_wn, stride_sn, group_size,
+                 INT4: tl.constexpr, GROUP_TILE: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] tile of an expert's weight rows offs_n at columns offs_k = k0 + arange
+    (INT4: in fp32). INT4: w_ptr is the expert's uint8 codes (two a byte along K), s_ptr/z_ptr its
+    scales/shifts. GROUP_TILE: BLOCK_K divides the group size (so K has no partial tile), and the
+    tile lies in one group: one scale and shift per column instead of one per element."""
+    mask = k_ok[:, None] & n_ok[None, :]
     if INT4:
         byte = tl.load(w_ptr + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None], mask=mask, other=0)
         q = (byte >> ((offs_k % 2) * 4)[:, None]) & 0xF
-        g = offs_n[None, :] * stride_sn + (offs_k // group_size)[:, None]
-        s = tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g, mask=mask, other=0.0).to(tl.float32)
+        if GROUP_TILE:
+            g = offs_n * stride_sn + k0 // group_size                          # [BLOCK_N]
+            s = tl.load(s_ptr + g, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            z = tl.load(z_ptr + g, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        else:
+            g = offs_n[None, :] * stride_sn + (offs_k // group_size)[:, None]  # [BLOCK_K, BLOCK_N]
+            s = tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g, mask=mask, other=0.0).to(tl.float32)
         return q.to(tl.float32) * s - z
     return tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0)
 
@@ -54,7 +63,7 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, a_ptr, slot_row_ptr, block_expert_ptr, n_padded_ptr,
                     H, I, M, top_k, stride_xt, stride_we, stride_wn, stride_se, stride_sn, group_size,
-                    INT4: tl.constexpr, IEEE: tl.constexpr,
+                    INT4: tl.constexpr, GROUP_TILE: tl.constexpr, IEEE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(n_padded_ptr):
@@ -75,10 +84,10 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, a_ptr, slot_row_ptr, block_exper
         k_ok = offs_k < H
         x = tl.load(x_ptr + tok[:, None] * stride_xt + offs_k[None, :],
                     mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
-        mask = k_ok[:, None] & n_ok[None, :]
-        wg = _weight_tile(w_e, s_e, z_e, offs_n, offs_k, mask, stride_wn, stride_sn, group_size, INT4)
-        wu = _weight_tile(w_e + up, s_e + up_s, z_e + up_s, offs_n, offs_k, mask, stride_wn, stride_sn,
-                          group_size, INT4)
+        wg = _weight_tile(w_e, s_e, z_e, offs_n, n_ok, offs_k, k_ok, k0, stride_wn, stride_sn, group_size,
+                          INT4, GROUP_TILE)
+        wu = _weight_tile(w_e + up, s_e + up_s, z_e + up_s, offs_n, n_ok, offs_k, k_ok, k0, stride_wn, stride_sn,
+                          group_size, INT4, GROUP_TILE)
         acc_g = _dot(x, wg.to(x.dtype), acc_g, IEEE)
         acc_u = _dot(x, wu.to(x.dtype), acc_u, IEEE)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u          # silu(gate) * up
@@ -88,7 +97,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, a_ptr, slot_row_ptr, block_exper
 @triton.jit
 def _down_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, rw_ptr, slot_row_ptr, block_expert_ptr, n_padded_ptr,
                  H, I, M, stride_we, stride_wn, stride_se, stride_sn, group_size,
-                 INT4: tl.constexpr, IEEE: tl.constexpr,
+                 INT4: tl.constexpr, GROUP_TILE: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(n_padded_ptr):
@@ -105,8 +114,8 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, rw_ptr, slot_row_ptr, bloc
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < I
         a = tl.load(a_ptr + offs_m[:, None] * I + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-        w = _weight_tile(w_e, s_e, z_e, offs_n, offs_k, k_ok[:, None] & n_ok[None, :], stride_wn, stride_sn,
-                         group_size, INT4)
+        w = _weight_tile(w_e, s_e, z_e, offs_n, n_ok, offs_k, k_ok, k0, stride_wn, stride_sn, group_size,
+                         INT4, GROUP_TILE)
         acc = _dot(a, w.to(a.dtype), acc, IEEE)
     rw = tl.load(rw_ptr + rows, mask=real, other=0.0).to(tl.float32)
     acc = acc * rw[:, None]                               # the routing weight, in-kernel
@@ -124,6 +133,11 @@ def _combine_kernel(rows_ptr, y_ptr, H, top_k, BLOCK_H: tl.constexpr):
     for j in range(1, top_k):                             # left to right: the order is the contract
         acc += tl.load(base + j * H + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + t.to(tl.int64) * H + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def group_tile(group_size: int) -> bool:
+    """Whether each [BLOCK_K] step of the K loop lies in one INT4 group (then one scale load a column)."""
+    return group_size % BLOCK_K == 0
 
 
 def _parts(w, dtype):
@@ -159,12 +173,12 @@ def moe_rows_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     _gate_up_kernel[(nb, triton.cdiv(I, BLOCK_N))](
         x, q13, s13, z13, act, a.slot_row, a.block_expert, a.n_padded,
         H, I, M, k, x.stride(0), q13.stride(0), q13.stride(1), se13, sn13, g13,
-        INT4=int4, IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        INT4=int4, GROUP_TILE=int4 and group_tile(g13), IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     q2, s2, z2, se2, sn2, g2 = _parts(w2, x.dtype)
     _down_kernel[(nb, triton.cdiv(H, BLOCK_N))](
         act, q2, s2, z2, out, rw, a.slot_row, a.block_expert, a.n_padded,
         H, I, M, q2.stride(0), q2.stride(1), se2, sn2, g2,
-        INT4=int4, IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        INT4=int4, GROUP_TILE=int4 and group_tile(g2), IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return out.view(T, k, H)
 
 
