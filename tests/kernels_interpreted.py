@@ -72,3 +72,22 @@ def test_int4_scales_loaded_once_per_tile_give_the_same_bits(group, dtype, monke
     torch.testing.assert_close(per_tile, expert_rows(x, ids, w, q13, q2, backend="torch"), **tol)
     monkeypatch.setattr(kernels, "group_tile", lambda g: False)
     assert torch.equal(per_tile, expert_rows(x, ids, w, q13, q2, backend="triton"))
+
+
+def test_one_launch_alignment_equals_the_torch_alignment():
+    """align_rows_triton against align.align_rows, every output: top-k 1, 2 and 8, T up to 65 (chunks
+    of 32 rows cut through experts' runs), more weight rows than its one-hot block holds at once
+    (R = 40 > 32), a remap with skipped experts, and a routing that skips every row."""
+    from specter.triton_ops.align import align_rows
+    g = torch.Generator().manual_seed(3)
+    cases = []
+    for T, k, E in [(1, 1, 4), (1, 8, 12), (5, 2, 6), (33, 8, 40), (65, 2, 6), (65, 4, 40)]:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        remap = torch.randperm(E, generator=g).int()
+        remap[torch.rand(E, generator=g) < 0.3] = -1
+        cases += [(ids, E, None), (ids, E, remap), (ids, E - 1, torch.where(remap == E - 1, -1, remap))]
+    cases.append((torch.tensor([[0, 1]]), 2, torch.tensor([-1, -1], dtype=torch.int32)))
+    for ids, R, remap in cases:
+        got, want = kernels.align_rows_triton(ids, R, remap), align_rows(ids, R, remap)
+        for name, a, b in zip(want._fields, got, want):
+            assert torch.equal(a, b), (name, tuple(ids.shape), R, remap)

@@ -1,11 +1,12 @@
 """Group the (token, top-k position) rows of a routing by expert, on the device.
 
-Both backends compute experts over blocks of BLOCK_M rows that all use one expert (vLLM's
+The Triton kernels compute experts over blocks of BLOCK_M rows that all use one expert (vLLM's
 `moe_align_block_size` idea): rows are sorted by expert (stably, so each expert's rows keep token
 order) and each expert's run is padded to a multiple of BLOCK_M. Every block therefore reads its
 expert's weights once for up to BLOCK_M tokens, and every matmul has exactly BLOCK_M rows whatever
 T is, which is what makes a token's result independent of the batch around it.
 
+kernels.align_rows_triton does the same in one launch (tested equal); this is its reference.
 No host sync: the number of blocks is a static upper bound (`max_blocks`); blocks past the real
 end carry expert -1 and are skipped. Rows whose expert maps to -1 through `remap` are left out.
 """
@@ -15,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-BLOCK_M = 16  # rows per block: tl.dot's minimum, and the fixed matmul height of the torch backend
+BLOCK_M = 16  # rows per block: tl.dot's minimum
 
 
 class Alignment(NamedTuple):

@@ -1,5 +1,6 @@
 """The Triton backend of fused_moe: two grouped kernels and the top-k combine.
 
+    align    grid (1,)                    rows grouped by expert in padded blocks (align.py's, one launch)
     gate_up  grid (NB, cdiv(I, BLOCK_N))  block b, columns n:
              a[slot, n] = silu(x[tok] . W1[e, n]) * (x[tok] . W3[e, n])   for the BLOCK_M slots of b
     down     grid (NB, cdiv(H, BLOCK_N))
@@ -24,7 +25,7 @@ import triton.language as tl
 
 from specter.errors import ConfigError
 
-from .align import BLOCK_M, align_rows
+from .align import BLOCK_M, Alignment, align_rows, max_blocks
 from .int4 import Int4Experts
 
 BLOCK_N, BLOCK_K, BLOCK_H = 32, 64, 128
@@ -135,6 +136,76 @@ def _combine_kernel(rows_ptr, y_ptr, H, top_k, BLOCK_H: tl.constexpr):
     tl.store(y_ptr + t.to(tl.int64) * H + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _align_kernel(ids_ptr, remap_ptr, slot_row_ptr, block_expert_ptr, row_slot_ptr, n_padded_ptr,
+                  M, R, NB, HAS_REMAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+                  R_BLOCK: tl.constexpr):
+    """align.align_rows in one program: per-expert counts and padded offsets held in registers
+    ([R_BLOCK], one-hot sums over chunks of BLOCK rows), then a stable scatter in row order (a
+    row's rank among earlier rows of its chunk with the same expert)."""
+    experts = tl.arange(0, R_BLOCK)
+    counts = tl.zeros((R_BLOCK,), dtype=tl.int32)
+    for c0 in range(0, M, BLOCK):                                       # counts per weight row
+        offs = c0 + tl.arange(0, BLOCK)
+        r = _weight_row(ids_ptr, remap_ptr, offs, M, HAS_REMAP)
+        counts += tl.sum((r[:, None] == experts[None, :]).to(tl.int32), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M                # [R_BLOCK], 0 past R
+    pad_end = tl.cumsum(padded, 0)
+    tl.store(n_padded_ptr, tl.sum(padded, 0))
+    for b0 in range(0, NB, BLOCK):                                      # each block's weight row
+        blocks = b0 + tl.arange(0, BLOCK)
+        before = tl.sum(((pad_end[None, :] <= blocks[:, None] * BLOCK_M) & (experts[None, :] < R)).to(tl.int32), 1)
+        tl.store(block_expert_ptr + blocks, tl.where(before < R, before, -1), mask=blocks < NB)
+    for s0 in range(0, NB * BLOCK_M, BLOCK):                            # every slot padding ...
+        slots = s0 + tl.arange(0, BLOCK)
+        tl.store(slot_row_ptr + slots, tl.zeros((BLOCK,), dtype=tl.int32) + M, mask=slots < NB * BLOCK_M)
+    tl.debug_barrier()                                                  # ... before rows land in some
+    next_slot = pad_end - padded                                        # [R_BLOCK] write position
+    for c0 in range(0, M, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        r = _weight_row(ids_ptr, remap_ptr, offs, M, HAS_REMAP)
+        hot = r[:, None] == experts[None, :]                            # [BLOCK, R_BLOCK]
+        same = (r[:, None] == r[None, :]) & (tl.arange(0, BLOCK)[None, :] < tl.arange(0, BLOCK)[:, None])
+        rank = tl.sum(same.to(tl.int32), 1)                             # earlier rows of this chunk, same row
+        dest = tl.sum(tl.where(hot, next_slot[None, :], 0), 1) + rank
+        used = r >= 0
+        tl.store(slot_row_ptr + dest, offs.to(tl.int32), mask=used)
+        tl.store(row_slot_ptr + offs, tl.where(used, dest, NB * BLOCK_M).to(tl.int64), mask=offs < M)
+        next_slot += tl.sum(hot.to(tl.int32), 0)
+
+
+@triton.jit
+def _weight_row(ids_ptr, remap_ptr, offs, M, HAS_REMAP: tl.constexpr):
+    """[BLOCK] weight row of flat rows offs: remap[ids] (or ids), -1 = skipped or past M."""
+    ok = offs < M
+    e = tl.load(ids_ptr + offs, mask=ok, other=0)
+    if HAS_REMAP:
+        e = tl.load(remap_ptr + e, mask=ok, other=-1)
+    return tl.where(ok, e.to(tl.int32), -1)
+
+
+ALIGN_ONE_PROGRAM_ROWS = 1024  # more (T, j) rows (a long prefill) than one program should walk alone
+
+
+def align_rows_triton(ids: torch.Tensor, n_weight_rows: int, remap: torch.Tensor | None = None) -> Alignment:
+    """align.align_rows (the reference, equal output) in one launch instead of ~15 small torch ops.
+    One program walks the rows in order: made for decode and verification widths; past
+    ALIGN_ONE_PROGRAM_ROWS rows the torch version's parallel ops are used (the same alignment)."""
+    M, R = ids.numel(), n_weight_rows
+    if M > ALIGN_ONE_PROGRAM_ROWS:
+        return align_rows(ids, R, remap)
+    nb = max_blocks(M, R)
+    dev = ids.device
+    slot_row = torch.empty(nb * BLOCK_M, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
+    row_slot = torch.empty(M, dtype=torch.int64, device=dev)
+    n_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    _align_kernel[(1,)](ids.reshape(-1).contiguous(), remap if remap is not None else ids, slot_row, block_expert,
+                        row_slot, n_padded, M, R, nb, HAS_REMAP=remap is not None, BLOCK_M=BLOCK_M, BLOCK=32,
+                        R_BLOCK=triton.next_power_of_2(R + 1))
+    return Alignment(slot_row, block_expert, row_slot, n_padded)
+
+
 def group_tile(group_size: int) -> bool:
     """Whether each [BLOCK_K] step of the K loop lies in one INT4 group (then one scale load a column)."""
     return group_size % BLOCK_K == 0
@@ -161,7 +232,7 @@ def moe_rows_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     R = w13.n_experts if int4 else w13.shape[0]
     I = w2.shape[2]
     x = x.contiguous()
-    a = align_rows(ids, R, remap)
+    a = align_rows_triton(ids, R, remap)
     nb = a.block_expert.numel()
     act = x.new_empty(nb * BLOCK_M, I)
     out = x.new_zeros(M, H)
