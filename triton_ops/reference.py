@@ -90,9 +90,13 @@ def moe_rows_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     H = x.shape[1]
     flat = ids.reshape(-1)
     wrow = (remap[flat] if remap is not None else flat).tolist()  # weight row of each (t, j); host read
-    if T == 1 and min(wrow) >= 0:  # a decode step: top-k experts are distinct, rows already in (t, j) order
-        ys = torch.cat([expert_mlp(x, w13, w2, r) for r in wrow])  # [k, H]
-        return _weighted(ys, weights.view(k, 1)).view(1, k, H)
+    if T == 1:  # a decode step: the top-k experts are distinct, each row its own run, already in order
+        if min(wrow) >= 0:
+            ys = torch.cat([expert_mlp(x, w13, w2, r) for r in wrow])  # [k, H]
+            return _weighted(ys, weights.view(k, 1)).view(1, k, H)
+        zero = x.new_zeros(1, H)
+        return torch.cat([_weighted(expert_mlp(x, w13, w2, r), weights[:, j:j + 1]) if r >= 0 else zero
+                          for j, r in enumerate(wrow)]).view(1, k, H)
     order = sorted((r, i) for i, r in enumerate(wrow) if r >= 0)  # by weight row, token order within
     n = len(order)
     if n == 0:
