@@ -18,9 +18,15 @@ It works at two levels.
    re-measured as the cache and the text change, and speculation comes back when it pays again.
    A probe whose own rate beats the running arm's R is followed up at once, so a changed
    landscape is confirmed within a window, not after several back-off intervals. The interval is
-   also never shorter than keeps a probe's excess under `budget` (1%) of the time, up to
-   `probe_max`: an arm that measured 20% slower is probed every 20 cycles or more. Once an arm has
-   lost for a while, it costs one probe per `probe_max` cycles at most.
+   also never shorter than keeps what probes lose under `budget` (1%) of the time: a probe of n
+   cycles of t_o seconds at rate R_o loses n t_o (1 - R_o / R_r) against the running arm, paid
+   over the interval's cycles of t_r seconds, so
+
+       interval >= n (t_o / t_r) (1 - R_o / R_r) / budget      (t = an arm's median cycle seconds)
+
+   capped at `probe_max` cycles while speculating, and at probe_max (t_o / t_r) cycles (probe_max
+   probe-lengths of time) while decoding plainly: a speculative probe can last 4 plain steps for
+   a token and a half, and a cap counted in plain steps let such probes cost 2-4% of the time.
 
 2. Inside speculation, K from the model of the cycle (the amortisation roofline). A cycle with K
    drafted tokens commits
@@ -72,9 +78,15 @@ class _Window:
 
     def __init__(self, size: int):
         self.obs: deque = deque(maxlen=size)
+        self.secs: deque = deque(maxlen=size)
 
     def add(self, tokens: float, seconds: float) -> None:
         self.obs.append(tokens / seconds if seconds > 0 else math.inf)
+        self.secs.append(seconds)
+
+    def seconds(self) -> float | None:
+        """The median duration of one of its cycles."""
+        return statistics.median(self.secs) if self.secs else None
 
     def rate(self) -> float | None:
         return statistics.median(self.obs) if self.obs else None
@@ -287,9 +299,15 @@ class Governor:
             self._arm_next = self.cycles + self.probe_every
         if self.cycles >= self._arm_next:
             self._arm_next = self.cycles + self._arm_interval
-            # probes that keep losing back off, and never cost more than `budget` of the time
-            excess = running.rate() / max(other.rate(), 1e-12) - 1.0
-            self._arm_interval = min(max(2 * self._arm_interval, round(excess / self.budget)), self.probe_max)
+            # probes that keep losing back off, and never cost more than `budget` of the time: a probe
+            # of n cycles of t_o seconds loses n t_o (1 - R_o / R_r), paid over `interval` cycles of t_r
+            n = self.plain_probe if self.arm == "spec" else 1
+            weight = max(other.seconds(), 1e-12) / max(running.seconds(), 1e-12)  # t_o / t_r
+            loss = n * weight * max(0.0, 1.0 - other.rate() / max(running.rate(), 1e-12))
+            # at most probe_max cycles apart while speculating; while decoding plainly, probe_max
+            # probe-lengths of time (a speculative probe lasts several plain steps)
+            cap = self.probe_max if self.arm == "spec" else round(self.probe_max * max(1.0, weight))
+            self._arm_interval = min(max(2 * self._arm_interval, round(loss / self.budget)), cap)
             self._arm_probe_left = (self.plain_probe if self.arm == "spec" else 1) - 1
             self.probe = True
             return "plain" if self.arm == "spec" else "spec"
