@@ -122,15 +122,19 @@ def distinct_ngrams(ids: list[int], n: int = 4) -> float:
 
 @torch.no_grad()
 def continuations(model, tok, gen_config=None, max_new_tokens: int = 64) -> list[dict]:
-    """One continuation per prompt: greedy when gen_config is None, else sampled with it (seeded per prompt)."""
+    """One continuation per prompt: greedy when gen_config is None, else sampled with it (seeded per prompt).
+
+    Each is exactly ``max_new_tokens`` long (end-of-text suppressed until then): an early end would otherwise
+    score a perfect distinct-4-gram share over nothing.
+    """
     outs = []
     for i, p in enumerate(PROMPTS):
         ids = tok(p, return_tensors="pt", add_special_tokens=False)["input_ids"]
         kw = dict(do_sample=False) if gen_config is None else dict(generation_config=gen_config)
         if gen_config is not None:
             torch.manual_seed(SAMPLE_SEED + i)
-        g = model.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
-                           pad_token_id=tok.eos_token_id, **kw)
+        g = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                           eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, **kw)
         new = g[0, ids.shape[1]:].tolist()
         outs.append({"prompt": p, "text": tok.decode(new, skip_special_tokens=True), "tokens": len(new),
                      "distinct4": round(distinct_ngrams(new), 4)})
@@ -207,7 +211,7 @@ One script, `bench/models/train_default.py` (needs only torch, tokenizers, trans
 safetensors, tqdm): trains the tokenizer (byte-level BPE, {vocab} tokens, `tokenizers`), tokenizes the
 corpus once (cached), then trains from scratch with AdamW (β=0.9/0.95, weight decay 0.1 on matrices),
 gradient clipping 1.0, batch {batch} × {seq_len} tokens, {steps} steps in all ({tokens_seen:,} tokens ≈
-{epochs:.2f} epochs), in two phases:
+{epochs:.2f} epochs), in three phases:
 
 1. **{steps1} steps**: lr {lr} with {warmup} warmup steps and cosine decay to {min_lr}; transformers'
    router load-balancing loss (`output_router_logits=True`), coefficient {aux_coef}. That loss pools the
@@ -219,6 +223,15 @@ gradient clipping 1.0, batch {batch} × {seq_len} tokens, {steps} steps in all (
    busiest experts of its layer; then training continues with a
    *per-layer* balance loss (Switch-style, averaged over layers), coefficient {rebalance_coef}, lr
    {rebalance_lr} decaying linearly to {min_lr}.
+3. **{steps3} unlikelihood steps** (Welleck et al. 2019, "Neural text generation with unlikelihood
+   training"), lr {ul_lr} decaying linearly to {min_lr}, the per-layer balance loss kept. One step
+   in {seq_every} is *sequence-level*: the model's own greedy continuations ({ul_cont} tokens after
+   {ul_prefix}-token training prefixes, {ul_pool} generated at a time with the current weights) are
+   penalised with −log(1 − p) at every token that repeats a 4-gram of its continuation, and with nothing
+   else (the model's own text is no target). The other steps are ordinary language-model steps plus
+   *token-level* unlikelihood (weight {ul_alpha}: −log(1 − p) of every context token that is not the next
+   one). A model this small otherwise falls into loops under greedy decoding; this phase trades a
+   little held-out accuracy for continuations that keep moving (the card's metrics below).
 
 Seeded (torch/python/numpy), data order a pure function of (seed, step); checkpoints every few
 minutes, `--resume` continues exactly (bit-identical to an uninterrupted run; tested).
@@ -233,7 +246,7 @@ cp runs/default_model/{{config.json,generation_config.json,model.safetensors,tok
 {eval_cmd}
 ```
 
-Training took {train_min:.1f} min on {train_device} (2 shared CPU cores), torch {torch_version}, Python {py_version}.
+Training took {train_min:.1f} min on {train_device} (2 shared CPU cores), torch {torch_version}, Python {py_version}{timing_note}.
 Training loss at the last step ≈ {final_train_loss}. The bundled files are the output's `config.json`,
 `generation_config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json`.
 
@@ -262,7 +275,8 @@ Measured by:
 ## Continuations
 
 The prompts are a fixed, varied set (`PROMPTS` in `bench/models/eval_default.py`, the README's
-first prompt first); 64 new tokens each. *Distinct 4-grams* is the share of a continuation's token
+first prompt first); 64 new tokens each (end-of-text is suppressed until then, so that a continuation
+that stops early cannot score a perfect share over nothing). *Distinct 4-grams* is the share of a continuation's token
 4-grams that occur once (a loop scores low), averaged over the prompts.
 
 | decoding | mean distinct 4-grams | mean tokens |
@@ -335,11 +349,15 @@ def build_card(model_dir: Path, ho: dict, va: dict, greedy: list[dict], sampled:
         lr=a.get("lr"), warmup=a.get("warmup"), min_lr=a.get("min_lr"), batch=a.get("batch"), steps=s.get("steps"),
         steps1=a.get("steps"), steps2=a.get("rebalance_steps", 0), revive_pct=100 * a.get("revive_below", 0),
         rebalance_coef=a.get("rebalance_coef"), rebalance_lr=a.get("rebalance_lr"),
+        steps3=a.get("unlikelihood_steps", 0), ul_lr=a.get("ul_lr"), seq_every=a.get("ul_seq_every"),
+        ul_cont=a.get("ul_continuation"), ul_prefix=a.get("ul_prefix"), ul_pool=a.get("ul_pool"),
+        ul_alpha=a.get("ul_alpha"),
         n_revived=sum(len(r.get("revived", [])) for r in log),
         n_zero=sum(1 for r in log for x in r.get("revived", []) if x[3] == 0.0),
         tokens_seen=s.get("tokens_seen", 0), epochs=s.get("tokens_seen", 0) / max(1, s.get("train_tokens", 1)),
         aux_coef=a.get("aux_coef"), train_cmd=s.get("command", "?"), train_min=s.get("train_seconds", 0) / 60,
         train_device=s.get("device", "?"), torch_version=s.get("torch", torch.__version__),
+        timing_note=f" ({s['timing_note']})" if s.get("timing_note") else "",
         final_train_loss=log[-1].get("lm_loss", "?"),
         ho_tokens=ho["tokens"], ho_loss=ho["loss"], ho_ppl=ho["ppl"], ho_top1=ho["top1"], ho_maxp=ho["mean_max_prob"],
         va_tokens=va["tokens"], va_loss=va["loss"], va_ppl=va["ppl"], va_top1=va["top1"], va_maxp=va["mean_max_prob"],

@@ -12,7 +12,8 @@ Steps (each cached under ``--work-dir`` so a restart is fast):
   2. train a byte-level BPE tokenizer on the train split -> out/tokenizer.json (+ tokenizer_config.json)
   3. tokenize both splits once                           -> work/tokens_{train,val}.pt (uint16/int32)
   4. train a Qwen3-MoE (transformers' Qwen3MoeForCausalLM) with the router load-balancing loss,
-     AdamW + linear warmup + cosine decay, checkpoints every ``--ckpt-minutes`` (``--resume``)
+     AdamW + linear warmup + cosine decay, then a per-layer rebalancing phase, then an unlikelihood phase
+     against greedy loops; checkpoints every ``--ckpt-minutes`` (``--resume``)
   5. save the final model in Hugging Face format (bf16 safetensors) + generation_config.json (the recommended
      sampling settings, ``--gen-*``)
 
@@ -291,8 +292,84 @@ def lr_at(step: int, args) -> float:
 def lr_at_total(step: int, args) -> float:
     if step < args.steps:
         return lr_at(step, args)
-    t = (step - args.steps) / max(1, args.rebalance_steps)
-    return args.rebalance_lr + (args.min_lr - args.rebalance_lr) * t
+    if step < args.steps + args.rebalance_steps:
+        t = (step - args.steps) / max(1, args.rebalance_steps)
+        return args.rebalance_lr + (args.min_lr - args.rebalance_lr) * t
+    t = (step - args.steps - args.rebalance_steps) / max(1, args.unlikelihood_steps)
+    return args.ul_lr + (args.min_lr - args.ul_lr) * t
+
+
+def unlikelihood_loss(logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Token-level unlikelihood (Welleck et al. 2019, "Neural text generation with unlikelihood training").
+
+    logits [B, T, V] predict x[:, 1:] from x[:, :-1] ([B, T+1] token ids). At position t the negative
+    candidates are the tokens already in the context x[:, :t+1], except the true next token:
+    -sum_c log(1 - p(c)), averaged over positions. It lowers the probability of copying the context
+    where the text does not, which is what makes greedy decoding of a small model fall into a loop.
+    """
+    B, T, V = logits.shape
+    ctx = torch.zeros(B, T, V, dtype=torch.bool, device=logits.device)
+    ctx.scatter_(2, x[:, :-1, None], True)
+    ctx = ctx.cumsum(1, dtype=torch.int32) > 0  # [B, T, V]: seen in x[:, :t+1]
+    ctx.scatter_(2, x[:, 1:, None], False)  # never penalise the true next token
+    p = logits.softmax(-1)
+    return -(torch.log1p(-p.clamp(max=1 - 1e-5)) * ctx).sum(-1).mean()
+
+
+def repeated_ngrams(ids: torch.Tensor, n: int = 4) -> torch.Tensor:
+    """ids [B, L] -> bool [B, L]: True where ids[:, t] completes an n-gram that already occurred in its row."""
+    mask = torch.zeros(ids.shape, dtype=torch.bool)
+    for b, row in enumerate(ids.tolist()):
+        seen = set()
+        for t in range(n - 1, len(row)):
+            g = tuple(row[t - n + 1:t + 1])
+            if g in seen:
+                mask[b, t] = True
+            seen.add(g)
+    return mask
+
+
+class GreedyPool:
+    """Phase 3's sequence-level unlikelihood data: the model's own greedy continuations of training prefixes.
+
+    Continuations are generated ``rows`` at a time (HF generate's per-token overhead dominates at this size, so
+    one batch of 32 costs about what one of 8 does) and handed out ``batch`` rows per step, then regenerated with
+    the current weights: they are at most rows / batch steps stale.
+    """
+
+    def __init__(self, args, data: torch.Tensor, device):
+        self.args, self.data, self.device = args, data, device
+        self.rows: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def _fill(self, model, step: int):
+        a = self.args
+        g = torch.Generator().manual_seed(a.seed * 1_000_003 + step)
+        starts = torch.randint(0, self.data.numel() - a.ul_prefix - 1, (a.ul_pool,), generator=g)
+        prefix = torch.stack([self.data[s:s + a.ul_prefix] for s in starts.tolist()]).long().to(self.device)
+        model.eval()
+        out = model.generate(prefix, max_new_tokens=a.ul_continuation, min_new_tokens=a.ul_continuation,
+                             do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None)
+        model.train()
+        self.rows = out.cpu()
+
+    def next(self, model, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (ids [batch, prefix+continuation], mask [batch, prefix+continuation]: repeated 4-grams of the continuation)."""
+        if self.rows is None or self.rows.shape[0] < self.args.batch:
+            self._fill(model, step)
+        ids, self.rows = self.rows[: self.args.batch], self.rows[self.args.batch:]
+        mask = torch.zeros(ids.shape, dtype=torch.bool)
+        mask[:, self.args.ul_prefix:] = repeated_ngrams(ids[:, self.args.ul_prefix:])
+        return ids.to(self.device), mask.to(self.device)
+
+
+def sequence_unlikelihood_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """logits [B, L-1, V] of ids[:, :-1]; -log(1 - p(token)) at every continuation token that repeats a 4-gram,
+    averaged over continuation tokens (Welleck et al.'s sequence-level objective)."""
+    p = logits.softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    m = mask[:, 1:]
+    n = (ids.shape[1] - 1) * ids.shape[0]
+    return -(torch.log1p(-p.clamp(max=1 - 1e-5)) * m).sum() / n
 
 
 def per_layer_balance_loss(router_logits, top_k: int) -> torch.Tensor:
@@ -439,6 +516,18 @@ def parse_args(argv=None):
                         "weights and optimiser state): the balance loss alone cannot revive an expert the router "
                         "never picks")
     p.add_argument("--rebalance-lr", type=float, default=5e-4, help="phase 2 lr, decayed linearly to --min-lr")
+    p.add_argument("--unlikelihood-steps", type=int, default=400,
+                   help="phase 3, after phase 2: fine-tune with token-level unlikelihood (weight --ul-alpha) on top "
+                        "of the language-model and per-layer balance losses, against greedy loops")
+    p.add_argument("--ul-alpha", type=float, default=1.0)
+    p.add_argument("--ul-lr", type=float, default=3e-4, help="phase 3 lr, decayed linearly to --min-lr")
+    p.add_argument("--ul-seq-every", type=int, default=2,
+                   help="phase 3: every Nth step is a sequence-level unlikelihood step on the model's own greedy "
+                        "continuations (penalising each token that repeats a 4-gram); 0 = none")
+    p.add_argument("--ul-seq-alpha", type=float, default=1.0)
+    p.add_argument("--ul-prefix", type=int, default=32)
+    p.add_argument("--ul-continuation", type=int, default=64)
+    p.add_argument("--ul-pool", type=int, default=32, help="greedy continuations generated per batch")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -549,6 +638,7 @@ def _main(argv=None) -> dict:
 
     ckpt_path = work / "ckpt.pt"
     start_step, elapsed_before, log = 0, 0.0, []
+    pool = GreedyPool(args, train_data, device)
     if args.resume and ckpt_path.exists():
         ck = torch.load(ckpt_path, map_location=device, weights_only=False)
         model.load_state_dict(ck["model"])
@@ -556,6 +646,7 @@ def _main(argv=None) -> dict:
         start_step, elapsed_before, log = ck["step"], ck.get("elapsed", 0.0), ck.get("log", [])
         torch.set_rng_state(ck["torch_rng"])
         random.setstate(ck["py_rng"])
+        pool.rows = ck.get("ul_pool")
         print(f"[resume] from step {start_step} ({elapsed_before / 60:.1f} min already trained)", flush=True)
 
     def save_ckpt(step, elapsed):
@@ -569,6 +660,7 @@ def _main(argv=None) -> dict:
                 "args": vars(args),
                 "torch_rng": torch.get_rng_state(),
                 "py_rng": random.getstate(),
+                "ul_pool": pool.rows,  # phase 3's unused greedy continuations: a resumed run uses the same ones
             },
             ckpt_path,
         )
@@ -577,14 +669,18 @@ def _main(argv=None) -> dict:
     t_start = time.time()
     last_ckpt = time.time()
     ema = None
-    total_steps = args.steps + args.rebalance_steps
+    total_steps = args.steps + args.rebalance_steps + args.unlikelihood_steps
     bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, disable=args.no_progress,
                dynamic_ncols=True, mininterval=2.0)
     for step in bar:
         lr = lr_at_total(step, args)
         for g in opt.param_groups:
             g["lr"] = lr
-        x = get_batch(train_data, step, args).to(device)
+        p3 = step - args.steps - args.rebalance_steps
+        if p3 >= 0 and args.ul_seq_every > 0 and p3 % args.ul_seq_every == args.ul_seq_every - 1:
+            x, rep = pool.next(model, step)  # phase 3, sequence-level step
+        else:
+            x, rep = get_batch(train_data, step, args).to(device), None
         with autocast():
             outp = model(input_ids=x[:, :-1], output_router_logits=True, use_cache=False)
         logits = outp.logits.float()
@@ -596,10 +692,18 @@ def _main(argv=None) -> dict:
         if step < args.steps:  # phase 1
             loss = lm_loss + args.aux_coef * outp.aux_loss.float()
             aux = outp.aux_loss.item()
-        else:  # phase 2: per-layer balance
+        else:  # phase 2: per-layer balance (phase 3: plus unlikelihood)
             bal = per_layer_balance_loss(outp.router_logits, args.top_k)
             loss = lm_loss + args.rebalance_coef * bal
             aux = bal.item()
+            if rep is not None:  # only unlikelihood: the model's own text is no target to imitate
+                ul = sequence_unlikelihood_loss(logits, x, rep)
+                loss = args.ul_seq_alpha * ul + args.rebalance_coef * bal
+                aux = ul.item()
+            elif p3 >= 0:
+                ul = unlikelihood_loss(logits, x)
+                loss = loss + args.ul_alpha * ul
+                aux = ul.item()
         lm = lm_loss.item()
         opt.zero_grad(set_to_none=True)
         loss.backward()
