@@ -128,5 +128,8 @@ def merge_rows(rows: torch.Tensor, late: torch.Tensor, ids: torch.Tensor, late_r
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13, w2, *,
               remap: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
     """y [T, H]: the routed experts of every token, combined (see the module docstring)."""
+    backend = backend or default_backend(x)
     rows = expert_rows(x, ids, weights, w13, w2, remap=remap, backend=backend)
-    return combine_rows(rows, backend=backend)
+    if torch.compiler.is_compiling():
+        return _combine_rows_op(rows, backend)
+    return _combine_rows_impl(rows, backend)  # eager: the backend is checked already
