@@ -45,6 +45,25 @@ def compute_dtype(device: torch.device, storage: torch.dtype, dtype=None) -> tor
     return storage if storage in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+# On CPU a slot pool that would take more than this in the compute dtype holds the store's narrower
+# dtype instead. Below it the pool stays in the compute dtype: converting an expert as it runs costs
+# little at real shapes (~2x an fp32 GEMV at Mixtral's, into a reused buffer) but its per-call overhead
+# slowed the bundled model's decode (and the emulated link calibrated on it) 2.7x.
+POOL_UPCAST_MIN_BYTES = 256 << 20
+
+
+def pool_dtype(device: torch.device, storage: torch.dtype, compute: torch.dtype, slots: int = 0,
+               expert_numel: int = 0) -> torch.dtype:
+    """The slot pool's dtype. CUDA: the compute dtype (the kernels read it; copies convert on the
+    device). CPU: the store's dtype when it is narrower and a compute-dtype pool of `slots` experts
+    would pass POOL_UPCAST_MIN_BYTES; the torch backend converts each expert it runs into the compute
+    dtype, which gives the very values a converting copy would have put in the pool (bf16 -> fp32
+    is exact), and the emulated device's memory is the host's."""
+    if device.type != "cpu" or storage.itemsize >= compute.itemsize:
+        return compute
+    return storage if slots * expert_numel * compute.itemsize > POOL_UPCAST_MIN_BYTES else compute
+
+
 def configure_threads(device: torch.device, threads: int | None) -> None:
     """CPU: leave one core to the emulated link's copy worker (and the OS); small decode matmuls gain
     nothing from more threads, and oversubscribed OpenMP pools are catastrophically slow."""
@@ -104,8 +123,13 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
             device_memory = int(free * 0.9)
         plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
                          device_memory=device_memory, draft=policy in ("spec-lru", "specter"))
+        pdt = pool_dtype(device, ckpt.dtype, dt, spec.n_moe_layers * plan.slots_per_layer, spec.expert_numel())
+        if pdt != dt:  # the same budget in bytes holds more experts of the narrower dtype
+            plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
+                             device_memory=device_memory, draft=policy in ("spec-lru", "specter"), pool_dtype=pdt)
     if offload:  # calibrating allocates a working set of experts: before the store exists, not beside it
-        lk = make_link(device, link, calibration=(spec.hidden, spec.expert_inter, dt))
+        lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,
+                                                      storage=pdt))
     if shared is None:
         shared = load_shared(path, device, dtype=dt, threads=threads, draft_cache=draft_cache)
     model, store = shared.model, shared.store
@@ -114,7 +138,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         decoder = PlainDecoder(model, ResidentExperts(experts), device, dt)
     else:
         experts = store
-        mgr = OffloadedExperts(store, plan.slots_per_layer, device, lk, eviction=eviction, dtype=dt)
+        mgr = OffloadedExperts(store, plan.slots_per_layer, device, lk, eviction=eviction, dtype=pdt)
         mgr.warm()
         decoder = _decoder(policy, shared, mgr, k_max)
         if hasattr(decoder, "draft"):

@@ -98,11 +98,13 @@ class Int4Experts:
         q = self.qweight
         return torch.stack((q & 0xF, q >> 4), dim=-1).flatten(-2)
 
-    def dequantize(self) -> torch.Tensor:
-        """[E, N, K] in `dtype`: exactly quanto's dequantization (`scale * q - shift`)."""
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[E, N, K] in `dtype`: exactly quanto's dequantization (`scale * q - shift`); written into
+        `out` (contiguous, that shape and dtype) when given."""
         E, N, K = self.shape
         q = self.qweight
-        w = torch.empty(E, N, K // 2, 2, dtype=self.dtype, device=self.device)
+        w = torch.empty(E, N, K, dtype=self.dtype, device=self.device) if out is None else out
+        w = w.view(E, N, K // 2, 2)
         w[..., 0] = q & 0xF  # the codes, converted to the scale dtype as they are written (exact: 0..15)
         w[..., 1] = q >> 4
         w = w.view(E, N, -1, self.group_size)

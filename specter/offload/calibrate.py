@@ -90,24 +90,30 @@ _TIME_BUDGET = 0.25       # s for warm-up and timed passes together
 
 
 def measure_expert_throughput(hidden: int, intermediate: int, dtype=torch.float32, device="cpu",
-                              repeats: int = 7) -> float:
+                              repeats: int = 7, storage: torch.dtype | None = None) -> float:
     """Bytes of expert weights one decode token consumes per second through SwiGLU experts here.
 
     One pass runs x [1, H] through each of n distinct experts (w13 [2I, H], w2 [H, I]), n chosen so
     the weights overflow the caches; the result is the median over passes of bytes / seconds.
-    Cached per (hidden, intermediate, dtype, device) for the life of the process.
+    `storage`: the weights' dtype when it is not the compute dtype `dtype` (a CPU slot pool in the
+    checkpoint's bf16): each expert is converted as it runs, as the torch backend does, and bytes
+    are counted as stored, as the emulated link counts the bytes it copies.
+    Cached per (hidden, intermediate, dtype, storage, device) for the life of the process.
     """
     device = torch.device(device)
-    key = (hidden, intermediate, dtype, str(device))
+    storage = storage or dtype
+    key = (hidden, intermediate, dtype, storage, str(device))
     if key in _THROUGHPUT_CACHE:
         return _THROUGHPUT_CACHE[key]
 
-    expert_bytes = 3 * hidden * intermediate * dtype.itemsize
+    expert_bytes = 3 * hidden * intermediate * storage.itemsize
     n = max(2, min(_MAX_EXPERTS, math.ceil(_WORKING_SET / expert_bytes)))
     # constant weights: matmul speed does not depend on values, and fill_ is far cheaper than randn
-    w13 = torch.empty(n, 2 * intermediate, hidden, dtype=dtype, device=device).fill_(0.01)  # [n, 2I, H]
-    w2 = torch.empty(n, hidden, intermediate, dtype=dtype, device=device).fill_(0.01)       # [n, H, I]
+    w13 = torch.empty(n, 2 * intermediate, hidden, dtype=storage, device=device).fill_(0.01)  # [n, 2I, H]
+    w2 = torch.empty(n, hidden, intermediate, dtype=storage, device=device).fill_(0.01)       # [n, H, I]
     x = torch.full((1, hidden), 0.1, dtype=dtype, device=device)                            # [1, H]
+    # converted weights go into reused buffers, as the torch backend converts them
+    b13, b2 = (torch.empty(w.shape[1:], dtype=dtype, device=device) if storage != dtype else None for w in (w13, w2))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def one_pass(experts: range, t_stop: float) -> float:
@@ -116,8 +122,8 @@ def measure_expert_throughput(hidden: int, intermediate: int, dtype=torch.float3
         t0, done = time.perf_counter(), 0
         with torch.inference_mode():
             for e in experts:
-                g, u = (x @ w13[e].T).chunk(2, dim=-1)   # [1, I] each
-                y = (F.silu(g) * u) @ w2[e].T            # [1, H]
+                g, u = (x @ (w13[e] if b13 is None else b13.copy_(w13[e])).T).chunk(2, dim=-1)  # [1, I] each
+                y = (F.silu(g) * u) @ (w2[e] if b2 is None else b2.copy_(w2[e])).T             # [1, H]
                 done += 1
                 if time.perf_counter() > t_stop:
                     break

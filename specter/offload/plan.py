@@ -77,14 +77,16 @@ def non_expert_numel(spec: ModelSpec, total_numel: int) -> int:
 
 
 def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residency: float | None = None,
-              expert_memory=None, device_memory=None, context: int | None = None, draft: bool = True) -> MemoryPlan:
-    """`total_numel`: parameters in the checkpoint. At most one of the three budgets; none = all resident."""
+              expert_memory=None, device_memory=None, context: int | None = None, draft: bool = True,
+              pool_dtype: torch.dtype | None = None) -> MemoryPlan:
+    """`total_numel`: parameters in the checkpoint. At most one of the three budgets; none = all resident.
+    `pool_dtype`: the slot pool's, when it is not the compute dtype (a CPU pool in the store's bf16)."""
     given = [b for b in (residency, expert_memory, device_memory) if b is not None]
     if len(given) > 1:
         raise ConfigError("give one budget: residency, expert_memory or device_memory")
     item = torch.empty((), dtype=dtype).element_size()
     E, k, L = spec.n_experts, spec.top_k, spec.n_moe_layers
-    expert = spec.expert_numel() * item
+    expert = spec.expert_numel() * (pool_dtype.itemsize if pool_dtype is not None else item)
     context = min(context or spec.max_position, spec.max_position)
     fixed = dict(non=non_expert_numel(spec, total_numel) * item,
                  draft=L * E * draft_expert_bytes(spec) if draft else 0,
