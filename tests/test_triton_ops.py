@@ -388,3 +388,21 @@ def test_packed_cuda_draft_runs_in_the_compute_dtype(dtype):
     ids = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 1], [0, 3]], device="cuda")
     w = torch.rand(T, k, generator=g).to("cuda", dtype)
     torch.testing.assert_close(packed(0, x, ids, w), plain(0, x, ids, w), rtol=0.05, atol=0.02)
+
+
+def test_cpu_upcast_and_dequant_at_use_are_exact_in_and_out_of_inference_mode():
+    """A bf16 pool (a big checkpoint's on CPU) and a packed draft convert each expert into a reused
+    buffer as it runs: the same rows as fp32 weights / the dequantised draft, whichever mode ran first."""
+    g = torch.Generator().manual_seed(3)
+    E, H, I, T, k = 4, 64, 32, 3, 2
+    w13, w2 = (torch.randn(E, 2 * I, H, generator=g) * 0.1).bfloat16(), (torch.randn(E, H, I, generator=g) * 0.1).bfloat16()
+    x, w = torch.randn(T, H, generator=g), torch.rand(T, k, generator=g)
+    ids = torch.tensor([[0, 1], [2, 1], [3, 0]])
+    q13, q2 = pack_int4(w13, dtype=torch.float32), pack_int4(w2, dtype=torch.float32)
+    want = fused_moe(x, ids, w, w13.float(), w2.float())
+    want_q = fused_moe(x, ids, w, q13.dequantize(), q2.dequantize())
+    with torch.inference_mode():
+        assert torch.equal(fused_moe(x, ids, w, w13, w2), want)
+        assert torch.equal(fused_moe(x, ids, w, q13, q2), want_q)
+    assert torch.equal(fused_moe(x, ids, w, w13, w2), want)
+    assert torch.equal(fused_moe(x, ids, w, q13, q2), want_q)

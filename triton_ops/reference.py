@@ -46,9 +46,10 @@ def _buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     against 22 ms for its fp32 GEMV). Grown to the largest weight converted, never shrunk."""
     bufs = _scratch.__dict__.setdefault("bufs", {})
     n = math.prod(shape)
-    buf = bufs.get(dtype)
+    key = (dtype, torch.is_inference_mode_enabled())  # an inference tensor cannot be written outside that mode
+    buf = bufs.get(key)
     if buf is None or buf.numel() < n:
-        buf = bufs[dtype] = torch.empty(n, dtype=dtype, device=device)
+        buf = bufs[key] = torch.empty(n, dtype=dtype, device=device)
     return buf[:n].view(shape)
 
 
