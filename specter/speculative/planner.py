@@ -69,15 +69,26 @@ class PrefetchPlanner:
         if self.guard is not None:
             return self._admit_guarded(layer, ranked, predicted)
         victims = sorted(score[e] for e in slots.residents(layer) if e not in predicted)
+
+        def displace(e: int) -> bool:
+            if victims and score[e] > victims[0]:
+                victims.pop(0)
+                return True
+            return False
+
+        return self._take(layer, ranked, displace)
+
+    def _take(self, layer: int, ranked: list[int], displace) -> list[int]:
+        """The experts of `ranked` (best first) to copy: each one not resident takes a free slot while
+        there is one, then a slot `displace(e)` gives up for it; the others are skipped."""
+        slots = self.mgr.slots
         free, out = slots.free_slots(layer), []
         for e in ranked:
             if slots.slot_of(layer, e) is not None:
                 continue
             if free > 0:
                 free -= 1
-            elif victims and score[e] > victims[0]:
-                victims.pop(0)
-            else:
+            elif not displace(e):
                 continue
             out.append(e)
         return out
@@ -102,18 +113,14 @@ class PrefetchPlanner:
         slots = self.mgr.slots
         victims = sorted((self.need_prob(layer, e), e) for e in slots.residents(layer)
                          if e not in predicted and slots.is_ready(layer, e))
-        free, out = slots.free_slots(layer), []
-        for e in ranked:
-            if slots.slot_of(layer, e) is not None:
-                continue
-            if free > 0:
-                free -= 1
-            elif victims and victims[0][0] < self.guard:
+
+        def displace(e: int) -> bool:
+            if victims and victims[0][0] < self.guard:
                 victims.pop(0)
-            else:
-                continue
-            out.append(e)
-        return out
+                return True
+            return False
+
+        return self._take(layer, ranked, displace)
 
     def observe_use(self, layer: int, experts) -> None:
         """Verification used these: actual demand counts like predicted demand. While a drafted
