@@ -19,10 +19,10 @@ from specter.triton_ops import Int4Experts, fused_moe, pack_int4
 from ..moe import ExpertWeights
 from .lookahead import Lookahead
 
-# On CPU the draft is dequantised (fast: one GEMV an expert) while that costs at most this much
-# memory, and stays packed above it (dequantised at use: ~10% slower draft steps on the bundled
-# model, several times slower expert GEMVs at Qwen3-30B-A3B's shapes, but a quarter of the bf16
-# experts instead of twice them). See docs/ARCHITECTURE.md (issue 14) for the measurements.
+# On CPU the draft is dequantised (one GEMV an expert) while that costs at most this much memory,
+# and stays packed above it: dequantised at use, a quarter of the bf16 experts instead of twice
+# them, for draft steps 2% slower on the bundled model and 32% slower at Qwen3-30B-A3B's shapes
+# (measured alternately in one process; the target's verification dominates either way).
 DENSE_MAX_BYTES = 256 << 20
 
 
