@@ -315,6 +315,57 @@ def test_every_slot_loading_when_the_layer_runs(watch):
         assert mgr.stats()["prefetch_used"] == 1
 
 
+def test_link_cancel_withdraws_only_copies_not_started():
+    """A queued copy is withdrawn (never written, resolves cancelled, pending() drops); the one the
+    worker has started, and a landed one, cannot be."""
+    src = [torch.full((1024,), float(i)) for i in range(3)]
+    dst = [torch.zeros(1024) for _ in range(3)]
+    with EmulatedLink(bandwidth=1e6, latency=0.05, name="slow") as link:
+        ts = [link.copy(d, s) for d, s in zip(dst, src)]
+        while ts[0].t_started is None:
+            pass
+        assert link.pending() == 3
+        assert link.cancel(ts[2]) and ts[2].cancelled() and ts[2].done() and link.pending() == 2
+        assert not link.cancel(ts[0]) and not link.cancel(ts[2])  # started; already withdrawn
+        link.synchronize()
+        assert not link.cancel(ts[1])  # landed
+        assert torch.equal(dst[0], src[0]) and torch.equal(dst[1], src[1])
+        assert not dst[2].any(), "a cancelled copy wrote its destination"
+        assert link.stats["transfers"] == 2 and not ts[0].cancelled()
+        assert "cancelled" in repr(ts[2])
+
+
+def test_cancel_prefetches_undoes_reservations_and_never_lands(watch):
+    """Prefetches still queued when a cycle ends are withdrawn: out of flight, their reservations
+    undone (the experts they evicted ready again, bytes intact), their bytes not counted; the one
+    the link has started lands as usual. The next call hits the restored expert."""
+    store = make_store()
+    resident = ResidentExperts(store)
+    with slow_link(latency=0.05) as link:
+        mgr = OffloadedExperts(store, 2, torch.device("cpu"), link)
+        w = watch(mgr)
+        mgr.warm()                                   # layer 0: experts 0, 1
+        mgr.slots.touch(0, [1])                      # 0 is evicted first
+        assert mgr.prefetch(0, [6, 7]) == 2          # 6 evicts 0, 7 evicts 1
+        while w.transfers[(0, 6)].t_started is None:
+            pass
+        bytes_before = mgr.stats()["h2d_bytes"]
+        assert mgr.cancel_prefetches() == 1          # 7 was queued behind 6
+        assert w.transfers[(0, 7)].cancelled() and set(mgr.inflight) == {(0, 6)}
+        assert mgr.slots.is_ready(0, 1) and mgr.slots.slot_of(0, 7) is None
+        st = mgr.stats()
+        assert st["prefetch_cancelled"] == 1 and st["h2d_bytes"] == bytes_before - mgr.expert_bytes
+        w.after_call()                               # slots hold their experts' bytes; loading == in flight
+        link.synchronize()
+        mgr.poll()
+        w.after_call()                               # 7's copy never wrote 1's slot
+        assert mgr.slots.ready_experts(0) == [1, 6]
+        x, ids, weights = routed(1, 2, 8, torch.Generator().manual_seed(4))
+        ids = torch.tensor([[1, 6]])
+        assert torch.equal(w(0, x, ids, weights), resident(0, x, ids, weights))
+        assert mgr.stats()["expert_misses"] == 0
+
+
 def test_reset_and_warm():
     store = make_store()
     with slow_link(bandwidth=50e6, latency=0) as link:

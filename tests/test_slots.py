@@ -92,6 +92,32 @@ def test_cancel_frees_slot(device):
     cache.check()
 
 
+def test_cancel_with_restore_gives_the_displaced_expert_its_slot_back(device):
+    """A reservation whose copy never started is undone: the resident it evicted is ready again in
+    the same slot (its bytes were never overwritten), first in line for eviction; unless that expert
+    has a slot again by now, in which case the slot is simply free."""
+    cache = SlotCache(1, 8, 2, device=device)
+    for e in (0, 1):
+        cache.reserve(0, e)
+        cache.mark_ready(0, e)
+    cache.touch(0, [0])                          # 1 is the least recently used
+    slot = cache.reserve(0, 5)                   # evicts 1
+    assert cache.slot_of(0, 1) is None and cache.remap[0, 1].item() == -1
+    cache.cancel(0, 5, restore=True)
+    cache.check()
+    assert cache.is_ready(0, 1) and cache.slot_of(0, 1) == slot and cache.remap[0, 1].item() == slot
+    assert cache.slot_of(0, 5) is None and cache.free_slots(0) == 0
+    assert cache.reserve(0, 6) == slot           # a restored expert is least recent: 1 goes again, not 0
+    cache.reserve(0, 1)                          # 1 is back, loading, in the other slot (0's)
+    cache.cancel(0, 6, restore=True)             # nothing to restore: 1 has a slot
+    cache.check()
+    assert cache.free_slots(0) == 1 and cache.slot_of(0, 6) is None and not cache.is_ready(0, 1)
+    free = cache.reserve(0, 7)                   # a free slot: nothing displaced, nothing to restore
+    cache.cancel(0, 7, restore=True)
+    cache.check()
+    assert cache.free_slots(0) == 1 and free not in (cache.slot_of(0, e) for e in range(8))
+
+
 def test_reset(device):
     cache = SlotCache(2, 8, 3, device=device, policy="lfu")
     fill(cache, 0, [1, 2, 3])

@@ -804,3 +804,40 @@ def test_route_coverage_of_an_exact_draft(tiny, fast_link):
     assert s["acceptance_rate"] == 1.0 and s["draft_efficiency"] == 1.0, s
     assert s["route_coverage"] >= 4 / 5 and s["route_coverage"] <= 1.0, s
     assert pen.stats["acceptance_rate"] == 1.0 and pen.token_ids != out.token_ids, pen.stats
+
+
+def test_a_cycle_leaves_no_queued_prefetch_behind(tiny, resident_tokens, monkeypatch):
+    """Prefetches still queued when verification ends were guesses it did not need (it waits for
+    every copy it needs): the cycle withdraws them, so the steps after it queue behind nothing.
+    A wrong guess is forced: after the draft's last plan, the last layer prefetches experts the draft
+    did not predict, on a link slow enough (~5 ms a copy) that some are still queued. After every
+    cycle, each copy in flight has started, the slots' bookkeeping holds, and the tokens are exact."""
+    monkeypatch.setattr(builder, "make_link", lambda device, profile=None, **kw: EmulatedLink(5e6, 1e-3, name="slow"))
+    path, _ = tiny("qwen3_moe", eos_token_id=None)
+    engine = load(path, "specter", residency=0.5, k_max=2)
+    try:
+        dec = engine.decoder
+        dec.governor = Governor(2, fixed=2)
+        mgr, planner, cycle, queued = dec.target, dec.planner, dec._cycle, []
+        plan, last = planner.plan, mgr.slots.n_layers - 1
+
+        def plan_and_guess(upto, host=False):
+            n = plan(upto, host)
+            if upto == planner.k:  # the draft is over: guess wrong on the layer verification reaches last
+                unpredicted = [e for e in reversed(range(mgr.slots.n_experts)) if e not in planner.demand[last]]
+                n += mgr.prefetch(last, unpredicted, protect=set(planner.demand[last]))
+            return n
+
+        def checked(*a, **kw):
+            out = cycle(*a, **kw)
+            queued.append(sum(t.t_started is None for t in mgr.inflight.values()))
+            mgr.slots.check()
+            return out
+
+        planner.plan, dec._cycle = plan_and_guess, checked
+        outs = [engine.generate(p, max_new_tokens=NEW, temperature=0.0) for p in PROMPTS[:2]]
+    finally:
+        engine.close()
+    assert [o.token_ids for o in outs] == resident_tokens("qwen3_moe")[:2]
+    assert queued and max(queued) == 0, queued
+    assert total(outs, "prefetch_cancelled") > 0

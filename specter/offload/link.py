@@ -82,6 +82,14 @@ class Transfer:
         """fn(transfer), once, when complete (from the link's thread, or now if already complete)."""
         self._future.add_done_callback(lambda _: fn(self))
 
+    def cancelled(self) -> bool:
+        """Withdrawn by `Link.cancel` before it started: it never wrote its destination."""
+        return self._future.cancelled()
+
+    def _cancel(self) -> None:
+        self._dst = self._src = None
+        self._future.cancel()  # never set running, so this always succeeds; done() turns True
+
     def _finish(self, error: BaseException | None = None) -> None:
         self.t_finished = time.perf_counter()
         self._dst = self._src = None
@@ -91,7 +99,7 @@ class Transfer:
             self._future.set_exception(error)
 
     def __repr__(self) -> str:
-        state = "done" if self._future.done() else "pending"
+        state = "cancelled" if self.cancelled() else "done" if self._future.done() else "pending"
         return f"Transfer(tag={self.tag!r}, nbytes={self.nbytes}, {state})"
 
 
@@ -135,6 +143,12 @@ class Link(abc.ABC):
         """A marker, recorded now on the compute stream, that copies can be ordered `after` (CUDA);
         None where compute is synchronous (CPU)."""
         return None
+
+    def cancel(self, t: Transfer) -> bool:
+        """Withdraw `t` if it has not started: True when it never will write its destination (it
+        resolves cancelled; pending() drops), False when it has started or landed (it completes as
+        usual). This base answers False: a copy the link has handed on cannot be recalled."""
+        return False
 
     def pending(self) -> int:
         with self._lock:
@@ -210,6 +224,19 @@ class EmulatedLink(Link):
             self._work.notify()
         return t
 
+    def cancel(self, t: Transfer) -> bool:
+        with self._lock:  # the worker pops under this lock: a queued transfer has not started
+            for lane in (self._normal, self._urgent):
+                if t in lane:
+                    lane.remove(t)
+                    break
+            else:
+                return False
+            self._pending -= 1
+            self._idle.notify_all()
+        t._cancel()
+        return True
+
     def close(self) -> None:
         """Stop accepting copies; queued ones still land (bytes copied, no more sleeping); join."""
         with self._lock:
@@ -268,6 +295,9 @@ class CudaLink(Link):
     Each copy waits (on the GPU) only for what `after` names: the last reader of its destination
     slot (an event from `read_event`), or by default all work queued so far on the current stream.
     A small host thread resolves futures (for await / callbacks / stats).
+
+    `cancel` is the base's: always False. copy() enqueues on the stream at once, and a copy on a
+    stream cannot be withdrawn, so every prefetch issued here lands (and is marked ready as usual).
     """
 
     def __init__(self, device, bandwidth: float | None = None, latency: float = 10e-6, name: str = "cuda"):

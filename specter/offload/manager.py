@@ -96,6 +96,23 @@ class OffloadedExperts:
         self._stats["prefetch_issued"] += n
         return n
 
+    def cancel_prefetches(self) -> int:
+        """Withdraw the prefetch copies the link has not started: called when the cycle they were
+        issued for is over, so the steps after it do not queue behind its wrong guesses. Each one's
+        reservation is undone, the expert it evicted ready again in its untouched slot. Returns how
+        many; always 0 on CUDA, where a copy on the stream cannot be withdrawn (Link.cancel)."""
+        n = 0
+        for layer, e in [k for k in self.inflight if k in self.prefetched]:
+            if self.slots.is_pinned(layer, e) or not self.link.cancel(self.inflight[(layer, e)]):
+                continue
+            del self.inflight[(layer, e)]
+            self.prefetched.discard((layer, e))
+            self.slots.cancel(layer, e, restore=True)
+            n += 1
+        self._stats["prefetch_cancelled"] += n
+        self._stats["h2d_bytes"] -= n * self.expert_bytes  # never crossed the link
+        return n
+
     def is_resident(self, layer: int, e: int) -> bool:
         return self.slots.slot_of(layer, e) is not None
 
@@ -186,7 +203,7 @@ class OffloadedExperts:
         self._resident_hits = torch.zeros((), dtype=torch.int64, device=self.device)  # read in stats()
         self._hits_on_device = False  # only then is there anything to read (a host sync on CUDA)
         self._stats = dict(expert_hits=0, expert_misses=0, h2d_bytes=0, stall_s=0.0, prefetch_issued=0,
-                           prefetch_used=0)
+                           prefetch_used=0, prefetch_cancelled=0)
 
     def stats(self) -> dict:
         self._stats["stall_s"] += self.link.drain_stall_s()  # CUDA: stream waits, timed by events

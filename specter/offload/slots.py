@@ -6,7 +6,7 @@ All state lives on the host except `remap` ([n_layers, n_experts] int32 on the d
 never read back in a hot path (graph safety: see docs/ARCHITECTURE.md). An expert moves through three states:
 
     absent --reserve--> loading --mark_ready--> ready --(evicted by a later reserve)--> absent
-    absent <--cancel--- loading
+    absent <--cancel--- loading   (cancel(restore=True): the expert it displaced is ready again)
 
 remap[layer, expert] holds the slot only while the expert is ready, so a kernel never reads a slot
 whose copy has not landed. Ordering those writes against copies and kernels (events) is the caller's
@@ -48,6 +48,7 @@ class SlotCache:
         self._order = [OrderedDict() for _ in range(L)]   # residents, least recently used first
         self._count = [[0] * E for _ in range(L)]         # LFU use counts (kept across evictions)
         self._pins = [{} for _ in range(L)]               # expert -> pin refcount
+        self._displaced = [[-1] * E for _ in range(L)]    # loading expert -> the resident its reserve evicted
 
     def reset(self) -> None:
         """Everything absent, remap all -1, counters cleared (the planner hook is kept)."""
@@ -71,6 +72,9 @@ class SlotCache:
     def ready_experts(self, layer: int) -> list[int]:
         state = self._state[layer]
         return sorted(e for e in self._order[layer] if state[e] == READY)
+
+    def is_pinned(self, layer: int, expert: int) -> bool:
+        return expert in self._pins[layer]
 
     def free_slots(self, layer: int) -> int:
         return len(self._free[layer])
@@ -117,7 +121,7 @@ class SlotCache:
         free. Returns None, changing nothing, when every resident is pinned, protected or loading."""
         if self._state[layer][expert] != ABSENT:
             raise ValueError(f"expert {expert} of layer {layer} already has slot {self._slot[layer][expert]}")
-        free = self._free[layer]
+        free, victim = self._free[layer], -1
         if free:
             slot = free.pop()
         else:
@@ -125,6 +129,7 @@ class SlotCache:
             if victim is None:
                 return None
             slot = self._evict(layer, victim)
+        self._displaced[layer][expert] = victim
         self._slot[layer][expert] = slot
         self._owner[layer][slot] = expert
         self._state[layer][expert] = LOADING
@@ -139,13 +144,24 @@ class SlotCache:
         self._state[layer][expert] = READY
         self.remap[layer, expert] = self._slot[layer][expert]
 
-    def cancel(self, layer: int, expert: int) -> None:
-        """Abandon a loading reservation; its slot becomes free."""
+    def cancel(self, layer: int, expert: int, *, restore: bool = False) -> None:
+        """Abandon a loading reservation; its slot becomes free. restore=True (only when its copy never
+        started, so the slot still holds the bytes it held before): the expert the reservation evicted
+        is ready in it again, least recently used, unless it has a slot again by now."""
         if self._state[layer][expert] != LOADING:
             raise ValueError(f"expert {expert} of layer {layer} is not loading")
         if expert in self._pins[layer]:
             raise ValueError(f"cannot cancel expert {expert} of layer {layer}: it is pinned")
-        self._free[layer].append(self._release(layer, expert))
+        slot, victim = self._release(layer, expert), self._displaced[layer][expert]
+        if not restore or victim < 0 or self._state[layer][victim] != ABSENT:
+            self._free[layer].append(slot)
+            return
+        self._slot[layer][victim] = slot
+        self._owner[layer][slot] = victim
+        self._state[layer][victim] = READY
+        self._order[layer][victim] = None
+        self._order[layer].move_to_end(victim, last=False)  # first in line to be evicted again
+        self.remap[layer, victim] = slot
 
     def _release(self, layer: int, expert: int) -> int:
         slot = self._slot[layer][expert]

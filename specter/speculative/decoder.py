@@ -40,6 +40,7 @@ class SpeculativeDecoder:
         self.truncate = False                   # verify only the drafted tokens worth their copies (measured:
                                                 # not a win on balance yet, see docs/ARCHITECTURE.md)
         self.plan_backlog = 1                   # plan again when at most this many copies are queued
+        self.cancel_leftovers = True            # withdraw a cycle's prefetches still queued when it ends
         self.draft_step = None                  # a sync-free draft step (specter.compiled.draft_step), if any
         self.verify_step = None                 # a piecewise-compiled verifier (specter.compiled.verify_step), if any
         self.reset_stats()
@@ -112,6 +113,8 @@ class SpeculativeDecoder:
             else:
                 logits = self.model(tokens, n, cache, self.target)   # [K+1, V]
         self.target.next_layer_router = None
+        if self.cancel_leftovers:  # what verification (or the plain step) did not wait for, it did not need:
+            self.target.cancel_prefetches()  # the next cycle must not queue behind it nor be billed for it
         if self.planner is not None:
             self.planner.end_cycle()
         # row i of the target sees the history plus drafted[:i], exactly as the draft's step i did
