@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from governor_matrix import build, prompts_for  # noqa: E402
+from governor_matrix import add_histogram, alternate, build, prompts_for  # noqa: E402
 
 import specter  # noqa: E402
 
@@ -39,27 +39,17 @@ def main() -> int:
                    for p in POLICIES}
         engines["specter-nocancel"].decoder.cancel_leftovers = False
         prompts = prompts_for(args.model, 2)
-        rounds = {p: [] for p in POLICIES}
         tot = {p: dict(h2d_bytes=0, new_tokens=0, prefetch_issued=0, prefetch_used=0, prefetch_cancelled=0, k={})
                for p in POLICIES}
+
+        def count(p: str, s: dict) -> None:
+            for key in tot[p]:
+                if key != "k":
+                    tot[p][key] += s[key]
+            add_histogram(tot[p]["k"], s["k_histogram"])
+
         try:
-            for e in engines.values():
-                e.generate(prompts[0], max_new_tokens=args.max_new_tokens, **sampling)
-            for r in range(args.rounds):
-                secs, toks = dict.fromkeys(POLICIES, 0.0), dict.fromkeys(POLICIES, 0)
-                for prompt in prompts:
-                    for p in (POLICIES if r % 2 == 0 else POLICIES[::-1]):
-                        s = engines[p].generate(prompt, max_new_tokens=args.max_new_tokens, **sampling).stats
-                        n = max(s["new_tokens"] - 1, 1)
-                        secs[p] += s["tpot_s"] * n
-                        toks[p] += n
-                        for key in tot[p]:
-                            if key != "k":
-                                tot[p][key] += s[key]
-                        for k, v in s["k_histogram"].items():
-                            tot[p]["k"][k] = tot[p]["k"].get(k, 0) + v
-                for p in POLICIES:
-                    rounds[p].append(secs[p] / toks[p])
+            rounds = alternate(engines, prompts, args.rounds, args.max_new_tokens, sampling, count)
         finally:
             for e in engines.values():
                 e.close()

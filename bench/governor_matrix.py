@@ -80,6 +80,33 @@ def prompts_for(kind: str, n: int) -> list:
     return [torch.randint(2, 500, (12,), generator=g).tolist() for _ in range(n)]
 
 
+def add_histogram(into: dict, hist: dict | None) -> None:
+    for k, v in (hist or {}).items():
+        into[k] = into.get(k, 0) + v
+
+
+def alternate(engines: dict, prompts: list, repeat: int, max_new_tokens: int, sampling: dict, count=None) -> dict:
+    """Every engine warmed up on the first prompt, then `repeat` rounds over the prompts with the
+    engines' order reversed every round -> {name: [seconds a token, one per round]} (TPOT weighted by
+    tokens). `count(name, stats)` sees every generation's stats."""
+    for e in engines.values():
+        e.generate(prompts[0], max_new_tokens=max_new_tokens, **sampling)
+    names, rounds = list(engines), {p: [] for p in engines}
+    for r in range(repeat):
+        secs, toks = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
+        for prompt in prompts:
+            for p in (names if r % 2 == 0 else names[::-1]):
+                s = engines[p].generate(prompt, max_new_tokens=max_new_tokens, **sampling).stats
+                n = max(s["new_tokens"] - 1, 1)
+                secs[p] += s["tpot_s"] * n
+                toks[p] += n
+                if count is not None:
+                    count(p, s)
+        for p in names:
+            rounds[p].append(secs[p] / toks[p])
+    return rounds
+
+
 def cell(model, kind, residency, link, args) -> dict:
     """All policies side by side: warmed up, then `repeat` rounds over the prompts, the order of the
     policies reversed every round. A policy's TPOT is its median round: other processes on a shared
@@ -91,25 +118,15 @@ def cell(model, kind, residency, link, args) -> dict:
     prompts = prompts_for(kind, args.prompts)
     engines = {p: specter.load(model, policy=p, residency=residency, link=link) if p != "resident"
                else specter.load(model, policy=p) for p in policies}  # resident takes no budget or link
-    rounds = {p: [] for p in policies}
     stats = {p: dict(h2d_bytes=0, tokens=0, k_histogram={}) for p in policies}
+
+    def count(p: str, s: dict) -> None:
+        stats[p]["h2d_bytes"] += s.get("h2d_bytes", 0)
+        stats[p]["tokens"] += s["new_tokens"]
+        add_histogram(stats[p]["k_histogram"], s.get("k_histogram"))
+
     try:
-        for e in engines.values():
-            e.generate(prompts[0], max_new_tokens=args.max_new_tokens, **sampling)
-        for r in range(args.repeat):
-            secs, toks = dict.fromkeys(policies, 0.0), dict.fromkeys(policies, 0)
-            for prompt in prompts:
-                for p in (policies if r % 2 == 0 else policies[::-1]):
-                    s = engines[p].generate(prompt, max_new_tokens=args.max_new_tokens, **sampling).stats
-                    n = max(s["new_tokens"] - 1, 1)
-                    secs[p] += s["tpot_s"] * n
-                    toks[p] += n
-                    stats[p]["h2d_bytes"] += s.get("h2d_bytes", 0)
-                    stats[p]["tokens"] += s["new_tokens"]
-                    for k, v in (s.get("k_histogram") or {}).items():
-                        stats[p]["k_histogram"][k] = stats[p]["k_histogram"].get(k, 0) + v
-            for p in policies:
-                rounds[p].append(secs[p] / toks[p])
+        rounds = alternate(engines, prompts, args.repeat, args.max_new_tokens, sampling, count)
     finally:
         for e in engines.values():
             e.close()
