@@ -178,7 +178,7 @@ def test_recipe_end_to_end_tiny(tmp_path):
     summary = recipe.main(["--out", str(a), "--steps", "6", *TINY])
     assert summary["steps"] == 6 + 3 + 4 and (a / "work" / "ckpt.pt").exists()
     phase3 = [r for r in summary["log"] if r.get("step", 0) >= 9 and "lm_loss" in r]
-    assert phase3 and all(math.isfinite(r["aux"]) for r in phase3)
+    assert phase3 and all(math.isfinite(r["aux"]) for r in phase3) and any(r.get("own_text") for r in phase3)
     for f in FILES[:-1]:
         assert (a / f).is_file(), f
     tok = AutoTokenizer.from_pretrained(str(a))

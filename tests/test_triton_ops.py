@@ -78,10 +78,9 @@ def test_int4_bad_input_is_a_clear_error():
 
 
 # --------------------------------------------------------------------------------- the packed draft
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_packed_cpu_draft_is_the_dense_draft(dtype):
-    """The packed draft on CPU (what a big checkpoint's draft is) keeps fp32 scales and dequantizes
-    each expert it runs as the unpacked draft did once: the very same outputs, in every dtype."""
+def draft_pair(device: str, dtype: torch.dtype):
+    """A packed and an unpacked DraftExperts over the same random layer (4 experts, H 64, I 32,
+    top-2), and one routed batch of 5 tokens for them: (packed, plain, (x, ids, w))."""
     from specter.moe import ExpertWeights
     from specter.speculative.draft import DraftExperts
     from specter.speculative.lookahead import Lookahead
@@ -89,16 +88,24 @@ def test_packed_cpu_draft_is_the_dense_draft(dtype):
     E, H, I, T, k = 4, 64, 32, 5, 2
     g = torch.Generator().manual_seed(1)
     experts = [ExpertWeights(torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1)]
-    look = Lookahead(4, 1, k, "cpu")
-    packed = DraftExperts(experts, look, "cpu", dtype, packed=True)
-    plain = DraftExperts(experts, look, "cpu", dtype, packed=False)
+    look = Lookahead(4, 1, k, device)
+    packed = DraftExperts(experts, look, device, dtype, packed=True)
+    plain = DraftExperts(experts, look, device, dtype, packed=False)
+    x = torch.randn(T, H, generator=g).to(device, dtype)
+    ids = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 1], [0, 3]], device=device)
+    w = torch.rand(T, k, generator=g).to(device, dtype)
+    return packed, plain, (x, ids, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_packed_cpu_draft_is_the_dense_draft(dtype):
+    """The packed draft on CPU (what a big checkpoint's draft is) keeps fp32 scales and dequantizes
+    each expert it runs as the unpacked draft did once: the very same outputs, in every dtype."""
+    packed, plain, (x, ids, w) = draft_pair("cpu", dtype)
     assert packed.layers == [] and packed.q13[0].qweight.dtype == torch.uint8
     assert packed.q13[0].dtype == torch.float32 and plain.layers[0].w13.dtype == dtype
-    x = torch.randn(T, H, generator=g).to(dtype)
-    ids = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 1], [0, 3]])
-    w = torch.rand(T, k, generator=g).to(dtype)
     y = packed(0, x, ids, w)
-    assert y.dtype == dtype and y.shape == (T, H)
+    assert y.dtype == dtype and y.shape == x.shape
     assert torch.equal(y, plain(0, x, ids, w))
 
 
@@ -373,20 +380,8 @@ def test_packing_on_cuda_equals_packing_on_cpu():
 def test_packed_cuda_draft_runs_in_the_compute_dtype(dtype):
     """On CUDA the packed draft's scales follow the compute dtype (the kernels multiply in it), and
     it computes what the unpacked draft computes up to that rounding."""
-    from specter.moe import ExpertWeights
-    from specter.speculative.draft import DraftExperts
-    from specter.speculative.lookahead import Lookahead
-
-    E, H, I, T, k = 4, 64, 32, 5, 2
-    g = torch.Generator().manual_seed(1)
-    experts = [ExpertWeights(torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1)]
-    look = Lookahead(4, 1, k, "cuda")
-    packed = DraftExperts(experts, look, "cuda", dtype, packed=True)
-    plain = DraftExperts(experts, look, "cuda", dtype, packed=False)
+    packed, plain, (x, ids, w) = draft_pair("cuda", dtype)
     assert packed.q13[0].dtype == dtype
-    x = torch.randn(T, H, generator=g).to("cuda", dtype)
-    ids = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 1], [0, 3]], device="cuda")
-    w = torch.rand(T, k, generator=g).to("cuda", dtype)
     torch.testing.assert_close(packed(0, x, ids, w), plain(0, x, ids, w), rtol=0.05, atol=0.02)
 
 

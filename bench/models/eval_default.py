@@ -247,7 +247,7 @@ cp runs/default_model/{{config.json,generation_config.json,model.safetensors,tok
 ```
 
 Training took {train_min:.1f} min on {train_device} (2 shared CPU cores), torch {torch_version}, Python {py_version}{timing_note}.
-Training loss at the last step ≈ {final_train_loss}. The bundled files are the output's `config.json`,
+Training loss at the last logged language-model step ≈ {final_train_loss}. The bundled files are the output's `config.json`,
 `generation_config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json`.
 
 ## Metrics
@@ -358,7 +358,7 @@ def build_card(model_dir: Path, ho: dict, va: dict, greedy: list[dict], sampled:
         aux_coef=a.get("aux_coef"), train_cmd=s.get("command", "?"), train_min=s.get("train_seconds", 0) / 60,
         train_device=s.get("device", "?"), torch_version=s.get("torch", torch.__version__),
         timing_note=f" ({s['timing_note']})" if s.get("timing_note") else "",
-        final_train_loss=log[-1].get("lm_loss", "?"),
+        final_train_loss=next((r["lm_loss"] for r in reversed(log) if "lm_loss" in r and not r.get("own_text")), "?"),
         ho_tokens=ho["tokens"], ho_loss=ho["loss"], ho_ppl=ho["ppl"], ho_top1=ho["top1"], ho_maxp=ho["mean_max_prob"],
         va_tokens=va["tokens"], va_loss=va["loss"], va_ppl=va["ppl"], va_top1=va["top1"], va_maxp=va["mean_max_prob"],
         uniform=1 / cfg["num_experts"], share_rows=share_rows, eval_cmd=eval_cmd, sources_rows=sources_rows,

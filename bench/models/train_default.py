@@ -716,6 +716,8 @@ def _main(argv=None) -> dict:
         if step % 25 == 0 or step == total_steps - 1:
             log.append({"step": step, "lm_loss": round(lm, 4), "aux": round(aux, 4), "lr": lr, "gnorm": round(gn, 3),
                         "elapsed": round(elapsed_before + dt, 1)})
+            if rep is not None:  # lm_loss of the model's own greedy text, aux its sequence-level unlikelihood
+                log[-1]["own_text"] = True
             if args.no_progress:
                 print(json.dumps(log[-1]), flush=True)
         if time.time() - last_ckpt > args.ckpt_minutes * 60:
