@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specter import sansio
 from specter.compiled.capture import own_code
 from specter.layers import KVCache
 from specter.model import MoETransformer
@@ -133,8 +134,13 @@ class VerifyStep:
             return t
         return t.clone()
 
-    @torch.no_grad()
     def step(self, tokens: torch.Tensor, n: int, cache: KVCache, experts: ExpertProvider) -> torch.Tensor:
+        return sansio.drive(self.body(tokens, n, cache, experts))
+
+    @torch.no_grad()
+    def body(self, tokens: torch.Tensor, n: int, cache: KVCache, experts: ExpertProvider):
+        """`step` as a body (specter/sansio.py): each MoE layer's routing read and copy waits are
+        yielded, so an asyncio driver awaits exactly the copies each layer needs."""
         T = tokens.shape[0]
         W = self.width(T)
         if n + W > cache.max_len:
@@ -156,7 +162,7 @@ class VerifyStep:
                     mlp_out = self.zeros[:W]
                     continue
                 x, h, ids, w, shared = map(self._out, self.moe_in(layer, x, mlp_out, cos, sin, lkv))
-                y = experts(layer.mlp.moe_index, h[:T], ids[:T], w[:T])          # [T, H], eagerly
+                y = yield from sansio.call(experts, layer.mlp.moe_index, h[:T], ids[:T], w[:T])  # [T, H], eagerly
                 mlp_out = F.pad(y, (0, 0, 0, W - T)) if W > T else y
                 if shared is not None:
                     mlp_out = mlp_out + shared

@@ -20,6 +20,7 @@ from typing import AsyncIterator, Iterator
 
 import torch
 
+from . import sansio
 from .config import ModelSpec
 from .errors import ConfigError, ContextLengthError, TokenizerError
 from .generation_defaults import choose, describe
@@ -56,18 +57,27 @@ class PlainDecoder:
         self.model, self.experts, self.device, self.dtype = model, experts, device, dtype
 
     def run(self, prompt: list[int], params: SamplingParams, max_new: int) -> Iterator[list[int]]:
+        """Lists of one committed token id (blocking)."""
+        return sansio.iterate(self._body(prompt, params, max_new))
+
+    async def arun(self, prompt: list[int], params: SamplingParams, max_new: int) -> AsyncIterator[list[int]]:
+        """`run` on the running event loop: the offload manager's copies are awaited."""
+        async for chunk in sansio.aiterate(self._body(prompt, params, max_new)):
+            yield chunk
+
+    def _body(self, prompt: list[int], params: SamplingParams, max_new: int):
         spec = self.model.spec
         cache = KVCache(spec, len(prompt) + max_new, self.device, self.dtype)
         gen = params.generator(self.device)
         hist = params.history(prompt, self.device)  # what penalties look at
         tokens = torch.tensor(prompt, device=self.device)
-        logits = self.model(tokens, 0, cache, self.experts, logits_for="last")  # [1, V]
+        logits = yield from self.model.body(tokens, 0, cache, self.experts, logits_for="last")  # [1, V]
         pos = len(prompt)
         for _ in range(max_new):
             tok = sample(logits, params, gen, hist)  # [1]
             hist.commit([int(tok)])
-            yield [int(tok)]
-            logits = self.model(tok, pos, cache, self.experts)
+            yield sansio.Emit([int(tok)])
+            logits = yield from self.model.body(tok, pos, cache, self.experts)
             pos += 1
 
     def stats(self) -> dict:

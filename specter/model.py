@@ -16,6 +16,7 @@ from torch import nn
 from .config import ModelSpec
 from .layers import MLP, Attention, KVCache, MLAttention, Rope, make_norm
 from .moe import ExpertProvider, MoEBlock
+from . import sansio
 from .profiling import span
 
 
@@ -29,9 +30,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = make_norm(spec)
 
     def forward(self, x, rope, cos, sin, cache, start, experts):
-        x = x + self.self_attn(self.input_layernorm(x), rope, cos, sin, cache, start)
-        h = self.post_attention_layernorm(x)
+        x, h = self.attend(x, rope, cos, sin, cache, start)
         return x + (self.mlp(h, experts) if self.is_moe else self.mlp(h))
+
+    def attend(self, x, rope, cos, sin, cache, start):
+        """x [T, H] -> (x + attention, the MLP's input h [T, H])."""
+        x = x + self.self_attn(self.input_layernorm(x), rope, cos, sin, cache, start)
+        return x, self.post_attention_layernorm(x)
+
+    def body(self, x, rope, cos, sin, cache, start, experts):
+        """`forward` as a body (specter/sansio.py): the routed experts' waits are yielded."""
+        x, h = self.attend(x, rope, cos, sin, cache, start)
+        if not self.is_moe:
+            return x + self.mlp(h)
+        shared, ids, w = self.mlp.prepare(h)
+        y = yield from sansio.call(experts, self.mlp.moe_index, h, ids, w)
+        return x + self.mlp.combine(y, shared)
 
 
 class Backbone(nn.Module):
@@ -62,23 +76,43 @@ class MoETransformer(nn.Module):
         experts: ExpertProvider,
         logits_for: str = "all",      # "all" -> [T, V]; "last" -> [1, V]
     ) -> torch.Tensor:
-        T = tokens.shape[0]
-        if start + T > cache.max_len:
-            raise IndexError(f"positions up to {start + T} exceed the KV cache ({cache.max_len})")
+        self._check(tokens, start, cache)
         return self.run(tokens, start, cache, experts, logits_for)
+
+    @torch.inference_mode()
+    def body(self, tokens: torch.Tensor, start: int, cache: KVCache, experts: ExpertProvider,
+             logits_for: str = "all"):
+        """`forward` as a body (specter/sansio.py): drive(body) == forward; adrive awaits the offload
+        manager's copies layer by layer."""
+        self._check(tokens, start, cache)
+        x, cos, sin = self._enter(tokens, start)
+        for layer, name in zip(self.model.layers, self.model.span_names):
+            with span(name):
+                x = yield from layer.body(x, self.rope, cos, sin, cache, start, experts)
+        return self._head(x, logits_for)
 
     def run(self, tokens, start: int, cache: KVCache, experts: ExpertProvider, logits_for: str = "all"):
         """`forward` without its checks and its inference mode: the body torch.compile traces."""
-        T = tokens.shape[0]
-        x = self.model.embed_tokens(tokens)  # [T, H]
-        pos = torch.arange(T, device=tokens.device) + start  # start: an int, or a 0-d device tensor
-        cos, sin = self.rope.cos_sin(pos, x.dtype)
+        x, cos, sin = self._enter(tokens, start)
         for layer, name in zip(self.model.layers, self.model.span_names):
             with span(name):
                 x = layer(x, self.rope, cos, sin, cache, start, experts)
+        return self._head(x, logits_for)
+
+    def _enter(self, tokens, start):
+        x = self.model.embed_tokens(tokens)  # [T, H]
+        pos = torch.arange(tokens.shape[0], device=tokens.device) + start  # start: an int, or a 0-d device tensor
+        return (x, *self.rope.cos_sin(pos, x.dtype))
+
+    def _head(self, x, logits_for: str):
         if logits_for == "last":
             x = x[-1:]
         return self.logits(x)  # [T or 1, V] fp32
+
+    @staticmethod
+    def _check(tokens, start: int, cache: KVCache) -> None:
+        if start + tokens.shape[0] > cache.max_len:
+            raise IndexError(f"positions up to {start + tokens.shape[0]} exceed the KV cache ({cache.max_len})")
 
     def logits(self, x: torch.Tensor, chunk: int = 32768) -> torch.Tensor:
         """x [T, H] -> fp32 logits [T, V]: the final norm and lm_head computed in fp32 whatever the

@@ -131,5 +131,9 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: ExpertProvider) -> torch.Tensor:
         shared, ids, w = self.prepare(x)
-        y = experts(self.moe_index, x, ids, w)
+        return self.combine(experts(self.moe_index, x, ids, w), shared)
+
+    @staticmethod
+    def combine(y: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+        """The routed experts' output plus the shared expert's, if any."""
         return y if shared is None else y + shared

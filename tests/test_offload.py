@@ -407,9 +407,10 @@ def test_prefetch_used_counts_only_prefetches_that_served():
 class EagerLanding(OffloadedExperts):
     """A broken manager: marks a copy ready without waiting for it to complete."""
 
-    def _land(self, layer, e):
+    def _land(self, layer, e):  # a body (specter/sansio.py) that never yields the copy
         if self.inflight.pop((layer, e), None) is not None:
             self.slots.mark_ready(layer, e)
+        yield from ()
 
 
 def test_the_watch_catches_compute_before_the_copy_lands(watch):

@@ -3,7 +3,7 @@
     link = make_link(device)                       # CudaLink on CUDA, calibrated EmulatedLink on CPU
     t = link.copy([slot_w13, slot_w2], [host_w13, host_w2], tag=(layer, expert))
     ...                                            # compute keeps going
-    t.wait()                                       # or `await t`, or t.add_done_callback(fn)
+    t.wait()                                       # or `await t.landed()`, or t.add_done_callback(fn)
 
 CudaLink issues copies on a dedicated stream and hands back events. EmulatedLink is one worker
 thread that really copies the bytes and then sleeps until `start + latency + nbytes / bandwidth`,
@@ -32,6 +32,7 @@ import torch
 
 from specter.offload.calibrate import (emulated_link_params, load_profile, measure_expert_throughput,
                                        profile_for_gpu)
+from specter.sansio import poll
 
 _CHUNK = 32768  # elements per emulated copy_: below ATen's parallel grain, so the worker never starts OpenMP
 
@@ -74,13 +75,62 @@ class Transfer:
         self._future.result()
         return time.perf_counter() - t0
 
+    async def landed(self) -> float:
+        """`wait` for asyncio code: seconds from this call until the bytes are in place, the loop free
+        meanwhile. CUDA: `wait`'s stream wait (compute is ordered after the copy on the device; nothing
+        blocks, so 0 here, the stall measured by events as in `wait`). Emulated: the link's thread
+        completes an asyncio future (call_soon_threadsafe) and the stall is the time until this
+        coroutine resumes, as `wait`'s is the time until its thread does."""
+        if self._event is not None or self._future.done():
+            return self.wait()
+        t0 = time.perf_counter()
+        await self._loop_future()
+        return time.perf_counter() - t0
+
     def __await__(self):
-        yield from asyncio.wrap_future(self._future).__await__()
+        """`await t` -> t, once the copy has completed on the host's view: the emulated link's future;
+        on CUDA the copy's event, queried from the loop with a backoff (never synchronised)."""
+        if self._event is not None:
+            return self._polled().__await__()
+        return self._loop_future().__await__()
+
+    async def _polled(self) -> Transfer:
+        await poll(self._event.query)
         return self
+
+    def _loop_future(self) -> asyncio.Future:
+        """A future of the running loop that the link's thread completes. Cancelling it (its awaiter
+        was cancelled) leaves the copy alone: it lands, and the manager marks it ready later."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def settle() -> None:
+            if fut.cancelled():
+                return
+            if self._future.cancelled():
+                fut.cancel()
+            elif (error := self._future.exception()) is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(self)
+
+        def done(_) -> None:  # on the link's thread
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # the loop has closed: nobody is waiting
+                pass
+
+        self._future.add_done_callback(done)
+        return fut
 
     def add_done_callback(self, fn) -> None:
         """fn(transfer), once, when complete (from the link's thread, or now if already complete)."""
         self._future.add_done_callback(lambda _: fn(self))
+
+    def failed(self) -> bool:
+        """Completed with an error (the waiter gets it): its destination holds no valid bytes."""
+        f = self._future
+        return f.done() and not f.cancelled() and f.exception() is not None
 
     def cancelled(self) -> bool:
         """Withdrawn by `Link.cancel` before it started: it never wrote its destination."""

@@ -13,6 +13,10 @@ at the front of the link's queue and compute in a second call as they land (more
 a layer needs more experts than it has slots). Rows combine by (token, top-k position), so the
 result is the bits of one call over resident weights, whatever was resident. `prefetch` is the hook for every smarter policy: next-layer
 routing and the speculative planner issue copies through it ahead of need.
+
+A layer's computation is written once, as a body (specter/sansio.py) that yields its routing read and
+each copy it must wait for: `mgr(layer, ...)` drives it blocking (the synchronous engine),
+`await mgr.acall(layer, ...)` on an event loop, which stays free while a copy is in flight.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from specter.triton_ops import combine_rows, expert_rows, merge_rows
 
 from ..moe import ExpertWeights
 from ..profiling import span
+from ..sansio import HostRead, adrive, drive
 from .link import Link, Transfer
 from .slots import SlotCache
 
@@ -69,18 +74,26 @@ class OffloadedExperts:
         self._stats["h2d_bytes"] += self.expert_bytes
         return True
 
-    def _land(self, layer: int, e: int) -> None:
-        """Wait (if needed) for (layer, e)'s copy and mark it ready."""
+    def _land(self, layer: int, e: int):
+        """Body: wait (if needed) for (layer, e)'s copy and mark it ready."""
         t = self.inflight.pop((layer, e), None)
         if t is not None:
-            self._stats["stall_s"] += t.wait()
+            try:
+                self._stats["stall_s"] += yield t
+            except BaseException:
+                if t.failed():  # its bytes never arrived: the slot is free again, a later need copies anew
+                    self.slots.cancel(layer, e)
+                    self.prefetched.discard((layer, e))
+                else:  # the waiter went away (cancelled): the copy still lands, poll() marks it
+                    self.inflight[(layer, e)] = t
+                raise
             self.slots.mark_ready(layer, e)
             self._read_done(layer, [e])  # CUDA: compute now waits for the copy; a later one waits for that
 
     def poll(self) -> None:
-        """Mark every completed copy ready (cheap; called between layers)."""
+        """Mark every completed copy ready (cheap; called between layers; nothing waits)."""
         for key in [k for k, t in self.inflight.items() if t.done()]:
-            self._land(*key)
+            drive(self._land(*key))
 
     def prefetch(self, layer: int, experts, *, protect=(), urgent: bool = False) -> int:
         """Start copies for those of `experts` not resident or in flight, in the given order, never
@@ -118,6 +131,14 @@ class OffloadedExperts:
 
     # ------------------------------------------------------------------------------ compute
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return drive(self.body(layer, x, ids, weights))
+
+    async def acall(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return await adrive(self.body(layer, x, ids, weights))
+
+    @torch.no_grad()  # entered and left around each step of the body, never held across a wait
+    def body(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """The layer's routed experts, as a body: yields the routing read and the copies it waits for."""
         if self.next_layer_router is not None:
             self.next_layer_router(layer, x)
         pool, slots = self.pool[layer], self.slots
@@ -126,7 +147,7 @@ class OffloadedExperts:
             self._resident_hits += used.sum()  # distinct experts, counted on the device
             self._hits_on_device = True
             return combine_rows(expert_rows(x, ids, weights, pool.w13, pool.w2, remap=slots.remap[layer]))
-        need = sorted(set(ids.reshape(-1).tolist()))
+        need = sorted(set((yield HostRead(ids.reshape(-1)))))
         self.poll()
         self._count(layer, need)
         ready = [e for e in need if slots.is_ready(layer, e)]
@@ -144,7 +165,7 @@ class OffloadedExperts:
             rows = x.new_zeros(ids.shape + x.shape[1:])
         todo = flying + missing
         while todo:  # the late experts, in as few calls as the slots allow
-            batch = self._land_batch(layer, todo)
+            batch = yield from self._land_batch(layer, todo)
             late = self._late.fill_(-1)  # this batch's remap, written in place: no host-to-device sync
             for e in batch:
                 late[e] = slots.slot_of(layer, e)
@@ -156,8 +177,8 @@ class OffloadedExperts:
             self.use_hook(layer, need)
         return combine_rows(rows)
 
-    def _land_batch(self, layer: int, todo: list[int]) -> list[int]:
-        """The longest prefix of `todo` that holds slots (issuing copies for those without, never
+    def _land_batch(self, layer: int, todo: list[int]):
+        """Body -> the longest prefix of `todo` that holds slots (issuing copies for those without, never
         evicting another of `todo`), landed. At least one expert, waiting for copies if it must."""
         protect, batch = set(todo), []
         for e in todo:
@@ -165,10 +186,10 @@ class OffloadedExperts:
                 break
             batch.append(e)
         if not batch:
-            self._issue_blocking(layer, todo[0], protect=protect)
+            yield from self._issue_blocking(layer, todo[0], protect=protect)
             batch = todo[:1]
         for e in batch:
-            self._land(layer, e)
+            yield from self._land(layer, e)
         return batch
 
     def _read_done(self, layer: int, experts) -> None:
@@ -178,12 +199,12 @@ class OffloadedExperts:
             for e in experts:
                 self.last_read[layer][self.slots.slot_of(layer, e)] = ev
 
-    def _issue_blocking(self, layer: int, e: int, protect) -> None:
-        """Issue (layer, e) now; if every slot is loading, wait for this layer's copies to land first."""
+    def _issue_blocking(self, layer: int, e: int, protect):
+        """Body: issue (layer, e) now; if every slot is loading, wait for this layer's copies to land first."""
         if self._issue(layer, e, urgent=True, protect=protect):
             return
         for key in [k for k in self.inflight if k[0] == layer]:
-            self._land(*key)
+            yield from self._land(*key)
         if not self._issue(layer, e, urgent=True, protect=protect):
             raise RuntimeError(f"no evictable slot in layer {layer}: the slot budget is below top-k")
 

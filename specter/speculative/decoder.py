@@ -8,14 +8,25 @@
 
 The draft writes its K/V into the same cache past the committed length; verification overwrites
 those positions with the target's own, so there is never a second cache and rollback is free.
+
+A generation is written once, as a body (specter/sansio.py): it yields each committed chunk (`Emit`),
+each planning request of the draft (`Plan`) and each wait of verification (routing reads, copies).
+Two drivers run it:
+    run()   blocking: plans where the draft asks, waits for copies on the spot (the synchronous engine)
+    arun()  asyncio (an async generator): a planner task awaits the lookahead rows each request
+            names and issues copies while the draft coroutine goes on; verification awaits exactly
+            the copies each MoE layer needs, the loop free meanwhile
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import torch
+
+from .. import sansio
 
 from ..layers import KVCache
 from ..model import MoETransformer
@@ -50,26 +61,47 @@ class SpeculativeDecoder:
         return self.target
 
     def run(self, prompt: list[int], params: SamplingParams, max_new: int) -> Iterator[list[int]]:
+        """Lists of committed token ids, the first one after prefill, then one a cycle (blocking)."""
+        return sansio.iterate(self._body(prompt, params, max_new), self._resolve)
+
+    async def arun(self, prompt: list[int], params: SamplingParams, max_new: int) -> AsyncIterator[list[int]]:
+        """`run` on the running event loop (see the module docstring)."""
+        planning = _PlannerTask(self)
+        try:
+            async for chunk in sansio.aiterate(self._body(prompt, params, max_new), planning.resolve):
+                yield chunk
+        finally:
+            await planning.close()
+
+    def _resolve(self, op):
+        """The blocking driver's ops: a planning request is served on the spot, with the rows there are."""
+        if isinstance(op, Plan):
+            with span("plan"):
+                return self.planner.plan(self.draft_step.lookahead.ready() if op.host else op.upto, host=op.host)
+        return op.wait()
+
+    def _body(self, prompt: list[int], params: SamplingParams, max_new: int):
         # no scratch beyond the plan's context: K <= remaining - 1 keeps drafts and verification inside
         # positions [0, len(prompt) + max_new - 1)
         headroom = self.verify_step.headroom if self.verify_step is not None else 0  # it pads to a width bucket
         cache = self._kv_cache(len(prompt) + max_new + headroom)
         gen = params.generator(self.device)
         hist = params.history(prompt, self.device)  # what penalties look at
-        logits = self.model(torch.tensor(prompt, device=self.device), 0, cache, self.target, logits_for="last")
+        prompt_ids = torch.tensor(prompt, device=self.device)
+        logits = yield from self.model.body(prompt_ids, 0, cache, self.target, logits_for="last")
         t = int(sample(logits, params, gen, hist))
         hist.commit([t])
         n, produced = len(prompt), 0
-        yield [t]
+        yield sansio.Emit([t])
         produced += 1
         while produced < max_new:
             k = self.governor.next_k(max_new - produced)
-            new = self._cycle(t, n, k, cache, params, gen, hist)
+            new = yield from self._cycle(t, n, k, cache, params, gen, hist)
             hist.commit(new)
             n += len(new)
             t = new[-1]
             produced += len(new)
-            yield new
+            yield sansio.Emit(new)
 
     def _kv_cache(self, need: int) -> KVCache:
         """The KV cache, kept across generations (one generation runs at a time) and grown only when
@@ -82,21 +114,21 @@ class SpeculativeDecoder:
             cache = self._cache = KVCache(self.model.spec, size, self.device, self.dtype)
         return cache
 
-    def _cycle(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen, hist: History
-               ) -> list[int]:
+    def _cycle(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen, hist: History):
+        """Body of one cycle -> the committed tokens (m accepted drafts + the target's own)."""
         st = self._stats
         st["k_histogram"][k] += 1
         st["cycles"] += 1
         t0 = time.perf_counter()
         sync_free = self.draft_step is not None and not params.penalized
         if sync_free:  # drafted tokens stay on the device until acceptance
-            tokens, q = self._draft_on_device(t, n, k, cache, params, gen)
+            tokens, q = yield from self._draft_on_device(t, n, k, cache, params, gen)
             self._step_drafted += k
             if k and self.truncate and self.planner is not None and len(self.planner.rows) >= k:
                 kv = self._worth_verifying(k)  # the rows are on the host already: no sync
                 tokens, q = tokens[:kv + 1], (None if q is None else q[:kv])
         else:
-            drafted, q_rows = self._draft(t, n, k, cache, params, gen, hist)
+            drafted, q_rows = yield from self._draft(t, n, k, cache, params, gen, hist)
             if k and self.truncate:
                 kv = self._worth_verifying(k)
                 drafted, q_rows = drafted[:kv], q_rows[:kv]
@@ -106,13 +138,15 @@ class SpeculativeDecoder:
         before = self.target.stats() if k else None  # K = 0 needs neither stall nor recall: no reads
         use_fallback = k == 0 and self.fallback is not None and self.plain.pick()
         self.target.next_layer_router = self.fallback if use_fallback else None
-        with span("verify"):
-            if self.verify_step is not None:
-                logits = self.verify_step.step(tokens, n, cache, self.target)  # [K+1, V]
-                self._step_verified += 1
-            else:
-                logits = self.model(tokens, n, cache, self.target)   # [K+1, V]
-        self.target.next_layer_router = None
+        try:
+            with span("verify"):
+                if self.verify_step is not None:
+                    logits = yield from self.verify_step.body(tokens, n, cache, self.target)  # [K+1, V]
+                    self._step_verified += 1
+                else:
+                    logits = yield from self.model.body(tokens, n, cache, self.target)   # [K+1, V]
+        finally:
+            self.target.next_layer_router = None
         if self.cancel_leftovers:  # what verification (or the plain step) did not wait for, it did not need:
             self.target.cancel_prefetches()  # the next cycle must not queue behind it nor be billed for it
         if self.planner is not None:
@@ -148,7 +182,7 @@ class SpeculativeDecoder:
         return drafted[:m] + [nxt]
 
     def _draft_on_device(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen):
-        """K draft steps without a host sync (compiled/draft_step.py): -> tokens [K+1] (the pending
+        """Body: K draft steps without a host sync (compiled/draft_step.py) -> tokens [K+1] (the pending
         token, then the drafted ones) and q [K, V] (sampling) or None, all on the device. The planner
         reads only lookahead rows whose copies to the host have landed."""
         ds, planner = self.draft_step, self.planner
@@ -159,11 +193,9 @@ class SpeculativeDecoder:
             for i in range(k):
                 with span("draft step"):
                     ds.step(cache, gen)
-                if i == 0 or ((i + 1) % chunk == 0 and self.target.link.pending() <= self.plan_backlog):
-                    with span("plan"):  # as in _draft
-                        planner.plan(ds.lookahead.ready(), host=True)
-            with span("plan"):
-                planner.plan(ds.lookahead.ready(), host=True)
+                if self._plan_now(i, chunk):
+                    yield Plan(i + 1, host=True)
+            yield Plan(k, host=True, final=True)
         else:
             for _ in range(k):
                 with span("draft step"):
@@ -179,6 +211,7 @@ class SpeculativeDecoder:
         return self.governor.verify_k(k, new, copy_time(self.target))
 
     def _draft(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen, hist: History):
+        """Body: K eager draft steps -> drafted tokens, their draft probabilities (sampling)."""
         drafted, q_rows = [], []
         if k == 0:
             return drafted, q_rows
@@ -199,16 +232,17 @@ class SpeculativeDecoder:
                     tok = int(torch.multinomial(q, 1, generator=gen))
                     q_rows.append(q)
             drafted.append(tok)
-            if planner is not None and (i == 0 or ((i + 1) % chunk == 0 and self.target.link.pending() <= self.plan_backlog)):
-                # the first row at once (copies should start as early as possible); later chunks only
-                # when the link is about to run dry: planning into a backlog costs draft time, buys nothing
-                with span("plan"):
-                    planner.plan(i + 1)
+            if planner is not None and self._plan_now(i, chunk):
+                yield Plan(i + 1)
         self.draft.row = None
         if planner is not None:
-            with span("plan"):
-                planner.plan(k)
+            yield Plan(k, final=True)
         return drafted, q_rows
+
+    def _plan_now(self, i: int, chunk: int) -> bool:
+        """After draft step i: the first row at once (copies should start as early as possible); later
+        chunks only when the link is about to run dry: planning into a backlog costs draft time, buys nothing."""
+        return i == 0 or ((i + 1) % chunk == 0 and self.target.link.pending() <= self.plan_backlog)
 
     # ------------------------------------------------------------------------------ stats
     def reset_stats(self) -> None:
@@ -250,6 +284,64 @@ def acceptance_stats(accepted: int, drafted: int, rejections: int, spec_cycles: 
     return dict(acceptance_rate=accepted / tried if tried else None,
                 draft_efficiency=accepted / drafted if drafted else None,
                 accepted_per_cycle=accepted / spec_cycles if spec_cycles else None)
+
+
+class Plan:
+    """The draft's request to plan: read lookahead rows up to `upto` and issue the copies they newly
+    predict. host: from the host mirror the sync-free draft publishes to. final: the draft is done;
+    its copies are all issued before verification starts."""
+
+    __slots__ = ("upto", "host", "final")
+
+    def __init__(self, upto: int, host: bool = False, final: bool = False):
+        self.upto, self.host, self.final = upto, host, final
+
+
+class _PlannerTask:
+    """The async driver's ops. A `Plan` goes to a planner task (one a cycle), which awaits the rows it
+    names (published rows' events, polled: a completed future's worth on CPU) and plans, while the
+    draft coroutine goes on launching steps; the final request waits for the task, so its error, if
+    any, surfaces in the cycle. Every other op is awaited (`op.landed()`)."""
+
+    def __init__(self, decoder: SpeculativeDecoder):
+        self.decoder = decoder
+        self.requests: asyncio.Queue[Plan] = asyncio.Queue()
+        self.task: asyncio.Task | None = None
+
+    async def resolve(self, op):
+        if not isinstance(op, Plan):
+            return await op.landed()
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._plan())
+        elif self.task.done():
+            self.task.result()  # it failed: raise its error here, in the cycle
+        self.requests.put_nowait(op)
+        if op.final:
+            task, self.task = self.task, None
+            return await task
+        await asyncio.sleep(0)  # the planner's turn, if its rows are there
+
+    async def _plan(self) -> None:
+        dec = self.decoder
+        while True:
+            op = await self.requests.get()
+            upto = op.upto
+            if op.host:
+                lookahead = dec.draft_step.lookahead
+                if not op.final:
+                    await sansio.poll(lambda: lookahead.ready() >= op.upto)
+                upto = lookahead.ready()
+            with span("plan"):
+                dec.planner.plan(upto, host=op.host)
+            if op.final:
+                return
+
+    async def close(self) -> None:
+        """On every way out of a generation (its end, an error, cancellation): no task left behind."""
+        task, self.task = self.task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 class _PlainArms:
