@@ -29,9 +29,9 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 echo "pinned check exit $?"; cat "$OUT/pinned.txt"
 # from outside the checkout, so `import specter` is the installed package (compiled/ and
 # triton_ops/ are mapped into it at install). CHECKS picks parts; each has its own timeout. All
-# four may pass 600 s together: split them over two commands, e.g. CHECKS="kernels pytest" then
-# CHECKS="graphs bench".
-CHECKS=${CHECKS:-"pytest graphs bench kernels"}
+# five may pass 600 s together: split them over two commands, e.g. CHECKS="kernels pytest" then
+# CHECKS="graphs async bench".
+CHECKS=${CHECKS:-"pytest graphs async bench kernels"}
 if [[ $CHECKS == *pytest* ]]; then
   (cd /tmp && timeout 200 python3 -m pytest -q -x -p no:cacheprovider "$REPO/tests" > "$OUT/pytest.log" 2>&1)
   echo "pytest exit $?"; tail -n 15 "$OUT/pytest.log"
@@ -42,6 +42,13 @@ fi
 if [[ $CHECKS == *graphs* ]]; then
   (cd /tmp && timeout 240 python3 "$REPO/bench/graph_check.py" --residency 0.5 > "$OUT/graphs.txt" 2>&1)
   echo "graph check exit $?"; tail -n 14 "$OUT/graphs.txt"
+fi
+# the asyncio driver (the CUDA default) against the blocking one, same engines otherwise: TPOT side by
+# side, greedy tokens identical (bench/async_vs_sync.py; compiled steps, CUDA graphs)
+if [[ $CHECKS == *async* ]]; then
+  (cd /tmp && timeout 150 python3 "$REPO/bench/async_vs_sync.py" --device cuda --policies specter \
+     --workloads default --prompts 2 --rounds 2 --max-new-tokens 32 > "$OUT/async.txt" 2>&1)
+  echo "async check exit $?"; tail -n 4 "$OUT/async.txt"
 fi
 if [[ $CHECKS == *bench* ]]; then
   for r in 0.25 1.0; do

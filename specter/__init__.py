@@ -56,6 +56,8 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = "s
     k_max: the longest draft the governor may choose (default 32; 0 = plain decoding only).
     compile: compile the draft's sync-free one-token step (specter.compiled). None (default): on
     CUDA (CUDA graphs), off on CPU; True/False force it.
+    driver: "async" (the generation runs on an event loop: astream on the caller's, the blocking API
+    on one of its thread's own) or "sync" (blocking waits). None (default): async on CUDA, sync on CPU.
     """
     import torch
 

@@ -100,13 +100,15 @@ def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | 
 def build_engine(path: Path, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                  link=None, dtype=None, threads: int | None = None, eviction: str = "lru",
                  device_memory=None, k_max: int = 32, compile: bool | None = None, shared: Loaded | None = None,
-                 draft_cache=None, **options) -> Engine:
+                 draft_cache=None, driver: str | None = None, **options) -> Engine:
     """An engine for `policy`. `shared`: a checkpoint already loaded (load_shared) to build on instead
     of loading it again; its store, model and draft are reused, never copied."""
     if options:
         raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}")
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
         raise ConfigError(f"k_max must be an integer >= 0 (0 = no speculation), got {k_max!r}")
+    if driver not in (None, "sync", "async"):
+        raise ConfigError(f"driver must be 'sync', 'async' or None (auto), got {driver!r}")
     if compile is not None and not isinstance(compile, bool):
         raise ConfigError(f"compile must be True, False or None (auto: on CUDA), got {compile!r}")
     if shared is not None and Path(path).resolve() != shared.path.resolve():
@@ -146,7 +148,16 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     engine = Engine(model, experts, shared.tokenizer, path=path, device=device, dtype=dt, policy=policy,
                     decoder=decoder, generation_defaults=defaults)
     engine.plan, engine.shared = plan, shared
+    engine.driver = driver or default_driver(device)
     return engine
+
+
+def default_driver(device: torch.device) -> str:
+    """How the engine drives a generation (specter/sansio.py): "async" on CUDA, where the loop is free
+    while graphs replay and copies fly, and the lookahead and routing reads are polled events; "sync"
+    on CPU, where the emulated device's compute runs on the loop's own thread, so the loop frees
+    nothing, and the blocking driver measured no slower (bench/async_vs_sync.py, docs/ARCHITECTURE.md)."""
+    return "async" if device.type == "cuda" else "sync"
 
 
 def _compiled_steps(model, draft, compile: bool | None, device: torch.device, k_max: int):

@@ -55,6 +55,10 @@ def _model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
                    help="compile the draft's one-token step and the verifier's non-expert pieces with "
                         "torch.compile (default: on CUDA, with CUDA graphs; off on CPU, where it costs 5-60 s "
                         "at load for ~20%% faster decode)")
+    p.add_argument("--driver", choices=("sync", "async"), default=None,
+                   help="how a generation is driven: blocking waits, or an asyncio event loop that awaits "
+                        "copies and plans in a task while the draft runs (default: async on CUDA, sync on CPU, "
+                        "where it measured no faster)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -126,6 +130,8 @@ def engine_options(args) -> dict:
     opts = {} if args.k_max is None else {"k_max": args.k_max}
     if args.compile is not None:
         opts["compile"] = args.compile
+    if getattr(args, "driver", None):
+        opts["driver"] = args.driver
     if getattr(args, "dtype", None):
         opts["dtype"] = args.dtype
     if getattr(args, "draft_cache", None) is not None:

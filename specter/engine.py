@@ -6,6 +6,10 @@ whose `stats()` reports what it did. The engine owns everything around it: promp
 tokenizers, validation, stop conditions, detokenisation, timing, and turns: one engine runs one
 generation at a time (they share the slot pool, the planner and the KV cache), so concurrent
 callers wait for their turn in arrival order and get exactly the text they would get alone.
+
+`driver` (set by the builder: "async" on CUDA, "sync" on CPU) says how a decoder's generation is
+driven (specter/sansio.py): "sync" blocks on each wait; "async" runs the decoder's `arun` on an event
+loop -- the caller's for `astream`, one of the generation thread's own for the blocking API.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import asyncio
 import bisect
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Iterator
@@ -97,31 +101,69 @@ class Turns:
     def __init__(self):
         self._cv = threading.Condition()
         self._next = self._serving = 0
-        self._owner: int | None = None  # thread running the current generation
+        self._owner: tuple | None = None  # (thread, task or None) running the current generation
+        self._abandoned: set[int] = set()  # tickets of coroutines cancelled while they waited
 
     @property
     def waiting(self) -> int:
         """Generations queued behind the running one."""
         with self._cv:
-            return self._next - self._serving - (self._owner is not None)
+            return self._next - self._serving - (self._owner is not None) - len(self._abandoned)
 
-    @contextmanager
-    def turn(self):
-        me = threading.get_ident()
+    def _take(self, task=None) -> int:
+        """A ticket. Refused to a thread (a task) already holding the turn: waiting would deadlock it
+        (a blocking call on a loop thread whose coroutine holds the turn waits for that thread too)."""
+        me = (threading.get_ident(), task)
+        if self._owner is not None and (self._owner == me or (task is None and self._owner[0] == me[0])):
+            raise ConfigError("this thread is already generating on this engine (a stream it has not "
+                              "finished); finish or close that stream before starting another")
+        ticket, self._next = self._next, self._next + 1
+        return ticket
+
+    def _release(self) -> None:
+        """The turn passes to the next ticket still waiting; called with the lock held."""
+        self._owner = None
+        self._serving += 1
+        while self._serving in self._abandoned:
+            self._abandoned.discard(self._serving)
+            self._serving += 1
+        self._cv.notify_all()
+
+    @asynccontextmanager
+    async def aturn(self):
+        """`turn` for a coroutine: its wait polls, so the loop runs meanwhile; same arrival order as
+        the threads'. A coroutine cancelled while it waits gives its ticket up."""
+        task = asyncio.current_task()
         with self._cv:
-            if self._owner == me:
-                raise ConfigError("this thread is already generating on this engine (a stream it has not "
-                                  "finished); finish or close that stream before starting another")
-            ticket, self._next = self._next, self._next + 1
-            self._cv.wait_for(lambda: self._serving == ticket)
-            self._owner = me
+            ticket = self._take(task)
+        try:
+            await sansio.poll(lambda: self._serving == ticket, most=5e-3)
+        except BaseException:
+            with self._cv:
+                if self._serving == ticket:  # served just as it was cancelled: pass the turn on
+                    self._release()
+                else:
+                    self._abandoned.add(ticket)
+            raise
+        with self._cv:
+            self._owner = (threading.get_ident(), task)
         try:
             yield
         finally:
             with self._cv:
-                self._owner = None
-                self._serving += 1
-                self._cv.notify_all()
+                self._release()
+
+    @contextmanager
+    def turn(self):
+        with self._cv:
+            ticket = self._take()
+            self._cv.wait_for(lambda: self._serving == ticket)
+            self._owner = (threading.get_ident(), None)
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._release()
 
 
 def stop_list(stop) -> list[str]:
@@ -148,6 +190,7 @@ class Engine:
         self.model, self.expert_weights, self.tokenizer = model, experts, tokenizer
         self.path, self.device, self.dtype, self.policy = path, device, dtype, policy
         self.decoder = decoder
+        self.driver = "sync"  # or "async": how generations are driven (the builder sets it per device)
         self.turns = Turns()
         self._generation_defaults = dict(generation_defaults or {})
         SamplingParams(**self._generation_defaults)  # valid, or a ConfigError now rather than at each call
@@ -239,9 +282,14 @@ class Engine:
                 yield ids
 
     async def astream(self, prompt, max_new_tokens: int = 128, **kwargs) -> AsyncIterator[str]:
-        """`stream` for asyncio code. The generation runs in its own thread (so waiting for the engine's
-        turn never blocks the event loop or its executor); leaving the loop early, or cancelling the
-        task, ends the generation at its next cycle."""
+        """`stream` for asyncio code; leaving the loop early, or cancelling the task, ends the generation
+        at its next cycle. driver "async": the generation runs on the caller's loop (its waits are
+        awaited; compute between them runs on the loop's thread). driver "sync": in a thread of its
+        own, so neither waiting for the engine's turn nor computing blocks the loop."""
+        if self.driver == "async" and hasattr(self.decoder, "arun"):
+            async for piece in self._astream_here(prompt, max_new_tokens, **kwargs):
+                yield piece
+            return
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
@@ -270,30 +318,40 @@ class Engine:
         finally:
             cancel.set()
 
+    async def _astream_here(self, prompt, max_new_tokens: int = 128, *, stop=None, stats: dict | None = None,
+                            **sampling) -> AsyncIterator[str]:
+        """astream on the caller's loop (driver "async"): `_pieces` over the decoder's `arun`."""
+        self._need_tokenizer("there is no text to stream; use stream_ids() or generate()")
+        stats = {} if stats is None else stats
+        ids, params, stops = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
+        printer = _Printer(self, stops)
+        async with self.turns.aturn():
+            d = _Decoding(self, ids, max_new_tokens, stops)
+            run = self.decoder.arun(ids, params, max_new_tokens)
+            try:
+                async for chunk in run:
+                    if (piece := printer.feed(*d.feed(chunk))) is not None and piece[1]:
+                        yield piece[1]
+                    if d.done:
+                        break
+            finally:
+                await run.aclose()
+            d.finish(stats)
+        if (piece := printer.end()) is not None and piece[1]:
+            yield piece[1]
+
     def _pieces(self, prompt, max_new_tokens, stop, sampling, stats, cancel) -> Iterator[tuple[list[int], str]]:
         """(new token ids, new text) as they become final: nothing that a stop string could still cut."""
-        stops = stop_list(stop)
-        stats = {} if stats is None else stats
-        sent, printed = 0, 0
-        new, text = [], None
-        for new, text in self._generation(prompt, max_new_tokens, stop, sampling, stats, cancel):
-            if text is None:  # no tokenizer (and so no stop strings)
-                ids_end, text_end = len(new), 0
-            else:
-                text_end = len(text) - held_back(text, stops)
-                if text[:text_end].endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait
-                    continue
-                ids_end = len(new) if text_end == len(text) else self._tokens_within(new, text_end)
-            if ids_end > sent or text_end > printed:
-                yield new[sent:ids_end], (text or "")[printed:text_end]
-                sent, printed = max(sent, ids_end), max(printed, text_end)
-        if len(new) > sent or len(text or "") > printed:  # the end: nothing is held back any more
-            yield new[sent:], (text or "")[printed:]
+        printer = _Printer(self, stop_list(stop))
+        for new, text in self._generation(prompt, max_new_tokens, stop, sampling, {} if stats is None else stats,
+                                          cancel):
+            if (piece := printer.feed(new, text)) is not None:
+                yield piece
+        if (piece := printer.end()) is not None:  # the end: nothing is held back any more
+            yield piece
 
-    def _generation(self, prompt, max_new_tokens, stop, sampling, stats: dict, cancel
-                    ) -> Iterator[tuple[list[int], str | None]]:
-        """Validates, waits for the engine's turn, decodes. Yields (new ids so far, their text or None
-        without a tokenizer) after each committed chunk, both cut at a stop string; fills `stats`."""
+    def _prepare(self, prompt, max_new_tokens, stop, sampling, stats: dict) -> tuple[list[int], SamplingParams, list]:
+        """Validated (prompt ids, sampling params, stop strings); `stats` gets the sampling settings."""
         params, source = self.sampling_params(sampling)
         stats.update(sampling=describe(params), sampling_from=source)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -308,63 +366,37 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "
                 f"exceeds the model's context of {limit} tokens; shorten the prompt or lower max_new_tokens"
             )
+        return ids, params, stops
+
+    def _generation(self, prompt, max_new_tokens, stop, sampling, stats: dict, cancel
+                    ) -> Iterator[tuple[list[int], str | None]]:
+        """Validates, waits for the engine's turn, decodes. Yields (new ids so far, their text or None
+        without a tokenizer) after each committed chunk, both cut at a stop string; fills `stats`."""
+        ids, params, stops = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
         with self.turns.turn():
             if cancel is not None and cancel.is_set():  # cancelled while waiting for the turn
                 stats.update(STATS_DEFAULTS, finish_reason="cancelled", prompt_tokens=len(ids), policy=self.policy)
                 return
-            yield from self._decode(ids, max_new_tokens, params, stops, stats, cancel)
-
-    def _decode(self, ids, max_new_tokens, params, stops, stats, cancel):
-        eos = set(self.spec.eos_token_ids)
-        longest = max(map(len, stops), default=0)
-        self.decoder.reset_stats()
-        new: list[int] = []
-        checked = 0  # text before this offset holds no stop string
-        finish = "length"
-        t0 = time.perf_counter()
-        t_first = None
-        run = self.decoder.run(ids, params, max_new_tokens)
-        try:
-            for chunk in run:
-                if t_first is None:
-                    t_first = time.perf_counter()
-                    prefill_stall = self.decoder.stats().get("stall_s", 0.0)
-                done = False
-                for t in chunk:
-                    new.append(t)
-                    if t in eos or len(new) >= max_new_tokens:
-                        done, finish = True, "stop" if t in eos else "length"
+            d = _Decoding(self, ids, max_new_tokens, stops)
+            run = self._run(ids, params, max_new_tokens)
+            try:
+                for chunk in run:
+                    yield d.feed(chunk)
+                    if d.done:
                         break
-                text = self.decode(new) if self.tokenizer is not None else None
-                if stops:
-                    start = max(0, checked - longest + 1)
-                    hit = min((i for s in stops if (i := text.find(s, start)) >= 0), default=-1)
-                    checked = len(text)
-                    if hit >= 0:
-                        text, new, done, finish = text[:hit], new[:self._tokens_for(new, hit)], True, "stop"
-                yield new, text
-                if done:
-                    break
-                if cancel is not None and cancel.is_set():
-                    finish = "cancelled"
-                    break
-        finally:
-            run.close()
-        t_end = time.perf_counter()
-        if t_first is None:
-            t_first, prefill_stall = t_end, 0.0
-        stats.update(STATS_DEFAULTS)
-        stats.update(self.decoder.stats())
-        stats.update(
-            decode_stall_s=stats["stall_s"] - prefill_stall,  # copies waited on after the first token
-            ttft_s=t_first - t0,
-            tpot_s=(t_end - t_first) / max(len(new) - 1, 1),
-            new_tokens=len(new),
-            prompt_tokens=len(ids),
-            total_s=t_end - t0,
-            policy=self.policy,
-            finish_reason=finish,  # OpenAI's: "stop" (EOS or a stop string), "length", or "cancelled"
-        )
+                    if cancel is not None and cancel.is_set():
+                        d.finish_reason = "cancelled"
+                        break
+            finally:
+                run.close()
+            d.finish(stats)
+
+    def _run(self, ids: list[int], params: SamplingParams, max_new_tokens: int) -> Iterator[list[int]]:
+        """The decoder's committed chunks, by the engine's driver. "async" from blocking code: on an
+        event loop of this thread's own (unless one already runs in it: then blocking)."""
+        if self.driver == "async" and hasattr(self.decoder, "arun") and not _loop_running():
+            return sansio.blocking(self.decoder.arun(ids, params, max_new_tokens))
+        return self.decoder.run(ids, params, max_new_tokens)
 
     def _tokens_for(self, new: list[int], n_chars: int) -> int:
         """The fewest leading tokens whose text reaches `n_chars` characters (the text up to a stop)."""
@@ -377,3 +409,98 @@ class Engine:
     def close(self) -> None:
         if hasattr(self.decoder, "close"):
             self.decoder.close()
+
+
+class _Decoding:
+    """One generation's bookkeeping, whichever driver runs it: committed chunks in, (new ids so far,
+    their text or None without a tokenizer) out, both cut at EOS, max_new_tokens or a stop string;
+    then its stats."""
+
+    def __init__(self, engine: Engine, ids: list[int], max_new_tokens: int, stops: list[str]):
+        self.engine, self.prompt_tokens, self.max_new, self.stops = engine, len(ids), max_new_tokens, stops
+        self.eos = set(engine.spec.eos_token_ids)
+        self.longest = max(map(len, stops), default=0)
+        engine.decoder.reset_stats()
+        self.new: list[int] = []
+        self.text: str | None = None
+        self.checked = 0  # text before this offset holds no stop string
+        self.done, self.finish_reason = False, "length"
+        self.t0, self.t_first, self.prefill_stall = time.perf_counter(), None, 0.0
+
+    def feed(self, chunk: list[int]) -> tuple[list[int], str | None]:
+        eng = self.engine
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+            self.prefill_stall = eng.decoder.stats().get("stall_s", 0.0)
+        new = self.new
+        for t in chunk:
+            new.append(t)
+            if t in self.eos or len(new) >= self.max_new:
+                self.done, self.finish_reason = True, "stop" if t in self.eos else "length"
+                break
+        text = eng.decode(new) if eng.tokenizer is not None else None
+        if self.stops:
+            start = max(0, self.checked - self.longest + 1)
+            hit = min((i for s in self.stops if (i := text.find(s, start)) >= 0), default=-1)
+            self.checked = len(text)
+            if hit >= 0:
+                text, new = text[:hit], new[:eng._tokens_for(new, hit)]
+                self.done, self.finish_reason = True, "stop"
+        self.new, self.text = new, text
+        return new, text
+
+    def finish(self, stats: dict) -> None:
+        t_end = time.perf_counter()
+        t_first = t_end if self.t_first is None else self.t_first
+        stats.update(STATS_DEFAULTS)
+        stats.update(self.engine.decoder.stats())
+        stats.update(
+            decode_stall_s=stats["stall_s"] - self.prefill_stall,  # copies waited on after the first token
+            ttft_s=t_first - self.t0,
+            tpot_s=(t_end - t_first) / max(len(self.new) - 1, 1),
+            new_tokens=len(self.new),
+            prompt_tokens=self.prompt_tokens,
+            total_s=t_end - self.t0,
+            policy=self.engine.policy,
+            finish_reason=self.finish_reason,  # OpenAI's: "stop" (EOS or a stop string), "length", or "cancelled"
+        )
+
+
+class _Printer:
+    """(new ids, text) as a generation goes -> the pieces that are final: nothing a stop string could
+    still cut, no incomplete UTF-8 sequence."""
+
+    def __init__(self, engine: Engine, stops: list[str]):
+        self.engine, self.stops = engine, stops
+        self.sent = self.printed = 0
+        self.new: list[int] = []
+        self.text: str | None = None
+
+    def feed(self, new: list[int], text: str | None) -> tuple[list[int], str] | None:
+        self.new, self.text = new, text
+        if text is None:  # no tokenizer (and so no stop strings)
+            ids_end, text_end = len(new), 0
+        else:
+            text_end = len(text) - held_back(text, self.stops)
+            if text[:text_end].endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait
+                return None
+            ids_end = len(new) if text_end == len(text) else self.engine._tokens_within(new, text_end)
+        if ids_end > self.sent or text_end > self.printed:
+            piece = new[self.sent:ids_end], (text or "")[self.printed:text_end]
+            self.sent, self.printed = max(self.sent, ids_end), max(self.printed, text_end)
+            return piece
+        return None
+
+    def end(self) -> tuple[list[int], str] | None:
+        """What is left once the generation is over: nothing is held back any more."""
+        if len(self.new) > self.sent or len(self.text or "") > self.printed:
+            return self.new[self.sent:], (self.text or "")[self.printed:]
+        return None
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -110,41 +110,32 @@ def _advance(body: Generator, value, error: BaseException | None):
 
 def drive(body: Generator, resolve: Callable = wait) -> Any:
     """Run `body` to its end, resolving each op with `resolve(op)` (blocking); its return value."""
-    value, error = None, None
-    while True:
-        try:
-            op = _advance(body, value, error)
-        except StopIteration as stop:
-            return stop.value
-        try:
-            value, error = resolve(op), None
-        except BaseException as e:  # thrown into the body where it waited
-            value, error = None, e
+    result = []
+    for value in iterate(body, resolve, result):
+        raise TypeError(f"drive: the body emitted {value!r}; iterate() it instead")
+    return result[0]
 
 
 async def adrive(body: Generator, resolve: Callable = landed) -> Any:
     """`drive` on the running event loop: each op is awaited (`await resolve(op)`)."""
-    value, error = None, None
-    while True:
-        try:
-            op = _advance(body, value, error)
-        except StopIteration as stop:
-            return stop.value
-        try:
-            value, error = await resolve(op), None
-        except BaseException as e:
-            value, error = None, e
+    result = []
+    async for value in aiterate(body, resolve, result):
+        raise TypeError(f"adrive: the body emitted {value!r}; aiterate() it instead")
+    return result[0]
 
 
-def iterate(body: Generator, resolve: Callable = wait) -> Iterator:
-    """`drive` for a body that emits: yields each `Emit`'s value (the body resumes on the next
-    `next()`); every other op goes to `resolve`. Closing the iterator closes the body."""
+def iterate(body: Generator, resolve: Callable = wait, result: list | None = None) -> Iterator:
+    """Run `body`, yielding each `Emit`'s value (the body resumes on the next `next()`); every other
+    op goes to `resolve`. `result` gets the body's return value appended. Closing the iterator
+    closes the body."""
     value, error = None, None
     try:
         while True:
             try:
                 op = _advance(body, value, error)
-            except StopIteration:
+            except StopIteration as stop:
+                if result is not None:
+                    result.append(stop.value)
                 return
             try:
                 if isinstance(op, Emit):
@@ -154,20 +145,23 @@ def iterate(body: Generator, resolve: Callable = wait) -> Iterator:
                     value, error = resolve(op), None
             except GeneratorExit:
                 raise
-            except BaseException as e:
+            except BaseException as e:  # thrown into the body where it waited
                 value, error = None, e
     finally:
         body.close()
 
 
-async def aiterate(body: Generator, resolve: Callable = landed) -> AsyncIterator:
-    """`iterate` on the running event loop (an async generator; `aclose()` closes the body)."""
+async def aiterate(body: Generator, resolve: Callable = landed, result: list | None = None) -> AsyncIterator:
+    """`iterate` on the running event loop (an async generator; `aclose()` closes the body): each
+    op is awaited (`await resolve(op)`), the loop free meanwhile."""
     value, error = None, None
     try:
         while True:
             try:
                 op = _advance(body, value, error)
-            except StopIteration:
+            except StopIteration as stop:
+                if result is not None:
+                    result.append(stop.value)
                 return
             try:
                 if isinstance(op, Emit):
@@ -181,3 +175,22 @@ async def aiterate(body: Generator, resolve: Callable = landed) -> AsyncIterator
                 value, error = None, e
     finally:
         body.close()
+
+
+def blocking(agen) -> Iterator:
+    """An async generator iterated from blocking code, on an event loop of this thread's own (the
+    blocking API over the async driver); closing the iterator closes the generator on that loop."""
+    loop = asyncio.new_event_loop()
+    try:
+        while True:
+            try:
+                item = loop.run_until_complete(agen.__anext__())
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        try:
+            loop.run_until_complete(agen.aclose())
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()

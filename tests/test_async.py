@@ -30,6 +30,8 @@ from specter.moe import ExpertWeights
 from specter.offload.link import EmulatedLink
 from specter.offload.manager import OffloadedExperts
 from specter.sampling import SamplingParams
+from specter.speculative.governor import Governor
+from specter.testing import make_tiny_checkpoint
 
 PROMPTS = [[1, 5, 9, 33, 2], [100, 3, 64, 12, 90, 45, 8]]
 NEW = 24
@@ -50,16 +52,18 @@ class _Op:
         return self.wait()
 
 
-def _body(log):
+def _body(log, emit=True):
     a = yield _Op(2)
-    yield sansio.Emit(a)
+    if emit:
+        yield sansio.Emit(a)
     try:
         yield _Op(None, ValueError("copy failed"))
     except ValueError as e:
         log.append(f"caught {e}")
     b = yield _Op(3)
     try:
-        yield sansio.Emit(a * b)
+        if emit:
+            yield sansio.Emit(a * b)
     finally:
         log.append("cleanup")
     return a + b
@@ -67,8 +71,13 @@ def _body(log):
 
 def test_drivers_agree_and_throw_errors_into_the_body():
     log = []
-    assert sansio.drive(_body(log), resolve=lambda op: None if isinstance(op, sansio.Emit) else op.wait()) == 5
+    assert sansio.drive(_body(log, emit=False)) == 5
     assert log == ["caught copy failed", "cleanup"]
+    log = []
+    assert asyncio.run(sansio.adrive(_body(log, emit=False))) == 5
+    assert log == ["caught copy failed", "cleanup"]
+    with pytest.raises(TypeError, match="emitted"):
+        sansio.drive(_body([]))
 
     log = []
     assert list(sansio.iterate(_body(log))) == [2, 6]
@@ -189,3 +198,230 @@ def test_a_cancelled_waiter_leaves_its_copy_to_land():
 
 async def _acall(mgr, *args):
     return await mgr.acall(*args)
+
+
+# ----------------------------------------------------------------------------------------- decoders
+@pytest.fixture
+def fast_link(monkeypatch):
+    """A fast emulated link (a tiny expert takes ~0.5 ms: copies are in flight while layers compute)."""
+    made = []
+
+    def make_link(device, profile=None, **kw):
+        made.append(EmulatedLink(100e6, 2e-4, name="test"))
+        return made[-1]
+
+    monkeypatch.setattr(builder, "make_link", make_link)
+    yield made
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    make_tiny_checkpoint(path, "qwen3_moe")
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(checkpoint):
+    eng = specter.load(checkpoint, device="cpu", policy="resident")
+    try:
+        return [eng.generate(p, max_new_tokens=NEW).token_ids for p in PROMPTS]
+    finally:
+        eng.close()
+
+
+def _specter(checkpoint):
+    eng = specter.load(checkpoint, device="cpu", policy="specter", residency=0.25, k_max=6)
+    eng.decoder.governor = Governor(6, fixed=4)
+    return eng
+
+
+def _arun(decoder, prompt, n=NEW):
+    async def collect():
+        return [t async for chunk in decoder.arun(prompt, SamplingParams(), n) for t in chunk]
+
+    return asyncio.run(collect())
+
+
+@pytest.mark.parametrize("policy", ["on-demand", "spec-lru", "specter"])
+def test_async_greedy_tokens_are_the_sync_ones_and_plain_decodings(checkpoint, plain_tokens, fast_link, policy):
+    eng = specter.load(checkpoint, device="cpu", policy=policy, residency=0.25, k_max=6)
+    if policy != "on-demand":
+        eng.decoder.governor = Governor(6, fixed=4)  # speculate every cycle (this random model's draft is poor)
+    try:
+        for prompt, want in zip(PROMPTS, plain_tokens):
+            sync = [t for chunk in eng.decoder.run(prompt, SamplingParams(), NEW) for t in chunk]
+            eng.decoder.reset_stats()
+            got = _arun(eng.decoder, prompt)
+            st = eng.decoder.stats()
+            assert sync == want and got == want
+            assert st["expert_misses"] > 0  # offloaded for real
+            if policy != "on-demand":
+                assert st["drafted_tokens"] > 0
+            if policy == "specter":
+                assert st["prefetch_issued"] > 0
+        eng.driver = "async"  # the blocking API over the async driver (a loop of its own)
+        assert [eng.generate(p, max_new_tokens=NEW).token_ids for p in PROMPTS] == plain_tokens
+    finally:
+        eng.close()
+
+
+def test_the_planner_task_issues_copies_while_the_draft_runs(checkpoint, fast_link):
+    eng = _specter(checkpoint)
+    dec, events = eng.decoder, []
+    real_plan, real_acall = dec.planner.plan, dec.target.acall
+
+    def plan(upto, host=False):
+        issued = real_plan(upto, host)
+        events.append(("plan", asyncio.current_task().get_name(), upto, dec.planner.k, issued))
+        return issued
+
+    async def acall(*a):
+        events.append(("verify", asyncio.current_task().get_name()))
+        return await real_acall(*a)
+
+    dec.planner.plan, dec.target.acall = plan, acall
+
+    async def main():
+        asyncio.current_task().set_name("driver")
+        return [t async for chunk in dec.arun(PROMPTS[1], SamplingParams(), NEW) for t in chunk]
+
+    try:
+        asyncio.run(main())
+    finally:
+        eng.close()
+    plans = [e for e in events if e[0] == "plan"]
+    assert plans and all(e[1] != "driver" for e in plans)  # planning ran in its own task
+    verifies = [i for i, e in enumerate(events) if e[0] == "verify"]
+    assert verifies and all(events[i][1] == "driver" for i in verifies)
+    # mid-draft plans (rows < K) that issued copies, each followed by its cycle's verification
+    early = [i for i, e in enumerate(events) if e[0] == "plan" and e[2] < e[3] and e[4] > 0]
+    assert early and all(any(v > i for v in verifies) for i in early)
+
+
+def test_a_planner_error_or_a_failing_copy_surfaces_and_leaves_nothing_running(checkpoint, plain_tokens, fast_link):
+    eng = _specter(checkpoint)
+    dec = eng.decoder
+    real_plan, real_copy = dec.planner.plan, dec.target.link.copy
+
+    async def main():
+        try:
+            async for _ in dec.arun(PROMPTS[0], SamplingParams(), NEW):
+                pass
+        finally:
+            left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return left
+
+    def broken_plan(upto, host=False):
+        raise RuntimeError("planner broke")
+
+    failed = []
+
+    def failing_copy(dst, src, **kw):
+        if not failed:
+            failed.append(kw.get("tag"))
+            src = [torch.empty(s.shape, device="meta") for s in src]
+        return real_copy(dst, src, **kw)
+
+    try:
+        dec.planner.plan = broken_plan
+        with pytest.raises(RuntimeError, match="planner broke"):
+            asyncio.run(main())
+        dec.planner.plan = real_plan
+        dec.target.link.copy = failing_copy
+        with pytest.raises(Exception, match="meta"):
+            asyncio.run(main())
+        dec.target.link.copy = real_copy
+        assert failed and threading.active_count() < 50
+        for prompt, want in zip(PROMPTS, plain_tokens):  # the engine goes on, lossless
+            assert _arun(dec, prompt) == want
+        assert asyncio.run(main()) == []  # a clean run leaves no task behind
+    finally:
+        eng.close()
+
+
+def test_cancelling_the_consumer_leaves_the_engine_whole(checkpoint, plain_tokens, fast_link):
+    eng = _specter(checkpoint)
+    dec = eng.decoder
+
+    async def main():
+        got = []
+
+        async def consume():
+            async for chunk in dec.arun(PROMPTS[1], SamplingParams(), NEW):
+                got.extend(chunk)
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(consume())
+        while len(got) < 3:
+            await asyncio.sleep(0.0005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)
+        return got, [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    try:
+        got, left = asyncio.run(main())
+        assert left == [] and got == plain_tokens[1][:len(got)]
+        for prompt, want in zip(PROMPTS, plain_tokens):
+            assert _arun(dec, prompt) == want
+    finally:
+        eng.close()
+
+
+# ------------------------------------------------------------------------------------------- engine
+@pytest.fixture(scope="module")
+def bundled():
+    eng = specter.load(None, device="cpu", policy="on-demand", residency=0.25, driver="async")
+    yield eng
+    eng.close()
+
+
+PROMPT = "def fibonacci(n):"
+
+
+def test_astream_runs_on_the_callers_loop_and_streams_take_turns(bundled):
+    want = bundled.generate(PROMPT, max_new_tokens=16, temperature=0).text
+    threads = threading.active_count()
+
+    async def one(prompt, stats=None):
+        return "".join([p async for p in bundled.astream(prompt, max_new_tokens=16, stats=stats, temperature=0)])
+
+    async def main():
+        stats = {}
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        tick = asyncio.create_task(ticker())
+        a, b = await asyncio.gather(one(PROMPT, stats), one(PROMPT))
+        tick.cancel()
+        return a, b, stats, ticks
+
+    a, b, stats, ticks = asyncio.run(main())
+    assert a == b == want and stats["new_tokens"] == 16 and stats["finish_reason"] == "length"
+    assert threading.active_count() == threads  # no thread of its own: it ran on this loop
+    assert ticks > 16  # the loop ran other tasks between its waits
+
+
+def test_a_coroutine_cancelled_while_waiting_for_its_turn_gives_it_up(bundled):
+    async def main():
+        first = bundled.astream(PROMPT, max_new_tokens=8, temperature=0)
+        piece = await first.__anext__()  # holds the turn
+        waiter = asyncio.create_task(anext(bundled.astream(PROMPT, max_new_tokens=8, temperature=0)))
+        await asyncio.sleep(0.02)
+        assert not waiter.done()
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        rest = [p async for p in first]
+        return piece + "".join(rest)
+
+    text = asyncio.run(main())
+    assert text == bundled.generate(PROMPT, max_new_tokens=8, temperature=0).text  # the turn passed on, nobody stuck
+    assert bundled.turns.waiting == 0

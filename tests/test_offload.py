@@ -24,6 +24,7 @@ import torch
 import specter
 import specter.builder as builder
 import specter.offload.manager as manager_mod
+from specter import sansio
 from specter.moe import ExpertWeights, ResidentExperts
 from specter.offload.link import EmulatedLink
 from specter.offload.manager import OffloadedExperts
@@ -169,9 +170,15 @@ class Watch:
         return getattr(self.mgr, name)
 
     def __call__(self, layer, x, ids, weights):
+        return sansio.drive(self._watched(layer, x, ids, weights))
+
+    async def acall(self, layer, x, ids, weights):  # the asyncio driver's call: the same checks
+        return await sansio.adrive(self._watched(layer, x, ids, weights))
+
+    def _watched(self, layer, x, ids, weights):
         self.layer, self.done = layer, set()
         try:
-            out = self.mgr(layer, x, ids, weights)
+            out = yield from self.mgr.body(layer, x, ids, weights)
         finally:
             self.layer = None
         self.after_call()
@@ -426,13 +433,13 @@ def test_the_watch_catches_compute_before_the_copy_lands(watch):
 
 
 # ---------------------------------------------------------------------------------- through the engine
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy,driver", [(p, "sync") for p in POLICIES] + [("next-layer", "async")])
 @pytest.mark.parametrize("case", CASES[:2], ids=IDS[:2])
-def test_engine_invariants_on_a_slow_link(tiny, resident_tokens, emulated_link, watch, case, policy):
+def test_engine_invariants_on_a_slow_link(tiny, resident_tokens, emulated_link, watch, case, policy, driver):
     arch, kw = case
     path, ref = tiny(arch, **kw)
     emulated_link(bandwidth=20e6, latency=1e-3)  # 24 KiB experts: ~2 ms a copy, in flight across layers
-    engine = specter.load(path, device="cpu", policy=policy, residency=0.25)
+    engine = specter.load(path, device="cpu", policy=policy, residency=0.25, driver=driver)
     try:
         mgr = engine.decoder.experts
         assert isinstance(mgr, OffloadedExperts) and mgr.slots.n_slots == 2
