@@ -1,4 +1,4 @@
-"""For the asyncio driver (issue 10 item 4, not built): what handing compute to a worker thread
+"""For the asyncio driver (issue 10 item 4; built: specter/sansio.py): what handing compute to a worker thread
 costs from an event loop, against the verifier's pieces' own time on CPU (bundled model).
 
     python bench/async_hop.py

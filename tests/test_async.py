@@ -236,9 +236,9 @@ def _specter(checkpoint):
     return eng
 
 
-def _arun(decoder, prompt, n=NEW):
+def _arun(decoder, prompt, n=NEW, params=SamplingParams()):
     async def collect():
-        return [t async for chunk in decoder.arun(prompt, SamplingParams(), n) for t in chunk]
+        return [t async for chunk in decoder.arun(prompt, params, n) for t in chunk]
 
     return asyncio.run(collect())
 
@@ -262,6 +262,9 @@ def test_async_greedy_tokens_are_the_sync_ones_and_plain_decodings(checkpoint, p
                 assert st["prefetch_issued"] > 0
         eng.driver = "async"  # the blocking API over the async driver (a loop of its own)
         assert [eng.generate(p, max_new_tokens=NEW).token_ids for p in PROMPTS] == plain_tokens
+        sampled = SamplingParams(temperature=0.9, top_k=20, seed=3)  # the same draws, in the same order
+        assert _arun(eng.decoder, PROMPTS[0], params=sampled) == \
+            [t for chunk in eng.decoder.run(PROMPTS[0], sampled, NEW) for t in chunk]
     finally:
         eng.close()
 
