@@ -10,8 +10,8 @@ tokens and reports ru_maxrss, so one load's memory never hides another's ("load 
 peak less the RSS of the process before loading: Python, torch and transformers imported). `specter` and
 `spec-lru` load twice over one draft cache: first (quantise + write) and cached. "device" is
 what the emulated device holds beside the host store (non-expert weights, slot pool and draft, in
-the compute dtype): on a GPU box that lives in device memory, so `host` = peak RSS - device is what
-the host needs there.
+the compute dtype; a big model's CPU pool aliases the store and holds nothing): on a GPU box that
+lives in device memory, so `host` = peak RSS - device is what the host needs there.
 """
 from __future__ import annotations
 
@@ -106,7 +106,8 @@ def measure(model: str, policy: str, residency: float) -> dict:
     device = sum(p.nbytes for p in engine.model.parameters())  # non-expert weights: on the device
     mgr = getattr(engine.decoder, "experts", None) or getattr(engine.decoder, "target", None)
     for ew in getattr(mgr, "pool", []):
-        device += ew.w13.nbytes + ew.w2.nbytes
+        if not ew.w13.is_meta:  # an aliased CPU pool (a big model's) holds no bytes of its own
+            device += ew.w13.nbytes + ew.w2.nbytes
     draft = getattr(engine.decoder, "draft", None)
     for ew in getattr(draft, "layers", []):
         device += ew.w13.nbytes + ew.w2.nbytes

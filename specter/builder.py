@@ -64,6 +64,14 @@ def pool_dtype(device: torch.device, storage: torch.dtype, compute: torch.dtype,
     return storage if slots * expert_numel * compute.itemsize > POOL_UPCAST_MIN_BYTES else compute
 
 
+def alias_pool(device: torch.device, compute: torch.dtype, slots: int, expert_numel: int) -> bool:
+    """Whether the slot pool aliases the host store (OffloadedExperts(alias=True)): on CPU, past the
+    same POOL_UPCAST_MIN_BYTES, the emulated device is host memory and a pool would be a second copy
+    of experts the store already holds, so compute reads the store's rows and copies are only timed.
+    Small models keep a real pool, so the slot and copy races stay exercised by real bytes."""
+    return device.type == "cpu" and slots * expert_numel * compute.itemsize > POOL_UPCAST_MIN_BYTES
+
+
 def configure_threads(device: torch.device, threads: int | None) -> None:
     """CPU: leave one core to the emulated link's copy worker (and the OS); small decode matmuls gain
     nothing from more threads, and oversubscribed OpenMP pools are catastrophically slow."""
@@ -140,7 +148,8 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         decoder = PlainDecoder(model, ResidentExperts(experts), device, dt)
     else:
         experts = store
-        mgr = OffloadedExperts(store, plan.slots_per_layer, device, lk, eviction=eviction, dtype=pdt)
+        alias = alias_pool(device, dt, spec.n_moe_layers * plan.slots_per_layer, spec.expert_numel())
+        mgr = OffloadedExperts(store, plan.slots_per_layer, device, lk, eviction=eviction, dtype=pdt, alias=alias)
         mgr.warm()
         decoder = _decoder(policy, shared, mgr, k_max)
         if hasattr(decoder, "draft"):

@@ -193,23 +193,25 @@ class Watch:
             assert len(residents) <= slots.n_slots
             loading = {(l, e) for e in residents if not slots.is_ready(l, e)}
             assert loading == {key for key in mgr.inflight if key[0] == l}, "in-flight copies != loading slots"
-            for e in slots.ready_experts(l):  # a ready slot holds exactly its expert
-                s = slots.slot_of(l, e)
-                assert torch.equal(mgr.pool[l].w13[s], mgr.store[l].w13[e]), (l, e, s)
-                assert torch.equal(mgr.pool[l].w2[s], mgr.store[l].w2[e]), (l, e, s)
+            for e in slots.ready_experts(l):  # a ready expert's row (its slot, or aliased its store row) holds it
+                r = slots.row(l, e)
+                assert r == (e if mgr.alias else slots.slot_of(l, e)), (l, e, r)
+                assert torch.equal(mgr.rows[l].w13[r], mgr.store[l].w13[e]), (l, e, r)
+                assert torch.equal(mgr.rows[l].w2[r], mgr.store[l].w2[e]), (l, e, r)
 
     def checked_expert_rows(self, real):
         def run(x, ids, weights, w13, w2, *, remap=None, backend=None):
             mgr, layer = self.mgr, self.layer
             assert layer is not None, "expert_rows called outside a watched layer call"
-            store, pool, slots = mgr.store[layer], mgr.pool[layer], mgr.slots
+            store, pool, slots = mgr.store[layer], mgr.rows[layer], mgr.slots  # rows: the pool, or aliased the store
             assert w13.data_ptr() == pool.w13.data_ptr() and w2.data_ptr() == pool.w2.data_ptr(), \
-                "not computed from the slot pool"
+                "not computed from the slot pool (or, aliased, the store)"
             assert remap is not None, "a call over the slot pool without its remap row"
             used = [(e, int(remap[e])) for e in sorted(set(ids.reshape(-1).tolist())) if int(remap[e]) >= 0]
 
             def intact(e, s, when):
-                assert slots.slot_of(layer, e) == s, f"expert {e} lost slot {s} {when}"
+                assert slots.slot_of(layer, e) is not None and slots.row(layer, e) == s, \
+                    f"expert {e} lost row {s} {when}"
                 assert torch.equal(pool.w13[s], store.w13[e]) and torch.equal(pool.w2[s], store.w2[e]), \
                     f"slot {s} does not hold expert {e}'s weights {when}"
 
@@ -259,14 +261,20 @@ def slow_link(bandwidth=2e6, latency=1e-3):
 
 
 # ------------------------------------------------------------------------------------ manager, directly
+# every manager test runs with a real pool and with an aliased one (the CPU pool of a big model: compute
+# reads the store's rows, copies are only timed), whose residency the same checks must hold to
+ALIAS = pytest.mark.parametrize("alias", [False, True], ids=["copy", "alias"])
+
+
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
-def test_more_distinct_experts_than_slots_in_one_call(watch, eviction):
+@ALIAS
+def test_more_distinct_experts_than_slots_in_one_call(watch, eviction, alias):
     """8 tokens x top-2 touch all 8 experts of a layer through 2 slots: every expert is computed from
     its own landed copy, none is evicted while in use, and the output is resident's, bit for bit."""
     store = make_store()
     resident = ResidentExperts(store)
     with slow_link() as link:
-        mgr = OffloadedExperts(store, 2, torch.device("cpu"), link, eviction=eviction)
+        mgr = OffloadedExperts(store, 2, torch.device("cpu"), link, eviction=eviction, alias=alias)
         w = watch(mgr)
         gen = torch.Generator().manual_seed(1)
         x = torch.randn(8, 32, generator=gen)
@@ -281,13 +289,14 @@ def test_more_distinct_experts_than_slots_in_one_call(watch, eviction):
         assert mgr.stats()["expert_misses"] >= 6 * 6 and mgr.slots.stats["evictions"] > 0
 
 
-def test_random_calls_with_prefetches_in_flight(watch):
+@ALIAS
+def test_random_calls_with_prefetches_in_flight(watch, alias):
     """Layer calls interleaved with prefetches that are still copying when the layer runs."""
     store = make_store(L=3)
     resident = ResidentExperts(store)
     rng, gen = random.Random(0), torch.Generator().manual_seed(2)
     with slow_link() as link:
-        mgr = OffloadedExperts(store, 3, torch.device("cpu"), link)
+        mgr = OffloadedExperts(store, 3, torch.device("cpu"), link, alias=alias)
         w = watch(mgr)
         for step in range(14):
             layer = rng.randrange(3)
@@ -302,12 +311,13 @@ def test_random_calls_with_prefetches_in_flight(watch):
     mgr.slots.check()
 
 
-def test_every_slot_loading_when_the_layer_runs(watch):
+@ALIAS
+def test_every_slot_loading_when_the_layer_runs(watch, alias):
     """Both slots hold unrelated prefetches still in flight; the layer needs two other experts."""
     store = make_store()
     resident = ResidentExperts(store)
     with slow_link(latency=0.02) as link:
-        mgr = OffloadedExperts(store, 2, torch.device("cpu"), link)
+        mgr = OffloadedExperts(store, 2, torch.device("cpu"), link, alias=alias)
         w = watch(mgr)
         assert mgr.prefetch(0, [6, 7]) == 2
         assert not mgr.slots.is_ready(0, 6) and not mgr.slots.is_ready(0, 7)
@@ -342,14 +352,15 @@ def test_link_cancel_withdraws_only_copies_not_started():
         assert "cancelled" in repr(ts[2])
 
 
-def test_cancel_prefetches_undoes_reservations_and_never_lands(watch):
+@ALIAS
+def test_cancel_prefetches_undoes_reservations_and_never_lands(watch, alias):
     """Prefetches still queued when a cycle ends are withdrawn: out of flight, their reservations
     undone (the experts they evicted ready again, bytes intact), their bytes not counted; the one
     the link has started lands as usual. The next call hits the restored expert."""
     store = make_store()
     resident = ResidentExperts(store)
     with slow_link(latency=0.05) as link:
-        mgr = OffloadedExperts(store, 2, torch.device("cpu"), link)
+        mgr = OffloadedExperts(store, 2, torch.device("cpu"), link, alias=alias)
         w = watch(mgr)
         mgr.warm()                                   # layer 0: experts 0, 1
         mgr.slots.touch(0, [1])                      # 0 is evicted first
@@ -420,11 +431,12 @@ class EagerLanding(OffloadedExperts):
         yield from ()
 
 
-def test_the_watch_catches_compute_before_the_copy_lands(watch):
+@ALIAS
+def test_the_watch_catches_compute_before_the_copy_lands(watch, alias):
     """The compute-time check has teeth: a manager that does not wait for its copies is caught."""
     store = make_store()
     with EmulatedLink(bandwidth=1e9, latency=0.5, name="slow") as link:  # copies land 0.5 s apart
-        mgr = EagerLanding(store, 8, torch.device("cpu"), link)
+        mgr = EagerLanding(store, 8, torch.device("cpu"), link, alias=alias)
         w = watch(mgr)
         x, ids, weights = routed(4, 2, 8, torch.Generator().manual_seed(5))
         ids = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
@@ -432,17 +444,73 @@ def test_the_watch_catches_compute_before_the_copy_lands(watch):
             w(0, x, ids, weights)
 
 
+def test_an_aliased_pool_holds_no_bytes_and_reads_only_landed_experts():
+    """Aliased, the pool is shapes without storage; a copy is timed by the bytes a real pool would
+    receive and moves none; and an expert is read from its store row only once its copy has landed:
+    until then its remap entry is -1 and it computes nothing, although the store holds its bytes."""
+    store = make_store()
+    x, _, weights = routed(1, 2, 8, torch.Generator().manual_seed(7))
+    ids = torch.tensor([[3, 5]])
+    with EmulatedLink(bandwidth=1e12, latency=60.0, name="stuck") as link:  # lands when the link closes
+        mgr = OffloadedExperts(store, 2, torch.device("cpu"), link, alias=True)
+        assert all(ew.w13.is_meta and ew.w2.is_meta for ew in mgr.pool) and mgr.rows is store
+        assert mgr.prefetch(0, [3, 5]) == 2
+        t = mgr.inflight[(0, 3)]
+        assert t.dst_nbytes == t.nbytes == mgr.expert_bytes and not t.done()
+        rows = manager_mod.expert_rows(x, ids, weights, store[0].w13, store[0].w2, remap=mgr.slots.remap[0])
+        assert not mgr.slots.is_ready(0, 3) and int(mgr.slots.remap[0, 3]) == -1 and not rows.any()
+        link.close()  # queued copies land at once
+        mgr.poll()
+        assert mgr.slots.ready_experts(0) == [3, 5] and mgr.slots.remap[0, [3, 5]].tolist() == [3, 5]
+        assert mgr.slots.slot_of(0, 3) in (0, 1) and link.stats["bytes"] == 2 * mgr.expert_bytes
+        assert torch.equal(mgr(0, x, ids, weights), ResidentExperts(store)(0, x, ids, weights))
+        assert mgr.stats()["expert_hits"] == 2
+    with pytest.raises(ValueError, match="CPU only"):
+        OffloadedExperts(store, 2, torch.device("cuda"), link, alias=True)
+
+
 # ---------------------------------------------------------------------------------- through the engine
+@pytest.mark.parametrize("policy", ["on-demand", "next-layer", "spec-lru", "specter"])
+def test_aliased_pool_decodes_like_the_copying_pool(tiny, emulated_link, monkeypatch, policy):
+    """A big model's CPU pool aliases the store (builder.alias_pool); forced on a tiny one, every
+    policy gives the copying pool's tokens and the very same logits, at every forward."""
+    path, _ = tiny("qwen2_moe", mlp_only_layers=[0])
+    emulated_link(bandwidth=20e6, latency=1e-3)  # copies in flight across layers
+    runs = []
+    for alias in (False, True):
+        monkeypatch.setattr(builder, "alias_pool", lambda *a, alias=alias: alias)
+        engine = specter.load(path, device="cpu", policy=policy, residency=0.25, draft_cache="off")
+        mgr = getattr(engine.decoder, "experts", None) or engine.decoder.target
+        assert mgr.alias is alias and mgr.pool[0].w13.is_meta is alias
+        if hasattr(engine.decoder, "governor"):  # the same drafted widths both times, whatever the timing
+            from specter.speculative.governor import Governor
+            engine.decoder.governor = Governor(6, fixed=4)
+        logits, real = [], engine.model.logits
+        engine.model.logits = lambda x, *a, **k: logits.append(real(x, *a, **k)) or logits[-1]
+        try:
+            outs = [engine.generate(p, max_new_tokens=12) for p in PROMPTS[:2]]
+        finally:
+            engine.close()
+        assert sum(o.stats["expert_misses"] for o in outs) > 0
+        runs.append(([o.token_ids for o in outs], logits))
+    (tokens, a), (tokens_alias, b) = runs
+    assert tokens == tokens_alias and len(a) == len(b) >= 24
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 @pytest.mark.parametrize("policy,driver", [(p, "sync") for p in POLICIES] + [("next-layer", "async")])
 @pytest.mark.parametrize("case", CASES[:2], ids=IDS[:2])
-def test_engine_invariants_on_a_slow_link(tiny, resident_tokens, emulated_link, watch, case, policy, driver):
+@ALIAS
+def test_engine_invariants_on_a_slow_link(tiny, resident_tokens, emulated_link, watch, monkeypatch, case, policy, driver,
+                                          alias):
     arch, kw = case
     path, ref = tiny(arch, **kw)
+    monkeypatch.setattr(builder, "alias_pool", lambda *a: alias)
     emulated_link(bandwidth=20e6, latency=1e-3)  # 24 KiB experts: ~2 ms a copy, in flight across layers
     engine = specter.load(path, device="cpu", policy=policy, residency=0.25, driver=driver)
     try:
         mgr = engine.decoder.experts
-        assert isinstance(mgr, OffloadedExperts) and mgr.slots.n_slots == 2
+        assert isinstance(mgr, OffloadedExperts) and mgr.slots.n_slots == 2 and mgr.alias is alias
         w = watch(mgr)
         engine.decoder.experts = w
         outs = [engine.generate(p, max_new_tokens=12) for p in PROMPTS[:2]]

@@ -328,7 +328,10 @@ class EmulatedLink(Link):
 
 
 def _copy_serial(d: torch.Tensor, s: torch.Tensor) -> None:
-    """d.copy_(s) (converting dtype) in chunks small enough that ATen stays on this one thread."""
+    """d.copy_(s) (converting dtype) in chunks small enough that ATen stays on this one thread. A meta
+    destination (an aliased CPU pool, see manager.py) has no bytes to write: the copy is only timed."""
+    if d.is_meta:
+        return
     if d.is_contiguous() and s.is_contiguous() and d.numel() > _CHUNK:
         d, s = d.view(-1), s.view(-1)
         for i in range(0, d.numel(), _CHUNK):

@@ -17,6 +17,13 @@ routing and the speculative planner issue copies through it ahead of need.
 A layer's computation is written once, as a body (specter/sansio.py) that yields its routing read and
 each copy it must wait for: `mgr(layer, ...)` drives it blocking (the synchronous engine),
 `await mgr.acall(layer, ...)` on an event loop, which stays free while a copy is in flight.
+
+`alias=True` (CPU, big models: builder.alias_pool): on CPU the "device" is host memory, so a pool
+would be a second copy of experts the store already holds. The pool is then shapes without storage
+(meta tensors): the slot cache decides residency and eviction as before, the emulated link charges
+every copy's time by the bytes it would write (so copy : compute stays the GPU's) and moves none,
+and compute reads a ready expert's own store row (the remap holds expert ids: SlotCache(alias=True)).
+An expert whose copy has not landed is still -1 in the remap, so it computes nothing until it has.
 """
 from __future__ import annotations
 
@@ -35,16 +42,20 @@ from .slots import SlotCache
 
 class OffloadedExperts:
     def __init__(self, store: list[ExpertWeights], n_slots: int, device: torch.device, link: Link,
-                 eviction: str = "lru", dtype: torch.dtype | None = None):
-        """`dtype`: the compute dtype of the slot pool (default the store's); copies convert into it."""
-        self.store, self.link, self.device = store, link, device
+                 eviction: str = "lru", dtype: torch.dtype | None = None, alias: bool = False):
+        """`dtype`: the compute dtype of the slot pool (default the store's); copies convert into it.
+        `alias`: the pool is the store itself (CPU only; see the module docstring)."""
+        if alias and device.type != "cpu":
+            raise ValueError(f"an aliased slot pool reads the host store: CPU only, not {device}")
+        self.store, self.link, self.device, self.alias = store, link, device, alias
         L, E = len(store), store[0].n_experts
         w13, w2 = store[0].w13, store[0].w2
-        dtype = dtype or w13.dtype
-        self.pool = [ExpertWeights(torch.zeros((n_slots,) + w13.shape[1:], dtype=dtype, device=device),
-                                   torch.zeros((n_slots,) + w2.shape[1:], dtype=dtype, device=device))
+        dtype, at = dtype or w13.dtype, torch.device("meta") if alias else device
+        self.pool = [ExpertWeights(torch.zeros((n_slots,) + w13.shape[1:], dtype=dtype, device=at),
+                                   torch.zeros((n_slots,) + w2.shape[1:], dtype=dtype, device=at))
                      for _ in range(L)]
-        self.slots = SlotCache(L, E, n_slots, device=device, policy=eviction)
+        self.rows = store if alias else self.pool  # what compute reads through the remap
+        self.slots = SlotCache(L, E, n_slots, device=device, policy=eviction, alias=alias)
         self._late = torch.full((E,), -1, dtype=torch.int32, device=device)  # late experts' remap
         self.expert_bytes = store[0].expert_nbytes()
         self.inflight: dict[tuple[int, int], Transfer] = {}
@@ -141,7 +152,7 @@ class OffloadedExperts:
         """The layer's routed experts, as a body: yields the routing read and the copies it waits for."""
         if self.next_layer_router is not None:
             self.next_layer_router(layer, x)
-        pool, slots = self.pool[layer], self.slots
+        pool, slots = self.rows[layer], self.slots
         if self.all_resident:  # the budget holds every expert: one call, no host read of the routing
             used = self._resident_hits.new_zeros(self.slots.n_experts).index_fill_(0, ids.reshape(-1), 1)
             self._resident_hits += used.sum()  # distinct experts, counted on the device
@@ -168,7 +179,7 @@ class OffloadedExperts:
             batch = yield from self._land_batch(layer, todo)
             late = self._late.fill_(-1)  # this batch's remap, written in place: no host-to-device sync
             for e in batch:
-                late[e] = slots.slot_of(layer, e)
+                late[e] = slots.row(layer, e)
             rows = merge_rows(rows, expert_rows(x, ids, weights, pool.w13, pool.w2, remap=late), ids, late)
             self._read_done(layer, batch)
             todo = todo[len(batch):]

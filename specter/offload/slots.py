@@ -9,7 +9,9 @@ never read back in a hot path (graph safety: see docs/ARCHITECTURE.md). An exper
     absent <--cancel--- loading   (cancel(restore=True): the expert it displaced is ready again)
 
 remap[layer, expert] holds the slot only while the expert is ready, so a kernel never reads a slot
-whose copy has not landed. Ordering those writes against copies and kernels (events) is the caller's
+whose copy has not landed. With `alias=True` (a CPU pool that is the host store itself: see
+OffloadedExperts) it holds the expert's own id, its row in the store, under exactly the same rule:
+residency and eviction are unchanged, only the row compute reads differs. Ordering those writes against copies and kernels (events) is the caller's
 job; pinned experts (refcounted) are never evicted, so their slots stay valid while in use.
 """
 from __future__ import annotations
@@ -27,13 +29,14 @@ POLICIES = ("lru", "lfu")
 class SlotCache:
     """Per-layer residency bookkeeping for a fixed pool of `n_slots` device slots per layer."""
 
-    def __init__(self, n_layers: int, n_experts: int, n_slots: int, device="cpu", policy: str = "lru"):
+    def __init__(self, n_layers: int, n_experts: int, n_slots: int, device="cpu", policy: str = "lru",
+                 alias: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"unknown slot cache policy {policy!r}; expected one of {POLICIES}")
         if not 1 <= n_slots <= n_experts:
             raise ValueError(f"n_slots must be in [1, n_experts={n_experts}]; got {n_slots}")
         self.n_layers, self.n_experts, self.n_slots = n_layers, n_experts, n_slots
-        self.policy = policy
+        self.policy, self.alias = policy, alias
         self.remap = torch.full((n_layers, n_experts), -1, dtype=torch.int32, device=device)
         self.stats = {"evictions": 0, "reservations": 0}
         self._planner: Callable[[int, int], float] | None = None
@@ -58,6 +61,10 @@ class SlotCache:
             self.stats[key] = 0
 
     # ---- queries (host only) ----
+
+    def row(self, layer: int, expert: int) -> int:
+        """The row compute reads for a ready expert: its slot, or with `alias` its own id."""
+        return expert if self.alias else self._slot[layer][expert]
 
     def slot_of(self, layer: int, expert: int) -> int | None:
         slot = self._slot[layer][expert]
@@ -142,7 +149,7 @@ class SlotCache:
         if self._state[layer][expert] != LOADING:
             raise ValueError(f"expert {expert} of layer {layer} is not loading")
         self._state[layer][expert] = READY
-        self.remap[layer, expert] = self._slot[layer][expert]
+        self.remap[layer, expert] = self.row(layer, expert)
 
     def cancel(self, layer: int, expert: int, *, restore: bool = False) -> None:
         """Abandon a loading reservation; its slot becomes free. restore=True (only when its copy never
@@ -161,7 +168,7 @@ class SlotCache:
         self._state[layer][victim] = READY
         self._order[layer][victim] = None
         self._order[layer].move_to_end(victim, last=False)  # first in line to be evicted again
-        self.remap[layer, victim] = slot
+        self.remap[layer, victim] = self.row(layer, victim)
 
     def _release(self, layer: int, expert: int) -> int:
         slot = self._slot[layer][expert]
@@ -214,7 +221,7 @@ class SlotCache:
                     assert s == -1, f"layer {l}: absent expert {e} has slot {s}"
                 else:
                     assert 0 <= s < self.n_slots and owner[s] == e, f"layer {l}: expert {e} slot {s}"
-                want = s if state[e] == READY else -1
+                want = self.row(l, e) if state[e] == READY else -1
                 assert remap[l][e] == want, f"layer {l}: remap[{e}]={remap[l][e]}, expected {want}"
             for e, n in self._pins[l].items():
                 assert n > 0 and state[e] != ABSENT, f"layer {l}: pinned expert {e} not resident"
