@@ -88,7 +88,7 @@ def cmd_plan(args) -> int:
     from . import default_model_path
     from .builder import compute_dtype
     from .loader import describe
-    from .offload.plan import fit, host_needs, make_plan
+    from .offload.plan import emulated_device_bytes, fit, host_needs, make_plan
     from .sizes import format_size
 
     path = args.model or default_model_path()
@@ -119,6 +119,10 @@ def cmd_plan(args) -> int:
         return 0
     plan = make_plan(spec, numel, dtype, residency=args.residency, expert_memory=args.expert_memory,
                      context=args.context, draft=args.policy in ("spec-lru", "specter"))
+    if device.type == "cpu":  # the emulated device lives in host memory
+        host.device_bytes = emulated_device_bytes(plan, spec, store_dtype, dtype)
+        hosts += f", emulated device {format_size(host.device_bytes)} (host memory on cpu: a big model's slot " \
+                 f"pool aliases the store)"
     if args.json:
         print(json.dumps({**plan.as_dict(), "host": vars(host)}))
     else:

@@ -158,6 +158,9 @@ _ST_DTYPES = {**_DTYPES, "F64": torch.float64, "I64": torch.int64, "I32": torch.
               "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
+_CONVERT_CHUNK = 16 << 20  # bytes read at a time into a tensor of another dtype
+
+
 class _Reader:
     """Reads tensors with pread straight into their destination: no mapping stays resident and no
     page is held twice, so filling a store of N bytes raises RSS by N bytes and nothing more."""
@@ -195,12 +198,22 @@ class _Reader:
         f, _, shape, offset, nbytes = self._entry(name)
         if tuple(dst.shape) != shape:
             raise CheckpointError(f"{name}: shape {shape} does not match the config's {tuple(dst.shape)}")
-        if dst.dtype != self.dtype(name):  # a mixed-dtype checkpoint: convert through one temporary
-            dst.copy_(self.get(name))
-            return
-        if dst.numel() * dst.element_size() != nbytes:
+        stored = self.dtype(name)
+        if dst.numel() * stored.itemsize != nbytes:
             raise CheckpointError(f"{f}: tensor {name!r} has {nbytes} bytes for shape {shape}; the file is corrupt")
-        buf = memoryview(dst.view(-1).view(torch.uint8).numpy())
+        if dst.dtype == stored:
+            return self._pread(name, dst.view(-1), offset)
+        flat, step = dst.view(-1), max(1, _CONVERT_CHUNK // stored.itemsize)  # convert through a small buffer
+        buf = torch.empty(min(step, flat.numel()), dtype=stored)
+        for i in range(0, flat.numel(), step):
+            n = min(step, flat.numel() - i)
+            self._pread(name, buf[:n], offset + i * stored.itemsize)
+            flat[i:i + n].copy_(buf[:n])
+
+    def _pread(self, name: str, dst: torch.Tensor, offset: int) -> None:
+        """The stored bytes at `offset` into `dst` (contiguous, 1-D, of the stored dtype)."""
+        f, nbytes = self._entry(name)[0], dst.numel() * dst.element_size()
+        buf = memoryview(dst.view(torch.uint8).numpy())
         fd, done = self._fd(f), 0
         while done < nbytes:
             n = os.preadv(fd, [buf[done:]], offset + done)
@@ -248,7 +261,9 @@ def load_checkpoint(
 ) -> tuple[MoETransformer, list[ExpertWeights], Checkpoint]:
     """Build the model with its non-expert weights on `device` in `dtype`, and return the routed experts
     as the host store: one `ExpertWeights` per MoE layer, in the checkpoint's own dtype (pinned in
-    place when `pin_experts`), read once from the files straight into it."""
+    place when `pin_experts`), read once from the files straight into it. Each non-expert weight is
+    read into its final dtype a chunk at a time, so no stored-dtype copy of it is ever held. On CPU
+    the input embedding keeps a narrower checkpoint dtype (the rows it gathers are upcast: `Embedding`)."""
     ckpt = open_checkpoint(path)
     spec = ckpt.spec
     with init_empty_weights(include_buffers=False):
@@ -262,12 +277,18 @@ def load_checkpoint(
         if progress is None:
             progress = total > (512 << 20)
         bar = tqdm(total=total, desc="loading", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress)
+        embed = model.model.embed_tokens
+        if device.type == "cpu" and ckpt.dtype.itemsize < dtype.itemsize:
+            embed.out_dtype = dtype
         for name, src in params:
-            t = reader.get(src)
-            expected = model.get_parameter(name).shape
-            if t.shape != expected:
-                raise CheckpointError(f"{src}: shape {tuple(t.shape)} does not match the config's {tuple(expected)}")
-            set_module_tensor_to_device(model, name, device, value=t, dtype=dtype)
+            expected = tuple(model.get_parameter(name).shape)
+            if reader.shape(src) != expected:
+                raise CheckpointError(f"{src}: shape {reader.shape(src)} does not match the config's {expected}")
+            value = torch.empty(expected, dtype=ckpt.dtype if name == "model.embed_tokens.weight" and
+                                embed.out_dtype is not None else dtype)
+            reader.read_into(src, value)  # converts a chunk at a time
+            set_module_tensor_to_device(model, name, device, value=value, dtype=value.dtype)
+            del value  # not held while the store fills
             bar.update(reader.entries[src][4])
         model.rope.to(device)
         store = allocate_store(spec, ckpt.dtype, pin=pin_experts)

@@ -136,6 +136,18 @@ class HostNeeds:
     store_bytes: int        # every routed expert once, in the checkpoint's dtype
     pinned_bytes: int       # of which page-locked (CUDA: all of it, exactly; CPU: none)
     draft_cache_bytes: int  # the INT4 draft on disk (0 without a draft)
+    device_bytes: int = 0   # CPU: the emulated device's share of host memory (emulated_device_bytes)
+
+
+def emulated_device_bytes(plan: MemoryPlan, spec: ModelSpec, store_dtype: torch.dtype, compute: torch.dtype) -> int:
+    """On CPU the device is host memory: what the emulated device adds beside the expert store. The
+    plan counts what a GPU would hold; the CPU keeps a narrower checkpoint's input embedding in its
+    own dtype (model.Embedding), and a big model's slot pool aliases the store (builder.alias_pool)."""
+    from ..builder import alias_pool
+
+    embed = spec.vocab_size * spec.hidden * max(0, compute.itemsize - store_dtype.itemsize)
+    aliased = alias_pool(torch.device("cpu"), compute, plan.n_moe_layers * plan.slots_per_layer, spec.expert_numel())
+    return plan.total_bytes - embed - (plan.slot_pool_bytes if aliased else 0)
 
 
 def host_needs(spec: ModelSpec, store_dtype: torch.dtype, device_type: str, draft: bool = True) -> HostNeeds:
