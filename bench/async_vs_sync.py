@@ -4,12 +4,13 @@ the generation on an event loop of its thread's own, a planner task, awaited cop
 
     nice python bench/async_vs_sync.py [--residency 0.25] [--policies specter,spec-lru]
         [--workloads default,diverse] [--prompts 4] [--max-new-tokens 64] [--rounds 4]
-        [--temperature 0] [--device cpu|cuda] [--compile | --no-compile]
+        [--temperature 0] [--device cpu|cuda] [--compile | --no-compile] [--instant-link]
 
 Rounds alternate the engines' order (bench/governor_matrix.py's `alternate`); an engine's TPOT is its
 median round. Prints, per workload and policy, TPOT sync / async and the ratio async / sync (the gate:
 <= 1, "no slower than the synchronous manager"), stall seconds a token, and whether the greedy tokens
-of the two drivers are identical.
+of the two drivers are identical. --instant-link (CPU): copies take no emulated time, so TPOT is
+compute plus each driver's own cost -- the ratio then isolates the drivers' overhead.
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from governor_matrix import alternate  # noqa: E402
 
 import specter  # noqa: E402
+import specter.builder as builder  # noqa: E402
 from specter.bench import load_once  # noqa: E402
+from specter.offload.link import EmulatedLink  # noqa: E402
 from specter.workloads import workload_prompts  # noqa: E402
 
 DRIVERS = ("sync", "async")
@@ -40,7 +43,10 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="compiled draft step and verifier (default: the device's default)")
+    ap.add_argument("--instant-link", action="store_true", help="CPU: an emulated link with no transfer time")
     args = ap.parse_args()
+    if args.instant_link:
+        builder.make_link = lambda device, profile=None, **kw: EmulatedLink(1e12, 0.0, name="instant")
     sampling = dict(temperature=args.temperature, seed=0)
     shared = load_once(None, device=args.device)
     policies = args.policies.split(",")

@@ -137,7 +137,7 @@ class Turns:
         with self._cv:
             ticket = self._take(task)
         try:
-            await sansio.poll(lambda: self._serving == ticket, most=5e-3)
+            await sansio.poll(lambda: self._serving == ticket, spin=0.0, every=5e-3)  # a turn takes a while
         except BaseException:
             with self._cv:
                 if self._serving == ticket:  # served just as it was cancelled: pass the turn on

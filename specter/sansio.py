@@ -18,6 +18,7 @@ MoE layer, which the async driver resolves by driving the offload manager's own 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Generator
 from typing import Any, AsyncIterator, Callable, Iterator
 
@@ -35,6 +36,9 @@ class HostRead:
 
     def wait(self) -> list:
         return self.t.tolist()
+
+    def ready(self) -> bool:
+        return not self.t.is_cuda
 
     async def landed(self) -> list:
         t = self.t
@@ -57,13 +61,16 @@ class Emit:
         self.value = value
 
 
-async def poll(ready: Callable[[], bool], first: float = 20e-6, most: float = 1e-3) -> None:
-    """Until ready(): give the loop a turn, then sleep with a doubling backoff (CUDA events are
-    queried from the loop, never synchronised)."""
-    delay = first
+async def poll(ready: Callable[[], bool], spin: float = 2e-3, every: float = 1e-3) -> None:
+    """Until ready() (CUDA events are queried from the loop, never synchronised): for `spin` seconds
+    give the loop a turn between checks (sleep(0): other tasks and I/O run), then sleep `every`
+    between them. No finer sleep exists: epoll's timeout has 1 ms resolution, so asyncio.sleep(20e-6)
+    sleeps a whole millisecond -- longer than a verification layer on a GPU."""
+    if ready():
+        return
+    spin_until = time.perf_counter() + spin
     while not ready():
-        await asyncio.sleep(delay)
-        delay = min(2 * delay, most)
+        await asyncio.sleep(0 if time.perf_counter() < spin_until else every)
 
 
 class Call:
@@ -84,6 +91,9 @@ class Call:
         with self._mode():
             return self.provider(*self.args)
 
+    def ready(self) -> bool:
+        return not hasattr(self.provider, "acall")
+
     async def landed(self) -> torch.Tensor:
         acall = getattr(self.provider, "acall", None)
         if acall is None:
@@ -102,6 +112,10 @@ def wait(op) -> Any:
 
 def landed(op):
     return op.landed()
+
+
+def _never() -> bool:
+    return False
 
 
 def _advance(body: Generator, value, error: BaseException | None):
@@ -153,7 +167,9 @@ def iterate(body: Generator, resolve: Callable = wait, result: list | None = Non
 
 async def aiterate(body: Generator, resolve: Callable = landed, result: list | None = None) -> AsyncIterator:
     """`iterate` on the running event loop (an async generator; `aclose()` closes the body): each
-    op is awaited (`await resolve(op)`), the loop free meanwhile."""
+    op is awaited (`await resolve(op)`), the loop free meanwhile -- except an op whose `ready()`
+    says `wait()` would not block now, which is resolved by `wait()` (a coroutine costs microseconds
+    and a layer has several ops)."""
     value, error = None, None
     try:
         while True:
@@ -167,6 +183,8 @@ async def aiterate(body: Generator, resolve: Callable = landed, result: list | N
                 if isinstance(op, Emit):
                     yield op.value
                     value, error = None, None
+                elif getattr(op, "ready", _never)():  # wait() would not block: no coroutine needed
+                    value, error = op.wait(), None
                 else:
                     value, error = await resolve(op), None
             except GeneratorExit:

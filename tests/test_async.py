@@ -101,6 +101,30 @@ def test_drivers_agree_and_throw_errors_into_the_body():
     assert log == ["caught copy failed", "cleanup"]
 
 
+def test_poll_lets_other_tasks_run_between_checks():
+    async def main(spin):
+        ticks, checks = 0, 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        def ready():
+            nonlocal checks
+            checks += 1
+            return ticks >= 5
+
+        task = asyncio.create_task(ticker())
+        await asyncio.wait_for(sansio.poll(ready, spin=spin, every=1e-3), timeout=10)
+        task.cancel()
+        return checks
+
+    assert 2 <= asyncio.run(main(spin=1.0)) <= 10  # spinning: one check a loop turn
+    assert asyncio.run(main(spin=0.0)) >= 2        # sleeping between checks
+
+
 # ------------------------------------------------------------------------------------------ manager
 def make_store(L=2, E=8, H=32, I=16, seed=0) -> list[ExpertWeights]:
     g = torch.Generator().manual_seed(seed)

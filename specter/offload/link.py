@@ -58,6 +58,10 @@ class Transfer:
             return self._event.query()
         return self._future.done()
 
+    def ready(self) -> bool:
+        """`wait()` would not block the host now: on CUDA always (a stream wait), else once complete."""
+        return self._event is not None or self._future.done()
+
     def wait(self) -> float:
         """Block until the bytes are in place; seconds spent waiting. CUDA: a stream wait, no host sync,
         so it returns 0 and the device-side stall is measured by events (`CudaLink.drain_stall_s`)."""
@@ -81,7 +85,7 @@ class Transfer:
         blocks, so 0 here, the stall measured by events as in `wait`). Emulated: the link's thread
         completes an asyncio future (call_soon_threadsafe) and the stall is the time until this
         coroutine resumes, as `wait`'s is the time until its thread does."""
-        if self._event is not None or self._future.done():
+        if self.ready():
             return self.wait()
         t0 = time.perf_counter()
         await self._loop_future()
