@@ -46,8 +46,8 @@ fi
 # the asyncio driver (the CUDA default) against the blocking one, same engines otherwise: TPOT side by
 # side, greedy tokens identical (bench/async_vs_sync.py; compiled steps, CUDA graphs)
 if [[ $CHECKS == *async* ]]; then
-  (cd /tmp && timeout 150 python3 "$REPO/bench/async_vs_sync.py" --device cuda --policies specter \
-     --workloads default --prompts 2 --rounds 2 --max-new-tokens 32 > "$OUT/async.txt" 2>&1)
+  (cd /tmp && timeout 200 python3 "$REPO/bench/async_vs_sync.py" --device cuda --policies specter \
+     --workloads default --prompts 2 --rounds 1 --max-new-tokens 32 > "$OUT/async.txt" 2>&1)
   echo "async check exit $?"; tail -n 4 "$OUT/async.txt"
 fi
 if [[ $CHECKS == *bench* ]]; then
