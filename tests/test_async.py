@@ -25,6 +25,7 @@ import torch
 
 import specter
 import specter.builder as builder
+from specter.builder import _compiled_draft_step, _compiled_verify_step
 from specter import sansio
 from specter.moe import ExpertWeights
 from specter.offload.link import EmulatedLink
@@ -293,12 +294,19 @@ def test_async_greedy_tokens_are_the_sync_ones_and_plain_decodings(checkpoint, p
         eng.close()
 
 
-def test_the_planner_task_issues_copies_while_the_draft_runs(checkpoint, fast_link):
+@pytest.mark.parametrize("steps", ["eager", "sync-free"])
+def test_the_planner_task_issues_copies_while_the_draft_runs(checkpoint, plain_tokens, fast_link, steps):
+    """sync-free: the draft step and the verifier's pieces CUDA runs (uncompiled here): the draft
+    publishes lookahead rows to the host mirror, the planner task awaits them by `ready()`."""
     eng = _specter(checkpoint)
     dec, events = eng.decoder, []
+    if steps == "sync-free":
+        dec.draft_step = _compiled_draft_step(eng.model, dec.draft, compile=False)
+        dec.verify_step = _compiled_verify_step(eng.model, 6, compile=False)
     real_plan, real_acall = dec.planner.plan, dec.target.acall
 
     def plan(upto, host=False):
+        assert host == (steps == "sync-free")
         issued = real_plan(upto, host)
         events.append(("plan", asyncio.current_task().get_name(), upto, dec.planner.k, issued))
         return issued
@@ -314,7 +322,9 @@ def test_the_planner_task_issues_copies_while_the_draft_runs(checkpoint, fast_li
         return [t async for chunk in dec.arun(PROMPTS[1], SamplingParams(), NEW) for t in chunk]
 
     try:
-        asyncio.run(main())
+        assert asyncio.run(main()) == plain_tokens[1]
+        if steps == "sync-free":
+            assert dec.stats()["compiled"] == [] and dec._step_drafted > 0 and dec._step_verified > 0
     finally:
         eng.close()
     plans = [e for e in events if e[0] == "plan"]
