@@ -9,7 +9,9 @@ sent back the op's result; its `return` value is the result of the whole computa
     anything else a driver's `resolve` knows (the decoder's planning requests, `Emit`)
 
     drive(body)          blocking:  op.wait()           (today's synchronous engine)
-    await adrive(body)   asyncio:   await op.landed()   (the loop is free while a copy is in flight)
+    await adrive(body)   asyncio:   await op.landed()   (the loop is free while a copy is in flight),
+                                    or op.wait() when op.ready() says it would not block
+    iterate / aiterate   the same for a body that also yields `Emit(value)`s to its consumer
 
 An error a driver meets resolving an op is thrown into the body at its `yield`, so the body sees it
 exactly where the synchronous code would have. Bodies nest: the model's forward yields a `Call` per
