@@ -65,6 +65,7 @@ class OffloadedExperts:
         self.keep_rank = None                           # keep_rank(layer, e): late experts load lowest first,
                                                         # so the highest ranked are the ones left resident
         self.all_resident = False                       # set by warm() when the budget holds everything
+        self._in_order = False                          # ... and compute reads expert e from row e
         # per slot, the event recorded after its last reader's compute was queued (CUDA; None on CPU,
         # where compute is synchronous): a copy into the slot waits for that, not for all compute
         self.last_read: list[list] = [[None] * n_slots for _ in range(L)]
@@ -137,6 +138,11 @@ class OffloadedExperts:
         self._stats["h2d_bytes"] -= n * self.expert_bytes  # never crossed the link
         return n
 
+    @property
+    def copied_bytes(self) -> int:
+        """Bytes sent over the link so far (since reset_stats): a host-side count, no sync."""
+        return self._stats["h2d_bytes"]
+
     def is_resident(self, layer: int, e: int) -> bool:
         return self.slots.slot_of(layer, e) is not None
 
@@ -154,10 +160,14 @@ class OffloadedExperts:
             self.next_layer_router(layer, x)
         pool, slots = self.rows[layer], self.slots
         if self.all_resident:  # the budget holds every expert: one call, no host read of the routing
-            used = self._resident_hits.new_zeros(self.slots.n_experts).index_fill_(0, ids.reshape(-1), 1)
-            self._resident_hits += used.sum()  # distinct experts, counted on the device
-            self._hits_on_device = True
-            return combine_rows(expert_rows(x, ids, weights, pool.w13, pool.w2, remap=slots.remap[layer]))
+            if ids.shape[0] == 1:  # one token: its top-k experts are distinct, so counted on the host
+                self._stats["expert_hits"] += ids.shape[1]
+            else:
+                used = self._resident_hits.new_zeros(self.slots.n_experts).index_fill_(0, ids.reshape(-1), 1)
+                self._resident_hits += used.sum()  # distinct experts, counted on the device
+                self._hits_on_device = True
+            remap = None if self._in_order else slots.remap[layer]  # expert e in row e: no gather
+            return combine_rows(expert_rows(x, ids, weights, pool.w13, pool.w2, remap=remap))
         need = sorted(set((yield HostRead(ids.reshape(-1)))))
         self.poll()
         self._count(layer, need)
@@ -261,6 +271,8 @@ class OffloadedExperts:
         self.poll()
         self.prefetched.clear()
         self.all_resident = self.slots.n_slots == self.slots.n_experts
+        self._in_order = self.all_resident and all(self.slots.row(layer, e) == e for layer in range(len(self.store))
+                                                   for e in range(self.slots.n_experts))
 
     def close(self) -> None:
         self.link.close()

@@ -53,6 +53,7 @@ class SpeculativeDecoder:
         self.plan_backlog = 1                   # plan again when at most this many copies are queued
         self.cancel_leftovers = True            # withdraw a cycle's prefetches still queued when it ends
         self.draft_step = None                  # a sync-free draft step (specter.compiled.draft_step), if any
+        self._last_plain = None                 # (token, its [1] tensor) from the last plain step
         self.verify_step = None                 # a piecewise-compiled verifier (specter.compiled.verify_step), if any
         self.reset_stats()
 
@@ -116,6 +117,8 @@ class SpeculativeDecoder:
 
     def _cycle(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen, hist: History):
         """Body of one cycle -> the committed tokens (m accepted drafts + the target's own)."""
+        if k == 0 and self.draft_step is None and self.verify_step is None:
+            return (yield from self._plain_step(t, n, cache, params, gen, hist))
         st = self._stats
         st["k_histogram"][k] += 1
         st["cycles"] += 1
@@ -136,6 +139,7 @@ class SpeculativeDecoder:
         verified = tokens.shape[0] - 1  # drafted tokens verification takes (a shape: no sync)
         t1 = time.perf_counter()
         before = self.target.stats() if k else None  # K = 0 needs neither stall nor recall: no reads
+        copied0 = self.target.copied_bytes  # host-side: did a plain step copy anything (no sync)
         use_fallback = k == 0 and self.fallback is not None and self.plain.pick()
         self.target.next_layer_router = self.fallback if use_fallback else None
         try:
@@ -176,10 +180,42 @@ class SpeculativeDecoder:
         st["rejections"] += m < verified
         plain_probe = k == 0 and self.fallback is not None and self.plain.probing
         if not plain_probe:  # a probe of the slower plain arm is not what K = 0 costs: keep it from the governor
-            self.governor.observe_cycle(k, m, t1 - t0, t2 - t1, stall, verified=verified)
+            self.governor.observe_cycle(k, m, t1 - t0, t2 - t1, stall, verified=verified,
+                                        copied=max(0, self.target.copied_bytes - copied0))
         if k == 0 and self.fallback is not None:
             self.plain.observe(use_fallback, t2 - t1)
         return drafted[:m] + [nxt]
+
+    def _plain_step(self, t: int, n: int, cache: KVCache, params: SamplingParams, gen, hist: History):
+        """Body: K = 0 in eager mode, one target step taken as PlainDecoder takes it, plus what the governor
+        and the plain arms learn from it. At full residency a step is a millisecond or two on a CPU,
+        so the cycle's bookkeeping for drafts, acceptance and recall would cost several percent."""
+        st = self._stats
+        st["k_histogram"][0] += 1
+        st["cycles"] += 1
+        use_fallback = self.fallback is not None and self.plain.pick()
+        copied0 = self.target.copied_bytes
+        t1 = time.perf_counter()
+        self.target.next_layer_router = self.fallback if use_fallback else None
+        last = self._last_plain  # the token the previous plain step sampled, still a tensor: no new one
+        x = last[1] if last is not None and last[0] == t else torch.tensor([t], device=self.device)
+        try:
+            with span("verify"):
+                logits = yield from self.model.body(x, n, cache, self.target)  # [1, V]
+        finally:
+            self.target.next_layer_router = None
+        if use_fallback and self.cancel_leftovers:  # only next-layer prefetches: misses are never withdrawn
+            self.target.cancel_prefetches()
+        tok = sample(logits, params, gen, hist)  # [1]
+        nxt = int(tok)
+        self._last_plain = (nxt, tok)
+        t2 = time.perf_counter()
+        st["verify_s"] += t2 - t1
+        if not (self.fallback is not None and self.plain.probing):  # as in _cycle: a probe is not what K = 0 costs
+            self.governor.observe_cycle(0, 0, 0.0, t2 - t1, 0.0, copied=max(0, self.target.copied_bytes - copied0))
+        if self.fallback is not None:
+            self.plain.observe(use_fallback, t2 - t1)
+        return [nxt]
 
     def _draft_on_device(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen):
         """Body: K draft steps without a host sync (compiled/draft_step.py) -> tokens [K+1] (the pending

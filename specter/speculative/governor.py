@@ -3,21 +3,35 @@
 It works at two levels.
 
 1. Arms, judged by realised throughput. Plain decoding (K = 0) and speculation (K >= 1) each keep
-   a window of their latest cycles' rates, and an arm's rate is
+   a window of their latest cycles, and an arm's rate is
 
        R = median(tokens / seconds)              over its window (W_plain steps, W_spec cycles)
 
    seconds are the cycle's measured wall time (draft + verify + acceptance: whatever the model
-   below leaves out is in it); tokens are what the cycle was worth, E[tokens | K] by the
-   acceptance estimates (a window of a few cycles' own accepted counts is too noisy to rank two
-   arms within a few percent). The running arm keeps running until the other's R beats its R by
-   `margin` (3%: under timing noise, two arms closer than that would take turns, and each switch
-   pays probes); a margin within the "never more than 3% slower" promise. The other is probed
-   (`plain_probe` plain steps, or one speculative cycle at its best K) `probe_every` cycles after
-   it lost, then at doubling intervals up to `probe_max` cycles while it keeps losing, so K = 0 is
-   re-measured as the cache and the text change, and speculation comes back when it pays again.
-   A probe whose own rate beats the running arm's R is followed up at once, so a changed
-   landscape is confirmed within a window, not after several back-off intervals. The interval is
+   below leaves out is in it); tokens are what the cycle was worth, E^-[tokens | K] by the lower
+   bounds a_i^- of the acceptance below, evaluated when the arms are compared (a window of a few
+   cycles' own accepted counts is too noisy to rank two arms within a few percent, and a window
+   that kept each cycle's worth as estimated when it ran would keep a lucky probe's optimism).
+
+   The burden of proof is on speculation. Both arms are measured first; then, and whenever plain
+   decoding runs, speculation takes over only when
+
+       R_spec > R_plain (1 + margin + min(proof sqrt(e_spec^2 + e_plain^2), proof_cap) + free)
+
+   e the windows' relative standard errors, e = sqrt(pi/2) 1.4826 MAD(rates) / R / sqrt(n): a
+   window that merely looks faster under timing noise does not win. free = `free_margin` (10%)
+   when every plain step in the window copied nothing (all experts resident): there speculation
+   has no bytes to save, only its draft to pay for, and "never slower than resident" is the
+   promise; a batched verification that really pays (on a GPU it can) still clears it. Leaving
+   speculation takes only `margin` (3%: under timing noise, two arms closer than that would take
+   turns, and each switch pays probes; a margin within the "never more than 3% slower" promise).
+   The other arm is probed (`plain_probe` plain steps, or one speculative cycle at its best K)
+   `probe_every` cycles after it lost, then at doubling intervals up to `probe_max` cycles while
+   it keeps losing, so K = 0 is re-measured as the cache and the text change, and speculation
+   comes back when it pays again.
+   A probe whose own rate beats the running arm's R by the same burden (speculation's to enter,
+   the margin to leave) is followed up at once, so a changed landscape is confirmed within a
+   window, not after several back-off intervals. The interval is
    also never shorter than keeps what probes lose under `budget` (1%) of the time: a probe of n
    cycles of t_o seconds at rate R_o loses n t_o (1 - R_o / R_r) against the running arm, paid
    over the interval's cycles of t_r seconds, so
@@ -72,34 +86,62 @@ from collections import deque
 
 
 class _Window:
-    """The latest cycles of one arm; its rate is the median of their tokens / seconds. A burst of
-    load from another process slows a cycle or two many times over: a ratio of sums would carry it
-    into the comparison of the arms, the median does not."""
+    """The latest cycles of one arm, as (K verified, seconds); its rate is the median of
+    worth(K) / seconds, worth(K) the tokens such a cycle is worth by the acceptance estimates of
+    now (not of when it ran: a probe's lucky acceptance must not stay in the window at its
+    optimistic value). A burst of load from another process slows a cycle or two many times over:
+    a ratio of sums would carry it into the comparison of the arms, the median does not."""
 
-    def __init__(self, size: int):
-        self.obs: deque = deque(maxlen=size)
+    def __init__(self, size: int, worth):
+        self.ks: deque = deque(maxlen=size)
         self.secs: deque = deque(maxlen=size)
+        self.worth = worth
+        self._memo: dict = {}  # rate / error / seconds until the next add (worth changes only with a
+                               # speculative cycle, which is added to the speculative window)
 
-    def add(self, tokens: float, seconds: float) -> None:
-        self.obs.append(tokens / seconds if seconds > 0 else math.inf)
+    def add(self, k: int, seconds: float) -> None:
+        self.ks.append(k)
         self.secs.append(seconds)
+        self._memo.clear()
+
+    def __len__(self) -> int:
+        return len(self.secs)
+
+    def rates(self) -> list[float]:
+        return [self.worth(k) / s if s > 0 else math.inf for k, s in zip(self.ks, self.secs)]
 
     def seconds(self) -> float | None:
         """The median duration of one of its cycles."""
-        return statistics.median(self.secs) if self.secs else None
+        if "seconds" not in self._memo:
+            self._memo["seconds"] = statistics.median(self.secs) if self.secs else None
+        return self._memo["seconds"]
 
     def rate(self) -> float | None:
-        return statistics.median(self.obs) if self.obs else None
+        if "rate" not in self._memo:
+            self._memo["rate"] = statistics.median(self.rates()) if self.secs else None
+        return self._memo["rate"]
+
+    def error(self) -> float | None:
+        """The relative standard error of `rate`: sqrt(pi/2) 1.4826 MAD / median / sqrt(n) (the MAD
+        estimates the spread without trusting a burst; a median is sqrt(pi/2) as noisy as a mean)."""
+        if "error" not in self._memo:
+            med, err = self.rate(), None
+            if len(self.secs) >= 2 and math.isfinite(med) and med > 0:
+                mad = statistics.median(abs(x - med) for x in self.rates())
+                err = 1.858 * mad / med / math.sqrt(len(self.secs))
+            self._memo["error"] = err
+        return self._memo["error"]
 
 
 class Governor:
     def __init__(self, k_max: int, k_init: int = 4, alpha: float = 0.25, probe_every: int = 8,
                  probe_max: int = 64, plain_probe: int = 2, windows: tuple[int, int] = (8, 4), z: float = 0.5,
                  prior_weight: float = 4.0, bandwidth: float = 3.0, margin: float = 0.03, budget: float = 0.01,
-                 fixed: int | None = None):
+                 proof: float = 1.0, proof_cap: float = 0.25, free_margin: float = 0.10, fixed: int | None = None):
         self.k_max, self.alpha, self.fixed = k_max, alpha, fixed
         self.probe_every, self.probe_max, self.plain_probe = probe_every, probe_max, plain_probe
         self.z, self.m, self.bandwidth, self.margin, self.budget = z, prior_weight, bandwidth, margin, budget
+        self.proof, self.proof_cap, self.free_margin = proof, proof_cap, free_margin
         # acceptance: decayed accepted / tried counts per drafted position (1..K_max) and pooled
         self.hits, self.tries = [0.0] * (k_max + 1), [0.0] * (k_max + 1)
         self.seen = [0] * (k_max + 1)        # observations of each position (capped): its confidence
@@ -110,9 +152,11 @@ class Governor:
         self.v0, self.v1 = None, None        # verify compute fit
         self._v: dict[int, float] = {}       # per-K verify compute EMA
         self.step0: float | None = None      # a plain decode step, stalls included (EMA, for reports)
-        self.plain, self.spec = _Window(windows[0]), _Window(windows[1])
+        self.plain, self.spec = _Window(windows[0], lambda k: 1.0), _Window(windows[1], self.window_tokens)
+        self._worth: dict[int, float] = {}   # window_tokens, valid until the next observation
+        self.plain_copied: deque = deque(maxlen=windows[0])  # did each of the latest plain steps copy anything
         self.cycles = 0
-        self.arm = "spec"                    # the running arm: "spec" or "plain"
+        self.arm: str | None = None          # the running arm: "spec" or "plain" (None: both still measured)
         self.probe = False                   # the last decision was a probe (of the other arm, or of a K)
         self._arm_probe = False              # ... of the other arm
         self._arm_probe_left = 0             # cycles still to run of the current arm probe
@@ -124,10 +168,10 @@ class Governor:
 
     # ---------------------------------------------------------------------------- observe
     def observe_cycle(self, k: int, accepted: int, draft_s: float, verify_s: float, stall_s: float,
-                      verified: int | None = None) -> None:
+                      verified: int | None = None, copied: int | None = None) -> None:
         """A cycle drafted K tokens (in draft_s), verified the first `verified` of them (default all:
         see `verify_k`), accepted `accepted` of those, and verification took verify_s, stall_s of it
-        waiting on copies."""
+        waiting on copies. `copied`: bytes a plain step (K = 0) sent over the link (None: unknown)."""
         self.cycles += 1
         seconds = draft_s + verify_s
         drafted, k = k, (k if verified is None else verified)
@@ -138,12 +182,13 @@ class Governor:
             self.seen[i] = min(self.seen[i] + 1, 64)
             self.pool_hits = 0.98 * self.pool_hits + hit
             self.pool_tries = 0.98 * self.pool_tries + 1.0
-        tokens = self.expected_tokens(k)  # what the cycle was worth: its own count is too noisy for a window
+        self._worth.clear()
         if self._arm_probe and self._arm_probe_left == 0 and seconds > 0:
-            self._follow_up(drafted, tokens / seconds)
-        (self.plain if drafted == 0 else self.spec).add(tokens, seconds)
+            self._follow_up(drafted, self.window_tokens(k) / seconds)
+        (self.plain if drafted == 0 else self.spec).add(k, seconds)
         if drafted == 0:
             self.step0 = self._ema(self.step0, verify_s)
+            self.plain_copied.append(copied is None or copied > 0)
             return
         self.draft_s = self._ema(self.draft_s, draft_s / drafted)
         self.stall[drafted] = self._ema(self.stall.get(drafted), stall_s)  # what drafting K costs, as verified
@@ -156,8 +201,23 @@ class Governor:
         probed_plain = k == 0
         if probed_plain != (self.arm == "plain"):
             running = (self.plain if self.arm == "plain" else self.spec).rate()
-            if running is not None and rate > running * (1 + self.margin):
+            need = self.margin if probed_plain else self.burden()
+            if running is not None and rate > running * (1 + need):
                 self._arm_next = self.cycles
+
+    @property
+    def plain_copies_nothing(self) -> bool:
+        """Every plain step in the window copied nothing (all experts resident): speculation has no
+        bytes to save there, only its draft to pay for."""
+        return len(self.plain_copied) >= self.plain_probe and not any(self.plain_copied)
+
+    def burden(self) -> float:
+        """How much faster speculation's window must measure than plain decoding's before it runs:
+        the margin, plus `proof` combined standard errors of the two windows (capped at `proof_cap`),
+        plus `free_margin` when plain decoding copies nothing. Leaving speculation takes only the margin."""
+        errs = [e for e in (self.spec.error(), self.plain.error()) if e is not None]
+        noise = min(self.proof * math.sqrt(sum(e * e for e in errs)), self.proof_cap)
+        return self.margin + noise + (self.free_margin if self.plain_copies_nothing else 0.0)
 
     def _ema(self, old, new):
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
@@ -186,13 +246,22 @@ class Governor:
         a = (self.hits[i] + self.m * self.pool) / (self.tries[i] + self.m)
         return max(0.0, a - (self.z if z is None else z) * math.sqrt(a * (1.0 - a) / (self.seen[i] + self.m)))
 
-    def expected_tokens(self, k: int) -> float:
-        """E[tokens | K] by the acceptance estimates (not their bounds)."""
+    def expected_tokens(self, k: int, z: float = 0.0) -> float:
+        """E[tokens | K] by the acceptance estimates (z = 0) or their lower bounds (z > 0)."""
         tokens, run = 1.0, 1.0
         for i in range(1, k + 1):
-            run *= self.acceptance(i, z=0.0)
+            run *= self.acceptance(i, z=z)
             tokens += run
         return tokens
+
+    def window_tokens(self, k: int) -> float:
+        """What a speculative cycle that verified K tokens is worth in the arms' comparison:
+        E^-[tokens | K], by the acceptance's lower bounds of now (a cycle's own count is too noisy
+        for a window of a few cycles; an estimate from a few probes' lucky acceptances must not
+        pull the governor into speculation)."""
+        if k not in self._worth:
+            self._worth[k] = self.expected_tokens(k, z=self.z)
+        return self._worth[k]
 
     def stall_estimate(self, k: int) -> float:
         """s(K): kernel-smoothed measured stalls, clamped to the tried range (see the module docstring)."""
@@ -288,12 +357,17 @@ class Governor:
             self._arm_probe_left -= 1
             self.probe = True
             return "spec" if self.arm == "plain" else "plain"
-        if len(self.spec.obs) < 2:
+        if len(self.spec) < 2:
             return "spec"
-        if len(self.plain.obs) < self.plain_probe:
+        if len(self.plain) < self.plain_probe:
             return "plain"
+        if self.arm is None:  # both measured once: speculation runs only if it proves faster
+            self.arm = "spec" if self.spec.rate() > self.plain.rate() * (1 + self.burden()) else "plain"
         running, other = (self.spec, self.plain) if self.arm == "spec" else (self.plain, self.spec)
-        if other.rate() > running.rate() * (1 + self.margin):  # the landscape moved: look at the loser again soon
+        faster = other.rate() > running.rate() * (1 + self.margin)  # the burden is at least the margin
+        if faster and self.arm == "plain":
+            faster = other.rate() > running.rate() * (1 + self.burden())
+        if faster:  # the landscape moved: look at the loser again soon
             self.arm = "plain" if self.arm == "spec" else "spec"
             self._arm_interval = self.probe_every
             self._arm_next = self.cycles + self.probe_every
@@ -305,9 +379,13 @@ class Governor:
             weight = max(other.seconds(), 1e-12) / max(running.seconds(), 1e-12)  # t_o / t_r
             loss = n * weight * max(0.0, 1.0 - other.rate() / max(running.rate(), 1e-12))
             # at most probe_max cycles apart while speculating; while decoding plainly, probe_max
-            # probe-lengths of time (a speculative probe lasts several plain steps)
+            # probe-lengths of time (a speculative probe lasts several plain steps), and twice that
+            # at half the budget when plain decoding copies nothing (no cache for the text to move)
             cap = self.probe_max if self.arm == "spec" else round(self.probe_max * max(1.0, weight))
-            self._arm_interval = min(max(2 * self._arm_interval, round(loss / self.budget)), cap)
+            budget, free = self.budget, self.arm == "plain" and self.plain_copies_nothing
+            if free:
+                cap, budget = 2 * cap, budget / 2
+            self._arm_interval = min(max(2 * self._arm_interval, round(loss / budget)), cap)
             self._arm_probe_left = (self.plain_probe if self.arm == "spec" else 1) - 1
             self.probe = True
             return "plain" if self.arm == "spec" else "spec"
