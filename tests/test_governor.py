@@ -11,6 +11,10 @@ function of K, the copy stall as a function of K, and how many drafted tokens ar
    within a bounded number of cycles and then costs at most a probe per `probe_max` cycles; when
    it pays again (the cache or the text changed), the governor is speculating again within a
    bounded number of cycles -- both ways, because K = 0 keeps being re-measured.
+2b. The burden of proof: with every expert resident (plain steps copy nothing) speculation at
+   break-even or a few percent slower never costs over 2% under +-30% timing noise, and a batched
+   verification that really pays is still taken; slightly slower speculation under heavy noise
+   costs under 1% on average; the burden grows with the windows' noise.
 3. Honest bounds: a K never tried does not borrow a better stall than the K next to it; a drafted
    position seen once is held near the pooled acceptance with a wide bound, not at its one value;
    a lucky cycle at an untried K does not make it the best K.
@@ -233,30 +237,31 @@ def test_a_burst_of_load_does_not_flip_the_arms():
     assert gov.arm == "plain" and gov.plain.rate() > 0.9 / SLOWER.plain
 
 
-# full residency: no copies to hide, only the draft to pay for; speculation by batched verification
-# measures a few percent faster than plain steps here, within what noise and a shifting text can fake
-RESIDENT_MARGINAL = World(plain=10e-3, draft=4e-3, verify=lambda k: 9e-3 + 0.5e-3 * (k + 1), stall=lambda k: 0.0,
-                          accepted=geometric(0.5))
+# full residency: no copies to hide, only the draft to pay for; a draft step costs half a plain step,
+# so speculation breaks even (`draft` 5 ms) or loses a few percent (6 ms) -- within what noise can fake
+def resident(draft: float) -> World:
+    return World(plain=10e-3, draft=draft, verify=lambda k: 9e-3 + 0.5e-3 * (k + 1), stall=lambda k: 0.0,
+                 accepted=geometric(0.5))
+
+
 # ... and one where a batched verification genuinely pays (a good draft, verification nearly flat in K)
 RESIDENT_PAYS = World(plain=10e-3, draft=1.5e-3, verify=lambda k: 9.5e-3 + 0.2e-3 * (k + 1), stall=lambda k: 0.0,
                       accepted=geometric(0.8))
 
 
-def test_speculation_must_prove_itself_when_plain_decoding_copies_nothing():
-    """With every expert resident a plain step copies nothing: speculation runs only when it beats
-    plain decoding by more than the margin, the windows' noise and `free_margin`. A marginal gain
-    (here ~7% by the model) is left alone -- only probes speculate; a gain well beyond the burden
-    (a batched verification that pays) is still taken."""
+def test_never_slower_than_resident_and_still_speculates_where_it_pays():
+    """Every expert resident (plain steps copy nothing): with speculation at break-even or a few
+    percent slower, under +-30% timing noise, the governor is never more than 2% slower than plain
+    decoding; where a batched verification really pays, it still speculates."""
     rng = random.Random(0)
-    best = max(RESIDENT_MARGINAL.tokens_per_s(k, rng) for k in range(1, 17)) * RESIDENT_MARGINAL.plain
-    assert 1.03 < best < 1.10, best  # the premise: marginal
-    for seed in range(3):
-        gov = Governor(16)
-        d = drive(gov, RESIDENT_MARGINAL, 400, seed=seed, copied=0)
-        assert gov.plain_copies_nothing
-        spec = [k for k, probe, *_ in d[20:] if k > 0 and not probe]
-        assert not spec, Counter(spec)
-        assert realised(d[20:]) >= 0.99 / RESIDENT_MARGINAL.plain, realised(d[20:]) * RESIDENT_MARGINAL.plain
+    for draft in (5e-3, 6e-3):
+        w = resident(draft)
+        assert max(w.tokens_per_s(k, rng) for k in range(1, 17)) * w.plain < 1.01  # the premise
+        for seed in range(6):
+            gov = Governor(16)
+            d = drive(gov, w, 500, seed=seed, jitter=0.3, copied=0)
+            assert gov.plain_copies_nothing
+            assert realised(d[20:]) >= 0.98 / w.plain, (draft, seed, realised(d[20:]) * w.plain)
     gov = Governor(16)
     d = drive(gov, RESIDENT_PAYS, 300, seed=0, copied=0)
     assert settled(d)[0] == 0 and realised(d[100:]) >= 1.5 / RESIDENT_PAYS.plain, realised(d[100:]) * RESIDENT_PAYS.plain
@@ -280,16 +285,14 @@ def test_burden_of_proof_grows_with_the_windows_noise():
     assert noisy.plain_copies_nothing and noisy.burden() > gov.margin + 0.1 + noisy.free_margin
 
 
-def test_near_break_even_under_heavy_noise_never_loses_3_percent():
-    """Speculation that breaks even in expectation, under +-40% timing noise (a shared machine): a
-    window that merely looks faster must not pull the governor into speculation for long."""
-    w = World(plain=10e-3, draft=5e-3, verify=lambda k: 9e-3 + 0.5e-3 * (k + 1), stall=lambda k: 0.0,
-              accepted=geometric(0.5))
-    rng = random.Random(0)
-    assert 0.97 < max(w.tokens_per_s(k, rng) for k in range(1, 17)) * w.plain < 1.02  # the premise
-    for seed in range(6):
-        d = drive(Governor(16), w, 600, seed=seed, jitter=0.4, copied=1)
-        assert realised(d[100:]) >= 0.97 / w.plain, (seed, realised(d[100:]) * w.plain)
+def test_slightly_slower_speculation_under_heavy_noise_costs_under_1_percent():
+    """Speculation 6% slower than plain decoding, +-30% timing noise, plain steps that copy: a window
+    that merely looks faster, or a probe's lucky acceptance, must not pull the governor in. Over ten
+    runs it loses under 1% on average and under 3% in any (the governor before the burden of proof
+    and the re-valued windows lost 1.6% on average, 4% at worst)."""
+    w = resident(6e-3)
+    runs = [realised(drive(Governor(16), w, 500, seed=s, jitter=0.3, copied=1)[20:]) * w.plain for s in range(10)]
+    assert sum(runs) / len(runs) >= 0.99 and min(runs) >= 0.97, runs
 
 
 # ----------------------------------------------------------------------------------------- 3. honest bounds

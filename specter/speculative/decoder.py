@@ -193,7 +193,8 @@ class SpeculativeDecoder:
         st = self._stats
         st["k_histogram"][0] += 1
         st["cycles"] += 1
-        use_fallback = self.fallback is not None and self.plain.pick()
+        fallback = self.fallback is not None and not self.target.all_resident  # nothing to prefetch when all resident
+        use_fallback = fallback and self.plain.pick()
         copied0 = self.target.copied_bytes
         t1 = time.perf_counter()
         self.target.next_layer_router = self.fallback if use_fallback else None
@@ -211,9 +212,9 @@ class SpeculativeDecoder:
         self._last_plain = (nxt, tok)
         t2 = time.perf_counter()
         st["verify_s"] += t2 - t1
-        if not (self.fallback is not None and self.plain.probing):  # as in _cycle: a probe is not what K = 0 costs
+        if not (fallback and self.plain.probing):  # as in _cycle: a probe is not what K = 0 costs
             self.governor.observe_cycle(0, 0, 0.0, t2 - t1, 0.0, copied=max(0, self.target.copied_bytes - copied0))
-        if self.fallback is not None:
+        if fallback:
             self.plain.observe(use_fallback, t2 - t1)
         return [nxt]
 

@@ -121,6 +121,10 @@ class _Window:
             self._memo["rate"] = statistics.median(self.rates()) if self.secs else None
         return self._memo["rate"]
 
+    def recent(self, n: int = 3) -> float | None:
+        """The median rate of its newest n cycles: what it measured just now."""
+        return statistics.median(self.rates()[-n:]) if self.secs else None
+
     def error(self) -> float | None:
         """The relative standard error of `rate`: sqrt(pi/2) 1.4826 MAD / median / sqrt(n) (the MAD
         estimates the spread without trusting a burst; a median is sqrt(pi/2) as noisy as a mean)."""
@@ -202,6 +206,8 @@ class Governor:
         if probed_plain != (self.arm == "plain"):
             running = (self.plain if self.arm == "plain" else self.spec).rate()
             need = self.margin if probed_plain else self.burden()
+            if running is not None and not probed_plain:  # against plain steps of just before, too
+                running = max(running, self.plain.recent())
             if running is not None and rate > running * (1 + need):
                 self._arm_next = self.cycles
 
@@ -365,8 +371,9 @@ class Governor:
             self.arm = "spec" if self.spec.rate() > self.plain.rate() * (1 + self.burden()) else "plain"
         running, other = (self.spec, self.plain) if self.arm == "spec" else (self.plain, self.spec)
         faster = other.rate() > running.rate() * (1 + self.margin)  # the burden is at least the margin
-        if faster and self.arm == "plain":
-            faster = other.rate() > running.rate() * (1 + self.burden())
+        if faster and self.arm == "plain":  # the burden of proof, against the window and its newest steps:
+            # a burst of load that slowed the plain window must not make speculation look faster
+            faster = other.rate() > max(running.rate(), running.recent()) * (1 + self.burden())
         if faster:  # the landscape moved: look at the loser again soon
             self.arm = "plain" if self.arm == "spec" else "spec"
             self._arm_interval = self.probe_every
