@@ -387,11 +387,15 @@ class _PlainArms:
     evicts a useful expert). Keep a moving average of the step time with and without it, use the
     faster, and try the other after `probe_every` plain steps, then at doubling intervals while it
     keeps losing -- and never more often than keeps its excess under `budget` of the time: an arm
-    measured 10x slower is tried once every ~900 steps, not every 8 (up to `probe_max`)."""
+    measured 10x slower is tried once every ~900 steps, not every 8 (up to `probe_max`). Next-layer
+    must measure faster by `margin` to be used: an arm a few percent slower that noise makes look
+    faster would cost its few percent for as long as it runs."""
 
-    def __init__(self, probe_every: int = 8, probe_max: int = 1024, budget: float = 0.01, alpha: float = 0.25):
+    def __init__(self, probe_every: int = 8, probe_max: int = 1024, budget: float = 0.01, alpha: float = 0.25,
+                 margin: float = 0.03):
         self.t = {True: None, False: None}
         self.probe_every, self.probe_max, self.budget, self.alpha = probe_every, probe_max, budget, alpha
+        self.margin = margin
         self.n, self.best, self.interval, self.next = 0, None, probe_every, probe_every
         self.probing = False  # the last pick measures an arm other than the best one
 
@@ -402,7 +406,7 @@ class _PlainArms:
             if self.t[arm] is None:
                 self.probing = arm  # without next-layer is the baseline, measured first
                 return arm
-        best = self.t[True] <= self.t[False]
+        best = self.t[True] * (1 + self.margin) <= self.t[False]
         if best != self.best:
             self.best, self.interval, self.next = best, self.probe_every, self.n + self.probe_every
         if self.n < self.next:
