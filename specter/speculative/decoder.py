@@ -207,8 +207,9 @@ class SpeculativeDecoder:
             self.target.next_layer_router = None
         if use_fallback and self.cancel_leftovers:  # only next-layer prefetches: misses are never withdrawn
             self.target.cancel_prefetches()
-        tok = sample(logits, params, gen, hist)  # [1]
-        nxt = int(tok)
+        with span("accept"):  # a plain step's "acceptance" is its sample
+            tok = sample(logits, params, gen, hist)  # [1]
+            nxt = int(tok)
         self._last_plain = (nxt, tok)
         t2 = time.perf_counter()
         st["verify_s"] += t2 - t1
