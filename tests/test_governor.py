@@ -14,7 +14,7 @@ function of K, the copy stall as a function of K, and how many drafted tokens ar
 2b. The burden of proof: with every expert resident (plain steps copy nothing) speculation at
    break-even or a few percent slower never costs over 2% under +-30% timing noise, and a batched
    verification that really pays is still taken; slightly slower speculation under heavy noise
-   costs under 1% on average; the burden grows with the windows' noise.
+   costs under 1% on average; at full residency the burden grows with the windows' noise.
 3. Honest bounds: a K never tried does not borrow a better stall than the K next to it; a drafted
    position seen once is held near the pooled acceptance with a wide bound, not at its one value;
    a lucky cycle at an untried K does not make it the best K.
@@ -267,22 +267,21 @@ def test_never_slower_than_resident_and_still_speculates_where_it_pays():
     assert settled(d)[0] == 0 and realised(d[100:]) >= 1.5 / RESIDENT_PAYS.plain, realised(d[100:]) * RESIDENT_PAYS.plain
 
 
-def test_burden_of_proof_grows_with_the_windows_noise():
-    """Entering speculation takes the margin plus the windows' combined standard error (capped);
-    leaving it takes the margin alone. Steady windows: the margin; noisy ones: more."""
-    gov = Governor(8)
-    for _ in range(8):
-        gov.plain.add(0, 10e-3)
-        gov.spec.add(2, 18e-3)
-    assert gov.plain.error() == 0.0 and abs(gov.burden() - gov.margin) < 1e-12
-    noisy = Governor(8)
-    for i in range(8):
-        noisy.plain.add(0, 10e-3 * (0.7 if i % 2 else 1.3))
-        noisy.spec.add(2, 18e-3 * (0.7 if i % 2 else 1.3))
-    assert gov.margin + 0.1 < noisy.burden() <= gov.margin + noisy.proof_cap, noisy.burden()
-    for i in range(8):  # and a plain window that copied nothing adds free_margin
-        noisy.observe_cycle(0, 0, 0.0, 10e-3 * (0.7 if i % 2 else 1.3), 0.0, copied=0)
-    assert noisy.plain_copies_nothing and noisy.burden() > gov.margin + 0.1 + noisy.free_margin
+def test_burden_of_proof_at_full_residency_grows_with_the_windows_noise():
+    """Where plain steps copy, entering speculation takes the margin (a plain step's time varies with
+    its misses: that spread is the workload, not noise to discount). Where they copy nothing, it
+    takes the margin, the windows' combined standard error (capped) and `free_margin`."""
+    def governor(jitter: float, copied: int) -> Governor:
+        gov = Governor(8)
+        for i in range(8):
+            f = 1 + (jitter if i % 2 else -jitter)
+            gov.observe_cycle(0, 0, 0.0, 10e-3 * f, 0.0, copied=copied)
+            gov.spec.add(2, 18e-3 * f)
+        return gov
+    assert governor(0.3, copied=1).burden() == governor(0.0, copied=1).burden() == Governor(8).margin
+    steady, noisy = governor(0.0, copied=0), governor(0.3, copied=0)
+    assert steady.plain_copies_nothing and abs(steady.burden() - steady.margin - steady.free_margin) < 1e-12
+    assert steady.burden() + 0.1 < noisy.burden() <= steady.burden() + noisy.proof_cap, noisy.burden()
 
 
 def test_slightly_slower_speculation_under_heavy_noise_costs_under_1_percent():

@@ -16,13 +16,21 @@ It works at two levels.
    The burden of proof is on speculation. Both arms are measured first; then, and whenever plain
    decoding runs, speculation takes over only when
 
-       R_spec > R_plain (1 + margin + min(proof sqrt(e_spec^2 + e_plain^2), proof_cap) + free)
+       R_spec > R_plain (1 + margin)                                   while plain steps copy
+       R_spec > max(R_plain, R_plain_3) (1 + margin + extra)            when they copy nothing
+
+   While plain steps copy, a step's time varies with its misses, which is the workload, not noise
+   to discount: a larger bar there kept probes at a short K from ever growing into the long
+   drafts that pay. When every plain step in the window copied nothing (all experts resident),
+   speculation has no bytes to save, only its draft to pay for, and "never slower than resident"
+   is the promise: R_plain_3 is the median of the newest 3 plain steps (a burst of load that
+   slowed the plain window must not make speculation look faster), and
+
+       extra = min(proof sqrt(e_spec^2 + e_plain^2), proof_cap) + free_margin   (10%)
 
    e the windows' relative standard errors, e = sqrt(pi/2) 1.4826 MAD(rates) / R / sqrt(n): a
-   window that merely looks faster under timing noise does not win. free = `free_margin` (10%)
-   when every plain step in the window copied nothing (all experts resident): there speculation
-   has no bytes to save, only its draft to pay for, and "never slower than resident" is the
-   promise; a batched verification that really pays (on a GPU it can) still clears it. Leaving
+   window that merely looks faster under timing noise does not win; a batched verification that
+   really pays (on a GPU it can) still clears it, and speculative probes come half as often. Leaving
    speculation takes only `margin` (3%: under timing noise, two arms closer than that would take
    turns, and each switch pays probes; a margin within the "never more than 3% slower" promise).
    The other arm is probed (`plain_probe` plain steps, or one speculative cycle at its best K)
@@ -206,8 +214,8 @@ class Governor:
         if probed_plain != (self.arm == "plain"):
             running = (self.plain if self.arm == "plain" else self.spec).rate()
             need = self.margin if probed_plain else self.burden()
-            if running is not None and not probed_plain:  # against plain steps of just before, too
-                running = max(running, self.plain.recent())
+            if running is not None and not probed_plain:
+                running = self._plain_bar()
             if running is not None and rate > running * (1 + need):
                 self._arm_next = self.cycles
 
@@ -217,13 +225,23 @@ class Governor:
         bytes to save there, only its draft to pay for."""
         return len(self.plain_copied) >= self.plain_probe and not any(self.plain_copied)
 
+    def _plain_bar(self) -> float:
+        """Plain decoding's rate as speculation must beat it: at full residency also its newest steps
+        (a burst of load that slowed the window must not make speculation look faster); elsewhere a
+        plain step's time varies with its misses, and the faster of two medians would be biased up."""
+        if self.plain_copies_nothing:
+            return max(self.plain.rate(), self.plain.recent())
+        return self.plain.rate()
+
     def burden(self) -> float:
         """How much faster speculation's window must measure than plain decoding's before it runs:
-        the margin, plus `proof` combined standard errors of the two windows (capped at `proof_cap`),
-        plus `free_margin` when plain decoding copies nothing. Leaving speculation takes only the margin."""
+        the margin; when plain decoding copies nothing, plus `proof` combined standard errors of the
+        two windows (capped at `proof_cap`) and `free_margin`. Leaving speculation takes the margin."""
+        if not self.plain_copies_nothing:
+            return self.margin
         errs = [e for e in (self.spec.error(), self.plain.error()) if e is not None]
         noise = min(self.proof * math.sqrt(sum(e * e for e in errs)), self.proof_cap)
-        return self.margin + noise + (self.free_margin if self.plain_copies_nothing else 0.0)
+        return self.margin + noise + self.free_margin
 
     def _ema(self, old, new):
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
@@ -371,9 +389,8 @@ class Governor:
             self.arm = "spec" if self.spec.rate() > self.plain.rate() * (1 + self.burden()) else "plain"
         running, other = (self.spec, self.plain) if self.arm == "spec" else (self.plain, self.spec)
         faster = other.rate() > running.rate() * (1 + self.margin)  # the burden is at least the margin
-        if faster and self.arm == "plain":  # the burden of proof, against the window and its newest steps:
-            # a burst of load that slowed the plain window must not make speculation look faster
-            faster = other.rate() > max(running.rate(), running.recent()) * (1 + self.burden())
+        if faster and self.arm == "plain":  # the burden of proof
+            faster = other.rate() > self._plain_bar() * (1 + self.burden())
         if faster:  # the landscape moved: look at the loser again soon
             self.arm = "plain" if self.arm == "spec" else "spec"
             self._arm_interval = self.probe_every
