@@ -80,7 +80,7 @@ def count_phases(engine, monkeypatch, **gen):
         per_cycle.append({"k": k})
         with counting() as r:
             out = yield from real_cycle(t, n, k, *a)
-        per_cycle[-1]["rest"] = r.count - per_cycle[-1]["draft"]
+        per_cycle[-1]["rest"] = r.count - per_cycle[-1].get("draft", 0)  # a plain step (K = 0) drafts nothing
         return out
 
     monkeypatch.setattr(dec, draft_name, draft)
