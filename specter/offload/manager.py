@@ -148,26 +148,34 @@ class OffloadedExperts:
 
     # ------------------------------------------------------------------------------ compute
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.all_resident and self.next_layer_router is None:  # nothing to wait for: no body to drive
+            with torch.no_grad():  # (a ~1 ms step at full residency on a CPU: the driver's loop showed)
+                return self._all_resident(layer, x, ids, weights)
         return drive(self.body(layer, x, ids, weights))
 
     async def acall(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return await adrive(self.body(layer, x, ids, weights))
+
+    def _all_resident(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The budget holds every expert: one call, no host read of the routing."""
+        if ids.shape[0] == 1:  # one token: its top-k experts are distinct, so counted on the host
+            self._stats["expert_hits"] += ids.shape[1]
+        else:
+            used = self._resident_hits.new_zeros(self.slots.n_experts).index_fill_(0, ids.reshape(-1), 1)
+            self._resident_hits += used.sum()  # distinct experts, counted on the device
+            self._hits_on_device = True
+        remap = None if self._in_order else self.slots.remap[layer]  # expert e in row e: no gather
+        pool = self.rows[layer]
+        return combine_rows(expert_rows(x, ids, weights, pool.w13, pool.w2, remap=remap))
 
     @torch.no_grad()  # entered and left around each step of the body, never held across a wait
     def body(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         """The layer's routed experts, as a body: yields the routing read and the copies it waits for."""
         if self.next_layer_router is not None:
             self.next_layer_router(layer, x)
+        if self.all_resident:
+            return self._all_resident(layer, x, ids, weights)
         pool, slots = self.rows[layer], self.slots
-        if self.all_resident:  # the budget holds every expert: one call, no host read of the routing
-            if ids.shape[0] == 1:  # one token: its top-k experts are distinct, so counted on the host
-                self._stats["expert_hits"] += ids.shape[1]
-            else:
-                used = self._resident_hits.new_zeros(self.slots.n_experts).index_fill_(0, ids.reshape(-1), 1)
-                self._resident_hits += used.sum()  # distinct experts, counted on the device
-                self._hits_on_device = True
-            remap = None if self._in_order else slots.remap[layer]  # expert e in row e: no gather
-            return combine_rows(expert_rows(x, ids, weights, pool.w13, pool.w2, remap=remap))
         need = sorted(set((yield HostRead(ids.reshape(-1)))))
         self.poll()
         self._count(layer, need)
