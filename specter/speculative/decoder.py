@@ -117,7 +117,7 @@ class SpeculativeDecoder:
 
     def _cycle(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen, hist: History):
         """Body of one cycle -> the committed tokens (m accepted drafts + the target's own)."""
-        if k == 0 and self.draft_step is None and self.verify_step is None:
+        if k == 0:
             return (yield from self._plain_step(t, n, cache, params, gen, hist))
         st = self._stats
         st["k_histogram"][k] += 1
@@ -127,31 +127,21 @@ class SpeculativeDecoder:
         if sync_free:  # drafted tokens stay on the device until acceptance
             tokens, q = yield from self._draft_on_device(t, n, k, cache, params, gen)
             self._step_drafted += k
-            if k and self.truncate and self.planner is not None and len(self.planner.rows) >= k:
+            if self.truncate and self.planner is not None and len(self.planner.rows) >= k:
                 kv = self._worth_verifying(k)  # the rows are on the host already: no sync
                 tokens, q = tokens[:kv + 1], (None if q is None else q[:kv])
         else:
             drafted, q_rows = yield from self._draft(t, n, k, cache, params, gen, hist)
-            if k and self.truncate:
+            if self.truncate:
                 kv = self._worth_verifying(k)
                 drafted, q_rows = drafted[:kv], q_rows[:kv]
             tokens = torch.tensor([t] + drafted, device=self.device)
         verified = tokens.shape[0] - 1  # drafted tokens verification takes (a shape: no sync)
         t1 = time.perf_counter()
-        before = self.target.stats() if k else None  # K = 0 needs neither stall nor recall: no reads
-        copied0 = self.target.copied_bytes  # host-side: did a plain step copy anything (no sync)
-        use_fallback = k == 0 and self.fallback is not None and self.plain.pick()
-        self.target.next_layer_router = self.fallback if use_fallback else None
-        try:
-            with span("verify"):
-                if self.verify_step is not None:
-                    logits = yield from self.verify_step.body(tokens, n, cache, self.target)  # [K+1, V]
-                    self._step_verified += 1
-                else:
-                    logits = yield from self.model.body(tokens, n, cache, self.target)   # [K+1, V]
-        finally:
-            self.target.next_layer_router = None
-        if self.cancel_leftovers:  # what verification (or the plain step) did not wait for, it did not need:
+        before = self.target.stats()
+        with span("verify"):
+            logits = yield from self._verify(tokens, n, cache)  # [K+1, V]
+        if self.cancel_leftovers:  # what verification did not wait for, it did not need:
             self.target.cancel_prefetches()  # the next cycle must not queue behind it nor be billed for it
         if self.planner is not None:
             self.planner.end_cycle()
@@ -165,31 +155,25 @@ class SpeculativeDecoder:
                 p = probs(logits, params, hist, drafted)
                 m, nxt = accept_sampling(drafted, torch.stack(q_rows) if q_rows else None, p, gen)
         t2 = time.perf_counter()
-        stall = 0.0
-        if k:  # recall: share of verification's experts resident or in flight when it reached them
-            after = self.target.stats()
-            stall = after["stall_s"] - before["stall_s"]
-            hits = after["expert_hits"] - before["expert_hits"]
-            st["recall_hits"] += hits
-            st["recall_total"] += hits + after["expert_misses"] - before["expert_misses"]
+        after = self.target.stats()  # recall: share of verification's experts resident or in flight when it reached them
+        stall = after["stall_s"] - before["stall_s"]
+        hits = after["expert_hits"] - before["expert_hits"]
+        st["recall_hits"] += hits
+        st["recall_total"] += hits + after["expert_misses"] - before["expert_misses"]
         st["draft_s"] += t1 - t0
         st["verify_s"] += t2 - t1
         st["drafted_tokens"] += k
         st["truncated_tokens"] += k - verified
         st["accepted_tokens"] += m
         st["rejections"] += m < verified
-        plain_probe = k == 0 and self.fallback is not None and self.plain.probing
-        if not plain_probe:  # a probe of the slower plain arm is not what K = 0 costs: keep it from the governor
-            self.governor.observe_cycle(k, m, t1 - t0, t2 - t1, stall, verified=verified,
-                                        copied=max(0, self.target.copied_bytes - copied0))
-        if k == 0 and self.fallback is not None:
-            self.plain.observe(use_fallback, t2 - t1)
+        self.governor.observe_cycle(k, m, t1 - t0, t2 - t1, stall, verified=verified)
         return drafted[:m] + [nxt]
 
     def _plain_step(self, t: int, n: int, cache: KVCache, params: SamplingParams, gen, hist: History):
-        """Body: K = 0 in eager mode, one target step taken as PlainDecoder takes it, plus what the governor
-        and the plain arms learn from it. At full residency a step is a millisecond or two on a CPU,
-        so the cycle's bookkeeping for drafts, acceptance and recall would cost several percent."""
+        """Body: K = 0, one target step taken as PlainDecoder takes it (through the compiled verifier's
+        pieces when there are some), plus what the governor and the plain arms learn from it. At full
+        residency a step is a millisecond or two on a CPU, so the cycle's bookkeeping for drafts,
+        acceptance and recall would cost several percent."""
         st = self._stats
         st["k_histogram"][0] += 1
         st["cycles"] += 1
@@ -202,7 +186,7 @@ class SpeculativeDecoder:
         x = last[1] if last is not None and last[0] == t else torch.tensor([t], device=self.device)
         try:
             with span("verify"):
-                logits = yield from self.model.body(x, n, cache, self.target)  # [1, V]
+                logits = yield from self._verify(x, n, cache)  # [1, V]
         finally:
             self.target.next_layer_router = None
         if use_fallback and self.cancel_leftovers:  # only next-layer prefetches: misses are never withdrawn
@@ -218,6 +202,14 @@ class SpeculativeDecoder:
         if fallback:
             self.plain.observe(use_fallback, t2 - t1)
         return [nxt]
+
+    def _verify(self, tokens: torch.Tensor, n: int, cache: KVCache):
+        """Body: the target over tokens [T] at positions n .. n+T-1 -> logits [T, V], through the
+        compiled verifier's pieces when there are some."""
+        if self.verify_step is None:
+            return (yield from self.model.body(tokens, n, cache, self.target))
+        self._step_verified += 1
+        return (yield from self.verify_step.body(tokens, n, cache, self.target))
 
     def _draft_on_device(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen):
         """Body: K draft steps without a host sync (compiled/draft_step.py) -> tokens [K+1] (the pending
