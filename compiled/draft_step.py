@@ -131,7 +131,7 @@ class DraftStep:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.lm_head.weight.dtype
+        return self.model.dtype
 
     # --------------------------------------------------------------------- the traced steps
     def _step_greedy(self, cache: KVCache) -> None:

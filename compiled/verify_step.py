@@ -71,8 +71,7 @@ class VerifyStep:
 
     def __init__(self, model: MoETransformer, k_max: int, *, compile: bool = False, backend=None,
                  mode: str | None = None):
-        p = next(model.parameters())
-        dev, H = p.device, model.spec.hidden
+        dev, H = model.lm_head.weight.device, model.spec.hidden
         self.model, self.compiled = model, compile
         self.buckets = width_buckets(k_max)
         self.headroom = self.buckets[-1] - 1      # KV rows written past n + T at most
@@ -80,7 +79,7 @@ class VerifyStep:
         W = self.buckets[-1]
         self.tokens = torch.zeros(W, dtype=torch.int64, device=dev)      # the padded input
         self.base = torch.zeros((), dtype=torch.int64, device=dev)       # position of tokens[0]
-        self.zeros = torch.zeros(W, H, dtype=p.dtype, device=dev)        # the first segment's mlp_out
+        self.zeros = torch.zeros(W, H, dtype=model.dtype, device=dev)        # the first segment's mlp_out
         self._cache, self._kv = None, []
         fns = (self._enter, self._dense, self._moe_in, self._head)
         if compile:
@@ -173,10 +172,10 @@ class VerifyStep:
         """Compile every piece now (widths 1 and 2: the second makes the width dynamic, so no later
         width recompiles), on a scratch cache with stand-in experts (zeros: the offload manager is
         not touched), so the first generation's timings exclude it."""
-        p = next(self.model.parameters())
-        cache = KVCache(self.model.spec, max(cache_len, 3 + self.buckets[-1]), p.device, p.dtype)
+        dev = self.tokens.device
+        cache = KVCache(self.model.spec, max(cache_len, 3 + self.buckets[-1]), dev, self.model.dtype)
         for T in (t for t in (1, 2, 3) if t <= self.buckets[-1]):
-            self.step(torch.zeros(T, dtype=torch.int64, device=p.device), 3, cache, _no_experts)
+            self.step(torch.zeros(T, dtype=torch.int64, device=dev), 3, cache, _no_experts)
         self._cache, self._kv = None, []
 
 

@@ -126,6 +126,12 @@ class MoETransformer(nn.Module):
         if start + tokens.shape[0] > cache.max_len:
             raise IndexError(f"positions up to {start + tokens.shape[0]} exceed the KV cache ({cache.max_len})")
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype: the layers' (on CPU the input embedding may keep a 16-bit checkpoint's
+        table, so its parameter does not say it)."""
+        return self.lm_head.weight.dtype
+
     def logits(self, x: torch.Tensor, chunk: int = 32768) -> torch.Tensor:
         """x [T, H] -> fp32 logits [T, V]: the final norm and lm_head computed in fp32 whatever the
         compute dtype. bf16 logits keep 8 significant bits, so a 16-bit head turns near-ties into exact
