@@ -28,8 +28,12 @@ measured, so that a reader can tell noise from a loss:
     3-16% a generation; rounds then take seeds 0, 1, ... so the texts average out over rounds;
   - at full residency a round runs four times the prompts (its steps are short, so a round of
     2 x 24 tokens lasts less than the scheduler's noise);
+  - every engine of a cell builds on one load of the checkpoint (as `specter bench` does), so the
+    policies compute on the same weights at the same addresses. Loaded once each, two identical
+    resident engines measured 0.91-1.06x each other on a 2-core EPYC (which cache sets and pages the
+    weights fall on), more than the 3% a cell is judged by; on one load, 0.97-1.01x;
   - --twin adds a second on-demand engine, reported like the speculative policies (on-demand#2):
-    identical work, so its ratio is the noise floor of the cell (engines differ by memory layout);
+    identical work, so its ratio is the noise floor of the cell (its slot pool is its own);
   - a cell whose median is over 1.03 gets `repeat` more rounds and is judged on all of them pooled
     (not on the better of two runs).
 """
@@ -135,8 +139,11 @@ def cell(model, kind, residency, link, args, first_round: int = 0) -> dict:
     # a full-residency step takes ~1.5 ms on a CPU: four times the prompts, so that a round outlasts
     # the scheduler's noise on a shared machine
     prompts = prompts_for(kind, args.prompts * (4 if residency >= 1 else 1))
-    engines = {p: specter.load(model, policy=p.split("#")[0], residency=residency, link=link) if p != "resident"
-               else specter.load(model, policy=p) for p in policies}  # resident takes no budget or link
+    engines, shared = {}, None
+    for p in policies:  # one load that every engine builds on: the same weights at the same addresses
+        budget = {} if p == "resident" else dict(residency=residency, link=link)  # resident takes no budget
+        engines[p] = specter.load(model, policy=p.split("#")[0], shared=shared, **budget)
+        shared = engines[p].shared
     stats = {p: dict(h2d_bytes=0, tokens=0, k_histogram={}) for p in policies}
 
     def count(p: str, s: dict) -> None:

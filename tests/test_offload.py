@@ -478,7 +478,7 @@ def test_aliased_pool_decodes_like_the_copying_pool(tiny, emulated_link, monkeyp
     emulated_link(bandwidth=20e6, latency=1e-3)  # copies in flight across layers
     runs = []
     for alias in (False, True):
-        monkeypatch.setattr(builder, "alias_pool", lambda *a, alias=alias: alias)
+        monkeypatch.setattr(builder, "alias_pool", lambda *a, alias=alias, **k: alias)
         engine = specter.load(path, device="cpu", policy=policy, residency=0.25, draft_cache="off")
         mgr = getattr(engine.decoder, "experts", None) or engine.decoder.target
         assert mgr.alias is alias and mgr.pool[0].w13.is_meta is alias
@@ -498,6 +498,29 @@ def test_aliased_pool_decodes_like_the_copying_pool(tiny, emulated_link, monkeyp
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_residency_computes_on_the_residents_tensors(tiny, resident_tokens, dtype):
+    """A CPU budget that holds every expert aliases the store whenever it already has the compute
+    dtype: after warm-up nothing is copied, and compute reads the tensors the resident policy reads
+    (a pool copy of them runs up to 9% apart from resident, by where its pages fall). A bf16 store
+    keeps the fp32 pool: aliasing it would upcast every expert every step."""
+    path, _ = tiny("qwen3_moe") if dtype == torch.float32 else tiny("qwen3_moe", dtype=dtype)
+    for policy in ("on-demand", "specter"):
+        engine = specter.load(path, device="cpu", policy=policy, residency=1.0, draft_cache="off")
+        try:
+            mgr = engine.decoder.experts
+            assert mgr.all_resident and mgr.alias is (dtype == torch.float32)
+            if mgr.alias:
+                assert mgr.rows[0].w13 is mgr.store[0].w13 and mgr.pool[0].w13.is_meta
+                outs = [engine.generate(p, max_new_tokens=NEW) for p in PROMPTS]
+                assert [o.token_ids for o in outs] == resident_tokens("qwen3_moe", {})
+                assert sum(o.stats["h2d_bytes"] for o in outs) == 0
+            else:
+                assert mgr.pool[0].w13.dtype == torch.float32 and not mgr.pool[0].w13.is_meta
+        finally:
+            engine.close()
+
+
 @pytest.mark.parametrize("policy,driver", [(p, "sync") for p in POLICIES] + [("next-layer", "async")])
 @pytest.mark.parametrize("case", CASES[:2], ids=IDS[:2])
 @ALIAS
@@ -505,7 +528,7 @@ def test_engine_invariants_on_a_slow_link(tiny, resident_tokens, emulated_link, 
                                           alias):
     arch, kw = case
     path, ref = tiny(arch, **kw)
-    monkeypatch.setattr(builder, "alias_pool", lambda *a: alias)
+    monkeypatch.setattr(builder, "alias_pool", lambda *a, **k: alias)
     emulated_link(bandwidth=20e6, latency=1e-3)  # 24 KiB experts: ~2 ms a copy, in flight across layers
     engine = specter.load(path, device="cpu", policy=policy, residency=0.25, driver=driver)
     try:

@@ -142,11 +142,13 @@ class HostNeeds:
 def emulated_device_bytes(plan: MemoryPlan, spec: ModelSpec, store_dtype: torch.dtype, compute: torch.dtype) -> int:
     """On CPU the device is host memory: what the emulated device adds beside the expert store. The
     plan counts what a GPU would hold; the CPU keeps a narrower checkpoint's input embedding in its
-    own dtype (model.Embedding), and a big model's slot pool aliases the store (builder.alias_pool)."""
+    own dtype (model.Embedding), and a big model's slot pool aliases the store, as does one that
+    holds every expert of a checkpoint already in the compute dtype (builder.alias_pool)."""
     from ..builder import alias_pool
 
     embed = spec.vocab_size * spec.hidden * max(0, compute.itemsize - store_dtype.itemsize)
-    aliased = alias_pool(torch.device("cpu"), compute, plan.n_moe_layers * plan.slots_per_layer, spec.expert_numel())
+    aliased = alias_pool(torch.device("cpu"), compute, plan.n_moe_layers * plan.slots_per_layer, spec.expert_numel(),
+                         every_expert=plan.slots_per_layer >= plan.n_experts and store_dtype == compute)
     return plan.total_bytes - embed - (plan.slot_pool_bytes if aliased else 0)
 
 
