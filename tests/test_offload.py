@@ -332,6 +332,26 @@ def test_every_slot_loading_when_the_layer_runs(watch, alias):
         assert mgr.stats()["prefetch_used"] == 1
 
 
+@ALIAS
+def test_experts_only_rejected_drafts_needed_are_evicted_first(alias):
+    """After a verification whose rows from 2 on ran on rejected drafted tokens, demote_rejected(2) puts
+    the experts only those rows needed first in line: the next miss evicts them, not an expert the
+    committed rows used (even one used longer ago)."""
+    store = make_store(L=1)
+    with slow_link(bandwidth=1e9, latency=0.0) as link:
+        mgr = OffloadedExperts(store, 4, torch.device("cpu"), link, alias=alias)
+        x = torch.randn(3, 32)
+        w = torch.full((3, 2), 0.5)
+        mgr(0, x[:1], torch.tensor([[0, 1]]), w[:1])                     # 0, 1 resident
+        mgr(0, x, torch.tensor([[2, 3], [2, 3], [4, 5]]), w)             # rows 0-1 commit 2, 3; row 2 rejected
+        assert sorted(mgr.slots.residents(0)) == [2, 3, 4, 5]
+        mgr.demote_rejected(2)
+        mgr(0, x[:1], torch.tensor([[6, 7]]), w[:1])
+        assert sorted(mgr.slots.residents(0)) == [2, 3, 6, 7]            # 4, 5 went, not 2, 3
+        mgr.demote_rejected(3)                                           # nothing recorded since: no-op
+        mgr.slots.check()
+
+
 def test_link_cancel_withdraws_only_copies_not_started():
     """A queued copy is withdrawn (never written, resolves cancelled, pending() drops); the one the
     worker has started, and a landed one, cannot be."""

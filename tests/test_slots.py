@@ -167,6 +167,20 @@ def test_lfu_evicts_least_frequently_touched(device):
     assert cache.residents(0) == [0, 1, 4]
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_demote_puts_an_expert_first_in_line_for_eviction(device, policy):
+    cache = SlotCache(1, 8, 3, device=device, policy=policy)
+    fill(cache, 0, [0, 1, 2])
+    cache.touch(0, [0, 1, 2, 2])  # LRU order 0, 1, 2; LFU counts 0:1, 1:1, 2:2
+    cache.demote(0, [2, 7])  # 2 used most recently (most often, under LFU) -- demoted; 7 is absent: ignored
+    reserve_ready(cache, 0, 3)
+    assert cache.residents(0) == [0, 1, 3]
+    cache.touch(0, [3])
+    cache.demote(0, [1])
+    reserve_ready(cache, 0, 4)
+    assert cache.residents(0) == [0, 3, 4]
+
+
 def test_planner_rank_respected(device):
     for policy in ("lru", "lfu"):
         cache = SlotCache(2, 8, 4, device=device, policy=policy)

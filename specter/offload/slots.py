@@ -97,6 +97,17 @@ class SlotCache:
             if e in order:
                 order.move_to_end(e)
 
+    def demote(self, layer: int, experts: Iterable[int]) -> None:
+        """Take back a use of each resident expert: first in line for eviction under LRU (ahead of
+        every expert used since), one use fewer under LFU. For experts only rejected drafted tokens
+        needed: the text will not come back to them any sooner than to anything else."""
+        order, count = self._order[layer], self._count[layer]
+        for e in experts:
+            e = int(e)
+            count[e] = max(0, count[e] - 1)
+            if e in order:
+                order.move_to_end(e, last=False)
+
     def set_planner(self, rank: Callable[[int, int], float] | None) -> None:
         """When set, evict the evictable expert with the lowest rank(layer, expert); ties -> policy order."""
         self._planner = rank

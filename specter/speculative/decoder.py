@@ -154,6 +154,7 @@ class SpeculativeDecoder:
             else:
                 p = probs(logits, params, hist, drafted)
                 m, nxt = accept_sampling(drafted, torch.stack(q_rows) if q_rows else None, p, gen)
+        self.target.demote_rejected(m + 1)  # rows 0..m ran on committed tokens, the rest on rejected drafts
         t2 = time.perf_counter()
         after = self.target.stats()  # recall: share of verification's experts resident or in flight when it reached them
         stall = after["stall_s"] - before["stall_s"]
