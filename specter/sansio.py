@@ -104,7 +104,13 @@ class Call:
 
 
 def call(provider, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Generator:
-    """`y = yield from call(experts, layer, x, ids, weights)`: the routed experts inside a body."""
+    """`y = yield from call(experts, layer, x, ids, weights)`: the routed experts inside a body. A
+    provider that cannot wait now (resident weights, the draft, an offload manager holding every
+    expert: `may_wait` False or no `acall`) is called on the spot, in the body's own mode: an op
+    yielded up a decoder's chain of bodies and back costs tens of microseconds a layer on a slow CPU,
+    and buys nothing when there is nothing to wait for."""
+    if getattr(provider, "acall", None) is None or not getattr(provider, "may_wait", True):
+        return provider(layer, x, ids, weights)
     return (yield Call(provider, layer, x, ids, weights))
 
 

@@ -148,10 +148,14 @@ class OffloadedExperts:
         return self.slots.slot_of(layer, e) is not None
 
     # ------------------------------------------------------------------------------ compute
+    @property
+    def may_wait(self) -> bool:
+        """Whether a layer's call may wait on a copy (sansio.call yields it to the driver only then)."""
+        return not (self.all_resident and self.next_layer_router is None)
+
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if self.all_resident and self.next_layer_router is None:  # nothing to wait for: no body to drive
-            with torch.no_grad():  # (a ~1 ms step at full residency on a CPU: the driver's loop showed)
-                return self._all_resident(layer, x, ids, weights)
+        if not self.may_wait:  # nothing to wait for: no body to drive (a ~1 ms step at full residency
+            return self._all_resident(layer, x, ids, weights)  # on a CPU: the driver's loop showed)
         return drive(self.body(layer, x, ids, weights))
 
     async def acall(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

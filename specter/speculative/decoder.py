@@ -97,7 +97,10 @@ class SpeculativeDecoder:
         produced += 1
         while produced < max_new:
             k = self.governor.next_k(max_new - produced)
-            new = yield from self._cycle(t, n, k, cache, params, gen, hist)
+            if k == 0:  # one generator fewer between the step's ops and the driver
+                new = yield from self._plain_step(t, n, cache, params, gen, hist)
+            else:
+                new = yield from self._cycle(t, n, k, cache, params, gen, hist)
             hist.commit(new)
             n += len(new)
             t = new[-1]
@@ -116,9 +119,8 @@ class SpeculativeDecoder:
         return cache
 
     def _cycle(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen, hist: History):
-        """Body of one cycle -> the committed tokens (m accepted drafts + the target's own)."""
-        if k == 0:
-            return (yield from self._plain_step(t, n, cache, params, gen, hist))
+        """Body of one speculative cycle (K >= 1) -> the committed tokens (m accepted drafts + the
+        target's own); K = 0 is `_plain_step`."""
         st = self._stats
         st["k_histogram"][k] += 1
         st["cycles"] += 1
@@ -187,7 +189,10 @@ class SpeculativeDecoder:
         x = last[1] if last is not None and last[0] == t else torch.tensor([t], device=self.device)
         try:
             with span("verify"):
-                logits = yield from self._verify(x, n, cache)  # [1, V]
+                if self.verify_step is None:  # one generator fewer than through _verify
+                    logits = yield from self.model.body(x, n, cache, self.target)  # [1, V]
+                else:
+                    logits = yield from self._verify(x, n, cache)
         finally:
             self.target.next_layer_router = None
         if use_fallback and self.cancel_leftovers:  # only next-layer prefetches: misses are never withdrawn
