@@ -10,7 +10,8 @@ function of K, the copy stall as a function of K, and how many drafted tokens ar
 2. Never loses, and comes back: speculation made slower than plain decoding converges to K = 0
    within a bounded number of cycles and then costs at most a probe per `probe_max` cycles; when
    it pays again (the cache or the text changed), the governor is speculating again within a
-   bounded number of cycles -- both ways, because K = 0 keeps being re-measured.
+   bounded number of cycles -- both ways, because K = 0 keeps being re-measured; a stretch of text
+   that slows plain decoding does not switch to speculation on cycles measured on earlier text.
 2b. The burden of proof: with every expert resident (plain steps copy nothing) speculation at
    break-even or a few percent slower never costs over 2% under +-30% timing noise, and a batched
    verification that really pays is still taken; slightly slower speculation under heavy noise
@@ -235,6 +236,48 @@ def test_a_burst_of_load_does_not_flip_the_arms():
         k = gov.next_k(1000)
         gov.observe_cycle(k, 0, 0.0, 20 * SLOWER.plain, 0.0) if k == 0 else gov.observe_cycle(k, 0, 1e-2, 1e-2, 0.0)
     assert gov.arm == "plain" and gov.plain.rate() > 0.9 / SLOWER.plain
+
+
+def test_a_slower_stretch_of_text_does_not_switch_to_stale_speculation():
+    """The text moves on to a stretch where every plain step misses more (1.4x slower) and speculation
+    is slower still (2x): plain decoding's window drops below speculation's, whose cycles ran on
+    earlier text. That is not evidence: the governor switches only on a fresh speculative cycle
+    (a probe), and stays plain through the stretch, probes aside."""
+    gov = Governor(32)
+    drive(gov, SLOWER, 200, seed=7, copied=1)
+    assert gov.arm == "plain"
+    assert gov.spec.rate() > 0.75 / SLOWER.plain  # the premise: the stale window beats the slowed plain steps
+    hard = World(plain=1.4 * SLOWER.plain, draft=2 * SLOWER.draft, verify=lambda k: 2 * SLOWER.verify(k),
+                 stall=lambda k: 2 * SLOWER.stall(k), accepted=SLOWER.accepted)
+    d = drive(gov, hard, 120, seed=8, copied=1)
+    assert [k for k, probe, *_ in d if k and not probe] == [], d  # speculation only ever probed
+
+
+def run_plain_arms(arms, cost, steps: int, rng: random.Random) -> list[tuple[bool, bool]]:
+    """`steps` K = 0 steps as the decoder takes them: pick an arm, observe its (jittered) cost
+    -> (arm, was a probe) per step."""
+    out = []
+    for _ in range(steps):
+        arm = arms.pick()
+        out.append((arm, arms.probing))
+        arms.observe(arm, cost(arm) * rng.uniform(0.97, 1.03))
+    return out
+
+
+def test_plain_arms_switch_only_on_a_fresh_measure():
+    """K = 0's two arms (with and without next-layer prefetch, `_PlainArms`): next-layer is 5% slower
+    throughout. When the text turns slower for every step (+20%), the running arm's average follows
+    it while next-layer's still dates from its last probe; that stale value must not put next-layer
+    to work -- it runs only as probes, and still takes over where it really is faster."""
+    from specter.speculative.decoder import _PlainArms
+
+    arms, rng = _PlainArms(), random.Random(0)
+    run_plain_arms(arms, lambda nl: 10e-3 * (1.05 if nl else 1.0), 300, rng)
+    slow = run_plain_arms(arms, lambda nl: 12e-3 * (1.05 if nl else 1.0), 200, rng)
+    assert [p for nl, p in slow if nl] == [True] * sum(nl for nl, _ in slow)  # next-layer only ever probed
+    assert sum(nl for nl, _ in slow) <= 8
+    faster = run_plain_arms(arms, lambda nl: 12e-3 * (0.8 if nl else 1.0), 400, rng)
+    assert sum(nl and not p for nl, p in faster[-100:]) >= 90  # where it pays, it runs
 
 
 # full residency: no copies to hide, only the draft to pay for; a draft step costs half a plain step,

@@ -14,11 +14,16 @@ It works at two levels.
    that kept each cycle's worth as estimated when it ran would keep a lucky probe's optimism).
 
    The burden of proof is on speculation. Both arms are measured first; then, and whenever plain
-   decoding runs, speculation takes over only when
+   decoding runs, speculation takes over only right after one of its own cycles (a probe), when
+   that cycle's own rate and its window's both clear the bar:
 
        R_spec > R_plain (1 + margin)                                   while plain steps copy
        R_spec > max(R_plain, R_plain_3) (1 + margin + extra)            when they copy nothing
 
+   Only right after a probe: while plain decoding runs, the speculative window holds cycles of
+   earlier text, and a plain window that slowed with the text it decodes now (more misses) must not
+   be compared with them -- traced on a DeepSeek-V2 shape at 1/4 residency, such stale windows
+   switched spec-lru into 800 ms cycles worth less than the 110-150 ms plain steps they replaced.
    While plain steps copy, a step's time varies with its misses, which is the workload, not noise
    to discount: a larger bar there kept probes at a short K from ever growing into the long
    drafts that pay. When every plain step in the window copied nothing (all experts resident),
@@ -169,6 +174,7 @@ class Governor:
         self.plain_copied: deque = deque(maxlen=windows[0])  # did each of the latest plain steps copy anything
         self.cycles = 0
         self.arm: str | None = None          # the running arm: "spec" or "plain" (None: both still measured)
+        self._spec_fresh: float | None = None  # the rate of the latest cycle if it was speculative (a probe)
         self.probe = False                   # the last decision was a probe (of the other arm, or of a K)
         self._arm_probe = False              # ... of the other arm
         self._arm_probe_left = 0             # cycles still to run of the current arm probe
@@ -195,6 +201,7 @@ class Governor:
             self.pool_hits = 0.98 * self.pool_hits + hit
             self.pool_tries = 0.98 * self.pool_tries + 1.0
         self._worth.clear()
+        self._spec_fresh = self.window_tokens(k) / seconds if drafted > 0 and seconds > 0 else None
         if self._arm_probe and self._arm_probe_left == 0 and seconds > 0:
             self._follow_up(drafted, self.window_tokens(k) / seconds)
         (self.plain if drafted == 0 else self.spec).add(k, seconds)
@@ -389,8 +396,9 @@ class Governor:
             self.arm = "spec" if self.spec.rate() > self.plain.rate() * (1 + self.burden()) else "plain"
         running, other = (self.spec, self.plain) if self.arm == "spec" else (self.plain, self.spec)
         faster = other.rate() > running.rate() * (1 + self.margin)  # the burden is at least the margin
-        if faster and self.arm == "plain":  # the burden of proof
-            faster = other.rate() > self._plain_bar() * (1 + self.burden())
+        if faster and self.arm == "plain":  # the burden of proof, on evidence as fresh as the plain window's
+            bar = self._plain_bar() * (1 + self.burden())
+            faster = self._spec_fresh is not None and min(other.rate(), self._spec_fresh) > bar
         if faster:  # the landscape moved: look at the loser again soon
             self.arm = "plain" if self.arm == "spec" else "spec"
             self._arm_interval = self.probe_every
