@@ -388,7 +388,10 @@ class _PlainArms:
     keeps losing -- and never more often than keeps its excess under `budget` of the time: an arm
     measured 10x slower is tried once every ~900 steps, not every 8 (up to `probe_max`). Next-layer
     must measure faster by `margin` to be used: an arm a few percent slower that noise makes look
-    faster would cost its few percent for as long as it runs."""
+    faster would cost its few percent for as long as it runs. And the arms change places only right
+    after the one taking over was measured: the running arm's average follows the text step by step
+    while the other's dates from its last probe, so a stretch of slower steps made a stale next-layer
+    look faster and ran it, 5% slower, until its own average caught up (concentrated routing, 1/4)."""
 
     def __init__(self, probe_every: int = 8, probe_max: int = 1024, budget: float = 0.01, alpha: float = 0.25,
                  margin: float = 0.03):
@@ -397,6 +400,7 @@ class _PlainArms:
         self.margin = margin
         self.n, self.best, self.interval, self.next = 0, None, probe_every, probe_every
         self.probing = False  # the last pick measures an arm other than the best one
+        self.last: bool | None = None  # the arm observed last
 
     def pick(self) -> bool:
         self.n += 1
@@ -405,9 +409,10 @@ class _PlainArms:
             if self.t[arm] is None:
                 self.probing = arm  # without next-layer is the baseline, measured first
                 return arm
-        best = self.t[True] * (1 + self.margin) <= self.t[False]
-        if best != self.best:
-            self.best, self.interval, self.next = best, self.probe_every, self.n + self.probe_every
+        wins = self.t[True] * (1 + self.margin) <= self.t[False]  # next-layer measures faster by the margin
+        if wins != self.best and (self.best is None or self.last == wins):  # on a fresh measure of the taker
+            self.best, self.interval, self.next = wins, self.probe_every, self.n + self.probe_every
+        best = self.best
         if self.n < self.next:
             self.probing = False
             return best
@@ -415,6 +420,8 @@ class _PlainArms:
         self.interval = min(max(2 * self.interval, round(excess / self.budget)), self.probe_max)
         self.next = self.n + self.interval
         return not best
+
     def observe(self, arm: bool, step_s: float) -> None:
+        self.last = arm
         old = self.t[arm]
         self.t[arm] = step_s if old is None else (1 - self.alpha) * old + self.alpha * step_s
