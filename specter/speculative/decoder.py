@@ -390,8 +390,9 @@ class _PlainArms:
     must measure faster by `margin` to be used: an arm a few percent slower that noise makes look
     faster would cost its few percent for as long as it runs. And the arms change places only right
     after the one taking over was measured: the running arm's average follows the text step by step
-    while the other's dates from its last probe, so a stretch of slower steps made a stale next-layer
-    look faster and ran it, 5% slower, until its own average caught up (concentrated routing, 1/4)."""
+    while the other's dates from its last probe, so a stretch of slower steps would make a stale
+    next-layer look faster and run it until its own average caught up (the governor's arms had this
+    flaw, measured; here it is shown in simulation, tests/test_governor.py)."""
 
     def __init__(self, probe_every: int = 8, probe_max: int = 1024, budget: float = 0.01, alpha: float = 0.25,
                  margin: float = 0.03):
