@@ -70,9 +70,9 @@ def alias_pool(device: torch.device, compute: torch.dtype, slots: int, expert_nu
     same POOL_UPCAST_MIN_BYTES, the emulated device is host memory and a pool would be a second copy
     of experts the store already holds, so compute reads the store's rows and copies are only timed.
     Small models keep a real pool, so the slot and copy races stay exercised by real bytes -- except
-    when the budget holds `every_expert` (and the store already has the pool's dtype): nothing is
-    ever copied after warm-up then, and compute reads the very tensors the resident policy would
-    (a pool copy of them measured 0.9-1.06x resident, depending on where its pages fell)."""
+    when the budget holds `every_expert`: nothing is ever copied after warm-up then, and compute
+    reads the very tensors the resident policy reads (Loaded.resident_experts; a pool copy of them
+    measured 0.91-1.06x resident, by where its pages fell)."""
     return device.type == "cpu" and (every_expert or slots * expert_numel * compute.itemsize > POOL_UPCAST_MIN_BYTES)
 
 
@@ -98,6 +98,16 @@ class Loaded:
     tokenizer: object
     draft_cache: str | None = None   # None: $SPECTER_DRAFT_CACHE or the user cache; "off": none
     draft: DraftExperts | None = None
+    resident: list[ExpertWeights] | None = None  # every expert on the device in the compute dtype (resident_experts)
+
+    def resident_experts(self) -> list[ExpertWeights]:
+        """Every routed expert on the device in the compute dtype, made once and shared: the resident
+        policy's weights, the oracle's, and what a CPU budget holding every expert computes on when
+        the store is narrower (tensors of the store itself where no conversion or move is needed)."""
+        if self.resident is None:
+            self.resident = [ExpertWeights(e.w13.to(self.device, self.dtype), e.w2.to(self.device, self.dtype))
+                             for e in self.store]
+        return self.resident
 
 
 def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | None = None,
@@ -148,13 +158,17 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         shared = load_shared(path, device, dtype=dt, threads=threads, draft_cache=draft_cache)
     model, store = shared.model, shared.store
     if not offload:
-        experts = [ExpertWeights(e.w13.to(device, dt), e.w2.to(device, dt)) for e in store]
+        experts = shared.resident_experts()
         decoder = PlainDecoder(model, ResidentExperts(experts), device, dt)
     else:
         experts = store
-        alias = alias_pool(device, dt, spec.n_moe_layers * plan.slots_per_layer, spec.expert_numel(),
-                           every_expert=plan.slots_per_layer >= spec.n_experts and store[0].w13.dtype == pdt)
-        mgr = OffloadedExperts(store, plan.slots_per_layer, device, lk, eviction=eviction, dtype=pdt, alias=alias)
+        every = plan.slots_per_layer >= spec.n_experts
+        alias = alias_pool(device, dt, spec.n_moe_layers * plan.slots_per_layer, spec.expert_numel(), every_expert=every)
+        # holding every expert in a dtype the store lacks, compute reads the resident policy's copy
+        # (the bytes the pool would have taken); otherwise the store's own rows
+        rows = shared.resident_experts() if alias and every and pdt != store[0].w13.dtype else None
+        mgr = OffloadedExperts(store, plan.slots_per_layer, device, lk, eviction=eviction, dtype=pdt, alias=alias,
+                               rows=rows)
         mgr.warm()
         decoder = _decoder(policy, shared, mgr, k_max)
         if hasattr(decoder, "draft"):
@@ -224,7 +238,7 @@ def _decoder(policy, shared: Loaded, mgr, k_max):
         mgr.next_layer_router = NextLayerPrefetch(model, mgr)
         return PlainDecoder(model, mgr, device, dt)
     if policy == "oracle":
-        resident = ResidentExperts([ExpertWeights(e.w13.to(device, dt), e.w2.to(device, dt)) for e in shared.store])
+        resident = ResidentExperts(shared.resident_experts())
         return OracleDecoder(model, mgr, resident, device, dt)
     spec = model.spec
     lookahead = Lookahead(k_max, spec.n_moe_layers, spec.top_k, device)

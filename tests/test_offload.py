@@ -519,26 +519,28 @@ def test_aliased_pool_decodes_like_the_copying_pool(tiny, emulated_link, monkeyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_full_residency_computes_on_the_residents_tensors(tiny, resident_tokens, dtype):
-    """A CPU budget that holds every expert aliases the store whenever it already has the compute
-    dtype: after warm-up nothing is copied, and compute reads the tensors the resident policy reads
-    (a pool copy of them runs up to 9% apart from resident, by where its pages fall). A bf16 store
-    keeps the fp32 pool: aliasing it would upcast every expert every step."""
+def test_full_residency_computes_on_the_residents_tensors(tiny, dtype):
+    """A CPU budget that holds every expert aliases: after warm-up nothing is copied, and compute reads
+    the tensors the resident policy reads (a pool copy of them runs up to 9% apart from resident, by
+    where its pages fall) -- the store's own when it has the compute dtype, else the one fp32 copy
+    that resident builds (Loaded.resident_experts), made once for every engine on the load."""
     path, _ = tiny("qwen3_moe") if dtype == torch.float32 else tiny("qwen3_moe", dtype=dtype)
+    resident = specter.load(path, device="cpu", policy="resident", draft_cache="off")
+    want = [resident.generate(p, max_new_tokens=NEW).token_ids for p in PROMPTS]
+    copy = resident.shared.resident_experts()
+    assert (copy[0].w13 is resident.shared.store[0].w13) is (dtype == torch.float32)
     for policy in ("on-demand", "specter"):
-        engine = specter.load(path, device="cpu", policy=policy, residency=1.0, draft_cache="off")
+        engine = specter.load(path, device="cpu", policy=policy, residency=1.0, shared=resident.shared)
         try:
             mgr = engine.decoder.experts
-            assert mgr.all_resident and mgr.alias is (dtype == torch.float32)
-            if mgr.alias:
-                assert mgr.rows[0].w13 is mgr.store[0].w13 and mgr.pool[0].w13.is_meta
-                outs = [engine.generate(p, max_new_tokens=NEW) for p in PROMPTS]
-                assert [o.token_ids for o in outs] == resident_tokens("qwen3_moe", {})
-                assert sum(o.stats["h2d_bytes"] for o in outs) == 0
-            else:
-                assert mgr.pool[0].w13.dtype == torch.float32 and not mgr.pool[0].w13.is_meta
+            assert mgr.all_resident and mgr.alias and mgr.pool[0].w13.is_meta
+            assert all(r.w13 is c.w13 and r.w2 is c.w2 for r, c in zip(mgr.rows, copy))
+            outs = [engine.generate(p, max_new_tokens=NEW) for p in PROMPTS]
+            assert [o.token_ids for o in outs] == want
+            assert sum(o.stats["h2d_bytes"] for o in outs) == 0
         finally:
             engine.close()
+    resident.close()
 
 
 @pytest.mark.parametrize("policy,driver", [(p, "sync") for p in POLICIES] + [("next-layer", "async")])

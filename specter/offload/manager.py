@@ -42,9 +42,11 @@ from .slots import SlotCache
 
 class OffloadedExperts:
     def __init__(self, store: list[ExpertWeights], n_slots: int, device: torch.device, link: Link,
-                 eviction: str = "lru", dtype: torch.dtype | None = None, alias: bool = False):
+                 eviction: str = "lru", dtype: torch.dtype | None = None, alias: bool = False,
+                 rows: list[ExpertWeights] | None = None):
         """`dtype`: the compute dtype of the slot pool (default the store's); copies convert into it.
-        `alias`: the pool is the store itself (CPU only; see the module docstring)."""
+        `alias`: the pool is the store itself (CPU only; see the module docstring), or `rows`, a host
+        copy of it in the compute dtype (a budget that holds every expert: the resident policy's)."""
         if alias and device.type != "cpu":
             raise ValueError(f"an aliased slot pool reads the host store: CPU only, not {device}")
         self.store, self.link, self.device, self.alias = store, link, device, alias
@@ -54,7 +56,7 @@ class OffloadedExperts:
         self.pool = [ExpertWeights(torch.zeros((n_slots,) + w13.shape[1:], dtype=dtype, device=at),
                                    torch.zeros((n_slots,) + w2.shape[1:], dtype=dtype, device=at))
                      for _ in range(L)]
-        self.rows = store if alias else self.pool  # what compute reads through the remap
+        self.rows = (rows or store) if alias else self.pool  # what compute reads through the remap
         self.slots = SlotCache(L, E, n_slots, device=device, policy=eviction, alias=alias)
         self._late = torch.full((E,), -1, dtype=torch.int32, device=device)  # late experts' remap
         self.expert_bytes = store[0].expert_nbytes()
