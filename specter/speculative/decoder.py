@@ -189,10 +189,7 @@ class SpeculativeDecoder:
         x = last[1] if last is not None and last[0] == t else torch.tensor([t], device=self.device)
         try:
             with span("verify"):
-                if self.verify_step is None:  # one generator fewer than through _verify
-                    logits = yield from self.model.body(x, n, cache, self.target)  # [1, V]
-                else:
-                    logits = yield from self._verify(x, n, cache)
+                logits = yield from self._verify(x, n, cache)  # [1, V]
         finally:
             self.target.next_layer_router = None
         if use_fallback and self.cancel_leftovers:  # only next-layer prefetches: misses are never withdrawn
