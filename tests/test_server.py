@@ -6,9 +6,13 @@ import json
 import shutil
 import time
 
-import httpx
-import openai
 import pytest
+
+# the server's packages and the client's: optional where only the engine is installed (the GPU image)
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+for _name in ("fastapi", "sse_starlette", "uvicorn", "prometheus_client"):
+    pytest.importorskip(_name)
 
 import specter
 from specter.server import ServerThread, create_app
