@@ -52,6 +52,7 @@ class Transfer:
         self._event = None                     # CUDA only: recorded on the copy stream after the copies
         self._device = None
         self._waits = None                     # CUDA only: the link's (compute reached, copy done) pairs
+        self._cuda = None                      # CUDA only: the link's CudaApi (streams and events)
 
     def done(self) -> bool:
         if self._event is not None:
@@ -66,8 +67,8 @@ class Transfer:
         """Block until the bytes are in place; seconds spent waiting. CUDA: a stream wait, no host sync,
         so it returns 0 and the device-side stall is measured by events (`CudaLink.drain_stall_s`)."""
         if self._event is not None:
-            stream = torch.cuda.current_stream(self._device)
-            reached = torch.cuda.Event(enable_timing=True)
+            stream = self._cuda.current_stream(self._device)
+            reached = self._cuda.event(timing=True)
             reached.record(stream)  # compute got here; it stalls until the copy's event
             self._waits.append((reached, self._event))
             stream.wait_event(self._event)
@@ -344,6 +345,33 @@ def _copy_serial(d: torch.Tensor, s: torch.Tensor) -> None:
         d.copy_(s)
 
 
+class CudaApi:
+    """The CUDA calls CudaLink makes, in one place, so that tests can hand it a fake that logs the
+    ordering (which stream waits on what) on a machine without a GPU (tests/test_link.py)."""
+
+    def device_index(self) -> int:
+        return torch.cuda.current_device()
+
+    def device_name(self, device) -> str:
+        return torch.cuda.get_device_name(device)
+
+    def stream(self, device, priority: int = 0):
+        return torch.cuda.Stream(device, priority=priority)
+
+    def event(self, timing: bool = False, blocking: bool = False):
+        return torch.cuda.Event(enable_timing=timing, blocking=blocking)
+
+    def current_stream(self, device):
+        return torch.cuda.current_stream(device)
+
+    def use(self, stream):
+        """Context manager: `stream` is the current stream inside it."""
+        return torch.cuda.stream(stream)
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return t.is_pinned()
+
+
 class CudaLink(Link):
     """Copies on dedicated CUDA streams from pinned host memory; one event per transfer.
 
@@ -357,16 +385,18 @@ class CudaLink(Link):
     stream cannot be withdrawn, so every prefetch issued here lands (and is marked ready as usual).
     """
 
-    def __init__(self, device, bandwidth: float | None = None, latency: float = 10e-6, name: str = "cuda"):
+    def __init__(self, device, bandwidth: float | None = None, latency: float = 10e-6, name: str = "cuda",
+                 cuda: CudaApi | None = None):
+        self._cuda = cuda = cuda or CudaApi()
         self.device = torch.device(device)
-        if self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", cuda.device_index())
         if bandwidth is None:
-            profile = profile_for_gpu(torch.cuda.get_device_name(self.device))
+            profile = profile_for_gpu(cuda.device_name(self.device))
             bandwidth = load_profile(profile).pcie_bandwidth  # nominal; unknown GPU -> default profile
         super().__init__(name, bandwidth, latency)
-        self.stream = torch.cuda.Stream(self.device)
-        self.urgent_stream = torch.cuda.Stream(self.device, priority=-100)  # clamped to the highest priority
+        self.stream = cuda.stream(self.device)
+        self.urgent_stream = cuda.stream(self.device, priority=-100)  # clamped to the highest priority
         self._waits: collections.deque = collections.deque()  # (compute reached the wait, copy done) events
         self._stall_s = 0.0
         self._warned_unpinned = False
@@ -375,24 +405,24 @@ class CudaLink(Link):
         self._watcher.start()
 
     def read_event(self):
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
+        ev = self._cuda.event()
+        ev.record(self._cuda.current_stream(self.device))
         return ev
 
     def copy(self, dst, src, *, urgent: bool = False, tag=None, after="all") -> Transfer:
         dst, src = _check(dst, src)
         src = [self._pinned(s) for s in src]
         t = Transfer(dst, src, tag)
-        t._device, t._waits = self.device, self._waits
-        begin = torch.cuda.Event(enable_timing=True)
-        t._event = torch.cuda.Event(enable_timing=True, blocking=True)  # blocking: the watcher sleeps
+        t._device, t._waits, t._cuda = self.device, self._waits, self._cuda
+        begin = self._cuda.event(timing=True)
+        t._event = self._cuda.event(timing=True, blocking=True)  # blocking: the watcher sleeps
         if self._closed:
             raise RuntimeError(f"{self.name}: copy() on a closed link")
         if len(self._waits) > 256:  # keep the event backlog short between stats() calls
             self._collect_stalls()
         stream = self.urgent_stream if urgent else self.stream
-        compute = torch.cuda.current_stream(self.device)
-        with torch.no_grad(), torch.cuda.stream(stream):
+        compute = self._cuda.current_stream(self.device)
+        with torch.no_grad(), self._cuda.use(stream):
             if isinstance(after, str):  # "all": whatever compute has queued may still read dst
                 stream.wait_stream(compute)
             elif after is not None:
@@ -414,7 +444,7 @@ class CudaLink(Link):
         return t
 
     def _pinned(self, s: torch.Tensor) -> torch.Tensor:
-        if s.is_cuda or s.is_pinned():
+        if s.is_cuda or self._cuda.is_pinned(s):
             return s
         if not self._warned_unpinned:
             warnings.warn("CudaLink: source tensor is not pinned; pinning a copy (slow). "
