@@ -12,6 +12,12 @@ a step would not capture:
     device copies              _to_copy / copy_ between devices inside the graph
     CPU ops                    a node on another device than the graph's inputs (a CPU op in a CUDA graph)
 
+`static_inputs_backend(inputs)`: records every tensor input of each graph Dynamo hands the backend
+with its size and whether it is static. Under CUDA graphs (cudagraph trees) every input that is not
+static is copied into the graph's own buffer before each replay; a tensor reached through plain
+Python objects (not a module's parameter or buffer) is such an input unless marked with
+`torch._dynamo.mark_static_address`. `copied_inputs(inputs, limit)` lists those above `limit` bytes.
+
 `HostReads`: counts the host's reads of tensor values while it is active (item / int / float /
 bool / tolist / cpu, and device-to-host copies): on CUDA each one is a sync that drains the GPU
 queue. Reads of host mirrors through numpy (pinned memory, already landed) are not counted.
@@ -21,6 +27,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+from typing import NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -70,6 +77,35 @@ def capture_check_backend(found: list[str], graphs: list | None = None):
         return make_boxed_func(gm.forward)
 
     return aot_autograd(fw_compiler=fw)
+
+
+class GraphInput(NamedTuple):
+    graph: int          # which graph (the backend's call number)
+    name: str           # Dynamo's placeholder name (l_self_experts_layers_0_w13: where it came from)
+    nbytes: int         # at the example input's sizes
+    static: str | None  # "guarded" / "unguarded" (parameters, buffers, marked tensors); None: copied per replay
+
+
+def static_inputs_backend(inputs: list[GraphInput], inner=None):
+    """A torch.compile backend: append each graph's tensor inputs to `inputs` (see GraphInput), then
+    compile with `inner` (a backend; default: run the graph as traced)."""
+    graphs = itertools.count()
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        g = next(graphs)
+        nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for node, ex in zip(nodes, example_inputs):
+            if isinstance(ex, torch.Tensor):
+                static = node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")
+                inputs.append(GraphInput(g, node.name, ex.numel() * ex.element_size(), static))
+        return gm.forward if inner is None else inner(gm, example_inputs)
+
+    return backend
+
+
+def copied_inputs(inputs: list[GraphInput], limit: int) -> list[GraphInput]:
+    """The inputs a CUDA graph would copy before each replay (not static) of more than `limit` bytes."""
+    return [i for i in inputs if i.static is None and i.nbytes > limit]
 
 
 _copies = itertools.count(1)

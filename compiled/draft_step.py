@@ -122,7 +122,7 @@ class DraftStep:
         if compile:
             if mode is None and dev.type == "cuda":
                 mode = "reduce-overhead"
-            for t in (self.tokens, self.base, self.row, self.noise, self.q, lookahead.ids, lookahead.weights):
+            for t in self.static_inputs():
                 torch._dynamo.mark_static_address(t)
             kw = dict(fullgraph=True, mode=mode) if backend is None else \
                 dict(fullgraph=True, backend=backend)
@@ -132,6 +132,20 @@ class DraftStep:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
+
+    def static_inputs(self) -> list[torch.Tensor]:
+        """Every tensor the step reads through plain Python objects (module parameters and buffers are
+        static already): the step's buffers, the lookahead rows and the draft's experts, dense or the
+        packed tensors of Int4Experts. Marked static, a CUDA graph reads them where they are; any
+        other tensor input would be copied into the graph's own buffer before every replay (the whole
+        draft, every draft step). The KV cache is marked when a new one arrives (`step`)."""
+        la = self.lookahead
+        out = [self.tokens, self.base, self.row, self.noise, self.q, self.temperature, self.top_k, self.top_p,
+               self.min_p, la.ids, la.weights]
+        for ew in self.experts.layers:
+            for w in (ew.w13, ew.w2):
+                out.extend(w.tensors().values() if isinstance(w, Int4Experts) else (w,))
+        return out
 
     # --------------------------------------------------------------------- the traced steps
     def _step_greedy(self, cache: KVCache) -> None:

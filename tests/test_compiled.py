@@ -12,6 +12,8 @@ torch.compile(fullgraph=True), on CPU.
 3. Inductor (what compile=True runs): the step drafts what the eager draft drafts (tokens and
    lookahead rows), the verifier's logits are the eager forward's, and an engine on both is lossless.
 4. compile that is not a bool (or None: auto) is a clear error; auto leaves CPU engines eager.
+5. Graphs that copy nothing: every tensor the draft step (dense and packed INT4) and each verify
+   piece read above 1 MB is a static input (CUDA graphs copy the others before every replay).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 
 import specter
 from specter import builder
-from specter.compiled.capture import capture_check_backend
+from specter.compiled.capture import capture_check_backend, copied_inputs, static_inputs_backend
 from specter.compiled.draft_step import DraftStep
 from specter.compiled.verify_step import VerifyStep
 from specter.errors import ConfigError
@@ -222,3 +224,46 @@ def test_step_filters_as_sampling_probs(kw):
     got = filtered_probs(logits, t(p.temperature), t(p.top_k if p.top_k else V, torch.int64),
                          t(p.top_p if p.top_p < 1 else 2.0), t(p.min_p))
     torch.testing.assert_close(got, probs(logits, p), rtol=1e-5, atol=1e-6)
+
+
+MB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def wide_path(tmp_path_factory):
+    """Experts (dense and packed), embedding and lm_head above 1 MB each, so a copied one shows."""
+    from specter.testing import make_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("wide")
+    make_tiny_checkpoint(path, "qwen3_moe", eos_token_id=None, dtype=torch.bfloat16, hidden_size=256,
+                         moe_intermediate_size=512, num_experts=16, vocab_size=2048)
+    return path
+
+
+def test_captured_graphs_read_every_large_tensor_as_a_static_input(wide_path):
+    """The draft step, dense (CPU) and packed INT4 (CUDA's layout, through fused_moe's torch backend
+    here), and every verify piece: no tensor input over 1 MB that a CUDA graph would copy per replay."""
+    from specter.moe import ExpertWeights
+    from specter.speculative.draft import DraftExperts
+
+    eng = specter.load(wide_path, device="cpu", policy="specter", residency=0.5, draft_cache="off")
+    dec = eng.decoder
+    try:
+        packed = DraftExperts(eng.shared.store, dec.draft.lookahead, dec.device, dec.dtype, packed=True)
+        copied = {}
+        for name, layers in (("dense", dec.draft.layers),
+                             ("int4", [ExpertWeights(a, b) for a, b in zip(packed.q13, packed.q2)])):
+            inputs = []
+            step = DraftStep(dec.model, layers, dec.draft.lookahead, compile=True, backend=static_inputs_backend(inputs))
+            step.warmup()
+            big = [i for i in inputs if i.nbytes > MB]
+            assert any("experts" in i.name for i in big), (name, big)  # the weights are there, and large
+            copied[name] = [i.name for i in copied_inputs(inputs, MB)]
+        inputs = []
+        verify = VerifyStep(dec.model, 8, compile=True, backend=static_inputs_backend(inputs))
+        verify.warmup()
+        assert len({i.graph for i in inputs}) == 3 * 2 and any(i.nbytes > MB for i in inputs)
+        copied["verify"] = [i.name for i in copied_inputs(inputs, MB)]
+        assert copied == {"dense": [], "int4": [], "verify": []}, copied
+    finally:
+        eng.close()
