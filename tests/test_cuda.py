@@ -1,0 +1,227 @@
+"""CUDA only (skipped without a GPU): the paths CPU CI never runs, checked on the GPU machine.
+
+bench/device_check.sh (CHECKS=suite) runs this file with the CUDA tests of the other files, by the
+selection `-k cuda`: the compiled kernels (test_triton_ops.py), CudaLink (test_link.py), the stall
+timer (test_profiling.py) and the `[cuda]` cases of conftest's `device` fixture.
+
+1. fused_moe's Triton kernels at bf16, dense and INT4 experts, at the expert shapes of real models,
+   with and without the remap row: within bf16 rounding of an fp32 torch reference over the same
+   (dequantized) weights, and batch invariant bit for bit (a token's output is the same whatever
+   the batch's size T and wherever the token sits in it).
+2. One lossless greedy run per policy on a tiny bf16 checkpoint (eager steps): the tokens of plain
+   resident decoding, or parted from them only at a near-tie (tests/test_bf16.py's criterion).
+3. The asyncio driver against the blocking one, K fixed: the very same tokens.
+4. The captured draft step and verifier (compile=True, CUDA graphs): both ran compiled, no host
+   sync inside them (bench/graph_check.py's checks), and the tokens lossless as in 2.
+5. The pinned host store (bench/pinned_check.py): exact-size pinning and its fallback.
+The tests run in the file's order, 4 last.
+Only public entry points of the kernels are used (pack_int4, Int4Experts.dequantize, fused_moe).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+#          experts, hidden, moe intermediate, top-k
+SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8),
+          "deepseek-v2-lite": (64, 2048, 1408, 6),
+          "mixtral-8x7b": (8, 4096, 14336, 2)}
+T_MAX = 128
+BATCHES = (1, 2, 8, 33)
+
+
+# ------------------------------------------------------------------------------ 1. fused MoE kernels
+@pytest.fixture(scope="module", params=list(SHAPES))
+def layer(request):
+    """One MoE layer on the GPU: bf16 and packed INT4 experts, T_MAX routed tokens, and a remap row
+    over a pool of half the experts (the rest not resident: their rows are skipped)."""
+    from specter.triton_ops import pack_int4
+
+    E, H, I, k = SHAPES[request.param]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(E, 2 * I, H, device="cuda", generator=g).mul_(0.02).bfloat16()
+    w2 = torch.randn(E, H, I, device="cuda", generator=g).mul_(0.02).bfloat16()
+    x = torch.randn(T_MAX, H, device="cuda", generator=g).bfloat16()
+    ids = torch.rand(T_MAX, E, device="cuda", generator=g).topk(k, dim=1).indices
+    weights = torch.softmax(torch.randn(T_MAX, k, device="cuda", generator=g), -1).bfloat16()
+    R = max(E // 2, 1)
+    remap = torch.full((E,), -1, dtype=torch.int32, device="cuda")
+    remap[torch.randperm(E, device="cuda", generator=g)[:R]] = torch.randperm(R, device="cuda", generator=g).int()
+    p13, p2 = w13[:R].contiguous(), w2[:R].contiguous()  # the pool: R rows the remap points into
+    yield {"name": request.param, "x": x, "ids": ids, "weights": weights, "remap": remap,
+           ("dense", False): (w13, w2), ("int4", False): (pack_int4(w13), pack_int4(w2)),
+           ("dense", True): (p13, p2), ("int4", True): (pack_int4(p13), pack_int4(p2))}
+    torch.cuda.empty_cache()
+
+
+def _dense_fp32(w):
+    return (w.dequantize() if hasattr(w, "dequantize") else w).float()
+
+
+@pytest.mark.parametrize("remapped", [False, True], ids=["all-resident", "remap"])
+@pytest.mark.parametrize("kind", ["dense", "int4"])
+def test_fused_moe_cuda_bf16_is_within_rounding_of_the_fp32_reference(layer, kind, remapped):
+    from specter.triton_ops import fused_moe
+
+    w13, w2 = layer[kind, remapped]
+    remap = layer["remap"] if remapped else None
+    d13, d2 = _dense_fp32(w13), _dense_fp32(w2)
+    for T in BATCHES + (T_MAX,):
+        x, ids, w = layer["x"][:T], layer["ids"][:T], layer["weights"][:T]
+        got = fused_moe(x, ids, w, w13, w2, remap=remap)
+        assert got.dtype == torch.bfloat16 and got.shape == x.shape
+        ref = fused_moe(x.float(), ids, w.float(), d13, d2, remap=remap, backend="torch")
+        err = (got.float() - ref).abs()
+        scale = float(ref.abs().max())
+        rel = float(err.norm() / ref.norm().clamp_min(1e-12))
+        assert float(err.max()) <= 3e-2 * scale and rel <= 1e-2, \
+            f"{layer['name']} {kind} T={T}: max error {float(err.max()):.3g} (output max {scale:.3g}), relative {rel:.3g}"
+
+
+@pytest.mark.parametrize("remapped", [False, True], ids=["all-resident", "remap"])
+@pytest.mark.parametrize("kind", ["dense", "int4"])
+def test_fused_moe_cuda_is_batch_invariant_bit_for_bit(layer, kind, remapped):
+    """A token's output has the same bits whatever T, and wherever it sits in the batch."""
+    from specter.triton_ops import fused_moe
+
+    w13, w2 = layer[kind, remapped]
+    remap = layer["remap"] if remapped else None
+    x, ids, w = layer["x"], layer["ids"], layer["weights"]
+    full = fused_moe(x, ids, w, w13, w2, remap=remap)
+    for T in BATCHES:
+        part = fused_moe(x[:T], ids[:T], w[:T], w13, w2, remap=remap)
+        off = (part != full[:T]).any(-1).nonzero()[:, 0].tolist()
+        assert not off, f"{layer['name']} {kind}: tokens {off[:8]} of a batch of {T} differ from the batch of {T_MAX}"
+    perm = torch.randperm(T_MAX, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    shuffled = fused_moe(x[perm], ids[perm], w[perm], w13, w2, remap=remap)
+    off = (shuffled != full[perm]).any(-1).nonzero()[:, 0].tolist()
+    assert not off, f"{layer['name']} {kind}: {len(off)} tokens differ once the batch is shuffled"
+
+
+# ---------------------------------------------------------------- 2, 3. end to end on a tiny checkpoint
+PROMPTS = ([1, 5, 9, 33, 17], [2, 40, 41, 7, 100, 3, 3])
+NEW = 32
+POLICY_KW = {"resident": {}, "on-demand": {"residency": 0.5}, "next-layer": {"residency": 0.5},
+             "spec-lru": {"residency": 0.5, "k_max": 6}, "specter": {"residency": 0.5, "k_max": 6}}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny bf16 checkpoint (published ones are 16-bit: the CUDA default compute dtype follows)."""
+    from specter.testing import make_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("cuda-qwen3")
+    make_tiny_checkpoint(path, "qwen3_moe", dtype=torch.bfloat16, eos_token_id=None)
+    return path
+
+
+@pytest.fixture(scope="module")
+def shared(checkpoint):
+    from specter.bench import load_once
+
+    return load_once(checkpoint, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def plain(checkpoint, shared):
+    """Plain resident decoding on CUDA: the reference engine and its greedy tokens."""
+    import specter
+
+    engine = specter.load(checkpoint, device="cuda", policy="resident", shared=shared)
+    tokens = [engine.generate(p, max_new_tokens=NEW, temperature=0.0).token_ids for p in PROMPTS]
+    assert all(len(t) == NEW for t in tokens) and len({t for ts in tokens for t in ts}) > 8  # not degenerate
+    yield engine, tokens
+    engine.close()
+
+
+def _fix_k(engine, k: int = 3) -> bool:
+    """Speculative engines draft K tokens every cycle (the whole draft/verify/rollback path runs)."""
+    from specter.speculative.governor import Governor
+
+    gov = getattr(engine.decoder, "governor", None)
+    if gov is None:
+        return False
+    engine.decoder.governor = Governor(gov.k_max, fixed=k)
+    return True
+
+
+def _lossless(plain, engine, label: str) -> list:
+    """Greedy outputs of `engine`; each equals plain decoding's or parts from it only at a near-tie."""
+    from specter.testing import tie_gap
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_bf16 import TIE_NOISE
+
+    ref_engine, ref = plain
+    outs = [engine.generate(p, max_new_tokens=NEW, temperature=0.0) for p in PROMPTS]
+    for p, out, want in zip(PROMPTS, outs, ref):
+        i, gap, noise = tie_gap(ref_engine, p, want, out.token_ids)
+        assert i is None or abs(gap) <= TIE_NOISE * noise, \
+            f"{label}, prompt {p}: parts from resident at token {i} by {gap:.3g} (rounding noise {noise:.3g})"
+    return outs
+
+
+@pytest.mark.parametrize("policy", list(POLICY_KW))
+def test_each_policy_is_lossless_on_cuda(checkpoint, shared, plain, policy):
+    import specter
+
+    engine = specter.load(checkpoint, device="cuda", policy=policy, shared=shared, compile=False,
+                          **POLICY_KW[policy])
+    try:
+        speculative = _fix_k(engine)
+        outs = _lossless(plain, engine, f"{policy} (eager, {engine.decoder.__class__.__name__})")
+        if speculative:
+            assert sum(o.stats["drafted_tokens"] for o in outs) > 0
+    finally:
+        engine.close()
+
+
+def test_async_driver_gives_the_sync_drivers_tokens_on_cuda(checkpoint, shared, plain):
+    import specter
+
+    tokens = {}
+    for driver in ("sync", "async"):
+        engine = specter.load(checkpoint, device="cuda", policy="specter", shared=shared, compile=False,
+                              driver=driver, **POLICY_KW["specter"])
+        try:
+            assert _fix_k(engine)
+            tokens[driver] = [o.token_ids for o in _lossless(plain, engine, f"specter, driver {driver}")]
+        finally:
+            engine.close()
+    assert tokens["async"] == tokens["sync"]
+
+
+# -------------------------------------------------------------------------------- 5. pinned store
+def test_pinned_host_store_on_cuda(capsys):
+    sys.path.insert(0, str(BENCH))
+    import pinned_check
+
+    rc = pinned_check.main()
+    assert rc == 0, capsys.readouterr().out[-2000:]
+
+
+# ----------------------------------------------- 4. captured graphs (last: the compile takes longest)
+def test_captured_graphs_run_sync_free_and_lossless_on_cuda(checkpoint, shared, plain):
+    """compile=True on CUDA: the draft step and the verifier's pieces as CUDA graphs."""
+    import specter
+
+    sys.path.insert(0, str(BENCH))
+    from graph_check import sync_free_check, verify_sync_check
+
+    engine = specter.load(checkpoint, device="cuda", policy="specter", shared=shared, compile=True,
+                          **POLICY_KW["specter"])
+    try:
+        assert _fix_k(engine)
+        outs = _lossless(plain, engine, "specter, CUDA graphs")
+        assert set(outs[-1].stats["compiled"]) == {"draft", "verify"}, outs[-1].stats["compiled"]
+        sync_free_check(engine)     # raise under set_sync_debug_mode("error") on a host sync
+        verify_sync_check(engine)
+    finally:
+        engine.close()
