@@ -120,6 +120,15 @@ def test_every_test_file_collects_without_the_optional_packages(bare_env):
                      skipped.get("tests/test_server.py", "")), skipped
 
 
+def test_the_engine_imports_without_the_optional_packages(bare_env):
+    """generate and bench need neither the server's packages nor, until a draft is packed, quanto."""
+    code = ("import specter, specter.bench, specter.builder, specter.cli, specter.compiled, specter.triton_ops\n"
+            "from specter.cli import main\n"
+            "try:\n    main(['bench', '--help'])\nexcept SystemExit as e:\n    assert not e.code, e.code\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd="/", env=bare_env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 @needs_bash
 @needs_pip
 def test_dry_run_installs_the_carried_wheels_and_collects_each_step(bare_env, tmp_path):
