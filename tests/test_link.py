@@ -1,6 +1,7 @@
 """The copy engine: emulated timing, ordering, async use; link profiles and calibration."""
 
 import asyncio
+import contextlib
 import math
 import threading
 import time
@@ -11,7 +12,8 @@ import torch
 from specter.offload.calibrate import (LinkProfile, UnknownProfileError, available_profiles,
                                        emulated_link_params, load_profile, measure_expert_throughput,
                                        profile_for_gpu)
-from specter.offload.link import CudaLink, EmulatedLink, Link, Transfer, make_link
+from specter.moe import ExpertWeights
+from specter.offload.link import CudaApi, CudaLink, EmulatedLink, Link, Transfer, make_link
 
 PROFILES = ["A100-40GB-PCIe4", "RTX4090-PCIe4", "H100-PCIe5", "H200-PCIe5"]
 KiB = 1024
@@ -312,3 +314,125 @@ def test_cuda_urgent_copy_overtakes_the_prefetch_backlog_and_after_orders_a_copy
         t.wait()
         link.synchronize()
         assert float(reader.sum()) == 2.0 * (1 << 20) and float(slot.sum()) == 0.0
+
+
+# ---------------------------------------------------------------- CudaLink's ordering and staging, on fakes
+
+
+class FakeStream:
+    def __init__(self, cuda, name: str):
+        self.cuda, self.name = cuda, name
+
+    def wait_stream(self, other):
+        self.cuda.note("wait_stream", self.name, other.name)
+
+    def wait_event(self, event):
+        self.cuda.note("wait_event", self.name, event)
+
+    def synchronize(self):
+        pass
+
+
+class FakeEvent:
+    def __init__(self, cuda):
+        self.cuda, self.at = cuda, None  # at: the log position where it was recorded
+
+    def record(self, stream):
+        self.at = self.cuda.note("record", stream.name, self)
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        self.cuda.note("sync", threading.current_thread().name, self)
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+class FakeCuda(CudaApi):
+    """CudaApi on a CPU: streams and events that log what would be ordered after what; compute is
+    `launch(name)`, a note on the current stream. `pinned`: whether host tensors count as pinned."""
+
+    def __init__(self, pinned: bool):
+        self.log, self.pinned, self.pinned_allocs = [], pinned, 0
+        self.compute = FakeStream(self, "compute")
+        self._local = threading.local()
+        self._lock = threading.Lock()
+
+    def note(self, *entry) -> int:
+        with self._lock:
+            self.log.append(entry)
+            return len(self.log) - 1
+
+    def launch(self, name: str) -> int:
+        return self.note("launch", self.current_stream(None).name, name)
+
+    def device_index(self):
+        return 0
+
+    def device_name(self, device):
+        return "fake"
+
+    def stream(self, device, priority=0):
+        return FakeStream(self, "urgent" if priority else "copy")
+
+    def event(self, timing=False, blocking=False):
+        return FakeEvent(self)
+
+    def current_stream(self, device):
+        return getattr(self._local, "stream", self.compute)
+
+    @contextlib.contextmanager
+    def use(self, stream):
+        before, self._local.stream = self.current_stream(None), stream
+        try:
+            yield
+        finally:
+            self._local.stream = before
+
+    def is_pinned(self, t):
+        return self.pinned
+
+    def pinned_empty(self, nbytes):
+        self.pinned_allocs += 1
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def copy_waits(self, start: int = 0) -> list[tuple]:
+        """What the copy streams were ordered after, from log position `start` on."""
+        return [e for e in self.log[start:] if e[0] in ("wait_stream", "wait_event") and e[1] != "compute"]
+
+
+def fake_link(pinned: bool):
+    cuda = FakeCuda(pinned)
+    return CudaLink("cpu", bandwidth=1e9, cuda=cuda), cuda
+
+
+def test_unread_slot_copy_waits_for_no_queued_compute():
+    """A copy into a slot no compute has read waits for nothing queued on the compute stream (only
+    for the pool's allocation); once the slot is read, a copy into it waits for that reader alone."""
+    from specter.offload.manager import OffloadedExperts
+
+    g = torch.Generator().manual_seed(0)
+    store = [ExpertWeights(torch.randn(4, 8, 16, generator=g), torch.randn(4, 16, 4, generator=g)) for _ in range(2)]
+    link, cuda = fake_link(pinned=True)
+    with link:
+        mgr = OffloadedExperts(store, 2, torch.device("cpu"), link)
+        draft = cuda.launch("draft step")  # unrelated compute, queued after the pool was allocated
+        mark = len(cuda.log)
+        assert mgr.prefetch(0, [0, 1]) == 2 and mgr.prefetch(1, [3]) == 1  # three slots never read
+        waits = cuda.copy_waits(mark)
+        assert not [w for w in waits if w[0] == "wait_stream"], f"an unread slot's copy waited for all compute: {waits}"
+        assert all(w[2].at < draft for w in waits), f"an unread slot's copy waited for later compute: {waits}"
+        link.synchronize()
+        mgr.poll()
+
+        x, ids, w = torch.randn(1, 16, generator=g), torch.tensor([[0, 1]]), torch.tensor([[0.5, 0.5]])
+        mgr(0, x, ids, w)  # reads slots 0 and 1 of layer 0
+        reader = mgr.last_read[0][mgr.slots.slot_of(0, 0)]
+        assert reader is not None and reader.at > draft
+        cuda.launch("more compute")
+        mark = len(cuda.log)
+        assert mgr.prefetch(0, [2]) == 1  # evicts expert 0 or 1: its slot's last reader is that call
+        assert cuda.copy_waits(mark) == [("wait_event", "copy", reader)]
+        link.synchronize()

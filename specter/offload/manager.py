@@ -69,8 +69,10 @@ class OffloadedExperts:
         self.all_resident = False                       # set by warm() when the budget holds everything
         self._in_order = False                          # ... and compute reads expert e from row e
         # per slot, the event recorded after its last reader's compute was queued (CUDA; None on CPU,
-        # where compute is synchronous): a copy into the slot waits for that, not for all compute
-        self.last_read: list[list] = [[None] * n_slots for _ in range(L)]
+        # where compute is synchronous): a copy into the slot waits for that, not for all compute. A slot
+        # never read waits only for the pool's allocation (queued before this point), nothing later.
+        allocated = link.read_event()
+        self.last_read: list[list] = [[allocated] * n_slots for _ in range(L)]
         self._routed: dict[int, tuple[list[int], int]] = {}  # layer -> (the last verification's routing [T * k], k)
         self.reset_stats()
 
@@ -81,8 +83,8 @@ class OffloadedExperts:
         if slot is None:
             return False
         src, dst = self.store[layer], self.pool[layer]
-        last = self.last_read[layer][slot]  # CUDA: wait for the slot's last reader, not all compute
-        order = {} if last is None else {"after": last}
+        last = self.last_read[layer][slot]  # CUDA: the slot's last reader (or its allocation), not all compute
+        order = {} if last is None else {"after": last}  # None: CPU, where compute has finished
         with span("copy issue"):
             self.inflight[(layer, e)] = self.link.copy([dst.w13[slot], dst.w2[slot]], [src.w13[e], src.w2[e]],
                                                        urgent=urgent, tag=(layer, e), **order)
