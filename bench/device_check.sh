@@ -53,6 +53,16 @@ finish() {  # summary.json from whatever the steps left, and the short summary
   "$PY" "$REPO/bench/device_summary.py" summary "$OUT" "$SCRATCH/facts.json" "$STEPS"
 }
 
+stop() {  # stop CODE STEP MESSAGE...: a clear message, the step recorded in summary.json, exit CODE
+  local code=$1 name=$2
+  shift 2
+  echo "device check: STOPPED: $*" >&2
+  printf '%s	%s	%s	%s
+' "$name" "$code" 0 0 >> "$STEPS"
+  finish > /dev/null
+  exit "$code"
+}
+
 # step NAME LIMIT CMD...: run CMD from /tmp (so `import specter` is the installed package) with
 # LIMIT cut to the time left; stdout and stderr to $OUT/NAME.log (stdout to $OUT/NAME.json when
 # JSON=1). SIGINT at the limit lets pytest write its report; KILL 10 s later.
@@ -79,7 +89,7 @@ step() {
 
 # ---------------------------------------------------------------- the machine, and what it lacks
 "$PY" "$REPO/bench/device_summary.py" facts > "$SCRATCH/facts.json" 2> "$SCRATCH/facts.err" \
-  || echo '{}' > "$SCRATCH/facts.json"
+  || { echo '{}' > "$SCRATCH/facts.json"; tail -n 5 "$SCRATCH/facts.err"; }
 cat "$SCRATCH/facts.json"
 wheels=() missing=()
 for spec in $(sed -n 's/^# wheel: //p' "$REPO/bench/device_check.sh"); do
@@ -87,23 +97,18 @@ for spec in $(sed -n 's/^# wheel: //p' "$REPO/bench/device_check.sh"); do
   found=$(ls "$WHEELS_DIR/$name-$version"-*.whl 2>/dev/null | head -n 1)
   if [[ -n $found ]]; then wheels+=("$found"); else missing+=("$spec"); fi
 done
-if ((${#missing[@]})); then
-  echo "device check: STOPPED: carried wheel(s) missing from $WHEELS_DIR: ${missing[*]}." >&2
-  echo "  Here, in the repo root: bash bench/fetch_device_wheels.sh; then run with carry [\".whl\"]." >&2
-  printf '%s\t%s\t%s\t%s\n' wheels 3 0 0 >> "$STEPS"
-  finish > /dev/null
-  exit 3
-fi
+((${#missing[@]})) && stop 3 wheels "carried wheel(s) missing from $WHEELS_DIR: ${missing[*]}." \
+  "Here, in the repo root: bash bench/fetch_device_wheels.sh; then run with carry [\".whl\"]."
 install_specter=("$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir
                  --upgrade --target "$SITE" "$REPO")
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-  "${wheels[@]}" > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; echo "device check: STOPPED: wheels did not install" >&2; exit 4; }
+  "${wheels[@]}" > "$OUT/install.log" 2>&1 || { tail -n 30 "$OUT/install.log"; stop 4 install "the wheels did not install"; }
 if [[ $DRY_RUN == 1 ]]; then
   echo "dry run: wheels installed into $SITE: $(ls "$SITE" | tr '\n' ' ')"
   echo "dry run: would run: ${install_specter[*]}"
 else
   "${install_specter[@]}" >> "$OUT/install.log" 2>&1 \
-    || { tail -n 30 "$OUT/install.log"; echo "device check: STOPPED: specter did not install" >&2; exit 4; }
+    || { tail -n 30 "$OUT/install.log"; stop 4 install "specter did not install"; }
   rm -f "$OUT/install.log"  # $OUT brings back 8 files at most: keep the install's log for a failure
 fi
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
