@@ -20,7 +20,6 @@ Two drivers run it:
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from typing import AsyncIterator, Iterator
 
@@ -37,6 +36,7 @@ from .acceptance import accept_greedy, accept_on_device, accept_sampling
 from .draft import DraftExperts
 from .governor import Governor
 from .planner import PrefetchPlanner, copy_time, new_copies
+from .timing import CycleTimes, clock_for
 
 
 class SpeculativeDecoder:
@@ -55,6 +55,7 @@ class SpeculativeDecoder:
         self.draft_step = None                  # a sync-free draft step (specter.compiled.draft_step), if any
         self._last_plain = None                 # (token, its [1] tensor) from the last plain step
         self.verify_step = None                 # a piecewise-compiled verifier (specter.compiled.verify_step), if any
+        self.times = CycleTimes(clock_for(device))  # draft and verify times: CUDA events on CUDA, else wall clock
         self.reset_stats()
 
     @property
@@ -124,7 +125,7 @@ class SpeculativeDecoder:
         st = self._stats
         st["k_histogram"][k] += 1
         st["cycles"] += 1
-        t0 = time.perf_counter()
+        m0 = self.times.mark()
         sync_free = self.draft_step is not None and not params.penalized
         if sync_free:  # drafted tokens stay on the device until acceptance
             tokens, q = yield from self._draft_on_device(t, n, k, cache, params, gen)
@@ -139,7 +140,7 @@ class SpeculativeDecoder:
                 drafted, q_rows = drafted[:kv], q_rows[:kv]
             tokens = torch.tensor([t] + drafted, device=self.device)
         verified = tokens.shape[0] - 1  # drafted tokens verification takes (a shape: no sync)
-        t1 = time.perf_counter()
+        m1 = self.times.mark()
         before = self.target.stats()
         with span("verify"):
             logits = yield from self._verify(tokens, n, cache)  # [K+1, V]
@@ -157,20 +158,26 @@ class SpeculativeDecoder:
                 p = probs(logits, params, hist, drafted)
                 m, nxt = accept_sampling(drafted, torch.stack(q_rows) if q_rows else None, p, gen)
         self.target.demote_rejected(m + 1)  # rows 0..m ran on committed tokens, the rest on rejected drafts
-        t2 = time.perf_counter()
+        m2 = self.times.mark()
         after = self.target.stats()  # recall: share of verification's experts resident or in flight when it reached them
         stall = after["stall_s"] - before["stall_s"]
         hits = after["expert_hits"] - before["expert_hits"]
         st["recall_hits"] += hits
         st["recall_total"] += hits + after["expert_misses"] - before["expert_misses"]
-        st["draft_s"] += t1 - t0
-        st["verify_s"] += t2 - t1
         st["drafted_tokens"] += k
         st["truncated_tokens"] += k - verified
         st["accepted_tokens"] += m
         st["rejections"] += m < verified
-        self.governor.observe_cycle(k, m, t1 - t0, t2 - t1, stall, verified=verified)
+        self.times.submit((m0, m1, m2), lambda draft_s, verify_s: self._observe_cycle(
+            k, m, draft_s, verify_s, stall, verified))
         return drafted[:m] + [nxt]
+
+    def _observe_cycle(self, k: int, m: int, draft_s: float, verify_s: float, stall: float, verified: int) -> None:
+        """A speculative cycle's times, once readable (timing.py): into the stats and the governor."""
+        st = self._stats
+        st["draft_s"] += draft_s
+        st["verify_s"] += verify_s
+        self.governor.observe_cycle(k, m, draft_s, verify_s, stall, verified=verified)
 
     def _plain_step(self, t: int, n: int, cache: KVCache, params: SamplingParams, gen, hist: History):
         """Body: K = 0, one target step taken as PlainDecoder takes it (through the compiled verifier's
@@ -183,7 +190,7 @@ class SpeculativeDecoder:
         fallback = self.fallback is not None and not self.target.all_resident  # nothing to prefetch when all resident
         use_fallback = fallback and self.plain.pick()
         copied0 = self.target.copied_bytes
-        t1 = time.perf_counter()
+        m1 = self.times.mark()
         self.target.next_layer_router = self.fallback if use_fallback else None
         last = self._last_plain  # the token the previous plain step sampled, still a tensor: no new one
         x = last[1] if last is not None and last[0] == t else torch.tensor([t], device=self.device)
@@ -198,13 +205,21 @@ class SpeculativeDecoder:
             tok = sample(logits, params, gen, hist)  # [1]
             nxt = int(tok)
         self._last_plain = (nxt, tok)
-        t2 = time.perf_counter()
-        st["verify_s"] += t2 - t1
-        if not (fallback and self.plain.probing):  # as in _cycle: a probe is not what K = 0 costs
-            self.governor.observe_cycle(0, 0, 0.0, t2 - t1, 0.0, copied=max(0, self.target.copied_bytes - copied0))
-        if fallback:
-            self.plain.observe(use_fallback, t2 - t1)
+        m2 = self.times.mark()
+        observed = not (fallback and self.plain.probing)  # as in _cycle: a probe is not what K = 0 costs
+        copied = max(0, self.target.copied_bytes - copied0)
+        arm = use_fallback if fallback else None
+        self.times.submit((m1, m2), lambda verify_s: self._observe_plain(verify_s, observed, copied, arm))
         return [nxt]
+
+    def _observe_plain(self, verify_s: float, observed: bool, copied: int, arm: bool | None) -> None:
+        """A plain step's time, once readable (timing.py): into the stats, the governor (unless the
+        step probed a plain arm) and the plain arms (`arm`: the one it ran, None without arms)."""
+        self._stats["verify_s"] += verify_s
+        if observed:
+            self.governor.observe_cycle(0, 0, 0.0, verify_s, 0.0, copied=copied)
+        if arm is not None:
+            self.plain.observe(arm, verify_s)
 
     def _verify(self, tokens: torch.Tensor, n: int, cache: KVCache):
         """Body: the target over tokens [T] at positions n .. n+T-1 -> logits [T, V], through the
@@ -279,6 +294,7 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------------------ stats
     def reset_stats(self) -> None:
+        self.times.poll()  # what earlier cycles measured still reaches the governor, not the new stats
         self.target.reset_stats()
         if self.planner is not None:
             self.planner.reset_stats()
@@ -288,6 +304,7 @@ class SpeculativeDecoder:
         self._step_verified = 0  # verifications verify_step ran
 
     def stats(self) -> dict:
+        self.times.poll()  # cycles whose events completed since they were submitted
         s = {**self.target.stats(), **self._stats}
         if self.planner is not None:
             s["cover_hits"], s["cover_total"] = self.planner.cover_hits, self.planner.cover_total

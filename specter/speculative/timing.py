@@ -1,0 +1,97 @@
+"""How long a cycle's draft and verification took, without adding a host sync.
+
+On CUDA the host only launches work: the wall time around the draft's launches is launch time, and
+the draft's device time lands in whatever host wait comes next (verification's). So the cycle is
+timed on the compute stream instead, with CUDA events, and read only once they have completed:
+
+    cycle    mark m0 | draft launches | mark m1 | verify, accept | mark m2     (events on the stream)
+    submit   ((m0, m1, m2), deliver)        queued; nothing waits
+    poll     oldest first, while every mark of it has completed (event.query(), no sync):
+             deliver(m0 -> m1, m1 -> m2) in seconds (event.elapsed_time)
+
+A cycle's acceptance reads its result on the host, so its events have normally completed when it
+is submitted, and it is delivered at once; a cycle whose events are still pending is delivered by
+a later poll, in order. On CPU the marks are wall-clock readings (`WallClock`), ready at once.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+
+class WallClock:
+    """CPU: host wall-clock readings, in seconds; every mark is ready."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def ready(self, mark) -> bool:
+        return True
+
+    def seconds(self, a, b) -> float:
+        return b - a
+
+    def release(self, marks) -> None:
+        pass
+
+
+class EventClock:
+    """CUDA: events recorded on the current stream (`event()` makes one: torch.cuda.Event with timing,
+    or a stand-in in tests). Events are reused once their cycle is delivered."""
+
+    def __init__(self, event: Callable | None = None):
+        if event is None:
+            import torch
+
+            def event():
+                return torch.cuda.Event(enable_timing=True)
+        self.event, self.free = event, []
+
+    def mark(self):
+        e = self.free.pop() if self.free else self.event()
+        e.record()
+        return e
+
+    def ready(self, mark) -> bool:
+        return mark.query()
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3  # elapsed_time: milliseconds
+
+    def release(self, marks) -> None:
+        self.free.extend(marks)
+
+
+def clock_for(device) -> WallClock | EventClock:
+    import torch
+
+    return EventClock() if torch.device(device).type == "cuda" else WallClock()
+
+
+class CycleTimes:
+    """Cycles' spans handed to their `deliver(*seconds)` in order, once the clock can read them."""
+
+    def __init__(self, clock):
+        self.clock, self.pending = clock, deque()
+
+    def mark(self):
+        return self.clock.mark()
+
+    def submit(self, marks: tuple, deliver: Callable[..., None]) -> None:
+        """deliver(seconds between consecutive marks...), now or at a later poll."""
+        self.pending.append((marks, deliver))
+        self.poll()
+
+    def poll(self) -> int:
+        """Deliver every leading cycle whose marks have all completed; returns how many are left."""
+        clock = self.clock
+        while self.pending:
+            marks, deliver = self.pending[0]
+            if not all(clock.ready(m) for m in marks):
+                break
+            self.pending.popleft()
+            spans = [clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
+            clock.release(marks)
+            deliver(*spans)
+        return len(self.pending)
