@@ -107,6 +107,7 @@ class DraftStep:
         dev = lookahead.ids.device
         V = model.spec.vocab_size
         self.model, self.lookahead, self.compiled = model, lookahead, compile
+        self.graphs = False  # CUDA graphs (mode "reduce-overhead"): recorded per KV cache and thread
         self.tokens = torch.zeros(lookahead.k_max + 1, dtype=torch.int64, device=dev)
         self.base = torch.zeros((), dtype=torch.int64, device=dev)
         self.row = torch.zeros((), dtype=torch.int64, device=dev)
@@ -122,6 +123,7 @@ class DraftStep:
         if compile:
             if mode is None and dev.type == "cuda":
                 mode = "reduce-overhead"
+            self.graphs = backend is None and mode == "reduce-overhead"
             for t in self.static_inputs():
                 torch._dynamo.mark_static_address(t)
             kw = dict(fullgraph=True, mode=mode) if backend is None else \
@@ -194,13 +196,23 @@ class DraftStep:
         self.lookahead.publish(self._i)
         self._i += 1
 
-    def warmup(self, cache_len: int = 64) -> None:
+    def recordings(self) -> int:
+        """CUDA graphs the step records per KV cache and per thread: greedy and sampled."""
+        return 2
+
+    def warmup(self, cache_len: int = 64, cache: KVCache | None = None, repeat: int = 1) -> None:
         """Compile (or trace) both steps now, on a scratch cache, so the first generation's timings
-        (which the governor learns from) do not include it."""
+        (which the governor learns from) do not include it. With `cache` (the one generations will
+        use), each step runs `repeat` times on it: under CUDA graphs repeat=2 records both graphs
+        on this thread (a graph's first run is its warm-up). Rows written are scratch."""
         dev = self.tokens.device
-        cache = KVCache(self.model.spec, cache_len, dev, self.dtype)
-        self.begin(0, 3, SamplingParams())
-        self.step(cache)
-        self.begin(0, 3, SamplingParams(temperature=1.0))
-        self.step(cache, torch.Generator(device=dev).manual_seed(0))
+        n = 3 if cache is None else 0
+        if cache is None:
+            cache = KVCache(self.model.spec, cache_len, dev, self.dtype)
+        gen = torch.Generator(device=dev)
+        for _ in range(repeat):
+            self.begin(0, n, SamplingParams())
+            self.step(cache)
+            self.begin(0, n, SamplingParams(temperature=1.0))
+            self.step(cache, gen.manual_seed(0))
         self._cache = None

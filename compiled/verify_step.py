@@ -17,7 +17,7 @@ manager (its one small routing read, its waits for late copies) and the fused Mo
 One traced function per kind of piece serves every layer: a segment takes the layer's K/V buffers
 (`LayerKV`), not the cache object, so the layer index is never a constant of the graph. The width
 is dynamic after W = 1 (Dynamo's automatic dynamic shapes: two graphs per piece, W = 1 and W >= 2);
-on CUDA the buckets bound how many CUDA graphs are recorded (one per width and piece). KV is
+on CUDA the buckets bound how many CUDA graphs are recorded (see below). KV is
 written at base + i for all W rows, so the cache needs W - 1 rows of headroom past n + T (`headroom`);
 rows past n + T are scratch, as a rejected draft's are, and every query attends only positions up to
 its own, so padding never reaches a real row. Attention masks the whole static buffer by position
@@ -25,6 +25,13 @@ its own, so padding never reaches a real row. Attention masks the whole static b
 
 Outputs a later replay overwrites (CUDA graphs) are cloned before the next piece runs; on CPU
 nothing is replayed and nothing is cloned.
+
+CUDA graphs read every weight and K/V buffer where it is (parameters and marked buffers: static
+inputs, never copied), so a graph is recorded per static address set: one per layer (each has its
+own weights and K/V), per width bucket, per KV cache and per thread (cudagraph trees keep their
+graphs per thread). `recordings()` is that bound per cache and thread, len(buckets) x (layers + 2);
+`warmup(cache=...)` records them all on the calling thread before a generation times anything
+(the speculative decoder does it on each thread and cache it generates with).
 """
 from __future__ import annotations
 
@@ -111,6 +118,11 @@ class VerifyStep:
         return self.model.logits(x + mlp_out)                                      # [W, V] fp32
 
     # ------------------------------------------------------------------------------ host API
+    def recordings(self) -> int:
+        """CUDA graphs the pieces record per KV cache and per thread: every width bucket of enter and
+        head, and of each layer's segment (one per layer: its weights and K/V are its static inputs)."""
+        return len(self.buckets) * (len(self.model.model.layers) + 2)
+
     def width(self, T: int) -> int:
         for w in self.buckets:
             if w >= T:
@@ -168,14 +180,23 @@ class VerifyStep:
         mark()
         return self._out(self.head(x, mlp_out))[:T]                             # [T, V]
 
-    def warmup(self, cache_len: int = 64) -> None:
+    def warmup(self, cache_len: int = 64, cache: KVCache | None = None, repeat: int = 1) -> None:
         """Compile every piece now (widths 1 and 2: the second makes the width dynamic, so no later
         width recompiles), on a scratch cache with stand-in experts (zeros: the offload manager is
-        not touched), so the first generation's timings exclude it."""
+        not touched), so the first generation's timings exclude it.
+
+        With `cache` (the one generations will use), run every width bucket that fits it `repeat`
+        times on it instead: under CUDA graphs, the first run of a graph is its warm-up and the
+        second records it, so repeat=2 records all `recordings()` graphs, on this thread. Rows
+        written are scratch (past any committed length a generation reaches before writing them)."""
         dev = self.tokens.device
-        cache = KVCache(self.model.spec, max(cache_len, 3 + self.buckets[-1]), dev, self.model.dtype)
-        for T in (t for t in (1, 2, 3) if t <= self.buckets[-1]):
-            self.step(torch.zeros(T, dtype=torch.int64, device=dev), 3, cache, _no_experts)
+        if cache is None:
+            cache = KVCache(self.model.spec, max(cache_len, 3 + self.buckets[-1]), dev, self.model.dtype)
+            runs = [(T, 3) for T in (1, 2, 3) if T <= self.buckets[-1]]
+        else:
+            runs = [(W, 0) for W in self.buckets if W <= cache.max_len] * repeat
+        for T, n in runs:
+            self.step(torch.zeros(T, dtype=torch.int64, device=dev), n, cache, _no_experts)
         self._cache, self._kv = None, []
 
 

@@ -254,7 +254,8 @@ def test_captured_graphs_read_every_large_tensor_as_a_static_input(wide_path):
         for name, layers in (("dense", dec.draft.layers),
                              ("int4", [ExpertWeights(a, b) for a, b in zip(packed.q13, packed.q2)])):
             inputs = []
-            step = DraftStep(dec.model, layers, dec.draft.lookahead, compile=True, backend=static_inputs_backend(inputs))
+            step = DraftStep(dec.model, layers, dec.draft.lookahead, compile=True,
+                             backend=static_inputs_backend(inputs))
             step.warmup()
             big = [i for i in inputs if i.nbytes > MB]
             assert any("experts" in i.name for i in big), (name, big)  # the weights are there, and large
@@ -267,3 +268,69 @@ def test_captured_graphs_read_every_large_tensor_as_a_static_input(wide_path):
         assert copied == {"dense": [], "int4": [], "verify": []}, copied
     finally:
         eng.close()
+
+
+def test_graph_recordings_are_bounded_and_all_made_before_generating(tiny_path):
+    """Under CUDA graphs a graph is recorded per static address set (each layer's weights and K/V, the
+    cache) and per thread. Emulated on CPU: the steps run as they do with graphs (eagerly here), and
+    each piece's call is keyed by what would make cudagraph trees record (piece, width, K/V address).
+    The decoder records them all on each thread before its first generation there: the keys the
+    warm-up met are `recordings()` per step, and generations, on two threads, meet no other."""
+    import threading
+
+    ref = specter.load(tiny_path, device="cpu", policy="resident")
+    eng = specter.load(tiny_path, device="cpu", policy="specter", residency=0.5)
+    dec = eng.decoder
+    draft = DraftStep(dec.model, dec.draft.layers, dec.draft.lookahead)
+    verify = VerifyStep(dec.model, dec.governor.k_max)
+    warm, seen = set(), set()
+    phase = {"warm": False}
+
+    def keyed(fn, key):
+        def run(*args):
+            (warm if phase["warm"] else seen).add((threading.get_ident(), *key(*args)))
+            return fn(*args)
+        return run
+
+    def warming(fn):
+        def run(*args, **kw):
+            phase["warm"] = True
+            try:
+                return fn(*args, **kw)
+            finally:
+                phase["warm"] = False
+        return run
+
+    draft._greedy = keyed(draft._greedy, lambda cache: ("greedy", cache.k[0].data_ptr()))
+    draft._sampled = keyed(draft._sampled, lambda cache: ("sampled", cache.k[0].data_ptr()))
+    verify.enter = keyed(verify.enter, lambda tokens: ("enter", tokens.shape[0]))
+    verify.head = keyed(verify.head, lambda x, mlp_out: ("head", x.shape[0]))
+    verify.moe_in = keyed(verify.moe_in,
+                          lambda layer, x, mlp_out, cos, sin, kv: ("moe", x.shape[0], kv.k[0].data_ptr()))
+    for step in (draft, verify):
+        step.graphs, step.warmup = True, warming(step.warmup)
+    dec.draft_step, dec.verify_step = draft, verify
+    try:
+        def generate(out: list):
+            for prompt, n, k in ((PROMPT, 30, None), (PROMPT * 3, 40, 32), (PROMPT[:2], 20, 5)):
+                dec.governor.fixed = k
+                got = eng.generate(prompt, max_new_tokens=n, temperature=0.8 if k == 5 else 0.0, seed=2)
+                out.append((got.token_ids, ref.generate(prompt, max_new_tokens=n).token_ids if k != 5 else None,
+                            got.stats["cuda_graphs"]))
+        outs = []
+        generate(outs)
+        other = threading.Thread(target=generate, args=(outs,))
+        other.start()
+        other.join()
+        assert len(outs) == 6
+        for got, want, _ in outs:
+            assert want is None or got == want
+        assert seen and seen <= warm, seen - warm  # nothing recorded once generating
+        per_thread = draft.recordings() + verify.recordings()
+        assert len(warm) == 2 * per_thread  # two threads, one cache (it never grew)
+        graphs = outs[-1][2]
+        assert graphs["recordings"] == 2 * per_thread and graphs["threads"] == 2 and graphs["warmups"] == 2
+        assert graphs["recorded"] is None and graphs["bytes"] is None  # counted and measured on CUDA only
+    finally:
+        eng.close()
+        ref.close()

@@ -20,6 +20,7 @@ Two drivers run it:
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import Counter
 from typing import AsyncIterator, Iterator
 
@@ -56,6 +57,9 @@ class SpeculativeDecoder:
         self._last_plain = None                 # (token, its [1] tensor) from the last plain step
         self.verify_step = None                 # a piecewise-compiled verifier (specter.compiled.verify_step), if any
         self.times = CycleTimes(clock_for(device))  # draft and verify times: CUDA events on CUDA, else wall clock
+        self.graph_warmups: list[dict] = []     # CUDA graphs recorded before generating: per thread and KV cache
+        self._warm = threading.local()          # .caches: numbers of the caches whose graphs this thread recorded
+        self._caches = 0                        # KV caches made so far (numbers them)
         self.reset_stats()
 
     @property
@@ -87,6 +91,7 @@ class SpeculativeDecoder:
         # positions [0, len(prompt) + max_new - 1)
         headroom = self.verify_step.headroom if self.verify_step is not None else 0  # it pads to a width bucket
         cache = self._kv_cache(len(prompt) + max_new + headroom)
+        self._record_graphs(cache)
         gen = params.generator(self.device)
         hist = params.history(prompt, self.device)  # what penalties look at
         prompt_ids = torch.tensor(prompt, device=self.device)
@@ -116,8 +121,36 @@ class SpeculativeDecoder:
         cache = getattr(self, "_cache", None)
         if cache is None or cache.max_len < need:  # grow geometrically, within the model's context
             size = need if cache is None else max(need, min(2 * cache.max_len, self.model.spec.max_position))
+            if self._graph_steps():  # each new cache is a new set of recordings: start at a useful size
+                size = max(size, min(GRAPH_CACHE_MIN, self.model.spec.max_position))
             cache = self._cache = KVCache(self.model.spec, size, self.device, self.dtype)
+            self._caches += 1
         return cache
+
+    def _graph_steps(self) -> list:
+        return [s for s in (self.draft_step, self.verify_step) if s is not None and getattr(s, "graphs", False)]
+
+    def _record_graphs(self, cache: KVCache) -> None:
+        """Record every CUDA graph the compiled steps can replay on `cache`, on this thread, before the
+        generation times anything: cudagraph trees keep graphs per thread and record one per static
+        address set (recording one syncs the device), so a graph first met mid-generation would be
+        recorded inside a timed cycle, and one recorded on the loading thread is never replayed by a
+        server's engine thread. A bounded number: each step's `recordings()` per thread and cache
+        (the cache grows geometrically, from GRAPH_CACHE_MIN tokens). Nothing to do without graphs."""
+        steps = self._graph_steps()
+        warm = self._warm.__dict__.setdefault("caches", set())
+        if not steps or self._caches in warm:
+            return
+        before = (_graph_memory(self.device), _recorded_graphs(self.device))
+        for step in steps:
+            step.warmup(cache=cache, repeat=2)
+        after = (_graph_memory(self.device), _recorded_graphs(self.device))
+        warm.add(self._caches)
+        self.graph_warmups.append(dict(
+            thread=threading.current_thread().name, cache_len=cache.max_len,
+            recordings=sum(s.recordings() for s in steps),  # the bound
+            recorded=None if before[1] is None or after[1] is None else after[1] - before[1],  # counted (CUDA)
+            bytes=None if before[0] is None else after[0] - before[0]))
 
     def _cycle(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen, hist: History):
         """Body of one speculative cycle (K >= 1) -> the committed tokens (m accepted drafts + the
@@ -314,6 +347,7 @@ class SpeculativeDecoder:
         s.update(acceptance_stats(s["accepted_tokens"], s["drafted_tokens"], s["rejections"], spec_cycles))
         prefetched = self.planner is not None and s.get("prefetch_issued")  # spec-lru never prefetches
         s["prefetch_recall"] = s["recall_hits"] / s["recall_total"] if prefetched and s["recall_total"] else None
+        s["cuda_graphs"] = graph_summary(self.graph_warmups)
         s["compiled"] = [name for name, ran, step in (("draft", self._step_drafted, self.draft_step),
                                                       ("verify", self._step_verified, self.verify_step))
                          if ran and getattr(step, "compiled", False)]
@@ -334,6 +368,47 @@ def acceptance_stats(accepted: int, drafted: int, rejections: int, spec_cycles: 
     return dict(acceptance_rate=accepted / tried if tried else None,
                 draft_efficiency=accepted / drafted if drafted else None,
                 accepted_per_cycle=accepted / spec_cycles if spec_cycles else None)
+
+
+GRAPH_CACHE_MIN = 1024  # tokens: the smallest KV cache made while the steps run as CUDA graphs
+
+
+def _graph_memory(device) -> int | None:
+    """Device memory the caching allocator holds (CUDA graphs' pools included); None off CUDA."""
+    if torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.memory_reserved(device)
+
+
+def _recorded_graphs(device) -> int | None:
+    """CUDA graphs cudagraph trees hold for this thread (their nodes); None off CUDA or if unknown."""
+    if torch.device(device).type != "cuda":
+        return None
+    try:
+        from torch._inductor import cudagraph_trees
+
+        index = torch.device(device).index
+        mgr = cudagraph_trees.get_container(torch.cuda.current_device() if index is None else index).tree_manager
+        if mgr is None:
+            return 0
+        todo, n = [node for nodes in mgr.roots.values() for node in nodes], 0
+        while todo:
+            node = todo.pop()
+            n += 1
+            todo.extend(c for cs in node.children.values() for c in cs)
+        return n
+    except Exception:  # noqa: BLE001 -- a private structure: report unknown rather than fail a generation
+        return None
+
+
+def graph_summary(warmups: list[dict]) -> dict | None:
+    """What the CUDA graphs recorded before generating cost, over threads and caches: recordings (the
+    steps' bound), recorded (counted in cudagraph trees, CUDA), device bytes the allocator took."""
+    if not warmups:
+        return None
+    total = lambda key: None if any(w[key] is None for w in warmups) else sum(w[key] for w in warmups)  # noqa: E731
+    return dict(recordings=total("recordings"), recorded=total("recorded"), bytes=total("bytes"),
+                warmups=len(warmups), threads=len({w["thread"] for w in warmups}))
 
 
 class Plan:
