@@ -24,6 +24,9 @@ import torch
 from .errors import ConfigError
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as vLLM's _SAMPLING_EPS)
+
+
 def _number(v) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
@@ -72,7 +75,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Temperatures below GREEDY_BELOW are greedy: dividing logits by them overflows fp32."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def penalized(self) -> bool:
@@ -165,7 +169,8 @@ def probs(logits: torch.Tensor, p: SamplingParams, history: History | None = Non
     logits = penalize(logits, p, history, pending).float()
     if p.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / p.temperature
+    # an extreme penalty can overflow a logit; +inf would make softmax NaN, so it becomes the largest finite value
+    logits = torch.nan_to_num(logits / p.temperature, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
     if p.top_k and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -173,7 +178,9 @@ def probs(logits: torch.Tensor, p: SamplingParams, history: History | None = Non
     if p.top_p < 1.0:
         sorted_p, order = torch.sort(out, dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p           # mass of strictly more likely tokens
-        drop = torch.zeros_like(out, dtype=torch.bool).scatter(-1, order, before >= p.top_p)
+        drop_sorted = before >= p.top_p                    # a top_p below fp32's range compares as 0 ...
+        drop_sorted[..., 0] = False                        # ... so the likeliest token is always kept
+        drop = torch.zeros_like(out, dtype=torch.bool).scatter(-1, order, drop_sorted)
         out = out.masked_fill(drop, 0.0)
         out = out / out.sum(-1, keepdim=True)
     if p.min_p > 0:
