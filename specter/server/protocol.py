@@ -7,9 +7,24 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1   # what a 64-bit generator seed holds (torch's manual_seed range)
+
+
+def _unicode(text: str) -> str:
+    """JSON may carry a lone surrogate ("\\ud800"), which is no text: refuse it before a tokenizer meets it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
+                         f"{e.start}; send UTF-8 text (escape pairs \\ud83d\\ude00 are fine)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class APIError(Exception):
@@ -40,8 +55,8 @@ class _Sampling(_Strict):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)                          # extension (as vLLM): 0 = off
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)       # 64 bits, as OpenAI's
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1)
@@ -50,7 +65,7 @@ class _Sampling(_Strict):
     repetition_penalty: float | None = Field(None, gt=0)          # extension (as vLLM)
     min_p: float | None = Field(None, ge=0, le=1)                 # extension (as vLLM)
     logit_bias: dict[str, float] | None = None
-    user: str | None = None                                       # identifies the caller; not used
+    user: Text | None = None                                       # identifies the caller; not used
 
     @field_validator("stop")
     @classmethod
@@ -68,10 +83,16 @@ class _Sampling(_Strict):
             out.append(("logit_bias", "logit_bias is not supported"))
         return out
 
+    def invalid(self) -> list[tuple[str, str]]:
+        """(field, why) for fields that contradict each other."""
+        if self.stream_options is not None and not self.stream:
+            return [("stream_options", "stream_options is only allowed when stream is true")]
+        return []
+
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    suffix: str | None = None
+    prompt: Text | list[int] | list[Text] | list[list[int]]
+    suffix: Text | None = None
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -82,7 +103,7 @@ class CompletionRequest(_Sampling):
             out.append(("suffix", "suffix (insertion) is not supported"))
         if self.echo:
             out.append(("echo", "echo is not supported"))
-        if self.logprobs:
+        if self.logprobs is not None:  # 0 too: it asks for the chosen tokens' logprobs
             out.append(("logprobs", "logprobs are not supported"))
         if self.best_of not in (None, 1):
             out.append(("best_of", "best_of > 1 is not supported"))
@@ -100,13 +121,13 @@ class CompletionRequest(_Sampling):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     def as_template_dict(self) -> dict:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
