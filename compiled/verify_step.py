@@ -149,9 +149,10 @@ class VerifyStep:
         return sansio.drive(self.body(tokens, n, cache, experts))
 
     @torch.no_grad()
-    def body(self, tokens: torch.Tensor, n: int, cache: KVCache, experts: ExpertProvider):
+    def body(self, tokens: torch.Tensor, n: int, cache: KVCache, experts: ExpertProvider, only=None):
         """`step` as a body (specter/sansio.py): each MoE layer's routing read and copy waits are
-        yielded, so an asyncio driver awaits exactly the copies each layer needs."""
+        yielded, so an asyncio driver awaits exactly the copies each layer needs. `only`: run just
+        these layers (indices; the compile warm-up under CUDA graphs)."""
         T = tokens.shape[0]
         W = self.width(T)
         if n + W > cache.max_len:
@@ -165,7 +166,10 @@ class VerifyStep:
         x, cos, sin = map(self._out, self.enter(self.tokens[:W]))
         mlp_out = self.zeros[:W]
         model = self.model.model
-        for layer, name, lkv in zip(model.layers, model.span_names, kv):
+        layers = zip(model.layers, model.span_names, kv)
+        if only is not None:
+            layers = [entry for i, entry in enumerate(layers) if i in only]
+        for layer, name, lkv in layers:
             with span(name):
                 mark()
                 if not layer.is_moe:
@@ -183,20 +187,26 @@ class VerifyStep:
     def warmup(self, cache_len: int = 64, cache: KVCache | None = None, repeat: int = 1) -> None:
         """Compile every piece now (widths 1 and 2: the second makes the width dynamic, so no later
         width recompiles), on a scratch cache with stand-in experts (zeros: the offload manager is
-        not touched), so the first generation's timings exclude it.
+        not touched), so the first generation's timings exclude it. Under CUDA graphs only the
+        first layer of each kind runs: a graph's first run is its warm-up and a second one records
+        it, and graphs recorded on the scratch cache would never replay.
 
         With `cache` (the one generations will use), run every width bucket that fits it `repeat`
         times on it instead: under CUDA graphs, the first run of a graph is its warm-up and the
         second records it, so repeat=2 records all `recordings()` graphs, on this thread. Rows
         written are scratch (past any committed length a generation reaches before writing them)."""
         dev = self.tokens.device
+        only = None
         if cache is None:
             cache = KVCache(self.model.spec, max(cache_len, 3 + self.buckets[-1]), dev, self.model.dtype)
             runs = [(T, 3) for T in (1, 2, 3) if T <= self.buckets[-1]]
+            if self.graphs:  # compiling needs one layer of each kind; none is recorded
+                kinds = {layer.is_moe: i for i, layer in reversed(list(enumerate(self.model.model.layers)))}
+                only = set(kinds.values())
         else:
             runs = [(W, 0) for W in self.buckets if W <= cache.max_len] * repeat
         for T, n in runs:
-            self.step(torch.zeros(T, dtype=torch.int64, device=dev), n, cache, _no_experts)
+            sansio.drive(self.body(torch.zeros(T, dtype=torch.int64, device=dev), n, cache, _no_experts, only))
         self._cache, self._kv = None, []
 
 

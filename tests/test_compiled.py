@@ -283,12 +283,13 @@ def test_graph_recordings_are_bounded_and_all_made_before_generating(tiny_path):
     dec = eng.decoder
     draft = DraftStep(dec.model, dec.draft.layers, dec.draft.lookahead)
     verify = VerifyStep(dec.model, dec.governor.k_max)
-    warm, seen = set(), set()
+    warm, seen, calls = set(), set(), []
     phase = {"warm": False}
 
     def keyed(fn, key):
         def run(*args):
-            (warm if phase["warm"] else seen).add((threading.get_ident(), *key(*args)))
+            calls.append(k := (threading.get_ident(), *key(*args)))
+            (warm if phase["warm"] else seen).add(k)
             return fn(*args)
         return run
 
@@ -308,7 +309,14 @@ def test_graph_recordings_are_bounded_and_all_made_before_generating(tiny_path):
     verify.moe_in = keyed(verify.moe_in,
                           lambda layer, x, mlp_out, cos, sin, kv: ("moe", x.shape[0], kv.k[0].data_ptr()))
     for step in (draft, verify):
-        step.graphs, step.warmup = True, warming(step.warmup)
+        step.graphs = True
+    draft.warmup()  # the load's compile warm-up, on a scratch cache: it must record nothing, so runs
+    verify.warmup()  # each graph (piece and width) once at most -- its cudagraph warm-up run
+    scratch = [key[1:3] for key in calls]
+    assert len(scratch) == len(set(scratch)) == 2 + 3 * 3, scratch  # greedy, sampled; 3 pieces x widths 1, 2, 4
+    seen.clear()
+    for step in (draft, verify):
+        step.warmup = warming(step.warmup)
     dec.draft_step, dec.verify_step = draft, verify
     try:
         def generate(out: list):
