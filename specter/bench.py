@@ -84,6 +84,7 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
                     for k in SUM_KEYS:
                         if k in s:
                             a[k] = a.get(k, 0) + s[k]
+                    a["cuda_graphs"] = s.get("cuda_graphs")  # recorded so far (the engine's own count)
                     for k, v in s.items():
                         if k == "k_histogram":
                             h = a.setdefault(k, {})
@@ -100,6 +101,8 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
             r.update({k: a[k] for k in SUM_KEYS if k in a})
             if "k_histogram" in a:
                 r["k_histogram"] = a["k_histogram"]
+            if a.get("cuda_graphs") is not None:  # recordings, their count and device bytes (CUDA graphs)
+                r["cuda_graphs"] = a["cuda_graphs"]
             hm = r.get("expert_hits", 0) + r.get("expert_misses", 0)
             if hm:
                 r["hit_rate"] = r.get("expert_hits", 0) / hm
