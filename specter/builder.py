@@ -19,6 +19,7 @@ from .moe import ExpertWeights, ResidentExperts
 from .offload.link import make_link
 from .offload.manager import OffloadedExperts
 from .offload.plan import make_plan
+from .offload.store import pin_wanted
 from .offload.oracle import OracleDecoder
 from .offload.policies import NextLayerPrefetch
 from .speculative.decoder import SpeculativeDecoder
@@ -115,7 +116,7 @@ def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | 
     ckpt = open_checkpoint(path)
     dt = compute_dtype(device, ckpt.dtype, dtype)
     configure_threads(device, threads)
-    model, store, _ = load_checkpoint(path, device, dt, pin_experts=device.type == "cuda")
+    model, store, _ = load_checkpoint(path, device, dt, pin_experts=device.type == "cuda" and pin_wanted())
     return Loaded(Path(path), ckpt, device, dt, model, store, load_tokenizer(path), draft_cache)
 
 

@@ -14,6 +14,7 @@ from specter.offload.calibrate import (LinkProfile, UnknownProfileError, availab
                                        profile_for_gpu)
 from specter.moe import ExpertWeights
 from specter.offload.link import CudaApi, CudaLink, EmulatedLink, Link, Transfer, make_link
+from specter.sizes import format_size
 
 PROFILES = ["A100-40GB-PCIe4", "RTX4090-PCIe4", "H100-PCIe5", "H200-PCIe5"]
 KiB = 1024
@@ -436,3 +437,126 @@ def test_unread_slot_copy_waits_for_no_queued_compute():
         assert mgr.prefetch(0, [2]) == 1  # evicts expert 0 or 1: its slot's last reader is that call
         assert cuda.copy_waits(mark) == [("wait_event", "copy", reader)]
         link.synchronize()
+
+
+def test_staged_copies_take_two_pinned_buffers_in_turn_and_never_pin_a_copy(monkeypatch):
+    """Unpinned sources go through two pinned staging buffers, allocated once: copy k fills buffer
+    k % 2 after the host waited (on the link's stager thread) for copy k - 2's event, never for
+    copy k - 1's; no source is pinned per copy."""
+    pins = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **kw: pins.append(self.nbytes) or self)
+    link, cuda = fake_link(pinned=False)
+    srcs = [[torch.randn(8, 16).bfloat16(), torch.randn(16, 4).bfloat16()] for _ in range(6)]
+    dsts = [[torch.zeros(8, 16), torch.zeros(16, 4)] for _ in range(6)]  # fp32: the converting path
+    with link, pytest.warns(UserWarning, match="not pinned"):
+        ts = [link.copy(d, s, tag=k, urgent=k == 3) for k, (d, s) in enumerate(zip(dsts, srcs))]
+        for t in ts:
+            t.wait()
+        link.synchronize()
+    assert pins == [], "a source was pinned per copy"
+    assert cuda.pinned_allocs == 2 and link.h2d_path.startswith("staging buffers (2 x ")
+    assert all(torch.equal(d, s.float()) for dd, ss in zip(dsts, srcs) for d, s in zip(dd, ss))
+    staged = [e for e in cuda.log if e[0] == "sync" and e[1].startswith("specter-stager")]
+    recorded = {id(e[2]): i for i, e in enumerate(cuda.log) if e[0] == "record"}
+    synced = {id(e[2]): cuda.log.index(e) for e in staged}
+    order = [t.tag for t in sorted(ts, key=lambda t: recorded[id(t._event)])]  # the urgent copy may go first
+    for n, k in enumerate(order):
+        if n >= 2:
+            older = ts[order[n - 2]]._event
+            assert synced.get(id(older), len(cuda.log)) < recorded[id(ts[k]._event)], \
+                f"copy {k} reused a buffer before copy {order[n - 2]} had read it"
+        if n >= 1:
+            assert id(ts[order[n - 1]]._event) not in synced or synced[id(ts[order[n - 1]]._event)] > \
+                recorded[id(ts[k]._event)], f"copy {k} waited for the copy just before it: one buffer, not two"
+
+
+def test_staging_buffer_is_overwritten_only_after_its_last_copy_completed():
+    """StagingBuffers alone: buffers 0, 1, 0, ... in turn; before a buffer is filled again the host
+    waits for the event of the copy that last read it, and that buffer still holds that copy's bytes."""
+    from specter.offload.staging import StagingBuffers, staged_nbytes
+
+    srcs = [[torch.full((5, 3), float(k)), torch.full((7,), float(k), dtype=torch.bfloat16)] for k in range(5)]
+    staging = StagingBuffers(staged_nbytes(srcs[0]), alloc=lambda n: torch.zeros(n, dtype=torch.uint8))
+    synced = []
+
+    class Event:  # checks at its host wait that the buffer is still what its copy read
+        def __init__(self, i, k):
+            self.i, self.k = i, k
+
+        def synchronize(self):
+            held = staging.buffers[self.i][:60].view(torch.float32)
+            assert torch.equal(held, srcs[self.k][0].reshape(-1)), "the buffer was overwritten before the wait"
+            synced.append(self.k)
+
+    turns = []
+    for k, src in enumerate(srcs):
+        i, views = staging.stage(src)
+        assert all(torch.equal(v, s) for v, s in zip(views, src))
+        assert all(v.untyped_storage().data_ptr() == staging.buffers[i].untyped_storage().data_ptr() for v in views)
+        assert synced == list(range(k - 1)), synced  # waited for copy k - 2, never for k - 1
+        turns.append(i)
+        staging.release(i, Event(i, k))
+    assert turns == [0, 1, 0, 1, 0]
+    staging.drain()
+    assert sorted(synced) == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="do not fit"):
+        staging.stage([torch.zeros(1000)])
+
+
+def _store(E: int, H: int, I: int, pinned: bool):
+    """(w13 [E, 2I, H], w2 [E, H, I]) bf16 views of one host arena, pinned in place or pageable."""
+    from specter.offload.store import page_aligned, pin_in_place
+
+    arena = page_aligned(E * 3 * H * I, torch.bfloat16)
+    arena.copy_(torch.randn(arena.numel(), generator=torch.Generator().manual_seed(E)))
+    if pinned:
+        assert pin_in_place(arena)
+    return arena[:E * 2 * I * H].view(E, 2 * I, H), arena[E * 2 * I * H:].view(E, H, I)
+
+
+@cuda
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned-store", "staging"])
+def test_cuda_copies_land_bit_exact(pinned, monkeypatch):
+    """Every expert of a store crosses bit for bit into bf16 and fp32 slots, many copies in flight at
+    once (the staging path rotates its two buffers under load), urgent ones among them; no source is
+    pinned per copy."""
+    from specter.offload.staging import staged_nbytes
+
+    pins = []
+    real_pin = torch.Tensor.pin_memory
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **kw: pins.append(self.nbytes) or real_pin(self))
+    E, H, I = 12, 512, 384
+    w13, w2 = _store(E, H, I, pinned)
+    with CudaLink("cuda") as link:
+        link.prepare([w13, w2], staged_nbytes([w13[0], w2[0]]))
+        assert link.h2d_path == ("pinned store" if pinned else f"staging buffers (2 x {format_size(staged_nbytes([w13[0], w2[0]]))})")
+        for dtype in (torch.bfloat16, torch.float32):
+            d13 = torch.zeros(E, 2 * I, H, dtype=dtype, device="cuda")
+            d2 = torch.zeros(E, H, I, dtype=dtype, device="cuda")
+            ts = [link.copy([d13[e], d2[e]], [w13[e], w2[e]], urgent=e % 5 == 2, tag=e) for e in range(E)]
+            for t in ts:
+                t.wait()
+            assert torch.equal(d13.cpu(), w13.to(dtype)) and torch.equal(d2.cpu(), w2.to(dtype))
+        link.synchronize()
+        assert link.pending() == 0 and link.stats["transfers"] == 2 * E
+    assert pins == []
+
+
+@cuda
+def test_cuda_unread_slot_copy_does_not_wait_for_queued_compute():
+    """A copy into a slot nothing has read lands while a long kernel queued before it still runs on
+    the compute stream (it used to wait for all queued compute)."""
+    from specter.offload.manager import OffloadedExperts
+
+    w13, w2 = _store(4, 256, 128, pinned=True)
+    with CudaLink("cuda") as link:
+        mgr = OffloadedExperts([ExpertWeights(w13, w2)], 2, torch.device("cuda"), link)
+        torch.cuda.synchronize()
+        compute = torch.cuda.current_stream()
+        torch.cuda._sleep(2_000_000_000)  # unrelated compute, queued before the copy
+        assert mgr.prefetch(0, [0, 1]) == 2
+        link.stream.synchronize()
+        assert not compute.query(), "the copy into an unread slot waited for the compute queued before it"
+        torch.cuda.synchronize()
+        mgr.poll()
+        assert torch.equal(mgr.pool[0].w13[mgr.slots.slot_of(0, 1)].cpu(), w13[1])

@@ -5,7 +5,8 @@
     ...                                            # compute keeps going
     t.wait()                                       # or `await t.landed()`, or t.add_done_callback(fn)
 
-CudaLink issues copies on a dedicated stream and hands back events. EmulatedLink is one worker
+CudaLink issues copies on a dedicated stream and hands back events (from the pinned store, or
+through two pinned staging buffers of its own when the store is not pinned: staging.py). EmulatedLink is one worker
 thread that really copies the bytes and then sleeps until `start + latency + nbytes / bandwidth`,
 so a CPU run sees the same copy : compute ratio as the real GPU (see calibrate.py).
 
@@ -32,6 +33,7 @@ import torch
 
 from specter.offload.calibrate import (emulated_link_params, load_profile, measure_expert_throughput,
                                        profile_for_gpu)
+from specter.offload.staging import StagedCopies, pinned_buffer
 from specter.sansio import poll
 
 _CHUNK = 32768  # elements per emulated copy_: below ATen's parallel grain, so the worker never starts OpenMP
@@ -53,6 +55,7 @@ class Transfer:
         self._device = None
         self._waits = None                     # CUDA only: the link's (compute reached, copy done) pairs
         self._cuda = None                      # CUDA only: the link's CudaApi (streams and events)
+        self._issued = None                    # CUDA, staged: a threading.Event set once it is on a stream
 
     def done(self) -> bool:
         if self._event is not None:
@@ -65,7 +68,12 @@ class Transfer:
 
     def wait(self) -> float:
         """Block until the bytes are in place; seconds spent waiting. CUDA: a stream wait, no host sync,
-        so it returns 0 and the device-side stall is measured by events (`CudaLink.drain_stall_s`)."""
+        so it returns 0 and the device-side stall is measured by events (`CudaLink.drain_stall_s`); a
+        staged copy the link's stager has not issued yet is first waited for on the host (timed)."""
+        if self._issued is not None and not self._issued.is_set():
+            t0 = time.perf_counter()
+            self._issued.wait()
+            return self.wait() + time.perf_counter() - t0
         if self._event is not None:
             stream = self._cuda.current_stream(self._device)
             reached = self._cuda.event(timing=True)
@@ -198,6 +206,12 @@ class Link(abc.ABC):
         """A marker, recorded now on the compute stream, that copies can be ordered `after` (CUDA);
         None where compute is synchronous (CPU)."""
         return None
+
+    h2d_path = "emulated (host memory)"  # how bytes reach the device: CudaLink says pinned store or staging
+
+    def prepare(self, srcs: list[torch.Tensor], nbytes: int) -> None:
+        """Copies will come out of `srcs`, at most `nbytes` each (CudaLink sets up staging if they are
+        not pinned); nothing to do here."""
 
     def cancel(self, t: Transfer) -> bool:
         """Withdraw `t` if it has not started: True when it never will write its destination (it
@@ -371,6 +385,10 @@ class CudaApi:
     def is_pinned(self, t: torch.Tensor) -> bool:
         return t.is_pinned()
 
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """uint8 [nbytes] of page-locked host memory (a staging buffer)."""
+        return pinned_buffer(nbytes)
+
 
 class CudaLink(Link):
     """Copies on dedicated CUDA streams from pinned host memory; one event per transfer.
@@ -378,11 +396,19 @@ class CudaLink(Link):
     Prefetches go on one copy stream, in order; `urgent` copies (a miss verification waits for) on
     a second stream of the highest priority, so they do not queue behind the prefetch backlog.
     Each copy waits (on the GPU) only for what `after` names: the last reader of its destination
-    slot (an event from `read_event`), or by default all work queued so far on the current stream.
-    A small host thread resolves futures (for await / callbacks / stats).
+    slot (an event from `read_event`; the manager starts each slot at an event recorded after the
+    pool's allocation), nothing (None), or by default ("all") all work queued so far on the current
+    stream. A small host thread resolves futures (for await / callbacks / stats).
 
-    `cancel` is the base's: always False. copy() enqueues on the stream at once, and a copy on a
-    stream cannot be withdrawn, so every prefetch issued here lands (and is marked ready as usual).
+    A source that is not pinned (the store could not be pinned, or SPECTER_PIN_STORE=0) goes through
+    two pinned staging buffers the link owns (staging.py): a stager thread copies it into the next
+    buffer once that buffer's previous copy has completed, then enqueues the copy from there. Until
+    then the transfer has no event, and `wait()` first waits on the host for the stager. `h2d_path`
+    names the path in use: "pinned store" or "staging buffers (2 x N)".
+
+    `cancel` is the base's: always False. copy() enqueues on the stream at once (a staged copy as
+    soon as the stager reaches it), and a copy on a stream cannot be withdrawn, so every prefetch
+    issued here lands (and is marked ready as usual).
     """
 
     def __init__(self, device, bandwidth: float | None = None, latency: float = 10e-6, name: str = "cuda",
@@ -400,6 +426,7 @@ class CudaLink(Link):
         self._waits: collections.deque = collections.deque()  # (compute reached the wait, copy done) events
         self._stall_s = 0.0
         self._warned_unpinned = False
+        self._staged = StagedCopies(cuda.pinned_empty, self._issue, self._complete, name)  # unpinned sources
         self._watch: queue.SimpleQueue = queue.SimpleQueue()
         self._watcher = threading.Thread(target=self._run, name=f"specter-link-{name}", daemon=True)
         self._watcher.start()
@@ -409,26 +436,56 @@ class CudaLink(Link):
         ev.record(self._cuda.current_stream(self.device))
         return ev
 
+    def prepare(self, srcs: list[torch.Tensor], nbytes: int) -> None:
+        """Copies will come out of `srcs` (the host store), `nbytes` at most each: if any is not pinned,
+        the staging buffers are allocated now, sized for that, rather than at the first copy (and no
+        warning: the store said why it is not pinned, and `h2d_path` names the path)."""
+        if not all(s.is_cuda or self._cuda.is_pinned(s) for s in srcs):
+            self._warned_unpinned = True
+            self._staged.reserve(nbytes)
+
+    @property
+    def h2d_path(self) -> str:
+        return "pinned store" if self._staged.buffers is None else self._staged.buffers.describe()
+
     def copy(self, dst, src, *, urgent: bool = False, tag=None, after="all") -> Transfer:
         dst, src = _check(dst, src)
-        src = [self._pinned(s) for s in src]
         t = Transfer(dst, src, tag)
         t._device, t._waits, t._cuda = self.device, self._waits, self._cuda
-        begin = self._cuda.event(timing=True)
-        t._event = self._cuda.event(timing=True, blocking=True)  # blocking: the watcher sleeps
         if self._closed:
             raise RuntimeError(f"{self.name}: copy() on a closed link")
         if len(self._waits) > 256:  # keep the event backlog short between stats() calls
             self._collect_stalls()
+        if isinstance(after, str):  # "all": whatever compute has queued so far may still read dst
+            after = self.read_event()
         stream = self.urgent_stream if urgent else self.stream
-        compute = self._cuda.current_stream(self.device)
+        pinned = all(s.is_cuda or self._cuda.is_pinned(s) for s in src)
+        if not pinned:
+            self._warn_unpinned()
+            t._issued = threading.Event()  # set by the stager once the copy is on its stream
+        with self._lock:
+            self._admit()
+        if not pinned:
+            self._staged.put(t, stream, after, urgent)
+            return t
+        try:
+            self._issue(t, stream, after, src)
+        except BaseException:
+            with self._lock:  # never enqueued: not pending
+                self._pending -= 1
+                self._idle.notify_all()
+            raise
+        return t
+
+    def _issue(self, t: Transfer, stream, after, src: list[torch.Tensor]) -> None:
+        """Enqueue t's copies from `src` (pinned) on `stream`, after the event `after` (None: at once)."""
+        begin = self._cuda.event(timing=True)
+        done = self._cuda.event(timing=True, blocking=True)  # blocking: the watcher sleeps
         with torch.no_grad(), self._cuda.use(stream):
-            if isinstance(after, str):  # "all": whatever compute has queued may still read dst
-                stream.wait_stream(compute)
-            elif after is not None:
+            if after is not None:
                 stream.wait_event(after)
             begin.record(stream)
-            for d, s in zip(dst, src):
+            for d, s in zip(t._dst, src):
                 if d.dtype != s.dtype:  # the stored bytes cross the bus, then convert on the device
                     staged = torch.empty(s.shape, dtype=s.dtype, device=self.device)
                     staged.copy_(s, non_blocking=True)
@@ -436,21 +493,16 @@ class CudaLink(Link):
                 d.copy_(s, non_blocking=True)
                 if d.is_cuda:
                     d.record_stream(stream)
-            t._event.record(stream)
+            done.record(stream)
+        t._event = done  # only now: a transfer with an event is on a stream
         t.t_started = time.perf_counter()
-        with self._lock:
-            self._admit()
         self._watch.put((t, begin))
-        return t
 
-    def _pinned(self, s: torch.Tensor) -> torch.Tensor:
-        if s.is_cuda or self._cuda.is_pinned(s):
-            return s
+    def _warn_unpinned(self) -> None:
         if not self._warned_unpinned:
-            warnings.warn("CudaLink: source tensor is not pinned; pinning a copy (slow). "
-                          "Keep the expert store in pinned memory.", stacklevel=3)
             self._warned_unpinned = True
-        return s.pin_memory()
+            warnings.warn("CudaLink: source tensor is not pinned; copies go through two pinned staging buffers "
+                          "(slower). Keep the expert store in pinned memory.", stacklevel=3)
 
     def _run(self) -> None:
         while (item := self._watch.get()) is not None:
@@ -482,6 +534,7 @@ class CudaLink(Link):
             if self._closed:
                 return
             self._closed = True
+        self._staged.close()  # every staged copy is on its stream first
         self._watch.put(None)  # after every queued transfer, so all of them resolve first
         if self._watcher is not threading.current_thread():
             self._watcher.join()

@@ -38,6 +38,7 @@ from ..profiling import span
 from ..sansio import HostRead, adrive, drive
 from .link import Link, Transfer
 from .slots import SlotCache
+from .staging import staged_nbytes
 
 
 class OffloadedExperts:
@@ -73,6 +74,7 @@ class OffloadedExperts:
         # never read waits only for the pool's allocation (queued before this point), nothing later.
         allocated = link.read_event()
         self.last_read: list[list] = [[allocated] * n_slots for _ in range(L)]
+        link.prepare([t for ew in store for t in (ew.w13, ew.w2)], staged_nbytes([w13[0], w2[0]]))
         self._routed: dict[int, tuple[list[int], int]] = {}  # layer -> (the last verification's routing [T * k], k)
         self.reset_stats()
 

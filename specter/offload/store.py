@@ -6,12 +6,14 @@
 On CUDA the arena is page-locked in place with cudaHostRegister, exactly its size: PyTorch's
 caching host allocator (`pin_memory=True`) rounds every block up to a power of two, which can
 double the pinned RAM of a store allocated layer by layer. When the host cannot pin that much
-(RLIMIT_MEMLOCK, container limits), the store stays pageable, a warning names the shortfall and
-CudaLink stages each copy through pinned memory (slower, but it runs). A store larger than the
-memory the host has available is refused up front, naming the shortfall.
+(RLIMIT_MEMLOCK, container limits), or pinning is turned off (SPECTER_PIN_STORE=0), the store stays
+pageable and CudaLink copies through two pinned staging buffers of its own (staging.py: slower, but
+it runs); a refusal warns, naming the shortfall. A store larger than the memory the host has
+available is refused up front, naming the shortfall.
 """
 from __future__ import annotations
 
+import os
 import resource
 import warnings
 import weakref
@@ -43,10 +45,7 @@ def allocate_store(spec: ModelSpec, dtype: torch.dtype, *, pin: bool = False) ->
                           f"free host memory or use a machine with more RAM")
     numel = spec.n_moe_layers * E * 3 * I * H
     if pin:  # page-aligned, so the locked range is exactly the arena's pages and no neighbour's
-        item = torch.empty((), dtype=dtype).element_size()
-        raw = torch.empty(numel + _PAGE // item, dtype=dtype)
-        start = (-raw.data_ptr() % _PAGE) // item
-        arena = raw[start:start + numel]
+        arena = page_aligned(numel, dtype)
         pin_in_place(arena)
     else:
         arena = torch.empty(numel, dtype=dtype)
@@ -60,26 +59,48 @@ def allocate_store(spec: ModelSpec, dtype: torch.dtype, *, pin: bool = False) ->
     return store
 
 
+def pin_wanted() -> bool:
+    """Whether a CUDA load pins the store: yes unless SPECTER_PIN_STORE=0 (copies then go through
+    CudaLink's staging buffers, for hosts where locking that much memory hurts the rest)."""
+    return os.environ.get("SPECTER_PIN_STORE", "1").strip() != "0"
+
+
+def page_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An empty host tensor of `numel` elements starting on a page boundary."""
+    item = torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(numel + _PAGE // item, dtype=dtype)
+    start = (-raw.data_ptr() % _PAGE) // item
+    return raw[start:start + numel]
+
+
 def pin_in_place(t: torch.Tensor) -> bool:
     """Page-lock `t`'s exact bytes (cudaHostRegister). False, with a warning naming the shortfall and
     the way out, when the host refuses; the tensor then stays pageable and everything still runs."""
+    error = register(t)
+    if error is not None:
+        _unpinned(t.numel() * t.element_size(), f"{error}; {host_limits()}")
+        return False
+    return True
+
+
+def register(t: torch.Tensor) -> str | None:
+    """cudaHostRegister `t`'s exact bytes until it dies: None, or why the host refused."""
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
-        return True
+        return None
     cudart = torch.cuda.cudart()
     res = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
     if res != cudart.cudaError.success:
         _clear_cuda_error()
-        _unpinned(nbytes, f"cudaHostRegister: {res}; {host_limits()}")
-        return False
+        return f"cudaHostRegister: {res}"
     owner = t if t._base is None else t._base  # what every view keeps alive: unregister when it dies
     weakref.finalize(owner, cudart.cudaHostUnregister, t.data_ptr())
-    return True
+    return None
 
 
 def _unpinned(nbytes: int, why: str) -> None:
-    warnings.warn(f"could not pin the {format_size(nbytes)} expert store ({why}); it stays pageable and each "
-                  f"copy is staged through pinned memory (slower). Raise `ulimit -l` (memlock) or free host "
+    warnings.warn(f"could not pin the {format_size(nbytes)} expert store ({why}); it stays pageable and copies "
+                  f"go through two pinned staging buffers (slower). Raise `ulimit -l` (memlock) or free host "
                   f"memory to pin it.", stacklevel=3)
 
 
