@@ -31,7 +31,11 @@ inputs, never copied), so a graph is recorded per static address set: one per la
 own weights and K/V), per width bucket, per KV cache and per thread (cudagraph trees keep their
 graphs per thread). `recordings()` is that bound per cache and thread, len(buckets) x (layers + 2);
 `warmup(cache=...)` records them all on the calling thread before a generation times anything
-(the speculative decoder does it on each thread and cache it generates with).
+(the speculative decoder does it on each thread and cache it generates with). A verification is one
+step of cudagraph trees (marked at its start, not between pieces), so its pieces form one path of
+the tree, as graphs split by graph breaks do: each piece's graph is found among the children of the
+piece before it, one candidate per layer, rather than among every layer's recordings of that piece
+(a root per layer: a scan of up to `layers` candidates at each call).
 """
 from __future__ import annotations
 
@@ -161,8 +165,8 @@ class VerifyStep:
         kv = self._layer_kv(cache)
         self.tokens[:T].copy_(tokens)  # host-to-device at most (tokens built on the host): no sync
         self.base.fill_(n)
-        mark = torch.compiler.cudagraph_mark_step_begin if self.graphs else (lambda: None)
-        mark()
+        if self.graphs:  # one path of graphs per verification (see the module docstring)
+            torch.compiler.cudagraph_mark_step_begin()
         x, cos, sin = map(self._out, self.enter(self.tokens[:W]))
         mlp_out = self.zeros[:W]
         model = self.model.model
@@ -171,7 +175,6 @@ class VerifyStep:
             layers = [entry for i, entry in enumerate(layers) if i in only]
         for layer, name, lkv in layers:
             with span(name):
-                mark()
                 if not layer.is_moe:
                     x = self._out(self.dense(layer, x, mlp_out, cos, sin, lkv))
                     mlp_out = self.zeros[:W]
@@ -181,7 +184,6 @@ class VerifyStep:
                 mlp_out = F.pad(y, (0, 0, 0, W - T)) if W > T else y
                 if shared is not None:
                     mlp_out = mlp_out + shared
-        mark()
         return self._out(self.head(x, mlp_out))[:T]                             # [T, V]
 
     def warmup(self, cache_len: int = 64, cache: KVCache | None = None, repeat: int = 1) -> None:
