@@ -89,6 +89,7 @@ def cmd_plan(args) -> int:
     from .builder import compute_dtype
     from .loader import describe
     from .offload.plan import emulated_device_bytes, fit, host_needs, make_plan
+    from .offload.staging import describe as describe_staging
     from .sizes import format_size
 
     path = args.model or default_model_path()
@@ -100,6 +101,9 @@ def cmd_plan(args) -> int:
            f"({'weights' if weights else 'config.json only'}), computed {str(dtype)[6:]} on {device.type}"
     hosts = f"host memory: expert store {format_size(host.store_bytes)} (pinned {format_size(host.pinned_bytes)}), " \
             f"draft cache {format_size(host.draft_cache_bytes)} on disk"
+    copies = f"host->device copies: {host.h2d_path}"
+    if host.h2d_path == "pinned store":
+        copies += f" (if the host cannot pin it: {describe_staging(host.staging_bytes)})"
     if args.device_memory is not None:
         f = fit(spec, numel, dtype, args.device_memory, policy=args.policy, context=args.context)
         if args.json:
@@ -114,6 +118,7 @@ def cmd_plan(args) -> int:
             print(f"{args.policy} does NOT fit in {format_size(f.device_memory)}: it needs at least "
                   f"{format_size(f.minimum)} at {f.context} tokens of context")
         print(hosts)
+        print(copies)
         for tip in f.suggestions:
             print(f"  - {tip}")
         return 0
@@ -129,6 +134,7 @@ def cmd_plan(args) -> int:
         print(head)
         print(plan.table())
         print(hosts)
+        print(copies)
     return 0
 
 

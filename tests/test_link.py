@@ -503,6 +503,27 @@ def test_staging_buffer_is_overwritten_only_after_its_last_copy_completed():
         staging.stage([torch.zeros(1000)])
 
 
+def test_the_manager_sets_up_staging_for_an_unpinned_store_and_reports_the_path():
+    """An unpinned store: the two staging buffers are allocated when the manager is built (sized for
+    one expert of the store), and its stats name the path; a pinned store allocates none."""
+    from specter.offload.manager import OffloadedExperts
+    from specter.offload.staging import staged_nbytes
+
+    store = [ExpertWeights(torch.randn(4, 8, 16).bfloat16(), torch.randn(4, 16, 4).bfloat16()) for _ in range(2)]
+    for pinned in (True, False):
+        link, cuda = fake_link(pinned)
+        with link:
+            mgr = OffloadedExperts(store, 2, torch.device("cpu"), link, dtype=torch.float32)
+            assert cuda.pinned_allocs == (0 if pinned else 2)
+            want = "pinned store" if pinned else f"staging buffers (2 x {staged_nbytes([store[0].w13[0], store[0].w2[0]])} B)"
+            assert mgr.stats()["h2d_path"] == link.h2d_path == want
+            assert mgr.prefetch(0, [0, 1]) == 2
+            link.synchronize()
+            mgr.poll()
+            assert cuda.pinned_allocs == (0 if pinned else 2)  # none per copy, none grown
+            assert all(torch.equal(mgr.pool[0].w13[mgr.slots.slot_of(0, e)], store[0].w13[e].float()) for e in (0, 1))
+
+
 def _store(E: int, H: int, I: int, pinned: bool):
     """(w13 [E, 2I, H], w2 [E, H, I]) bf16 views of one host arena, pinned in place or pageable."""
     from specter.offload.store import page_aligned, pin_in_place

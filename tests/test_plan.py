@@ -233,3 +233,48 @@ def test_load_uses_the_plan_and_refuses_bad_budgets(tiny):
         specter.load(path, device="cpu", policy="on-demand", residency=0.5, expert_memory="1MiB")
     with pytest.raises(specter.ConfigError):
         specter.load(path, device="cpu", policy="on-demand", residency=1.5)
+
+
+MIXTRAL_8X7B = dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_local_experts=8,
+                    num_experts_per_tok=2, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    vocab_size=32000, max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1e6,
+                    torch_dtype="bfloat16", tie_word_embeddings=False)
+
+
+def test_plan_names_the_host_to_device_path(tmp_path, monkeypatch, capsys):
+    """CUDA: "pinned store" (the store page-locked), or with pinning off two staging buffers of one
+    expert each (Mixtral-8x7B: 3 x 4096 x 14336 bf16 = 336 MiB); CPU: the emulated link."""
+    import json
+
+    from specter.cli import main
+    from specter.loader import describe
+    from specter.offload.plan import host_needs
+
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
+    spec, dtype, _, _ = describe(tmp_path)
+    monkeypatch.delenv("SPECTER_PIN_STORE", raising=False)
+    pinned = host_needs(spec, dtype, "cuda")
+    assert (pinned.h2d_path, pinned.pinned_bytes) == ("pinned store", pinned.store_bytes)
+    assert pinned.staging_bytes == 3 * 4096 * 14336 * 2
+    staged = host_needs(spec, dtype, "cuda", pin=False)
+    assert staged.h2d_path == "staging buffers (2 x 336.0 MiB)" and staged.pinned_bytes == 2 * staged.staging_bytes
+    assert host_needs(spec, dtype, "cpu").h2d_path == "emulated (host memory)"
+
+    argv = ["plan", "--model", str(tmp_path), "--device", "cuda", "--residency", "0.25"]
+    assert main(argv) == 0
+    assert "host->device copies: pinned store (if the host cannot pin it: staging buffers (2 x 336.0 MiB))" \
+        in capsys.readouterr().out
+    monkeypatch.setenv("SPECTER_PIN_STORE", "0")
+    assert main(argv + ["--json"]) == 0
+    host = json.loads(capsys.readouterr().out)["host"]
+    assert host["h2d_path"] == "staging buffers (2 x 336.0 MiB)" and host["pinned_bytes"] == 2 * 336 * 2**20
+
+
+def test_engine_stats_name_the_host_to_device_path(tiny):
+    path, _ = tiny("mixtral")
+    for policy, want in (("on-demand", "emulated (host memory)"), ("resident", None)):
+        engine = specter.load(path, device="cpu", policy=policy, **({"residency": 0.5} if policy != "resident" else {}))
+        try:
+            assert engine.generate([1, 2, 3], max_new_tokens=2).stats["h2d_path"] == want
+        finally:
+            engine.close()

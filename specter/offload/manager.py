@@ -286,7 +286,7 @@ class OffloadedExperts:
             self._stats["expert_hits"] += int(self._resident_hits)
             self._resident_hits.zero_()
             self._hits_on_device = False
-        return dict(self._stats)
+        return dict(self._stats, h2d_path=self.link.h2d_path)
 
     def reset(self) -> None:
         """Forget every resident expert (a cold cache)."""

@@ -134,9 +134,11 @@ def parse_budget(value, name: str) -> int:
 @dataclass
 class HostNeeds:
     store_bytes: int        # every routed expert once, in the checkpoint's dtype
-    pinned_bytes: int       # of which page-locked (CUDA: all of it, exactly; CPU: none)
+    pinned_bytes: int       # page-locked (CUDA: the store, exactly, or two staging buffers; CPU: none)
     draft_cache_bytes: int  # the INT4 draft on disk (0 without a draft)
     device_bytes: int = 0   # CPU: the emulated device's share of host memory (emulated_device_bytes)
+    h2d_path: str = ""      # how expert bytes reach the device: "pinned store" | "staging buffers (2 x N)" | emulated
+    staging_bytes: int = 0  # CUDA: one staging buffer (the largest expert), used if the store is not pinned
 
 
 def emulated_device_bytes(plan: MemoryPlan, spec: ModelSpec, store_dtype: torch.dtype, compute: torch.dtype) -> int:
@@ -152,12 +154,22 @@ def emulated_device_bytes(plan: MemoryPlan, spec: ModelSpec, store_dtype: torch.
     return plan.total_bytes - embed - (plan.slot_pool_bytes if aliased else 0)
 
 
-def host_needs(spec: ModelSpec, store_dtype: torch.dtype, device_type: str, draft: bool = True) -> HostNeeds:
-    from .store import store_bytes
+def host_needs(spec: ModelSpec, store_dtype: torch.dtype, device_type: str, draft: bool = True,
+               pin: bool | None = None) -> HostNeeds:
+    """`pin`: whether a CUDA load pins the store (default: unless SPECTER_PIN_STORE=0); if not, copies go
+    through CudaLink's two staging buffers, each one expert of the store."""
+    from .staging import aligned, describe
+    from .store import pin_wanted, store_bytes
 
     store = store_bytes(spec, store_dtype)
-    return HostNeeds(store, store if device_type == "cuda" else 0,
-                     spec.n_moe_layers * spec.n_experts * draft_expert_bytes(spec) if draft else 0)
+    drafts = spec.n_moe_layers * spec.n_experts * draft_expert_bytes(spec) if draft else 0
+    if device_type != "cuda":
+        return HostNeeds(store, 0, drafts, h2d_path="emulated (host memory)")
+    item = store_dtype.itemsize
+    staging = aligned(2 * spec.expert_inter * spec.hidden * item) + aligned(spec.hidden * spec.expert_inter * item)
+    if pin_wanted() if pin is None else pin:
+        return HostNeeds(store, store, drafts, h2d_path="pinned store", staging_bytes=staging)
+    return HostNeeds(store, 2 * staging, drafts, h2d_path=describe(staging), staging_bytes=staging)
 
 
 @dataclass
