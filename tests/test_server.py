@@ -4,6 +4,7 @@ queue bound, chats without a template and seeded sampling."""
 import asyncio
 import json
 import shutil
+import socket
 import time
 
 import pytest
@@ -292,7 +293,16 @@ def test_a_full_queue_answers_503_with_retry_after(aux):
     kw = dict(model="default_model", prompt=PROMPT, max_tokens=1500, temperature=0, stream=True)
     with c.completions.create(**kw) as running:
         next(iter(running))                             # generating
-        with c.completions.create(**kw) as waiting:     # queued (max_queue=1)
+        # queued (max_queue=1); a queued stream gets its status line when the engine takes it, so a raw socket
+        waiting = socket.create_connection(httpx.URL(url).netloc.decode().split(":"), timeout=30)
+        body = json.dumps(kw).encode()
+        waiting.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        with waiting:
+            for _ in range(1000):  # bounded: 10 s
+                if httpx.get(url + "/health").json()["queue_depth"] == 1:
+                    break
+                time.sleep(0.01)
             with pytest.raises(openai.APIStatusError) as e:
                 c.completions.create(model="default_model", prompt=PROMPT, max_tokens=4)
             assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
@@ -380,9 +390,10 @@ def test_cli_serve_wires_the_engine_options_into_uvicorn(monkeypatch):
     from specter.cli import main
 
     seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: seen.update(config=self.config))
     assert main(["serve", "--device", "cpu", "--policy", "resident", "--port", "8123", "--max-queue", "3",
                  "--model-name", "m"]) == 0
-    assert (seen["host"], seen["port"]) == ("127.0.0.1", 8123)
-    assert seen["app"].state.scheduler.max_queue == 3 and seen["app"].state.scheduler.engine.policy == "resident"
+    config = seen["config"]
+    assert (config.host, config.port) == ("127.0.0.1", 8123)
+    assert config.app.state.scheduler.max_queue == 3 and config.app.state.scheduler.engine.policy == "resident"
     assert main(["serve", "--max-queue", "-1"]) == 2

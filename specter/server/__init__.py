@@ -39,10 +39,52 @@ class ServerThread:
         self.thread.join(timeout=10)
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-          max_queue: int = 32, log_level: str = "info") -> None:
-    """Serve until interrupted (the caller closes the engine)."""
+          max_queue: int = 32, log_level: str = "info", **options) -> None:
+    """Serve until SIGINT/SIGTERM (the caller closes the engine), then shut down gracefully: no new
+    connections or generations, queued requests answered 503, the running generation given
+    `shutdown_grace` seconds before it is stopped (its stream still ends with a final chunk and
+    [DONE]), and return normally. `options`: create_app's keywords, plus uvicorn's `timeout_keep_alive`
+    and `limit_concurrency`."""
     import uvicorn
 
-    uvicorn.run(create_app(engine, model_name=model_name, max_queue=max_queue), host=host, port=port,
-                log_level=log_level, timeout_graceful_shutdown=5)
+    from .app import SHUTDOWN_GRACE
+
+    uv = {k: options.pop(k) for k in ("timeout_keep_alive", "limit_concurrency") if k in options}
+    app = create_app(engine, model_name=model_name, max_queue=max_queue, **options)
+    grace = options.get("shutdown_grace", SHUTDOWN_GRACE)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace + 10,
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES, **uv)
+    if host not in LOOPBACK and not options.get("api_keys"):  # after Config: uvicorn's logging is set up
+        import logging
+
+        logging.getLogger("uvicorn.error").warning(
+            "serving on %s without an API key: anyone who can reach this address can use the model; pass "
+            "--api-key (or set SPECTER_API_KEY), or bind to 127.0.0.1", host)
+    _server_class()(config).run()
+
+
+MAX_HEADER_BYTES = 64 * 1024   # request line + headers; larger ones are refused
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, with the app told to drain on the first SIGINT/SIGTERM, and a normal return
+        after the graceful shutdown (uvicorn re-raises the signal, which would kill the process)."""
+
+        def handle_exit(self, sig, frame) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            loop = getattr(self.config.app.state, "loop", None)  # set by the app's lifespan startup
+            if first and loop is not None:
+                loop.call_soon_threadsafe(self.config.app.state.drain)
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+    return Server

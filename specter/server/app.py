@@ -8,8 +8,12 @@ extra field, "specter".
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
 import math
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -17,35 +21,71 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from ..errors import ContextLengthError, SpecterError
 from .metrics import Metrics
 from .protocol import APIError, ChatRequest, CompletionRequest, new_id, now, usage
-from .scheduler import Job, QueueFull, Scheduler
+from .scheduler import Job, QueueFull, Scheduler, ShuttingDown
+
+log = logging.getLogger("uvicorn.error")  # uvicorn's own error log, so its handlers print it
 
 # request fields that choose how tokens are drawn; a request that sets none of them gets the model's own
 # settings, as vLLM's --generation-config auto does; one that sets any gets OpenAI's defaults for the rest
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 OPENAI_NEUTRAL = dict(temperature=1.0, top_p=1.0)
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+MAX_REQUEST_BYTES = 4 * 2 ** 20   # default body limit: far beyond any prompt a 128k-token context holds
+SHUTDOWN_GRACE = 10.0             # default seconds a running generation may go on after SIGINT/SIGTERM
 
 
-def create_app(engine, *, model_name: str | None = None, max_queue: int = 32) -> FastAPI:
-    """An OpenAI-compatible app over one loaded engine (which the caller keeps and closes)."""
+def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
+               max_request_bytes: int | None = MAX_REQUEST_BYTES, max_tokens_default: int | None = None,
+               api_keys=(), protect_all: bool = False, allowed_hosts=None, docs: bool = False,
+               shutdown_grace: float = SHUTDOWN_GRACE) -> FastAPI:
+    """An OpenAI-compatible app over one loaded engine (which the caller keeps and closes).
+
+    max_request_bytes: larger bodies get 413 (None: no limit). max_tokens_default: what a request
+    without max_tokens may generate (None: 16 for completions, the rest of the context for chat).
+    api_keys: if any, every /v1 route (every route with protect_all) wants `Authorization: Bearer KEY`.
+    allowed_hosts: Host header patterns (starlette's TrustedHostMiddleware); None: any. docs: serve
+    /docs and /openapi.json. shutdown_grace: seconds a running generation may go on once app.state.drain()
+    is called (`serve` calls it on SIGINT/SIGTERM)."""
     metrics = Metrics()
     scheduler = Scheduler(engine, max_queue, metrics)
     name = model_name or engine.path.name
     created = now()
+    context = engine.spec.max_position
+    max_chars = context * _longest_token(engine.tokenizer)   # a longer text cannot fit the context
+    tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specter-tokenize")  # off the event loop
 
     @asynccontextmanager
     async def lifespan(app):
+        app.state.loop = asyncio.get_running_loop()
         yield
         scheduler.close()
+        tokenizing.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="Specter", lifespan=lifespan)
-    app.state.scheduler, app.state.metrics = scheduler, metrics
+    def drain():
+        """Shutdown: no new generations, queued ones 503, the running one stopped after shutdown_grace."""
+        scheduler.drain(shutdown_grace)
+
+    if docs:
+        app = FastAPI(title="Specter", lifespan=lifespan)
+    else:
+        app = FastAPI(title="Specter", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.scheduler, app.state.metrics, app.state.drain = scheduler, metrics, drain
+    app.state.shutdown_grace = shutdown_grace
+    keys = [k.encode() for k in api_keys if k]
+    if keys:
+        app.add_middleware(RequireKey, keys=keys, protect_all=protect_all)
+    if max_request_bytes:
+        app.add_middleware(LimitBody, limit=max_request_bytes)
     app.add_middleware(CountRequests, metrics=metrics)
+    if allowed_hosts:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
 
     # ------------------------------------------------------------------------------- errors
     @app.exception_handler(APIError)
@@ -63,18 +103,28 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32) ->
         if errors[0]["type"] == "json_invalid":
             why = errors[0].get("ctx", {}).get("error", errors[0]["msg"])
             return JSONResponse(APIError(400, f"the body is not valid JSON ({why})").body(), 400)
+        # a value our own validator refused (lone surrogates ...) says why; the alternatives it was not are noise
+        errors = [err for err in errors if err["type"] == "value_error"] or errors
         param = _param(errors[0]["loc"])
         # a field with alternatives (str | list[int] ...) fails once per alternative: say them all
-        msgs = dict.fromkeys(err["msg"] for err in errors if _param(err["loc"])[:len(param)] == param)
+        msgs = dict.fromkeys(err["msg"].removeprefix("Value error, ") for err in errors
+                             if _param(err["loc"])[:len(param)] == param)
         text = " or ".join(msgs)
         return JSONResponse(APIError(400, f"{param}: {text}" if param else text, param=param or None).body(), 400)
 
     @app.exception_handler(Exception)
-    async def _bug(request, e: Exception):  # still an OpenAI-shaped body; uvicorn logs the traceback
-        return JSONResponse(APIError(500, f"internal error: {e!r}", type="server_error").body(), 500)
+    async def _bug(request, e: Exception):
+        # an OpenAI-shaped body without the exception's text (starlette re-raises it after this answer, and
+        # uvicorn logs the traceback); the connection closes, as its state is unknown
+        return JSONResponse(internal_error().body(), 500, headers={"Connection": "close"})
 
     @app.exception_handler(HTTPException)
     async def _http(request, e: HTTPException):
+        if e.status_code == 413:
+            return JSONResponse(APIError(413, f"the request body is larger than this server accepts "
+                                              f"({max_request_bytes} bytes, --max-request-bytes); send a shorter "
+                                              f"prompt", code="request_too_large").body(), 413,
+                                headers={"Connection": "close"})
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), e.status_code)
 
@@ -102,24 +152,55 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32) ->
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        ids = engine.encode(req.single_prompt())
-        return await answer(request, req, ids, req.max_tokens or 16, chat=False)
+        check_request(req)
+        prompt = req.single_prompt()
+        check_length(len(prompt), "tokens" if isinstance(prompt, list) else "characters", param="prompt")
+        ids = await encode(prompt)
+        max_tokens = req.max_tokens or max_tokens_default or 16   # past the context: a 400 that says so
+        return await answer(request, req, ids, max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
+        check_request(req)
         if not getattr(engine.tokenizer, "chat_template", None):
             raise APIError(400, f"model {name!r} has no chat template, so it cannot chat; use /v1/completions "
                                 f"with a plain prompt, or add a chat_template to its tokenizer_config.json",
                            param="messages", code="no_chat_template")
+        messages = [m.as_template_dict() for m in req.messages]
+        check_length(sum(len(m["content"]) for m in messages), "characters", param="messages")
         try:
-            ids = engine.encode([m.as_template_dict() for m in req.messages])
+            ids = await encode(messages)
         except SpecterError:
             raise
         except Exception as e:  # the template's own checks (jinja's raise_exception: "roles must alternate" ...)
             raise APIError(400, f"the chat template of {name!r} refused these messages: {e}", param="messages",
                            code="invalid_messages") from None
-        max_tokens = req.max_completion_tokens or req.max_tokens or max(engine.spec.max_position - len(ids), 1)
+        rest = max(context - len(ids), 1)
+        max_tokens = req.max_completion_tokens or req.max_tokens or min(max_tokens_default or rest, rest)
         return await answer(request, req, ids, max_tokens, chat=True)
+
+    # ------------------------------------------------------------------------------- input
+    def check_request(req):
+        """What needs no tokens: the model, unsupported and contradictory fields."""
+        check_model(req.model)
+        for param, why in req.unsupported():
+            raise APIError(400, why, param=param, code="unsupported_parameter")
+        for param, why in req.invalid():
+            raise APIError(400, why, param=param)
+
+    def check_length(n: int, unit: str, param: str):
+        """Refuse a prompt that cannot fit the context before tokenizing it (no token is shorter than one
+        character, none longer than the vocabulary's longest)."""
+        bound = context if unit == "tokens" else max_chars
+        if n > bound:
+            raise APIError(400, f"this model's context is {context} tokens, and a prompt of {n} {unit} cannot fit "
+                                f"in it (at most {bound} {unit} could); shorten the prompt", param=param,
+                           code="context_length_exceeded")
+
+    async def encode(prompt) -> list[int]:
+        """Token ids, tokenized (or templated) on a thread of its own so that the event loop, /health and
+        running streams never wait for another request's input."""
+        return await asyncio.get_running_loop().run_in_executor(tokenizing, engine.encode, prompt)
 
     # ---------------------------------------------------------------------------- generation
     def check_model(model_id):
@@ -128,10 +209,6 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32) ->
                            param="model", code="model_not_found", type="not_found_error")
 
     def sampling(req, ids: list[int], max_tokens: int) -> dict:
-        check_model(req.model)
-        for param, why in req.unsupported():
-            raise APIError(400, why, param=param, code="unsupported_parameter")
-        context = engine.spec.max_position
         if len(ids) + max_tokens > context:
             raise APIError(400, f"this model's context is {context} tokens, but {len(ids) + max_tokens} were "
                                 f"requested ({len(ids)} in the prompt, {max_tokens} to generate); shorten the "
@@ -149,16 +226,167 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32) ->
         try:
             job = scheduler.submit(ids, kw)
         except QueueFull:
-            raise APIError(503, f"the server is busy: one request is generating and {scheduler.waiting} wait "
-                                f"(--max-queue {max_queue}); retry shortly",
-                           type="server_error", code="queue_full", headers={"Retry-After": "1"}) from None
+            raise APIError(503, f"the server is busy: {scheduler.running} request generating and "
+                                f"{scheduler.waiting} waiting, as many as --max-queue {max_queue} lets wait; "
+                                f"retry shortly", type="server_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
+        except ShuttingDown:
+            raise shutting_down() from None
         reply = Reply(name, len(ids), chat)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventSourceResponse(reply.events(job, include_usage))
-        return await reply.collect(job, request)
+        watch = Watch(job, request)
+        streaming = False
+        try:
+            first = await watch.next()      # queued until the engine takes it: the status is not sent before
+            if first is None:               # the client left while it waited
+                return Response(status_code=499)  # nobody reads it; the status tells the request metric
+            if first[0] == "error":
+                raise reply.error(first[1])
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                watch.close()               # sse-starlette watches the connection from here on
+                streaming = True
+
+                async def client_left(message):
+                    job.cancel()
+
+                return EventSourceResponse(reply.events(job, first, include_usage), ping=15,
+                                           client_close_handler_callable=client_left,
+                                           shutdown_grace_period=shutdown_grace + 5)
+            return await reply.collect(job, watch, first)
+        finally:
+            watch.close()
+            if not streaming:
+                job.cancel()  # the client left, or the answer is complete: stop the engine at its next cycle
 
     return app
+
+
+def internal_error() -> APIError:
+    ref = uuid.uuid4().hex[:12]
+    log.error("internal error %s (the traceback follows or precedes this line)", ref)
+    return APIError(500, f"internal server error (reference {ref} in the server log); the request may be retried",
+                    type="server_error", code="internal_error")
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another server or once it is back",
+                    type="server_error", code="shutting_down", headers={"Connection": "close", "Retry-After": "5"})
+
+
+def _longest_token(tokenizer) -> int:
+    """An upper bound on the characters one token stands for: the vocabulary's longest entry as stored (byte-
+    level and SentencePiece spellings are never shorter than their text). 1 without a tokenizer."""
+    if tokenizer is None:
+        return 1
+    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+
+
+class Watch:
+    """A job's events for a handler that also watches its connection: next() is the next event, or None
+    once the client has disconnected."""
+
+    def __init__(self, job: Job, request: Request):
+        self.job = job
+        self.gone = asyncio.ensure_future(self._disconnect(request.receive))
+
+    @staticmethod
+    async def _disconnect(receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async def next(self):
+        if self.gone.done():
+            return None
+        get = asyncio.ensure_future(self.job.events.get())
+        done, _ = await asyncio.wait((get, self.gone), return_when=asyncio.FIRST_COMPLETED)
+        if get in done:
+            return get.result()
+        get.cancel()
+        return None
+
+    def close(self) -> None:
+        self.gone.cancel()
+
+
+class BodyTooLarge(HTTPException):
+    def __init__(self):
+        super().__init__(413, "Content Too Large")
+
+
+class LimitBody:
+    """ASGI middleware: a request body over `limit` bytes (by its Content-Length, before any of it is read,
+    or as a chunked body arrives) ends in 413. The client's upload is then read and dropped, within
+    bounds, before the connection closes: a client still sending would otherwise get a reset, not the 413."""
+
+    DRAIN_BYTES, DRAIN_SECONDS = 64 * 2 ** 20, 5.0
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = Headers(scope=scope).get("content-length", "")
+        over = length.isdigit() and int(length) > self.limit
+        received, cut, done = 0, False, False
+
+        async def limited():
+            nonlocal received, cut, done
+            if over:
+                cut = True
+                raise BodyTooLarge
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                done = not message.get("more_body", False)
+                if received > self.limit:
+                    cut = True
+                    raise BodyTooLarge
+            return message
+
+        async def drained(message):
+            if cut and not done and message["type"] == "http.response.body" and not message.get("more_body"):
+                await send({**message, "more_body": True})
+                await self._drain(receive)
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        await self.app(scope, limited, drained)
+
+    async def _drain(self, receive) -> None:
+        dropped = 0
+        try:
+            async with asyncio.timeout(self.DRAIN_SECONDS):
+                while dropped < self.DRAIN_BYTES:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return
+                    dropped += len(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        return
+        except TimeoutError:
+            pass
+
+
+class RequireKey:
+    """ASGI middleware: /v1 routes (or all) want `Authorization: Bearer KEY` with one of `keys`."""
+
+    def __init__(self, app, keys: list[bytes], protect_all: bool):
+        self.app, self.keys, self.protect_all = app, keys, protect_all
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (self.protect_all or path == "/v1" or path.startswith("/v1/")):
+            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            token = token.strip().encode()
+            # compare_digest against every key: the time taken tells nothing about which one nearly matched
+            if scheme.lower() != "bearer" or not sum(hmac.compare_digest(token, k) for k in self.keys):
+                why = ("no API key: send the header Authorization: Bearer YOUR_KEY (the openai client's api_key)"
+                       if not token else "the API key is not one this server accepts")
+                response = JSONResponse(APIError(401, why, code="invalid_api_key").body(), 401,
+                                        headers={"WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class CountRequests:
@@ -205,40 +433,46 @@ class Reply:
     def _usage(self, stats: dict) -> dict:
         return usage(self.prompt_tokens, stats.get("new_tokens", 0))
 
-    async def collect(self, job: Job, request: Request):
-        try:
-            return await self._collect(job, request)
-        finally:
-            job.cancel()  # the client left, or the server is shutting down: stop the engine at its next cycle
+    @staticmethod
+    def error(e: Exception) -> Exception:
+        """The exception a handler raises for a job's error event (a 500 for a bug: its text is logged only)."""
+        if isinstance(e, (SpecterError, APIError)):
+            return e
+        if isinstance(e, ShuttingDown):
+            return shutting_down()
+        error = internal_error()
+        error.headers = {"Connection": "close"}
+        return error
 
-    async def _collect(self, job: Job, request: Request):
+    async def collect(self, job: Job, watch: Watch, first: tuple):
         pieces = []
+        event = first
         while True:
-            try:
-                kind, value = await asyncio.wait_for(job.events.get(), 0.25)
-            except asyncio.TimeoutError:
-                kind = None
-            if await request.is_disconnected():
+            if event is None:
                 return Response(status_code=499)  # nobody reads it; the status tells the request metric
+            kind, value = event
             if kind == "piece":
                 pieces.append(value)
             elif kind == "error":
-                raise value if isinstance(value, SpecterError) else APIError(500, f"generation failed: {value!r}",
-                                                                               type="server_error")
+                raise self.error(value)
             elif kind == "done":
                 choice = self._choice("".join(pieces), value["finish_reason"], whole=True)
                 obj = "chat.completion" if self.chat else "text_completion"
                 return JSONResponse({"id": self.id, "object": obj, "created": self.created, "model": self.model,
                                      "choices": [choice], "usage": self._usage(value), "specter": _jsonable(value)})
+            event = await watch.next()
 
-    async def events(self, job: Job, include_usage: bool):
-        """SSE data: role (chat), text pieces, the finish (with Specter's stats), usage, [DONE]."""
+    async def events(self, job: Job, first: tuple, include_usage: bool):
+        """SSE data: role (chat), text pieces, the finish (with Specter's stats), usage, [DONE]; after an
+        error, an error event and [DONE]."""
         try:
             if self.chat:
                 yield _dump(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]))
+            event = first
             while True:
-                kind, value = await job.events.get()
+                kind, value = event
+                event = None
                 if kind == "piece":
                     yield _dump(self._chunk([self._choice(value, None)]))
                 elif kind == "done":
@@ -249,10 +483,13 @@ class Reply:
                     yield "[DONE]"
                     return
                 else:
-                    status = 400 if isinstance(value, SpecterError) else 500
-                    yield _dump(APIError(status, str(value), type="invalid_request_error" if status == 400
-                                         else "server_error").body())
+                    error = self.error(value)
+                    body = error.body() if isinstance(error, APIError) else APIError(400, str(error)).body()
+                    yield _dump(body)
+                    yield "[DONE]"
                     return
+                if event is None:
+                    event = await job.events.get()
         finally:
             job.cancel()  # the client went away (or we are done): stop the engine at its next cycle
 
