@@ -325,6 +325,8 @@ def test_graph_recordings_are_bounded_and_all_made_before_generating(tiny_path):
                 got = eng.generate(prompt, max_new_tokens=n, temperature=0.8 if k == 5 else 0.0, seed=2)
                 out.append((got.token_ids, ref.generate(prompt, max_new_tokens=n).token_ids if k != 5 else None,
                             got.stats["cuda_graphs"]))
+        dec.record_graphs()  # as a server's engine thread would before its first request
+        assert len(dec.graph_warmups) == 1 and seen == set()
         outs = []
         generate(outs)
         other = threading.Thread(target=generate, args=(outs,))

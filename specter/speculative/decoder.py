@@ -127,6 +127,13 @@ class SpeculativeDecoder:
             self._caches += 1
         return cache
 
+    def record_graphs(self, tokens: int = 0) -> None:
+        """Record the CUDA graphs now, on the calling thread, for a KV cache of at least `tokens`
+        positions (the one generations will use): for a thread that will generate (a server's engine
+        thread) to call before its first request. Generations do it themselves when needed."""
+        if self._graph_steps():
+            self._record_graphs(self._kv_cache(max(tokens, 1)))
+
     def _graph_steps(self) -> list:
         return [s for s in (self.draft_step, self.verify_step) if s is not None and getattr(s, "graphs", False)]
 
