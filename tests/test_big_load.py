@@ -299,7 +299,7 @@ def test_a_big_draft_stays_packed_and_drafts_the_same(monkeypatch, bf16, tmp_pat
         e.close()
     (dense, a), (packed, b) = runs
     assert not dense.packed and dense.layers
-    assert packed.packed and packed.layers == [] and all(q.qweight.dtype == torch.uint8 for q in packed.q13 + packed.q2)
+    assert packed.packed and packed.layers == [] and all(q.qweight.dtype == torch.int32 for q in packed.q13 + packed.q2)
     assert a.token_ids == b.token_ids == want
     assert a.stats["drafted_tokens"] == b.stats["drafted_tokens"] > 0
     assert a.stats["accepted_tokens"] == b.stats["accepted_tokens"]

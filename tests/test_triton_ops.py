@@ -47,17 +47,21 @@ def test_int4_scales_follow_the_compute_dtype(dtype):
 def test_int4_layout_is_plain_tensors_and_round_trips():
     w = _weights()
     packed = pack_int4(w, 64)
-    assert packed.qweight.shape == (3, 48, 128) and packed.qweight.dtype == torch.uint8
-    assert packed.scale.shape == packed.shift.shape == (3, 48, 4) and packed.group_size == 64
-    # the documented nibble order: code k = 2j low, k = 2j + 1 high
+    assert packed.qweight.shape == (3, 48, 32) and packed.qweight.dtype == torch.int32
+    assert packed.scale.shape == packed.shift.shape == (3, 4, 48) and packed.group_size == 64
+    # the documented order: code k = 8j + i in bits 4i .. 4i+3 of word j
     codes = packed.codes()
-    assert torch.equal(packed.qweight, codes[..., 0::2] | (codes[..., 1::2] << 4))
+    words = sum(codes[..., i::8].to(torch.int64) << (4 * i) for i in range(8))  # [E, N, K // 8] as unsigned
+    assert torch.equal(packed.qweight, (words - (words >= 2**31).long() * 2**32).to(torch.int32))
     assert codes.max() <= 15
+    # group-major scales: scale[e, g, n] serves row n, columns g * 64 .. g * 64 + 63
+    dq = packed.dequantize()
+    assert torch.equal(dq[1, 5, 64:128], packed.scale[1, 1, 5] * codes[1, 5, 64:128].float() - packed.shift[1, 1, 5])
     again = Int4Experts(**packed.tensors())
     assert torch.equal(again.dequantize(), packed.dequantize())
     assert torch.equal(packed[1].dequantize(), packed.dequantize()[1:2])
     assert packed.to(dtype=torch.float16).dequantize().dtype == torch.float16
-    assert packed.expert_nbytes() == 48 * 128 + 2 * 48 * 4 * 4
+    assert packed.expert_nbytes() == 48 * 128 + 2 * 48 * 4 * 4  # bytes: K / 2 a row, fp32 scales
 
 
 def test_int4_chunking_does_not_change_the_result():
@@ -68,13 +72,15 @@ def test_int4_chunking_does_not_change_the_result():
 def test_int4_bad_input_is_a_clear_error():
     with pytest.raises(ConfigError, match=r"\[E, N, K\]"):
         pack_int4(torch.randn(4, 8))
-    with pytest.raises(ConfigError, match="even K"):
-        pack_int4(torch.randn(2, 4, 7))
+    with pytest.raises(ConfigError, match="divisible by 8"):
+        pack_int4(torch.randn(2, 4, 12))
     packed = pack_int4(_weights())
-    with pytest.raises(ConfigError, match="uint8"):
-        Int4Experts(packed.qweight.float(), packed.scale, packed.shift)
+    with pytest.raises(ConfigError, match="int32"):
+        Int4Experts(packed.qweight.view(torch.uint8), packed.scale, packed.shift)  # the old byte layout
     with pytest.raises(ConfigError, match="scale and .shift"):
-        Int4Experts(packed.qweight, packed.scale, packed.shift[:, :, :1])
+        Int4Experts(packed.qweight, packed.scale, packed.shift[:, :1])
+    with pytest.raises(ConfigError, match="scale and .shift"):  # [E, N, G]: not group-major
+        Int4Experts(packed.qweight, packed.scale.transpose(1, 2), packed.shift.transpose(1, 2))
 
 
 # --------------------------------------------------------------------------------- the packed draft
@@ -102,7 +108,7 @@ def test_packed_cpu_draft_is_the_dense_draft(dtype):
     """The packed draft on CPU (what a big checkpoint's draft is) keeps fp32 scales and dequantizes
     each expert it runs as the unpacked draft did once: the very same outputs, in every dtype."""
     packed, plain, (x, ids, w) = draft_pair("cpu", dtype)
-    assert packed.layers == [] and packed.q13[0].qweight.dtype == torch.uint8
+    assert packed.layers == [] and packed.q13[0].qweight.dtype == torch.int32
     assert packed.q13[0].dtype == torch.float32 and plain.layers[0].w13.dtype == dtype
     y = packed(0, x, ids, w)
     assert y.dtype == dtype and y.shape == x.shape

@@ -2,12 +2,19 @@
 
 Layout of `Int4Experts` (E experts of one layer, each an [N, K] weight; G = K // group_size):
 
-    qweight  uint8  [E, N, K // 2]   two 4-bit codes a byte along K: byte j of a row holds
-                                     code k = 2j in its low nibble and k = 2j + 1 in its high one
-    scale    dtype  [E, N, G]        one per group of `group_size` consecutive k of a row
-    shift    dtype  [E, N, G]        quanto's float shift
+    qweight  int32  [E, N, K // 8]   eight 4-bit codes a word along K: word j of a row holds
+                                     code k = 8j + i in bits 4i .. 4i+3
+    scale    dtype  [E, G, N]        one per group of `group_size` consecutive k of a row,
+                                     group-major: a group's scales for consecutive rows are adjacent
+    shift    dtype  [E, G, N]        quanto's float shift, laid out as the scales
 
-    w[e, n, k] = scale[e, n, k // group_size] * q[e, n, k] - shift[e, n, k // group_size]
+    w[e, n, k] = scale[e, k // group_size, n] * q[e, n, k] - shift[e, k // group_size, n]
+
+Made for the GPU kernel (kernels.py): a weight tile of BLOCK_N rows and BLOCK_K columns is
+BLOCK_N runs of BLOCK_K / 8 contiguous words (vector loads, each byte read once), and its scales
+for one group are BLOCK_N adjacent values (one vector load per tile). Read as bytes (little
+endian, `qweight.view(torch.uint8)`), byte b of a row holds code 2b in its low nibble and 2b + 1
+in its high one, which is how the CPU dequantizes.
 
 which is quanto's own float-shift dequantization (`scale * q - shift`), evaluated in the scale's
 dtype. The three tensors are everything: `Int4Experts(qweight, scale, shift)` rebuilds the
@@ -17,6 +24,7 @@ quantizer does for the draft, and only the scales and shifts are rounded to the 
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -36,19 +44,20 @@ def group_size_for(in_features: int, preferred: int = 128) -> int:
 class Int4Experts:
     """One layer's experts in INT4; see the module docstring for the layout."""
 
-    qweight: torch.Tensor  # uint8 [E, N, K // 2]
-    scale: torch.Tensor    # [E, N, K // group_size]
-    shift: torch.Tensor    # [E, N, K // group_size]
+    qweight: torch.Tensor  # int32 [E, N, K // 8]
+    scale: torch.Tensor    # [E, K // group_size, N]
+    shift: torch.Tensor    # [E, K // group_size, N]
 
     def __post_init__(self):
         q, s, z = self.qweight, self.scale, self.shift
-        if q.dtype != torch.uint8 or q.dim() != 3:
-            raise ConfigError(f"Int4Experts.qweight must be uint8 [E, N, K//2]; got {q.dtype} {tuple(q.shape)}")
-        if s.shape != z.shape or s.dtype != z.dtype or s.dim() != 3 or s.shape[:2] != q.shape[:2]:
-            raise ConfigError(f"Int4Experts.scale and .shift must both be [E, N, groups] matching qweight "
+        if q.dtype != torch.int32 or q.dim() != 3:
+            raise ConfigError(f"Int4Experts.qweight must be int32 [E, N, K//8]; got {q.dtype} {tuple(q.shape)}")
+        if (s.shape != z.shape or s.dtype != z.dtype or s.dim() != 3 or s.shape[0] != q.shape[0]
+                or s.shape[2] != q.shape[1]):
+            raise ConfigError(f"Int4Experts.scale and .shift must both be [E, groups, N] matching qweight "
                               f"{tuple(q.shape)}; got {tuple(s.shape)} {s.dtype} and {tuple(z.shape)} {z.dtype}")
-        if not s.dtype.is_floating_point or (2 * q.shape[2]) % s.shape[2]:
-            raise ConfigError(f"Int4Experts: {s.shape[2]} groups do not divide K = {2 * q.shape[2]}")
+        if not s.dtype.is_floating_point or (8 * q.shape[2]) % s.shape[1]:
+            raise ConfigError(f"Int4Experts: {s.shape[1]} groups do not divide K = {8 * q.shape[2]}")
         if not (q.device == s.device == z.device):
             raise ConfigError("Int4Experts: qweight, scale and shift must be on one device")
 
@@ -56,12 +65,12 @@ class Int4Experts:
     @property
     def shape(self) -> tuple[int, int, int]:
         """[E, N, K] of the dequantized weights."""
-        E, N, half = self.qweight.shape
-        return E, N, 2 * half
+        E, N, words = self.qweight.shape
+        return E, N, 8 * words
 
     @property
     def group_size(self) -> int:
-        return self.shape[2] // self.scale.shape[2]
+        return self.shape[2] // self.scale.shape[1]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -88,27 +97,32 @@ class Int4Experts:
         return Int4Experts(self.qweight.to(device), self.scale.to(device, dtype), self.shift.to(device, dtype))
 
     def __getitem__(self, idx) -> "Int4Experts":
-        """Experts `idx` (an int keeps the expert axis: [1, N, K//2])."""
+        """Experts `idx` (an int keeps the expert axis: [1, N, K//8])."""
         if isinstance(idx, int):
             idx = slice(idx, idx + 1)
         return Int4Experts(self.qweight[idx], self.scale[idx], self.shift[idx])
 
+    def packed_bytes(self) -> torch.Tensor:
+        """uint8 [E, N, K // 2]: the words as bytes, two codes a byte (low nibble first)."""
+        return self.qweight.view(torch.uint8)
+
     def codes(self) -> torch.Tensor:
         """uint8 [E, N, K]: the 4-bit codes, unpacked."""
-        q = self.qweight
+        q = self.packed_bytes()
         return torch.stack((q & 0xF, q >> 4), dim=-1).flatten(-2)
 
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """[E, N, K] in `dtype`: exactly quanto's dequantization (`scale * q - shift`); written into
         `out` (contiguous, that shape and dtype) when given."""
         E, N, K = self.shape
-        q = self.qweight
+        q = self.packed_bytes()
         w = torch.empty(E, N, K, dtype=self.dtype, device=self.device) if out is None else out
         w = w.view(E, N, K // 2, 2)
         w[..., 0] = q & 0xF  # the codes, converted to the scale dtype as they are written (exact: 0..15)
         w[..., 1] = q >> 4
         w = w.view(E, N, -1, self.group_size)
-        w.mul_(self.scale[..., None]).sub_(self.shift[..., None])  # in place: ~3x faster on CPU, same bits
+        scale, shift = self.scale.transpose(1, 2)[..., None], self.shift.transpose(1, 2)[..., None]  # [E, N, G, 1]
+        w.mul_(scale).sub_(shift)  # in place: ~3x faster on CPU, same bits
         return w.view(E, N, K)
 
 
@@ -136,10 +150,11 @@ def pack_int4(w: torch.Tensor, group_size: int = 128, dtype: torch.dtype | None 
         raise ConfigError(f"pack_int4 expects float weights [E, N, K]; got {w.dtype} {tuple(w.shape)}")
     E, N, K = w.shape
     g = group_size_for(K, group_size)
-    if g < 2:
-        raise ConfigError(f"pack_int4 needs an even K (two codes a byte); got K = {K}")
+    if K % 8:
+        raise ConfigError(f"pack_int4 needs K divisible by 8 (eight codes a word); got K = {K}")
     dtype = dtype or w.dtype
     chunk_bytes = chunk_bytes or (1 << 22 if w.device.type == "cpu" else 1 << 28)
+    assert sys.byteorder == "little"  # the words are written as bytes, low byte first
     groups = w.reshape(-1, g)                                   # [E*N*K/g, g]: quanto's grouping
     qweight = torch.empty(groups.shape[0], g // 2, dtype=torch.uint8, device=w.device)
     scale = torch.empty(groups.shape[0], dtype=dtype, device=w.device)
@@ -152,4 +167,5 @@ def pack_int4(w: torch.Tensor, group_size: int = 128, dtype: torch.dtype | None 
         torch.bitwise_or(q[:, 0::2], q[:, 1::2] << 4, out=qweight[r:r + rows])
         scale[r:r + rows] = s[:, 0]
         shift[r:r + rows] = z[:, 0]
-    return Int4Experts(qweight.view(E, N, K // 2), scale.view(E, N, K // g), shift.view(E, N, K // g))
+    group_major = lambda t: t.view(E, N, K // g).transpose(1, 2).contiguous()  # noqa: E731  [E, G, N]
+    return Int4Experts(qweight.view(E, N, K // 2).view(torch.int32), group_major(scale), group_major(shift))

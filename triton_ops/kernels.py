@@ -7,11 +7,13 @@
              out[row, n] = weights[row] * (a[slot] . W2[e, n])           stored at the slot's (t, j) row
     combine  grid (T, cdiv(H, BLOCK_H))    y[t] = out[t, 0] + out[t, 1] + ... in fp32, rounded once
 
-e = the block's weight row (align.py), tok = row // top_k. INT4 weights (int4.py's layout) are
-dequantized inside the K loop, a [BLOCK_K, BLOCK_N] tile at a time (`scale * q - shift` in fp32,
-then the compute dtype), so no whole expert is ever dequantized; when BLOCK_K divides the group
-size (128 on real models) a tile's scales and shifts are one load per column, not per element. Every tl.dot is at least 16 in
-each dimension (NVIDIA's minimum; the interpreter would accept less). Block sizes never depend on
+e = the block's weight row (align.py), tok = row // top_k. A weight tile is [BLOCK_N, BLOCK_K]:
+BLOCK_N rows of the expert, each a contiguous run along K (vector loads). INT4 weights (int4.py's
+layout: eight codes an int32 word along K, group-major scales) are dequantized inside the K loop a
+tile at a time (`scale * q - shift` in fp32, then the compute dtype), so no whole expert is ever
+dequantized; when the block divides the group size (128 on real models) a tile's scales and shifts
+are one vector load each. Every tl.dot is at least 16 in each dimension (NVIDIA's minimum; the
+interpreter would accept less). Block sizes never depend on
 T, and each output is one K loop in a fixed order, so a token's bits do not depend on the batch.
 
 CPU tensors run under TRITON_INTERPRET=1 (set before triton is imported), which has no bf16
@@ -28,100 +30,122 @@ from specter.errors import ConfigError
 from .align import BLOCK_M, Alignment, align_rows, max_blocks
 from .int4 import Int4Experts
 
-BLOCK_N, BLOCK_K, BLOCK_H = 32, 64, 128
+BLOCK_N, BLOCK_H = 32, 128
+BLOCK_K = 64         # 16-bit weights: a [32, 64] tile is 32 bytes a thread (4 warps), two 16-byte loads
+BLOCK_K_INT4 = 128   # INT4: a [32, 128] tile is 16 bytes a thread, one load; and a tile is one group of 128
+                     # (64 where K is no multiple of 128: 8 bytes a thread, but no masked columns)
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, n_ok, offs_k, k_ok, k0, stride_wn, stride_sn, group_size,
-                 INT4: tl.constexpr, GROUP_TILE: tl.constexpr):
-    """[BLOCK_K, BLOCK_N] tile of an expert's weight rows offs_n at columns offs_k = k0 + arange
-    (INT4: in fp32). INT4: w_ptr is the expert's uint8 codes (two a byte along K), s_ptr/z_ptr its
-    scales/shifts. GROUP_TILE: BLOCK_K divides the group size (so K has no partial tile), and the
-    tile lies in one group: one scale and shift per column instead of one per element."""
-    mask = k_ok[:, None] & n_ok[None, :]
+def _tile_mask(row_ok, col_ok, EVEN_K: tl.constexpr):
+    """[rows, cols] mask; with EVEN_K the columns need none (a mask varying along K caps vector width)."""
+    if EVEN_K:
+        mask = row_ok[:, None]
+    else:
+        mask = row_ok[:, None] & col_ok[None, :]
+    return mask
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, n_ok, k0, K, stride_wn, stride_sg, group_size,
+                 INT4: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] tile of an expert's weight rows offs_n at columns k0 .. k0 + BLOCK_K, each
+    row a contiguous run (INT4: in fp32). INT4: w_ptr is the expert's int32 words (eight codes a
+    word along K, int4.py), s_ptr/z_ptr its group-major scales/shifts; GROUP_TILE: BLOCK_K divides
+    the group size, so the tile lies in one group and its scales are BLOCK_N adjacent values.
+    EVEN_K: BLOCK_K divides K, so no column needs a mask (which would cap the loads' width)."""
     if INT4:
-        byte = tl.load(w_ptr + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None], mask=mask, other=0)
-        q = (byte >> ((offs_k % 2) * 4)[:, None]) & 0xF
+        offs_w = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8] words
+        words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
+                        mask=_tile_mask(n_ok, offs_w < K // 8, EVEN_K), other=0)
+        q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K / 8, 8]
+        q = tl.reshape(q, (BLOCK_N, BLOCK_K)).to(tl.float32)
         if GROUP_TILE:
-            g = offs_n * stride_sn + k0 // group_size                          # [BLOCK_N]
-            s = tl.load(s_ptr + g, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            z = tl.load(z_ptr + g, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            g = (k0 // group_size) * stride_sg + offs_n                     # [BLOCK_N]
+            s = tl.load(s_ptr + g, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            z = tl.load(z_ptr + g, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         else:
-            g = offs_n[None, :] * stride_sn + (offs_k // group_size)[:, None]  # [BLOCK_K, BLOCK_N]
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            g = (offs_k // group_size)[None, :] * stride_sg + offs_n[:, None]  # [BLOCK_N, BLOCK_K]
+            mask = n_ok[:, None] & (offs_k < K)[None, :]
             s = tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g, mask=mask, other=0.0).to(tl.float32)
-        return q.to(tl.float32) * s - z
-    return tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0)
+        w = q * s - z
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                    mask=_tile_mask(n_ok, offs_k < K, EVEN_K), other=0.0)
+    return w
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
+def _dot(a, w, acc, IEEE: tl.constexpr):
+    """acc + a [M, K] @ w[N, K].T"""
     if IEEE:  # fp32 inputs: full precision, not TF32
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
+    return acc
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, a_ptr, slot_row_ptr, block_expert_ptr, n_padded_ptr,
-                    H, I, M, top_k, stride_xt, stride_we, stride_wn, stride_se, stride_sn, group_size,
-                    INT4: tl.constexpr, GROUP_TILE: tl.constexpr, IEEE: tl.constexpr,
+                    H, I, M, top_k, stride_xt, stride_we, stride_wn, stride_se, stride_sg, group_size,
+                    INT4: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(n_padded_ptr):
-        return
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(slot_row_ptr + offs_m)                 # flat (t, j) rows; M = padding
-    tok = tl.where(rows < M, rows // top_k, 0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)      # intermediate columns
-    n_ok = offs_n < I
-    w_e, s_e, z_e = w_ptr + e * stride_we, s_ptr + e * stride_se, z_ptr + e * stride_se
-    up = I * stride_wn                                    # W3 rows follow W1's
-    up_s = I * stride_sn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < H
-        x = tl.load(x_ptr + tok[:, None] * stride_xt + offs_k[None, :],
-                    mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
-        wg = _weight_tile(w_e, s_e, z_e, offs_n, n_ok, offs_k, k_ok, k0, stride_wn, stride_sn, group_size,
-                          INT4, GROUP_TILE)
-        wu = _weight_tile(w_e + up, s_e + up_s, z_e + up_s, offs_n, n_ok, offs_k, k_ok, k0, stride_wn, stride_sn,
-                          group_size, INT4, GROUP_TILE)
-        acc_g = _dot(x, wg.to(x.dtype), acc_g, IEEE)
-        acc_u = _dot(x, wu.to(x.dtype), acc_u, IEEE)
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u          # silu(gate) * up
-    tl.store(a_ptr + offs_m[:, None] * I + offs_n[None, :], act.to(a_ptr.dtype.element_ty), mask=n_ok[None, :])
+    if pid_m * BLOCK_M < tl.load(n_padded_ptr):           # blocks past the real end do nothing
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.load(slot_row_ptr + offs_m)             # flat (t, j) rows; M = padding
+        tok = tl.where(rows < M, rows // top_k, 0)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # intermediate columns
+        n_ok = offs_n < I
+        w_e, s_e, z_e = w_ptr + e * stride_we, s_ptr + e * stride_se, z_ptr + e * stride_se
+        up = I * stride_wn                                # W3 rows follow W1's (rows, and scale columns)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + tok[:, None] * stride_xt + offs_k[None, :],
+                        mask=_tile_mask(rows < M, offs_k < H, EVEN_K), other=0.0)
+            wg = _weight_tile(w_e, s_e, z_e, offs_n, n_ok, k0, H, stride_wn, stride_sg, group_size,
+                              INT4, GROUP_TILE, EVEN_K, BLOCK_N, BLOCK_K)
+            wu = _weight_tile(w_e + up, s_e + I, z_e + I, offs_n, n_ok, k0, H, stride_wn, stride_sg, group_size,
+                              INT4, GROUP_TILE, EVEN_K, BLOCK_N, BLOCK_K)
+            acc_g = _dot(x, wg, acc_g, IEEE)
+            acc_u = _dot(x, wu, acc_u, IEEE)
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u      # silu(gate) * up
+        tl.store(a_ptr + offs_m[:, None] * I + offs_n[None, :], act.to(a_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
 @triton.jit
 def _down_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, rw_ptr, slot_row_ptr, block_expert_ptr, n_padded_ptr,
-                 H, I, M, stride_we, stride_wn, stride_se, stride_sn, group_size,
-                 INT4: tl.constexpr, GROUP_TILE: tl.constexpr, IEEE: tl.constexpr,
+                 H, I, M, stride_we, stride_wn, stride_se, stride_sg, group_size,
+                 INT4: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(n_padded_ptr):
-        return
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(slot_row_ptr + offs_m)
-    real = rows < M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)      # hidden columns
-    n_ok = offs_n < H
-    w_e, s_e, z_e = w_ptr + e * stride_we, s_ptr + e * stride_se, z_ptr + e * stride_se
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < I
-        a = tl.load(a_ptr + offs_m[:, None] * I + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-        w = _weight_tile(w_e, s_e, z_e, offs_n, n_ok, offs_k, k_ok, k0, stride_wn, stride_sn, group_size,
-                         INT4, GROUP_TILE)
-        acc = _dot(a, w.to(a.dtype), acc, IEEE)
-    rw = tl.load(rw_ptr + rows, mask=real, other=0.0).to(tl.float32)
-    acc = acc * rw[:, None]                               # the routing weight, in-kernel
-    tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=real[:, None] & n_ok[None, :])
+    if pid_m * BLOCK_M < tl.load(n_padded_ptr):
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.load(slot_row_ptr + offs_m)
+        real = rows < M
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # hidden columns
+        n_ok = offs_n < H
+        w_e, s_e, z_e = w_ptr + e * stride_we, s_ptr + e * stride_se, z_ptr + e * stride_se
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + offs_m[:, None] * I + offs_k[None, :], mask=_tile_mask(offs_m >= 0, offs_k < I, EVEN_K),
+                        other=0.0)
+            w = _weight_tile(w_e, s_e, z_e, offs_n, n_ok, k0, I, stride_wn, stride_sg, group_size,
+                             INT4, GROUP_TILE, EVEN_K, BLOCK_N, BLOCK_K)
+            acc = _dot(a, w, acc, IEEE)
+        rw = tl.load(rw_ptr + rows, mask=real, other=0.0).to(tl.float32)
+        acc = acc * rw[:, None]                           # the routing weight, in-kernel
+        tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=real[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -184,6 +208,8 @@ def _weight_row(ids_ptr, remap_ptr, offs, M, HAS_REMAP: tl.constexpr):
     return tl.where(ok, e.to(tl.int32), -1)
 
 
+# CPU tensors can be launched on: the interpreter runs the kernels (or aot.record takes the launches)
+LAUNCHES_ON_CPU = type(_gate_up_kernel).__name__ == "InterpretedFunction"
 ALIGN_ONE_PROGRAM_ROWS = 1024  # more (T, j) rows (a long prefill) than one program should walk alone
 
 
@@ -206,13 +232,29 @@ def align_rows_triton(ids: torch.Tensor, n_weight_rows: int, remap: torch.Tensor
     return Alignment(slot_row, block_expert, row_slot, n_padded)
 
 
-def group_tile(group_size: int) -> bool:
-    """Whether each [BLOCK_K] step of the K loop lies in one INT4 group (then one scale load a column)."""
-    return group_size % BLOCK_K == 0
+def int4_block_k(K: int) -> int:
+    return BLOCK_K_INT4 if K % BLOCK_K_INT4 == 0 else BLOCK_K
+
+
+def group_tile(group_size: int, block_k: int = BLOCK_K_INT4) -> bool:
+    """Whether each [block_k] step of the K loop lies in one INT4 group (then one scale load a row)."""
+    return group_size % block_k == 0
+
+
+def _tiles(w, K: int, gate_up: bool) -> dict:
+    """The launch constants of a weight's K loop: INT4 or not, its block sizes, whether tiles lie in
+    one group and whether the block divides K, and the warps. They depend on the weights only, never
+    on T. INT4 gate_up dequantizes two tiles a step: 64 rows over 8 warps keep them in registers
+    (32 rows over 4 spill on sm_90 with Triton 3.6's ptxas; tests/test_aot.py)."""
+    int4 = isinstance(w, Int4Experts)
+    block_k = int4_block_k(K) if int4 else BLOCK_K
+    block_n, warps = (2 * BLOCK_N, 8) if int4 and gate_up else (BLOCK_N, 4)
+    return dict(INT4=int4, GROUP_TILE=int4 and group_tile(w.group_size, block_k), EVEN_K=K % block_k == 0,
+                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
 
 
 def _parts(w, dtype):
-    """(codes or dense weights, scales, shifts, stride_e of scales, stride_n of scales, group size)."""
+    """(int32 words or dense weights, scales, shifts, stride_e of scales, stride_g of scales, group size)."""
     if isinstance(w, Int4Experts):
         q, s, z = w.qweight.contiguous(), w.scale.contiguous(), w.shift.contiguous()
         return q, s, z, s.stride(0), s.stride(1), w.group_size
@@ -223,13 +265,12 @@ def _parts(w, dtype):
 def moe_rows_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13, w2,
                     remap: torch.Tensor | None) -> torch.Tensor:
     """[T, k, H]: the Triton version of reference.moe_rows_torch."""
-    if not x.is_cuda and type(_gate_up_kernel).__name__ != "InterpretedFunction":
+    if not x.is_cuda and not LAUNCHES_ON_CPU:
         raise ConfigError("the triton backend on CPU tensors needs TRITON_INTERPRET=1 in the environment "
                           "before triton is first imported (optimum-quanto imports it)")
     T, k = ids.shape
     H, M = x.shape[1], T * k
-    int4 = isinstance(w13, Int4Experts)
-    R = w13.n_experts if int4 else w13.shape[0]
+    R = w13.n_experts if isinstance(w13, Int4Experts) else w13.shape[0]
     I = w2.shape[2]
     x = x.contiguous()
     a = align_rows_triton(ids, R, remap)
@@ -241,15 +282,17 @@ def moe_rows_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     rw = weights.reshape(-1).contiguous()
     ieee = x.dtype == torch.float32
     q13, s13, z13, se13, sn13, g13 = _parts(w13, x.dtype)
-    _gate_up_kernel[(nb, triton.cdiv(I, BLOCK_N))](
+    tiles = _tiles(w13, H, gate_up=True)
+    _gate_up_kernel[(nb, triton.cdiv(I, tiles["BLOCK_N"]))](
         x, q13, s13, z13, act, a.slot_row, a.block_expert, a.n_padded,
         H, I, M, k, x.stride(0), q13.stride(0), q13.stride(1), se13, sn13, g13,
-        INT4=int4, GROUP_TILE=int4 and group_tile(g13), IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        IEEE=ieee, BLOCK_M=BLOCK_M, **tiles)
     q2, s2, z2, se2, sn2, g2 = _parts(w2, x.dtype)
-    _down_kernel[(nb, triton.cdiv(H, BLOCK_N))](
+    tiles = _tiles(w2, I, gate_up=False)
+    _down_kernel[(nb, triton.cdiv(H, tiles["BLOCK_N"]))](
         act, q2, s2, z2, out, rw, a.slot_row, a.block_expert, a.n_padded,
         H, I, M, q2.stride(0), q2.stride(1), se2, sn2, g2,
-        INT4=int4, GROUP_TILE=int4 and group_tile(g2), IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        IEEE=ieee, BLOCK_M=BLOCK_M, **tiles)
     return out.view(T, k, H)
 
 

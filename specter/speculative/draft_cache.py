@@ -35,7 +35,7 @@ from specter.triton_ops import Int4Experts, pack_int4
 from ..errors import ConfigError
 from ..moe import ExpertWeights
 
-FORMAT = 1
+FORMAT = 2  # 2: int32 words of eight codes, group-major scales (triton_ops/int4.py)
 GROUP_SIZE = 128
 _SAMPLES, _BLOCK = 32, 64 << 10
 
@@ -123,7 +123,7 @@ def _crc(t: torch.Tensor) -> str:
     return f"{zlib.crc32(t.view(-1).view(torch.uint8).numpy()):08x}"
 
 
-_ST_NAMES = {torch.uint8: "U8", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_ST_NAMES = {torch.uint8: "U8", torch.int32: "I32", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 def _write(path: Path, key: str, layer: int, q: tuple[Int4Experts, Int4Experts]) -> None:
