@@ -61,6 +61,20 @@ def width_buckets(k_max: int) -> tuple[int, ...]:
     return tuple(out) + (top,)
 
 
+def graph_plan(n_layers: int, vocab: int, hidden: int, k_max: int, itemsize: int) -> dict:
+    """The CUDA graphs a speculative engine records per generating thread and KV cache: the
+    verifier's widths x (layers + 2) (VerifyStep.recordings) and the draft step's two. Their memory
+    is one pool per thread that every graph reuses (each verification one path through it), so it
+    is about the widest verification's working set: its fp32 logits (and their clone) and a few
+    [W, hidden] activations; attention keeps no scores (fused SDPA). An estimate: the engine
+    measures what the recordings took (stats["cuda_graphs"]["bytes"])."""
+    widths = width_buckets(k_max)
+    W = widths[-1]
+    verify = len(widths) * (n_layers + 2)
+    pool = 2 * W * vocab * 4 + 16 * W * hidden * itemsize
+    return dict(recordings=verify + 2, verify=verify, draft=2, widths=len(widths), pool_bytes=pool)
+
+
 class LayerKV(KVCache):
     """One layer's K/V buffers seen as a cache: what a segment's attention writes. The layer index
     the attention module passes is ignored, so one graph serves every layer."""
@@ -125,7 +139,7 @@ class VerifyStep:
     def recordings(self) -> int:
         """CUDA graphs the pieces record per KV cache and per thread: every width bucket of enter and
         head, and of each layer's segment (one per layer: its weights and K/V are its static inputs)."""
-        return len(self.buckets) * (len(self.model.model.layers) + 2)
+        return len(self.buckets) * (len(self.model.model.layers) + 2)  # = graph_plan(...)["verify"]
 
     def width(self, T: int) -> int:
         for w in self.buckets:

@@ -144,10 +144,16 @@ def cmd_plan(args) -> int:
     copies = f"host->device copies: {host.h2d_path}"
     if host.h2d_path == "pinned store":
         copies += f" (if the host cannot pin it: {describe_staging(host.staging_bytes)})"
+    graphs = _graph_plan(spec, device, args.policy, dtype)
+    if graphs is not None:  # one more line under the copies
+        copies += f"\nCUDA graphs (compiled draft and verifier): {graphs['recordings']} recorded per generating " \
+                  f"thread and KV cache size, before its first generation there (verifier {graphs['widths']} " \
+                  f"widths x ({spec.n_layers} layers + 2), draft 2); one pool per thread, " \
+                  f"~{format_size(graphs['pool_bytes'])} (estimate; measured: stats cuda_graphs)"
     if args.device_memory is not None:
         f = fit(spec, numel, dtype, args.device_memory, policy=args.policy, context=args.context)
         if args.json:
-            print(json.dumps({**f.as_dict(), "host": vars(host), "dtype": str(dtype)[6:]}))
+            print(json.dumps({**f.as_dict(), "host": vars(host), "dtype": str(dtype)[6:], "cuda_graphs": graphs}))
             return 0
         print(head)
         if f.fits:
@@ -169,13 +175,23 @@ def cmd_plan(args) -> int:
         hosts += f", emulated device {format_size(host.device_bytes)} (host memory on cpu: a big model's slot " \
                  f"pool aliases the store)"
     if args.json:
-        print(json.dumps({**plan.as_dict(), "host": vars(host)}))
+        print(json.dumps({**plan.as_dict(), "host": vars(host), "cuda_graphs": graphs}))
     else:
         print(head)
         print(plan.table())
         print(hosts)
         print(copies)
     return 0
+
+
+def _graph_plan(spec, device, policy: str, dtype) -> dict | None:
+    """CUDA graphs a speculative policy records on CUDA (compiled by default there), at the default
+    K_max; None elsewhere."""
+    if device.type != "cuda" or policy not in ("spec-lru", "specter"):
+        return None
+    from .compiled.verify_step import graph_plan
+
+    return graph_plan(spec.n_layers, spec.vocab_size, spec.hidden, 32, dtype.itemsize)
 
 
 def _plan_device(device: str, sized: bool):

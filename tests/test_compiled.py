@@ -278,6 +278,8 @@ def test_graph_recordings_are_bounded_and_all_made_before_generating(tiny_path):
     warm-up met are `recordings()` per step, and generations, on two threads, meet no other."""
     import threading
 
+    from specter.compiled.verify_step import graph_plan
+
     ref = specter.load(tiny_path, device="cpu", policy="resident")
     eng = specter.load(tiny_path, device="cpu", policy="specter", residency=0.5)
     dec = eng.decoder
@@ -337,6 +339,8 @@ def test_graph_recordings_are_bounded_and_all_made_before_generating(tiny_path):
             assert want is None or got == want
         assert seen and seen <= warm, seen - warm  # nothing recorded once generating
         per_thread = draft.recordings() + verify.recordings()
+        spec = dec.model.spec
+        assert per_thread == graph_plan(spec.n_layers, spec.vocab_size, spec.hidden, 32, 2)["recordings"]
         assert len(warm) == 2 * per_thread  # two threads, one cache (it never grew)
         graphs = outs[-1][2]
         assert graphs["recordings"] == 2 * per_thread and graphs["threads"] == 2 and graphs["warmups"] == 2
@@ -344,3 +348,22 @@ def test_graph_recordings_are_bounded_and_all_made_before_generating(tiny_path):
     finally:
         eng.close()
         ref.close()
+
+
+def test_plan_says_how_many_cuda_graphs_and_their_pool(capsys):
+    """`specter plan` for a speculative policy on CUDA counts the recordings VerifyStep and DraftStep
+    make per thread and cache (the bundled model: 4 layers, K_max 32) and estimates their pool."""
+    import json
+
+    from specter.cli import main
+    from specter.compiled.verify_step import graph_plan
+
+    assert main(["plan", "--device", "cuda", "--policy", "specter", "--json"]) == 0
+    graphs = json.loads(capsys.readouterr().out)["cuda_graphs"]
+    assert graphs["recordings"] == 6 * (4 + 2) + 2 and graphs["pool_bytes"] > 2 * 33 * 4096 * 4
+    assert main(["plan", "--device", "cuda", "--policy", "specter"]) == 0
+    assert "CUDA graphs (compiled draft and verifier): 38 recorded per generating thread" in capsys.readouterr().out
+    for argv in (["--device", "cuda", "--policy", "on-demand"], ["--device", "cpu", "--policy", "specter"]):
+        assert main(["plan", *argv, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["cuda_graphs"] is None
+    assert graph_plan(48, 151936, 2048, 32, 2)["recordings"] == 6 * 50 + 2  # Qwen3-30B-A3B's shape
