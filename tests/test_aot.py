@@ -1,0 +1,132 @@
+"""Every kernel specialization the engine launches compiles for real NVIDIA targets (sm_80, sm_89,
+sm_90), without a GPU: the launches are recorded from fused_moe's own launch code on CPU stand-in
+tensors of real model shapes and compiled ahead of time (specter.triton_ops.aot). The interpreter
+the other kernel tests use runs kernels as Python and cannot see what this sees: type errors of
+compiled Triton, register spills, shared memory, and how wide the weight loads are.
+
+Runs against the Triton installed, and against the lowest Triton pyproject.toml allows when
+.ci/run has put it in $SPECTER_TRITON_LOWEST (a directory for PYTHONPATH), in a subprocess.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton.backends.nvidia", reason="needs a Triton wheel with its NVIDIA backend")
+
+from specter.triton_ops import aot, kernels  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def launches():
+    return aot.engine_launches()
+
+
+@pytest.fixture(scope="module")
+def reports(launches):
+    return [(launch, aot.inspect(launch, cc)) for launch in launches for cc in aot.TARGETS]
+
+
+def test_recorded_launches_cover_every_kernel_and_variant(launches):
+    """The matrix the engine launches: align (with and without a remap row), both expert kernels
+    dense and INT4, with and without masked K tiles, and the combine."""
+    names = {launch.kernel.fn.__name__ for launch in launches}
+    assert names == set(aot.KERNELS)
+    variants = {(launch.kernel.fn.__name__, launch.kwargs.get("INT4"), launch.kwargs.get("HAS_REMAP"))
+                for launch in launches}
+    assert {("_gate_up_kernel", False, None), ("_gate_up_kernel", True, None), ("_down_kernel", False, None),
+            ("_down_kernel", True, None), ("_align_kernel", None, True), ("_align_kernel", None, False)} <= variants
+    assert any(launch.kwargs.get("GROUP_TILE") for launch in launches)
+
+
+def test_every_specialization_compiles_without_spills_within_shared_memory(reports):
+    for launch, r in reports:
+        assert r.spill_bytes == 0, (r.kernel, r.cc, r.signature, r.registers)
+        assert r.shared_bytes <= aot.SHARED_LIMIT[r.cc], (r.kernel, r.cc, r.shared_bytes)
+        assert r.registers <= 255
+
+
+def test_no_kernel_loads_single_bytes(reports):
+    for launch, r in reports:
+        assert r.byte_loads == 0, (r.kernel, r.cc, r.loads)
+
+
+def _weight_tiles(launch):
+    """(rows, cols, element) of the weight tiles of an expert kernel's launch."""
+    kw = launch.kwargs
+    if kw["INT4"]:
+        return {(kw["BLOCK_N"], kw["BLOCK_K"] // 8, "i32")}
+    return {(kw["BLOCK_N"], kw["BLOCK_K"], e) for e in ("bf16", "f16", "f32")}
+
+
+def test_weight_tiles_are_read_with_wide_loads(reports):
+    """Dense and INT4 weight tiles go through cp.async (or vector loads), 16 bytes a thread where a
+    weight row is a multiple of 64 bytes (every real model's), whole int32 words at least elsewhere
+    (the bundled model's INT4 w2: 96-byte rows, whose alignment Triton cannot prove)."""
+    for launch, r in reports:
+        if r.kernel not in ("gate_up_kernel", "down_kernel"):
+            continue
+        widths = r.weight_load_bytes(_weight_tiles(launch))
+        assert widths, (r.kernel, r.cc, r.tile_loads)
+        K = launch.args[8] if r.kernel == "gate_up_kernel" else launch.args[10]  # H, or I
+        row_bytes = K // 2 if launch.kwargs["INT4"] else K * 2
+        floor = 16 if row_bytes % 64 == 0 else 4
+        assert min(widths) >= floor, (r.kernel, r.cc, row_bytes, r.tile_loads)
+
+
+def test_real_model_shapes_are_recorded_at_their_sizes():
+    """Stand-ins are real sizes in untouched memory: Mixtral's w13 is 1.75 GiB of address space."""
+    H, I, E, k = aot.MODELS["Mixtral-8x7B"]
+    w13, w2 = aot.stand_in_experts(E, H, I, torch.bfloat16, int4=False)
+    assert w13.shape == (8, 2 * 14336, 4096) and w13.nbytes == 8 * 2 * 14336 * 4096 * 2
+    log = aot.record_moe(H, I, E, k, 1, torch.bfloat16, False, None)
+    assert [launch.kernel.fn.__name__ for launch in log] == list(aot.KERNELS)
+    assert log[1].grid[1] == -(-I // log[1].kwargs["BLOCK_N"]) and log[2].grid[1] == H // log[2].kwargs["BLOCK_N"]
+
+
+def test_a_kernel_that_only_the_interpreter_accepts_fails_here():
+    """The fault class this guards: an `if C: return a` then `return b` of another type runs under
+    the interpreter and does not compile."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def two_returns(x_ptr, C: tl.constexpr):
+        if C:
+            return tl.load(x_ptr).to(tl.uint8)
+        return tl.load(x_ptr)
+
+    @triton.jit
+    def kern(x_ptr, y_ptr, C: tl.constexpr):
+        tl.store(y_ptr, two_returns(x_ptr, C).to(tl.float32))
+
+    x = torch.zeros(4)
+    launch = aot.Launch(kern, (1,), (x, x), {"C": True})
+    with pytest.raises(Exception) as failed:
+        aot.compile_launch(launch, 90)
+    chain, e = [], failed.value
+    while e is not None:
+        chain.append(str(e))
+        e = e.__cause__ or e.__context__
+    assert re.search(r"[Ii]nconsistent return types|[Rr]eturn type mismatch", "\n".join(chain))  # 3.6 | 3.9
+
+
+LOWEST = os.environ.get("SPECTER_TRITON_LOWEST")
+
+
+@pytest.mark.skipif(not LOWEST, reason="SPECTER_TRITON_LOWEST (a PYTHONPATH with the lowest Triton allowed) "
+                                       "is set by .ci/run")
+def test_the_lowest_allowed_triton_passes_these_tests_too():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [LOWEST, os.environ.get("PYTHONPATH")])))
+    env.pop("SPECTER_TRITON_LOWEST")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    check = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"], env=env,
+                           capture_output=True, text=True)
+    assert check.stdout.strip() != __import__("triton").__version__, "the lowest Triton was not the one imported"

@@ -1,0 +1,282 @@
+"""Ahead-of-time compiles of the kernels fused_moe launches, for NVIDIA targets, on any machine.
+
+The interpreter (TRITON_INTERPRET=1) runs a kernel as Python, so it accepts code compiled Triton
+rejects and says nothing of registers, spills, shared memory or load widths. This module compiles
+the very launches the engine makes, without a GPU (the Triton wheel ships ptxas):
+
+    with recording() as launches:            every @triton.jit kernel of kernels.py swapped for a
+        moe_rows_triton(...)                 recorder: the launch code runs on CPU stand-in
+                                             tensors of real shapes (untouched memory), nothing runs
+    compile_launch(launch, cc)               Triton's own binder specializes the arguments as a
+                                             launch on that target would (divisibility by 16,
+                                             pointer alignment, constexprs), then triton.compile
+    inspect(kernel)                          registers and spills (ptxas -v), shared memory, and
+                                             the global loads in the PTX by kind and width
+
+`python -m specter.triton_ops.aot` prints the table for the shapes of MODELS.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import triton
+
+from . import kernels
+from .int4 import Int4Experts
+
+TARGETS = {80: "A100", 89: "L4 / RTX 4090", 90: "H100 / H200"}
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # bytes a block may hold
+
+# (H, I, routed experts, top-k) of the routed experts of the models the engine is made for
+MODELS = {
+    "Mixtral-8x7B": (4096, 14336, 8, 2),
+    "Qwen3-30B-A3B": (2048, 768, 128, 8),
+    "DeepSeek-V2-Lite": (2048, 1408, 64, 6),
+    "bundled": (256, 192, 16, 2),
+}
+KERNELS = ("_align_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel")
+
+
+@dataclass
+class Launch:
+    kernel: object   # the JITFunction
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+class _Recorder:
+    def __init__(self, fn, log: list[Launch]):
+        self.fn, self.log = fn, log
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.log.append(Launch(self.fn, grid, args, kwargs))
+
+
+@contextmanager
+def recording():
+    """Kernel launches of kernels.py inside the block are recorded (in order), not run."""
+    log: list[Launch] = []
+    saved = {name: getattr(kernels, name) for name in KERNELS}
+    launches_on_cpu = kernels.LAUNCHES_ON_CPU
+    try:
+        for name, fn in saved.items():
+            setattr(kernels, name, _Recorder(fn, log))
+        kernels.LAUNCHES_ON_CPU = True
+        yield log
+    finally:
+        for name, fn in saved.items():
+            setattr(kernels, name, fn)
+        kernels.LAUNCHES_ON_CPU = launches_on_cpu
+
+
+def stand_in_experts(R: int, H: int, I: int, dtype: torch.dtype, int4: bool, group_size: int = 128):
+    """(w13 [R, 2I, H], w2 [R, H, I]) of the real sizes, dense or Int4Experts, in untouched memory."""
+    if not int4:
+        return torch.empty(R, 2 * I, H, dtype=dtype), torch.empty(R, H, I, dtype=dtype)
+
+    def packed(N, K):
+        g = min(group_size, K)
+        return Int4Experts(torch.empty(R, N, K // 8, dtype=torch.int32), torch.empty(R, K // g, N, dtype=dtype),
+                           torch.empty(R, K // g, N, dtype=dtype))
+    return packed(2 * I, H), packed(H, I)
+
+
+def record_moe(H: int, I: int, E: int, k: int, T: int, dtype: torch.dtype, int4: bool, slots: int | None):
+    """The launches of one fused MoE call (expert rows, then their combine) over E experts, or over
+    `slots` weight rows of a slot pool through a remap row when slots is given."""
+    R = slots or E
+    w13, w2 = stand_in_experts(R, H, I, dtype, int4)
+    x = torch.empty(T, H, dtype=dtype)
+    ids = torch.randint(0, E, (T, k))
+    weights = torch.empty(T, k, dtype=dtype)
+    remap = torch.full((E,), -1, dtype=torch.int32) if slots else None
+    with recording() as log:
+        rows = kernels.moe_rows_triton(x, ids, weights, w13, w2, remap)
+        kernels.combine_triton(rows)
+    return log
+
+
+def _key(launch: Launch, cc: int):
+    """What makes a compile distinct: the binder's specialization of every argument."""
+    return launch.kernel.fn.__name__, cc, repr(_bind(launch, cc)[1:])
+
+
+def _bind(launch: Launch, cc: int):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = launch.kernel
+    target = GPUTarget("cuda", cc, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound, specialization, options)
+    return target, signature, constexprs, attrs, options
+
+
+_compiled: dict = {}
+
+
+def compile_launch(launch: Launch, cc: int):
+    """The CompiledKernel a launch with these arguments builds on compute capability `cc` (cached
+    per specialization, so equal signatures compile once)."""
+    key = _key(launch, cc)
+    if key not in _compiled:
+        from triton.compiler import ASTSource
+
+        target, signature, constexprs, attrs, options = _bind(launch, cc)
+        src = ASTSource(launch.kernel, signature, constexprs, attrs)
+        _compiled[key] = triton.compile(src, target=target, options=options.__dict__)
+    return _compiled[key]
+
+
+@dataclass
+class Report:
+    kernel: str
+    cc: int
+    registers: int
+    spill_bytes: int           # spill stores + spill loads
+    shared_bytes: int
+    loads: dict = field(default_factory=dict)  # kind -> count: "cp.async.16", "ld.v4.b32", "ld.u8", ...
+    tile_loads: list = field(default_factory=list)  # (how, bytes a thread) of each [rows, cols] 2-D tile load
+    signature: str = ""
+
+    def weight_load_bytes(self, shapes) -> list[int]:
+        """Bytes a thread of each load of a tile whose (rows, cols, element) is in `shapes`."""
+        return [nbytes for shape, how, nbytes in self.tile_loads if shape in shapes]
+
+    @property
+    def byte_loads(self) -> int:
+        return sum(n for kind, n in self.loads.items() if kind.startswith("ld") and kind.rsplit(".", 1)[-1][1:] == "8")
+
+    @property
+    def wide_loads(self) -> int:
+        """Loads of 8 or more bytes a thread: vector ld.global, or cp.async of 8 / 16 bytes."""
+        wide = 0
+        for kind, n in self.loads.items():
+            if kind.startswith("cp.async."):
+                wide += n if int(kind.rsplit(".", 1)[1]) >= 8 else 0
+            elif ".v" in kind:
+                v, width = re.search(r"\.v(\d)\.[a-z]+(\d+)$", kind).groups()
+                wide += n if int(v) * int(width) >= 64 else 0
+        return wide
+
+
+_LD = re.compile(r"^\s*(?:@%p\d+\s+)?ld\.global((?:\.[a-z0-9:]+)*)\s")
+_CP = re.compile(r"^\s*(?:@%p\d+\s+)?cp\.async\.(?:ca|cg)\.shared\.global(?:\.[a-z0-9:]+)*\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(0x[0-9a-f]+|\d+)")
+
+
+def load_kinds(ptx: str) -> dict[str, int]:
+    """Global loads of a PTX listing by kind: 'ld.v4.b32' (vector width and element), 'ld.u8', or
+    'cp.async.16' (bytes a thread), cache hints left out."""
+    kinds: dict[str, int] = {}
+    for line in ptx.splitlines():
+        if m := _LD.match(line):
+            parts = [p for p in m.group(1).split(".") if p and not p.startswith(("nc", "L1", "L2", "ca", "cg", "cs",
+                                                                                 "lu", "cv", "global", "relaxed",
+                                                                                 "acquire", "gpu", "sys", "cta"))]
+            kind = "ld." + ".".join(parts)
+        elif m := _CP.match(line):
+            kind = f"cp.async.{int(m.group(1), 0)}"
+        else:
+            continue
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
+_LAYOUT = re.compile(r"^#(\w+) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\].*order = \[([\d, ]+)\]")
+_TILE_LOAD = re.compile(r"= (ttg\.async_copy_global_to_local|tt\.load) .*?(?:contiguity = (\d+) : i32\}.*?)?"
+                        r": tensor<(\d+)x(\d+)x!tt\.ptr<(\w+)>, #(\w+)>")
+_ELEM_BYTES = {"i8": 1, "u8": 1, "i16": 2, "bf16": 2, "f16": 2, "i32": 4, "f32": 4, "i64": 8}
+
+
+def tile_loads(ttgir: str) -> list[tuple[tuple[int, int, str], str, int]]:
+    """2-D tile loads of a TTGIR listing: ((rows, cols, element), op, bytes a thread), the bytes being
+    the elements a thread reads contiguously (its layout's sizePerThread along the fastest axis,
+    capped by the contiguity Triton proved for an async copy)."""
+    layouts = {}
+    for line in ttgir.splitlines():
+        if m := _LAYOUT.match(line):
+            size = [int(v) for v in m.group(2).split(",")]
+            order = [int(v) for v in m.group(3).split(",")]
+            layouts[m.group(1)] = size[order[0]]
+    out = []
+    for line in ttgir.splitlines():
+        if (m := _TILE_LOAD.search(line)) and m.group(6) in layouts:
+            op, contiguity, rows, cols, elem, layout = m.groups()
+            n = layouts[layout] if contiguity is None else min(layouts[layout], int(contiguity))
+            out.append(((int(rows), int(cols), elem), op.split(".")[-1], n * _ELEM_BYTES[elem]))
+    return out
+
+
+def _ptxas_usage(ptx: str, cc: int) -> tuple[int, int]:
+    """(registers, spill bytes) from ptxas -v on the kernel's own PTX, for the PTX's own target, with
+    the ptxas Triton itself uses for that target."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    arch = re.search(r"^\.target\s+(sm_\w+)", ptx, re.M).group(1)
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        res = subprocess.run([get_ptxas(cc).path, "-v", f"--gpu-name={arch}", str(src), "-o",
+                              str(Path(d) / "k.cubin")], capture_output=True, text=True, check=True)
+    out = res.stdout + res.stderr
+    regs = int(re.search(r"Used (\d+) registers", out).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
+    return regs, spills
+
+
+def inspect(launch: Launch, cc: int) -> Report:
+    k = compile_launch(launch, cc)
+    ptx = k.asm["ptx"]
+    regs, spills = _ptxas_usage(ptx, cc)
+    _, signature, constexprs, _, _ = _bind(launch, cc)
+    flags = ",".join(f"{n}={v}" for n, v in launch.kwargs.items() if n in ("INT4", "GROUP_TILE", "HAS_REMAP") and v)
+    return Report(launch.kernel.fn.__name__.strip("_"), cc, regs, spills, k.metadata.shared, load_kinds(ptx),
+                  tile_loads(k.asm["ttgir"]), f"{signature.get('x_ptr') or signature.get('rows_ptr') or signature.get('ids_ptr')} {flags}")
+
+
+def engine_launches(models=MODELS, widths=(1, 8, 33), dtypes=(torch.bfloat16, torch.float16)):
+    """Every distinct launch fused_moe makes for these models: dense experts in each dtype and
+    INT4 experts (the draft, scales in the first dtype), over all experts and over a slot pool
+    (a quarter of the experts, remap row), at each T, with each model's top-k and top-1."""
+    seen, out = set(), []
+    for name, (H, I, E, k) in models.items():
+        cases = [(dt, False) for dt in dtypes] + [(dtypes[0], True)]
+        for (dtype, int4), slots, T, topk in ((c, s, t, kk) for c in cases for s in (None, max(k, E // 4))
+                                              for t in widths for kk in sorted({1, k})):
+            for launch in record_moe(H, I, E, topk, T, dtype, int4, slots):
+                key = _key(launch, 90)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(launch)
+    return out
+
+
+def main() -> None:
+    import time
+
+    t0 = time.perf_counter()
+    launches = engine_launches()
+    print(f"{len(launches)} distinct specializations, compiled for sm_{', sm_'.join(map(str, TARGETS))} "
+          f"(triton {triton.__version__})")
+    print(f"{'kernel':<10} {'sm':>3} {'regs':>5} {'spill':>6} {'smem KiB':>9}  {'loads':<44} signature")
+    for launch in launches:
+        for cc in TARGETS:
+            r = inspect(launch, cc)
+            loads = " ".join(f"{k}x{n}" for k, n in sorted(r.loads.items()))
+            print(f"{r.kernel:<10} {cc:>3} {r.registers:>5} {r.spill_bytes:>6} {r.shared_bytes / 1024:>9.1f}  "
+                  f"{loads:<44} {r.signature}")
+    print(f"{time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
