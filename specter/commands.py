@@ -83,6 +83,9 @@ def add_subcommands(sub, model_args, sampling_args) -> None:
                          "(default 10)")
     sv.add_argument("--timeout-keep-alive", type=float, default=5, metavar="S",
                     help="close a connection idle this long between requests (default 5)")
+    sv.add_argument("--request-timeout", type=float, default=60, metavar="S",
+                    help="close a connection whose request (headers and body) takes longer than this to arrive "
+                         "(default 60)")
     sv.add_argument("--limit-concurrency", type=positive_int, default=None, metavar="N",
                     help="most open connections and tasks; more get 503 (default: no limit)")
     sv.set_defaults(func=cmd_serve)
@@ -98,13 +101,15 @@ def cmd_serve(args) -> int:
         raise ConfigError("--max-request-bytes must be >= 0 (0 = no limit)")
     if args.shutdown_grace is not None and not args.shutdown_grace >= 0:
         raise ConfigError("--shutdown-grace must be a number of seconds >= 0")
+    if not (args.timeout_keep_alive > 0 and args.request_timeout > 0):
+        raise ConfigError("--timeout-keep-alive and --request-timeout must be a number of seconds > 0")
     keys = args.api_key if args.api_key else [k.strip() for k in os.environ.get("SPECTER_API_KEY", "").split(",")]
     keys = [k for k in keys if k]
     if args.api_key and len(keys) < len(args.api_key):
         raise ConfigError("--api-key must not be empty")
     options = dict(api_keys=keys, protect_all=args.api_key_all_routes, docs=args.docs,
                    max_tokens_default=args.max_tokens_default, timeout_keep_alive=args.timeout_keep_alive,
-                   limit_concurrency=args.limit_concurrency)
+                   request_timeout=args.request_timeout, limit_concurrency=args.limit_concurrency)
     if args.allowed_hosts:
         options["allowed_hosts"] = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
     if args.max_request_bytes is not None:

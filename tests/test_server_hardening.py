@@ -364,7 +364,8 @@ def test_docs_are_off_unless_asked_for_and_allowed_hosts_refuse_others(engine):
     with ServerThread(create_app(engine, docs=True, allowed_hosts=["127.0.0.1", "api.example.com"])) as url:
         assert httpx.get(url + "/docs").status_code == 200
         assert httpx.get(url + "/health", headers={"Host": "api.example.com"}).status_code == 200
-        assert httpx.get(url + "/v1/models", headers={"Host": "evil.example"}).status_code == 400
+        r = httpx.get(url + "/v1/models", headers={"Host": "evil.example"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
 
 
 def test_cli_api_keys_from_flags_or_environment_and_a_warning_off_loopback(monkeypatch, caplog):
@@ -444,3 +445,64 @@ def test_sigterm_mid_stream_ends_the_stream_with_done_answers_the_queued_503_and
     assert 0 < chunks[-1]["usage"]["completion_tokens"] < 2000
     r = queued["r"]
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+
+
+# ----------------------------------------------------------------------------- connections
+@pytest.fixture(scope="module")
+def strict_url(engine):
+    """Short connection deadlines: 1 s to send anything, 2 s to send a whole request."""
+    with ServerThread(create_app(engine), timeout_keep_alive=1, request_timeout=2) as url:
+        yield url
+
+
+def closed_within(s: socket.socket, seconds: float, trickle: bytes = b"") -> bool:
+    """Whether the server closes `s` within `seconds` (sending `trickle` a byte every 0.2 s meanwhile)."""
+    deadline = time.monotonic() + seconds
+    s.settimeout(0.2)
+    with s:
+        while time.monotonic() < deadline:
+            try:
+                if s.recv(4096) == b"":
+                    return True
+            except socket.timeout:
+                pass
+            except ConnectionResetError:
+                return True
+            if trickle:
+                try:
+                    s.sendall(trickle[:1])
+                except (BrokenPipeError, ConnectionResetError):
+                    return True
+                trickle = trickle[1:] or b"x"
+    return False
+
+
+def test_idle_and_slow_connections_are_closed(strict_url):
+    assert closed_within(socket.create_connection(address(strict_url)), 6)          # sends nothing
+    slow = socket.create_connection(address(strict_url))
+    slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    assert closed_within(slow, 8, trickle=b"X-Slow: " + b"a" * 100)                # headers a byte at a time
+    body = json.dumps(dict(prompt=PROMPT, max_tokens=2)).encode()
+    slow = socket.create_connection(address(strict_url))
+    slow.sendall(post_bytes(body)[:-10])
+    assert closed_within(slow, 8, trickle=b" " * 5)                                # a body that stalls
+
+
+def test_a_request_that_arrives_in_time_is_not_cut_by_the_deadlines(strict_url):
+    """The deadlines are for receiving requests: a stream may outlast them, and so may a kept-alive connection
+    that sends its next request in time."""
+    stream = client(strict_url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=1000, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 1000
+    with httpx.Client(timeout=30) as http:
+        for _ in range(3):
+            assert http.get(strict_url + "/health").status_code == 200
+            time.sleep(0.5)
+
+
+def test_oversized_headers_get_431(url):
+    raw = read_all(send_raw(url, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n"))
+    status, err, head = status_and_json(raw)
+    assert status == 431 and err["error"]["code"] == "headers_too_large"
+    assert httpx.get(url + "/health").status_code == 200

@@ -16,12 +16,15 @@ __all__ = ["create_app", "ServerThread", "serve"]
 class ServerThread:
     """uvicorn on a daemon thread, on a free port of `host`; the context value is the base URL."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, start_timeout: float = 60.0):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, start_timeout: float = 60.0, **options):
+        """options: http.config's (request_timeout, and uvicorn's own: timeout_keep_alive ...)."""
         import uvicorn
 
+        from . import http
+
         self.host, self.start_timeout = host, start_timeout
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(http.config(app, host, port, log_level="warning", timeout_graceful_shutdown=2,
+                                                 **options))
         self.thread = threading.Thread(target=self.server.run, name="specter-server", daemon=True)
 
     def __enter__(self) -> str:
@@ -47,17 +50,15 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | N
     """Serve until SIGINT/SIGTERM (the caller closes the engine), then shut down gracefully: no new
     connections or generations, queued requests answered 503, the running generation given
     `shutdown_grace` seconds before it is stopped (its stream still ends with a final chunk and
-    [DONE]), and return normally. `options`: create_app's keywords, plus uvicorn's `timeout_keep_alive`
-    and `limit_concurrency`."""
-    import uvicorn
-
+    [DONE]), and return normally. `options`: create_app's keywords, plus `request_timeout` (see
+    specter.server.http) and uvicorn's `timeout_keep_alive` and `limit_concurrency`."""
+    from . import http
     from .app import SHUTDOWN_GRACE
 
-    uv = {k: options.pop(k) for k in ("timeout_keep_alive", "limit_concurrency") if k in options}
+    uv = {k: options.pop(k) for k in ("request_timeout", "timeout_keep_alive", "limit_concurrency") if k in options}
     app = create_app(engine, model_name=model_name, max_queue=max_queue, **options)
     grace = options.get("shutdown_grace", SHUTDOWN_GRACE)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace + 10,
-                            h11_max_incomplete_event_size=MAX_HEADER_BYTES, **uv)
+    config = http.config(app, host, port, log_level=log_level, timeout_graceful_shutdown=grace + 10, **uv)
     if host not in LOOPBACK and not options.get("api_keys"):  # after Config: uvicorn's logging is set up
         import logging
 
@@ -66,8 +67,6 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | N
             "--api-key (or set SPECTER_API_KEY), or bind to 127.0.0.1", host)
     _server_class()(config).run()
 
-
-MAX_HEADER_BYTES = 64 * 1024   # request line + headers; larger ones are refused
 
 
 def _server_class():

@@ -85,7 +85,7 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
         app.add_middleware(LimitBody, limit=max_request_bytes)
     app.add_middleware(CountRequests, metrics=metrics)
     if allowed_hosts:
-        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
+        app.add_middleware(AllowedHosts, allowed_hosts=list(allowed_hosts))
 
     # ------------------------------------------------------------------------------- errors
     @app.exception_handler(APIError)
@@ -366,6 +366,34 @@ class LimitBody:
                         return
         except TimeoutError:
             pass
+
+
+class AllowedHosts:
+    """starlette's TrustedHostMiddleware (a Host header not in `allowed_hosts` is refused: DNS rebinding),
+    its plain-text refusal answered as an OpenAI-style 400 instead."""
+
+    def __init__(self, app, allowed_hosts: list[str]):
+        async def passed(scope, receive, send):
+            scope["specter.host_allowed"] = True
+            await app(scope, receive, send)
+
+        self.app, self.hosts = TrustedHostMiddleware(passed, allowed_hosts=allowed_hosts, www_redirect=False), \
+            allowed_hosts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def answer(message):
+            if scope.get("specter.host_allowed"):
+                return await send(message)
+            if message["type"] == "http.response.start":  # the refusal: ours instead
+                host = Headers(scope=scope).get("host", "")
+                error = APIError(400, f"the Host header {host!r} is not one this server answers to "
+                                      f"(--allowed-hosts {','.join(self.hosts)})", param=None, code="invalid_host")
+                await JSONResponse(error.body(), 400)(scope, receive, send)
+
+        await self.app(scope, receive, answer)
 
 
 class RequireKey:
