@@ -391,6 +391,8 @@ def test_cli_serve_wires_the_engine_options_into_uvicorn(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: seen.update(config=self.config))
+    # uvicorn's logging setup would point its handlers at this test's captured stderr, closed after it
+    monkeypatch.setattr(uvicorn.Config, "configure_logging", lambda self: None)
     assert main(["serve", "--device", "cpu", "--policy", "resident", "--port", "8123", "--max-queue", "3",
                  "--model-name", "m"]) == 0
     config = seen["config"]
