@@ -19,6 +19,8 @@ import time
 from collections import deque
 from typing import Callable
 
+import torch
+
 
 class WallClock:
     """CPU: host wall-clock readings, in seconds; every mark is ready."""
@@ -37,20 +39,22 @@ class WallClock:
 
 
 class EventClock:
-    """CUDA: events recorded on the current stream (`event()` makes one: torch.cuda.Event with timing,
-    or a stand-in in tests). Events are reused once their cycle is delivered."""
+    """CUDA: events recorded on `device`'s current stream (the current device's when None); `event()`
+    makes one: torch.cuda.Event with timing, or a stand-in in tests. Events are reused once their
+    cycle is delivered."""
 
-    def __init__(self, event: Callable | None = None):
+    def __init__(self, event: Callable | None = None, device=None):
         if event is None:
-            import torch
-
             def event():
                 return torch.cuda.Event(enable_timing=True)
-        self.event, self.free = event, []
+        self.event, self.free, self.device = event, [], device
 
     def mark(self):
         e = self.free.pop() if self.free else self.event()
-        e.record()
+        if self.device is None:
+            e.record()
+        else:
+            e.record(torch.cuda.current_stream(self.device))
         return e
 
     def ready(self, mark) -> bool:
@@ -64,9 +68,8 @@ class EventClock:
 
 
 def clock_for(device) -> WallClock | EventClock:
-    import torch
-
-    return EventClock() if torch.device(device).type == "cuda" else WallClock()
+    device = torch.device(device)
+    return EventClock(device=device) if device.type == "cuda" else WallClock()
 
 
 class CycleTimes:
