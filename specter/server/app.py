@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import json
 import logging
 import math
@@ -31,6 +32,7 @@ from .protocol import APIError, ChatRequest, CompletionRequest, new_id, now, usa
 from .scheduler import Job, QueueFull, Scheduler, ShuttingDown
 
 log = logging.getLogger("uvicorn.error")  # uvicorn's own error log, so its handlers print it
+SSE_GRACE = "shutdown_grace_period" in inspect.signature(EventSourceResponse.__init__).parameters
 
 # request fields that choose how tokens are drawn; a request that sets none of them gets the model's own
 # settings, as vLLM's --generation-config auto does; one that sets any gets OpenAI's defaults for the rest
@@ -249,9 +251,10 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
                 async def client_left(message):
                     job.cancel()
 
-                return EventSourceResponse(reply.events(job, first, include_usage), ping=15,
-                                           client_close_handler_callable=client_left,
-                                           shutdown_grace_period=shutdown_grace + 5)
+                sse = dict(client_close_handler_callable=client_left)
+                if SSE_GRACE:  # sse-starlette >= 3 ends streams on shutdown itself, unless given a grace period
+                    sse["shutdown_grace_period"] = shutdown_grace + 5
+                return EventSourceResponse(reply.events(job, first, include_usage), **sse)
             return await reply.collect(job, watch, first)
         finally:
             watch.close()
@@ -355,16 +358,18 @@ class LimitBody:
 
     async def _drain(self, receive) -> None:
         dropped = 0
+
+        async def drop():
+            nonlocal dropped
+            while dropped < self.DRAIN_BYTES:
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    return
+                dropped += len(message.get("body", b""))
+
         try:
-            async with asyncio.timeout(self.DRAIN_SECONDS):
-                while dropped < self.DRAIN_BYTES:
-                    message = await receive()
-                    if message["type"] != "http.request":
-                        return
-                    dropped += len(message.get("body", b""))
-                    if not message.get("more_body", False):
-                        return
-        except TimeoutError:
+            await asyncio.wait_for(drop(), self.DRAIN_SECONDS)
+        except asyncio.TimeoutError:
             pass
 
 
@@ -492,34 +497,39 @@ class Reply:
 
     async def events(self, job: Job, first: tuple, include_usage: bool):
         """SSE data: role (chat), text pieces, the finish (with Specter's stats), usage, [DONE]; after an
-        error, an error event and [DONE]."""
+        error (the engine's, or a bug here), an error event and [DONE]."""
         try:
-            if self.chat:
-                yield _dump(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]))
-            event = first
-            while True:
-                kind, value = event
-                event = None
-                if kind == "piece":
-                    yield _dump(self._chunk([self._choice(value, None)]))
-                elif kind == "done":
-                    yield _dump(self._chunk([self._choice(None if self.chat else "", value["finish_reason"])],
-                                               specter=_jsonable(value)))
-                    if include_usage:
-                        yield _dump(self._chunk([], usage=self._usage(value)))
-                    yield "[DONE]"
-                    return
-                else:
-                    error = self.error(value)
-                    body = error.body() if isinstance(error, APIError) else APIError(400, str(error)).body()
-                    yield _dump(body)
-                    yield "[DONE]"
-                    return
-                if event is None:
-                    event = await job.events.get()
+            async for data in self._events(job, first, include_usage):
+                yield data
+        except Exception as e:  # a bug while streaming: the traceback to the log, the client a clean end
+            log.error("streaming failed", exc_info=e)
+            yield _dump(internal_error().body())
+            yield "[DONE]"
         finally:
             job.cancel()  # the client went away (or we are done): stop the engine at its next cycle
+
+    async def _events(self, job: Job, event: tuple, include_usage: bool):
+        if self.chat:
+            yield _dump(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}]))
+        while True:
+            kind, value = event
+            if kind == "piece":
+                yield _dump(self._chunk([self._choice(value, None)]))
+            elif kind == "done":
+                yield _dump(self._chunk([self._choice(None if self.chat else "", value["finish_reason"])],
+                                           specter=_jsonable(value)))
+                if include_usage:
+                    yield _dump(self._chunk([], usage=self._usage(value)))
+                yield "[DONE]"
+                return
+            else:
+                error = self.error(value)
+                body = error.body() if isinstance(error, APIError) else APIError(400, str(error)).body()
+                yield _dump(body)
+                yield "[DONE]"
+                return
+            event = await job.events.get()
 
 
 def _param(loc) -> str:
