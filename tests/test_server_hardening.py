@@ -406,7 +406,7 @@ def test_cli_api_keys_from_flags_or_environment_and_a_warning_off_loopback(monke
 def test_sigterm_mid_stream_ends_the_stream_with_done_answers_the_queued_503_and_exits_0(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "specter", "serve", "--device", "cpu", "--policy", "resident",
-                             "--port", "0", "--max-queue", "2", "--shutdown-grace", "1"],
+                             "--port", "0", "--max-queue", "2", "--shutdown-grace", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     log = []
     try:
