@@ -10,7 +10,7 @@
 e = the block's weight row (align.py), tok = row // top_k. A weight tile is [BLOCK_N, BLOCK_K]:
 BLOCK_N rows of the expert, each a contiguous run along K (vector loads). INT4 weights (int4.py's
 layout: eight codes an int32 word along K, group-major scales) are dequantized inside the K loop a
-tile at a time (`scale * q - shift` in fp32, then the compute dtype), so no whole expert is ever
+tile at a time (`scale * q - shift` in the scales' dtype), so no whole expert is ever
 dequantized; when the block divides the group size (128 on real models) a tile's scales and shifts
 are one vector load each. Every tl.dot is at least 16 in each dimension (NVIDIA's minimum; the
 interpreter would accept less). Block sizes never depend on
@@ -51,8 +51,10 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, n_ok, k0, K, stride_wn, stride_sg,
                  INT4: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     """[BLOCK_N, BLOCK_K] tile of an expert's weight rows offs_n at columns k0 .. k0 + BLOCK_K, each
-    row a contiguous run (INT4: in fp32). INT4: w_ptr is the expert's int32 words (eight codes a
-    word along K, int4.py), s_ptr/z_ptr its group-major scales/shifts; GROUP_TILE: BLOCK_K divides
+    row a contiguous run. INT4: w_ptr is the expert's int32 words (eight codes a word along K,
+    int4.py), s_ptr/z_ptr its group-major scales/shifts, and the tile is dequantized in the scales'
+    dtype, as Int4Experts.dequantize does (in fp32, gate_up's two tiles spilled registers on sm_90
+    with Triton 3.6's ptxas: tests/test_aot.py). GROUP_TILE: BLOCK_K divides
     the group size, so the tile lies in one group and its scales are BLOCK_N adjacent values.
     EVEN_K: BLOCK_K divides K, so no column needs a mask (which would cap the loads' width)."""
     if INT4:
@@ -60,17 +62,17 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, n_ok, k0, K, stride_wn, stride_sg,
         words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
                         mask=_tile_mask(n_ok, offs_w < K // 8, EVEN_K), other=0)
         q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K / 8, 8]
-        q = tl.reshape(q, (BLOCK_N, BLOCK_K)).to(tl.float32)
+        q = tl.reshape(q, (BLOCK_N, BLOCK_K)).to(s_ptr.dtype.element_ty)
         if GROUP_TILE:
             g = (k0 // group_size) * stride_sg + offs_n                     # [BLOCK_N]
-            s = tl.load(s_ptr + g, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            z = tl.load(z_ptr + g, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            s = tl.load(s_ptr + g, mask=n_ok, other=0.0)[:, None]
+            z = tl.load(z_ptr + g, mask=n_ok, other=0.0)[:, None]
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             g = (offs_k // group_size)[None, :] * stride_sg + offs_n[:, None]  # [BLOCK_N, BLOCK_K]
             mask = n_ok[:, None] & (offs_k < K)[None, :]
-            s = tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g, mask=mask, other=0.0).to(tl.float32)
+            s = tl.load(s_ptr + g, mask=mask, other=0.0)
+            z = tl.load(z_ptr + g, mask=mask, other=0.0)
         w = q * s - z
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -241,16 +243,13 @@ def group_tile(group_size: int, block_k: int = BLOCK_K_INT4) -> bool:
     return group_size % block_k == 0
 
 
-def _tiles(w, K: int, gate_up: bool) -> dict:
+def _tiles(w, K: int) -> dict:
     """The launch constants of a weight's K loop: INT4 or not, its block sizes, whether tiles lie in
-    one group and whether the block divides K, and the warps. They depend on the weights only, never
-    on T. INT4 gate_up dequantizes two tiles a step: 64 rows over 8 warps keep them in registers
-    (32 rows over 4 spill on sm_90 with Triton 3.6's ptxas; tests/test_aot.py)."""
+    one group and whether the block divides K. They depend on the weights only, never on T."""
     int4 = isinstance(w, Int4Experts)
     block_k = int4_block_k(K) if int4 else BLOCK_K
-    block_n, warps = (2 * BLOCK_N, 8) if int4 and gate_up else (BLOCK_N, 4)
     return dict(INT4=int4, GROUP_TILE=int4 and group_tile(w.group_size, block_k), EVEN_K=K % block_k == 0,
-                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+                BLOCK_N=BLOCK_N, BLOCK_K=block_k)
 
 
 def _parts(w, dtype):
@@ -282,13 +281,13 @@ def moe_rows_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     rw = weights.reshape(-1).contiguous()
     ieee = x.dtype == torch.float32
     q13, s13, z13, se13, sn13, g13 = _parts(w13, x.dtype)
-    tiles = _tiles(w13, H, gate_up=True)
+    tiles = _tiles(w13, H)
     _gate_up_kernel[(nb, triton.cdiv(I, tiles["BLOCK_N"]))](
         x, q13, s13, z13, act, a.slot_row, a.block_expert, a.n_padded,
         H, I, M, k, x.stride(0), q13.stride(0), q13.stride(1), se13, sn13, g13,
         IEEE=ieee, BLOCK_M=BLOCK_M, **tiles)
     q2, s2, z2, se2, sn2, g2 = _parts(w2, x.dtype)
-    tiles = _tiles(w2, I, gate_up=False)
+    tiles = _tiles(w2, I)
     _down_kernel[(nb, triton.cdiv(H, tiles["BLOCK_N"]))](
         act, q2, s2, z2, out, rw, a.slot_row, a.block_expert, a.n_padded,
         H, I, M, q2.stride(0), q2.stride(1), se2, sn2, g2,
