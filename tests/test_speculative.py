@@ -742,7 +742,7 @@ def test_planner_prefetch_is_what_verification_hits(planner_setup):
         w = torch.softmax(torch.randn(2, TOPK, generator=g), -1)
         x = torch.randn(2, 16, generator=g)
         torch.testing.assert_close(mgr(layer, x, ids, w), resident(layer, x, ids, w), rtol=0, atol=0)
-    st = {k: v - before[k] for k, v in mgr.stats().items()}
+    st = {k: v - before[k] for k, v in mgr.stats().items() if isinstance(v, (int, float))}
     assert st["expert_misses"] == 0 and st["expert_hits"] == 2 * L_ and st["prefetch_used"] == 5, st
     mgr.slots.check()
 

@@ -261,20 +261,59 @@ def engine_launches(models=MODELS, widths=(1, 8, 33), dtypes=(torch.bfloat16, to
     return out
 
 
+def variant(launch: Launch) -> str:
+    """A launch's kind in words: weights (dense dtype or INT4), remap row, masked K tiles."""
+    kw, name = launch.kwargs, launch.kernel.fn.__name__
+    if name == "_align_kernel":
+        return "remap row" if kw["HAS_REMAP"] else "all experts"
+    if name == "_combine_kernel":
+        return str(launch.args[0].dtype).removeprefix("torch.")
+    x = launch.args[0]
+    words = "INT4" + (" group-tile" if kw["GROUP_TILE"] else "") if kw["INT4"] else str(x.dtype).removeprefix("torch.")
+    return words + ("" if kw["EVEN_K"] else " masked-K")
+
+
+def table(launches) -> list[dict]:
+    """One row per (kernel, variant, target): most registers, spill bytes and shared memory over
+    its specializations, every global load kind, and the narrowest weight-tile load."""
+    rows: dict = {}
+    for launch in launches:
+        for cc in TARGETS:
+            r = inspect(launch, cc)
+            row = rows.setdefault((r.kernel, variant(launch), cc), dict(
+                kernel=r.kernel, variant=variant(launch), target=f"sm_{cc}", specializations=0, registers=0,
+                spill_bytes=0, shared_kib=0.0, loads=set(), weight_load_bytes=None))
+            row["specializations"] += 1
+            row["registers"] = max(row["registers"], r.registers)
+            row["spill_bytes"] = max(row["spill_bytes"], r.spill_bytes)
+            row["shared_kib"] = max(row["shared_kib"], r.shared_bytes / 1024)
+            row["loads"] |= set(r.loads)
+            if r.kernel in ("gate_up_kernel", "down_kernel"):
+                kw = launch.kwargs
+                elem = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}[launch.args[0].dtype]
+                tile = (kw["BLOCK_N"], kw["BLOCK_K"] // 8, "i32") if kw["INT4"] else (kw["BLOCK_N"], kw["BLOCK_K"], elem)
+                widths = r.weight_load_bytes({tile})
+                if widths:
+                    low = min(widths)
+                    row["weight_load_bytes"] = low if row["weight_load_bytes"] is None else min(row["weight_load_bytes"], low)
+    return [dict(row, loads=" ".join(sorted(row["loads"]))) for row in rows.values()]
+
+
 def main() -> None:
     import time
 
     t0 = time.perf_counter()
     launches = engine_launches()
-    print(f"{len(launches)} distinct specializations, compiled for sm_{', sm_'.join(map(str, TARGETS))} "
-          f"(triton {triton.__version__})")
-    print(f"{'kernel':<10} {'sm':>3} {'regs':>5} {'spill':>6} {'smem KiB':>9}  {'loads':<44} signature")
-    for launch in launches:
-        for cc in TARGETS:
-            r = inspect(launch, cc)
-            loads = " ".join(f"{k}x{n}" for k, n in sorted(r.loads.items()))
-            print(f"{r.kernel:<10} {cc:>3} {r.registers:>5} {r.spill_bytes:>6} {r.shared_bytes / 1024:>9.1f}  "
-                  f"{loads:<44} {r.signature}")
+    print(f"{len(launches)} distinct specializations of {', '.join(MODELS)} experts, compiled for "
+          f"sm_{', sm_'.join(map(str, TARGETS))} with triton {triton.__version__}")
+    print("| kernel | variant | target | specializations | registers | spill bytes | shared KiB | global loads "
+          "| weight tile bytes a thread |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in table(launches):
+        w = row["weight_load_bytes"]
+        print(f"| {row['kernel'].removesuffix('_kernel')} | {row['variant']} | {row['target']} | "
+              f"{row['specializations']} | {row['registers']} | {row['spill_bytes']} | {row['shared_kib']:.1f} | "
+              f"{row['loads']} | {'' if w is None else w} |")
     print(f"{time.perf_counter() - t0:.1f} s")
 
 
