@@ -385,7 +385,10 @@ def test_cli_api_keys_from_flags_or_environment_and_a_warning_off_loopback(monke
     monkeypatch.delenv("SPECTER_API_KEY")
     assert main(["serve", "--device", "cpu", "--policy", "resident", "--host", "0.0.0.0"]) == 0
     assert "without an API key" in caplog.text
-    env, flag, bare = seen  # (the CLI closed each engine when its serve() returned: inspect the apps)
+    caplog.clear()
+    assert main(["serve", "--device", "cpu", "--policy", "resident", "--host", "127.0.0.5"]) == 0  # loopback too
+    assert "without an API key" not in caplog.text
+    env, flag, bare, _ = seen  # (the CLI closed each engine when its serve() returned: inspect the apps)
     from specter.server.app import RequireKey
 
     def keys(app):

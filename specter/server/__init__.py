@@ -42,7 +42,14 @@ class ServerThread:
         self.thread.join(timeout=10)
 
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+def loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
@@ -59,7 +66,7 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | N
     app = create_app(engine, model_name=model_name, max_queue=max_queue, **options)
     grace = options.get("shutdown_grace", SHUTDOWN_GRACE)
     config = http.config(app, host, port, log_level=log_level, timeout_graceful_shutdown=grace + 10, **uv)
-    if host not in LOOPBACK and not options.get("api_keys"):  # after Config: uvicorn's logging is set up
+    if not loopback(host) and not options.get("api_keys"):  # after Config: uvicorn's logging is set up
         import logging
 
         logging.getLogger("uvicorn.error").warning(
