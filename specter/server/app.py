@@ -4,6 +4,11 @@ A handler validates everything it can before the request queues (a bad request n
 the engine), hands token ids to the scheduler, and turns the job's pieces into one JSON body or
 an SSE stream (OpenAI's chunk format, `data: [DONE]` last). Specter's stats ride along in an
 extra field, "specter".
+
+Input is bounded before it costs anything (LimitBody: the body; check_length: a prompt that cannot
+fit the context), and tokenizing runs off the event loop. A response's status waits until the
+engine takes the request (a queued client that leaves, or a shutdown, never starts a stream), so
+an error before the first token is a real status; after it, an error event and `[DONE]`.
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ SSE_GRACE = "shutdown_grace_period" in inspect.signature(EventSourceResponse.__i
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 OPENAI_NEUTRAL = dict(temperature=1.0, top_p=1.0)
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
-MAX_REQUEST_BYTES = 4 * 2 ** 20   # default body limit: far beyond any prompt a 128k-token context holds
+MAX_REQUEST_BYTES = 4 * 2 ** 20   # default body limit: several times a typical 128k-token prompt
 SHUTDOWN_GRACE = 10.0             # default seconds a running generation may go on after SIGINT/SIGTERM
 
 
@@ -79,7 +84,6 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
     else:
         app = FastAPI(title="Specter", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler, app.state.metrics, app.state.drain = scheduler, metrics, drain
-    app.state.shutdown_grace = shutdown_grace
     keys = [k.encode() for k in api_keys if k]
     if keys:
         app.add_middleware(RequireKey, keys=keys, protect_all=protect_all)
