@@ -319,6 +319,15 @@ def test_a_prompt_far_beyond_the_context_is_refused_without_tokenizing_it(engine
     assert e.value.response.json()["error"]["code"] == "context_length_exceeded" and not calls
 
 
+def test_a_chat_of_more_messages_than_the_context_has_tokens_is_refused_before_it_is_parsed(url):
+    messages = [{"role": "user", "content": "a"}] * 100_000   # 3 MB: under the body limit
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/chat/completions", json=dict(messages=messages, max_tokens=4), timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "at most 2048" in r.json()["error"]["message"]                     # the context, not the template
+    assert time.monotonic() - t0 < 5
+
+
 def test_tokenizing_happens_off_the_event_loop(engine, url, monkeypatch):
     """A slow tokenizer (a large prompt) holds up only its own request: /health answers meanwhile."""
     encode = engine.encode

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from pydantic import Field
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -33,7 +34,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from ..errors import ContextLengthError, SpecterError
 from .metrics import Metrics
-from .protocol import APIError, ChatRequest, CompletionRequest, new_id, now, usage
+from .protocol import APIError, ChatRequest, CompletionRequest, Message, new_id, now, usage
 from .scheduler import Job, QueueFull, Scheduler, ShuttingDown
 
 log = logging.getLogger("uvicorn.error")  # uvicorn's own error log, so its handlers print it
@@ -165,8 +166,12 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
         max_tokens = req.max_tokens or max_tokens_default or 16   # past the context: a 400 that says so
         return await answer(request, req, ids, max_tokens, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest, request: Request):
+    class Chat(ChatRequest):
+        # every message costs the template at least one token: more messages than the context holds cannot
+        # fit, and are refused before pydantic builds them (a 4 MiB body of tiny messages held the loop 0.5 s)
+        messages: list[Message] = Field(min_length=1, max_length=context)
+
+    async def chat(req, request: Request):
         check_request(req)
         if not getattr(engine.tokenizer, "chat_template", None):
             raise APIError(400, f"model {name!r} has no chat template, so it cannot chat; use /v1/completions "
@@ -184,6 +189,9 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
         rest = max(context - len(ids), 1)
         max_tokens = req.max_completion_tokens or req.max_tokens or min(max_tokens_default or rest, rest)
         return await answer(request, req, ids, max_tokens, chat=True)
+
+    chat.__annotations__.update(req=Chat)  # this app's own model (a string annotation would name the module's)
+    app.post("/v1/chat/completions")(chat)
 
     # ------------------------------------------------------------------------------- input
     def check_request(req):
