@@ -415,10 +415,14 @@ def test_cli_api_keys_from_flags_or_environment_and_a_warning_off_loopback(monke
 
 
 # ------------------------------------------------------------------------------- 3: graceful shutdown
-def test_sigterm_mid_stream_ends_the_stream_with_done_answers_the_queued_503_and_exits_0(tmp_path):
+@pytest.mark.parametrize("grace, max_tokens, finish", [
+    ("0", 2000, "abort"),      # no grace: stopped at once, and the last chunk says so
+    ("60", 600, "length"),     # within the grace: the generation runs to its end
+])
+def test_sigterm_mid_stream_ends_the_stream_with_done_answers_the_queued_503_and_exits_0(grace, max_tokens, finish):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "specter", "serve", "--device", "cpu", "--policy", "resident",
-                             "--port", "0", "--max-queue", "2", "--shutdown-grace", "0"],
+                             "--port", "0", "--max-queue", "2", "--shutdown-grace", grace],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     log = []
     try:
@@ -432,7 +436,7 @@ def test_sigterm_mid_stream_ends_the_stream_with_done_answers_the_queued_503_and
         assert port, "".join(log)
         threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True).start()
         url = f"http://127.0.0.1:{port}"
-        queued, body = {}, dict(prompt=PROMPT, max_tokens=2000, temperature=0, stream=True,
+        queued, body = {}, dict(prompt=PROMPT, max_tokens=max_tokens, temperature=0, stream=True,
                                 stream_options={"include_usage": True})
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
@@ -452,9 +456,10 @@ def test_sigterm_mid_stream_ends_the_stream_with_done_answers_the_queued_503_and
     data = [d[len("data:"):].strip() for d in data]
     assert data[-1] == "[DONE]"
     chunks = [json.loads(d) for d in data[:-1]]
-    finish = [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"] and ch["choices"][0]["finish_reason"]]
-    assert finish == ["abort"]                                   # stopped by the shutdown, and said so
-    assert 0 < chunks[-1]["usage"]["completion_tokens"] < 2000
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finishes == [finish]
+    made = chunks[-1]["usage"]["completion_tokens"]
+    assert 0 < made < max_tokens if finish == "abort" else made == max_tokens
     r = queued["r"]
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
 
