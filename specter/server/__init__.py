@@ -80,15 +80,19 @@ def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server, with the app told to drain on the first SIGINT/SIGTERM, and a normal return
-        after the graceful shutdown (uvicorn re-raises the signal, which would kill the process)."""
+        """uvicorn's server, with the app told to drain on the first SIGINT/SIGTERM (and to stop its
+        generation on a second SIGINT, uvicorn's forced exit), and a normal return after the shutdown
+        (uvicorn re-raises the signal, which would kill the process)."""
 
         def handle_exit(self, sig, frame) -> None:
             first = not self.should_exit
             super().handle_exit(sig, frame)
-            loop = getattr(self.config.app.state, "loop", None)  # set by the app's lifespan startup
+            state = self.config.app.state
+            loop = getattr(state, "loop", None)  # set by the app's lifespan startup
             if first and loop is not None:
-                loop.call_soon_threadsafe(self.config.app.state.drain)
+                loop.call_soon_threadsafe(state.drain)
+            elif self.force_exit:  # a second SIGINT: no waiting, and the engine thread stops too
+                state.abort()
             captured = getattr(self, "_captured_signals", None)
             if isinstance(captured, list):
                 captured.clear()

@@ -85,6 +85,7 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
     else:
         app = FastAPI(title="Specter", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler, app.state.metrics, app.state.drain = scheduler, metrics, drain
+    app.state.abort = scheduler.abort_now
     keys = [k.encode() for k in api_keys if k]
     if keys:
         app.add_middleware(RequireKey, keys=keys, protect_all=protect_all)

@@ -129,10 +129,16 @@ class Scheduler:
         if self.current is not None:
             asyncio.get_running_loop().call_later(grace, self._abort, self.current)
 
-    def _abort(self, job: Job) -> None:
-        if self.current is job:
+    def _abort(self, job: Job | None) -> None:
+        """Stop `job` at the engine's next cycle if it is still the running one (from any thread)."""
+        if job is not None and self.current is job:
             job.aborted = True
             job.cancelled.set()
+
+    def abort_now(self) -> None:
+        """A forced shutdown (a second SIGINT): stop the running generation at once, from any thread."""
+        self.closing = True
+        self._abort(self.current)
 
     def _generate(self, job: Job, loop) -> None:
         """On the engine thread: the whole generation, pieces handed to the event loop as they come."""
