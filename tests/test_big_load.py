@@ -316,7 +316,8 @@ def test_plan_from_config_alone(tmp_path, bf16):
     out = subprocess.run([sys.executable, "-m", "specter.cli", "plan", "--model", str(cfg_only), "--residency",
                           "0.25", "--json"], capture_output=True, text=True, check=True).stdout
     plan = json.loads(out)
-    assert plan == {**make_plan(spec_w, numel_w, torch.float32, residency=0.25).as_dict(), "host": plan["host"]}
+    assert plan == {**make_plan(spec_w, numel_w, torch.float32, residency=0.25).as_dict(), "host": plan["host"],
+                    "cuda_graphs": None}  # a CPU plan records no CUDA graphs
     assert plan["host"]["store_bytes"] == spec.n_moe_layers * spec.n_experts * spec.expert_numel() * 2
 
 
