@@ -75,7 +75,6 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | N
     _server_class()(config).run()
 
 
-
 def _server_class():
     import uvicorn
 

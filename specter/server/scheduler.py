@@ -152,7 +152,7 @@ class Scheduler:
         try:
             # `cancel`: the engine ends the generation after the cycle it is in and still fills stats
             for piece in self.engine.stream(job.ids, stats=stats, cancel=job.cancelled, **job.sampling):
-                if not job.cancelled.is_set():
+                if not job.cancelled.is_set() or job.aborted:  # a stopped stream still gets all its text
                     put("piece", piece)
         except Exception as e:  # a SpecterError from the engine, or a bug: the handler answers, we go on
             if not isinstance(e, SpecterError):
