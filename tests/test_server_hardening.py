@@ -523,3 +523,23 @@ def test_oversized_headers_get_431(url):
     status, err, head = status_and_json(raw)
     assert status == 431 and err["error"]["code"] == "headers_too_large"
     assert httpx.get(url + "/health").status_code == 200
+
+
+def test_cuda_graphs_are_recorded_on_the_engine_thread_before_any_request():
+    """Recordings are per thread: the scheduler has its one engine thread record the decoder's
+    graphs first, so no request waits for them and none is recorded on a thread that never replays."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from specter.server.metrics import Metrics
+    from specter.server.scheduler import Scheduler
+
+    seen = []
+    fake = SimpleNamespace(decoder=SimpleNamespace(record_graphs=lambda: seen.append(threading.current_thread().name)))
+
+    async def start():
+        return Scheduler(fake, max_queue=1, metrics=Metrics())
+    scheduler = asyncio.run(start())
+    scheduler.recorded.result(timeout=10)
+    assert len(seen) == 1 and seen[0].startswith("specter-engine")
+    scheduler.thread.shutdown()

@@ -58,6 +58,10 @@ class Scheduler:
             raise ConfigError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="specter-engine")
+        # CUDA graphs are recorded per thread: record them on the engine thread, before any request
+        # (a no-op without captured graphs; the executor runs it before the first generation)
+        record = getattr(getattr(engine, "decoder", None), "record_graphs", None)
+        self.recorded = self.thread.submit(record) if record is not None else None
         self.turn = asyncio.Lock()              # FIFO: waiters acquire in arrival order
         self.waiting = 0
         self.running = 0
