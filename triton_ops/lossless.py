@@ -1,0 +1,311 @@
+"""Lossless bf16 experts: sign and mantissa kept raw, exponents in a fixed-width code with exact escapes.
+
+A bf16 weight is sign (1 bit), exponent (8) and mantissa (7). In trained weights the exponent
+carries little information (a few bits of entropy: most weights sit within a few octaves of the
+tensor's scale), so it is coded and the other eight bits are stored as they are. Layout of
+`LosslessExperts` (E experts of one tensor [E, N, K]; each expert's numel = N * K elements, padded
+to P = a multiple of 32; BITS the code width, one for the whole tensor; ESC = 2**BITS - 1):
+
+    signman   uint8  [E, P]                 byte i = sign << 7 | mantissa of element i
+    planes    int32  [E, BITS, P // 32]     bit planes of the codes: bit i of word j of plane p is
+                                            bit p of element 32j + i's code (plane-major)
+    table     int32  [E, 2**BITS]           exponent of each code (entry ESC unused: 0)
+    esc_off   int32  [E, cdiv(P, BLOCK)]    escapes of the expert before block b (BLOCK elements)
+    escapes   uint8  [total]                the raw exponents of escaped elements, in element order,
+                                            each expert's run padded to a multiple of 4 bytes
+    esc_start int64  [E + 1]                where each expert's run starts in `escapes`
+
+    exponent(i) = table[code(i)]  unless code(i) == ESC: escapes[esc_start[e] + rank of i among the
+                                  expert's escapes]
+    bf16 bits   = (signman & 0x80) << 8 | exponent << 7 | (signman & 0x7F)
+
+Every bit pattern round-trips (±0, subnormals, inf, NaN payloads: the exponent field is coded as
+the eight bits it is), and an expert decodes on its own (its slices of the seven tensors), a block
+of BLOCK elements at a time with no dependence on any other block: the GPU kernel gives each
+program one block, every load contiguous and wide (the sign/mantissa bytes and the planes read as
+int32 words; a block's escapes are found by a prefix sum of its escape flags, read as words too).
+
+Why this code and not Huffman (DFloat11) or ANS: the entropy of trained experts' exponents is
+~2.6 bits, so an entropy coder reaches ~0.66x of bf16 and the fixed code with the best width
+(chosen per tensor from 2, 3 and 4 bits by the encoded size) lands a few percent above it; but a
+Huffman stream must be parsed sequentially (DFloat11 needs per-thread bit offsets, hierarchical
+lookup tables in shared memory and a second pass for output positions), where a fixed width is
+random access per element: the decoder is a handful of shifts and masks over wide loads, trivially
+at memory speed, so decoding never shows next to the copy it follows. A fixed 4-bit code over the
+15 most frequent exponents almost never escapes, but at 12 bits a weight it cannot go below 0.75x;
+3 bits over the 7 most frequent escape a few percent of weights and still come out smaller. The
+measured sizes of all of them on the bundled model and on random normals are in docs/RESULTS.md
+(`python bench/lossless_ratio.py`). fp16 (5-bit exponent, 10-bit mantissa) and fp32 are refused:
+their split is different and not implemented.
+
+`decode()` (torch, any device) and `decode_into(out, e)` (one expert into a slot: the Triton
+kernel on CUDA or under TRITON_INTERPRET=1, torch elsewhere) return the identical bf16 bits.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from specter.errors import ConfigError
+
+BLOCK = 1024            # elements a decode program handles; esc_off counts escapes per BLOCK
+WIDTHS = (2, 3, 4)      # code widths encode chooses from (the smallest encoding wins)
+LAUNCHES_ON_CPU = False  # aot.py's recorder sets it: launch code runs on CPU stand-ins
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class LosslessExperts:
+    """One tensor's experts, losslessly coded; see the module docstring for the layout."""
+
+    shape: tuple            # (E, N, K) of the bf16 weights
+    signman: torch.Tensor   # uint8 [E, P]
+    planes: torch.Tensor    # int32 [E, BITS, P // 32]
+    table: torch.Tensor     # int32 [E, 2**BITS]
+    esc_off: torch.Tensor   # int32 [E, cdiv(P, BLOCK)]
+    escapes: torch.Tensor   # uint8 [total], expert runs padded to 4 bytes
+    esc_start: torch.Tensor  # int64 [E + 1] (host)
+
+    def __post_init__(self):
+        E, N, K = self.shape
+        P = self.padded
+        if (self.signman.shape != (E, P) or self.planes.dim() != 3 or self.planes.shape[0] != E
+                or self.planes.shape[2] != P // 32 or self.table.shape != (E, 1 << self.bits)
+                or self.esc_off.shape != (E, _cdiv(P, BLOCK)) or self.esc_start.shape != (E + 1,)):
+            raise ConfigError(f"LosslessExperts: tensors do not match shape {self.shape}")
+
+    @property
+    def bits(self) -> int:
+        return self.planes.shape[1]
+
+    @property
+    def padded(self) -> int:
+        """P: an expert's element count rounded up to whole 32-element plane words."""
+        return _cdiv(self.shape[1] * self.shape[2], 32) * 32
+
+    @property
+    def device(self) -> torch.device:
+        return self.signman.device
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.signman, self.planes, self.table, self.esc_off, self.escapes, self.esc_start]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor of the format (tables and offsets included)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def expert_nbytes(self, e: int) -> int:
+        """Bytes an expert's copy moves: its rows of the fixed tensors and its escape run."""
+        fixed = sum(t[e].numel() * t.element_size() for t in (self.signman, self.planes, self.table, self.esc_off))
+        return fixed + int(self.esc_start[e + 1] - self.esc_start[e])
+
+    @property
+    def raw_nbytes(self) -> int:
+        E, N, K = self.shape
+        return E * N * K * 2
+
+    def expert_escapes(self, e: int) -> torch.Tensor:
+        """uint8: expert e's escape run (a multiple of 4 bytes)."""
+        return self.escapes[int(self.esc_start[e]):int(self.esc_start[e + 1])]
+
+    # ------------------------------------------------------------------------------- decoding
+    def decode(self) -> torch.Tensor:
+        """bf16 [E, N, K], bit for bit the weights `encode` was given."""
+        E, N, K = self.shape
+        out = torch.empty(E, N, K, dtype=torch.bfloat16, device=self.device)
+        for e in range(E):
+            decode_torch(self, e, out[e])
+        return out
+
+    def decode_into(self, out: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert e into `out` (bf16 [N, K], contiguous, e.g. a slot): the Triton kernel on CUDA (and
+        under TRITON_INTERPRET=1), torch on other devices."""
+        if out.dtype != torch.bfloat16 or not out.is_contiguous() or tuple(out.shape) != tuple(self.shape[1:]):
+            raise ConfigError(f"decode_into needs a contiguous bf16 {tuple(self.shape[1:])} output; got "
+                              f"{out.dtype} {tuple(out.shape)}")
+        if out.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+            return decode_triton(self, e, out)
+        return decode_torch(self, e, out)
+
+
+# ----------------------------------------------------------------------------------- encoding
+def _fields(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 [E, N, K] -> (exponent fields int64 [E, P], sign/mantissa bytes uint8 [E, P]), zero-padded."""
+    E = w.shape[0]
+    bits = w.reshape(E, -1).view(torch.int16).to(torch.int32) & 0xFFFF   # [E, N*K]
+    P = _cdiv(bits.shape[1], 32) * 32
+    bits = torch.nn.functional.pad(bits, (0, P - bits.shape[1]))
+    exp = (bits >> 7) & 0xFF
+    signman = (((bits >> 8) & 0x80) | (bits & 0x7F)).to(torch.uint8)
+    return exp.long(), signman
+
+
+def _histograms(exp: torch.Tensor, numel: int) -> torch.Tensor:
+    """[E, 256] exponent counts of each expert's real (unpadded) elements."""
+    E = exp.shape[0]
+    real = exp[:, :numel] + 256 * torch.arange(E, device=exp.device)[:, None]
+    return torch.bincount(real.reshape(-1), minlength=256 * E).view(E, 256)
+
+
+def _tables(hist: torch.Tensor, bits: int) -> torch.Tensor:
+    """[E, 2**bits - 1] the most frequent exponents of each expert, most frequent first (ties: the
+    smaller exponent), as codes 0 .. ESC - 1."""
+    order = torch.argsort(-hist * 256 + torch.arange(256, device=hist.device), dim=1)  # stable by design
+    return order[:, :(1 << bits) - 1]
+
+
+def encoded_nbytes(hist: torch.Tensor, numel: int, bits: int) -> int:
+    """Bytes `encode` spends at this width, from [E, 256] exponent histograms (escapes rounded up per
+    expert as stored; the per-block offsets and tables counted)."""
+    E, P = hist.shape[0], _cdiv(numel, 32) * 32
+    covered = torch.sort(hist, dim=1, descending=True).values[:, :(1 << bits) - 1].sum(1)
+    escapes = sum(_cdiv(int(n), 4) * 4 for n in (numel - covered))
+    return E * (P + P // 32 * bits * 4 + (1 << bits) * 4 + _cdiv(P, BLOCK) * 4) + escapes + (E + 1) * 8
+
+
+def best_width(hist: torch.Tensor, numel: int) -> int:
+    return min(WIDTHS, key=lambda b: (encoded_nbytes(hist, numel, b), b))
+
+
+def encode(w: torch.Tensor, bits: int | None = None) -> LosslessExperts:
+    """bf16 [E, N, K] -> LosslessExperts on w's device (code width: the smallest of WIDTHS for this
+    tensor unless given)."""
+    if w.dtype != torch.bfloat16:
+        raise ConfigError(f"lossless expert compression codes bf16 weights; got {w.dtype} (fp16 and fp32 "
+                          f"checkpoints are not supported: load them without compress_experts)")
+    if w.dim() != 3:
+        raise ConfigError(f"encode expects expert weights [E, N, K]; got {tuple(w.shape)}")
+    E, N, K = w.shape
+    numel = N * K
+    exp, signman = _fields(w.contiguous())                    # [E, P] each
+    P = exp.shape[1]
+    hist = _histograms(exp, numel)
+    bits = bits or best_width(hist, numel)
+    if bits not in WIDTHS:
+        raise ConfigError(f"code width must be one of {WIDTHS}; got {bits}")
+    esc = (1 << bits) - 1
+    top = _tables(hist, bits)                                 # [E, ESC]
+    lut = torch.full((E, 256), esc, dtype=torch.long, device=w.device)
+    lut.scatter_(1, top, torch.arange(esc, device=w.device).expand(E, esc))
+    codes = torch.gather(lut, 1, exp)                         # [E, P]
+    codes[:, numel:] = 0                                      # padding: code 0, never an escape
+    table = torch.zeros(E, 1 << bits, dtype=torch.int32, device=w.device)
+    table[:, :esc] = top.to(torch.int32)
+    return LosslessExperts((E, N, K), signman, _planes(codes, bits), table, *_escapes(codes, exp, esc))
+
+
+def _planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [E, P] -> int32 [E, bits, P // 32]: eight codes' bit p a byte, little endian words."""
+    E, P = codes.shape
+    weight = (1 << torch.arange(8, device=codes.device))      # bit t of a byte <- element 8j + t
+    planes = [(((codes >> p) & 1).view(E, P // 8, 8) * weight).sum(-1).to(torch.uint8) for p in range(bits)]
+    return torch.stack(planes, 1).contiguous().view(torch.int32)  # [E, bits, P // 8] bytes -> words
+
+
+def _escapes(codes: torch.Tensor, exp: torch.Tensor, esc: int):
+    """(esc_off [E, blocks], escapes uint8, esc_start [E + 1]) of the escaped elements."""
+    E, P = codes.shape
+    flags = codes == esc                                      # [E, P]
+    per_block = torch.nn.functional.pad(flags, (0, _cdiv(P, BLOCK) * BLOCK - P)).view(E, -1, BLOCK).sum(-1)
+    esc_off = (torch.cumsum(per_block, 1) - per_block).to(torch.int32)
+    runs, start = [], [0]
+    for e in range(E):
+        run = exp[e][flags[e]].to(torch.uint8)
+        run = torch.nn.functional.pad(run, (0, -run.numel() % 4))
+        runs.append(run)
+        start.append(start[-1] + run.numel())
+    escapes = torch.cat(runs) if runs else torch.zeros(0, dtype=torch.uint8)
+    return esc_off, escapes, torch.tensor(start, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------------- torch decode
+_BYTE_BITS = None
+
+
+def _byte_bits(device) -> torch.Tensor:
+    """uint8 [256, 8]: bit t of each byte value."""
+    global _BYTE_BITS
+    if _BYTE_BITS is None or _BYTE_BITS.device != torch.device(device):
+        v = torch.arange(256, device=device)
+        _BYTE_BITS = ((v[:, None] >> torch.arange(8, device=device)) & 1).to(torch.uint8)
+    return _BYTE_BITS
+
+
+def codes_of(packed: LosslessExperts, e: int) -> torch.Tensor:
+    """uint8 [P]: expert e's codes, from its bit planes."""
+    planes = packed.planes[e].contiguous().view(torch.uint8)  # [BITS, P // 8]
+    lut = _byte_bits(planes.device)
+    codes = lut[planes[0].long()].view(-1)                    # [P]
+    for p in range(1, packed.bits):
+        codes |= lut[planes[p].long()].view(-1) << p
+    return codes
+
+
+def decode_torch(packed: LosslessExperts, e: int, out: torch.Tensor) -> torch.Tensor:
+    """Expert e into out (bf16 [N, K]) with torch ops (the emulated device's path)."""
+    numel = out.numel()
+    codes = codes_of(packed, e)[:numel]
+    exp = packed.table[e].to(torch.int16)[codes.long()]      # [numel]
+    flags = codes == (1 << packed.bits) - 1
+    n_esc = int(flags.sum())
+    if n_esc:
+        exp[flags] = packed.expert_escapes(e)[:n_esc].to(torch.int16)
+    sm = packed.signman[e, :numel].to(torch.int16)
+    bits = ((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F)     # int16 wraps: the sign lands in bit 15
+    out.view(-1).view(torch.int16).copy_(bits)
+    return out
+
+
+# --------------------------------------------------------------------------------- Triton decode
+@triton.jit
+def _decode_kernel(signman_ptr, planes_ptr, table_ptr, esc_off_ptr, esc_ptr, out_ptr, numel, n_words,
+                   BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program b decodes elements b * BLOCK .. + BLOCK of one expert. signman_ptr and esc_ptr are
+    the bytes read as int32 words; out_ptr the slot as int16."""
+    b = tl.program_id(0)
+    # sign/mantissa bytes: BLOCK / 4 words, byte j of a word is element 4w + j
+    offs_w = b * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
+    smw = tl.load(signman_ptr + offs_w, mask=offs_w < n_words * 8, other=0)
+    sm = tl.reshape((smw[:, None] >> (tl.arange(0, 4) * 8)[None, :]) & 0xFF, (BLOCK,))
+    # codes: BLOCK / 32 words of each plane, bit i of a word is element 32g + i
+    offs_g = b * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+    code = tl.zeros((BLOCK // 32, 32), dtype=tl.int32)
+    for p in tl.static_range(BITS):
+        plane = tl.load(planes_ptr + p * n_words + offs_g, mask=offs_g < n_words, other=0)
+        code |= ((plane[:, None] >> tl.arange(0, 32)[None, :]) & 1) << p
+    code = tl.reshape(code, (BLOCK,))
+    exp = tl.load(table_ptr + code)                          # 2**BITS int32 entries: cached
+    # escapes: the k-th escape of the block is the raw exponent at esc_off[b] + k, read from its word
+    flags = code == (1 << BITS) - 1
+    at = tl.load(esc_off_ptr + b) + tl.cumsum(flags.to(tl.int32), 0) - 1
+    word = tl.load(esc_ptr + at // 4, mask=flags, other=0)
+    exp = tl.where(flags, (word >> ((at % 4) * 8)) & 0xFF, exp)
+    bits = ((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F)
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, bits.to(tl.int16), mask=offs < numel)
+
+
+def decode_triton(packed: LosslessExperts, e: int, out: torch.Tensor) -> torch.Tensor:
+    """Expert e into out (bf16 [N, K], contiguous, on the packed tensors' device): one launch."""
+    if out.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and not LAUNCHES_ON_CPU:
+        raise ConfigError("the lossless decode kernel runs on CUDA, or on CPU under TRITON_INTERPRET=1 "
+                          "(set before triton is imported)")
+    P = packed.padded
+    escapes = packed.expert_escapes(e)
+    if escapes.numel() == 0:
+        escapes = packed.table[e]                             # never read (no flags), any int32 address
+    else:
+        escapes = escapes.view(torch.int32)
+    grid = (_cdiv(P, BLOCK),)
+    _decode_kernel[grid](packed.signman[e].view(torch.int32), packed.planes[e], packed.table[e],
+                         packed.esc_off[e], escapes, out.view(torch.int16), out.numel(), P // 32,
+                         BITS=packed.bits, BLOCK=BLOCK)
+    return out
