@@ -13,7 +13,8 @@ the very launches the engine makes, without a GPU (the Triton wheel ships ptxas)
     inspect(kernel)                          registers and spills (ptxas -v), shared memory, and
                                              the global loads in the PTX by kind and width
 
-`python -m specter.triton_ops.aot` prints the table for the shapes of MODELS.
+`python -m specter.triton_ops.aot` prints the table for the shapes of MODELS. `lossless_launches()`
+records lossless.py's decode kernel the same way (one expert of each shape into a slot).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 import triton
 
-from . import kernels
+from . import kernels, lossless
 from .int4 import Int4Experts
 
 TARGETS = {80: "A100", 89: "L4 / RTX 4090", 90: "H100 / H200"}
@@ -60,20 +61,48 @@ class _Recorder:
 
 
 @contextmanager
-def recording():
-    """Kernel launches of kernels.py inside the block are recorded (in order), not run."""
+def recording(module=kernels, names=KERNELS):
+    """Kernel launches of `module` (kernels.py) inside the block are recorded (in order), not run."""
     log: list[Launch] = []
-    saved = {name: getattr(kernels, name) for name in KERNELS}
-    launches_on_cpu = kernels.LAUNCHES_ON_CPU
+    saved = {name: getattr(module, name) for name in names}
+    launches_on_cpu = module.LAUNCHES_ON_CPU
     try:
         for name, fn in saved.items():
-            setattr(kernels, name, _Recorder(fn, log))
-        kernels.LAUNCHES_ON_CPU = True
+            setattr(module, name, _Recorder(fn, log))
+        module.LAUNCHES_ON_CPU = True
         yield log
     finally:
         for name, fn in saved.items():
-            setattr(kernels, name, fn)
-        kernels.LAUNCHES_ON_CPU = launches_on_cpu
+            setattr(module, name, fn)
+        module.LAUNCHES_ON_CPU = launches_on_cpu
+
+
+def stand_in_lossless(E: int, N: int, K: int, bits: int) -> lossless.LosslessExperts:
+    """A LosslessExperts of [E, N, K] bf16 weights at code width `bits`, in untouched memory (an
+    escape run of 4 bytes an expert: the kernel's arguments are the same for any count)."""
+    P = -(-N * K // 32) * 32
+    return lossless.LosslessExperts((E, N, K), torch.empty(E, P, dtype=torch.uint8),
+                                    torch.empty(E, bits, P // 32, dtype=torch.int32),
+                                    torch.empty(E, 1 << bits, dtype=torch.int32),
+                                    torch.empty(E, -(-P // lossless.BLOCK), dtype=torch.int32),
+                                    torch.empty(4 * E, dtype=torch.uint8), torch.arange(0, 4 * E + 1, 4))
+
+
+def lossless_launches(models=MODELS, widths=lossless.WIDTHS) -> list[Launch]:
+    """Every distinct launch of the lossless decode kernel for these models' w13 and w2, at each
+    code width: one expert decoded into a bf16 slot."""
+    seen, out = set(), []
+    for H, I, _, _ in models.values():
+        for (N, K), bits in ((nk, b) for nk in ((2 * I, H), (H, I)) for b in widths):
+            packed = stand_in_lossless(2, N, K, bits)
+            with recording(lossless, ("_decode_kernel",)) as log:
+                lossless.decode_triton(packed, 1, torch.empty(N, K, dtype=torch.bfloat16))
+            for launch in log:
+                key = _key(launch, 90)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(launch)
+    return out
 
 
 def stand_in_experts(R: int, H: int, I: int, dtype: torch.dtype, int4: bool, group_size: int = 128):
@@ -239,9 +268,9 @@ def inspect(launch: Launch, cc: int) -> Report:
     ptx = k.asm["ptx"]
     regs, spills = _ptxas_usage(ptx, cc)
     _, signature, constexprs, _, _ = _bind(launch, cc)
-    flags = ",".join(f"{n}={v}" for n, v in launch.kwargs.items() if n in ("INT4", "GROUP_TILE", "HAS_REMAP") and v)
+    flags = ",".join(f"{n}={v}" for n, v in launch.kwargs.items() if n in ("INT4", "GROUP_TILE", "HAS_REMAP", "BITS") and v)
     return Report(launch.kernel.fn.__name__.strip("_"), cc, regs, spills, k.metadata.shared, load_kinds(ptx),
-                  tile_loads(k.asm["ttgir"]), f"{signature.get('x_ptr') or signature.get('rows_ptr') or signature.get('ids_ptr')} {flags}")
+                  tile_loads(k.asm["ttgir"]), f"{signature.get('x_ptr') or signature.get('rows_ptr') or signature.get('ids_ptr') or signature.get('signman_ptr')} {flags}")
 
 
 def engine_launches(models=MODELS, widths=(1, 8, 33), dtypes=(torch.bfloat16, torch.float16)):
@@ -268,6 +297,8 @@ def variant(launch: Launch) -> str:
         return "remap row" if kw["HAS_REMAP"] else "all experts"
     if name == "_combine_kernel":
         return str(launch.args[0].dtype).removeprefix("torch.")
+    if name == "_decode_kernel":
+        return f"lossless {kw['BITS']}-bit codes"
     x = launch.args[0]
     words = "INT4" + (" group-tile" if kw["GROUP_TILE"] else "") if kw["INT4"] else str(x.dtype).removeprefix("torch.")
     return words + ("" if kw["EVEN_K"] else " masked-K")
@@ -303,8 +334,8 @@ def main() -> None:
     import time
 
     t0 = time.perf_counter()
-    launches = engine_launches()
-    print(f"{len(launches)} distinct specializations of {', '.join(MODELS)} experts, compiled for "
+    launches = engine_launches() + lossless_launches()
+    print(f"{len(launches)} distinct specializations of {', '.join(MODELS)} experts (and their lossless decode), compiled for "
           f"sm_{', sm_'.join(map(str, TARGETS))} with triton {triton.__version__}")
     print("| kernel | variant | target | specializations | registers | spill bytes | shared KiB | global loads "
           "| weight tile bytes a thread |")

@@ -53,6 +53,7 @@ import triton.language as tl
 from specter.errors import ConfigError
 
 BLOCK = 1024            # elements a decode program handles; esc_off counts escapes per BLOCK
+NUM_WARPS = 2           # 64 threads: 16 bytes of sign/mantissa a thread (one vector load), no spills
 WIDTHS = (2, 3, 4)      # code widths encode chooses from (the smallest encoding wins)
 LAUNCHES_ON_CPU = False  # aot.py's recorder sets it: launch code runs on CPU stand-ins
 
@@ -307,5 +308,5 @@ def decode_triton(packed: LosslessExperts, e: int, out: torch.Tensor) -> torch.T
     grid = (_cdiv(P, BLOCK),)
     _decode_kernel[grid](packed.signman[e].view(torch.int32), packed.planes[e], packed.table[e],
                          packed.esc_off[e], escapes, out.view(torch.int16), out.numel(), P // 32,
-                         BITS=packed.bits, BLOCK=BLOCK)
+                         BITS=packed.bits, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return out

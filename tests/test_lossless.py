@@ -1,0 +1,168 @@
+"""specter.triton_ops.lossless: bit-exact round trips of the lossless expert format (torch decode),
+the decode kernel under the Triton interpreter (lossless_interpreted.py, in a subprocess), and the
+kernel compiled ahead of time for sm_80/89/90 (no spills, no byte loads, wide loads)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specter.errors import ConfigError
+from specter.triton_ops import lossless
+from specter.triton_ops.lossless import LosslessExperts, encode
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def _from_bits(bits, shape) -> torch.Tensor:
+    """bf16 tensor of these 16-bit patterns (ints 0 .. 0xFFFF)."""
+    b = torch.as_tensor(bits, dtype=torch.int32)
+    return (b - (b >= 0x8000).int() * 0x10000).to(torch.int16).view(torch.bfloat16).reshape(shape)
+
+
+def special_weights() -> dict[str, torch.Tensor]:
+    """The cases the format must survive, each bf16 [E, N, K]."""
+    g = torch.Generator().manual_seed(0)
+    cases = {f"normal*{s:g}": (torch.randn(3, 40, 48, generator=g) * s).bfloat16() for s in (1e-30, 1e-3, 0.02, 1, 1e30)}
+    every = torch.arange(0x10000)                                    # every bf16 bit pattern, once
+    cases["every bit pattern"] = _from_bits(every[torch.randperm(0x10000, generator=g)], (2, 256, 128))
+    # each exponent once per row of 256 (all distinct: 249 of them escape at any width)
+    exps = torch.stack([torch.randperm(256, generator=g) for _ in range(8)])
+    mant = torch.randint(0, 0x100, (8, 256), generator=g)
+    cases["all exponents distinct"] = _from_bits((mant & 0x80) << 8 | exps << 7 | (mant & 0x7F), (2, 4, 256))
+    special = [0x0000, 0x8000, 0x0001, 0x807F, 0x0040, 0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFFF, 0x7FA5, 0x0080]
+    zeros_and_more = torch.zeros(2, 32, 33, dtype=torch.bfloat16)    # numel no multiple of 32
+    flat = zeros_and_more.view(-1).view(torch.int16)
+    flat[:len(special) * 40] = _from_bits(special * 40, (-1,)).view(torch.int16)
+    cases["±0, subnormals, inf, NaN payloads, odd numel"] = zeros_and_more
+    cases["one expert, all zero"] = torch.zeros(1, 8, 32, dtype=torch.bfloat16)
+    return cases
+
+
+@pytest.mark.parametrize("bits", [None, 2, 3, 4])
+def test_round_trip_is_bit_exact(bits):
+    for name, w in special_weights().items():
+        packed = encode(w, bits)
+        assert _bits(packed.decode()).equal(_bits(w)), (name, packed.bits)
+        out = torch.full(w.shape[1:], float("nan"), dtype=torch.bfloat16)
+        for e in range(w.shape[0]):
+            assert _bits(packed.decode_into(out, e)).equal(_bits(w[e])), (name, e, packed.bits)
+
+
+def test_bundled_model_experts_round_trip_and_shrink():
+    """Every routed expert tensor of the bundled model: bit exact, and at most 0.72x the bf16 bytes."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from lossless_ratio import bundled_experts
+
+    packed_bytes = raw_bytes = 0
+    for w in bundled_experts():
+        packed = encode(w)
+        assert _bits(packed.decode()).equal(_bits(w))
+        packed_bytes += packed.nbytes
+        raw_bytes += packed.raw_nbytes
+    assert packed_bytes <= 0.72 * raw_bytes
+
+
+def test_width_is_the_smallest_encoding():
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(2, 64, 64, generator=g) * 0.02).bfloat16()
+    sizes = {b: encode(w, b).nbytes for b in lossless.WIDTHS}
+    assert encode(w).bits == min(sizes, key=sizes.get)
+    # a tensor of two exponents fits a 2-bit code with no escapes
+    two = torch.where(torch.rand(2, 64, 64, generator=g) < 0.5, 1.0, 2.0).bfloat16() * torch.randn(1).sign().bfloat16()
+    assert encode(two).bits == 2 and encode(two).escapes.numel() == 0
+
+
+def test_layout_is_the_documented_one():
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(2, 32, 64, generator=g) * 0.1).bfloat16()
+    packed = encode(w, 3)
+    P = 32 * 64
+    assert packed.signman.shape == (2, P) and packed.signman.dtype == torch.uint8
+    assert packed.planes.shape == (2, 3, P // 32) and packed.planes.dtype == torch.int32
+    assert packed.table.shape == (2, 8) and packed.esc_off.shape == (2, 2) and packed.esc_start.shape == (3,)
+    bits = _bits(w).view(2, -1).int() & 0xFFFF
+    assert packed.signman.int().equal(((bits >> 8) & 0x80) | (bits & 0x7F))
+    codes = torch.stack([lossless.codes_of(packed, e) for e in range(2)]).long()
+    # bit i of word j of plane p is bit p of element 32j + i's code
+    words = packed.planes.long() & 0xFFFFFFFF
+    assert (((words[:, 1, 5] >> 7) & 1) == ((codes[:, 32 * 5 + 7] >> 1) & 1)).all()
+    exp = (bits >> 7) & 0xFF
+    table = torch.gather(packed.table.long(), 1, codes)
+    esc = codes == 7
+    assert table[~esc].equal(exp[~esc].long())
+    for e in range(2):
+        assert packed.expert_escapes(e)[:int(esc[e].sum())].long().equal(exp[e][esc[e]].long())
+        assert packed.esc_off[e, 1] == esc[e, :lossless.BLOCK].sum()
+    assert packed.nbytes == sum(t.numel() * t.element_size() for t in packed.tensors())
+    assert packed.expert_nbytes(0) + packed.expert_nbytes(1) + 3 * 8 == packed.nbytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_other_dtypes_are_refused(dtype):
+    with pytest.raises(ConfigError, match="bf16"):
+        encode(torch.zeros(2, 4, 32, dtype=dtype))
+
+
+def test_bad_shapes_and_outputs_are_refused():
+    with pytest.raises(ConfigError, match=r"\[E, N, K\]"):
+        encode(torch.zeros(4, 32, dtype=torch.bfloat16))
+    packed = encode(torch.zeros(2, 4, 32, dtype=torch.bfloat16))
+    with pytest.raises(ConfigError, match="contiguous bf16"):
+        packed.decode_into(torch.empty(4, 32, dtype=torch.float32), 0)
+    with pytest.raises(ConfigError, match="width"):
+        encode(torch.zeros(2, 4, 32, dtype=torch.bfloat16), bits=5)
+    with pytest.raises(ConfigError):
+        LosslessExperts((2, 4, 32), *packed.tensors()[:-1], packed.esc_start[:2])
+
+
+def test_the_kernel_without_a_gpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    packed = encode(torch.zeros(1, 4, 32, dtype=torch.bfloat16))
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET"):
+        lossless.decode_triton(packed, 0, torch.empty(4, 32, dtype=torch.bfloat16))
+
+
+# ---------------------------------------------------------------------- the kernel, interpreted
+def test_decode_kernel_under_the_triton_interpreter():
+    """lossless_interpreted.py in a fresh process with TRITON_INTERPRET=1 from the start."""
+    path = Path(__file__).with_name("lossless_interpreted.py")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)],
+                       env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
+
+
+# ------------------------------------------------------------------------- the kernel, compiled
+@pytest.fixture(scope="module")
+def decode_reports():
+    pytest.importorskip("triton.backends.nvidia", reason="needs a Triton wheel with its NVIDIA backend")
+    from specter.triton_ops import aot
+    launches = aot.lossless_launches()
+    return [(launch, aot.inspect(launch, cc)) for launch in launches for cc in aot.TARGETS]
+
+
+def test_decode_kernel_compiles_for_every_target_without_spills(decode_reports):
+    from specter.triton_ops import aot
+    assert {r.cc for _, r in decode_reports} == set(aot.TARGETS)
+    assert {launch.kwargs["BITS"] for launch, _ in decode_reports} == set(lossless.WIDTHS)
+    for launch, r in decode_reports:
+        assert r.spill_bytes == 0 and r.registers <= 255, (r.cc, launch.kwargs, r.registers)
+        assert r.shared_bytes <= aot.SHARED_LIMIT[r.cc]
+
+
+def test_decode_kernel_reads_words_never_bytes(decode_reports):
+    """The sign/mantissa bytes are read as 16 bytes a thread (one v4 load), the planes, the table and
+    the escapes as 32-bit words: no load narrower than a word."""
+    for launch, r in decode_reports:
+        assert r.byte_loads == 0, (r.cc, r.loads)
+        widths = {int(re.search(r"(\d+)$", kind).group(1)) for kind in r.loads if kind.startswith("ld")}
+        assert min(widths) >= 32, (r.cc, r.loads)
+        assert r.loads.get("ld.v4.b32", 0) >= 1, (r.cc, launch.kwargs, r.loads)
