@@ -45,6 +45,14 @@ class LinkProfile:
     notes: str
     link: str = ""                   # e.g. "PCIe 4.0 x16"
     pcie_theoretical_bandwidth: float = 0.0  # bytes/s per direction, for reference only
+    # the host a typical machine with this GPU has (the host lane computes cold experts there)
+    host: str = ""                             # e.g. "1 socket of 2x AMD EPYC 7763, 8x DDR4-3200"
+    host_memory_bandwidth: float = 0.0         # bytes/s, STREAM-like (triad) as measured, one socket
+    host_memory_theoretical_bandwidth: float = 0.0  # bytes/s, channels x transfer rate x 8, for reference
+    host_cores: int = 0                        # cores the host lane may use (the socket's, less the driver's)
+    host_core_flops: float = 0.0               # FLOP/s one core sustains in an expert's matmuls
+    host_latency: float = 0.0                  # s per job: activations down, rows back, a worker woken
+    host_sources: tuple = ()
 
 
 # ---------------------------------------------------------------- profiles
@@ -69,6 +77,7 @@ def load_profile(name: str | None = None) -> LinkProfile:
         raise UnknownProfileError(f"unknown link profile {name!r}; available: {', '.join(names)}")
     data = json.loads((_profile_dir() / f"{name}.json").read_text())
     data["sources"] = list(data.get("sources", []))
+    data["host_sources"] = tuple(data.get("host_sources", ()))
     return LinkProfile(**data)
 
 
@@ -143,3 +152,35 @@ def emulated_link_params(profile: LinkProfile, expert_throughput: float) -> tupl
     """(bandwidth bytes/s, latency s) of an emulated link on a machine with this expert throughput."""
     s = profile.device_memory_bandwidth / expert_throughput   # time scale: this CPU vs the GPU
     return profile.pcie_bandwidth / s, profile.latency * s
+
+
+@dataclass(frozen=True)
+class HostParams:
+    """The host lane's cost model, in this machine's (emulated) seconds: a job reading `weight_bytes`
+    of experts, doing `flops`, and moving `act_bytes` of activations and rows over PCIe takes
+
+        latency + act_bytes / pcie_bandwidth + max(weight_bytes / bandwidth, flops / flops_per_s)
+
+    (memory-bound at a few tokens an expert, compute-bound past the host's ridge point)."""
+
+    bandwidth: float     # bytes/s of expert weights the host reads
+    flops_per_s: float   # all the lane's cores
+    latency: float       # s per job
+    pcie_bandwidth: float
+
+    def seconds(self, weight_bytes: int, flops: int, act_bytes: int) -> float:
+        compute = max(weight_bytes / self.bandwidth, flops / self.flops_per_s if self.flops_per_s else 0.0)
+        return self.latency + act_bytes / self.pcie_bandwidth + compute
+
+
+def emulated_host_params(profile: LinkProfile, time_scale: float) -> HostParams:
+    """The profile's host slowed by the link's time scale (device_memory_bandwidth / this machine's
+    expert throughput), exactly as emulated_link_params slows its PCIe link: host : device : copy
+    times stay the profiled machine's."""
+    if not profile.host_memory_bandwidth > 0:
+        raise ConfigError(f"link profile {profile.name!r} describes no host (host_memory_bandwidth): add the host "
+                          f"of a typical machine with that GPU to profiles/{profile.name}.json")
+    s = time_scale
+    return HostParams(bandwidth=profile.host_memory_bandwidth / s,
+                      flops_per_s=profile.host_cores * profile.host_core_flops / s,
+                      latency=profile.host_latency * s, pcie_bandwidth=profile.pcie_bandwidth / s)
