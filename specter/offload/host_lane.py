@@ -1,0 +1,332 @@
+"""The host lane: routed experts computed on the host, where the store already holds their weights.
+
+    lane = make_host_lane(store, device, link, threads=None)   # HostLane; calibrated on CPU like the link
+    job = lane.submit(layer, x, ids, weights, remap)           # remap [E]: expert -> store row, -1 = not here
+    ...                                                        # the device computes its resident experts
+    job.wait()  /  await job.landed()                          # seconds stalled; then job.rows [T, k, H]
+
+Instead of copying a cold expert's bytes to the device (an expert's whole weight over PCIe), the
+activations go to the host (a few KB) and the expert runs there (llama.cpp's --n-cpu-moe, Fiddler,
+kTransformers). The lane computes `expert_rows` over the store's own tensors through a remap row,
+so a job's rows are (token, top-k position) rows the device merges with its own (`merge_rows`) and
+combines in the one fixed order: with the torch backend on CPU the bits are the emulated device's.
+
+Threads: one dispatcher thread takes jobs in order; a job's experts are split over `threads` threads
+(the dispatcher and threads - 1 pool workers), each running ATen on one intra-op thread (OpenMP's
+thread count is per thread, so the device's own setting is untouched). A thread's share is a
+`expert_rows` call whose remap keeps only its experts; the shares merge by row, so the split never
+changes a bit. Weights are read in place: a store narrower than the compute dtype (a CPU fp32 run of
+a bf16 checkpoint) is converted an expert at a time into each thread's reused buffer, as the torch
+backend does for the emulated device's bf16 pool; nothing is allocated per weight.
+
+CPU (the emulated device): a job completes no earlier than its emulated time, `charge(job)`, which
+`make_host_lane` builds from the link profile's host (calibrate.emulated_host_params: the profile's
+host bandwidth, cores and dispatch latency slowed by the same time scale as the link), so host time :
+device time : copy time is the real machine's. The lane computes the real result either way.
+
+CUDA (written, not yet run on a GPU): x, ids and weights go to pinned host buffers by non-blocking
+copies on the compute stream plus an event the dispatcher waits on; the host computes in the
+store's dtype; the rows go back from a pinned buffer on the lane's own stream, and `wait()` makes
+the compute stream wait for that copy's event (after waiting on the host until the copy is queued,
+timed as stall: the GPU cannot wait on host work it has not been handed).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import os
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from specter.triton_ops import expert_rows, merge_rows
+
+from ..moe import ExpertWeights
+from .calibrate import emulated_host_params
+
+
+class HostJob:
+    """One layer's cold experts on the host. Awaitable, like a Transfer (sansio drivers yield it)."""
+
+    def __init__(self, layer: int, x, ids, weights, remap: torch.Tensor, experts: list[int], device):
+        self.layer, self.experts = layer, experts   # experts: the store rows computed, in order
+        self.x, self.ids, self.weights = x, ids, weights  # host tensors (CPU: the caller's own)
+        self.remap = remap                          # [E] host int32: expert -> store row, -1 elsewhere
+        self.device = device
+        self.rows: torch.Tensor | None = None       # [T, k, H] on the device once complete
+        self.remap_device = remap                   # what merge_rows reads (a device copy on CUDA)
+        self.t_enqueued = time.perf_counter()
+        self.t_started: float | None = None
+        self.t_finished: float | None = None
+        self.deadline = 0.0                         # emulated completion (CPU), perf_counter s
+        self._future: concurrent.futures.Future = concurrent.futures.Future()
+        self._event = None                          # CUDA: recorded after the rows' copy to the device
+        self._issued: threading.Event | None = None  # CUDA: set once that copy is queued
+
+    def work(self) -> tuple[int, int]:
+        """(distinct experts, (token, position) rows) this job computes."""
+        rows = self.remap[self.ids]
+        rows = rows[rows >= 0]
+        return int(rows.unique().numel()), int(rows.numel())
+
+    def done(self) -> bool:
+        if self._event is not None:
+            return self._event.query()
+        return self._future.done()
+
+    def ready(self) -> bool:
+        """`wait()` would not block the host now."""
+        return self._event is not None or self._future.done()
+
+    def failed(self) -> bool:
+        f = self._future
+        return f.done() and f.exception() is not None
+
+    def wait(self) -> float:
+        """Block until the rows are in place; seconds spent waiting. CUDA: once the rows' copy is queued
+        (waited for on the host, timed), a stream wait on its event."""
+        t0 = time.perf_counter()
+        if self._issued is not None:
+            self._issued.wait()
+            if self._event is not None:
+                stream = torch.cuda.current_stream(self.device)
+                stream.wait_event(self._event)
+                self.rows.record_stream(stream)
+        self._future.result()  # re-raises a failed job
+        return time.perf_counter() - t0
+
+    async def landed(self) -> float:
+        """`wait` for asyncio code: the loop stays free until the job completes."""
+        if self.ready():
+            return self.wait()
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def settle() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        def done(_) -> None:  # on the lane's thread
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # the loop has closed: nobody is waiting
+                pass
+
+        self._future.add_done_callback(done)
+        await fut
+        return self.wait() + time.perf_counter() - t0
+
+    def __await__(self):
+        async def _landed():
+            await self.landed()
+            return self
+        return _landed().__await__()
+
+    def __repr__(self) -> str:
+        return f"HostJob(layer={self.layer}, experts={self.experts}, {'done' if self._future.done() else 'pending'})"
+
+
+class HostLane:
+    """Computes jobs one after another on `threads` host threads (see the module docstring).
+
+    `charge(job) -> seconds`: the job's emulated time (CPU); it then completes no earlier than
+    start + charge, start = max(enqueued, the previous job's completion). None: real time only."""
+
+    def __init__(self, store: list[ExpertWeights], device, *, threads: int = 1, dtype: torch.dtype | None = None,
+                 charge: Callable[[HostJob], float] | None = None, name: str = "host"):
+        if threads < 1:
+            raise ValueError(f"HostLane needs threads >= 1, got {threads}")
+        self.store, self.device, self.threads, self.charge, self.name = store, torch.device(device), threads, charge, name
+        self.cuda = self.device.type == "cuda"
+        self.dtype = dtype or store[0].w13.dtype  # the host computes in this dtype
+        self.stats = {"jobs": 0, "experts": 0, "busy_s": 0.0}
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._queue: collections.deque[HostJob] = collections.deque()
+        self._pending = 0
+        self._closed = False
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads - 1, thread_name_prefix=f"specter-{name}",
+                                                           initializer=torch.set_num_threads,
+                                                           initargs=(1,)) if threads > 1 else None
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._worker = threading.Thread(target=self._run, name=f"specter-{name}", daemon=True)
+        self._worker.start()
+
+    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+               remap: torch.Tensor, experts: list[int] | None = None) -> HostJob:
+        """Compute the rows of x [T, H] whose expert remap [E] (host int32) maps to a store row, on the
+        host; the other rows of the result are zero. `experts`: those store rows (default: read remap)."""
+        if experts is None:
+            experts = [r for r in remap.tolist() if r >= 0]
+        if self.cuda:  # to pinned host memory on the compute stream; the dispatcher waits for the event
+            hx, hids, hw = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (x, ids, weights))
+            for h, t in ((hx, x), (hids, ids), (hw, weights)):
+                h.copy_(t, non_blocking=True)
+            job = HostJob(layer, hx, hids, hw, remap, experts, self.device)
+            job._inputs = torch.cuda.Event()
+            job._inputs.record(torch.cuda.current_stream(self.device))
+            job._issued = threading.Event()
+            job.remap_device = remap.to(self.device, non_blocking=True)
+        else:
+            job = HostJob(layer, x, ids, weights, remap, experts, self.device)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: submit() on a closed host lane")
+            self._pending += 1
+            self._queue.append(job)
+            self._work.notify()
+        return job
+
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def close(self) -> None:
+        """Stop taking jobs; queued ones still complete (without sleeping out their emulated time)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._work.notify()
+        if self._worker is not threading.current_thread():
+            self._worker.join()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    # ----------------------------------------------------------------------------- the worker
+    def _next(self) -> HostJob | None:
+        with self._work:
+            self._work.wait_for(lambda: self._queue or self._closed)
+            return self._queue.popleft() if self._queue else None
+
+    def _run(self) -> None:
+        torch.set_num_threads(1)
+        deadline = 0.0  # the previous job's emulated completion
+        while (job := self._next()) is not None:
+            job.t_started = time.perf_counter()
+            error = None
+            try:
+                if self.cuda:
+                    job._inputs.synchronize()
+                with torch.inference_mode():
+                    rows = self._compute(job)
+                if self.cuda:
+                    rows = self._to_device(job, rows)
+                job.rows = rows
+            except Exception as e:  # reported to whoever waits on the job
+                error = e
+            if self.charge is not None and error is None:
+                job.deadline = deadline = max(job.t_enqueued, deadline) + self.charge(job)
+                while (left := deadline - time.perf_counter()) > 0 and not self._closed:
+                    time.sleep(left)
+            end = job.t_finished = time.perf_counter()
+            with self._lock:
+                self.stats["jobs"] += 1
+                self.stats["experts"] += len(job.experts)
+                self.stats["busy_s"] += end - job.t_started
+                self._pending -= 1
+            if job._issued is not None:
+                job._issued.set()
+            if error is None:
+                job._future.set_result(None)
+            else:
+                job._future.set_exception(error)
+
+    def _compute(self, job: HostJob) -> torch.Tensor:
+        """[T, k, H]: the job's rows, its experts split over the lane's threads (merged by row)."""
+        x = job.x if job.x.dtype == self.dtype else job.x.to(self.dtype)
+        ew = self.store[job.layer]
+        parts = _split(job.experts, self.threads)
+        if len(parts) == 1:
+            return expert_rows(x, job.ids, job.weights, ew.w13, ew.w2, remap=job.remap, backend="torch")
+        remaps = [_only(job.remap, p) for p in parts]
+        futures = [self._pool.submit(_rows, x, job.ids, job.weights, ew, r) for r in remaps[1:]]
+        rows = _rows(x, job.ids, job.weights, ew, remaps[0])
+        for r, f in zip(remaps[1:], futures):
+            rows = merge_rows(rows, f.result(), job.ids, r)
+        return rows
+
+    def _to_device(self, job: HostJob, rows: torch.Tensor) -> torch.Tensor:
+        """CUDA: the rows from a pinned buffer to the device on the lane's stream; job._event after it."""
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows)
+        with torch.cuda.stream(self._stream):
+            out = torch.empty(rows.shape, dtype=rows.dtype, device=self.device)
+            out.copy_(host, non_blocking=True)
+            job._event = torch.cuda.Event()
+            job._event.record(self._stream)
+        job._host_rows = host  # alive until the copy has run (the job outlives its wait)
+        return out
+
+
+def _rows(x, ids, weights, ew: ExpertWeights, remap) -> torch.Tensor:
+    with torch.inference_mode():
+        return expert_rows(x, ids, weights, ew.w13, ew.w2, remap=remap, backend="torch")
+
+
+def _split(experts: list[int], n: int) -> list[list[int]]:
+    """Experts dealt round-robin into at most n non-empty parts."""
+    return [p for p in (experts[i::n] for i in range(n)) if p]
+
+
+def _only(remap: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    """remap with every store row but `keep` turned to -1."""
+    return torch.where(torch.isin(remap, torch.tensor(keep, dtype=remap.dtype)), remap, -1)
+
+
+# ----------------------------------------------------------------------------------- building
+def default_host_threads() -> int:
+    """Physical cores of this process's CPUs minus one: the thread that drives the device (the CUDA
+    driver's launches, or on CPU the emulated device's compute, which keeps cores - 1 of its own)."""
+    return max(1, physical_cores() - 1)
+
+
+def physical_cores() -> int:
+    """Distinct (package, core) pairs among the CPUs this process may run on (logical CPUs if unknown)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = set()
+    for c in cpus:
+        try:
+            base = f"/sys/devices/system/cpu/cpu{c}/topology/"
+            with open(base + "physical_package_id") as f, open(base + "core_id") as g:
+                cores.add((f.read().strip(), g.read().strip()))
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))
+
+
+def job_cost(job: HostJob, expert_bytes: int, hidden: int, intermediate: int, act_bytes: int) -> dict:
+    """What a job moves and computes on the real host: weight bytes read, FLOPs, activation bytes."""
+    experts, rows = job.work()
+    T = job.ids.shape[0]
+    return {"weight_bytes": experts * expert_bytes, "flops": rows * 6 * hidden * intermediate,
+            "act_bytes": (T * hidden + rows * hidden) * act_bytes}
+
+
+def make_host_lane(store: list[ExpertWeights], device, link, *, threads: int | None = None,
+                   dtype: torch.dtype | None = None, charged_dtype: torch.dtype | None = None) -> HostLane:
+    """The host lane for `device`. CPU: each job is charged its emulated time from the link's profile
+    and time scale (calibrate.emulated_host_params), weights counted at `charged_dtype`'s width (the one
+    the emulated link times copies at), so that host : device : copy times are the profiled machine's.
+    A link without a profile (a test's plain EmulatedLink) gives a lane that takes real time only.
+    dtype: what the host computes in (CPU: the device's compute dtype, for identical bits; CUDA: the store's)."""
+    device = torch.device(device)
+    threads = threads or default_host_threads()
+    profile, scale = getattr(link, "profile", None), getattr(link, "time_scale", None)
+    charge = None
+    if device.type == "cpu" and profile is not None and scale is not None:
+        w13, w2 = store[0].w13, store[0].w2
+        H, I = w13.shape[2], w2.shape[2]
+        item = (charged_dtype or dtype or w13.dtype).itemsize
+        params = emulated_host_params(profile, scale)
+
+        def charge(job: HostJob) -> float:
+            c = job_cost(job, 3 * H * I * item, H, I, item)
+            return params.seconds(**c)
+    lane = HostLane(store, device, threads=threads, dtype=dtype if device.type == "cpu" else store[0].w13.dtype,
+                    charge=charge, name="host" if charge is None else f"host:{profile.name}")
+    lane.profile, lane.time_scale = profile, scale
+    return lane
