@@ -46,7 +46,7 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = "s
          dtype=None, **options) -> Engine:
     """Load a local Hugging Face MoE checkpoint (None = the bundled default model).
 
-    policy: resident | on-demand | next-layer | spec-lru | specter.
+    policy: resident | on-demand | next-layer | host | spec-lru | specter.
     residency: fraction of each layer's routed experts kept on the device (0 < F <= 1), or
     expert_memory: a byte budget for the device slot pool ("6GiB"). Neither: all resident.
     (policy "resident" takes no budget: one given to it is refused, not ignored.)
@@ -56,6 +56,8 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = "s
     k_max: the longest draft the governor may choose (default 32; 0 = plain decoding only).
     compile: compile the draft's sync-free one-token step (specter.compiled). None (default): on
     CUDA (CUDA graphs), off on CPU; True/False force it.
+    host_threads: policy host only, the threads of the host lane that computes the experts not on
+    the device (default: physical cores less one).
     driver: "async" (the generation runs on an event loop: astream on the caller's, the blocking API
     on one of its thread's own) or "sync" (blocking waits). None (default): async on CUDA, sync on CPU.
     """
@@ -77,7 +79,7 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = "s
     if policy == "resident" and given:  # a budget it would silently ignore
         k, v = next(iter(given.items()))
         raise ConfigError(f"policy 'resident' keeps every expert on the device, so {k}={v!r} would be ignored; "
-                          f"drop the budget, or pick an offloading policy (on-demand, next-layer, spec-lru, specter)")
+                          f"drop the budget, or pick an offloading policy (on-demand, next-layer, host, spec-lru, specter)")
     path = Path(model) if model is not None else default_model_path()
     return build_engine(path, resolve_device(device), policy=policy, residency=residency,
                         expert_memory=expert_memory, link=link, dtype=dtype, **options)

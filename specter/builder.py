@@ -16,6 +16,8 @@ from .generation_defaults import read_generation_defaults
 from .loader import Checkpoint, load_checkpoint, load_tokenizer, open_checkpoint
 from .model import MoETransformer
 from .moe import ExpertWeights, ResidentExperts
+from .offload.host_experts import HostExperts
+from .offload.host_lane import make_host_lane
 from .offload.link import make_link
 from .offload.manager import OffloadedExperts
 from .offload.plan import make_plan
@@ -123,11 +125,18 @@ def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | 
 def build_engine(path: Path, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                  link=None, dtype=None, threads: int | None = None, eviction: str = "lru",
                  device_memory=None, k_max: int = 32, compile: bool | None = None, shared: Loaded | None = None,
-                 draft_cache=None, driver: str | None = None, **options) -> Engine:
+                 draft_cache=None, driver: str | None = None, host_threads: int | None = None, **options) -> Engine:
     """An engine for `policy`. `shared`: a checkpoint already loaded (load_shared) to build on instead
-    of loading it again; its store, model and draft are reused, never copied."""
+    of loading it again; its store, model and draft are reused, never copied. `host_threads`: the
+    host lane's threads (the `host` policy; default: physical cores less one)."""
     if options:
         raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}")
+    if host_threads is not None and (isinstance(host_threads, bool) or not isinstance(host_threads, int)
+                                     or host_threads < 1):
+        raise ConfigError(f"host_threads must be an integer >= 1, got {host_threads!r}")
+    if host_threads is not None and policy != "host":
+        raise ConfigError(f"policy {policy!r} computes no expert on the host, so host_threads would be ignored; "
+                          f"drop it, or use policy 'host'")
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
         raise ConfigError(f"k_max must be an integer >= 0 (0 = no speculation), got {k_max!r}")
     if driver not in (None, "sync", "async"):
@@ -171,6 +180,9 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         mgr = OffloadedExperts(store, plan.slots_per_layer, device, lk, eviction=eviction, dtype=pdt, alias=alias,
                                rows=rows)
         mgr.warm()
+        if policy == "host":  # every expert not resident computes where the store holds it
+            lane = make_host_lane(store, device, lk, threads=host_threads, dtype=dt, charged_dtype=pdt)
+            mgr = HostExperts(mgr, lane)
         decoder = _decoder(policy, shared, mgr, k_max)
         if hasattr(decoder, "draft"):
             decoder.draft_step, decoder.verify_step = _compiled_steps(model, decoder.draft, compile, device, k_max)
@@ -233,7 +245,7 @@ def _compiled_verify_step(model, k_max: int, compile: bool = True):
 def _decoder(policy, shared: Loaded, mgr, k_max):
     """The decode loop each policy runs; all of them share the model and the offload manager."""
     model, device, dt = shared.model, shared.device, shared.dtype
-    if policy == "on-demand":
+    if policy in ("on-demand", "host"):
         return PlainDecoder(model, mgr, device, dt)
     if policy == "next-layer":
         mgr.next_layer_router = NextLayerPrefetch(model, mgr)

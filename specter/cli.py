@@ -40,12 +40,15 @@ def _model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
                    help="compute dtype (default: float32 on CPU, the checkpoint's 16-bit dtype on CUDA)")
     if policy:
         p.add_argument("--policy", default="specter",
-                       help="resident | on-demand | next-layer | spec-lru | specter (default: specter)")
+                       help="resident | on-demand | next-layer | host | spec-lru | specter (default: specter)")
     p.add_argument("--residency", type=float, default=None,
                    help="fraction of each layer's experts kept on the device, in (0, 1] (offloading policies)")
     p.add_argument("--expert-memory", default=None,
                    help="device bytes for the expert slot pool, e.g. 6GiB (offloading policies)")
     p.add_argument("--link", default=None, help="CPU only: link profile of the emulated PCIe link (see `specter profile`)")
+    p.add_argument("--host-threads", type=positive_int, default=None,
+                   help="policy host: threads of the host lane that computes the experts not on the device "
+                        "(default: physical cores less one)")
     p.add_argument("--k-max", type=int, default=None,
                    help="longest draft the governor may choose (default 32; 0 = never speculate)")
     p.add_argument("--draft-cache", default=None,
@@ -136,6 +139,8 @@ def engine_options(args) -> dict:
         opts["dtype"] = args.dtype
     if getattr(args, "draft_cache", None) is not None:
         opts["draft_cache"] = args.draft_cache
+    if getattr(args, "host_threads", None) is not None:
+        opts["host_threads"] = args.host_threads
     return opts
 
 
@@ -145,12 +150,14 @@ def _load(args, policy: str | None = None):
     policy = policy or args.policy
     ignored = [flag for flag, given, used in (("--k-max", args.k_max is not None, ("spec-lru", "specter")),
                                               ("--compile", args.compile, ("spec-lru", "specter")),
-                                              ("--link", args.link is not None, ("on-demand", "next-layer",
+                                              ("--host-threads", args.host_threads is not None, ("host",)),
+                                              ("--link", args.link is not None, ("on-demand", "next-layer", "host",
                                                                                  "spec-lru", "specter")))
                if given and policy not in used]
     if ignored:
         raise ConfigError(f"policy {policy!r} does not use {ignored[0]}, so it would be ignored; drop it or pick a "
-                          "policy that does (--k-max/--compile: spec-lru, specter; --link: any offloading policy)")
+                          "policy that does (--k-max/--compile: spec-lru, specter; --host-threads: host; --link: any offloading "
+                          "policy)")
     return specter.load(args.model, device=args.device, policy=policy, residency=args.residency,
                         expert_memory=args.expert_memory, link=args.link, **engine_options(args))
 

@@ -23,9 +23,9 @@ def add_subcommands(sub, model_args, sampling_args) -> None:
     p.set_defaults(func=cmd_plan)
 
     bn = sub.add_parser("bench", help="run several policies side by side on the same prompts")
-    bn.add_argument("--policies", default="resident,on-demand,next-layer,spec-lru,specter,oracle",
+    bn.add_argument("--policies", default="resident,on-demand,next-layer,host,spec-lru,specter,oracle",
                     help="comma-separated policies to compare; the first is the reference for token equality "
-                         "(default: all six)")
+                         "(default: all seven)")
     model_args(bn, policy=False)
     bn.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (default 64)")
     bn.add_argument("--prompts", default=None, help="file: one prompt a line, or a .json list")
@@ -41,10 +41,14 @@ def add_subcommands(sub, model_args, sampling_args) -> None:
     bn.add_argument("--json", action="store_true", help="print the results as one JSON object")
     bn.set_defaults(func=cmd_bench)
 
-    pr = sub.add_parser("profile", help="list link profiles and this machine's emulated-link calibration; "
-                                        "--trace: a torch.profiler trace of a short generation")
+    pr = sub.add_parser("profile", help="list link profiles (GPU, link, host) and this machine's emulated-link "
+                                        "calibration and measured host lane; --trace: a torch.profiler trace of a "
+                                        "short generation")
     pr.add_argument("--model", default=None, help="local Hugging Face model directory (default: the bundled model)")
     pr.add_argument("--json", action="store_true", help="print the calibration as one JSON object")
+    pr.add_argument("--host-threads", type=positive_int, default=None,
+                    help="threads of the host lane measured (default: physical cores less one)")
+    pr.add_argument("--no-host", action="store_true", help="skip measuring this machine's host lane")
     pr.add_argument("--trace", default=None, metavar="FILE.json",
                     help="write a Chrome/Perfetto trace (open in ui.perfetto.dev) of a short generation, with the "
                          "ranges draft step, plan, copy issue, verify, layer N, accept")
@@ -254,7 +258,8 @@ def cmd_bench(args) -> int:
 def cmd_profile(args) -> int:
     if args.trace:
         return cmd_trace(args)
-    from .offload.calibrate import available_profiles, emulated_link_params, load_profile, measure_expert_throughput
+    from .offload.calibrate import (available_profiles, emulated_host_params, emulated_link_params, load_profile,
+                                    measure_expert_throughput)
     from .loader import open_checkpoint
     from . import default_model_path
 
@@ -268,17 +273,50 @@ def cmd_profile(args) -> int:
     for name in available_profiles():
         p = load_profile(name)
         bw, lat = emulated_link_params(p, tput)
+        h = emulated_host_params(p, p.device_memory_bandwidth / tput)
         rows.append(dict(name=name, gpu=p.gpu, device_memory_GBps=p.device_memory_bandwidth / 1e9,
-                         pcie_GBps=p.pcie_bandwidth / 1e9, emulated_MBps=bw / 1e6, emulated_latency_us=lat * 1e6))
+                         pcie_GBps=p.pcie_bandwidth / 1e9, emulated_MBps=bw / 1e6, emulated_latency_us=lat * 1e6,
+                         host=p.host, host_memory_GBps=p.host_memory_bandwidth / 1e9, host_cores=p.host_cores,
+                         emulated_host_MBps=h.bandwidth / 1e6, emulated_host_latency_us=h.latency * 1e6))
+    lane = None
+    if not args.no_host:
+        from .offload.host_lane import default_host_threads
+        from .offload.host_measure import measure
+
+        lane = measure(args.host_threads or default_host_threads())
     if args.json:
-        print(json.dumps({"expert_throughput_GBps": tput / 1e9, "profiles": rows}))
+        print(json.dumps({"expert_throughput_GBps": tput / 1e9, "profiles": rows, "host_lane": lane}))
         return 0
     print(f"this machine's expert throughput (fp32, {spec.hidden}x{spec.expert_inter}): {tput / 1e9:.2f} GB/s")
     print(f"{'profile':<18} {'mem GB/s':>9} {'PCIe GB/s':>9} {'ratio':>6} {'emulated MB/s':>13} {'latency us':>10}")
     for r in rows:
         print(f"{r['name']:<18} {r['device_memory_GBps']:>9.0f} {r['pcie_GBps']:>9.1f} "
               f"{r['device_memory_GBps'] / r['pcie_GBps']:>6.0f} {r['emulated_MBps']:>13.1f} {r['emulated_latency_us']:>10.0f}")
+    print(f"\n{'profile':<18} {'host GB/s':>9} {'cores':>5} {'emulated host MB/s':>18} {'latency us':>10}  host")
+    for r in rows:
+        print(f"{r['name']:<18} {r['host_memory_GBps']:>9.1f} {r['host_cores']:>5} {r['emulated_host_MBps']:>18.1f} "
+              f"{r['emulated_host_latency_us']:>10.0f}  {r['host']}")
+    if lane is not None:
+        print(f"\nthis machine's host lane ({lane['threads']} threads): STREAM-like triad {lane['stream_GBps']:.1f} GB/s "
+              f"on {lane['stream_cores']} cores, {lane['stream_lane_threads_GBps']:.1f} GB/s on the lane's threads")
+        print(host_lane_table(lane))
     return 0
+
+
+def host_lane_table(lane: dict) -> str:
+    """The lane's achieved GB/s per model shape, mode and T, and as a share of the triad on its threads."""
+    ref = lane["stream_lane_threads_GBps"]
+    modes = list(dict.fromkeys(r["mode"] for r in lane["lane"]))
+    Ts = sorted({r["T"] for r in lane["lane"]})
+    head = f"{'expert shape':<28} " + " ".join(f"{m + ' T=' + str(t):>15}" for m in modes for t in Ts)
+    lines = [head]
+    for model in dict.fromkeys(r["model"] for r in lane["lane"]):
+        got = {(r["mode"], r["T"]): r for r in lane["lane"] if r["model"] == model}
+        any_row = next(iter(got.values()))
+        cells = " ".join(f"{got[m, t]['GBps']:>6.1f} ({got[m, t]['GBps'] / ref:>4.0%})" for m in modes for t in Ts)
+        lines.append(f"{model + ' ' + str(any_row['hidden']) + 'x' + str(any_row['intermediate']):<28} {cells}")
+    return "\n".join(lines + ["GB/s of expert weights read (as stored); (%): of the triad on the lane's threads. "
+                               "fp32 rows are batch-invariant GEMVs, which read the weights once a token."])
 
 
 def cmd_trace(args) -> int:

@@ -1,0 +1,196 @@
+"""The host lane and the `host` policy: bit-identical rows, emulated time from the profile, injected
+costs (never wall-clock bounds from load), and greedy decoding equal to `resident`.
+
+The greedy-equality loops over policies live in tests/test_offload.py (LOSSLESS_POLICIES includes
+`host`); here: the lane alone, its cost model, the profiles' hosts and the policy's wiring."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import specter
+from specter.cli import main
+from specter.moe import ExpertWeights
+from specter.offload.calibrate import available_profiles, emulated_host_params, load_profile
+from specter.offload.host_experts import HostExperts
+from specter.offload.host_lane import HostLane, default_host_threads, make_host_lane, physical_cores
+from specter.offload.link import EmulatedLink
+from specter.triton_ops import expert_rows
+
+E, H, I = 8, 48, 40
+
+
+def _store(dtype=torch.bfloat16, seed=0) -> ExpertWeights:
+    g = torch.Generator().manual_seed(seed)
+    return ExpertWeights((torch.randn(E, 2 * I, H, generator=g) * 0.1).to(dtype),
+                         (torch.randn(E, H, I, generator=g) * 0.1).to(dtype))
+
+
+def _routing(T, k=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])  # [T, k]
+    w = torch.rand(T, k, generator=g)
+    return torch.randn(T, H, generator=g), ids, w
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
+def test_lane_rows_are_the_devices_bits(threads, T, storage):
+    """fp32 compute over the store (converted per expert when it is bf16) gives exactly the rows the
+    emulated device computes from an fp32 pool holding the same experts, however the lane splits them."""
+    store = _store(storage)
+    pool = ExpertWeights(store.w13.float(), store.w2.float())  # what converting copies put in a slot pool
+    x, ids, w = _routing(T)
+    cold = sorted(set(ids.flatten().tolist()))[::2]
+    remap = torch.full((E,), -1, dtype=torch.int32)
+    remap[cold] = torch.tensor(cold, dtype=torch.int32)
+    lane = HostLane([store], "cpu", threads=threads, dtype=torch.float32)
+    try:
+        job = lane.submit(0, x, ids, w, remap, experts=cold)
+        assert job.wait() >= 0.0 and job.done() and not job.failed()
+    finally:
+        lane.close()
+    want = expert_rows(x, ids, w, pool.w13, pool.w2, remap=remap)
+    assert torch.equal(job.rows, want)
+    assert torch.count_nonzero(job.rows.abs().sum(-1)) == (remap[ids] >= 0).sum()  # only the cold rows
+    assert lane.stats["jobs"] == 1 and lane.stats["experts"] == len(cold)
+
+
+def test_a_job_completes_no_earlier_than_its_charge_and_jobs_queue():
+    """Injected costs: each job takes at least its charge after the previous one's completion."""
+    store = _store()
+    x, ids, w = _routing(1)
+    remap = torch.arange(E, dtype=torch.int32)
+    lane = HostLane([store], "cpu", threads=1, dtype=torch.float32, charge=lambda job: 0.03)
+    try:
+        a = lane.submit(0, x, ids, w, remap)
+        b = lane.submit(0, x, ids, w, remap)
+        b.wait()
+        assert a.done() and b.deadline >= a.deadline + 0.03 - 1e-9
+        assert a.t_finished - a.t_enqueued >= 0.03 and b.t_finished - a.t_enqueued >= 0.06
+    finally:
+        lane.close()
+
+
+def test_errors_reach_the_waiter_and_await_works():
+    store = _store()
+    x, ids, w = _routing(2)
+    lane = HostLane([store], "cpu", threads=1, dtype=torch.float32)
+    try:
+        bad = lane.submit(0, x[:, :3], ids, w, torch.arange(E, dtype=torch.int32))  # wrong hidden size
+        with pytest.raises(specter.SpecterError):
+            bad.wait()
+        assert bad.failed()
+
+        async def run():
+            job = lane.submit(0, x, ids, w, torch.arange(E, dtype=torch.int32))
+            stalled = await job.landed()
+            assert await job is job
+            return stalled, job
+
+        stalled, job = asyncio.run(run())
+        assert stalled >= 0 and job.rows.shape == (2, 2, H)
+    finally:
+        lane.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        lane.submit(0, x, ids, w, torch.arange(E, dtype=torch.int32))
+
+
+def test_every_profile_describes_its_host_with_sources():
+    for name in available_profiles():
+        p = load_profile(name)
+        assert p.host and p.host_cores >= 1 and p.host_core_flops > 0 and p.host_latency > 0, name
+        assert 0 < p.host_memory_bandwidth <= p.host_memory_theoretical_bandwidth, name
+        assert p.pcie_bandwidth < p.host_memory_bandwidth < p.device_memory_bandwidth, name
+        assert any("http" in s for s in p.host_sources), name
+
+
+def test_host_cost_model_is_the_profile_slowed_by_the_links_time_scale():
+    p = load_profile("A100-40GB-PCIe4")
+    h1, h4 = emulated_host_params(p, 1.0), emulated_host_params(p, 4.0)
+    assert h1.bandwidth == p.host_memory_bandwidth and h4.bandwidth == p.host_memory_bandwidth / 4
+    assert h4.latency == 4 * p.host_latency
+    mb = 10 << 20
+    one = h1.seconds(weight_bytes=mb, flops=0, act_bytes=0)
+    assert one == pytest.approx(p.host_latency + mb / p.host_memory_bandwidth)
+    assert h4.seconds(weight_bytes=mb, flops=0, act_bytes=0) == pytest.approx(4 * one)
+    # past the ridge point the cores bound it: compute-bound time grows with the tokens
+    flops = 1000 * mb
+    assert h1.seconds(mb, flops, 0) == pytest.approx(p.host_latency + flops / (p.host_cores * p.host_core_flops))
+
+
+def test_make_host_lane_charges_only_a_profiled_cpu_link():
+    store = [_store()]
+    plain = EmulatedLink(1e9, 0.0)
+    try:
+        assert make_host_lane(store, "cpu", plain, threads=1).charge is None  # a test's link: real time
+        plain.profile, plain.time_scale = load_profile(None), 50.0
+        lane = make_host_lane(store, "cpu", plain, threads=1, dtype=torch.float32)
+        x, ids, w = _routing(1)
+        job = lane.submit(0, x, ids, w, torch.arange(E, dtype=torch.int32))
+        job.wait()
+        p = emulated_host_params(plain.profile, 50.0)
+        want = p.seconds(weight_bytes=2 * 3 * H * I * 4, flops=2 * 6 * H * I, act_bytes=(H + 2 * H) * 4)
+        assert lane.charge(job) == pytest.approx(want)
+        assert job.t_finished - job.t_enqueued >= want
+        lane.close()
+    finally:
+        plain.close()
+    assert physical_cores() >= 1 and default_host_threads() == max(1, physical_cores() - 1)
+
+
+def test_host_policy_copies_nothing_and_decodes_residents_tokens(tiny):
+    path, _ = tiny("qwen2_moe", mlp_only_layers=[0])
+    prompts = [[1, 5, 9, 33, 2], list(range(10, 40))]
+    ref = specter.load(path, device="cpu", policy="resident")
+    try:
+        want = [ref.generate(p, max_new_tokens=12).token_ids for p in prompts]
+    finally:
+        ref.close()
+    for driver in ("sync", "async"):
+        engine = specter.load(path, device="cpu", policy="host", residency=0.25, host_threads=2, driver=driver)
+        try:
+            mgr = engine.decoder.experts
+            assert isinstance(mgr, HostExperts) and mgr.lane.threads == 2
+            outs = [engine.generate(p, max_new_tokens=12) for p in prompts]
+        finally:
+            engine.close()
+        assert [o.token_ids for o in outs] == want, driver
+        for o in outs:
+            s = o.stats
+            assert s["h2d_bytes"] == 0 and s["host_experts"] == s["expert_misses"] > 0 and s["expert_hits"] > 0
+            assert s["host_bytes"] > 0 and s["host_stall_s"] <= s["stall_s"] + 1e-12
+
+
+def test_host_threads_is_refused_where_it_would_be_ignored(tiny, capsys):
+    path, _ = tiny("mixtral")
+    with pytest.raises(specter.ConfigError, match="host_threads"):
+        specter.load(path, device="cpu", policy="on-demand", residency=0.5, host_threads=2)
+    with pytest.raises(specter.ConfigError, match="host_threads"):
+        specter.load(path, device="cpu", policy="host", residency=0.5, host_threads=0)
+    assert main(["generate", "--model", str(path), "--prompt-ids", "1,2", "--policy", "spec-lru",
+                 "--host-threads", "2"]) == 2
+    assert "--host-threads" in capsys.readouterr().err
+
+
+def test_profile_prints_the_host_lane_beside_the_profiles(monkeypatch, capsys):
+    import specter.offload.calibrate as calibrate
+    import specter.offload.host_measure as host_measure
+
+    monkeypatch.setattr(calibrate, "measure_expert_throughput", lambda *a, **k: 5e9)
+    fake = host_measure.measure(1, tokens=(1, 4), shapes={"Tiny": (64, 32)}, budget_s=0.005)
+    assert {r["mode"] for r in fake["lane"]} == {"fp32", "bf16", "bf16->fp32"} and fake["stream_GBps"] > 0
+    assert all(r["GBps"] > 0 for r in fake["lane"])
+    monkeypatch.setattr(host_measure, "measure", lambda threads: {**fake, "threads": threads})
+    assert main(["profile", "--host-threads", "3"]) == 0
+    out = capsys.readouterr().out
+    for name in available_profiles():
+        assert load_profile(name).host in out
+    assert "host lane (3 threads)" in out and "Tiny 64x32" in out and "bf16 T=4" in out
+    assert main(["profile", "--json", "--no-host"]) == 0
+    import json
+    got = json.loads(capsys.readouterr().out)
+    assert got["host_lane"] is None and all(r["emulated_host_MBps"] > 0 for r in got["profiles"])
