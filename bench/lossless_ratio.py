@@ -1,6 +1,6 @@
 """Lossless expert coding: sizes of the candidate codes, and the CPU decode speed of the chosen one.
 
-    python bench/lossless_ratio.py [--repeat 5]
+    python bench/lossless_ratio.py [--repeat 5] [--threads 1]
 
 For the bundled model's routed experts (as the store holds them: per MoE layer w13 [E, 2I, H] and
 w2 [E, H, I]) and for random normal bf16 weights at several scales, the size as a fraction of the
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import math
+import os
 import time
 from pathlib import Path
 
@@ -111,12 +112,14 @@ def decode_speed(tensors: list[torch.Tensor], repeat: int) -> tuple[float, float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for the decode (default 1)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     cases = {"bundled model experts": bundled_experts()}
     for s in (1e-3, 0.02, 1.0, 100.0):
         cases[f"normal sigma={s:g}"] = normals(s)
     cols = ["entropy", "huffman"] + [f"fixed-{b}" for b in lossless.WIDTHS] + ["chosen"]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
     print("| weights | MiB bf16 | " + " | ".join(cols) + " | width | decode GB/s (bf16 out) | decode GB/s (coded in) |")
     print("|---" * (len(cols) + 5) + "|")
     for name, tensors in cases.items():

@@ -228,40 +228,41 @@ def _escapes(codes: torch.Tensor, exp: torch.Tensor, esc: int):
 
 
 # ---------------------------------------------------------------------------------- torch decode
-_BYTE_BITS = None
+_SPREAD: dict = {}
 
 
-def _byte_bits(device) -> torch.Tensor:
-    """uint8 [256, 8]: bit t of each byte value."""
-    global _BYTE_BITS
-    if _BYTE_BITS is None or _BYTE_BITS.device != torch.device(device):
+def _spread(device) -> torch.Tensor:
+    """int64 [256]: byte value -> eight bytes, byte t holding the value's bit t."""
+    device = torch.device(device)
+    if device not in _SPREAD:
         v = torch.arange(256, device=device)
-        _BYTE_BITS = ((v[:, None] >> torch.arange(8, device=device)) & 1).to(torch.uint8)
-    return _BYTE_BITS
+        _SPREAD[device] = ((v[:, None] >> torch.arange(8, device=device)) & 1).to(torch.uint8).view(torch.int64)[:, 0]
+    return _SPREAD[device]
 
 
 def codes_of(packed: LosslessExperts, e: int) -> torch.Tensor:
-    """uint8 [P]: expert e's codes, from its bit planes."""
-    planes = packed.planes[e].contiguous().view(torch.uint8)  # [BITS, P // 8]
-    lut = _byte_bits(planes.device)
-    codes = lut[planes[0].long()].view(-1)                    # [P]
+    """uint8 [P]: expert e's codes, from its bit planes (eight codes at a time, one int64 a plane byte)."""
+    planes = packed.planes[e].contiguous().view(torch.uint8).long()  # [BITS, P // 8]
+    spread = _spread(planes.device)
+    codes = spread[planes[0]]                                 # [P // 8] int64: eight codes
     for p in range(1, packed.bits):
-        codes |= lut[planes[p].long()].view(-1) << p
-    return codes
+        codes |= spread[planes[p]] << p
+    return codes.view(torch.uint8)
 
 
 def decode_torch(packed: LosslessExperts, e: int, out: torch.Tensor) -> torch.Tensor:
     """Expert e into out (bf16 [N, K]) with torch ops (the emulated device's path)."""
     numel = out.numel()
     codes = codes_of(packed, e)[:numel]
-    exp = packed.table[e].to(torch.int16)[codes.long()]      # [numel]
+    exp = torch.take(packed.table[e].to(torch.int16) << 7, codes.long())  # [numel] exponent fields
     flags = codes == (1 << packed.bits) - 1
     n_esc = int(flags.sum())
     if n_esc:
-        exp[flags] = packed.expert_escapes(e)[:n_esc].to(torch.int16)
-    sm = packed.signman[e, :numel].to(torch.int16)
-    bits = ((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F)     # int16 wraps: the sign lands in bit 15
-    out.view(-1).view(torch.int16).copy_(bits)
+        exp.masked_scatter_(flags, packed.expert_escapes(e)[:n_esc].to(torch.int16) << 7)
+    bits = out.view(-1).view(torch.int16)
+    sm = packed.signman[e, :numel].view(torch.int8).to(torch.int16)  # sign-extended: bit 7 into 7 .. 15
+    torch.bitwise_and(sm, -0x8000 | 0x7F, out=bits)           # sign in bit 15, mantissa in 0 .. 6
+    bits |= exp
     return out
 
 
