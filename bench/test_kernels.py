@@ -2,7 +2,8 @@
 
 One MoE layer of Mixtral-8x7B, Qwen3-30B-A3B and DeepSeek-V2-Lite (bf16 and INT4 experts) at
 T = 1, 8 and 33 tokens, beside the per-expert loop (the torch backend) and optimum-quanto's own
-INT4 matmul (TinyGemm, one expert at a time). Bytes = the weights of the distinct experts the
+INT4 matmul (TinyGemm, one expert at a time), and the lossless decode of one expert into a slot
+(decode-w13 / decode-w2: bytes = coded read + bf16 written). Bytes = the weights of the distinct experts the
 routing touches (what must cross HBM at least once); the bandwidth is the datasheet figure of the
 matching profile in profiles/. CUDA only (skipped without).
 
@@ -131,6 +132,32 @@ def test_kernel_bandwidth(benchmark, layer, impl, T):
     benchmark.extra_info.update(model=layer["name"], T=T, impl=impl, experts=n_used, us=seconds * 1e6,
                                 GBps=gbs, hbm_share=gbs * 1e9 / bw)
     RESULTS.append((layer["name"], T, impl, n_used, seconds * 1e6, gbs, gbs * 1e9 / bw))
+    benchmark.pedantic(lambda: (fn(), torch.cuda.synchronize()), rounds=3, iterations=3)
+
+
+@pytest.mark.parametrize("tensor", ["w13", "w2"])
+def test_lossless_decode_bandwidth(benchmark, layer, tensor):
+    """specter.triton_ops.lossless: one expert decoded into a bf16 slot (the Triton kernel), checked
+    bit for bit. Bytes = the coded expert read + the bf16 slot written; `x link` in extra_info is
+    the slot's bf16 bytes a second over the profile's PCIe bandwidth (the issue's goal: >= 20x)."""
+    from specter.triton_ops import lossless
+    w = layer["dense"][0 if tensor == "w13" else 1][:2].contiguous()
+    packed = lossless.encode(w)
+    slot = torch.empty(w.shape[1:], dtype=torch.bfloat16, device="cuda")
+    fn = lambda: packed.decode_into(slot, 1)  # noqa: E731
+    fn()
+    assert torch.equal(slot.view(torch.int16), w[1].view(torch.int16))
+    seconds = cuda_time(fn)
+    nbytes = packed.expert_nbytes(1) + slot.numel() * 2
+    profile = profile_for_gpu(torch.cuda.get_device_name())
+    p = load_profile(profile) if profile else None
+    gbs = nbytes / seconds / 1e9
+    share = gbs * 1e9 / p.device_memory_bandwidth if p else float("nan")
+    x_link = slot.numel() * 2 / seconds / p.pcie_bandwidth if p else float("nan")
+    benchmark.extra_info.update(model=layer["name"], impl=f"lossless-{tensor}", bits=packed.bits, us=seconds * 1e6,
+                                GBps=gbs, hbm_share=share, x_link=x_link,
+                                ratio=packed.expert_nbytes(1) / (slot.numel() * 2))
+    RESULTS.append((layer["name"], 1, f"decode-{tensor}", 1, seconds * 1e6, gbs, share))
     benchmark.pedantic(lambda: (fn(), torch.cuda.synchronize()), rounds=3, iterations=3)
 
 

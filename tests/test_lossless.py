@@ -166,3 +166,21 @@ def test_decode_kernel_reads_words_never_bytes(decode_reports):
         widths = {int(re.search(r"(\d+)$", kind).group(1)) for kind in r.loads if kind.startswith("ld")}
         assert min(widths) >= 32, (r.cc, r.loads)
         assert r.loads.get("ld.v4.b32", 0) >= 1, (r.cc, launch.kwargs, r.loads)
+
+
+# ------------------------------------------------------------------------------ on a GPU (compiled)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bits", [None, 2, 3, 4])
+def test_compiled_decode_on_cuda(bits):
+    """The compiled kernel, every special case, encoded on the GPU and on the host: bit exact."""
+    for name, w in special_weights().items():
+        for packed in (encode(w.cuda(), bits), _to_cuda(encode(w, bits))):
+            slot = torch.full(w.shape[1:], float("nan"), dtype=torch.bfloat16, device="cuda")
+            for e in range(w.shape[0]):
+                assert _bits(packed.decode_into(slot, e)).cpu().equal(_bits(w[e])), (name, e, packed.bits)
+            assert _bits(packed.decode()).cpu().equal(_bits(w)), name
+
+
+def _to_cuda(packed: LosslessExperts) -> LosslessExperts:
+    *moved, start = (t.cuda() for t in packed.tensors())
+    return LosslessExperts(packed.shape, *moved, packed.esc_start)
