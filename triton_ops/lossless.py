@@ -20,23 +20,24 @@ to P = a multiple of 32; BITS the code width, one for the whole tensor; ESC = 2*
     bf16 bits   = (signman & 0x80) << 8 | exponent << 7 | (signman & 0x7F)
 
 Every bit pattern round-trips (±0, subnormals, inf, NaN payloads: the exponent field is coded as
-the eight bits it is), and an expert decodes on its own (its slices of the seven tensors), a block
+the eight bits it is), and an expert decodes on its own (its rows of the tensors and its escape run), a block
 of BLOCK elements at a time with no dependence on any other block: the GPU kernel gives each
 program one block, every load contiguous and wide (the sign/mantissa bytes and the planes read as
 int32 words; a block's escapes are found by a prefix sum of its escape flags, read as words too).
 
-Why this code and not Huffman (DFloat11) or ANS: the entropy of trained experts' exponents is
-~2.6 bits, so an entropy coder reaches ~0.66x of bf16 and the fixed code with the best width
-(chosen per tensor from 2, 3 and 4 bits by the encoded size) lands a few percent above it; but a
-Huffman stream must be parsed sequentially (DFloat11 needs per-thread bit offsets, hierarchical
-lookup tables in shared memory and a second pass for output positions), where a fixed width is
-random access per element: the decoder is a handful of shifts and masks over wide loads, trivially
-at memory speed, so decoding never shows next to the copy it follows. A fixed 4-bit code over the
-15 most frequent exponents almost never escapes, but at 12 bits a weight it cannot go below 0.75x;
-3 bits over the 7 most frequent escape a few percent of weights and still come out smaller. The
-measured sizes of all of them on the bundled model and on random normals are in docs/RESULTS.md
-(`python bench/lossless_ratio.py`). fp16 (5-bit exponent, 10-bit mantissa) and fp32 are refused:
-their split is different and not implemented.
+Why this code and not Huffman (DFloat11) or ANS: an exponent coder can at best reach 8 raw bits
+plus the exponents' entropy a weight, and a Huffman code comes within a fraction of a bit of that;
+the fixed code with the best width (chosen per tensor from 2, 3 and 4 bits by the encoded size)
+lands a few percent of the bf16 bytes above it. But a Huffman stream must be parsed sequentially
+(DFloat11 needs per-thread bit offsets, hierarchical lookup tables in shared memory and a second
+pass for output positions), where a fixed width is random access per element: the decoder is a
+handful of shifts and masks over wide loads, at memory speed, so decoding never shows next to
+the PCIe copy it follows. A fixed 4-bit code over the 15 most frequent exponents almost never
+escapes, but at 12 bits a weight it can never go below 0.75x of bf16; 3 bits over the 7 most
+frequent escape a few percent of weights (8 bits each, plus a word of offsets per block) and come
+out smaller on trained and on normal weights alike. The measured sizes of all of them, with the
+entropy bound and Huffman beside, are in docs/RESULTS.md (`python bench/lossless_ratio.py`).
+fp16 (5-bit exponent, 10-bit mantissa) and fp32 are refused: their split differs and is not done.
 
 `decode()` (torch, any device) and `decode_into(out, e)` (one expert into a slot: the Triton
 kernel on CUDA or under TRITON_INTERPRET=1, torch elsewhere) return the identical bf16 bits.
@@ -94,6 +95,11 @@ class LosslessExperts:
     @property
     def device(self) -> torch.device:
         return self.signman.device
+
+    def to(self, device) -> "LosslessExperts":
+        """The coded tensors on `device` (esc_start, an index the launch code reads, stays on the host)."""
+        *moved, _ = (t.to(device) for t in self.tensors())
+        return LosslessExperts(self.shape, *moved, self.esc_start)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.signman, self.planes, self.table, self.esc_off, self.escapes, self.esc_start]
