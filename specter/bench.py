@@ -40,7 +40,7 @@ def read_prompts(path: str | None, workload: str | None = None) -> list:
 SUM_KEYS = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "decode_stall_s", "prefetch_issued",
             "prefetch_used", "prefetch_cancelled", "cycles", "draft_s", "verify_s", "accepted_tokens",
             "drafted_tokens", "truncated_tokens", "rejections", "recall_hits", "recall_total", "cover_hits",
-            "cover_total")
+            "cover_total", "host_experts", "host_bytes", "host_stall_s", "host_busy_s")
 
 
 def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int = 64, repeat: int = 1,
@@ -156,7 +156,7 @@ def format_table(res: dict) -> str:
     pols = res["policies"]
     first, base = next(iter(pols)), speedup_baseline(list(pols))
     head = f"{'policy':<11} {'TPOT ms':>8} {'speedup':>8} {'TTFT ms':>8} {'hit rate':>8} {'misses':>7} " \
-           f"{'H2D MB':>8} {'stall s':>8} {'accept':>7} {'effic':>6} {'tok/cyc':>7} {'recall':>7} {'cover':>7} " \
+           f"{'H2D MB':>8} {'host MB':>8} {'stall s':>8} {'accept':>7} {'effic':>6} {'tok/cyc':>7} {'recall':>7} {'cover':>7} " \
            f"{'lossless':>8}"
     lines = [head, "-" * len(head)]
     for p, r in pols.items():
@@ -164,7 +164,7 @@ def format_table(res: dict) -> str:
         lines.append(
             f"{p:<11} {r['tpot_s'] * 1e3:>8.2f} {r['speedup_vs_' + base]:>7.2f}x {r['ttft_s'] * 1e3:>8.1f} "
             f"{f('hit_rate', '{:.1%}'):>8} {f('expert_misses', '{}'):>7} "
-            f"{(r.get('h2d_bytes', 0) / 1e6):>8.1f} {f('stall_s', '{:.3f}'):>8} "
+            f"{(r.get('h2d_bytes', 0) / 1e6):>8.1f} {(r.get('host_bytes', 0) / 1e6):>8.1f} {f('stall_s', '{:.3f}'):>8} "
             f"{f('acceptance_rate', '{:.2f}'):>7} {f('draft_efficiency', '{:.2f}'):>6} "
             f"{f('accepted_per_cycle', '{:.2f}'):>7} {f('prefetch_recall', '{:.1%}'):>7} "
             f"{f('route_coverage', '{:.1%}'):>7} {_same_tokens(r['lossless_vs_' + first]):>8}")
@@ -177,18 +177,21 @@ def _same_tokens(v) -> str:
 
 
 def time_split(r: dict) -> str:
-    """Decode time as draft | waiting on copies | everything else (verify and step compute)."""
+    """Decode time as draft | waiting on copies (or, for a policy that computed experts on the host and
+    copied nothing, on the host lane) | everything else (verify and step compute)."""
     total = r.get("decode_s", 0.0)
     if total <= 0:
         return "-"
     draft, stall = r.get("draft_s", 0.0), r.get("decode_stall_s", 0.0)
+    waits = "host wait" if r.get("host_experts") and not r.get("h2d_bytes") else "copy stall"
     parts = [("draft", draft)] if draft else []
-    parts += [("copy stall", stall), ("compute", max(total - draft - stall, 0.0))]
+    parts += [(waits, stall), ("compute", max(total - draft - stall, 0.0))]
     return " | ".join(f"{name} {t / total:.0%}" for name, t in parts)
 
 
 LEGEND = """\
-speedup: TPOT of {base} / this one's. hit rate: expert uses found resident. stall: seconds waited on copies.
+speedup: TPOT of {base} / this one's. hit rate: expert uses found resident. host MB: expert weights the host
+lane read in place (policy host). stall: seconds waited on copies (host: on the host lane).
 accept: P(draft token accepted | the ones before it were). effic: accepted / drafted (falls as K grows).
 tok/cyc: drafted tokens accepted per speculative cycle. recall: expert uses resident or in flight when
 verification reached them (bounded by the slots). cover: expert uses the draft's routers predicted."""

@@ -194,3 +194,13 @@ def test_profile_prints_the_host_lane_beside_the_profiles(monkeypatch, capsys):
     import json
     got = json.loads(capsys.readouterr().out)
     assert got["host_lane"] is None and all(r["emulated_host_MBps"] > 0 for r in got["profiles"])
+
+
+def test_bench_names_the_host_lanes_wait():
+    from specter.bench import format_table, time_split
+
+    r = dict(tpot_s=0.01, ttft_s=0.1, decode_s=2.0, decode_stall_s=1.0, speedup_vs_a=1.0, lossless_vs_a=True,
+             host_experts=10, host_bytes=5e6, h2d_bytes=0)
+    assert time_split(r) == "host wait 50% | compute 50%"
+    assert time_split(dict(r, host_experts=0)) == "copy stall 50% | compute 50%"
+    assert "host MB" in format_table({"policies": {"a": r}}) and "     5.0" in format_table({"policies": {"a": r}})
