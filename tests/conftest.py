@@ -37,6 +37,17 @@ def tiny(tmp_path_factory):
     return get
 
 
+@pytest.fixture
+def fixed_k(monkeypatch):
+    """Every speculative engine the test builds (`specter bench` too) drafts K = min(4, K_max) tokens a
+    cycle. The governor chooses K by measured time, so on a busy machine it may decode plainly for a
+    whole run: a test that needs speculation to happen fixes K."""
+    from specter import builder
+    from specter.speculative.governor import Governor
+
+    monkeypatch.setattr(builder, "Governor", lambda k_max, **kw: Governor(k_max, **kw, fixed=min(4, k_max)))
+
+
 @pytest.fixture(scope="session")
 def all_archs():
     return ARCHS

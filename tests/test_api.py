@@ -7,6 +7,7 @@ import pytest
 
 import specter
 from specter.cli import main
+from specter.speculative.governor import Governor
 
 pytestmark = pytest.mark.skipif(not (specter.default_model_path() / "model.safetensors").exists(),
                                 reason="the bundled default model is not built")
@@ -16,6 +17,13 @@ STATS_KEYS = {"ttft_s", "tpot_s", "new_tokens", "cycles", "accepted_per_cycle", 
               "expert_hits", "expert_misses", "prefetch_issued", "prefetch_used", "h2d_bytes", "stall_s",
               "draft_s", "verify_s"}
 GREEDY = dict(temperature=0.0)  # the bundled model's own settings sample: comparisons of tokens ask for greedy
+
+
+def fix_k(engine, k: int = 4):
+    """Draft K tokens every cycle. The governor chooses K by measured time, so on a busy machine it may
+    decode plainly for a whole generation; a test that needs speculation to happen fixes K."""
+    engine.decoder.governor = Governor(engine.decoder.governor.k_max, fixed=k)
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +111,9 @@ def test_generate_summary_line():
 # --------------------------------------------------------------- one engine, many callers; stop strings
 @pytest.fixture(scope="module")
 def spec_engine():
-    e = specter.load(None, device="cpu", policy="specter", residency=0.5)
+    """Speculating every cycle (K fixed): its tests check what speculation commits (multi-token
+    chunks, stop strings inside them, drafted-token stats), whatever the machine's load."""
+    e = fix_k(specter.load(None, device="cpu", policy="specter", residency=0.5))
     yield e
     e.close()
 
@@ -220,7 +230,7 @@ def test_stats_are_none_where_not_applicable(engine, spec_engine):
         assert s[k] is None and engine.generate(PROMPT, max_new_tokens=3).stats[k] is None, k
     s = spec_engine.generate(PROMPT, max_new_tokens=24).stats
     assert s["drafted_tokens"] and 0 <= s["acceptance_rate"] <= 1 and 0 <= s["route_coverage"] <= 1
-    e = specter.load(None, device="cpu", policy="spec-lru", residency=0.5)
+    e = fix_k(specter.load(None, device="cpu", policy="spec-lru", residency=0.5))
     try:
         s = e.generate(PROMPT, max_new_tokens=24).stats
     finally:

@@ -146,7 +146,7 @@ def test_bench_bad_arguments_exit_2(capsys, model, tmp_path):
                                    "--top-p", "0"), "top_p")
 
 
-def test_bench_sampling_reports_speed_not_token_equality(capsys, model, tmp_path):
+def test_bench_sampling_reports_speed_not_token_equality(capsys, model, tmp_path, fixed_k):
     """Sampled runs: speculative policies draw their random numbers differently (the target's
     distribution, not the same tokens), so the lossless column is n/a; the table says how it sampled."""
     f = tmp_path / "prompts.json"

@@ -185,7 +185,7 @@ def test_compile_not_a_bool_is_a_clear_error_and_auto_is_off_on_cpu(tiny_path):
     eng.close()
 
 
-def test_bench_cli_compile_flag(tiny_path, capsys, tmp_path, monkeypatch):
+def test_bench_cli_compile_flag(tiny_path, capsys, tmp_path, monkeypatch, fixed_k):
     """--compile reaches the engines `specter bench` builds (the step itself is stubbed: compiling
     is tested above): the speculative one gets a draft step, the plain one none."""
     import json
