@@ -16,7 +16,7 @@ from .generation_defaults import read_generation_defaults
 from .loader import Checkpoint, load_checkpoint, load_tokenizer, open_checkpoint
 from .model import MoETransformer
 from .moe import ExpertWeights, ResidentExperts
-from .offload.host_experts import HostExperts
+from .offload.host_experts import HostExperts, LaneChoice, host_params
 from .offload.host_lane import make_host_lane
 from .offload.link import make_link
 from .offload.manager import OffloadedExperts
@@ -30,6 +30,8 @@ from .speculative.draft_cache import draft_int4
 from .speculative.governor import Governor
 from .speculative.lookahead import Lookahead
 from .speculative.planner import PrefetchPlanner
+
+SPECULATIVE = ("spec-lru", "specter", "specter-host")  # the policies that draft (and plan its memory)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -134,7 +136,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     if host_threads is not None and (isinstance(host_threads, bool) or not isinstance(host_threads, int)
                                      or host_threads < 1):
         raise ConfigError(f"host_threads must be an integer >= 1, got {host_threads!r}")
-    if host_threads is not None and policy != "host":
+    if host_threads is not None and policy not in ("host", "specter-host"):
         raise ConfigError(f"policy {policy!r} computes no expert on the host, so host_threads would be ignored; "
                           f"drop it, or use policy 'host'")
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
@@ -156,11 +158,11 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
             free, _ = torch.cuda.mem_get_info(device)
             device_memory = int(free * 0.9)
         plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
-                         device_memory=device_memory, draft=policy in ("spec-lru", "specter"))
+                         device_memory=device_memory, draft=policy in SPECULATIVE)
         pdt = pool_dtype(device, ckpt.dtype, dt, spec.n_moe_layers * plan.slots_per_layer, spec.expert_numel())
         if pdt != dt:  # the same budget in bytes holds more experts of the narrower dtype
             plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
-                             device_memory=device_memory, draft=policy in ("spec-lru", "specter"), pool_dtype=pdt)
+                             device_memory=device_memory, draft=policy in SPECULATIVE, pool_dtype=pdt)
     if offload:  # calibrating allocates a working set of experts: before the store exists, not beside it
         lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,
                                                       storage=pdt))
@@ -180,9 +182,12 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         mgr = OffloadedExperts(store, plan.slots_per_layer, device, lk, eviction=eviction, dtype=pdt, alias=alias,
                                rows=rows)
         mgr.warm()
-        if policy == "host":  # every expert not resident computes where the store holds it
+        if policy in ("host", "specter-host"):  # experts not resident may compute where the store holds them
             lane = make_host_lane(store, device, lk, threads=host_threads, dtype=dt, charged_dtype=pdt)
-            mgr = HostExperts(mgr, lane)
+            if policy == "host":
+                mgr = HostExperts(mgr, lane)
+            else:  # LaneChoice (ranked by the planner, below) picks which misses the host computes
+                mgr.host_lane = lane
         decoder = _decoder(policy, shared, mgr, k_max)
         if hasattr(decoder, "draft"):
             decoder.draft_step, decoder.verify_step = _compiled_steps(model, decoder.draft, compile, device, k_max)
@@ -258,8 +263,11 @@ def _decoder(policy, shared: Loaded, mgr, k_max):
     draft = _draft(shared, lookahead)
     if policy == "spec-lru":  # speculation alone: same governor, experts fetched when verification needs them
         return SpeculativeDecoder(model, mgr, draft, device, dt, governor=Governor(k_max))
+    planner = PrefetchPlanner(mgr, lookahead)
+    if mgr.host_lane is not None:  # specter-host: both lanes, misses the planner ranks low go to the host
+        mgr.host_choice = LaneChoice(mgr, host_params(mgr.host_lane), rank=planner.rank)
     return SpeculativeDecoder(model, mgr, draft, device, dt, governor=Governor(k_max),
-                              planner=PrefetchPlanner(mgr, lookahead), fallback=NextLayerPrefetch(model, mgr))
+                              planner=planner, fallback=NextLayerPrefetch(model, mgr))
 
 
 def _draft(shared: Loaded, lookahead: Lookahead) -> DraftExperts:

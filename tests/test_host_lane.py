@@ -204,3 +204,72 @@ def test_bench_names_the_host_lanes_wait():
     assert time_split(r) == "host wait 50% | compute 50%"
     assert time_split(dict(r, host_experts=0)) == "copy stall 50% | compute 50%"
     assert "host MB" in format_table({"policies": {"a": r}}) and "     5.0" in format_table({"policies": {"a": r}})
+
+
+# ------------------------------------------------------------------------- specter-host: both lanes (item 4)
+class _HalfToHost:
+    """An injected lane choice: every other missing expert to the host, the rest copied."""
+
+    def __init__(self, mgr, params, rank=None):
+        self.calls = 0
+
+    def __call__(self, layer, missing, routed):
+        self.calls += 1
+        return missing[::2]
+
+
+@pytest.mark.parametrize("arch,kw", [("deepseek_v2", {}), ("qwen2_moe", {"mlp_only_layers": [0]}), ("mixtral", {})])
+def test_specter_host_greedy_equals_resident_on_both_lanes(tiny, monkeypatch, arch, kw):
+    import specter.builder as builder
+
+    path, _ = tiny(arch, **kw)
+    prompts = [[1, 5, 9, 33, 2], list(range(10, 40))]
+    ref = specter.load(path, device="cpu", policy="resident")
+    try:
+        want = [ref.generate(p, max_new_tokens=16).token_ids for p in prompts]
+    finally:
+        ref.close()
+    monkeypatch.setattr(builder, "LaneChoice", _HalfToHost)
+    for residency, k_max, driver in ((0.25, 4, "sync"), (0.5, 8, "async"), (0.375, 0, "sync")):
+        engine = specter.load(path, device="cpu", policy="specter-host", residency=residency, k_max=k_max,
+                              driver=driver, host_threads=2)
+        try:
+            outs = [engine.generate(p, max_new_tokens=16) for p in prompts]
+            assert engine.decoder.experts.host_choice.calls > 0
+        finally:
+            engine.close()
+        assert [o.token_ids for o in outs] == want, (residency, k_max, driver)
+        assert sum(o.stats["host_experts"] for o in outs) > 0 and sum(o.stats["h2d_bytes"] for o in outs) > 0
+
+
+class _Mgr:
+    """What LaneChoice reads of a manager: slots, store shapes, pool width, link stats."""
+
+    def __init__(self, n_slots, held, copy_s):
+        from types import SimpleNamespace
+
+        self.slots = SimpleNamespace(n_slots=n_slots, slot_of=lambda layer, e: 0 if e in held else None)
+        self.store = [_store(torch.float32)]
+        self.pool = self.store
+        self.expert_bytes = 3 * H * I * 4
+        self.link = SimpleNamespace(stats={"transfers": 1, "busy_s": copy_s}, bandwidth=1.0, latency=0.0)
+
+
+def test_lane_choice_lets_both_lanes_finish_together():
+    from specter.offload.calibrate import HostParams
+    from specter.offload.host_experts import LaneChoice
+
+    eb = 3 * H * I * 4
+    # host: 5 ms a job + 1 ms an expert (no flops or activation cost); a copy: 7 ms
+    params = HostParams(bandwidth=eb / 1e-3, flops_per_s=0.0, latency=5e-3, pcie_bandwidth=float("inf"))
+    choose = LaneChoice(_Mgr(n_slots=8, held=set(), copy_s=7e-3), params)
+    assert choose(0, [3], [3]) == [3]                        # one cold expert: 6 ms on the host, 7 by copy
+    assert choose(0, [1, 2], [1, 2]) == [2]                  # 7 ms both ways (copy 1, host 1): ties copy
+    got = choose(0, list(range(6)), list(range(6)))          # 11 ms all on the host; copy 1, host 5: 10 ms
+    assert got == [1, 2, 3, 4, 5]
+    ranked = LaneChoice(_Mgr(8, set(), 7e-3), params, rank=lambda layer, e: e)  # likeliest reused copied
+    assert ranked(0, list(range(6)), list(range(6))) == [4, 3, 2, 1, 0]
+    full = LaneChoice(_Mgr(n_slots=2, held={10, 11}, copy_s=7e-3), params)  # no slot to spare: all hosted
+    assert full(0, list(range(6)), list(range(6)) + [10, 11]) == list(range(6))
+    fits = LaneChoice(_Mgr(n_slots=4, held={10}, copy_s=7e-3), None)  # no host profile: copy what fits
+    assert fits(0, [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 10]) == [4, 5]

@@ -97,3 +97,58 @@ class HostExperts:
     def close(self) -> None:
         self.lane.close()
         self.mgr.close()
+
+
+class LaneChoice:
+    """Specter's two lanes: which of a layer's missing experts compute on the host instead of crossing
+    PCIe (OffloadedExperts.host_choice). The missing experts are ranked by the planner (`rank`: predicted
+    demand and verified use, the reuse a copy would serve; likeliest first) and the first c are copied,
+    the rest computed on the host, with c chosen so that both lanes finish soonest:
+
+        min over c of max(c * copy time, host time of the other m - c)   (ties: more copies)
+
+    c at most the slots the layer can free beside the experts this call holds. Copy time is the link's
+    measured seconds a copy (planner.copy_time); host time the profile's host roofline (HostParams), in
+    the same (emulated) seconds. Both are estimates; the rows are exact whichever lane computes them."""
+
+    def __init__(self, mgr: OffloadedExperts, params, rank=None):
+        self.mgr, self.params, self.rank = mgr, params, rank
+        w13, w2 = mgr.store[0].w13, mgr.store[0].w2
+        self.H, self.I = w13.shape[2], w2.shape[2]
+        self.item = mgr.pool[0].w13.element_size()  # the width copies are timed at
+
+    def host_seconds(self, experts: list[int], counts: dict) -> float:
+        if not experts:
+            return 0.0
+        rows = sum(counts[e] for e in experts)
+        return self.params.seconds(weight_bytes=len(experts) * 3 * self.H * self.I * self.item,
+                                   flops=rows * 6 * self.H * self.I, act_bytes=2 * rows * self.H * self.item)
+
+    def __call__(self, layer: int, missing: list[int], routed: list[int]) -> list[int]:
+        from ..speculative.planner import copy_time
+
+        slots = self.mgr.slots
+        counts: dict = {}
+        for e in routed:
+            counts[e] = counts.get(e, 0) + 1
+        held = sum(1 for e in counts if slots.slot_of(layer, e) is not None)
+        room = max(0, min(len(missing), slots.n_slots - held))
+        order = sorted(missing, key=lambda e: -self.rank(layer, e)) if self.rank is not None else list(missing)
+        if self.params is None:  # no host profile (a test's plain link): copy what fits, host the rest
+            return order[room:]
+        t_copy = copy_time(self.mgr)
+        best_c, best_t = 0, None
+        for c in range(room + 1):
+            t = max(c * t_copy, self.host_seconds(order[c:], counts))
+            if best_t is None or t <= best_t:
+                best_c, best_t = c, t
+        return order[best_c:]
+
+
+def host_params(lane: HostLane):
+    """The lane's cost model in the seconds copies are timed in (None without a profile)."""
+    from .calibrate import emulated_host_params
+
+    if getattr(lane, "profile", None) is None or getattr(lane, "time_scale", None) is None:
+        return None
+    return emulated_host_params(lane.profile, lane.time_scale)

@@ -328,5 +328,9 @@ def make_host_lane(store: list[ExpertWeights], device, link, *, threads: int | N
             return params.seconds(**c)
     lane = HostLane(store, device, threads=threads, dtype=dtype if device.type == "cpu" else store[0].w13.dtype,
                     charge=charge, name="host" if charge is None else f"host:{profile.name}")
+    if device.type == "cuda":  # real seconds: the GPU's own profile, unscaled (for LaneChoice's estimates)
+        from .calibrate import load_profile, profile_for_gpu
+
+        profile, scale = load_profile(profile_for_gpu(torch.cuda.get_device_name(device))), 1.0
     lane.profile, lane.time_scale = profile, scale
     return lane

@@ -67,6 +67,8 @@ class OffloadedExperts:
         self.use_hook = None                            # use_hook(layer, experts) after each layer computes
         self.keep_rank = None                           # keep_rank(layer, e): late experts load lowest first,
                                                         # so the highest ranked are the ones left resident
+        self.host_lane = None                           # both lanes (host_experts.LaneChoice): a HostLane, and
+        self.host_choice = None                         # host_choice(layer, missing, routed) -> those computed there
         self.all_resident = False                       # set by warm() when the budget holds everything
         self._in_order = False                          # ... and compute reads expert e from row e
         # per slot, the event recorded after its last reader's compute was queued (CUDA; None on CPU,
@@ -198,6 +200,9 @@ class OffloadedExperts:
         missing = [e for e in need if slots.slot_of(layer, e) is None]
         if self.keep_rank is not None and len(need) > slots.n_slots:  # more than fit: choose who stays
             missing.sort(key=lambda e: self.keep_rank(layer, e))
+        job, hosted = self._host_job(layer, x, ids, weights, missing, routed)  # None, [] without a host lane
+        if hosted:  # computed on the host while the copies fly and the residents compute
+            missing = [e for e in missing if e not in hosted]
         for e in missing:  # fetched at the queue's front, never evicting each other
             if not self._issue(layer, e, urgent=True, protect=set(need)):
                 break  # more experts than slots: the rest are fetched as computed ones free theirs
@@ -215,10 +220,28 @@ class OffloadedExperts:
             rows = merge_rows(rows, expert_rows(x, ids, weights, pool.w13, pool.w2, remap=late), ids, late)
             self._read_done(layer, batch)
             todo = todo[len(batch):]
+        if job is not None:  # the host lane's rows, merged by (token, position) like late ones
+            waited = yield job
+            self._stats["stall_s"] += waited
+            self._stats["host_stall_s"] += waited
+            rows = merge_rows(rows, job.rows, ids, job.remap_device)
         slots.touch(layer, need)
         if self.use_hook is not None:
             self.use_hook(layer, need)
         return combine_rows(rows)
+
+    def _host_job(self, layer: int, x, ids, weights, missing: list[int], routed: list[int]):
+        """(HostJob, experts) for the missing experts `host_choice` sends to the host lane; (None, [])."""
+        if self.host_choice is None or not missing:
+            return None, []
+        hosted = self.host_choice(layer, missing, routed)
+        if not hosted:
+            return None, []
+        remap = torch.full((self.slots.n_experts,), -1, dtype=torch.int32)  # host: expert -> store row
+        remap[hosted] = torch.tensor(hosted, dtype=torch.int32)
+        self._stats["host_experts"] += len(hosted)
+        self._stats["host_bytes"] += len(hosted) * self.expert_bytes
+        return self.host_lane.submit(layer, x, ids, weights, remap, experts=list(hosted)), hosted
 
     def demote_rejected(self, kept_rows: int) -> None:
         """The last verification's rows from `kept_rows` on ran on rejected drafted tokens: the experts
@@ -278,7 +301,7 @@ class OffloadedExperts:
         self._resident_hits = torch.zeros((), dtype=torch.int64, device=self.device)  # read in stats()
         self._hits_on_device = False  # only then is there anything to read (a host sync on CUDA)
         self._stats = dict(expert_hits=0, expert_misses=0, h2d_bytes=0, stall_s=0.0, prefetch_issued=0,
-                           prefetch_used=0, prefetch_cancelled=0)
+                           prefetch_used=0, prefetch_cancelled=0, host_experts=0, host_bytes=0, host_stall_s=0.0)
 
     def stats(self) -> dict:
         self._stats["stall_s"] += self.link.drain_stall_s()  # CUDA: stream waits, timed by events
@@ -309,5 +332,7 @@ class OffloadedExperts:
                                                    for e in range(self.slots.n_experts))
 
     def close(self) -> None:
+        if self.host_lane is not None:
+            self.host_lane.close()
         self.link.close()
 
