@@ -10,7 +10,7 @@ bf16 bytes of:
     fixed-b   specter.triton_ops.lossless at code width b (everything counted), b = 2, 3, 4
     chosen    the width encode() picks
 and the torch decode's speed (bf16 bytes written per second, one expert at a time, as the emulated
-device decodes a landed copy), checked bit for bit.
+device decodes a landed copy), checked bit for bit, and the encode's (bf16 bytes read per second).
 """
 from __future__ import annotations
 
@@ -74,8 +74,7 @@ def sizes(tensors: list[torch.Tensor]) -> dict[str, float]:
     widths = set()
     for w in tensors:
         E, N, K = w.shape
-        exp, _ = lossless._fields(w)
-        hist = lossless._histograms(exp, N * K)
+        hist = lossless.histograms(w)
         for e in range(E):
             h = hist[e][hist[e] > 0].double()
             p = h / h.sum()
@@ -89,6 +88,14 @@ def sizes(tensors: list[torch.Tensor]) -> dict[str, float]:
     out = {k: v / raw for k, v in acc.items()}
     out["widths"] = ",".join(map(str, sorted(widths)))
     return out
+
+
+def encode_speed(tensors: list[torch.Tensor]) -> float:
+    """GB/s of bf16 weights encoded (once: the one-time cost per checkpoint)."""
+    t0 = time.perf_counter()
+    for w in tensors:
+        lossless.encode(w)
+    return sum(w.numel() * 2 for w in tensors) / (time.perf_counter() - t0) / 1e9
 
 
 def decode_speed(tensors: list[torch.Tensor], repeat: int) -> tuple[float, float]:
@@ -120,14 +127,15 @@ def main() -> None:
         cases[f"normal sigma={s:g}"] = normals(s)
     cols = ["entropy", "huffman"] + [f"fixed-{b}" for b in lossless.WIDTHS] + ["chosen"]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
-    print("| weights | MiB bf16 | " + " | ".join(cols) + " | width | decode GB/s (bf16 out) | decode GB/s (coded in) |")
-    print("|---" * (len(cols) + 5) + "|")
+    print("| weights | MiB bf16 | " + " | ".join(cols) + " | width | decode GB/s (bf16 out) | decode GB/s (coded in) | encode GB/s |")
+    print("|---" * (len(cols) + 6) + "|")
     for name, tensors in cases.items():
         s = sizes(tensors)
         out_gbs, in_gbs = decode_speed(tensors, args.repeat)
+        enc_gbs = encode_speed(tensors)
         mib = sum(t.numel() * 2 for t in tensors) / 2**20
         print(f"| {name} | {mib:.1f} | " + " | ".join(f"{s[c]:.4f}" for c in cols)
-              + f" | {s['widths']} | {out_gbs:.2f} | {in_gbs:.2f} |")
+              + f" | {s['widths']} | {out_gbs:.2f} | {in_gbs:.2f} | {enc_gbs:.2f} |")
 
 
 if __name__ == "__main__":

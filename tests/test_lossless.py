@@ -107,6 +107,25 @@ def test_layout_is_the_documented_one():
     assert moved.esc_start is packed.esc_start and _bits(moved.decode()).equal(_bits(w))
 
 
+def test_encoding_in_chunks_gives_the_same_tensors(monkeypatch):
+    """encode works CHUNK elements at a time (bounded temporaries on real experts): chunks that cut
+    through blocks' escape counts and a partial last chunk give the tensors of one chunk, and
+    esc_off counts each block's escapes."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(2, 97, 131, generator=g) * 0.02).bfloat16()           # 12707 elements: 13 blocks
+    w.view(-1)[::37] = 1e30
+    whole = encode(w, 2)
+    monkeypatch.setattr(lossless, "CHUNK", 2 * lossless.BLOCK)
+    chunked = encode(w, 2)
+    for a, b in zip(whole.tensors(), chunked.tensors()):
+        assert a.equal(b)
+    codes = torch.stack([lossless.codes_of(chunked, e) for e in range(2)])
+    flags = torch.nn.functional.pad(codes == 3, (0, -codes.shape[1] % lossless.BLOCK)).view(2, -1, lossless.BLOCK)
+    per_block = flags.sum(-1)
+    assert chunked.esc_off.long().equal(per_block.cumsum(1) - per_block)
+    assert _bits(chunked.decode()).equal(_bits(w))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_other_dtypes_are_refused(dtype):
     with pytest.raises(ConfigError, match="bf16"):

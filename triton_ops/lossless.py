@@ -144,22 +144,29 @@ class LosslessExperts:
 
 
 # ----------------------------------------------------------------------------------- encoding
-def _fields(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 [E, N, K] -> (exponent fields int64 [E, P], sign/mantissa bytes uint8 [E, P]), zero-padded."""
-    E = w.shape[0]
-    bits = w.reshape(E, -1).view(torch.int16).to(torch.int32) & 0xFFFF   # [E, N*K]
-    P = _cdiv(bits.shape[1], 32) * 32
-    bits = torch.nn.functional.pad(bits, (0, P - bits.shape[1]))
-    exp = (bits >> 7) & 0xFF
-    signman = (((bits >> 8) & 0x80) | (bits & 0x7F)).to(torch.uint8)
-    return exp.long(), signman
+CHUNK = 1 << 20  # elements encoded at a time (a multiple of BLOCK): temporaries stay a few MiB
 
 
-def _histograms(exp: torch.Tensor, numel: int) -> torch.Tensor:
-    """[E, 256] exponent counts of each expert's real (unpadded) elements."""
-    E = exp.shape[0]
-    real = exp[:, :numel] + 256 * torch.arange(E, device=exp.device)[:, None]
-    return torch.bincount(real.reshape(-1), minlength=256 * E).view(E, 256)
+def _fields(flat: torch.Tensor, c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elements c0 .. c1 of one expert's bf16 [numel] (zeros past its end) -> (exponent fields,
+    sign/mantissa bytes), uint8 [c1 - c0] each, from the two bytes of each weight (little endian:
+    lo = exponent bit 0 << 7 | mantissa, hi = sign << 7 | exponent bits 1 .. 7)."""
+    two = flat[c0:c1].view(torch.uint8).view(-1, 2)
+    if two.shape[0] < c1 - c0:
+        two = torch.nn.functional.pad(two, (0, 0, 0, c1 - c0 - two.shape[0]))
+    lo, hi = two[:, 0], two[:, 1]
+    return (hi << 1) | (lo >> 7), (hi & 0x80) | (lo & 0x7F)
+
+
+def histograms(w: torch.Tensor) -> torch.Tensor:
+    """int64 [E, 256]: each expert's exponent counts, of bf16 w [E, N, K]."""
+    E, flat = w.shape[0], w.reshape(w.shape[0], -1)
+    hist = torch.zeros(E, 256, dtype=torch.int64, device=w.device)
+    for e in range(E):
+        for c0 in range(0, flat.shape[1], CHUNK):
+            c1 = min(c0 + CHUNK, flat.shape[1])
+            hist[e] += torch.bincount(_fields(flat[e], c0, c1)[0], minlength=256)
+    return hist
 
 
 def _tables(hist: torch.Tensor, bits: int) -> torch.Tensor:
@@ -184,53 +191,65 @@ def best_width(hist: torch.Tensor, numel: int) -> int:
 
 def encode(w: torch.Tensor, bits: int | None = None) -> LosslessExperts:
     """bf16 [E, N, K] -> LosslessExperts on w's device (code width: the smallest of WIDTHS for this
-    tensor unless given)."""
+    tensor unless given), an expert and CHUNK elements at a time (two passes: histograms, codes)."""
     if w.dtype != torch.bfloat16:
         raise ConfigError(f"lossless expert compression codes bf16 weights; got {w.dtype} (fp16 and fp32 "
                           f"checkpoints are not supported: load them without compress_experts)")
     if w.dim() != 3:
         raise ConfigError(f"encode expects expert weights [E, N, K]; got {tuple(w.shape)}")
     E, N, K = w.shape
-    numel = N * K
-    exp, signman = _fields(w.contiguous())                    # [E, P] each
-    P = exp.shape[1]
-    hist = _histograms(exp, numel)
-    bits = bits or best_width(hist, numel)
+    w = w.contiguous()
+    hist = histograms(w)
+    bits = bits or best_width(hist, N * K)
     if bits not in WIDTHS:
         raise ConfigError(f"code width must be one of {WIDTHS}; got {bits}")
-    esc = (1 << bits) - 1
     top = _tables(hist, bits)                                 # [E, ESC]
-    lut = torch.full((E, 256), esc, dtype=torch.long, device=w.device)
-    lut.scatter_(1, top, torch.arange(esc, device=w.device).expand(E, esc))
-    codes = torch.gather(lut, 1, exp)                         # [E, P]
-    codes[:, numel:] = 0                                      # padding: code 0, never an escape
     table = torch.zeros(E, 1 << bits, dtype=torch.int32, device=w.device)
-    table[:, :esc] = top.to(torch.int32)
-    return LosslessExperts((E, N, K), signman, _planes(codes, bits), table, *_escapes(codes, exp, esc))
+    table[:, :(1 << bits) - 1] = top.to(torch.int32)
+    P = _cdiv(N * K, 32) * 32
+    signman = torch.empty(E, P, dtype=torch.uint8, device=w.device)
+    planes = torch.empty(E, bits, P // 8, dtype=torch.uint8, device=w.device)
+    esc_off = torch.empty(E, _cdiv(P, BLOCK), dtype=torch.int32, device=w.device)
+    runs = [_encode_expert(w[e].view(-1), top[e], bits, signman[e], planes[e], esc_off[e]) for e in range(E)]
+    start = torch.tensor([0] + [r.numel() for r in runs], dtype=torch.int64).cumsum(0)
+    escapes = torch.cat(runs) if runs else torch.zeros(0, dtype=torch.uint8, device=w.device)
+    return LosslessExperts((E, N, K), signman, planes.view(torch.int32), table, esc_off, escapes, start)
+
+
+def _encode_expert(flat: torch.Tensor, top: torch.Tensor, bits: int, signman: torch.Tensor,
+                   planes: torch.Tensor, esc_off: torch.Tensor) -> torch.Tensor:
+    """One expert's bf16 [numel] into its rows signman [P], planes uint8 [bits, P // 8] and esc_off
+    [blocks]; returns its escape run (uint8, padded to 4 bytes)."""
+    esc = (1 << bits) - 1
+    lut = torch.full((256,), esc, dtype=torch.uint8, device=flat.device)
+    lut[top] = torch.arange(esc, dtype=torch.uint8, device=flat.device)
+    run, seen = [], 0
+    for c0 in range(0, signman.numel(), CHUNK):
+        c1 = min(c0 + CHUNK, signman.numel())
+        exp, signman[c0:c1] = _fields(flat, c0, c1)
+        codes = lut.index_select(0, exp.int())                # [c1 - c0] uint8
+        codes[max(0, flat.numel() - c0):] = 0                 # padding: code 0, never an escape
+        planes[:, c0 // 8:c1 // 8] = _planes(codes, bits)
+        flags = codes == esc
+        per_block = torch.count_nonzero(torch.nn.functional.pad(flags, (0, -flags.numel() % BLOCK)).view(-1, BLOCK), 1)
+        esc_off[c0 // BLOCK:c0 // BLOCK + per_block.numel()] = seen + torch.cumsum(per_block, 0) - per_block
+        seen += int(per_block.sum())
+        run.append(exp[flags].to(torch.uint8))
+    run = torch.cat(run) if run else torch.zeros(0, dtype=torch.uint8, device=flat.device)
+    return torch.nn.functional.pad(run, (0, -run.numel() % 4))
+
+
+_GATHER = sum(1 << (56 - 7 * i) for i in range(8))  # x * _GATHER >> 56: bit 8i of x into bit i
 
 
 def _planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes [E, P] -> int32 [E, bits, P // 32]: eight codes' bit p a byte, little endian words."""
-    E, P = codes.shape
-    weight = (1 << torch.arange(8, device=codes.device))      # bit t of a byte <- element 8j + t
-    planes = [(((codes >> p) & 1).view(E, P // 8, 8) * weight).sum(-1).to(torch.uint8) for p in range(bits)]
-    return torch.stack(planes, 1).contiguous().view(torch.int32)  # [E, bits, P // 8] bytes -> words
-
-
-def _escapes(codes: torch.Tensor, exp: torch.Tensor, esc: int):
-    """(esc_off [E, blocks], escapes uint8, esc_start [E + 1]) of the escaped elements."""
-    E, P = codes.shape
-    flags = codes == esc                                      # [E, P]
-    per_block = torch.nn.functional.pad(flags, (0, _cdiv(P, BLOCK) * BLOCK - P)).view(E, -1, BLOCK).sum(-1)
-    esc_off = (torch.cumsum(per_block, 1) - per_block).to(torch.int32)
-    runs, start = [], [0]
-    for e in range(E):
-        run = exp[e][flags[e]].to(torch.uint8)
-        run = torch.nn.functional.pad(run, (0, -run.numel() % 4))
-        runs.append(run)
-        start.append(start[-1] + run.numel())
-    escapes = torch.cat(runs) if runs else torch.zeros(0, dtype=torch.uint8)
-    return esc_off, escapes, torch.tensor(start, dtype=torch.int64)
+    """codes uint8 [C] (C a multiple of 8) -> uint8 [bits, C // 8]: byte j of plane p holds bit p of
+    codes 8j .. 8j + 7, element 8j + t in bit t (read as little-endian int32 words: the layout).
+    Eight codes are one int64; their bit p's, at bits 8t, are gathered by one multiplication (every
+    partial product lands on its own bit, so nothing carries into the top byte)."""
+    eights = codes.view(torch.int64)
+    return torch.stack([((((eights >> p) & 0x0101010101010101) * _GATHER) >> 56 & 0xFF).to(torch.uint8)
+                        for p in range(bits)])
 
 
 # ---------------------------------------------------------------------------------- torch decode
