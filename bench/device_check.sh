@@ -7,9 +7,11 @@
 #   CHECKS=suite  the targeted CUDA suite: tests/test_cuda.py (fused MoE kernels against the fp32
 #                 reference at bf16 and bit-exact batch invariance, one lossless run per policy on
 #                 a tiny checkpoint, async against sync driver, captured graphs sync-free, the
-#                 pinned host store) with the CUDA tests of the other files (-k cuda)
+#                 pinned host store) with the CUDA tests of the other files (-k cuda; the
+#                 lossless decode kernel bit for bit among them)
 #                 -> suite.xml (JUnit), suite.log
-#   CHECKS=bench  the kernels' GB/s and share of HBM bandwidth (bench/test_kernels.py, quanto's own
+#   CHECKS=bench  the kernels' GB/s and share of HBM bandwidth (bench/test_kernels.py, with the
+#                 lossless decode of one expert into a slot; quanto's own
 #                 INT4 path left out: it builds CUDA extensions first) -> kernels.json; then
 #                 `specter bench --json` on the bundled model over the real PCIe link, at 1/4
 #                 residency, resident, on-demand and specter (one compile) -> bench.json
@@ -43,7 +45,7 @@ SCRATCH=$(mktemp -d)
 trap 'rm -rf "$SCRATCH"' EXIT
 SITE=${SITE:-/tmp/site}
 [[ $DRY_RUN == 1 ]] && SITE=$SCRATCH/site
-SUITE=(tests/test_triton_ops.py tests/test_link.py tests/test_profiling.py tests/test_slots.py tests/test_speculative.py
+SUITE=(tests/test_triton_ops.py tests/test_lossless.py tests/test_link.py tests/test_profiling.py tests/test_slots.py tests/test_speculative.py
        tests/test_cuda.py)  # in this order: the quick ones first, the captured graphs (compiles) last
 mkdir -p "$OUT"
 STEPS=$SCRATCH/steps.tsv
