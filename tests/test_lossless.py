@@ -103,6 +103,8 @@ def test_layout_is_the_documented_one():
         assert packed.esc_off[e, 1] == esc[e, :lossless.BLOCK].sum()
     assert packed.nbytes == sum(t.numel() * t.element_size() for t in packed.tensors())
     assert packed.expert_nbytes(0) + packed.expert_nbytes(1) + 3 * 8 == packed.nbytes
+    one = packed.expert(1)
+    assert one.nbytes == packed.expert_nbytes(1) + 2 * 8 and _bits(one.decode()).equal(_bits(w[1:]))
     moved = packed.to("cpu")
     assert moved.esc_start is packed.esc_start and _bits(moved.decode()).equal(_bits(w))
 
@@ -138,6 +140,8 @@ def test_bad_shapes_and_outputs_are_refused():
     packed = encode(torch.zeros(2, 4, 32, dtype=torch.bfloat16))
     with pytest.raises(ConfigError, match="contiguous bf16"):
         packed.decode_into(torch.empty(4, 32, dtype=torch.float32), 0)
+    with pytest.raises(ConfigError, match="on meta"):
+        packed.decode_into(torch.empty(4, 32, dtype=torch.bfloat16, device="meta"), 0)
     with pytest.raises(ConfigError, match="width"):
         encode(torch.zeros(2, 4, 32, dtype=torch.bfloat16), bits=5)
     with pytest.raises(ConfigError):

@@ -119,6 +119,12 @@ class LosslessExperts:
         E, N, K = self.shape
         return E * N * K * 2
 
+    def expert(self, e: int) -> "LosslessExperts":
+        """Expert e on its own (E = 1, views of its rows and escape run): what a copy of it moves."""
+        run = self.expert_escapes(e)
+        return LosslessExperts((1,) + tuple(self.shape[1:]), self.signman[e:e + 1], self.planes[e:e + 1],
+                               self.table[e:e + 1], self.esc_off[e:e + 1], run, torch.tensor([0, run.numel()]))
+
     def expert_escapes(self, e: int) -> torch.Tensor:
         """uint8: expert e's escape run (a multiple of 4 bytes)."""
         return self.escapes[int(self.esc_start[e]):int(self.esc_start[e + 1])]
@@ -138,6 +144,8 @@ class LosslessExperts:
         if out.dtype != torch.bfloat16 or not out.is_contiguous() or tuple(out.shape) != tuple(self.shape[1:]):
             raise ConfigError(f"decode_into needs a contiguous bf16 {tuple(self.shape[1:])} output; got "
                               f"{out.dtype} {tuple(out.shape)}")
+        if out.device != self.device:
+            raise ConfigError(f"decode_into: the coded experts are on {self.device}, the output on {out.device}")
         if out.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
             return decode_triton(self, e, out)
         return decode_torch(self, e, out)
