@@ -3,6 +3,7 @@
     pack_int4(w, group_size) -> Int4Experts     optimum-quanto's qint4 in the kernels' layout (int4.py)
     fused_moe(x, ids, weights, w13, w2, remap)  a layer's routed experts, grouped (fused_moe.py)
     expert_rows / combine_rows / merge_rows     its two halves, for callers that split the experts
+    lossless.encode(w) -> LosslessExperts       bf16 experts coded losslessly, decoded into slots (lossless.py)
 """
 from .fused_moe import BACKENDS, combine_rows, default_backend, expert_rows, fused_moe, merge_rows
 from .int4 import Int4Experts, group_size_for, pack_int4, quantize_int4
