@@ -177,13 +177,14 @@ def _same_tokens(v) -> str:
 
 
 def time_split(r: dict) -> str:
-    """Decode time as draft | waiting on copies (or, for a policy that computed experts on the host and
-    copied nothing, on the host lane) | everything else (verify and step compute)."""
+    """Decode time as draft | waiting on copies (on the host lane for a policy that copied nothing; on
+    both for one that used both) | everything else (verify and step compute)."""
     total = r.get("decode_s", 0.0)
     if total <= 0:
         return "-"
     draft, stall = r.get("draft_s", 0.0), r.get("decode_stall_s", 0.0)
-    waits = "host wait" if r.get("host_experts") and not r.get("h2d_bytes") else "copy stall"
+    host, h2d = r.get("host_experts"), r.get("h2d_bytes")
+    waits = "host wait" if host and not h2d else "copy+host stall" if host else "copy stall"
     parts = [("draft", draft)] if draft else []
     parts += [(waits, stall), ("compute", max(total - draft - stall, 0.0))]
     return " | ".join(f"{name} {t / total:.0%}" for name, t in parts)

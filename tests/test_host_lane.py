@@ -111,11 +111,12 @@ def test_every_profile_describes_its_host_with_sources():
 def test_host_cost_model_is_the_profile_slowed_by_the_links_time_scale():
     p = load_profile("A100-40GB-PCIe4")
     h1, h4 = emulated_host_params(p, 1.0), emulated_host_params(p, 4.0)
-    assert h1.bandwidth == p.host_memory_bandwidth and h4.bandwidth == p.host_memory_bandwidth / 4
+    bw = p.host_memory_bandwidth * p.host_gemv_efficiency
+    assert 0 < p.host_gemv_efficiency <= 1 and h1.bandwidth == bw and h4.bandwidth == bw / 4
     assert h4.latency == 4 * p.host_latency
     mb = 10 << 20
     one = h1.seconds(weight_bytes=mb, flops=0, act_bytes=0)
-    assert one == pytest.approx(p.host_latency + mb / p.host_memory_bandwidth)
+    assert one == pytest.approx(p.host_latency + mb / bw)
     assert h4.seconds(weight_bytes=mb, flops=0, act_bytes=0) == pytest.approx(4 * one)
     # past the ridge point the cores bound it: compute-bound time grows with the tokens
     flops = 1000 * mb
@@ -203,6 +204,7 @@ def test_bench_names_the_host_lanes_wait():
              host_experts=10, host_bytes=5e6, h2d_bytes=0)
     assert time_split(r) == "host wait 50% | compute 50%"
     assert time_split(dict(r, host_experts=0)) == "copy stall 50% | compute 50%"
+    assert time_split(dict(r, h2d_bytes=1)) == "copy+host stall 50% | compute 50%"
     assert "host MB" in format_table({"policies": {"a": r}}) and "     5.0" in format_table({"policies": {"a": r}})
 
 

@@ -52,6 +52,7 @@ class LinkProfile:
     host_cores: int = 0                        # cores the host lane may use (the socket's, less the driver's)
     host_core_flops: float = 0.0               # FLOP/s one core sustains in an expert's matmuls
     host_latency: float = 0.0                  # s per job: activations down, rows back, a worker woken
+    host_gemv_efficiency: float = 1.0          # share of host_memory_bandwidth expert matmuls reach
     host_sources: tuple = ()
 
 
@@ -176,11 +177,11 @@ class HostParams:
 def emulated_host_params(profile: LinkProfile, time_scale: float) -> HostParams:
     """The profile's host slowed by the link's time scale (device_memory_bandwidth / this machine's
     expert throughput), exactly as emulated_link_params slows its PCIe link: host : device : copy
-    times stay the profiled machine's."""
+    times stay the profiled machine's. Experts stream at host_gemv_efficiency of the host's bandwidth."""
     if not profile.host_memory_bandwidth > 0:
         raise ConfigError(f"link profile {profile.name!r} describes no host (host_memory_bandwidth): add the host "
                           f"of a typical machine with that GPU to profiles/{profile.name}.json")
     s = time_scale
-    return HostParams(bandwidth=profile.host_memory_bandwidth / s,
+    return HostParams(bandwidth=profile.host_memory_bandwidth * profile.host_gemv_efficiency / s,
                       flops_per_s=profile.host_cores * profile.host_core_flops / s,
                       latency=profile.host_latency * s, pcie_bandwidth=profile.pcie_bandwidth / s)
