@@ -275,3 +275,24 @@ def test_lane_choice_lets_both_lanes_finish_together():
     assert full(0, list(range(6)), list(range(6)) + [10, 11]) == list(range(6))
     fits = LaneChoice(_Mgr(n_slots=4, held={10}, copy_s=7e-3), None)  # no host profile: copy what fits
     assert fits(0, [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 10]) == [4, 5]
+
+
+def test_host_policy_in_bf16_on_cpu_is_the_devices_bits(tiny):
+    """16-bit rows on the CPU backend are plain linears whose bits do not depend on the row count, and the
+    lane computes in the engine's dtype: bf16 host decoding equals bf16 resident decoding exactly here.
+    (On CUDA the host's and the GPU's kernels round differently: README, what lossless guarantees.)"""
+    path, _ = tiny("mixtral")
+    prompts = [[1, 5, 9, 33, 2], [7, 7, 7]]
+    ref = specter.load(path, device="cpu", policy="resident", dtype="bfloat16")
+    try:
+        want = [ref.generate(p, max_new_tokens=12).token_ids for p in prompts]
+    finally:
+        ref.close()
+    engine = specter.load(path, device="cpu", policy="host", residency=0.25, dtype="bfloat16")
+    try:
+        assert engine.decoder.experts.lane.dtype == torch.bfloat16
+        outs = [engine.generate(p, max_new_tokens=12) for p in prompts]
+    finally:
+        engine.close()
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.stats["host_experts"] for o in outs) > 0
