@@ -45,6 +45,7 @@ import torch
 from specter.triton_ops import expert_rows, merge_rows
 
 from ..moe import ExpertWeights
+from ..profiling import span
 from .calibrate import emulated_host_params
 
 
@@ -212,7 +213,7 @@ class HostLane:
             try:
                 if self.cuda:
                     job._inputs.synchronize()
-                with torch.inference_mode():
+                with torch.inference_mode(), span(f"host job layer {job.layer}"):  # on the lane's thread
                     rows = self._compute(job)
                 if self.cuda:
                     rows = self._to_device(job, rows)
