@@ -179,18 +179,31 @@ def cmd_plan(args) -> int:
         return 0
     plan = make_plan(spec, numel, dtype, residency=args.residency, expert_memory=args.expert_memory,
                      context=args.context, draft=args.policy in ("spec-lru", "specter"))
+    lanes = _lane_split(spec, store_dtype, plan.residency) if args.policy == "host" else None
+    if lanes is not None:
+        copies += f"\nhost lane (policy host): ~{format_size(lanes['host_bytes_per_token'])} of expert weights a " \
+                  f"token read in place on the host ({1 - plan.residency:.0%} of expert uses if routing were " \
+                  f"uniform), 0 B over PCIe after warm-up"
     if device.type == "cpu":  # the emulated device lives in host memory
         host.device_bytes = emulated_device_bytes(plan, spec, store_dtype, dtype)
         hosts += f", emulated device {format_size(host.device_bytes)} (host memory on cpu: a big model's slot " \
                  f"pool aliases the store)"
     if args.json:
-        print(json.dumps({**plan.as_dict(), "host": vars(host), "cuda_graphs": graphs}))
+        print(json.dumps({**plan.as_dict(), "host": vars(host), "cuda_graphs": graphs, "lanes": lanes}))
     else:
         print(head)
         print(plan.table())
         print(hosts)
         print(copies)
     return 0
+
+
+def _lane_split(spec, store_dtype, residency: float) -> dict:
+    """Expected expert traffic a decoded token sends each lane under the host policy, if routing were
+    uniform: the non-resident share of its top-k uses is computed on the host from the store."""
+    per_token = spec.n_moe_layers * spec.top_k * spec.expert_numel() * store_dtype.itemsize
+    return {"host_bytes_per_token": int(per_token * (1 - residency)), "pcie_bytes_per_token": 0,
+            "device_bytes_per_token": int(per_token * residency)}
 
 
 def _graph_plan(spec, device, policy: str, dtype) -> dict | None:

@@ -296,3 +296,20 @@ def test_host_policy_in_bf16_on_cpu_is_the_devices_bits(tiny):
         engine.close()
     assert [o.token_ids for o in outs] == want
     assert sum(o.stats["host_experts"] for o in outs) > 0
+
+
+def test_plan_says_what_each_lane_carries_under_the_host_policy(tiny, capsys):
+    import json
+
+    path, _ = tiny("mixtral")
+    assert main(["plan", "--model", str(path), "--policy", "host", "--residency", "0.25", "--device", "cpu",
+                 "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    lanes = got["lanes"]  # the plan is arithmetic: config.json, no engine
+    assert lanes["pcie_bytes_per_token"] == 0
+    assert lanes["host_bytes_per_token"] == 3 * lanes["device_bytes_per_token"] > 0  # 75% / 25% of the uses
+    assert main(["plan", "--model", str(path), "--policy", "host", "--residency", "0.25", "--device", "cpu"]) == 0
+    assert "host lane (policy host)" in capsys.readouterr().out
+    assert main(["plan", "--model", str(path), "--policy", "on-demand", "--residency", "0.25", "--device", "cpu",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["lanes"] is None
