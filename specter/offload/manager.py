@@ -130,6 +130,26 @@ class OffloadedExperts:
         self._stats["prefetch_issued"] += n
         return n
 
+    def withdraw(self, layer: int, experts) -> int:
+        """Prefetches of `layer` no longer wanted: each copy the link has not started is withdrawn (its
+        reservation undone, the expert it evicted ready again in its untouched slot); one that has
+        started lands first in line for eviction. Returns how many were withdrawn."""
+        n, late = 0, []
+        for e in experts:
+            key = (layer, e)
+            t = self.inflight.get(key)
+            if key in self.prefetched and t is not None and not self.slots.is_pinned(layer, e) and self.link.cancel(t):
+                del self.inflight[key]
+                self.prefetched.discard(key)
+                self.slots.cancel(layer, e, restore=True)
+                n += 1
+            elif self.slots.slot_of(layer, e) is not None:
+                late.append(e)
+        self.slots.demote(layer, late)
+        self._stats["prefetch_cancelled"] += n
+        self._stats["h2d_bytes"] -= n * self.expert_bytes  # never crossed the link
+        return n
+
     def cancel_prefetches(self) -> int:
         """Withdraw the prefetch copies the link has not started: called when the cycle they were
         issued for is over, so the steps after it do not queue behind its wrong guesses. Each one's
@@ -184,8 +204,7 @@ class OffloadedExperts:
     @torch.no_grad()  # entered and left around each step of the body, never held across a wait
     def body(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         """The layer's routed experts, as a body: yields the routing read and the copies it waits for."""
-        if self.next_layer_router is not None:
-            self.next_layer_router(layer, x)
+        guess = self.next_layer_router
         if self.all_resident:
             return self._all_resident(layer, x, ids, weights)
         pool, slots = self.rows[layer], self.slots
@@ -194,6 +213,8 @@ class OffloadedExperts:
         if ids.shape[0] > 1:  # a verification: which rows needed what, for demote_rejected
             self._routed[layer] = (routed, ids.shape[1])
         self.poll()
+        if guess is not None:  # its guesses for this layer that the routing did not ask for go now
+            guess.settle(layer, need)
         self._count(layer, need)
         ready = [e for e in need if slots.is_ready(layer, e)]
         flying = [e for e in need if (layer, e) in self.inflight]
@@ -206,6 +227,8 @@ class OffloadedExperts:
         for e in missing:  # fetched at the queue's front, never evicting each other
             if not self._issue(layer, e, urgent=True, protect=set(need)):
                 break  # more experts than slots: the rest are fetched as computed ones free theirs
+        if guess is not None:  # the next layer's guesses, queued behind this layer's misses
+            guess(layer, x)
         if ready:  # every resident expert, in one call through the remap row (-1 rows left for later)
             rows = expert_rows(x, ids, weights, pool.w13, pool.w2, remap=slots.remap[layer])
             self._read_done(layer, ready)  # queued: a copy into these slots now waits for this call

@@ -80,6 +80,10 @@ class SlotCache:
         state = self._state[layer]
         return sorted(e for e in self._order[layer] if state[e] == READY)
 
+    def recency(self, layer: int) -> list[int]:
+        """The layer's residents (ready or loading), least recently used first."""
+        return list(self._order[layer])
+
     def is_pinned(self, layer: int, expert: int) -> bool:
         return expert in self._pins[layer]
 
