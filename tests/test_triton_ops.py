@@ -1,6 +1,8 @@
 """specter.triton_ops: INT4 packing against quanto, the grouped MoE against the per-expert loop."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -8,6 +10,28 @@ from specter.errors import ConfigError
 from specter.triton_ops import (Int4Experts, combine_rows, expert_rows, fused_moe, merge_rows, pack_int4,
                                 quantize_int4)
 from specter.triton_ops.align import BLOCK_M, align_rows, max_blocks
+
+
+@pytest.fixture(scope="module", autouse=True)
+def quanto_in_python():
+    """quanto's dequantization, the reference here, without the C++ extension quanto compiles on
+    first use for its CPU `unpack` (a minute of CI for one op): the op on CPU runs the same
+    nibble unpacking in torch (quanto's own default kernel's algorithm: value i of a byte is
+    bits 4i .. 4i+3, values concatenated along the first axis)."""
+    pytest.importorskip("optimum.quanto")
+    import optimum.quanto  # noqa: F401  (registers quanto::unpack and its C++ CPU kernel)
+
+    def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+        per_byte = 8 // bits
+        mask = 2 ** bits - 1
+        return torch.cat([(packed >> (bits * i)) & mask for i in range(per_byte)]).to(torch.uint8)
+
+    lib = torch.library.Library("quanto", "IMPL")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Oo]verrid")  # replacing quanto's CPU kernel is the point
+        lib.impl("unpack", unpack, "CPU")
+    yield
+    lib._destroy()
 
 
 def _weights(E=3, N=48, K=256, dtype=torch.float32, seed=0):
