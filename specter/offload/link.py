@@ -271,12 +271,17 @@ class EmulatedLink(Link):
     Transfers complete one after another in queue order (urgent ones before any not yet started),
     each no sooner than start + latency + nbytes / bandwidth, start = max(enqueue, previous
     completion). The worker copies the bytes and then sleeps out the rest of the time.
+    `clock` (tests): an object with now() -> seconds and sleep(seconds, wake: threading.Event) ->
+    True if woken, read and slept on instead of the wall clock, so a test can check the schedule
+    without the machine's load in it.
     """
 
-    def __init__(self, bandwidth: float, latency: float = 0.0, name: str = "emulated"):
+    def __init__(self, bandwidth: float, latency: float = 0.0, name: str = "emulated", clock=None):
         if not bandwidth > 0 or not latency >= 0:
             raise ValueError(f"EmulatedLink needs bandwidth > 0 and latency >= 0, got {bandwidth}, {latency}")
         super().__init__(name, bandwidth, latency)
+        self._now = clock.now if clock is not None else time.perf_counter
+        self._sleep = clock.sleep if clock is not None else (lambda seconds, wake: wake.wait(seconds))
         self._work = threading.Condition(self._lock)   # notified on copy() and close()
         self._normal: collections.deque[Transfer] = collections.deque()
         self._urgent: collections.deque[Transfer] = collections.deque()
@@ -287,6 +292,7 @@ class EmulatedLink(Link):
     def copy(self, dst, src, *, urgent: bool = False, tag=None, after="all") -> Transfer:
         dst, src = _check(dst, src)
         t = Transfer(dst, src, tag)
+        t.t_enqueued = self._now()
         with self._lock:
             self._admit()
             (self._urgent if urgent else self._normal).append(t)
@@ -330,7 +336,7 @@ class EmulatedLink(Link):
         while (t := self._next()) is not None:
             start = max(t.t_enqueued, deadline)
             deadline = start + self.latency + t.dst_nbytes / self.bandwidth
-            t.t_started = time.perf_counter()
+            t.t_started = self._now()
             error = None
             try:
                 with torch.no_grad():  # slots may be nn.Parameters
@@ -338,10 +344,10 @@ class EmulatedLink(Link):
                         _copy_serial(d, s)
             except Exception as e:  # reported to whoever waits on the transfer
                 error = e
-            while (left := deadline - time.perf_counter()) > 0:
-                if self._closing.wait(left):  # sleeps; returns True at once when closing
+            while (left := deadline - self._now()) > 0:
+                if self._sleep(left, self._closing):  # sleeps; returns True at once when closing
                     break
-            end = time.perf_counter()
+            end = self._now()
             self._complete(t, busy_s=end - max(start, last_end), error=error)
             last_end = end
 
