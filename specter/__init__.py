@@ -56,8 +56,9 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = "s
     k_max: the longest draft the governor may choose (default 32; 0 = plain decoding only).
     compile: compile the draft's sync-free one-token step (specter.compiled). None (default): on
     CUDA (CUDA graphs), off on CPU; True/False force it.
-    host_threads: policy host only, the threads of the host lane that computes the experts not on
-    the device (default: physical cores less one).
+    host_threads: policies host and specter, the threads of the host lane that computes experts not
+    on the device (default: physical cores less one). specter uses the lane on CPU, and on CUDA only
+    when host_threads is given.
     driver: "async" (the generation runs on an event loop: astream on the caller's, the blocking API
     on one of its thread's own) or "sync" (blocking waits). None (default): async on CUDA, sync on CPU.
     """

@@ -31,7 +31,8 @@ from .speculative.governor import Governor
 from .speculative.lookahead import Lookahead
 from .speculative.planner import PrefetchPlanner
 
-SPECULATIVE = ("spec-lru", "specter", "specter-host")  # the policies that draft (and plan its memory)
+SPECULATIVE = ("spec-lru", "specter")  # the policies that draft (and plan its memory)
+HOST_LANE = ("host", "specter")  # the policies that compute experts on the host lane
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -130,15 +131,15 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
                  draft_cache=None, driver: str | None = None, host_threads: int | None = None, **options) -> Engine:
     """An engine for `policy`. `shared`: a checkpoint already loaded (load_shared) to build on instead
     of loading it again; its store, model and draft are reused, never copied. `host_threads`: the
-    host lane's threads (the `host` policy; default: physical cores less one)."""
+    host lane's threads (policies `host` and `specter`, see uses_host_lane; default: physical cores less one)."""
     if options:
         raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}")
     if host_threads is not None and (isinstance(host_threads, bool) or not isinstance(host_threads, int)
                                      or host_threads < 1):
         raise ConfigError(f"host_threads must be an integer >= 1, got {host_threads!r}")
-    if host_threads is not None and policy not in ("host", "specter-host"):
+    if host_threads is not None and policy not in HOST_LANE:
         raise ConfigError(f"policy {policy!r} computes no expert on the host, so host_threads would be ignored; "
-                          f"drop it, or use policy 'host'")
+                          f"drop it, or use policy 'host' or 'specter'")
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
         raise ConfigError(f"k_max must be an integer >= 0 (0 = no speculation), got {k_max!r}")
     if driver not in (None, "sync", "async"):
@@ -182,11 +183,11 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         mgr = OffloadedExperts(store, plan.slots_per_layer, device, lk, eviction=eviction, dtype=pdt, alias=alias,
                                rows=rows)
         mgr.warm()
-        if policy in ("host", "specter-host"):  # experts not resident may compute where the store holds them
+        if uses_host_lane(policy, device, host_threads):  # experts not resident may compute where the store holds them
             lane = make_host_lane(store, device, lk, threads=host_threads, dtype=dt, charged_dtype=pdt)
             if policy == "host":
                 mgr = HostExperts(mgr, lane)
-            else:  # LaneChoice (ranked by the planner, below) picks which misses the host computes
+            else:  # specter: LaneChoice (ranked by the planner, below) picks which misses the host computes
                 mgr.host_lane = lane
         decoder = _decoder(policy, shared, mgr, k_max)
         if hasattr(decoder, "draft"):
@@ -196,6 +197,16 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     engine.plan, engine.shared = plan, shared
     engine.driver = driver or default_driver(device)
     return engine
+
+
+def uses_host_lane(policy: str, device: torch.device, host_threads: int | None = None) -> bool:
+    """Whether `policy` computes experts on the host lane: `host` always; `specter` on CPU (the emulated
+    machine, where greedy decoding on both lanes is resident's bits, tested) and on CUDA only when
+    host_threads is given (opt-in: the lane's CUDA path has not yet run on a GPU, and there the host's
+    and the GPU's arithmetic round differently). Every other policy only copies."""
+    if policy == "host":
+        return True
+    return policy == "specter" and (device.type == "cpu" or host_threads is not None)
 
 
 def default_driver(device: torch.device) -> str:
@@ -264,7 +275,7 @@ def _decoder(policy, shared: Loaded, mgr, k_max):
     if policy == "spec-lru":  # speculation alone: same governor, experts fetched when verification needs them
         return SpeculativeDecoder(model, mgr, draft, device, dt, governor=Governor(k_max))
     planner = PrefetchPlanner(mgr, lookahead)
-    if mgr.host_lane is not None:  # specter-host: both lanes, misses the planner ranks low go to the host
+    if mgr.host_lane is not None:  # both lanes: the misses the planner ranks low go to the host
         mgr.host_choice = LaneChoice(mgr, host_params(mgr.host_lane), rank=planner.rank)
     return SpeculativeDecoder(model, mgr, draft, device, dt, governor=Governor(k_max),
                               planner=planner, fallback=NextLayerPrefetch(model, mgr))

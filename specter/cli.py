@@ -47,8 +47,8 @@ def _model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
                    help="device bytes for the expert slot pool, e.g. 6GiB (offloading policies)")
     p.add_argument("--link", default=None, help="CPU only: link profile of the emulated PCIe link (see `specter profile`)")
     p.add_argument("--host-threads", type=positive_int, default=None,
-                   help="policy host: threads of the host lane that computes the experts not on the device "
-                        "(default: physical cores less one)")
+                   help="policies host and specter: threads of the host lane that computes experts not on the "
+                        "device (default: physical cores less one; specter on CUDA uses the lane only when given)")
     p.add_argument("--k-max", type=int, default=None,
                    help="longest draft the governor may choose (default 32; 0 = never speculate)")
     p.add_argument("--draft-cache", default=None,
@@ -150,13 +150,13 @@ def _load(args, policy: str | None = None):
     policy = policy or args.policy
     ignored = [flag for flag, given, used in (("--k-max", args.k_max is not None, ("spec-lru", "specter")),
                                               ("--compile", args.compile, ("spec-lru", "specter")),
-                                              ("--host-threads", args.host_threads is not None, ("host",)),
+                                              ("--host-threads", args.host_threads is not None, ("host", "specter")),
                                               ("--link", args.link is not None, ("on-demand", "next-layer", "host",
                                                                                  "spec-lru", "specter")))
                if given and policy not in used]
     if ignored:
         raise ConfigError(f"policy {policy!r} does not use {ignored[0]}, so it would be ignored; drop it or pick a "
-                          "policy that does (--k-max/--compile: spec-lru, specter; --host-threads: host; --link: any offloading "
+                          "policy that does (--k-max/--compile: spec-lru, specter; --host-threads: host, specter; --link: any offloading "
                           "policy)")
     return specter.load(args.model, device=args.device, policy=policy, residency=args.residency,
                         expert_memory=args.expert_memory, link=args.link, **engine_options(args))

@@ -47,8 +47,7 @@ STATS_DEFAULTS = dict(ttft_s=0.0, tpot_s=0.0, new_tokens=0, cycles=0, accepted_p
                       accepted_tokens=0, rejections=0, compiled=[], h2d_path=None, cuda_graphs=None)
 
 POLICIES = ("resident", "on-demand", "next-layer", "host", "spec-lru", "specter")
-BENCH_POLICIES = POLICIES + ("specter-host", "oracle")  # oracle needs the whole run in advance: benchmarks only;
-# specter-host (specter with the host lane for the misses the planner ranks low, issue 22 item 4) is on trial there
+BENCH_POLICIES = POLICIES + ("oracle",)  # oracle needs the whole run in advance: benchmarks only
 
 
 @dataclass

@@ -208,7 +208,7 @@ def test_bench_names_the_host_lanes_wait():
     assert "host MB" in format_table({"policies": {"a": r}}) and "     5.0" in format_table({"policies": {"a": r}})
 
 
-# ------------------------------------------------------------------------- specter-host: both lanes (item 4)
+# ------------------------------------------------------------------------- specter: both lanes (item 4)
 class _HalfToHost:
     """An injected lane choice: every other missing expert to the host, the rest copied."""
 
@@ -221,8 +221,11 @@ class _HalfToHost:
 
 
 @pytest.mark.parametrize("arch,kw", [("deepseek_v2", {}), ("qwen2_moe", {"mlp_only_layers": [0]}), ("mixtral", {})])
-def test_specter_host_greedy_equals_resident_on_both_lanes(tiny, monkeypatch, arch, kw):
+def test_specter_greedy_equals_resident_on_both_lanes(tiny, monkeypatch, arch, kw):
+    """specter's misses split between copies and the host lane, at fixed K (0 = plain steps on both
+    lanes, and drafts of several lengths) and under the governor: resident's tokens every time."""
     import specter.builder as builder
+    from specter.speculative.governor import Governor
 
     path, _ = tiny(arch, **kw)
     prompts = [[1, 5, 9, 33, 2], list(range(10, 40))]
@@ -232,16 +235,70 @@ def test_specter_host_greedy_equals_resident_on_both_lanes(tiny, monkeypatch, ar
     finally:
         ref.close()
     monkeypatch.setattr(builder, "LaneChoice", _HalfToHost)
-    for residency, k_max, driver in ((0.25, 4, "sync"), (0.5, 8, "async"), (0.375, 0, "sync")):
-        engine = specter.load(path, device="cpu", policy="specter-host", residency=residency, k_max=k_max,
+    for residency, k_max, fixed, driver in ((0.25, 4, None, "sync"), (0.5, 8, None, "async"), (0.375, 0, None, "sync"),
+                                            (0.25, 8, 0, "sync"), (0.25, 8, 1, "sync"), (0.375, 8, 3, "async"),
+                                            (0.25, 8, 7, "sync")):
+        engine = specter.load(path, device="cpu", policy="specter", residency=residency, k_max=k_max,
                               driver=driver, host_threads=2)
+        if fixed is not None:
+            engine.decoder.governor = Governor(k_max, fixed=fixed)
         try:
             outs = [engine.generate(p, max_new_tokens=16) for p in prompts]
             assert engine.decoder.experts.host_choice.calls > 0
         finally:
             engine.close()
-        assert [o.token_ids for o in outs] == want, (residency, k_max, driver)
+        assert [o.token_ids for o in outs] == want, (residency, k_max, fixed, driver)
         assert sum(o.stats["host_experts"] for o in outs) > 0 and sum(o.stats["h2d_bytes"] for o in outs) > 0
+        if fixed:
+            assert sum(o.stats["drafted_tokens"] for o in outs) > 0
+
+
+def test_only_host_and_specter_compute_on_the_host(tiny):
+    """specter has both lanes on CPU; on-demand and spec-lru stay copy-only baselines; specter on CUDA
+    takes the lane only when host_threads is given (builder.uses_host_lane)."""
+    from specter.builder import uses_host_lane
+
+    path, _ = tiny("mixtral")
+    for policy, lane in (("specter", True), ("spec-lru", False), ("on-demand", False), ("next-layer", False)):
+        engine = specter.load(path, device="cpu", policy=policy, residency=0.25)
+        try:
+            assert (engine.decoder.experts.host_lane is not None) is lane, policy
+            assert (engine.decoder.experts.host_choice is not None) is lane, policy
+        finally:
+            engine.close()
+    cuda = torch.device("cuda")
+    assert uses_host_lane("host", cuda) and not uses_host_lane("specter", cuda)
+    assert uses_host_lane("specter", cuda, host_threads=4) and not uses_host_lane("spec-lru", torch.device("cpu"))
+    with pytest.raises(specter.SpecterError, match="host_threads"):
+        specter.load(path, device="cpu", policy="spec-lru", residency=0.25, host_threads=2)
+
+
+def test_a_plain_step_on_the_host_lane_is_not_a_resident_step(tiny, monkeypatch):
+    """The governor's stricter bar for speculation ("plain steps copy nothing": every expert resident)
+    must not apply when plain steps send their misses to the host lane instead of the link."""
+    import specter.builder as builder
+    from specter.speculative.governor import Governor
+
+    class _AllToHost(_HalfToHost):
+        def __call__(self, layer, missing, routed):
+            self.calls += 1
+            return list(missing)
+
+    path, _ = tiny("mixtral")
+    monkeypatch.setattr(builder, "LaneChoice", _AllToHost)
+    engine = specter.load(path, device="cpu", policy="specter", residency=0.25, k_max=4)
+    gov = engine.decoder.governor = Governor(4, fixed=0)
+    engine.decoder.fallback = None  # no next-layer guesses on K = 0 steps: nothing at all is copied
+    seen = []
+    real = gov.observe_cycle
+    gov.observe_cycle = lambda *a, **k: seen.append(k.get("copied")) or real(*a, **k)
+    try:
+        out = engine.generate([1, 5, 9, 33, 2], max_new_tokens=12)
+        engine.decoder.stats()  # every step's times read (timing.py)
+    finally:
+        engine.close()
+    assert out.stats["h2d_bytes"] == 0 and out.stats["host_experts"] > 0
+    assert seen and any(c for c in seen) and not gov.plain_copies_nothing
 
 
 class _Mgr:

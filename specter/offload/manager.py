@@ -172,6 +172,11 @@ class OffloadedExperts:
         """Bytes sent over the link so far (since reset_stats): a host-side count, no sync."""
         return self._stats["h2d_bytes"]
 
+    @property
+    def offloaded_bytes(self) -> int:
+        """Expert bytes a call found off the device: copied over the link or read on the host lane."""
+        return self._stats["h2d_bytes"] + self._stats["host_bytes"]
+
     def is_resident(self, layer: int, e: int) -> bool:
         return self.slots.slot_of(layer, e) is not None
 

@@ -229,7 +229,7 @@ class SpeculativeDecoder:
         st["cycles"] += 1
         fallback = self.fallback is not None and not self.target.all_resident  # nothing to prefetch when all resident
         use_fallback = fallback and self.plain.pick()
-        copied0 = self.target.copied_bytes
+        copied0 = self.target.offloaded_bytes  # copies and host-lane reads: either way not all resident
         m1 = self.times.mark()
         self.target.next_layer_router = self.fallback if use_fallback else None
         last = self._last_plain  # the token the previous plain step sampled, still a tensor: no new one
@@ -247,7 +247,7 @@ class SpeculativeDecoder:
         self._last_plain = (nxt, tok)
         m2 = self.times.mark()
         observed = not (fallback and self.plain.probing)  # as in _cycle: a probe is not what K = 0 costs
-        copied = max(0, self.target.copied_bytes - copied0)
+        copied = max(0, self.target.offloaded_bytes - copied0)
         arm = use_fallback if fallback else None
         self.times.submit((m1, m2), lambda verify_s: self._observe_plain(verify_s, observed, copied, arm))
         return [nxt]

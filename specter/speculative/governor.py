@@ -74,7 +74,9 @@ It works at two levels.
        cycle(K) = K d + v0 + v1 (K + 1) + s(K)
 
    d the draft step time, v0 + v1 (K + 1) a running linear fit of verify compute, s(K) the copy
-   stall verification waited on (the copies drafting did not hide). Each tried K keeps sbar_K, a
+   stall verification waited on (the copies drafting did not hide), and with two lanes (specter,
+   OffloadedExperts.host_choice) its wait for the host lane's rows too: plain steps use the same
+   lanes, so both arms are timed on the same machinery. Each tried K keeps sbar_K, a
    moving average of its stalls, and n_K, its count (capped at 16); s(K) smooths them over K,
 
        s(K) = sum_t w_t sbar_t / sum_t w_t,     w_t = n_t exp(-|K' - t| / h),   K' = clamp(K, K_lo, K_hi)
@@ -189,7 +191,8 @@ class Governor:
                       verified: int | None = None, copied: int | None = None) -> None:
         """A cycle drafted K tokens (in draft_s), verified the first `verified` of them (default all:
         see `verify_k`), accepted `accepted` of those, and verification took verify_s, stall_s of it
-        waiting on copies. `copied`: bytes a plain step (K = 0) sent over the link (None: unknown)."""
+        waiting on copies or the host lane. `copied`: expert bytes a plain step (K = 0) found off the device,
+        copied over the link or read on the host lane (None: unknown)."""
         self.cycles += 1
         seconds = draft_s + verify_s
         drafted, k = k, (k if verified is None else verified)
