@@ -179,11 +179,21 @@ def cmd_plan(args) -> int:
         return 0
     plan = make_plan(spec, numel, dtype, residency=args.residency, expert_memory=args.expert_memory,
                      context=args.context, draft=args.policy in ("spec-lru", "specter"))
-    lanes = _lane_split(spec, store_dtype, plan.residency) if args.policy == "host" else None
-    if lanes is not None:
+    lanes = _lane_split(spec, store_dtype, plan.residency, args.policy) if args.policy in ("host", "specter") else None
+    if lanes is not None and args.policy == "host":
         copies += f"\nhost lane (policy host): ~{format_size(lanes['host_bytes_per_token'])} of expert weights a " \
                   f"token read in place on the host ({1 - plan.residency:.0%} of expert uses if routing were " \
                   f"uniform), 0 B over PCIe after warm-up"
+    elif lanes is not None:
+        v = lanes["verification"]
+        copies += f"\ntwo lanes (policy specter; on CUDA with --host-threads): each layer's misses split so that " \
+                  f"both lanes finish together, the ones the draft predicts reuse for copied first " \
+                  f"({lanes['profile']}'s link and host, routing uniform): a plain step " \
+                  f"~{format_size(lanes['pcie_bytes_per_token'])} over PCIe and " \
+                  f"~{format_size(lanes['host_bytes_per_token'])} read in place on the host; a verification of " \
+                  f"{v['tokens']} tokens ~{format_size(v['pcie_bytes_per_token'])} and " \
+                  f"~{format_size(v['host_bytes_per_token'])} a token (the host's per-job latency is paid once " \
+                  f"for all of them)"
     if device.type == "cpu":  # the emulated device lives in host memory
         host.device_bytes = emulated_device_bytes(plan, spec, store_dtype, dtype)
         hosts += f", emulated device {format_size(host.device_bytes)} (host memory on cpu: a big model's slot " \
@@ -198,12 +208,41 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def _lane_split(spec, store_dtype, residency: float) -> dict:
-    """Expected expert traffic a decoded token sends each lane under the host policy, if routing were
-    uniform: the non-resident share of its top-k uses is computed on the host from the store."""
+def _lane_split(spec, store_dtype, residency: float, policy: str = "host", profile: str | None = None,
+                verify_tokens: int = 8) -> dict:
+    """Expected expert traffic a decoded token sends each lane, if routing were uniform. host: the
+    non-resident share of its top-k uses is computed on the host from the store. specter: each
+    layer's m misses are split as LaneChoice splits them, c copied and the rest hosted so that both
+    lanes finish together on the link profile's machine (memory-bound host):
+
+        c (latency + b / pcie) = host_latency + (m - c) b / host_bandwidth,   0 <= c <= m
+
+    b an expert's bytes; for a plain step (one token, m = top_k (1 - residency)) and for a verification
+    of `verify_tokens` tokens (m = the non-resident share of the E (1 - (1 - top_k / E)^T) distinct
+    experts they route to), the latter per token verified."""
     per_token = spec.n_moe_layers * spec.top_k * spec.expert_numel() * store_dtype.itemsize
-    return {"host_bytes_per_token": int(per_token * (1 - residency)), "pcie_bytes_per_token": 0,
-            "device_bytes_per_token": int(per_token * residency)}
+    off = per_token * (1 - residency)
+    out = {"host_bytes_per_token": int(off), "pcie_bytes_per_token": 0, "device_bytes_per_token": int(per_token * residency)}
+    if policy != "specter":
+        return out
+    from .offload.calibrate import emulated_host_params, load_profile
+
+    p = load_profile(profile)
+    h = emulated_host_params(p, 1.0)  # the profiled machine's own seconds
+    b = spec.expert_numel() * store_dtype.itemsize
+    copy_s, host_s = p.latency + b / p.pcie_bandwidth, b / h.bandwidth
+
+    def split(m: float) -> tuple[int, int]:  # (copied, hosted) bytes of one layer call with m misses
+        c = min(m, max(0.0, (h.latency + m * host_s) / (copy_s + host_s))) if m > 0 else 0.0
+        return int(c * b), int((m - c) * b)
+
+    L, E, k = spec.n_moe_layers, spec.n_experts, spec.top_k
+    pcie, hosted = split(k * (1 - residency))
+    T = verify_tokens
+    vp, vh = split(E * (1 - (1 - k / E) ** T) * (1 - residency))
+    out.update(pcie_bytes_per_token=L * pcie, host_bytes_per_token=L * hosted, profile=p.name,
+               verification={"tokens": T, "pcie_bytes_per_token": L * vp // T, "host_bytes_per_token": L * vh // T})
+    return out
 
 
 def _graph_plan(spec, device, policy: str, dtype) -> dict | None:

@@ -370,3 +370,22 @@ def test_plan_says_what_each_lane_carries_under_the_host_policy(tiny, capsys):
     assert main(["plan", "--model", str(path), "--policy", "on-demand", "--residency", "0.25", "--device", "cpu",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["lanes"] is None
+
+
+def test_plan_says_how_specter_splits_its_misses_between_the_lanes(tiny, capsys):
+    import json
+
+    path, _ = tiny("mixtral")
+    argv = ["plan", "--model", str(path), "--residency", "0.25", "--device", "cpu", "--json"]
+    assert main(argv + ["--policy", "host"]) == 0
+    off = json.loads(capsys.readouterr().out)["lanes"]["host_bytes_per_token"]  # every non-resident use
+    assert main(argv + ["--policy", "specter"]) == 0
+    lanes = json.loads(capsys.readouterr().out)["lanes"]
+    assert abs(lanes["pcie_bytes_per_token"] + lanes["host_bytes_per_token"] - off) <= 2  # the misses, split
+    v = lanes["verification"]
+    assert v["tokens"] > 1 and v["pcie_bytes_per_token"] + v["host_bytes_per_token"] > 0
+    assert lanes["profile"] == "A100-40GB-PCIe4"
+    assert main(argv[:-1] + ["--policy", "specter"]) == 0
+    assert "two lanes (policy specter" in capsys.readouterr().out
+    assert main(argv + ["--policy", "spec-lru"]) == 0
+    assert json.loads(capsys.readouterr().out)["lanes"] is None
