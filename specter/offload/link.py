@@ -43,10 +43,11 @@ class Transfer:
     """One host-to-device copy of one or more tensors. Awaitable."""
 
     def __init__(self, dst: list[torch.Tensor], src: list[torch.Tensor], tag=None):
-        self.nbytes = sum(s.numel() * s.element_size() for s in src)   # bytes read from the host
+        self.nbytes = sum(s.nbytes for s in src)   # bytes read from the host (a CodedExpert's: coded)
         self.dst_nbytes = sum(d.numel() * d.element_size() for d in dst)
         self.tag = tag
         self.t_enqueued = time.perf_counter()  # host clock (s); t_started/t_finished filled in by the link
+        self.seconds: float | None = None      # EmulatedLink: the time it is charged (latency included)
         self.t_started: float | None = None
         self.t_finished: float | None = None
         self._dst, self._src = dst, src        # held until the bytes are in place
@@ -276,10 +277,12 @@ class EmulatedLink(Link):
     without the machine's load in it.
     """
 
-    def __init__(self, bandwidth: float, latency: float = 0.0, name: str = "emulated", clock=None):
+    def __init__(self, bandwidth: float, latency: float = 0.0, name: str = "emulated", clock=None,
+                 decode_bandwidth: float | None = None):
         if not bandwidth > 0 or not latency >= 0:
             raise ValueError(f"EmulatedLink needs bandwidth > 0 and latency >= 0, got {bandwidth}, {latency}")
         super().__init__(name, bandwidth, latency)
+        self.decode_bandwidth = decode_bandwidth  # bytes/s a coded expert's decode moves (None: free)
         self._now = clock.now if clock is not None else time.perf_counter
         self._sleep = clock.sleep if clock is not None else (lambda seconds, wake: wake.wait(seconds))
         self._work = threading.Condition(self._lock)   # notified on copy() and close()
@@ -293,11 +296,29 @@ class EmulatedLink(Link):
         dst, src = _check(dst, src)
         t = Transfer(dst, src, tag)
         t.t_enqueued = self._now()
+        t.seconds = self.seconds(dst, src)
         with self._lock:
             self._admit()
             (self._urgent if urgent else self._normal).append(t)
             self._work.notify()
         return t
+
+    def seconds(self, dst: list[torch.Tensor], src: list) -> float:
+        """The emulated time of copying src into dst: latency + the bytes written / bandwidth (the width
+        compute was calibrated at). A coded source (a CodedExpert) is charged its coded bytes instead,
+        scaled by the same width, plus its decode: the coded bytes read and the bf16 bytes written at
+        `decode_bandwidth` (make_link: the profile's device memory bandwidth, scaled like the link)."""
+        wire = decode = 0.0
+        for d, s in zip(dst, src):
+            raw = getattr(s, "raw_nbytes", None)
+            if raw is None:
+                wire += d.numel() * d.element_size()
+                continue
+            width = d.numel() * d.element_size() / raw  # 2 for an fp32 slot of bf16 weights, 1 for bf16
+            wire += s.nbytes * width
+            if self.decode_bandwidth:
+                decode += (s.nbytes + raw) * width / self.decode_bandwidth
+        return self.latency + wire / self.bandwidth + decode
 
     def cancel(self, t: Transfer) -> bool:
         with self._lock:  # the worker pops under this lock: a queued transfer has not started
@@ -335,7 +356,7 @@ class EmulatedLink(Link):
         last_end = 0.0  # actual completion time of the previous transfer
         while (t := self._next()) is not None:
             start = max(t.t_enqueued, deadline)
-            deadline = start + self.latency + t.dst_nbytes / self.bandwidth
+            deadline = start + t.seconds
             t.t_started = self._now()
             error = None
             try:
@@ -352,10 +373,14 @@ class EmulatedLink(Link):
             last_end = end
 
 
-def _copy_serial(d: torch.Tensor, s: torch.Tensor) -> None:
+def _copy_serial(d: torch.Tensor, s) -> None:
     """d.copy_(s) (converting dtype) in chunks small enough that ATen stays on this one thread. A meta
-    destination (an aliased CPU pool, see manager.py) has no bytes to write: the copy is only timed."""
+    destination (an aliased CPU pool, see manager.py) has no bytes to write: the copy is only timed.
+    A coded source (offload/coded.py) is decoded into d (the torch decode)."""
     if d.is_meta:
+        return
+    if not isinstance(s, torch.Tensor):
+        s.decode_into(d)
         return
     if d.is_contiguous() and s.is_contiguous() and d.numel() > _CHUNK:
         d, s = d.view(-1), s.view(-1)
@@ -446,6 +471,7 @@ class CudaLink(Link):
         """Copies will come out of `srcs` (the host store), `nbytes` at most each: if any is not pinned,
         the staging buffers are allocated now, sized for that, rather than at the first copy (and no
         warning: the store said why it is not pinned, and `h2d_path` names the path)."""
+        srcs = [s for s in srcs if isinstance(s, torch.Tensor)]  # coded sources go direct (see _issue)
         if not all(s.is_cuda or self._cuda.is_pinned(s) for s in srcs):
             self._warned_unpinned = True
             self._staged.reserve(nbytes)
@@ -465,7 +491,7 @@ class CudaLink(Link):
         if isinstance(after, str):  # "all": whatever compute has queued so far may still read dst
             after = self.read_event()
         stream = self.urgent_stream if urgent else self.stream
-        pinned = all(s.is_cuda or self._cuda.is_pinned(s) for s in src)
+        pinned = all(not isinstance(s, torch.Tensor) or s.is_cuda or self._cuda.is_pinned(s) for s in src)
         if not pinned:
             self._warn_unpinned()
             t._issued = threading.Event()  # set by the stager once the copy is on its stream
@@ -492,6 +518,9 @@ class CudaLink(Link):
                 stream.wait_event(after)
             begin.record(stream)
             for d, s in zip(t._dst, src):
+                if not isinstance(s, torch.Tensor):  # coded (offload/coded.py): its bytes cross the bus into
+                    s.decode_on(d)                   # device memory, then decode into the slot, on this stream
+                    continue
                 if d.dtype != s.dtype:  # the stored bytes cross the bus, then convert on the device
                     staged = torch.empty(s.shape, dtype=s.dtype, device=self.device)
                     staged.copy_(s, non_blocking=True)
@@ -569,6 +598,7 @@ def make_link(device, profile: str | None = None, *, expert_bytes: int | None = 
     link = EmulatedLink(bandwidth, latency, name=f"emulated:{p.name}")
     link.profile, link.expert_throughput = p, throughput
     link.time_scale = p.device_memory_bandwidth / throughput  # seconds here per second on the GPU
+    link.decode_bandwidth = p.device_memory_bandwidth / link.time_scale  # coded experts decode at memory speed
     return link
 
 

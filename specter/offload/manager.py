@@ -90,9 +90,10 @@ class OffloadedExperts:
         last = self.last_read[layer][slot]  # CUDA: the slot's last reader (or its allocation), not all compute
         order = {} if last is None else {"after": last}  # None: CPU, where compute has finished
         with span("copy issue"):
-            self.inflight[(layer, e)] = self.link.copy([dst.w13[slot], dst.w2[slot]], [src.w13[e], src.w2[e]],
-                                                       urgent=urgent, tag=(layer, e), **order)
-        self._stats["h2d_bytes"] += self.expert_bytes
+            t = self.link.copy([dst.w13[slot], dst.w2[slot]], [src.w13[e], src.w2[e]],
+                               urgent=urgent, tag=(layer, e), **order)
+        self.inflight[(layer, e)] = t
+        self._stats["h2d_bytes"] += t.nbytes  # a coded store's (offload/coded.py): the expert's coded bytes
         return True
 
     def _land(self, layer: int, e: int):
@@ -142,12 +143,12 @@ class OffloadedExperts:
                 del self.inflight[key]
                 self.prefetched.discard(key)
                 self.slots.cancel(layer, e, restore=True)
+                self._stats["h2d_bytes"] -= t.nbytes  # never crossed the link
                 n += 1
             elif self.slots.slot_of(layer, e) is not None:
                 late.append(e)
         self.slots.demote(layer, late)
         self._stats["prefetch_cancelled"] += n
-        self._stats["h2d_bytes"] -= n * self.expert_bytes  # never crossed the link
         return n
 
     def cancel_prefetches(self) -> int:
@@ -159,12 +160,11 @@ class OffloadedExperts:
         for layer, e in [k for k in self.inflight if k in self.prefetched]:
             if self.slots.is_pinned(layer, e) or not self.link.cancel(self.inflight[(layer, e)]):
                 continue
-            del self.inflight[(layer, e)]
+            self._stats["h2d_bytes"] -= self.inflight.pop((layer, e)).nbytes  # never crossed the link
             self.prefetched.discard((layer, e))
             self.slots.cancel(layer, e, restore=True)
             n += 1
         self._stats["prefetch_cancelled"] += n
-        self._stats["h2d_bytes"] -= n * self.expert_bytes  # never crossed the link
         return n
 
     @property

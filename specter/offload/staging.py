@@ -29,7 +29,7 @@ _ALIGN = 256  # bytes: every staged tensor starts aligned, so any dtype can view
 
 def staged_nbytes(srcs: list[torch.Tensor]) -> int:
     """Bytes of a staging buffer that holds `srcs` back to back, each aligned."""
-    return sum(aligned(s.numel() * s.element_size()) for s in srcs)
+    return sum(aligned(s.nbytes) for s in srcs)  # a coded source (offload/coded.py): its coded bytes
 
 
 def aligned(nbytes: int) -> int:

@@ -1,0 +1,210 @@
+"""The host expert store, losslessly coded (`specter.load(..., compress_experts=True)`, issue 24).
+
+    store   [host]  CodedLayer per MoE layer: w13, w2 CodedTensor, each a LosslessExperts
+                    (triton_ops/lossless.py: sign and mantissa raw, exponents in a fixed-width code)
+    copy            link.copy([slot_w13, slot_w2], [store[l].w13[e], store[l].w2[e]]): the sources are
+                    CodedExpert, the link moves their coded bytes and decodes them into the slot
+                    before the copy completes (before any reader can see the slot)
+
+What reads the store, and what it gets (the decision per reader):
+- the offload manager's copies: coded bytes over the link, decoded into the slot when they land
+  (EmulatedLink: the torch decode on its worker thread, charged coded bytes at the link's bandwidth
+  plus the decode at the profile's device memory bandwidth, scaled like the link; CudaLink: the coded
+  bytes into device memory on the copy stream, then the Triton decode kernel into the slot on that
+  stream, before the event readers wait on).
+- the INT4 draft: `DecodedStore`, each layer decoded when quantisation reads it (a draft cache hit
+  reads nothing), one layer at a time; so is `Loaded.resident_experts` (resident, oracle).
+- the host lane (policies host, specter-host): refused with compress_experts. It reads the store's
+  rows in place at memory speed; decoding each expert on the fly on the CPU would cost more than
+  the bytes saved, and keeping raw copies beside the coded ones would undo the host saving.
+- the CPU aliased pool (builder.alias_pool, big models on CPU): not used with compress_experts:
+  compute cannot read coded rows, so the pool is a real one that copies decode into.
+
+Encoding happens at load, from the raw store the loader fills (both exist until encoding ends, one
+layer's coded tensors growing as the raw ones are dropped); an on-disk cache of the encodings, as the
+INT4 draft has, is not built yet.
+"""
+from __future__ import annotations
+
+import torch
+
+from specter.triton_ops.lossless import LosslessExperts, encode
+
+from ..errors import ConfigError
+from ..moe import ExpertWeights
+
+
+class CodedExpert:
+    """One expert of a CodedTensor: the source of one link copy. `nbytes`: the coded bytes it moves;
+    `raw_nbytes`: the bf16 bytes it decodes to."""
+
+    dtype = torch.bfloat16
+    is_cuda = False
+
+    def __init__(self, packed: LosslessExperts, e: int):
+        self.packed, self.e = packed, e
+        self.shape = torch.Size(packed.shape[1:])
+        self.nbytes = packed.expert_nbytes(e)
+        self.raw_nbytes = self.shape.numel() * 2
+
+    def decode_into(self, out: torch.Tensor) -> torch.Tensor:
+        """The expert's bf16 bits into `out` (any dtype: converted exactly from bf16 when it is wider),
+        on the coded tensors' device."""
+        if out.dtype == torch.bfloat16 and out.is_contiguous():
+            return self.packed.decode_into(out, self.e)
+        tmp = torch.empty(self.shape, dtype=torch.bfloat16, device=out.device)
+        out.copy_(self.packed.decode_into(tmp, self.e))
+        return out
+
+    def decode_on(self, out: torch.Tensor) -> torch.Tensor:
+        """CUDA, on the current (copy) stream: the coded bytes into device memory (a small staging
+        area from the caching allocator, one expert's), then the decode kernel into `out`."""
+        one = self.packed.expert(self.e)  # views of its rows and escape run (pinned when the store is)
+        *coded, start = one.tensors()     # esc_start stays on the host: the launch reads it
+        staged = LosslessExperts(one.shape, *(t.to(out.device, non_blocking=True) for t in coded), start)
+        CodedExpert(staged, 0).decode_into(out)  # allocated on this stream: freed for reuse only after it
+        return out
+
+    def __repr__(self) -> str:
+        return f"CodedExpert({self.e}, {tuple(self.shape)}, {self.nbytes} B coded)"
+
+
+class CodedTensor:
+    """A coded [E, N, K] tensor indexed like the raw one: `t[e]` is expert e's CodedExpert."""
+
+    dtype = torch.bfloat16
+
+    def __init__(self, packed: LosslessExperts):
+        self.packed = packed
+        self.shape = torch.Size(packed.shape)
+
+    def __getitem__(self, e) -> CodedExpert:
+        return CodedExpert(self.packed, int(e))
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    @property
+    def raw_nbytes(self) -> int:
+        return self.packed.raw_nbytes
+
+    def decode(self) -> torch.Tensor:
+        return self.packed.decode()
+
+
+class CodedLayer:
+    """One MoE layer's routed experts, coded: what ExpertWeights is for a raw store."""
+
+    def __init__(self, w13: LosslessExperts, w2: LosslessExperts):
+        self.w13, self.w2 = CodedTensor(w13), CodedTensor(w2)
+
+    @property
+    def n_experts(self) -> int:
+        return self.w13.shape[0]
+
+    def expert_nbytes(self) -> int:
+        """The mean coded bytes a copy of one of this layer's experts moves (each copy counts its own)."""
+        E = self.n_experts
+        return round(sum(self.w13[e].nbytes + self.w2[e].nbytes for e in range(E)) / E)
+
+    def raw_expert_nbytes(self) -> int:
+        return (self.w13.shape[1:].numel() + self.w2.shape[1:].numel()) * 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.w13.nbytes + self.w2.nbytes
+
+    def decoded(self) -> ExpertWeights:
+        return ExpertWeights(self.w13.decode(), self.w2.decode())
+
+
+class DecodedLayer:
+    """A CodedLayer read as ExpertWeights: each access of w13 / w2 decodes it anew (nothing kept), so
+    a reader that walks the layers holds one layer's bf16 weights at a time."""
+
+    def __init__(self, coded: CodedLayer):
+        self.coded = coded
+
+    @property
+    def w13(self) -> torch.Tensor:
+        return self.coded.w13.decode()
+
+    @property
+    def w2(self) -> torch.Tensor:
+        return self.coded.w2.decode()
+
+    @property
+    def n_experts(self) -> int:
+        return self.coded.n_experts
+
+    def expert_nbytes(self) -> int:
+        return self.coded.raw_expert_nbytes()
+
+
+class DecodedStore(list):
+    """The coded store as the raw store's readers see it (a list of DecodedLayer)."""
+
+    def __init__(self, coded: list[CodedLayer]):
+        super().__init__(DecodedLayer(c) for c in coded)
+
+
+def is_coded(store) -> bool:
+    return bool(store) and isinstance(store[0], CodedLayer)
+
+
+def encode_store(store: list[ExpertWeights], *, pin: bool = False) -> list[CodedLayer]:
+    """The raw store's layers coded, dropping each raw layer from `store` as it is coded (the list is
+    emptied: the arena is freed once its last view goes). `pin`: the coded tensors page-locked (CUDA)."""
+    if not store:
+        return []
+    if store[0].w13.dtype != torch.bfloat16:
+        raise ConfigError(f"compress_experts codes bf16 checkpoints; this one stores {store[0].w13.dtype} "
+                          f"(fp16 and fp32 are not supported): load it without compress_experts")
+    coded = []
+    while store:
+        ew = store.pop(0)
+        w13, w2 = encode(ew.w13), encode(ew.w2)
+        if pin:
+            w13, w2 = (_pinned(p) for p in (w13, w2))
+        coded.append(CodedLayer(w13, w2))
+        del ew
+    return coded
+
+
+def _pinned(p: LosslessExperts) -> LosslessExperts:
+    *ts, start = p.tensors()
+    return LosslessExperts(p.shape, *(t.pin_memory() for t in ts), start)
+
+
+def store_nbytes(store) -> int:
+    return sum(layer.nbytes if isinstance(layer, CodedLayer) else layer.w13.nbytes + layer.w2.nbytes
+               for layer in store)
+
+
+def coded_store_bytes(path) -> tuple[int, int]:
+    """(coded, raw) bytes of a bf16 checkpoint's expert store under compress_experts, computed from
+    each tensor's exponent histograms, a layer at a time (`specter plan --compress-experts`: it reads
+    every expert once, without coding them)."""
+    from ..loader import _expert_names, _per_expert_views, _Reader, open_checkpoint
+    from ..triton_ops.lossless import best_width, encoded_nbytes, histograms
+
+    ckpt = open_checkpoint(path)
+    if ckpt.dtype != torch.bfloat16:
+        raise ConfigError(f"compress_experts codes bf16 checkpoints; {path} stores {str(ckpt.dtype)[6:]}")
+    spec, reader = ckpt.spec, _Reader(ckpt)
+    E, I, H = spec.n_experts, spec.expert_inter, spec.hidden
+    coded = raw = 0
+    try:
+        for layer in _expert_names(reader, spec):
+            ew = ExpertWeights(torch.empty(E, 2 * I, H, dtype=torch.bfloat16), torch.empty(E, H, I, dtype=torch.bfloat16))
+            dsts = iter((ew.w13, ew.w2)) if len(layer) == 2 else _per_expert_views(ew)
+            for name, dst in zip(layer, dsts):
+                reader.read_into(name, dst)
+            for w in (ew.w13, ew.w2):
+                hist, numel = histograms(w), w[0].numel()
+                coded += encoded_nbytes(hist, numel, best_width(hist, numel))
+                raw += w.nbytes
+    finally:
+        reader.close()
+    return coded, raw
