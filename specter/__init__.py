@@ -59,6 +59,8 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = "s
     host_threads: policies host and specter, the threads of the host lane that computes experts not
     on the device (default: physical cores less one). specter uses the lane on CPU, and on CUDA only
     when host_threads is given.
+    compress_experts: keep the host store's experts losslessly coded (bf16 checkpoints only; the
+    same bits): copies move the coded bytes and decode into the slot as they land (offload/coded.py).
     driver: "async" (the generation runs on an event loop: astream on the caller's, the blocking API
     on one of its thread's own) or "sync" (blocking waits). None (default): async on CUDA, sync on CPU.
     """

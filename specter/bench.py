@@ -103,6 +103,8 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
                 r["k_histogram"] = a["k_histogram"]
             if a.get("cuda_graphs") is not None:  # recordings, their count and device bytes (CUDA graphs)
                 r["cuda_graphs"] = a["cuda_graphs"]
+            if r["new_tokens"]:  # what the link carried a generated token (prefill's copies included)
+                r["h2d_bytes_per_token"] = r.get("h2d_bytes", 0) / r["new_tokens"]
             hm = r.get("expert_hits", 0) + r.get("expert_misses", 0)
             if hm:
                 r["hit_rate"] = r.get("expert_hits", 0) / hm
@@ -134,7 +136,7 @@ def load_once(model, device: str = "auto", **load_kw):
 
     path = Path(model) if model is not None else default_model_path()
     return load_shared(path, resolve_device(device), dtype=load_kw.get("dtype"), threads=load_kw.get("threads"),
-                       draft_cache=load_kw.get("draft_cache"))
+                       draft_cache=load_kw.get("draft_cache"), compress_experts=load_kw.get("compress_experts", False))
 
 
 def _link_name(engines) -> str | None:
@@ -156,7 +158,7 @@ def format_table(res: dict) -> str:
     pols = res["policies"]
     first, base = next(iter(pols)), speedup_baseline(list(pols))
     head = f"{'policy':<11} {'TPOT ms':>8} {'speedup':>8} {'TTFT ms':>8} {'hit rate':>8} {'misses':>7} " \
-           f"{'H2D MB':>8} {'host MB':>8} {'stall s':>8} {'accept':>7} {'effic':>6} {'tok/cyc':>7} {'recall':>7} {'cover':>7} " \
+           f"{'H2D MB':>8} {'H2D KB/tok':>10} {'host MB':>8} {'stall s':>8} {'accept':>7} {'effic':>6} {'tok/cyc':>7} {'recall':>7} {'cover':>7} " \
            f"{'lossless':>8}"
     lines = [head, "-" * len(head)]
     for p, r in pols.items():
@@ -164,7 +166,8 @@ def format_table(res: dict) -> str:
         lines.append(
             f"{p:<11} {r['tpot_s'] * 1e3:>8.2f} {r['speedup_vs_' + base]:>7.2f}x {r['ttft_s'] * 1e3:>8.1f} "
             f"{f('hit_rate', '{:.1%}'):>8} {f('expert_misses', '{}'):>7} "
-            f"{(r.get('h2d_bytes', 0) / 1e6):>8.1f} {(r.get('host_bytes', 0) / 1e6):>8.1f} {f('stall_s', '{:.3f}'):>8} "
+            f"{(r.get('h2d_bytes', 0) / 1e6):>8.1f} {(r.get('h2d_bytes_per_token', 0) / 1e3):>10.1f} "
+            f"{(r.get('host_bytes', 0) / 1e6):>8.1f} {f('stall_s', '{:.3f}'):>8} "
             f"{f('acceptance_rate', '{:.2f}'):>7} {f('draft_efficiency', '{:.2f}'):>6} "
             f"{f('accepted_per_cycle', '{:.2f}'):>7} {f('prefetch_recall', '{:.1%}'):>7} "
             f"{f('route_coverage', '{:.1%}'):>7} {_same_tokens(r['lossless_vs_' + first]):>8}")
@@ -191,7 +194,8 @@ def time_split(r: dict) -> str:
 
 
 LEGEND = """\
-speedup: TPOT of {base} / this one's. hit rate: expert uses found resident. host MB: expert weights the host
+speedup: TPOT of {base} / this one's. hit rate: expert uses found resident. H2D KB/tok: bytes the link carried
+per generated token (coded bytes with --compress-experts). host MB: expert weights the host
 lane read in place (policy host). stall: seconds waited on copies (host: on the host lane).
 accept: P(draft token accepted | the ones before it were). effic: accepted / drafted (falls as K grows).
 tok/cyc: drafted tokens accepted per speculative cycle. recall: expert uses resident or in flight when

@@ -16,6 +16,7 @@ from .generation_defaults import read_generation_defaults
 from .loader import Checkpoint, load_checkpoint, load_tokenizer, open_checkpoint
 from .model import MoETransformer
 from .moe import ExpertWeights, ResidentExperts
+from .offload.coded import DecodedStore, encode_store
 from .offload.host_experts import HostExperts, LaneChoice, host_params
 from .offload.host_lane import make_host_lane
 from .offload.link import make_link
@@ -100,11 +101,27 @@ class Loaded:
     device: torch.device
     dtype: torch.dtype               # compute dtype
     model: MoETransformer
-    store: list[ExpertWeights]       # host, the checkpoint's dtype (pinned in place on CUDA)
-    tokenizer: object
+    store: list[ExpertWeights]       # host, the checkpoint's dtype (pinned in place on CUDA); with
+    tokenizer: object                # compress_experts, CodedLayer per layer (offload/coded.py)
     draft_cache: str | None = None   # None: $SPECTER_DRAFT_CACHE or the user cache; "off": none
     draft: DraftExperts | None = None
     resident: list[ExpertWeights] | None = None  # every expert on the device in the compute dtype (resident_experts)
+    compressed: bool = False         # the store is losslessly coded (compress_experts)
+    raw: list[ExpertWeights] | None = None  # compressed only: the decoded store a host lane reads (host_rows)
+
+    def decoded_store(self) -> list:
+        """The store as bf16 ExpertWeights: itself, or (compressed) a view decoding each layer as it is
+        read, nothing kept (the draft's quantisation, resident_experts)."""
+        return DecodedStore(self.store) if self.compressed else self.store
+
+    def host_rows(self) -> list[ExpertWeights]:
+        """What a host lane computes from: the store, or (compressed) its decoded copy, made once and
+        kept: the lane reads experts in place at memory speed, which a decode per job would not."""
+        if not self.compressed:
+            return self.store
+        if self.raw is None:
+            self.raw = [layer.decoded() for layer in self.store]
+        return self.raw
 
     def resident_experts(self) -> list[ExpertWeights]:
         """Every routed expert on the device in the compute dtype, made once and shared: the resident
@@ -112,23 +129,40 @@ class Loaded:
         the store is narrower (tensors of the store itself where no conversion or move is needed)."""
         if self.resident is None:
             self.resident = [ExpertWeights(e.w13.to(self.device, self.dtype), e.w2.to(self.device, self.dtype))
-                             for e in self.store]
+                             for e in self.decoded_store()]
         return self.resident
 
 
 def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | None = None,
-                draft_cache=None) -> Loaded:
+                draft_cache=None, compress_experts: bool = False) -> Loaded:
+    """`compress_experts`: the store is coded losslessly as it loads (offload/coded.py; bf16 only)."""
     ckpt = open_checkpoint(path)
+    check_compressible(ckpt, compress_experts)
     dt = compute_dtype(device, ckpt.dtype, dtype)
     configure_threads(device, threads)
-    model, store, _ = load_checkpoint(path, device, dt, pin_experts=device.type == "cuda" and pin_wanted())
-    return Loaded(Path(path), ckpt, device, dt, model, store, load_tokenizer(path), draft_cache)
+    pin = device.type == "cuda" and pin_wanted()
+    model, store, _ = load_checkpoint(path, device, dt, pin_experts=pin and not compress_experts)
+    if compress_experts:
+        store = encode_store(store, pin=pin)
+    return Loaded(Path(path), ckpt, device, dt, model, store, load_tokenizer(path), draft_cache,
+                  compressed=bool(compress_experts))
+
+
+def check_compressible(ckpt: Checkpoint, compress_experts) -> None:
+    """compress_experts is a bool, and the checkpoint bf16 when it is set."""
+    if not isinstance(compress_experts, bool):
+        raise ConfigError(f"compress_experts must be True or False, got {compress_experts!r}")
+    if compress_experts and ckpt.dtype != torch.bfloat16:
+        raise ConfigError(f"compress_experts codes bf16 checkpoints losslessly; this one stores "
+                          f"{str(ckpt.dtype)[6:]} (fp16 and fp32 are not supported): load it without "
+                          f"compress_experts (--compress-experts)")
 
 
 def build_engine(path: Path, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                  link=None, dtype=None, threads: int | None = None, eviction: str = "lru",
                  device_memory=None, k_max: int = 32, compile: bool | None = None, shared: Loaded | None = None,
-                 draft_cache=None, driver: str | None = None, host_threads: int | None = None, **options) -> Engine:
+                 draft_cache=None, driver: str | None = None, host_threads: int | None = None,
+                 compress_experts: bool = False, **options) -> Engine:
     """An engine for `policy`. `shared`: a checkpoint already loaded (load_shared) to build on instead
     of loading it again; its store, model and draft are reused, never copied. `host_threads`: the
     host lane's threads (policies `host` and `specter`, see uses_host_lane; default: physical cores less one)."""
@@ -149,6 +183,10 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     if shared is not None and Path(path).resolve() != shared.path.resolve():
         raise ConfigError(f"shared: {shared.path} was loaded, but {path} was asked for")
     ckpt = shared.ckpt if shared is not None else open_checkpoint(path)
+    check_compressible(ckpt, compress_experts)
+    if shared is not None and shared.compressed != compress_experts:
+        raise ConfigError(f"shared: its store was loaded with compress_experts={shared.compressed}, but "
+                          f"compress_experts={compress_experts} was asked for")
     defaults = read_generation_defaults(path)  # a malformed file fails before the weights load
     dt = shared.dtype if shared is not None else compute_dtype(device, ckpt.dtype, dtype)
     spec = ckpt.spec
@@ -168,7 +206,8 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,
                                                       storage=pdt))
     if shared is None:
-        shared = load_shared(path, device, dtype=dt, threads=threads, draft_cache=draft_cache)
+        shared = load_shared(path, device, dtype=dt, threads=threads, draft_cache=draft_cache,
+                             compress_experts=compress_experts)
     model, store = shared.model, shared.store
     if not offload:
         experts = shared.resident_experts()
@@ -177,6 +216,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         experts = store
         every = plan.slots_per_layer >= spec.n_experts
         alias = alias_pool(device, dt, spec.n_moe_layers * plan.slots_per_layer, spec.expert_numel(), every_expert=every)
+        alias = alias and not shared.compressed  # compute cannot read coded rows: a real pool copies decode into
         # holding every expert in a dtype the store lacks, compute reads the resident policy's copy
         # (the bytes the pool would have taken); otherwise the store's own rows
         rows = shared.resident_experts() if alias and every and pdt != store[0].w13.dtype else None
@@ -184,7 +224,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
                                rows=rows)
         mgr.warm()
         if uses_host_lane(policy, device, host_threads):  # experts not resident may compute where the store holds them
-            lane = make_host_lane(store, device, lk, threads=host_threads, dtype=dt, charged_dtype=pdt)
+            lane = make_host_lane(shared.host_rows(), device, lk, threads=host_threads, dtype=dt, charged_dtype=pdt)
             if policy == "host":
                 mgr = HostExperts(mgr, lane)
             else:  # specter: LaneChoice (ranked by the planner, below) picks which misses the host computes
@@ -284,8 +324,9 @@ def _decoder(policy, shared: Loaded, mgr, k_max):
 def _draft(shared: Loaded, lookahead: Lookahead) -> DraftExperts:
     """The shared draft's INT4 experts (quantised on first use) behind this engine's own lookahead."""
     if shared.draft is None:
-        int4 = draft_int4(shared.store, shared.ckpt.files.values(), shared.device, cache=shared.draft_cache)
-        n = sum(ew.w13.numel() + ew.w2.numel() for ew in shared.store)
+        int4 = draft_int4(shared.decoded_store(), shared.ckpt.files.values(), shared.device, cache=shared.draft_cache)
+        spec = shared.ckpt.spec
+        n = spec.n_moe_layers * spec.n_experts * spec.expert_numel()
         packed = keep_packed(shared.device, n, shared.dtype)
         shared.draft = DraftExperts(int4, lookahead, shared.device, shared.dtype, packed=packed)
         return shared.draft

@@ -54,6 +54,9 @@ def _model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
     p.add_argument("--draft-cache", default=None,
                    help="directory of the INT4 draft cache, or 'off' (default: $SPECTER_DRAFT_CACHE, else "
                         "~/.cache/specter/drafts)")
+    p.add_argument("--compress-experts", action="store_true",
+                   help="keep the host store's experts losslessly coded (bf16 checkpoints): copies move the coded "
+                        "bytes and decode into the slot as they land; the same tokens")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the draft's one-token step and the verifier's non-expert pieces with "
                         "torch.compile (default: on CUDA, with CUDA graphs; off on CPU, where it costs 5-60 s "
@@ -139,6 +142,8 @@ def engine_options(args) -> dict:
         opts["dtype"] = args.dtype
     if getattr(args, "draft_cache", None) is not None:
         opts["draft_cache"] = args.draft_cache
+    if getattr(args, "compress_experts", False):
+        opts["compress_experts"] = True
     if getattr(args, "host_threads", None) is not None:
         opts["host_threads"] = args.host_threads
     return opts

@@ -19,6 +19,8 @@ def add_subcommands(sub, model_args, sampling_args) -> None:
     b.add_argument("--device-memory", default=None, help="whole-device budget, e.g. 16GiB")
     p.add_argument("--context", type=positive_int, default=None, help="KV cache tokens (default: the model's context)")
     p.add_argument("--policy", default="specter", help="the policy to plan for (a draft only with spec-lru/specter)")
+    p.add_argument("--compress-experts", action="store_true",
+                   help="the host store losslessly coded (bf16 checkpoints): its size, measured from the weights")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=cmd_plan)
 
@@ -146,10 +148,14 @@ def cmd_plan(args) -> int:
     device = _plan_device(args.device, args.device_memory is not None)
     dtype = compute_dtype(device, store_dtype)
     host = host_needs(spec, store_dtype, device.type, draft=args.policy in ("spec-lru", "specter"))
+    coded = _coded_store(path, weights, host) if args.compress_experts else None
     head = f"model {path} ({spec.arch}), stored {str(store_dtype)[6:]} " \
            f"({'weights' if weights else 'config.json only'}), computed {str(dtype)[6:]} on {device.type}"
     hosts = f"host memory: expert store {format_size(host.store_bytes)} (pinned {format_size(host.pinned_bytes)}), " \
             f"draft cache {format_size(host.draft_cache_bytes)} on disk"
+    if coded is not None:  # the store's size above is the coded one
+        hosts = hosts.replace("expert store", "expert store (losslessly coded: "
+                              f"{coded / host.raw_store_bytes:.2f}x of bf16's {format_size(host.raw_store_bytes)})", 1)
     copies = f"host->device copies: {host.h2d_path}"
     if host.h2d_path == "pinned store":
         copies += f" (if the host cannot pin it: {describe_staging(host.staging_bytes)})"
@@ -206,6 +212,22 @@ def cmd_plan(args) -> int:
         print(hosts)
         print(copies)
     return 0
+
+
+def _coded_store(path, weights: bool, host) -> int:
+    """--compress-experts: the coded store's bytes (every expert read once); host's store and pinned
+    bytes become the coded ones (host.raw_store_bytes keeps the bf16 size)."""
+    from .offload.coded import coded_store_bytes
+
+    if not weights:
+        raise ConfigError("--compress-experts: the coded size is measured from the weights, and this "
+                          "model directory has config.json only")
+    coded, raw = coded_store_bytes(path)
+    host.raw_store_bytes = raw
+    if host.pinned_bytes == host.store_bytes:
+        host.pinned_bytes = coded
+    host.store_bytes = coded
+    return coded
 
 
 def _lane_split(spec, store_dtype, residency: float, policy: str = "host", profile: str | None = None,

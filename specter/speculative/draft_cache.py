@@ -98,7 +98,7 @@ def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache
             warnings.warn(f"draft cache {root} is not writable ({e}); quantising without a cache "
                           f"(set SPECTER_DRAFT_CACHE to a writable directory)")
             entry = None
-    nbytes = sum(ew.w13.nbytes + ew.w2.nbytes for ew in store)
+    nbytes = sum(ew.n_experts * ew.expert_nbytes() for ew in store)  # a DecodedStore decodes nothing here
     if progress is None:
         progress = nbytes > (256 << 20)
     bar = tqdm(store, desc="draft (INT4)", unit="layer", disable=not progress)

@@ -1,0 +1,162 @@
+"""compress_experts (issue 24): a losslessly coded host store gives the very tokens of the raw one, the
+link moves (and the emulated link charges) the coded bytes, and a non-bf16 checkpoint is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specter
+from specter import builder
+from specter.errors import ConfigError
+from specter.offload.coded import CodedLayer, DecodedStore, encode_store, store_nbytes
+from specter.offload.link import EmulatedLink
+from specter.moe import ExpertWeights
+from specter.speculative.draft_cache import draft_int4
+from specter.triton_ops.lossless import encode
+
+from test_link import VirtualClock
+
+PROMPTS = [[1, 5, 9, 33, 2], list(range(10, 40)), [100, 3, 64, 12, 90, 45, 8]]
+NEW = 20
+
+
+@pytest.fixture
+def plain_link(monkeypatch):
+    """Engines built in this test get a fixed EmulatedLink (no calibration, no decode charge)."""
+    made = []
+
+    def make_link(device, profile=None, **kw):
+        made.append(EmulatedLink(200e6, 1e-4, name="test"))
+        return made[-1]
+
+    monkeypatch.setattr(builder, "make_link", make_link)
+    yield made
+    for link in made:
+        link.close()
+
+
+def _run(path, policy, compress, residency):
+    engine = specter.load(path, device="cpu", policy=policy, residency=residency, compress_experts=compress)
+    try:
+        assert engine.dtype == torch.float32
+        assert isinstance(engine.shared.store[0], CodedLayer) == compress
+        outs = [engine.generate(p, max_new_tokens=NEW, temperature=0.0) for p in PROMPTS]
+    finally:
+        engine.close()
+    return [o.token_ids for o in outs], sum(o.stats["h2d_bytes"] for o in outs), sum(o.stats["expert_misses"] for o in outs)
+
+
+@pytest.mark.parametrize("policy", ["on-demand", "specter", "next-layer", "host"])
+def test_compressed_store_decodes_the_same_greedy_tokens(tiny, plain_link, fixed_k, policy):
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    for residency in (0.25, 0.5):
+        raw, raw_bytes, misses = _run(path, policy, False, residency)
+        coded, coded_bytes, _ = _run(path, policy, True, residency)
+        assert coded == raw, f"{policy} at {residency}"
+        assert len({t for ts in raw for t in ts}) > 5  # a reference that can fail
+        if policy != "host":  # the host policy computes misses on the host lane: nothing copied
+            assert misses > 0 and 0 < coded_bytes < raw_bytes, (policy, residency, coded_bytes, raw_bytes)
+
+
+def test_coded_store_is_smaller_and_decodes_to_its_bits(tiny):
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    engine = specter.load(path, device="cpu", policy="resident")
+    try:
+        raw = [ExpertWeights(ew.w13.clone(), ew.w2.clone()) for ew in engine.shared.store]
+    finally:
+        engine.close()
+    raw_bytes = store_nbytes(raw)
+    coded = encode_store([ExpertWeights(ew.w13.clone(), ew.w2.clone()) for ew in raw])
+    assert store_nbytes(coded) < raw_bytes
+    for c, r in zip(DecodedStore(coded), raw):
+        assert torch.equal(c.w13.view(torch.int16), r.w13.view(torch.int16))
+        assert torch.equal(c.w2.view(torch.int16), r.w2.view(torch.int16))
+        assert c.expert_nbytes() == r.expert_nbytes() and c.n_experts == r.n_experts
+    # the draft quantised from the decoded store is the draft of the raw store
+    (a13, a2), = [next(iter(draft_int4(raw[:1], [], "cpu", cache="off")))]
+    (b13, b2), = [next(iter(draft_int4(DecodedStore(coded[:1]), [], "cpu", cache="off")))]
+    for a, b in ((a13, b13), (a2, b2)):
+        assert all(torch.equal(x, y) for x, y in zip(a.tensors().values(), b.tensors().values()))
+
+
+def test_emulated_link_charges_coded_bytes_and_decode(tiny):
+    """On a virtual clock: a coded copy takes latency + its coded bytes (at the width written) over the
+    bandwidth + the decode's bytes (coded read, bf16 written, same width) at decode_bandwidth."""
+    torch.manual_seed(0)
+    w = (torch.randn(3, 64, 96) * 0.05).bfloat16()
+    coded = CodedLayer(encode(w), encode(w[:, :32, :].contiguous()))
+    bw, lat, dec = 50e6, 1e-4, 400e6
+    clock = VirtualClock()
+    with EmulatedLink(bw, lat, clock=clock, decode_bandwidth=dec) as link:
+        expected, nbytes = 0.0, 0
+        for e, dtype in ((0, torch.bfloat16), (1, torch.float32), (2, torch.float32)):
+            d13, d2 = torch.zeros(64, 96, dtype=dtype), torch.zeros(32, 96, dtype=dtype)
+            srcs = [coded.w13[e], coded.w2[e]]
+            t = link.copy([d13, d2], srcs)
+            t.wait()
+            width = dtype.itemsize / 2
+            want = lat + sum(s.nbytes for s in srcs) * width / bw + sum(s.nbytes + s.raw_nbytes for s in srcs) * width / dec
+            assert t.seconds == pytest.approx(want, rel=1e-12)
+            assert t.nbytes == sum(s.nbytes for s in srcs) < sum(s.raw_nbytes for s in srcs)
+            expected += want
+            nbytes += t.nbytes
+            assert torch.equal(d13, w[e].to(dtype)) and torch.equal(d2, w[e, :32].to(dtype))  # decoded as it landed
+        link.synchronize()
+        assert clock.now() == pytest.approx(expected, rel=1e-9)
+        assert link.stats["bytes"] == nbytes
+    # a raw copy is charged its written bytes, as before
+    with EmulatedLink(bw, lat, clock=VirtualClock(), decode_bandwidth=dec) as link:
+        src, dst = w[0], torch.zeros(64, 96)
+        assert link.copy(dst, src).seconds == pytest.approx(lat + dst.nbytes / bw, rel=1e-12)
+
+
+def test_compressed_manager_counts_the_links_bytes(tiny, plain_link):
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    engine = specter.load(path, device="cpu", policy="on-demand", residency=0.25, compress_experts=True)
+    try:
+        plain_link[0].reset_stats()
+        out = engine.generate(PROMPTS[1], max_new_tokens=NEW, temperature=0.0)
+        engine.decoder.experts.link.synchronize()
+        assert out.stats["h2d_bytes"] == plain_link[0].stats["bytes"] > 0
+    finally:
+        engine.close()
+
+
+def test_compress_experts_refuses_non_bf16_checkpoints(tiny):
+    path, _ = tiny("qwen3_moe")  # fp32
+    with pytest.raises(ConfigError, match="bf16"):
+        specter.load(path, device="cpu", policy="on-demand", residency=0.5, compress_experts=True)
+    bf16, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match="compress_experts must be"):
+        specter.load(bf16, device="cpu", policy="on-demand", residency=0.5, compress_experts="yes")
+
+
+def test_cli_passes_compress_experts():
+    from specter.cli import build_parser, engine_options
+
+    for argv in (["generate", "x"], ["bench"], ["serve"]):
+        args = build_parser().parse_args(argv + ["--compress-experts"])
+        assert engine_options(args)["compress_experts"] is True
+        assert "compress_experts" not in engine_options(build_parser().parse_args(argv))
+    assert build_parser().parse_args(["plan", "--compress-experts"]).compress_experts
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_link_decodes_coded_copies_into_the_slot(dtype):
+    from specter.offload.link import CudaLink
+
+    torch.manual_seed(0)
+    w = (torch.randn(4, 128, 96) * 0.05).bfloat16()
+    coded = encode_store([ExpertWeights(w.clone(), w[:, :64].contiguous())], pin=True)[0]
+    link = CudaLink("cuda")
+    try:
+        for e in range(4):
+            d13 = torch.zeros(128, 96, dtype=dtype, device="cuda")
+            d2 = torch.zeros(64, 96, dtype=dtype, device="cuda")
+            t = link.copy([d13, d2], [coded.w13[e], coded.w2[e]], after=None)
+            t.wait()
+            assert t.nbytes == coded.w13[e].nbytes + coded.w2[e].nbytes
+            assert torch.equal(d13.cpu(), w[e].to(dtype)) and torch.equal(d2.cpu(), w[e, :64].to(dtype))
+    finally:
+        link.close()
