@@ -389,3 +389,33 @@ def test_plan_says_how_specter_splits_its_misses_between_the_lanes(tiny, capsys)
     assert "two lanes (policy specter" in capsys.readouterr().out
     assert main(argv + ["--policy", "spec-lru"]) == 0
     assert json.loads(capsys.readouterr().out)["lanes"] is None
+
+
+def test_the_governor_is_charged_the_host_lanes_wait(tiny, monkeypatch):
+    """A verification that waits on the host lane reports that wait as its stall (what s(K) is fitted
+    on) and in its time: with a lane injected to take 50 ms a job and every miss sent to it, every
+    speculative cycle's stall is within its verification time, and the lane's waits are in them."""
+    import specter.builder as builder
+    from specter.speculative.governor import Governor
+
+    class _AllToHost(_HalfToHost):
+        def __call__(self, layer, missing, routed):
+            self.calls += 1
+            return list(missing)
+
+    path, _ = tiny("mixtral")
+    monkeypatch.setattr(builder, "LaneChoice", _AllToHost)
+    engine = specter.load(path, device="cpu", policy="specter", residency=0.25, k_max=4)
+    engine.decoder.experts.host_lane.charge = lambda job: 0.05  # each job completes no earlier than 50 ms on
+    gov = engine.decoder.governor = Governor(4, fixed=3)
+    seen = []
+    real = gov.observe_cycle
+    gov.observe_cycle = lambda k, m, d, v, s, **kw: seen.append((k, v, s)) or real(k, m, d, v, s, **kw)
+    try:
+        out = engine.generate([1, 5, 9, 33, 2], max_new_tokens=6)
+        engine.decoder.stats()
+    finally:
+        engine.close()
+    assert out.stats["host_stall_s"] > 0
+    spec = [(v, s) for k, v, s in seen if k > 0]
+    assert spec and all(v >= s >= 0 for v, s in spec) and sum(s for _, s in spec) >= 0.05
