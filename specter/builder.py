@@ -16,7 +16,7 @@ from .generation_defaults import read_generation_defaults
 from .loader import Checkpoint, load_checkpoint, load_tokenizer, open_checkpoint
 from .model import MoETransformer
 from .moe import ExpertWeights, ResidentExperts
-from .offload.coded import DecodedStore, encode_store
+from .offload.coded import DecodedStore, cache_entry, coded_store, read_cached
 from .offload.host_experts import HostExperts, LaneChoice, host_params
 from .offload.host_lane import make_host_lane
 from .offload.link import make_link
@@ -135,15 +135,22 @@ class Loaded:
 
 def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | None = None,
                 draft_cache=None, compress_experts: bool = False) -> Loaded:
-    """`compress_experts`: the store is coded losslessly as it loads (offload/coded.py; bf16 only)."""
+    """`compress_experts`: the store is coded losslessly (offload/coded.py; bf16 only), read from its
+    on-disk cache when every layer is there (no expert read from the checkpoint), else coded as it
+    loads and cached (`draft_cache` places or disables the cache, as the draft's)."""
     ckpt = open_checkpoint(path)
     check_compressible(ckpt, compress_experts)
     dt = compute_dtype(device, ckpt.dtype, dtype)
     configure_threads(device, threads)
     pin = device.type == "cuda" and pin_wanted()
-    model, store, _ = load_checkpoint(path, device, dt, pin_experts=pin and not compress_experts)
-    if compress_experts:
-        store = encode_store(store, pin=pin)
+    if not compress_experts:
+        model, store, _ = load_checkpoint(path, device, dt, pin_experts=pin)
+    else:
+        entry = cache_entry(ckpt.files.values(), draft_cache)
+        cached = read_cached(entry, ckpt.spec.n_moe_layers)
+        hit = all(layer is not None for layer in cached)
+        model, store, _ = load_checkpoint(path, device, dt, experts=not hit)
+        store = coded_store(store, cached, entry, pin=pin)
     return Loaded(Path(path), ckpt, device, dt, model, store, load_tokenizer(path), draft_cache,
                   compressed=bool(compress_experts))
 

@@ -258,12 +258,14 @@ def load_checkpoint(
     max_len: int | None = None,
     pin_experts: bool = False,
     progress: bool | None = None,
+    experts: bool = True,
 ) -> tuple[MoETransformer, list[ExpertWeights], Checkpoint]:
     """Build the model with its non-expert weights on `device` in `dtype`, and return the routed experts
     as the host store: one `ExpertWeights` per MoE layer, in the checkpoint's own dtype (pinned in
     place when `pin_experts`), read once from the files straight into it. Each non-expert weight is
     read into its final dtype a chunk at a time, so no stored-dtype copy of it is ever held. On CPU
-    the input embedding keeps a narrower checkpoint dtype (the rows it gathers are upcast: `Embedding`)."""
+    the input embedding keeps a narrower checkpoint dtype (the rows it gathers are upcast: `Embedding`).
+    `experts=False`: the routed experts are not read (the store is []: a coded store came from its cache)."""
     ckpt = open_checkpoint(path)
     spec = ckpt.spec
     with init_empty_weights(include_buffers=False):
@@ -271,7 +273,7 @@ def load_checkpoint(
     reader = _Reader(ckpt)
     try:
         params = [(n, _source(n, spec, reader)) for n, _ in model.named_parameters()]
-        names = _expert_names(reader, spec)
+        names = _expert_names(reader, spec) if experts else []
         total = sum(reader.entries[src][4] for _, src in params if src in reader.entries)
         total += sum(reader.entries[n][4] for layer in names for n in layer if n in reader.entries)
         if progress is None:
@@ -291,7 +293,7 @@ def load_checkpoint(
             del value  # not held while the store fills
             bar.update(reader.entries[src][4])
         model.rope.to(device)
-        store = allocate_store(spec, ckpt.dtype, pin=pin_experts)
+        store = allocate_store(spec, ckpt.dtype, pin=pin_experts) if experts else []
         for ew, layer in zip(store, names):
             dsts = iter((ew.w13, ew.w2)) if len(layer) == 2 else _per_expert_views(ew)
             for name, dst in zip(layer, dsts):

@@ -2,6 +2,8 @@
 link moves (and the emulated link charges) the coded bytes, and a non-bf16 checkpoint is refused."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -160,3 +162,66 @@ def test_cuda_link_decodes_coded_copies_into_the_slot(dtype):
             assert torch.equal(d13.cpu(), w[e].to(dtype)) and torch.equal(d2.cpu(), w[e, :64].to(dtype))
     finally:
         link.close()
+
+
+def test_coded_store_cache_miss_hit_corrupt_stale(tiny, tmp_path, monkeypatch):
+    """Coded once per checkpoint: a miss codes and writes every layer; a hit codes nothing and reads no
+    expert from the checkpoint; a corrupt or truncated layer file, or one of another key, is coded anew."""
+    from specter.offload import coded as coded_mod
+
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    encodes, reads = [], []
+    real_encode, real_load = coded_mod.encode, builder.load_checkpoint
+    monkeypatch.setattr(coded_mod, "encode", lambda w, *a, **k: encodes.append(1) or real_encode(w, *a, **k))
+    monkeypatch.setattr(builder, "load_checkpoint", lambda *a, **k: reads.append(k.get("experts", True)) or real_load(*a, **k))
+
+    def load():
+        encodes.clear()
+        reads.clear()
+        shared = builder.load_shared(path, torch.device("cpu"), draft_cache=str(tmp_path), compress_experts=True)
+        return shared.store
+
+    first = load()
+    L = len(first)
+    assert len(encodes) == 2 * L and reads == [True]  # miss: every layer coded from the raw store
+    entry = next(tmp_path.glob("coded-*"))
+    assert sorted(p.name for p in entry.iterdir()) == [f"layer-{i}.safetensors" for i in range(L)]
+
+    def same(a, b):
+        return all(torch.equal(x, y) for m in ("w13", "w2")
+                   for x, y in zip(getattr(a, m).packed.tensors(), getattr(b, m).packed.tensors()))
+
+    again = load()
+    assert encodes == [] and reads == [False]  # hit: nothing coded, no expert read
+    assert all(same(a, b) for a, b in zip(first, again))
+
+    f = entry / "layer-1.safetensors"  # corrupt: one flipped byte in the last tensor's data
+    raw = bytearray(f.read_bytes())
+    raw[-3] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    (entry / "layer-0.safetensors").write_bytes(b"\0" * 10)  # truncated
+    rebuilt = load()
+    assert len(encodes) == 4 and reads == [True]  # the two bad layers coded anew, the rest read
+    assert all(same(a, b) for a, b in zip(first, rebuilt))
+    load()
+    assert encodes == [] and reads == [False]
+
+    # stale: a layer file of another key (another checkpoint) under this one's name is not trusted
+    monkeypatch.setattr(coded_mod, "cache_key", lambda files: "another-key")
+    load()
+    shutil.copy(tmp_path / "coded-another-key" / "layer-0.safetensors", entry / "layer-0.safetensors")
+    monkeypatch.undo()
+    monkeypatch.setattr(coded_mod, "encode", lambda w, *a, **k: encodes.append(1) or real_encode(w, *a, **k))
+    load()
+    assert len(encodes) == 2
+    # the key follows the coding's settings
+    key = coded_mod.cache_key([path / "model.safetensors"])
+    monkeypatch.setattr(coded_mod.lossless, "WIDTHS", (3, 4))
+    assert coded_mod.cache_key([path / "model.safetensors"]) != key
+
+
+def test_coded_store_cache_off(tiny, tmp_path, monkeypatch):
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    monkeypatch.setenv("SPECTER_DRAFT_CACHE", "off")
+    shared = builder.load_shared(path, torch.device("cpu"), compress_experts=True)
+    assert isinstance(shared.store[0], CodedLayer)

@@ -20,14 +20,31 @@ What reads the store, and what it gets (the decision per reader):
 - the CPU aliased pool (builder.alias_pool, big models on CPU): not used with compress_experts:
   compute cannot read coded rows, so the pool is a real one that copies decode into.
 
-Encoding happens at load, from the raw store the loader fills (both exist until encoding ends, one
-layer's coded tensors growing as the raw ones are dropped); an on-disk cache of the encodings, as the
-INT4 draft has, is not built yet.
+Encoding happens once per checkpoint and is cached on disk beside the INT4 draft (its machinery:
+draft_cache's root, content fingerprint, safetensors writer and CRCs):
+
+    <cache>/coded-<key>/layer-<i>.safetensors   w13.{signman,planes,table,esc_off,escapes,esc_start}, w2.{...}
+
+key = sha256 of the format's settings and the checkpoint's fingerprint. A file that is missing,
+unreadable, for another key or layer, of the wrong shape or failing its CRC is not trusted. When
+every layer hits, the loader reads no expert at all; otherwise it fills the raw store and the layers
+that missed are coded from it (and written), the others read from the cache (raw and coded stores
+both exist until coding ends). `draft_cache` (--draft-cache, $SPECTER_DRAFT_CACHE) places or
+disables both caches.
 """
 from __future__ import annotations
 
 import torch
 
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+
+from safetensors import safe_open
+
+from specter.triton_ops import lossless
 from specter.triton_ops.lossless import LosslessExperts, encode
 
 from ..errors import ConfigError
@@ -208,3 +225,105 @@ def coded_store_bytes(path) -> tuple[int, int]:
     finally:
         reader.close()
     return coded, raw
+
+
+# ------------------------------------------------------------------------------ on-disk cache
+CACHE_FORMAT = 1
+_FIELDS = ("signman", "planes", "table", "esc_off", "escapes", "esc_start")
+
+
+def cache_settings() -> dict:
+    """What the cached bytes depend on besides the checkpoint."""
+    return {"format": CACHE_FORMAT, "code": "lossless bf16: raw sign/mantissa, fixed-width exponent codes",
+            "widths": list(lossless.WIDTHS), "block": lossless.BLOCK}
+
+
+def cache_key(files) -> str:
+    from ..speculative.draft_cache import fingerprint
+
+    h = hashlib.sha256(json.dumps(cache_settings(), sort_keys=True).encode())
+    h.update(fingerprint(files).encode())
+    return h.hexdigest()[:32]
+
+
+def cache_entry(files, cache=None) -> Path | None:
+    """The cache directory of this checkpoint's coded store (created), or None: caching off, or the
+    place not writable (warned)."""
+    from ..speculative.draft_cache import cache_root
+
+    root = cache_root(cache)
+    if root is None:
+        return None
+    entry = root / f"coded-{cache_key(files)}"
+    try:
+        entry.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        warnings.warn(f"coded expert cache {root} is not writable ({e}); coding at every load")
+        return None
+    return entry
+
+
+def read_cached(entry: Path | None, n_layers: int) -> list[CodedLayer | None]:
+    """Each layer's cached coding, or None where it is missing, stale or corrupt."""
+    if entry is None:
+        return [None] * n_layers
+    return [_read_layer(entry / f"layer-{i}.safetensors", entry.name, i) for i in range(n_layers)]
+
+
+def coded_store(store: list[ExpertWeights], cached: list[CodedLayer | None], entry: Path | None, *,
+                pin: bool = False) -> list[CodedLayer]:
+    """The coded store: cached layers as they are, the others coded from `store` (the raw store, [] when
+    every layer hit) and written to `entry`. Raw layers are dropped from `store` as they are passed."""
+    out = []
+    for i, hit in enumerate(cached):
+        raw = store.pop(0) if store else None
+        if hit is None:
+            if raw is None:
+                raise ConfigError("coded_store: a layer missed the cache and no raw store was loaded")
+            hit = encode_store([raw])[0]
+            if entry is not None:
+                _write_layer(entry / f"layer-{i}.safetensors", entry.name, i, hit)
+        del raw
+        if pin:
+            hit = CodedLayer(_pinned(hit.w13.packed), _pinned(hit.w2.packed))
+        out.append(hit)
+    return out
+
+
+def _tensors(layer: CodedLayer) -> dict[str, torch.Tensor]:
+    return {f"{m}.{k}": t.contiguous() for m in ("w13", "w2")
+            for k, t in zip(_FIELDS, getattr(layer, m).packed.tensors())}
+
+
+def _write_layer(path: Path, key: str, i: int, layer: CodedLayer) -> None:
+    from ..speculative.draft_cache import _crc, _save
+
+    tensors = _tensors(layer)
+    meta = {"key": key, "layer": str(i), "crc32": json.dumps({n: _crc(t) for n, t in tensors.items()}),
+            "shapes": json.dumps({m: list(getattr(layer, m).shape) for m in ("w13", "w2")})}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        _save(tensors, tmp, meta)
+        os.replace(tmp, path)
+    except OSError:  # a full or read-only disk costs the cache, not the load
+        tmp.unlink(missing_ok=True)
+
+
+def _read_layer(path: Path, key: str, i: int) -> CodedLayer | None:
+    from ..speculative.draft_cache import _crc
+
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("key") != key or meta.get("layer") != str(i):
+                return None
+            crcs, shapes = json.loads(meta["crc32"]), json.loads(meta["shapes"])
+            tensors = {n: f.get_tensor(n) for n in crcs}
+        if any(_crc(t) != crcs[n] for n, t in tensors.items()):
+            return None
+        return CodedLayer(*(LosslessExperts(tuple(shapes[m]), *(tensors[f"{m}.{k}"] for k in _FIELDS))
+                            for m in ("w13", "w2")))
+    except Exception:  # unreadable, truncated, malformed metadata, wrong tensors or shapes: rebuild
+        return None

@@ -123,7 +123,8 @@ def _crc(t: torch.Tensor) -> str:
     return f"{zlib.crc32(t.view(-1).view(torch.uint8).numpy()):08x}"
 
 
-_ST_NAMES = {torch.uint8: "U8", torch.int32: "I32", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_ST_NAMES = {torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64", torch.float32: "F32", torch.bfloat16: "BF16",
+             torch.float16: "F16"}
 
 
 def _write(path: Path, key: str, layer: int, q: tuple[Int4Experts, Int4Experts]) -> None:
