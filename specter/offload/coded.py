@@ -14,9 +14,11 @@ What reads the store, and what it gets (the decision per reader):
   stream, before the event readers wait on).
 - the INT4 draft: `DecodedStore`, each layer decoded when quantisation reads it (a draft cache hit
   reads nothing), one layer at a time; so is `Loaded.resident_experts` (resident, oracle).
-- the host lane (policies host, specter-host): refused with compress_experts. It reads the store's
-  rows in place at memory speed; decoding each expert on the fly on the CPU would cost more than
-  the bytes saved, and keeping raw copies beside the coded ones would undo the host saving.
+- the host lane (policy host; specter on CPU, or on CUDA with host_threads): a decoded copy of the
+  whole store, made once and kept (builder.Loaded.host_rows). The lane reads experts in place at
+  memory speed; decoding each one per job on the CPU would cost it more than its GEMV, and such
+  policies move few bytes over the link anyway. The price: with a host lane the host holds the raw
+  store beside the coded one (the PCIe saving stays, the host memory saving is lost).
 - the CPU aliased pool (builder.alias_pool, big models on CPU): not used with compress_experts:
   compute cannot read coded rows, so the pool is a real one that copies decode into.
 
@@ -34,14 +36,13 @@ disables both caches.
 """
 from __future__ import annotations
 
-import torch
-
 import hashlib
 import json
 import os
 import warnings
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 
 from specter.triton_ops import lossless
