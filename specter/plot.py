@@ -13,7 +13,7 @@ def residency_sweep(model, policies: list[str], out_png: str, *, residencies=RES
 
     sweep, link = {}, None
     shared = load_once(model, **{k: v for k, v in bench_kw.items()  # one load under every residency
-                                 if k in ("device", "dtype", "threads", "draft_cache")})
+                                 if k in ("device", "dtype", "threads", "draft_cache", "compress_experts")})
     for r in residencies:
         try:
             res = run_bench(model, policies, residency=r, shared=shared, **bench_kw)

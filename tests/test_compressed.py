@@ -225,3 +225,19 @@ def test_coded_store_cache_off(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECTER_DRAFT_CACHE", "off")
     shared = builder.load_shared(path, torch.device("cpu"), compress_experts=True)
     assert isinstance(shared.store[0], CodedLayer)
+
+
+@pytest.mark.parametrize("policy", ["on-demand", "specter"])
+def test_compressed_store_samples_the_same_tokens(tiny, plain_link, fixed_k, policy):
+    """Sampling: the decoded weights are the raw ones bit for bit, so the same policy and seed draw the
+    very same tokens (the distribution is unchanged because the numbers are)."""
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    outs = []
+    for compress in (False, True):
+        engine = specter.load(path, device="cpu", policy=policy, residency=0.25, compress_experts=compress)
+        try:
+            outs.append([engine.generate(p, max_new_tokens=NEW, temperature=1.0, top_p=0.95, seed=7).token_ids
+                         for p in PROMPTS])
+        finally:
+            engine.close()
+    assert outs[0] == outs[1] and len({t for ts in outs[0] for t in ts}) > 5
