@@ -241,3 +241,39 @@ def test_compressed_store_samples_the_same_tokens(tiny, plain_link, fixed_k, pol
         finally:
             engine.close()
     assert outs[0] == outs[1] and len({t for ts in outs[0] for t in ts}) > 5
+
+
+def test_bench_and_plan_cli_with_compress_experts(capsys, tiny, tmp_path, plain_link):
+    import json
+
+    from specter.cli import main
+
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS[:2]))
+    per_token = {}
+    for flag in ([], ["--compress-experts"]):
+        rc = main(["bench", "--model", str(path), "--device", "cpu", "--policies", "on-demand", "--residency", "0.25",
+                   "--prompts", str(prompts), "--max-new-tokens", "8", "--json"] + flag)
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        r = json.loads(out)["policies"]["on-demand"]
+        per_token[bool(flag)] = r["h2d_bytes_per_token"]
+        assert r["h2d_bytes_per_token"] == pytest.approx(r["h2d_bytes"] / r["new_tokens"])
+    assert 0 < per_token[True] < per_token[False]
+    rc = main(["bench", "--model", str(path), "--device", "cpu", "--policies", "on-demand", "--residency", "0.25",
+               "--prompts", str(prompts), "--max-new-tokens", "4", "--compress-experts"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "H2D KB/tok" in out, err
+
+    rc = main(["plan", "--model", str(path), "--device", "cpu", "--residency", "0.25", "--compress-experts", "--json"])
+    out, err = capsys.readouterr()
+    host = json.loads(out)["host"]
+    assert rc == 0 and 0 < host["store_bytes"] < host["raw_store_bytes"]
+    rc = main(["plan", "--model", str(path), "--device", "cpu", "--residency", "0.25", "--compress-experts"])
+    out, _ = capsys.readouterr()
+    assert rc == 0 and "losslessly coded" in out
+    fp32, _ = tiny("qwen3_moe")
+    rc = main(["plan", "--model", str(fp32), "--device", "cpu", "--residency", "0.25", "--compress-experts"])
+    _, err = capsys.readouterr()
+    assert rc == 2 and "bf16" in err and "Traceback" not in err
