@@ -230,7 +230,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         mgr = OffloadedExperts(store, plan.slots_per_layer, device, lk, eviction=eviction, dtype=pdt, alias=alias,
                                rows=rows)
         mgr.warm()
-        if uses_host_lane(policy, device, host_threads):  # experts not resident may compute where the store holds them
+        if uses_host_lane(policy, device, host_threads, every_expert=every):  # misses may compute where the store holds them
             lane = make_host_lane(shared.host_rows(), device, lk, threads=host_threads, dtype=dt, charged_dtype=pdt)
             if policy == "host":
                 mgr = HostExperts(mgr, lane)
@@ -246,14 +246,17 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     return engine
 
 
-def uses_host_lane(policy: str, device: torch.device, host_threads: int | None = None) -> bool:
+def uses_host_lane(policy: str, device: torch.device, host_threads: int | None = None,
+                   every_expert: bool = False) -> bool:
     """Whether `policy` computes experts on the host lane: `host` always; `specter` on CPU (the emulated
     machine, where greedy decoding on both lanes is resident's bits, tested) and on CUDA only when
     host_threads is given (opt-in: the lane's CUDA path has not yet run on a GPU, and there the host's
-    and the GPU's arithmetic round differently). Every other policy only copies."""
+    and the GPU's arithmetic round differently), unless the budget holds `every_expert` (nothing is
+    ever missing: specter is then exactly the copy-only one, no lane thread). Every other policy only
+    copies."""
     if policy == "host":
         return True
-    return policy == "specter" and (device.type == "cpu" or host_threads is not None)
+    return policy == "specter" and not every_expert and (device.type == "cpu" or host_threads is not None)
 
 
 def default_driver(device: torch.device) -> str:

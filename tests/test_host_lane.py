@@ -266,6 +266,11 @@ def test_only_host_and_specter_compute_on_the_host(tiny):
             assert (engine.decoder.experts.host_choice is not None) is lane, policy
         finally:
             engine.close()
+    full = specter.load(path, device="cpu", policy="specter", residency=1.0)  # nothing ever missing: no lane
+    try:
+        assert full.decoder.experts.host_lane is None and full.decoder.experts.host_choice is None
+    finally:
+        full.close()
     cuda = torch.device("cuda")
     assert uses_host_lane("host", cuda) and not uses_host_lane("specter", cuda)
     assert uses_host_lane("specter", cuda, host_threads=4) and not uses_host_lane("spec-lru", torch.device("cpu"))
