@@ -196,7 +196,7 @@ def time_split(r: dict) -> str:
 LEGEND = """\
 speedup: TPOT of {base} / this one's. hit rate: expert uses found resident. H2D KB/tok: bytes the link carried
 per generated token (coded bytes with --compress-experts). host MB: expert weights the host
-lane read in place (policy host). stall: seconds waited on copies (host: on the host lane).
+lane read in place (policies host, specter). stall: seconds waited on copies and the host lane.
 accept: P(draft token accepted | the ones before it were). effic: accepted / drafted (falls as K grows).
 tok/cyc: drafted tokens accepted per speculative cycle. recall: expert uses resident or in flight when
 verification reached them (bounded by the slots). cover: expert uses the draft's routers predicted."""
