@@ -277,3 +277,14 @@ def test_bench_and_plan_cli_with_compress_experts(capsys, tiny, tmp_path, plain_
     rc = main(["plan", "--model", str(fp32), "--device", "cpu", "--residency", "0.25", "--compress-experts"])
     _, err = capsys.readouterr()
     assert rc == 2 and "bf16" in err and "Traceback" not in err
+
+
+def test_host_lane_bytes_are_the_raw_experts_it_reads(tiny, plain_link):
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    engine = specter.load(path, device="cpu", policy="host", residency=0.25, compress_experts=True)
+    try:
+        out = engine.generate(PROMPTS[1], max_new_tokens=8, temperature=0.0)
+        raw = engine.shared.store[0].raw_expert_nbytes()
+        assert out.stats["host_experts"] > 0 and out.stats["host_bytes"] == out.stats["host_experts"] * raw
+    finally:
+        engine.close()

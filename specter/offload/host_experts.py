@@ -62,7 +62,7 @@ class HostExperts:
             remap[cold] = torch.tensor(cold, dtype=remap.dtype)
             job = self.lane.submit(layer, x, ids, weights, remap, experts=cold)
             st["host_experts"] += len(cold)
-            st["host_bytes"] += len(cold) * mgr.expert_bytes
+            st["host_bytes"] += len(cold) * mgr.host_expert_bytes
         if len(cold) < len(need):  # the resident ones, meanwhile, in one call through the remap row
             pool = mgr.rows[layer]
             rows = expert_rows(x, ids, weights, pool.w13, pool.w2, remap=slots.remap[layer])

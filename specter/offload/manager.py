@@ -60,7 +60,8 @@ class OffloadedExperts:
         self.rows = (rows or store) if alias else self.pool  # what compute reads through the remap
         self.slots = SlotCache(L, E, n_slots, device=device, policy=eviction, alias=alias)
         self._late = torch.full((E,), -1, dtype=torch.int32, device=device)  # late experts' remap
-        self.expert_bytes = store[0].expert_nbytes()
+        self.expert_bytes = store[0].expert_nbytes()  # a coded store's (offload/coded.py): its mean coded bytes
+        self.host_expert_bytes = getattr(store[0], "raw_expert_nbytes", store[0].expert_nbytes)()  # a host lane's read
         self.inflight: dict[tuple[int, int], Transfer] = {}
         self.prefetched: set[tuple[int, int]] = set()   # copies issued ahead of need, not yet used
         self.next_layer_router = None                   # set by the next-layer policy
@@ -268,7 +269,7 @@ class OffloadedExperts:
         remap = torch.full((self.slots.n_experts,), -1, dtype=torch.int32)  # host: expert -> store row
         remap[hosted] = torch.tensor(hosted, dtype=torch.int32)
         self._stats["host_experts"] += len(hosted)
-        self._stats["host_bytes"] += len(hosted) * self.expert_bytes
+        self._stats["host_bytes"] += len(hosted) * self.host_expert_bytes
         return self.host_lane.submit(layer, x, ids, weights, remap, experts=list(hosted)), hosted
 
     def demote_rejected(self, kept_rows: int) -> None:
