@@ -48,7 +48,7 @@ def _run(path, policy, compress, residency):
     return [o.token_ids for o in outs], sum(o.stats["h2d_bytes"] for o in outs), sum(o.stats["expert_misses"] for o in outs)
 
 
-@pytest.mark.parametrize("policy", ["on-demand", "specter", "next-layer", "host"])
+@pytest.mark.parametrize("policy", ["on-demand", "specter", "next-layer", "host", "spec-lru", "oracle"])
 def test_compressed_store_decodes_the_same_greedy_tokens(tiny, plain_link, fixed_k, policy):
     path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
     for residency in (0.25, 0.5):
