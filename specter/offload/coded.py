@@ -38,12 +38,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import warnings
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from specter.triton_ops import lossless
 from specter.triton_ops.lossless import LosslessExperts, encode
@@ -297,34 +295,22 @@ def _tensors(layer: CodedLayer) -> dict[str, torch.Tensor]:
 
 
 def _write_layer(path: Path, key: str, i: int, layer: CodedLayer) -> None:
-    from ..speculative.draft_cache import _crc, _save
+    from ..speculative.draft_cache import write_layer_file
 
-    tensors = _tensors(layer)
-    meta = {"key": key, "layer": str(i), "crc32": json.dumps({n: _crc(t) for n, t in tensors.items()}),
-            "shapes": json.dumps({m: list(getattr(layer, m).shape) for m in ("w13", "w2")})}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        _save(tensors, tmp, meta)
-        os.replace(tmp, path)
-    except OSError:  # a full or read-only disk costs the cache, not the load
-        tmp.unlink(missing_ok=True)
+    write_layer_file(path, key, i, _tensors(layer),
+                     {"shapes": json.dumps({m: list(getattr(layer, m).shape) for m in ("w13", "w2")})})
 
 
 def _read_layer(path: Path, key: str, i: int) -> CodedLayer | None:
-    from ..speculative.draft_cache import _crc
+    from ..speculative.draft_cache import read_layer_file
 
-    if not path.is_file():
+    read = read_layer_file(path, key, i)
+    if read is None:
         return None
+    tensors, meta = read
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("key") != key or meta.get("layer") != str(i):
-                return None
-            crcs, shapes = json.loads(meta["crc32"]), json.loads(meta["shapes"])
-            tensors = {n: f.get_tensor(n) for n in crcs}
-        if any(_crc(t) != crcs[n] for n, t in tensors.items()):
-            return None
+        shapes = json.loads(meta["shapes"])
         return CodedLayer(*(LosslessExperts(tuple(shapes[m]), *(tensors[f"{m}.{k}"] for k in _FIELDS))
                             for m in ("w13", "w2")))
-    except Exception:  # unreadable, truncated, malformed metadata, wrong tensors or shapes: rebuild
+    except Exception:  # malformed shapes, wrong tensors: rebuild
         return None

@@ -128,13 +128,21 @@ _ST_NAMES = {torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64", torch.fl
 
 
 def _write(path: Path, key: str, layer: int, q: tuple[Int4Experts, Int4Experts]) -> None:
-    tensors = _tensors(q)
-    meta = {"key": key, "layer": str(layer), "crc32": json.dumps({n: _crc(t) for n, t in tensors.items()})}
+    write_layer_file(path, key, layer, _tensors(q))
+
+
+def write_layer_file(path: Path, key: str, layer: int, tensors: dict[str, torch.Tensor],
+                     meta: dict[str, str] | None = None) -> None:
+    """A cached layer's tensors, stamped with the cache key, the layer and every tensor's CRC32 (plus
+    `meta`), written to a temporary name and renamed into place: a reader never sees half a file.
+    A full or read-only disk costs the cache, not the load."""
+    meta = {**(meta or {}), "key": key, "layer": str(layer),
+            "crc32": json.dumps({n: _crc(t) for n, t in tensors.items()})}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         _save(tensors, tmp, meta)
         os.replace(tmp, path)
-    except OSError:  # a full or read-only disk costs the cache, not the load
+    except OSError:
         tmp.unlink(missing_ok=True)
 
 
@@ -155,6 +163,20 @@ def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]
 
 def _read(path: Path, key: str, layer: int) -> tuple[Int4Experts, Int4Experts] | None:
     """The cached layer, or None when it is missing, corrupt or stale (and then it is rebuilt)."""
+    read = read_layer_file(path, key, layer)
+    if read is None:
+        return None
+    tensors, _ = read
+    try:
+        return tuple(Int4Experts(**{k: tensors[f"{m}.{k}"] for k in ("qweight", "scale", "shift")})
+                     for m in ("w13", "w2"))
+    except Exception:  # wrong tensors: rebuild
+        return None
+
+
+def read_layer_file(path: Path, key: str, layer: int) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    """(tensors, metadata) of a file `write_layer_file` wrote for this key and layer, or None when it
+    is missing, unreadable, truncated, for another key or layer, or a tensor fails its CRC."""
     if not path.is_file():
         return None
     try:
@@ -166,7 +188,6 @@ def _read(path: Path, key: str, layer: int) -> tuple[Int4Experts, Int4Experts] |
             tensors = {n: f.get_tensor(n) for n in crcs}
         if any(_crc(t) != crcs[n] for n, t in tensors.items()):
             return None
-        return tuple(Int4Experts(**{k: tensors[f"{m}.{k}"] for k in ("qweight", "scale", "shift")})
-                     for m in ("w13", "w2"))
-    except Exception:  # unreadable, truncated, malformed metadata, wrong tensors: rebuild
+        return tensors, meta
+    except Exception:  # unreadable, truncated, malformed metadata
         return None
