@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from specter.errors import ConfigError
-from specter.triton_ops import (Int4Experts, combine_rows, expert_rows, fused_moe, merge_rows, pack_int4,
-                                quantize_int4)
+from specter.triton_ops import (Int4Experts, QuantExperts, combine_rows, expert_rows, fused_moe, merge_rows,
+                                pack_experts, pack_int4, packed_nbytes, quantize_int4)
 from specter.triton_ops.align import BLOCK_M, align_rows, max_blocks
 
 
@@ -107,6 +107,107 @@ def test_int4_bad_input_is_a_clear_error():
         Int4Experts(packed.qweight, packed.scale.transpose(1, 2), packed.shift.transpose(1, 2))
 
 
+# ------------------------------------------------------------------------- 2- and 3-bit packing
+@pytest.mark.parametrize("bits", [4, 2])
+def test_torch_affine_quantizer_is_quantos_op_for_op(bits):
+    """The 3-bit quantizer is quanto's scheme written in torch: at the widths quanto has, it gives
+    quanto's scales, shifts and codes bit for bit (constant groups, scale 0, included)."""
+    from optimum.quanto import MaxOptimizer, qint2, qint4
+
+    from specter.triton_ops.int4 import affine_params, affine_quantize
+    groups = _weights(E=2, N=16, K=128).reshape(-1, 32)
+    s, z = affine_params(groups, bits)
+    qs, qz = MaxOptimizer().optimize(groups, {4: qint4, 2: qint2}[bits], axis=0)
+    assert torch.equal(s, qs) and torch.equal(z, qz)
+    q = torch.ops.quanto.quantize_affine(groups, bits=bits, axis=0, group_size=32, scale=qs, shift=qz)
+    assert torch.equal(affine_quantize(groups, bits, s, z), q)
+
+
+def test_2bit_dequantize_equals_quanto_qint2_bit_for_bit():
+    w = _weights(K=256)
+    packed = pack_experts(w, 2, 64)
+    ref = torch.stack([quantize_int4(w[e], 64, bits=2).dequantize() for e in range(w.shape[0])])
+    assert packed.bits == 2 and packed.shape == tuple(w.shape) and packed.codes().max() <= 3
+    assert torch.equal(packed.dequantize(), ref)
+
+
+def test_3bit_values_are_the_affine_scheme_per_group():
+    """Every group: scale (max - min) / 7, shift -min, codes round((w + shift) / scale) in 0..7,
+    computed here one group at a time in float64 (then rounded to fp32 as the packer's fp32 ops)."""
+    w = _weights(E=2, N=8, K=128)
+    packed = pack_experts(w, 3, 32)
+    codes, dq = packed.codes(), packed.dequantize()
+    for e, n, g in [(0, 0, 0), (0, 0, 1), (1, 2, 3), (1, 7, 2), (0, 5, 2)]:
+        grp = w[e, n, 32 * g:32 * g + 32]
+        lo, hi = grp.min(), grp.max()
+        scale, shift = (hi - lo) / 7, -lo
+        assert packed.scale[e, g, n] == scale and packed.shift[e, g, n] == shift
+        want = torch.clamp(torch.round((grp + shift) / scale), 0, 7) if scale > 0 else torch.zeros(32)
+        if scale > 0:
+            assert torch.equal(codes[e, n, 32 * g:32 * g + 32].float(), want)
+            assert torch.equal(dq[e, n, 32 * g:32 * g + 32], scale * want - shift)
+    err = (dq - w).abs().reshape(2, 8, 4, 32).amax(-1)
+    assert (err <= packed.scale.transpose(1, 2) / 2 * 1.0001 + 1e-7).all()  # within half a step everywhere
+
+
+@pytest.mark.parametrize("bits", [3, 2])
+def test_low_bit_layout_is_the_documented_one(bits):
+    """2 bits: code 16j + i in bits 2i of word j. 3 bits: the low two bits so, in the first K / 16
+    words; bit 2 of code 32j + i is bit i of word K / 16 + j. Round trips through plain tensors."""
+    w = _weights()
+    packed = pack_experts(w, bits, 64)
+    K = 256
+    assert packed.qweight.shape == (3, 48, K * bits // 32) and packed.group_size == 64
+    codes = packed.codes().to(torch.int64)
+    as_words = lambda v, per, width: sum(v[..., i::per] << (width * i) for i in range(per))  # noqa: E731
+    signed = lambda x: (x - (x >= 2**31).long() * 2**32).to(torch.int32)  # noqa: E731
+    want = as_words(codes & 3, 16, 2)
+    if bits == 3:
+        want = torch.cat([want, as_words(codes >> 2, 32, 1)], dim=2)
+    assert torch.equal(packed.qweight, signed(want))
+    again = QuantExperts(**packed.tensors(), bits=bits)
+    assert torch.equal(again.dequantize(), packed.dequantize())
+    assert torch.equal(QuantExperts.for_k(*packed.tensors().values(), K).dequantize(), packed.dequantize())
+    assert torch.equal(packed[1].dequantize(), packed.dequantize()[1:2]) and packed[1].bits == bits
+    assert packed.to(dtype=torch.float16).bits == bits
+    assert packed.expert_nbytes() == packed_nbytes(48, K, bits, 64, scale_bytes=4)
+    assert torch.equal(pack_experts(w, bits, 64, chunk_bytes=1).qweight, packed.qweight)
+
+
+def test_fewer_bits_cost_accuracy_in_order():
+    w = _weights(K=256)
+    err = {b: (pack_experts(w, b).dequantize() - w).pow(2).mean().item() for b in (4, 3, 2)}
+    assert err[4] < err[3] < err[2]
+
+
+def test_low_bit_bad_input_is_a_clear_error():
+    with pytest.raises(ConfigError, match="divisible by 32"):
+        pack_experts(torch.randn(2, 4, 48), 3)
+    with pytest.raises(ConfigError, match="divisible by 16"):
+        pack_experts(torch.randn(2, 4, 24), 2)
+    with pytest.raises(ConfigError, match="one of 4, 3, 2"):
+        pack_experts(torch.randn(2, 4, 64), 5)
+    packed = pack_experts(_weights(), 3)
+    with pytest.raises(ConfigError, match="no whole row"):
+        QuantExperts(packed.qweight[..., :5], packed.scale, packed.shift, 3)
+
+
+def test_draft_expert_nbytes_is_what_the_packer_makes():
+    """The planner's figure (speculative.draft_cache.draft_expert_nbytes) against real packed experts
+    of a spec's shapes, fp32 scales (4 bytes) as a CPU draft keeps them, and bf16 on the device."""
+    from types import SimpleNamespace
+
+    from specter.speculative.draft_cache import draft_expert_nbytes
+    spec = SimpleNamespace(hidden=256, expert_inter=192)
+    for bits in (4, 3, 2):
+        q13 = pack_experts(torch.randn(1, 384, 256), bits, dtype=torch.float32)
+        q2 = pack_experts(torch.randn(1, 256, 192), bits, dtype=torch.float32)
+        assert draft_expert_nbytes(spec, bits, scale_bytes=4) == q13.expert_nbytes() + q2.expert_nbytes()
+        assert draft_expert_nbytes(spec, bits) == q13.to(dtype=torch.bfloat16).expert_nbytes() + \
+            q2.to(dtype=torch.bfloat16).expert_nbytes()
+    assert draft_expert_nbytes(spec, 2) < draft_expert_nbytes(spec, 3) < draft_expert_nbytes(spec, 4)
+
+
 # --------------------------------------------------------------------------------- the packed draft
 def draft_pair(device: str, dtype: torch.dtype):
     """A packed and an unpacked DraftExperts over the same random layer (4 experts, H 64, I 32,
@@ -162,8 +263,9 @@ def moe_case(T, k, E=6, H=32, I=32, R=None, dtype=torch.float32, int4=False, see
     rows = R or E
     w13 = torch.randn(rows, 2 * I, H, generator=g) * 0.2
     w2 = torch.randn(rows, H, I, generator=g) * 0.2
-    if int4:
-        w13, w2 = pack_int4(w13, 16, dtype=dtype), pack_int4(w2, 16, dtype=dtype)
+    if int4:  # True: 4 bits; or the width (4, 3, 2)
+        bits = 4 if int4 is True else int4
+        w13, w2 = pack_experts(w13, bits, 16, dtype=dtype), pack_experts(w2, bits, 16, dtype=dtype)
     else:
         w13, w2 = w13.to(dtype), w2.to(dtype)
     remap = None
@@ -191,7 +293,7 @@ def naive_moe(x, ids, weights, w13, w2, remap=None):
 
 @pytest.mark.parametrize("T", [1, 5, 33, 65])
 @pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("int4", [False, True])
+@pytest.mark.parametrize("int4", [False, True, 3, 2])
 @pytest.mark.parametrize("R", [None, 3])
 def test_torch_backend_matches_the_naive_loop(T, k, int4, R):
     x, ids, w, w13, w2, remap = moe_case(T, k, int4=int4, R=R)
@@ -287,7 +389,7 @@ def test_silu_mul_rows_do_not_depend_on_the_thread_split():
     assert not torch.equal(plain, alone)  # the split this guards against (row 200 is cut in two)
 
 
-@pytest.mark.parametrize("int4", [False, True])
+@pytest.mark.parametrize("int4", [False, True, 3, 2])
 def test_two_calls_give_the_bits_of_one(int4):
     """Resident experts first, late arrivals second, merged: the very bits of one call over all."""
     x, ids, w, w13, w2, _ = moe_case(33, 2, E=8, int4=int4)

@@ -67,8 +67,8 @@ def _expert_rows_impl(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     w2: torch.Tensor, s13: Optional[torch.Tensor], z13: Optional[torch.Tensor],
                     s2: Optional[torch.Tensor], z2: Optional[torch.Tensor], remap: Optional[torch.Tensor],
                     backend: str) -> torch.Tensor:
-    if s13 is not None:  # INT4: w13/w2 are the packed codes
-        w13, w2 = Int4Experts(w13, s13, z13), Int4Experts(w2, s2, z2)
+    if s13 is not None:  # quantized: w13/w2 are the packed codes, their width fixed by K (H and I)
+        w13, w2 = Int4Experts.for_k(w13, s13, z13, x.shape[1]), Int4Experts.for_k(w2, s2, z2, s13.shape[2] // 2)
     if backend == "triton":
         from .kernels import moe_rows_triton
         return moe_rows_triton(x, ids, weights, w13, w2, remap)

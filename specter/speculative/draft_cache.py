@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from specter.triton_ops import Int4Experts, pack_int4
+from specter.triton_ops import Int4Experts, pack_int4, packed_nbytes
 
 from ..errors import ConfigError
 from ..moe import ExpertWeights
@@ -38,6 +38,16 @@ from ..moe import ExpertWeights
 FORMAT = 2  # 2: int32 words of eight codes, group-major scales (triton_ops/int4.py)
 GROUP_SIZE = 128
 _SAMPLES, _BLOCK = 32, 64 << 10
+
+
+def draft_expert_nbytes(spec, bits: int = 4, scale_bytes: int = 2) -> int:
+    """Device bytes of one routed draft expert of `spec` (a ModelSpec) at `bits` (4, 3 or 2): its
+    w13 [2I, H] and w2 [H, I] packed as the draft packs them (groups of GROUP_SIZE, shrunk where
+    they do not divide a row), with scales and shifts of `scale_bytes` each (2: the compute dtype
+    on CUDA, bf16/fp16; the cache on disk and a CPU draft keep fp32, 4)."""
+    H, I = spec.hidden, spec.expert_inter
+    return (packed_nbytes(2 * I, H, bits, GROUP_SIZE, scale_bytes)
+            + packed_nbytes(H, I, bits, GROUP_SIZE, scale_bytes))
 
 
 def cache_root(override: str | os.PathLike | None = None) -> Path | None:
