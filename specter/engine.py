@@ -43,7 +43,7 @@ from .sampling import SamplingParams, sample
 STATS_DEFAULTS = dict(ttft_s=0.0, tpot_s=0.0, new_tokens=0, cycles=0, accepted_per_cycle=None, acceptance_rate=None,
                       draft_efficiency=None, k_histogram={}, expert_hits=0, expert_misses=0, prefetch_issued=0,
                       prefetch_used=0, prefetch_cancelled=0, prefetch_recall=None, route_coverage=None, h2d_bytes=0, stall_s=0.0,
-                      decode_stall_s=0.0, draft_s=0.0, verify_s=0.0, drafted_tokens=0, truncated_tokens=0,
+                      decode_stall_s=0.0, draft_s=0.0, verify_s=0.0, drafted_tokens=0,
                       accepted_tokens=0, rejections=0, compiled=[], h2d_path=None, cuda_graphs=None)
 
 POLICIES = ("resident", "on-demand", "next-layer", "host", "spec-lru", "specter")

@@ -36,7 +36,7 @@ from ..sampling import History, SamplingParams, penalize, probs, sample
 from .acceptance import accept_greedy, accept_on_device, accept_sampling
 from .draft import DraftExperts
 from .governor import Governor
-from .planner import PrefetchPlanner, copy_time, new_copies
+from .planner import PrefetchPlanner
 from .timing import CycleTimes, clock_for
 
 
@@ -49,8 +49,6 @@ class SpeculativeDecoder:
         self.governor = governor                # picks each cycle's K (0..K_max)
         self.fallback = fallback                # prefetcher candidate for K = 0 steps (next-layer)
         self.plain = _PlainArms()               # K = 0: with or without it, whichever measures faster
-        self.truncate = False                   # verify only the drafted tokens worth their copies (measured:
-                                                # not a win on balance yet, see docs/ARCHITECTURE.md)
         self.plan_backlog = 1                   # plan again when at most this many copies are queued
         self.cancel_leftovers = True            # withdraw a cycle's prefetches still queued when it ends
         self.draft_step = None                  # a sync-free draft step (specter.compiled.draft_step), if any
@@ -170,16 +168,9 @@ class SpeculativeDecoder:
         if sync_free:  # drafted tokens stay on the device until acceptance
             tokens, q = yield from self._draft_on_device(t, n, k, cache, params, gen)
             self._step_drafted += k
-            if self.truncate and self.planner is not None and len(self.planner.rows) >= k:
-                kv = self._worth_verifying(k)  # the rows are on the host already: no sync
-                tokens, q = tokens[:kv + 1], (None if q is None else q[:kv])
         else:
             drafted, q_rows = yield from self._draft(t, n, k, cache, params, gen, hist)
-            if self.truncate:
-                kv = self._worth_verifying(k)
-                drafted, q_rows = drafted[:kv], q_rows[:kv]
             tokens = torch.tensor([t] + drafted, device=self.device)
-        verified = tokens.shape[0] - 1  # drafted tokens verification takes (a shape: no sync)
         m1 = self.times.mark()
         before = self.target.stats()
         with span("verify"):
@@ -205,19 +196,18 @@ class SpeculativeDecoder:
         st["recall_hits"] += hits
         st["recall_total"] += hits + after["expert_misses"] - before["expert_misses"]
         st["drafted_tokens"] += k
-        st["truncated_tokens"] += k - verified
         st["accepted_tokens"] += m
-        st["rejections"] += m < verified
+        st["rejections"] += m < k
         self.times.submit((m0, m1, m2), lambda draft_s, verify_s: self._observe_cycle(
-            k, m, draft_s, verify_s, stall, verified))
+            k, m, draft_s, verify_s, stall))
         return drafted[:m] + [nxt]
 
-    def _observe_cycle(self, k: int, m: int, draft_s: float, verify_s: float, stall: float, verified: int) -> None:
+    def _observe_cycle(self, k: int, m: int, draft_s: float, verify_s: float, stall: float) -> None:
         """A speculative cycle's times, once readable (timing.py): into the stats and the governor."""
         st = self._stats
         st["draft_s"] += draft_s
         st["verify_s"] += verify_s
-        self.governor.observe_cycle(k, m, draft_s, verify_s, stall, verified=verified)
+        self.governor.observe_cycle(k, m, draft_s, verify_s, stall)
 
     def _plain_step(self, t: int, n: int, cache: KVCache, params: SamplingParams, gen, hist: History):
         """Body: K = 0, one target step taken as PlainDecoder takes it (through the compiled verifier's
@@ -290,14 +280,6 @@ class SpeculativeDecoder:
                     ds.step(cache, gen)
         return ds.tokens[:k + 1], (None if params.greedy else ds.q[:k])
 
-    def _worth_verifying(self, k: int) -> int:
-        """How many of the K drafted tokens verification should take (Governor.verify_k): the draft's
-        routers said which experts each needs; a late one needing copies nothing earlier needs may
-        cost more than the fraction of a token it is worth."""
-        rows = self.planner.rows if self.planner is not None else self.draft.lookahead.read(0, k)
-        new = new_copies(rows[:k], self.target.is_resident)
-        return self.governor.verify_k(k, new, copy_time(self.target))
-
     def _draft(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen, hist: History):
         """Body: K eager draft steps -> drafted tokens, their draft probabilities (sampling)."""
         drafted, q_rows = [], []
@@ -338,7 +320,7 @@ class SpeculativeDecoder:
         self.target.reset_stats()
         if self.planner is not None:
             self.planner.reset_stats()
-        self._stats = dict(cycles=0, drafted_tokens=0, truncated_tokens=0, accepted_tokens=0, rejections=0,
+        self._stats = dict(cycles=0, drafted_tokens=0, accepted_tokens=0, rejections=0,
                            draft_s=0.0, verify_s=0.0, recall_hits=0, recall_total=0, k_histogram=Counter())
         self._step_drafted = 0  # tokens drafted by draft_step (it does not run with penalties)
         self._step_verified = 0  # verifications verify_step ran
