@@ -365,7 +365,8 @@ def test_a_row_has_the_same_bits_at_every_position_of_its_expert_run(threads, in
 def test_the_position_check_catches_plain_cpu_gemms(monkeypatch):
     """Multiplying each expert's run with one plain matmul (what the per-expert loop did) changes
     the bits with the run's length: the check above must see it."""
-    import specter.triton_ops.reference as ref
+    import importlib
+    ref = importlib.import_module("specter.triton_ops.fused_moe")  # the module (the package exports a function of that name)
     monkeypatch.setattr(ref, "grouped_linear", lambda a, w, runs: torch.cat(
         [torch.nn.functional.linear(a[s:e], ref._dense(w, r, a.dtype)) for r, s, e in runs]))
     assert len(_positions_off_alone(1)) > 16
