@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from specter.offload.link import CudaLink
+from specter.offload.cuda_link import CudaLink
 from specter.offload.staging import staged_nbytes
 from specter.offload.store import page_aligned, pin_in_place
 

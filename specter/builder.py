@@ -17,9 +17,9 @@ from .loader import Checkpoint, load_checkpoint, load_tokenizer, open_checkpoint
 from .model import MoETransformer
 from .moe import ExpertWeights, ResidentExperts
 from .offload.coded import DecodedStore, cache_entry, coded_store, read_cached
-from .offload.host_experts import HostExperts, LaneChoice, host_params
-from .offload.host_lane import make_host_lane
-from .offload.link import make_link
+from .offload.host_experts import HostExperts
+from .offload.host_lane import LaneChoice, host_params, make_host_lane
+from .offload.cuda_link import make_link
 from .offload.manager import OffloadedExperts
 from .offload.plan import make_plan
 from .offload.store import pin_wanted
@@ -326,7 +326,7 @@ def _decoder(policy, shared: Loaded, mgr, k_max):
         return SpeculativeDecoder(model, mgr, draft, device, dt, governor=Governor(k_max))
     planner = PrefetchPlanner(mgr, lookahead)
     if mgr.host_lane is not None:  # both lanes: the misses the planner ranks low go to the host
-        mgr.host_choice = LaneChoice(mgr, host_params(mgr.host_lane), rank=planner.rank)
+        mgr.host_choice = LaneChoice(mgr, host_params(mgr.host_lane), scores=planner.score)
     return SpeculativeDecoder(model, mgr, draft, device, dt, governor=Governor(k_max),
                               planner=planner, fallback=NextLayerPrefetch(model, mgr))
 

@@ -146,7 +146,7 @@ def test_cli_passes_compress_experts():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_link_decodes_coded_copies_into_the_slot(dtype):
-    from specter.offload.link import CudaLink
+    from specter.offload.cuda_link import CudaLink
 
     torch.manual_seed(0)
     w = (torch.randn(4, 128, 96) * 0.05).bfloat16()

@@ -212,7 +212,7 @@ def test_bench_names_the_host_lanes_wait():
 class _HalfToHost:
     """An injected lane choice: every other missing expert to the host, the rest copied."""
 
-    def __init__(self, mgr, params, rank=None):
+    def __init__(self, mgr, params, scores=None):
         self.calls = 0
 
     def __call__(self, layer, missing, routed):
@@ -316,12 +316,12 @@ class _Mgr:
         self.store = [_store(torch.float32)]
         self.pool = self.store
         self.expert_bytes = 3 * H * I * 4
-        self.link = SimpleNamespace(stats={"transfers": 1, "busy_s": copy_s}, bandwidth=1.0, latency=0.0)
+        self.link = SimpleNamespace(copy_seconds=lambda nbytes: copy_s)
 
 
 def test_lane_choice_lets_both_lanes_finish_together():
     from specter.offload.calibrate import HostParams
-    from specter.offload.host_experts import LaneChoice
+    from specter.offload.host_lane import LaneChoice
 
     eb = 3 * H * I * 4
     # host: 5 ms a job + 1 ms an expert (no flops or activation cost); a copy: 7 ms
@@ -331,7 +331,7 @@ def test_lane_choice_lets_both_lanes_finish_together():
     assert choose(0, [1, 2], [1, 2]) == [2]                  # 7 ms both ways (copy 1, host 1): ties copy
     got = choose(0, list(range(6)), list(range(6)))          # 11 ms all on the host; copy 1, host 5: 10 ms
     assert got == [1, 2, 3, 4, 5]
-    ranked = LaneChoice(_Mgr(8, set(), 7e-3), params, rank=lambda layer, e: e)  # likeliest reused copied
+    ranked = LaneChoice(_Mgr(8, set(), 7e-3), params, scores=[list(range(6))])  # likeliest reused copied
     assert ranked(0, list(range(6)), list(range(6))) == [4, 3, 2, 1, 0]
     full = LaneChoice(_Mgr(n_slots=2, held={10, 11}, copy_s=7e-3), params)  # no slot to spare: all hosted
     assert full(0, list(range(6)), list(range(6)) + [10, 11]) == list(range(6))

@@ -18,7 +18,8 @@ from specter.offload.calibrate import (LinkProfile, UnknownProfileError, availab
                                        emulated_link_params, load_profile, measure_expert_throughput,
                                        profile_for_gpu)
 from specter.moe import ExpertWeights
-from specter.offload.link import CudaApi, CudaLink, EmulatedLink, Link, Transfer, make_link
+from specter.offload.cuda_link import CudaApi, CudaLink, make_link
+from specter.offload.link import EmulatedLink, Link, Transfer
 from specter.sizes import format_size
 
 PROFILES = ["A100-40GB-PCIe4", "RTX4090-PCIe4", "H100-PCIe5", "H200-PCIe5"]

@@ -20,7 +20,7 @@ import torch
 import specter
 from specter import profiling
 from specter.cli import main
-from specter.offload.link import CudaLink
+from specter.offload.cuda_link import CudaLink
 
 RANGES = {"draft step", "plan", "copy issue", "verify", "layer 0", "accept"}
 

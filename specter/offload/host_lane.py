@@ -46,7 +46,7 @@ from specter.triton_ops import expert_rows, merge_rows
 
 from ..moe import ExpertWeights
 from ..profiling import span
-from .calibrate import emulated_host_params
+from .calibrate import HostParams, emulated_host_params
 
 
 class HostJob:
@@ -335,3 +335,61 @@ def make_host_lane(store: list[ExpertWeights], device, link, *, threads: int | N
         profile, scale = load_profile(profile_for_gpu(torch.cuda.get_device_name(device))), 1.0
     lane.profile, lane.time_scale = profile, scale
     return lane
+
+
+# ------------------------------------------------------------------------------- which lane
+class LaneChoice:
+    """Specter's two lanes: which of a layer's missing experts compute on the host instead of crossing
+    PCIe (OffloadedExperts.host_choice). The missing experts are ranked by the planner's scores
+    (predicted demand and verified use, the reuse a copy would serve; likeliest first) and the first
+    c are copied, the rest computed on the host, with c chosen so that both lanes finish soonest:
+
+        min over c of max(c * copy time, host time of the other m - c)   (ties: more copies)
+
+    c at most the slots the layer can free beside the experts this call holds. Copy time is the link's
+    measured seconds a copy (Link.copy_seconds); host time HostParams.seconds, the profile's host
+    roofline, in the same (emulated) seconds. Both are estimates; the rows are exact whichever lane
+    computes them."""
+
+    def __init__(self, mgr, params: HostParams | None, scores: list[list[float]] | None = None):
+        self.mgr, self.params, self.scores = mgr, params, scores  # scores[layer][expert]: higher = copy first
+        self.H, self.I = mgr.store[0].w13.shape[2], mgr.store[0].w2.shape[2]
+        self.item = mgr.pool[0].w13.element_size()  # the width copies are timed at
+
+    def __call__(self, layer: int, missing: list[int], routed: list[int]) -> list[int]:
+        slots = self.mgr.slots
+        counts: dict = {}
+        for e in routed:
+            counts[e] = counts.get(e, 0) + 1
+        held = 0
+        for e in counts:
+            held += slots.slot_of(layer, e) is not None
+        room = max(0, min(len(missing), slots.n_slots - held))
+        order = list(missing)
+        if self.scores is not None:  # stable: equal scores keep their order
+            order.sort(key=self.scores[layer].__getitem__, reverse=True)
+        if self.params is None:  # no host profile (a test's plain link): copy what fits, host the rest
+            return order[room:]
+        t_copy = self.mgr.link.copy_seconds(self.mgr.expert_bytes)
+        p, H, I, item = self.params, self.H, self.I, self.item
+        rows = 0  # the (token, position) rows of order[c:]
+        for e in order:
+            rows += counts[e]
+        best_c, best_t = 0, None
+        for c in range(room + 1):
+            n = len(order) - c  # HostParams.seconds of those n experts, written out (one call fewer each)
+            host = p.latency + 2 * rows * H * item / p.pcie_bandwidth + max(
+                n * 3 * H * I * item / p.bandwidth, rows * 6 * H * I / p.flops_per_s if p.flops_per_s else 0.0) if n else 0.0
+            t = max(c * t_copy, host)
+            if best_t is None or t <= best_t:
+                best_c, best_t = c, t
+            if c < len(order):
+                rows -= counts[order[c]]
+        return order[best_c:]
+
+
+def host_params(lane: HostLane) -> HostParams | None:
+    """The lane's cost model in the seconds copies are timed in (None without a profile)."""
+    if getattr(lane, "profile", None) is None or getattr(lane, "time_scale", None) is None:
+        return None
+    return emulated_host_params(lane.profile, lane.time_scale)

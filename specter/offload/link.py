@@ -1,12 +1,12 @@
 """The copy engine: host-to-device copies of expert weights, one after another.
 
-    link = make_link(device)                       # CudaLink on CUDA, calibrated EmulatedLink on CPU
+    link = make_link(device)                       # cuda_link.py: CudaLink on CUDA, calibrated EmulatedLink on CPU
     t = link.copy([slot_w13, slot_w2], [host_w13, host_w2], tag=(layer, expert))
     ...                                            # compute keeps going
     t.wait()                                       # or `await t.landed()`, or t.add_done_callback(fn)
 
-CudaLink issues copies on a dedicated stream and hands back events (from the pinned store, or
-through two pinned staging buffers of its own when the store is not pinned: staging.py). EmulatedLink is one worker
+CudaLink (cuda_link.py) issues copies on a dedicated stream and hands back events (from the pinned store,
+or through two pinned staging buffers of its own when the store is not pinned: staging.py). EmulatedLink is one worker
 thread that really copies the bytes and then sleeps until `start + latency + nbytes / bandwidth`,
 so a CPU run sees the same copy : compute ratio as the real GPU (see calibrate.py).
 
@@ -23,17 +23,11 @@ import abc
 import asyncio
 import collections
 import concurrent.futures
-import math
-import queue
 import threading
 import time
-import warnings
 
 import torch
 
-from specter.offload.calibrate import (emulated_link_params, load_profile, measure_expert_throughput,
-                                       profile_for_gpu)
-from specter.offload.staging import StagedCopies, pinned_buffer
 from specter.sansio import poll
 
 _CHUNK = 32768  # elements per emulated copy_: below ATen's parallel grain, so the worker never starts OpenMP
@@ -43,8 +37,10 @@ class Transfer:
     """One host-to-device copy of one or more tensors. Awaitable."""
 
     def __init__(self, dst: list[torch.Tensor], src: list[torch.Tensor], tag=None):
-        self.nbytes = sum(s.nbytes for s in src)   # bytes read from the host (a CodedExpert's: coded)
-        self.dst_nbytes = sum(d.numel() * d.element_size() for d in dst)
+        self.nbytes = self.dst_nbytes = 0      # bytes read from the host (a CodedExpert's: coded), written
+        for d, s in zip(dst, src):
+            self.nbytes += s.nbytes
+            self.dst_nbytes += d.numel() * d.element_size()
         self.tag = tag
         self.t_enqueued = time.perf_counter()  # host clock (s); t_started/t_finished filled in by the link
         self.seconds: float | None = None      # EmulatedLink: the time it is charged (latency included)
@@ -167,12 +163,10 @@ class Transfer:
         return f"Transfer(tag={self.tag!r}, nbytes={self.nbytes}, {state})"
 
 
-def _as_list(x) -> list[torch.Tensor]:
-    return [x] if isinstance(x, torch.Tensor) else list(x)
-
-
 def _check(dst, src) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    dst, src = _as_list(dst), _as_list(src)
+    """(dst, src) as lists of equal length and matching shapes: a tensor alone is a list of one."""
+    dst = [dst] if isinstance(dst, torch.Tensor) else list(dst)
+    src = [src] if isinstance(src, torch.Tensor) else list(src)
     if len(dst) != len(src):
         raise ValueError(f"copy: {len(dst)} destinations for {len(src)} sources")
     for d, s in zip(dst, src):
@@ -219,6 +213,14 @@ class Link(abc.ABC):
         resolves cancelled; pending() drops), False when it has started or landed (it completes as
         usual). This base answers False: a copy the link has handed on cannot be recalled."""
         return False
+
+    def copy_seconds(self, nbytes: int) -> float:
+        """Seconds one copy of `nbytes` takes: the measured busy time per transfer once there is any
+        (the engine's transfers are one expert each), else the nominal latency + nbytes / bandwidth."""
+        st = self.stats
+        if st["transfers"] and st["busy_s"] > 0:
+            return st["busy_s"] / st["transfers"]
+        return nbytes / self.bandwidth + self.latency
 
     def pending(self) -> int:
         with self._lock:
@@ -388,228 +390,3 @@ def _copy_serial(d: torch.Tensor, s) -> None:
             d[i:i + _CHUNK].copy_(s[i:i + _CHUNK])
     else:
         d.copy_(s)
-
-
-class CudaApi:
-    """The CUDA calls CudaLink makes, in one place, so that tests can hand it a fake that logs the
-    ordering (which stream waits on what) on a machine without a GPU (tests/test_link.py)."""
-
-    def device_index(self) -> int:
-        return torch.cuda.current_device()
-
-    def device_name(self, device) -> str:
-        return torch.cuda.get_device_name(device)
-
-    def stream(self, device, priority: int = 0):
-        return torch.cuda.Stream(device, priority=priority)
-
-    def event(self, timing: bool = False, blocking: bool = False):
-        return torch.cuda.Event(enable_timing=timing, blocking=blocking)
-
-    def current_stream(self, device):
-        return torch.cuda.current_stream(device)
-
-    def use(self, stream):
-        """Context manager: `stream` is the current stream inside it."""
-        return torch.cuda.stream(stream)
-
-    def is_pinned(self, t: torch.Tensor) -> bool:
-        return t.is_pinned()
-
-    def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        """uint8 [nbytes] of page-locked host memory (a staging buffer)."""
-        return pinned_buffer(nbytes)
-
-
-class CudaLink(Link):
-    """Copies on dedicated CUDA streams from pinned host memory; one event per transfer.
-
-    Prefetches go on one copy stream, in order; `urgent` copies (a miss verification waits for) on
-    a second stream of the highest priority, so they do not queue behind the prefetch backlog.
-    Each copy waits (on the GPU) only for what `after` names: the last reader of its destination
-    slot (an event from `read_event`; the manager starts each slot at an event recorded after the
-    pool's allocation), nothing (None), or by default ("all") all work queued so far on the current
-    stream. A small host thread resolves futures (for await / callbacks / stats).
-
-    A source that is not pinned (the store could not be pinned, or SPECTER_PIN_STORE=0) goes through
-    two pinned staging buffers the link owns (staging.py): a stager thread copies it into the next
-    buffer once that buffer's previous copy has completed, then enqueues the copy from there. Until
-    then the transfer has no event, and `wait()` first waits on the host for the stager. `h2d_path`
-    names the path in use: "pinned store" or "staging buffers (2 x N)".
-
-    `cancel` is the base's: always False. copy() enqueues on the stream at once (a staged copy as
-    soon as the stager reaches it), and a copy on a stream cannot be withdrawn, so every prefetch
-    issued here lands (and is marked ready as usual).
-    """
-
-    def __init__(self, device, bandwidth: float | None = None, latency: float = 10e-6, name: str = "cuda",
-                 cuda: CudaApi | None = None):
-        self._cuda = cuda = cuda or CudaApi()
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", cuda.device_index())
-        if bandwidth is None:
-            profile = profile_for_gpu(cuda.device_name(self.device))
-            bandwidth = load_profile(profile).pcie_bandwidth  # nominal; unknown GPU -> default profile
-        super().__init__(name, bandwidth, latency)
-        self.stream = cuda.stream(self.device)
-        self.urgent_stream = cuda.stream(self.device, priority=-100)  # clamped to the highest priority
-        self._waits: collections.deque = collections.deque()  # (compute reached the wait, copy done) events
-        self._stall_s = 0.0
-        self._warned_unpinned = False
-        self._staged = StagedCopies(cuda.pinned_empty, self._issue, self._complete, name)  # unpinned sources
-        self._watch: queue.SimpleQueue = queue.SimpleQueue()
-        self._watcher = threading.Thread(target=self._run, name=f"specter-link-{name}", daemon=True)
-        self._watcher.start()
-
-    def read_event(self):
-        ev = self._cuda.event()
-        ev.record(self._cuda.current_stream(self.device))
-        return ev
-
-    def prepare(self, srcs: list[torch.Tensor], nbytes: int) -> None:
-        """Copies will come out of `srcs` (the host store), `nbytes` at most each: if any is not pinned,
-        the staging buffers are allocated now, sized for that, rather than at the first copy (and no
-        warning: the store said why it is not pinned, and `h2d_path` names the path)."""
-        srcs = [s for s in srcs if isinstance(s, torch.Tensor)]  # coded sources go direct (see _issue)
-        if not all(s.is_cuda or self._cuda.is_pinned(s) for s in srcs):
-            self._warned_unpinned = True
-            self._staged.reserve(nbytes)
-
-    @property
-    def h2d_path(self) -> str:
-        return "pinned store" if self._staged.buffers is None else self._staged.buffers.describe()
-
-    def copy(self, dst, src, *, urgent: bool = False, tag=None, after="all") -> Transfer:
-        dst, src = _check(dst, src)
-        t = Transfer(dst, src, tag)
-        t._device, t._waits, t._cuda = self.device, self._waits, self._cuda
-        if self._closed:
-            raise RuntimeError(f"{self.name}: copy() on a closed link")
-        if len(self._waits) > 256:  # keep the event backlog short between stats() calls
-            self._collect_stalls()
-        if isinstance(after, str):  # "all": whatever compute has queued so far may still read dst
-            after = self.read_event()
-        stream = self.urgent_stream if urgent else self.stream
-        pinned = all(not isinstance(s, torch.Tensor) or s.is_cuda or self._cuda.is_pinned(s) for s in src)
-        if not pinned:
-            self._warn_unpinned()
-            t._issued = threading.Event()  # set by the stager once the copy is on its stream
-        with self._lock:
-            self._admit()
-        if not pinned:
-            self._staged.put(t, stream, after, urgent)
-            return t
-        try:
-            self._issue(t, stream, after, src)
-        except BaseException:
-            with self._lock:  # never enqueued: not pending
-                self._pending -= 1
-                self._idle.notify_all()
-            raise
-        return t
-
-    def _issue(self, t: Transfer, stream, after, src: list[torch.Tensor]) -> None:
-        """Enqueue t's copies from `src` (pinned) on `stream`, after the event `after` (None: at once)."""
-        begin = self._cuda.event(timing=True)
-        done = self._cuda.event(timing=True, blocking=True)  # blocking: the watcher sleeps
-        with torch.no_grad(), self._cuda.use(stream):
-            if after is not None:
-                stream.wait_event(after)
-            begin.record(stream)
-            for d, s in zip(t._dst, src):
-                if not isinstance(s, torch.Tensor):  # coded (offload/coded.py): its bytes cross the bus into
-                    s.decode_on(d)                   # device memory, then decode into the slot, on this stream
-                    continue
-                if d.dtype != s.dtype:  # the stored bytes cross the bus, then convert on the device
-                    staged = torch.empty(s.shape, dtype=s.dtype, device=self.device)
-                    staged.copy_(s, non_blocking=True)
-                    s = staged
-                d.copy_(s, non_blocking=True)
-                if d.is_cuda:
-                    d.record_stream(stream)
-            done.record(stream)
-        t._event = done  # only now: a transfer with an event is on a stream
-        t.t_started = time.perf_counter()
-        self._watch.put((t, begin))
-
-    def _warn_unpinned(self) -> None:
-        if not self._warned_unpinned:
-            self._warned_unpinned = True
-            warnings.warn("CudaLink: source tensor is not pinned; copies go through two pinned staging buffers "
-                          "(slower). Keep the expert store in pinned memory.", stacklevel=3)
-
-    def _run(self) -> None:
-        while (item := self._watch.get()) is not None:
-            t, begin = item
-            t._event.synchronize()
-            self._complete(t, busy_s=begin.elapsed_time(t._event) / 1e3)
-
-    def synchronize(self) -> None:
-        self.stream.synchronize()
-        self.urgent_stream.synchronize()
-        super().synchronize()
-
-    def drain_stall_s(self) -> float:
-        """Seconds compute stalled on copies since the last call, over the waits whose events have
-        completed (queried, never synchronised; later ones count next time)."""
-        self._collect_stalls()
-        total, self._stall_s = self._stall_s, 0.0
-        return total
-
-    def _collect_stalls(self) -> None:
-        # a wait stalls from when compute reached it until the copy's event (0 if it had landed)
-        waits = self._waits
-        while waits and waits[0][0].query() and waits[0][1].query():
-            reached, done = waits.popleft()
-            self._stall_s += max(0.0, reached.elapsed_time(done)) / 1e3
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._staged.close()  # every staged copy is on its stream first
-        self._watch.put(None)  # after every queued transfer, so all of them resolve first
-        if self._watcher is not threading.current_thread():
-            self._watcher.join()
-
-
-def make_link(device, profile: str | None = None, *, expert_bytes: int | None = None,
-              calibration=None) -> Link:
-    """The link for `device`.
-
-    cuda: a CudaLink (nominal bandwidth/latency from `profile`, else the profile matching the GPU).
-    cpu:  an EmulatedLink whose bandwidth/latency are the profile's (default A100-40GB-PCIe4) scaled
-          by this machine's expert throughput. `calibration` is that throughput in bytes/s (float),
-          or the expert shape to measure it with: (hidden, intermediate[, dtype]) or a dict of
-          measure_expert_throughput kwargs. Without it, a square fp32 expert of `expert_bytes`
-          (default 12 MiB) is measured.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        p = load_profile(profile) if profile else None
-        return CudaLink(device, bandwidth=p.pcie_bandwidth if p else None, latency=p.latency if p else 10e-6)
-    if device.type != "cpu":
-        raise ValueError(f"make_link: unsupported device {device}")
-    p = load_profile(profile)
-    throughput = _expert_throughput(calibration, expert_bytes)
-    bandwidth, latency = emulated_link_params(p, throughput)
-    link = EmulatedLink(bandwidth, latency, name=f"emulated:{p.name}")
-    link.profile, link.expert_throughput = p, throughput
-    link.time_scale = p.device_memory_bandwidth / throughput  # seconds here per second on the GPU
-    link.decode_bandwidth = p.device_memory_bandwidth / link.time_scale  # coded experts decode at memory speed
-    return link
-
-
-def _expert_throughput(calibration, expert_bytes: int | None) -> float:
-    if isinstance(calibration, (int, float)):
-        return float(calibration)
-    if isinstance(calibration, dict):
-        return measure_expert_throughput(**calibration)
-    if isinstance(calibration, (tuple, list)):
-        return measure_expert_throughput(*calibration)
-    if calibration is not None:
-        raise TypeError(f"make_link: calibration must be a throughput, a shape or a dict, not {calibration!r}")
-    side = max(16, math.isqrt((expert_bytes or 12 << 20) // 12))  # 3 * H * I * 4 bytes with H = I
-    return measure_expert_throughput(side, side)

@@ -186,11 +186,8 @@ class PrefetchPlanner:
 
 
 def copy_time(mgr: OffloadedExperts) -> float:
-    """Seconds one expert copy takes, from the link's measured busy time when it has any."""
-    st, link = mgr.link.stats, mgr.link
-    if st["transfers"] and st["busy_s"] > 0:
-        return st["busy_s"] / st["transfers"]  # every transfer is one expert
-    return mgr.expert_bytes / link.bandwidth + link.latency
+    """Seconds one expert copy takes (Link.copy_seconds)."""
+    return mgr.link.copy_seconds(mgr.expert_bytes)
 
 
 def new_copies(rows: list, is_resident) -> list[int]:
