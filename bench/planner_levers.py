@@ -5,8 +5,9 @@
 
 Policies, all on one loaded checkpoint, alternating per prompt so machine load hits all alike:
 on-demand, spec-lru, specter (default planner), specter-nokeep (a verification wider than the
-slots loads its late experts in id order, not lowest score first), specter-guard (prefetches evict
-only residents unlikely to be needed by the rest of the draft: PrefetchPlanner.guard), oracle.
+slots loads its late experts in id order, not lowest score first), oracle. (specter-guard, a
+planner that evicted only residents the rest of the draft was unlikely to need, measured no
+faster and was removed: docs/ARCHITECTURE.md.)
 --k fixes every speculative policy's K (the governor off), which separates the planner from K.
 
 Per speculative cycle (K >= 1) it counts, summed over layers: U, the experts verification used;
@@ -24,7 +25,7 @@ from collections import Counter, defaultdict
 import specter
 from specter.workloads import WORKLOADS
 
-VARIANTS = {"specter-nokeep": ("specter", {"keep": False}), "specter-guard": ("specter", {"guard": 0.3})}
+VARIANTS = {"specter-nokeep": ("specter", {"keep": False})}
 
 
 class CycleCopies:
@@ -88,7 +89,7 @@ class CycleCopies:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--policies", default="on-demand,spec-lru,specter,specter-nokeep,specter-guard,oracle")
+    ap.add_argument("--policies", default="on-demand,spec-lru,specter,specter-nokeep,oracle")
     ap.add_argument("--workload", default="diverse", choices=sorted(WORKLOADS))
     ap.add_argument("--prompts", type=int, default=12, help="the first N prompts of the workload")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -110,11 +111,8 @@ def main() -> None:
             policy, opts = VARIANTS.get(name, (name, {}))
             e = engines[name] = specter.load(None, policy=policy, residency=args.residency, shared=shared)
             shared = e.shared
-            planner = getattr(e.decoder, "planner", None)
             if opts.get("keep") is False:
                 e.decoder.target.keep_rank = None
-            if "guard" in opts:
-                planner.guard = opts["guard"]
             if hasattr(e.decoder, "governor"):
                 if args.k is not None:
                     e.decoder.governor.fixed = args.k

@@ -684,31 +684,6 @@ def test_planner_keeps_a_predicted_resident_outside_the_top_slots(planner_setup)
     link.synchronize()
 
 
-def test_planner_guard_keeps_residents_the_rest_of_the_draft_may_need(planner_setup):
-    """Belady on the prediction: after the first drafted row, residents 0 and 2 are not predicted yet,
-    but they route 48% of tokens and 6 more rows are coming, so verification almost surely needs
-    them; resident 1 routes 1%: it is the one evicted (the farthest expected next use), and only one
-    of the two predicted experts gets a slot. Without the guard, a prefetch may evict 0 or 2."""
-    store, mgr, la, planner, link = planner_setup
-    planner.guard = 0.5
-    for layer in range(L_):
-        planner.freq[layer][:3] = [0.5, 0.01, 0.5]
-    planner.begin_cycle(6)
-    fill(la, [[(5, 6)] * L_])
-    planner.plan(1)
-    for layer in range(L_):
-        assert residents(mgr, layer) == {0, 2, 5}, (layer, residents(mgr, layer))
-    assert planner.need_prob(0, 0) > 0.9 and planner.need_prob(0, 1) < 0.1
-    link.synchronize()
-    mgr.poll()
-    # the whole draft read: nothing is left to need 0 or 2 in this cycle but the last drafted token
-    fill(la, [[(5, 6)] * L_] * 5, start=1)
-    planner.plan(6)
-    assert planner.need_prob(0, 0) < 0.5 and all(6 in residents(mgr, layer) for layer in range(L_))
-    link.synchronize()
-    mgr.slots.check()
-
-
 def test_late_experts_leave_the_highest_ranked_resident(planner_setup):
     """A layer needing more experts than its slots computes them in batches; with keep_rank the
     ones loaded last, and so left resident for the next cycle, are the highest ranked. The output
