@@ -16,7 +16,7 @@ from __future__ import annotations
 import difflib
 import math
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Sequence
 
 import torch
@@ -41,6 +41,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0   # > 0; seen tokens' logits divided (if > 0) or multiplied by it
     presence_penalty: float = 0.0     # [-2, 2]; subtracted once from every generated token's logit
     frequency_penalty: float = 0.0    # [-2, 2]; subtracted per occurrence among generated tokens
+    # derived once (read every step): temperatures below GREEDY_BELOW are greedy (dividing logits by
+    # them overflows fp32), as is top_k = 1; penalized: some penalty is set
+    greedy: bool = field(init=False, repr=False, compare=False)
+    penalized: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         t, p, k, s = self.temperature, self.top_p, self.top_k, self.seed
@@ -60,11 +64,14 @@ class SamplingParams:
             v = getattr(self, name)
             if not _number(v) or not (-2 <= v <= 2):
                 raise ConfigError(f"{name} must be in [-2, 2] (0 = off), got {v!r}")
+        object.__setattr__(self, "greedy", t < GREEDY_BELOW or k == 1)
+        object.__setattr__(self, "penalized", self.repetition_penalty != 1 or self.presence_penalty != 0
+                           or self.frequency_penalty != 0)
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> "SamplingParams":
         """generate()'s sampling keywords -> params; an unknown keyword is a ConfigError naming it."""
-        names = [f.name for f in fields(cls)]
+        names = [f.name for f in fields(cls) if f.init]
         for key in kwargs:
             if key not in names:
                 others = [n for n in names + ["max_new_tokens", "stop"] if n != key]
@@ -72,15 +79,6 @@ class SamplingParams:
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ConfigError(f"unknown argument {key!r}{hint}; sampling arguments are {', '.join(names)}")
         return cls(**kwargs)
-
-    @property
-    def greedy(self) -> bool:
-        """Temperatures below GREEDY_BELOW are greedy: dividing logits by them overflows fp32."""
-        return self.temperature < GREEDY_BELOW or self.top_k == 1
-
-    @property
-    def penalized(self) -> bool:
-        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def generator(self, device) -> torch.Generator | None:
         if self.greedy:
@@ -193,5 +191,5 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None,
            pending: Sequence[int] = ()) -> torch.Tensor:
     """logits [N, V] -> token ids [N] (int64)."""
     if p.greedy:
-        return penalize(logits, p, history, pending).argmax(-1)
+        return (logits if history is None or not history.track else penalize(logits, p, history, pending)).argmax(-1)
     return torch.multinomial(probs(logits, p, history, pending), 1, generator=gen)[:, 0]

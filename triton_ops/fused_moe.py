@@ -230,11 +230,6 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _weighted(ys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """ys [n, H] * w [n, 1] in fp32, rounded once for 16-bit rows."""
-    return ys.mul_(w) if ys.dtype == torch.float32 else (ys.float() * w.float()).to(ys.dtype)
-
-
 def moe_rows_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13, w2,
                    remap: torch.Tensor | None) -> torch.Tensor:
     """[T, k, H]: row (t, j) = weights[t, j] * expert(x[t]), zero where remap sends the expert to -1."""
@@ -250,7 +245,7 @@ def moe_rows_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
             if r >= 0:  # silu(gate) * up on one row: one thread, as silu_mul
                 h = F.linear(x, w13[r] if view else _dense(w13, r, dt))  # [1, 2I]
                 ys[j] = F.linear(F.silu(h[:, :I]) * h[:, I:], w2[r] if view else _dense(w2, r, dt))[0]
-        w = weights.view(k, 1)  # as _weighted does
+        w = weights.view(k, 1)  # weighted in fp32, rounded once for 16-bit rows
         return (ys.mul_(w) if dt == torch.float32 else (ys.float() * w.float()).to(dt)).view(1, k, H)
     by_row: dict[int, list[int]] = {}  # weight row -> its (t, j) flat indices, in token order
     for i, r in enumerate(wrow):
@@ -265,7 +260,8 @@ def moe_rows_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     n = len(order)
     slot = torch.tensor(order, device=x.device)  # [n] flat (t, j) index of each grouped row
     xs, w = x.index_select(0, slot // k), weights.reshape(-1).index_select(0, slot)[:, None]
-    ys = _weighted(grouped_linear(silu_mul(grouped_linear(xs, w13, runs)), w2, runs), w)  # [n, H]
+    ys = grouped_linear(silu_mul(grouped_linear(xs, w13, runs)), w2, runs)  # [n, H], then weighted in fp32
+    ys = ys.mul_(w) if ys.dtype == torch.float32 else (ys.float() * w.float()).to(ys.dtype)
     out = x.new_empty(T * k, H) if n == T * k else x.new_zeros(T * k, H)
     return out.index_copy_(0, slot, ys).view(T, k, H)
 
