@@ -20,10 +20,6 @@ function of K, the copy stall as a function of K, and how many drafted tokens ar
    position seen once is held near the pooled acceptance with a wide bound, not at its one value;
    a lucky cycle at an untried K does not make it the best K.
 4. Caps: K never exceeds K_max or the tokens still wanted; `fixed` forces K.
-5. Verifying a prefix (`verify_k`): a late drafted token that needs copies nothing earlier needs is
-   left unverified when it is worth less than what those copies cost at the realised rate; with
-   nothing to copy every token is verified; end to end, verifying only a prefix of the draft keeps
-   greedy output identical to plain decoding.
 """
 from __future__ import annotations
 
@@ -34,7 +30,6 @@ from typing import Callable
 
 import specter
 from specter.speculative.governor import Governor
-from specter.speculative.planner import new_copies
 
 
 @dataclass
@@ -265,13 +260,13 @@ def run_plain_arms(arms, cost, steps: int, rng: random.Random) -> list[tuple[boo
 
 
 def test_plain_arms_switch_only_on_a_fresh_measure():
-    """K = 0's two arms (with and without next-layer prefetch, `_PlainArms`): next-layer is 5% slower
+    """K = 0's two arms (with and without next-layer prefetch, `PlainArms`): next-layer is 5% slower
     throughout. When the text turns slower for every step (+20%), the running arm's average follows
     it while next-layer's still dates from its last probe; that stale value must not put next-layer
     to work -- it runs only as probes, and still takes over where it really is faster."""
-    from specter.speculative.decoder import _PlainArms
+    from specter.speculative.governor import PlainArms
 
-    arms, rng = _PlainArms(), random.Random(0)
+    arms, rng = PlainArms(), random.Random(0)
     run_plain_arms(arms, lambda nl: 10e-3 * (1.05 if nl else 1.0), 300, rng)
     slow = run_plain_arms(arms, lambda nl: 12e-3 * (1.05 if nl else 1.0), 200, rng)
     assert [p for nl, p in slow if nl] == [True] * sum(nl for nl, _ in slow)  # next-layer only ever probed
@@ -387,33 +382,3 @@ def test_caps_and_fixed():
     gov = Governor(12)
     d = drive(gov, PAYS, 100)
     assert all(0 <= k <= 12 for k, *_ in d)
-
-
-# ----------------------------------------------------------------------------------------- 5. verify_k
-def test_new_copies_counts_first_needs_not_on_the_device():
-    rows = [[[0, 1], [2, 3]],      # row 0 (the pending token): layer 0 experts 0, 1; layer 1 experts 2, 3
-            [[0, 1], [2, 4]],      # layer 1 expert 4 is new
-            [[5, 1], [4, 3]],      # layer 0 expert 5 is new; layer 1 expert 4 was needed by row 1
-            [[6, 7], [-1, 3]]]     # experts 6, 7 of layer 0 are new, but 7 is resident; -1 is no expert
-    resident = {(0, 1), (1, 3), (0, 7)}
-    assert new_copies(rows, lambda layer, e: (layer, e) in resident) == [2, 1, 1, 1]
-
-
-def trained(k_max: int = 8) -> Governor:
-    """A governor that has seen speculation run: acceptance 0.8, ~10 ms cycles."""
-    gov = Governor(k_max)
-    rng = random.Random(0)
-    for _ in range(20):
-        m = geometric(0.8)(4, rng)
-        gov.next_k(1000)
-        gov.observe_cycle(4, m, 4e-3, 6e-3, 0.0)
-    return gov
-
-
-def test_verify_k_drops_late_tokens_that_cost_a_copy():
-    gov = trained()
-    assert gov.verify_k(6, [0] * 6, copy_s=5e-3) == 6                  # nothing to copy: verify everything
-    assert gov.verify_k(6, [2, 0, 0, 0, 3, 0], copy_s=5e-3) == 3        # token 4 needs 3 copies for ~0.4 token
-    assert gov.verify_k(6, [2, 0, 0, 0, 3, 0], copy_s=1e-6) == 6        # ... unless copies are nearly free
-    assert gov.verify_k(0, [], copy_s=5e-3) == 0
-    assert Governor(8).verify_k(6, [9] * 6, copy_s=1.0) == 6            # nothing measured yet: no opinion

@@ -48,7 +48,7 @@ class SpeculativeDecoder:
         self.planner = planner                  # None: spec-lru (verify fetches on demand)
         self.governor = governor                # picks each cycle's K (0..K_max)
         self.fallback = fallback                # prefetcher candidate for K = 0 steps (next-layer)
-        self.plain = _PlainArms()               # K = 0: with or without it, whichever measures faster
+        self.plain = governor.plain_arms        # K = 0: with or without it, whichever measures faster
         self.plan_backlog = 1                   # plan again when at most this many copies are queued
         self.cancel_leftovers = True            # withdraw a cycle's prefetches still queued when it ends
         self.draft_step = None                  # a sync-free draft step (specter.compiled.draft_step), if any
@@ -456,51 +456,3 @@ class _PlannerTask:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-
-
-class _PlainArms:
-    """K = 0 is plain decoding "with the best non-speculative prefetch": next-layer prefetch helps
-    when the link has slack and hurts when it is saturated (a wrong guess costs a whole copy and
-    evicts a useful expert). Keep a moving average of the step time with and without it, use the
-    faster, and try the other after `probe_every` plain steps, then at doubling intervals while it
-    keeps losing -- and never more often than keeps its excess under `budget` of the time: an arm
-    measured 10x slower is tried once every ~900 steps, not every 8 (up to `probe_max`). Next-layer
-    must measure faster by `margin` to be used: an arm a few percent slower that noise makes look
-    faster would cost its few percent for as long as it runs. And the arms change places only right
-    after the one taking over was measured: the running arm's average follows the text step by step
-    while the other's dates from its last probe, so a stretch of slower steps would make a stale
-    next-layer look faster and run it until its own average caught up (the governor's arms had this
-    flaw, measured; here it is shown in simulation, tests/test_governor.py)."""
-
-    def __init__(self, probe_every: int = 8, probe_max: int = 1024, budget: float = 0.01, alpha: float = 0.25,
-                 margin: float = 0.03):
-        self.t = {True: None, False: None}
-        self.probe_every, self.probe_max, self.budget, self.alpha = probe_every, probe_max, budget, alpha
-        self.margin = margin
-        self.n, self.best, self.interval, self.next = 0, None, probe_every, probe_every
-        self.probing = False  # the last pick measures an arm other than the best one
-        self.last: bool | None = None  # the arm observed last
-
-    def pick(self) -> bool:
-        self.n += 1
-        self.probing = True
-        for arm in (False, True):
-            if self.t[arm] is None:
-                self.probing = arm  # without next-layer is the baseline, measured first
-                return arm
-        wins = self.t[True] * (1 + self.margin) <= self.t[False]  # next-layer measures faster by the margin
-        if wins != self.best and (self.best is None or self.last == wins):  # on a fresh measure of the taker
-            self.best, self.interval, self.next = wins, self.probe_every, self.n + self.probe_every
-        best = self.best
-        if self.n < self.next:
-            self.probing = False
-            return best
-        excess = self.t[not best] / max(self.t[best], 1e-12) - 1.0
-        self.interval = min(max(2 * self.interval, round(excess / self.budget)), self.probe_max)
-        self.next = self.n + self.interval
-        return not best
-
-    def observe(self, arm: bool, step_s: float) -> None:
-        self.last = arm
-        old = self.t[arm]
-        self.t[arm] = step_s if old is None else (1 - self.alpha) * old + self.alpha * step_s

@@ -128,24 +128,3 @@ class PrefetchPlanner:
             issued += self.mgr.prefetch(layer, self._admit(layer, counts), protect=counts)  # protected
         self.new_per_token = 0.8 * self.new_per_token + 0.2 * (issued / len(rows))
         return issued
-
-
-def copy_time(mgr: OffloadedExperts) -> float:
-    """Seconds one expert copy takes (Link.copy_seconds)."""
-    return mgr.link.copy_seconds(mgr.expert_bytes)
-
-
-def new_copies(rows: list, is_resident) -> list[int]:
-    """Per lookahead row (row 0 is the pending token, row j drafted token j): the experts it needs that
-    no earlier row needs and that are neither resident nor on their way -- the copies verifying it adds."""
-    seen: set = set()
-    out = []
-    for row in rows:
-        n = 0
-        for layer, ids in enumerate(row):
-            for e in ids:
-                if e >= 0 and (layer, e) not in seen:
-                    seen.add((layer, e))
-                    n += not is_resident(layer, e)
-        out.append(n)
-    return out
