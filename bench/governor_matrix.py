@@ -37,13 +37,13 @@ from a loss:
   - greedy by default: every policy then decodes the same text (speculation is lossless), so the
     ratio is the policies' time alone. Sampled (--temperature > 0), each policy draws its own text
     (a draft consumes random numbers), and on these random-init models the text alone moves TPOT by
-    3-16% a generation; rounds then take seeds 0, 1, ... so the texts average out over rounds;
+    more than a cell's 3% (docs/ARCHITECTURE.md); rounds then take seeds 0, 1, ... so the texts
+    average out over rounds;
   - at full residency a round runs four times the prompts (its steps are short, so a round of
     2 x 24 tokens lasts less than the scheduler's noise);
   - every engine of a cell builds on one load of the checkpoint (as `specter bench` does), so the
-    policies compute on the same weights at the same addresses. Loaded once each, two identical
-    resident engines measured 0.91-1.06x each other on a 2-core EPYC (which cache sets and pages the
-    weights fall on), more than the 3% a cell is judged by; on one load, 0.97-1.01x;
+    policies compute on the same weights at the same addresses (loaded apart, two identical engines
+    differ by more than the 3% a cell is judged by: docs/ARCHITECTURE.md);
   - --twin adds a second on-demand engine, reported like the speculative policies (on-demand#2):
     identical work, so its ratio is the noise floor of the cell (its slot pool is its own);
   - a cell whose median is over 1.03 gets `repeat` more rounds and is judged on all of them pooled
