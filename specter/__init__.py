@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .engine import BENCH_POLICIES, POLICIES, Engine, GenerationOutput
+from .engine import Engine, GenerationOutput
 from .errors import (BudgetError, CheckpointError, ConfigError, ContextLengthError, NotAvailableError,
                      SpecterError, TokenizerError, UnsupportedModelError)
+from .policy import BENCH_POLICIES, POLICIES, get as get_policy, names as policy_names
 
 __version__ = "0.1.0"
 __all__ = ["load", "default_model_path", "Engine", "GenerationOutput", "POLICIES", "SpecterError",
@@ -46,7 +47,8 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = "s
          dtype=None, **options) -> Engine:
     """Load a local Hugging Face MoE checkpoint (None = the bundled default model).
 
-    policy: resident | on-demand | next-layer | host | spec-lru | specter.
+    policy: one of POLICIES, the table in specter/policy.py (resident | on-demand | next-layer | host |
+    spec-lru | specter).
     residency: fraction of each layer's routed experts kept on the device (0 < F <= 1), or
     expert_memory: a byte budget for the device slot pool ("6GiB"). Neither: all resident.
     (policy "resident" takes no budget: one given to it is refused, not ignored.)
@@ -68,8 +70,7 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = "s
 
     from .builder import build_engine
 
-    if policy not in BENCH_POLICIES:
-        raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    offloads = get_policy(policy).offloads
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise ConfigError(f"model must be a directory path (a str or a Path), got {type(model).__name__}")
     if dtype is not None and not isinstance(dtype, str) and not isinstance(dtype, torch.dtype):
@@ -79,10 +80,10 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = "s
         raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
     budgets = dict(residency=residency, expert_memory=expert_memory, device_memory=options.get("device_memory"))
     given = {k: v for k, v in budgets.items() if v is not None}
-    if policy == "resident" and given:  # a budget it would silently ignore
+    if not offloads and given:  # a budget it would silently ignore
         k, v = next(iter(given.items()))
-        raise ConfigError(f"policy 'resident' keeps every expert on the device, so {k}={v!r} would be ignored; "
-                          f"drop the budget, or pick an offloading policy (on-demand, next-layer, host, spec-lru, specter)")
+        raise ConfigError(f"policy {policy!r} keeps every expert on the device, so {k}={v!r} would be ignored; "
+                          f"drop the budget, or pick an offloading policy ({', '.join(policy_names('offloads'))})")
     path = Path(model) if model is not None else default_model_path()
     return build_engine(path, resolve_device(device), policy=policy, residency=residency,
                         expert_memory=expert_memory, link=link, dtype=dtype, **options)

@@ -6,8 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import specter
+
+from . import default_model_path, resolve_device, workloads
+from .builder import load_shared
 from .errors import ConfigError
-from . import workloads
+from .policy import BENCH_POLICIES, get as get_policy
+from .sampling import SamplingParams
 from .speculative.decoder import acceptance_stats
 
 DEFAULT_PROMPTS = list(workloads.DEFAULT)
@@ -52,19 +57,16 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
     takes the model's generation_config.json, so its runs compare across models). Under sampling,
     speculative policies draw their random numbers differently (exactly the target's distribution,
     not the same tokens), so token equality is only checked for greedy runs."""
-    import specter
-    from .sampling import SamplingParams
-
     sampling = {"temperature": 0.0, **(sampling or {})}
     greedy = SamplingParams(**sampling).greedy  # and a bad value fails here, before any engine loads
 
-    unknown = [p for p in policies if p not in specter.BENCH_POLICIES]
+    unknown = [p for p in policies if p not in BENCH_POLICIES]
     if unknown:
-        raise ConfigError(f"unknown policy {unknown[0]!r}; choose from {', '.join(specter.BENCH_POLICIES)}")
+        raise ConfigError(f"unknown policy {unknown[0]!r}; choose from {', '.join(BENCH_POLICIES)}")
     engines = {}
     try:
         for p in policies:
-            budget = {} if p == "resident" else dict(residency=residency, expert_memory=expert_memory)
+            budget = dict(residency=residency, expert_memory=expert_memory) if get_policy(p).offloads else {}
             engines[p] = specter.load(model, device=device, policy=p, link=link, shared=shared, **budget, **load_kw)
             shared = engines[p].shared
         if warmup:  # first-call costs (allocator, lazy init) out of the measurement
@@ -131,9 +133,6 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
 
 def load_once(model, device: str = "auto", **load_kw):
     """The checkpoint loaded once for several benches (a residency sweep): a builder.Loaded."""
-    from . import default_model_path, resolve_device
-    from .builder import load_shared
-
     path = Path(model) if model is not None else default_model_path()
     return load_shared(path, resolve_device(device), dtype=load_kw.get("dtype"), threads=load_kw.get("threads"),
                        draft_cache=load_kw.get("draft_cache"), compress_experts=load_kw.get("compress_experts", False))

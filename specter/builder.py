@@ -21,67 +21,17 @@ from .offload.host_experts import HostExperts
 from .offload.host_lane import LaneChoice, host_params, make_host_lane
 from .offload.cuda_link import make_link
 from .offload.manager import OffloadedExperts
-from .offload.plan import make_plan
+from .offload.plan import compute_dtype, make_plan
 from .offload.store import pin_wanted
 from .offload.oracle import OracleDecoder
 from .offload.policies import NextLayerPrefetch
+from .policy import Policy, get as get_policy, names as policy_names
 from .speculative.decoder import SpeculativeDecoder
 from .speculative.draft import DraftExperts, keep_packed
 from .speculative.draft_cache import draft_int4
 from .speculative.governor import Governor
 from .speculative.lookahead import Lookahead
 from .speculative.planner import PrefetchPlanner
-
-SPECULATIVE = ("spec-lru", "specter")  # the policies that draft (and plan its memory)
-HOST_LANE = ("host", "specter")  # the policies that compute experts on the host lane
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def compute_dtype(device: torch.device, storage: torch.dtype, dtype=None) -> torch.dtype:
-    """fp32 on CPU (exact, and what CPUs are fast at); the checkpoint's 16-bit dtype on CUDA."""
-    if dtype is not None:
-        if isinstance(dtype, str):
-            if dtype not in _DTYPES:
-                raise ConfigError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
-            return _DTYPES[dtype]
-        return dtype
-    if device.type == "cpu":
-        return torch.float32
-    return storage if storage in (torch.float16, torch.bfloat16) else torch.bfloat16
-
-
-# On CPU a slot pool that would take more than this in the compute dtype holds the store's narrower
-# dtype instead. Below it the pool stays in the compute dtype: converting an expert as it runs costs
-# little at real shapes (~2x an fp32 GEMV at Mixtral's, into a reused buffer) but its per-call overhead
-# slowed the bundled model's decode (and the emulated link calibrated on it) 2.7x.
-POOL_UPCAST_MIN_BYTES = 256 << 20
-
-
-def pool_dtype(device: torch.device, storage: torch.dtype, compute: torch.dtype, slots: int = 0,
-               expert_numel: int = 0) -> torch.dtype:
-    """The slot pool's dtype. CUDA: the compute dtype (the kernels read it; copies convert on the
-    device). CPU: the store's dtype when it is narrower and a compute-dtype pool of `slots` experts
-    would pass POOL_UPCAST_MIN_BYTES; the torch backend converts each expert it runs into the compute
-    dtype, which gives the very values a converting copy would have put in the pool (bf16 -> fp32
-    is exact), and the emulated device's memory is the host's."""
-    if device.type != "cpu" or storage.itemsize >= compute.itemsize:
-        return compute
-    return storage if slots * expert_numel * compute.itemsize > POOL_UPCAST_MIN_BYTES else compute
-
-
-def alias_pool(device: torch.device, compute: torch.dtype, slots: int, expert_numel: int,
-               every_expert: bool = False) -> bool:
-    """Whether the slot pool aliases the host store (OffloadedExperts(alias=True)): on CPU, past the
-    same POOL_UPCAST_MIN_BYTES, the emulated device is host memory and a pool would be a second copy
-    of experts the store already holds, so compute reads the store's rows and copies are only timed.
-    Small models keep a real pool, so the slot and copy races stay exercised by real bytes -- except
-    when the budget holds `every_expert`: nothing is ever copied after warm-up then, and compute
-    reads the very tensors the resident policy reads (Loaded.resident_experts; a pool copy of them
-    measured 0.91-1.06x resident, by where its pages fell)."""
-    return device.type == "cpu" and (every_expert or slots * expert_numel * compute.itemsize > POOL_UPCAST_MIN_BYTES)
-
 
 def configure_threads(device: torch.device, threads: int | None) -> None:
     """CPU: leave one core to the emulated link's copy worker (and the OS); small decode matmuls gain
@@ -166,21 +116,24 @@ def check_compressible(ckpt: Checkpoint, compress_experts) -> None:
 
 
 def build_engine(path: Path, device: torch.device, *, policy: str, residency=None, expert_memory=None,
-                 link=None, dtype=None, threads: int | None = None, eviction: str = "lru",
+                 link=None, dtype=None, threads: int | None = None, eviction: str | None = None,
                  device_memory=None, k_max: int = 32, compile: bool | None = None, shared: Loaded | None = None,
                  draft_cache=None, driver: str | None = None, host_threads: int | None = None,
                  compress_experts: bool = False, **options) -> Engine:
-    """An engine for `policy`. `shared`: a checkpoint already loaded (load_shared) to build on instead
-    of loading it again; its store, model and draft are reused, never copied. `host_threads`: the
-    host lane's threads (policies `host` and `specter`, see uses_host_lane; default: physical cores less one)."""
+    """An engine for `policy` (a name in specter/policy.py's table). `shared`: a checkpoint already
+    loaded (load_shared) to build on instead of loading it again; its store, model and draft are
+    reused, never copied. `host_threads`: the host lane's threads (policies with a host lane, see
+    uses_host_lane; default: physical cores less one). `eviction`: the slot cache's rule (default:
+    the policy's)."""
+    pol = get_policy(policy)
     if options:
         raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}")
     if host_threads is not None and (isinstance(host_threads, bool) or not isinstance(host_threads, int)
                                      or host_threads < 1):
         raise ConfigError(f"host_threads must be an integer >= 1, got {host_threads!r}")
-    if host_threads is not None and policy not in HOST_LANE:
+    if host_threads is not None and not pol.host_lane:
         raise ConfigError(f"policy {policy!r} computes no expert on the host, so host_threads would be ignored; "
-                          f"drop it, or use policy 'host' or 'specter'")
+                          f"drop it, or use policy {' or '.join(map(repr, policy_names('host_lane')))}")
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
         raise ConfigError(f"k_max must be an integer >= 0 (0 = no speculation), got {k_max!r}")
     if driver not in (None, "sync", "async"):
@@ -197,46 +150,39 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     defaults = read_generation_defaults(path)  # a malformed file fails before the weights load
     dt = shared.dtype if shared is not None else compute_dtype(device, ckpt.dtype, dtype)
     spec = ckpt.spec
-    offload = policy != "resident"
     plan = None
-    if offload:
+    if pol.offloads:
         if residency is None and expert_memory is None and device_memory is None and device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             device_memory = int(free * 0.9)
         plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
-                         device_memory=device_memory, draft=policy in SPECULATIVE)
-        pdt = pool_dtype(device, ckpt.dtype, dt, spec.n_moe_layers * plan.slots_per_layer, spec.expert_numel())
-        if pdt != dt:  # the same budget in bytes holds more experts of the narrower dtype
-            plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
-                             device_memory=device_memory, draft=policy in SPECULATIVE, pool_dtype=pdt)
-    if offload:  # calibrating allocates a working set of experts: before the store exists, not beside it
+                         device_memory=device_memory, draft=pol.drafts, device=device, store_dtype=ckpt.dtype,
+                         compressed=compress_experts)
+        pdt = getattr(torch, plan.pool_dtype)
+        # calibrating allocates a working set of experts: before the store exists, not beside it
         lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,
                                                       storage=pdt))
     if shared is None:
         shared = load_shared(path, device, dtype=dt, threads=threads, draft_cache=draft_cache,
                              compress_experts=compress_experts)
     model, store = shared.model, shared.store
-    if not offload:
+    if not pol.offloads:
         experts = shared.resident_experts()
         decoder = PlainDecoder(model, ResidentExperts(experts), device, dt)
     else:
         experts = store
         every = plan.slots_per_layer >= spec.n_experts
-        alias = alias_pool(device, dt, spec.n_moe_layers * plan.slots_per_layer, spec.expert_numel(), every_expert=every)
-        alias = alias and not shared.compressed  # compute cannot read coded rows: a real pool copies decode into
-        # holding every expert in a dtype the store lacks, compute reads the resident policy's copy
-        # (the bytes the pool would have taken); otherwise the store's own rows
-        rows = shared.resident_experts() if alias and every and pdt != store[0].w13.dtype else None
-        mgr = OffloadedExperts(store, plan.slots_per_layer, device, lk, eviction=eviction, dtype=pdt, alias=alias,
-                               rows=rows)
+        rows = shared.resident_experts() if plan.pool_rows == "resident" else None
+        mgr = OffloadedExperts(store, plan.slots_per_layer, device, lk, eviction=eviction or pol.eviction, dtype=pdt,
+                               alias=plan.aliased, rows=rows)
         mgr.warm()
-        if uses_host_lane(policy, device, host_threads, every_expert=every):  # misses may compute where the store holds them
+        if uses_host_lane(pol, device, host_threads, every_expert=every):  # misses may compute where the store holds them
             lane = make_host_lane(shared.host_rows(), device, lk, threads=host_threads, dtype=dt, charged_dtype=pdt)
-            if policy == "host":
+            if pol.host_lane == "misses":
                 mgr = HostExperts(mgr, lane)
-            else:  # specter: LaneChoice (ranked by the planner, below) picks which misses the host computes
+            else:  # "split": LaneChoice (ranked by the planner, in _decoder) picks which misses the host computes
                 mgr.host_lane = lane
-        decoder = _decoder(policy, shared, mgr, k_max)
+        decoder = _decoder(pol, shared, mgr, k_max)
         if hasattr(decoder, "draft"):
             decoder.draft_step, decoder.verify_step = _compiled_steps(model, decoder.draft, compile, device, k_max)
     engine = Engine(model, experts, shared.tokenizer, path=path, device=device, dtype=dt, policy=policy,
@@ -246,17 +192,18 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     return engine
 
 
-def uses_host_lane(policy: str, device: torch.device, host_threads: int | None = None,
+def uses_host_lane(policy: Policy | str, device: torch.device, host_threads: int | None = None,
                    every_expert: bool = False) -> bool:
-    """Whether `policy` computes experts on the host lane: `host` always; `specter` on CPU (the emulated
-    machine, where greedy decoding on both lanes is resident's bits, tested) and on CUDA only when
-    host_threads is given (opt-in: the lane's CUDA path has not yet run on a GPU, and there the host's
-    and the GPU's arithmetic round differently), unless the budget holds `every_expert` (nothing is
-    ever missing: specter is then exactly the copy-only one, no lane thread). Every other policy only
-    copies."""
-    if policy == "host":
+    """Whether `policy` computes experts on the host lane: host_lane "misses" (policy host) always;
+    "split" (specter) on CPU (the emulated machine, where greedy decoding on both lanes is
+    resident's bits, tested) and on CUDA only when host_threads is given (opt-in: the lane's CUDA
+    path has not yet run on a GPU, and there the host's and the GPU's arithmetic round differently),
+    unless the budget holds `every_expert` (nothing is ever missing: it then runs exactly as the
+    copy-only policy, no lane thread). Every other policy only copies."""
+    lane = (get_policy(policy) if isinstance(policy, str) else policy).host_lane
+    if lane == "misses":
         return True
-    return policy == "specter" and not every_expert and (device.type == "cpu" or host_threads is not None)
+    return lane == "split" and not every_expert and (device.type == "cpu" or host_threads is not None)
 
 
 def default_driver(device: torch.device) -> str:
@@ -308,21 +255,21 @@ def _compiled_verify_step(model, k_max: int, compile: bool = True):
     return step
 
 
-def _decoder(policy, shared: Loaded, mgr, k_max):
-    """The decode loop each policy runs; all of them share the model and the offload manager."""
+def _decoder(policy: Policy, shared: Loaded, mgr, k_max):
+    """The decode loop each policy runs (its record's decoder and prefetch); all of them share the
+    model and the offload manager."""
     model, device, dt = shared.model, shared.device, shared.dtype
-    if policy in ("on-demand", "host"):
+    if policy.decoder == "plain":
+        if policy.prefetch == "next-layer":
+            mgr.next_layer_router = NextLayerPrefetch(model, mgr)
         return PlainDecoder(model, mgr, device, dt)
-    if policy == "next-layer":
-        mgr.next_layer_router = NextLayerPrefetch(model, mgr)
-        return PlainDecoder(model, mgr, device, dt)
-    if policy == "oracle":
+    if policy.decoder == "oracle":
         resident = ResidentExperts(shared.resident_experts())
         return OracleDecoder(model, mgr, resident, device, dt)
     spec = model.spec
     lookahead = Lookahead(k_max, spec.n_moe_layers, spec.top_k, device)
     draft = _draft(shared, lookahead)
-    if policy == "spec-lru":  # speculation alone: same governor, experts fetched when verification needs them
+    if policy.prefetch != "planner":  # speculation alone: same governor, experts fetched when verification needs them
         return SpeculativeDecoder(model, mgr, draft, device, dt, governor=Governor(k_max))
     planner = PrefetchPlanner(mgr, lookahead)
     if mgr.host_lane is not None:  # both lanes: the misses the planner ranks low go to the host

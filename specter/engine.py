@@ -46,9 +46,6 @@ STATS_DEFAULTS = dict(ttft_s=0.0, tpot_s=0.0, new_tokens=0, cycles=0, accepted_p
                       decode_stall_s=0.0, draft_s=0.0, verify_s=0.0, drafted_tokens=0,
                       accepted_tokens=0, rejections=0, compiled=[], h2d_path=None, cuda_graphs=None)
 
-POLICIES = ("resident", "on-demand", "next-layer", "host", "spec-lru", "specter")
-BENCH_POLICIES = POLICIES + ("oracle",)  # oracle needs the whole run in advance: benchmarks only
-
 
 @dataclass
 class GenerationOutput:

@@ -81,10 +81,10 @@ def test_offloaded_bf16_store_decodes_like_resident(bf16, monkeypatch, pool):
     """The pool holds fp32 copies of the bf16 store (upcast as they are copied), or, past
     POOL_UPCAST_MIN_BYTES, the store's bf16 bytes, upcast as each expert runs: the same values either
     way, so the tokens are resident's."""
-    import specter.builder as builder
+    import specter.offload.plan as plan
 
     if pool == "bf16":
-        monkeypatch.setattr(builder, "POOL_UPCAST_MIN_BYTES", 0)
+        monkeypatch.setattr(plan, "POOL_UPCAST_MIN_BYTES", 0)
     res = specter.load(bf16, device="cpu", policy="resident")
     off = specter.load(bf16, device="cpu", policy="on-demand", residency=0.25)
     try:
@@ -99,7 +99,7 @@ def test_offloaded_bf16_store_decodes_like_resident(bf16, monkeypatch, pool):
 
 
 def test_pool_dtype():
-    from specter.builder import POOL_UPCAST_MIN_BYTES as big, pool_dtype
+    from specter.offload.plan import POOL_UPCAST_MIN_BYTES as big, pool_dtype
 
     f32, bf, fp16 = torch.float32, torch.bfloat16, torch.float16
     assert pool_dtype(CPU, bf, f32, 1, big // 4 + 1) == bf and pool_dtype(CPU, fp16, f32, 2, big // 8 + 1) == fp16
@@ -337,7 +337,7 @@ def test_cpu_plan_counts_the_emulated_device_in_host_memory(tmp_path, bf16):
     wants = []
     for path, aliased in ((tmp_path, True), (bf16, False)):
         spec, dtype, numel, _ = describe(path)
-        plan = make_plan(spec, numel, torch.float32, residency=0.25)
+        plan = make_plan(spec, numel, torch.float32, residency=0.25, device="cpu", store_dtype=dtype)
         embed = spec.vocab_size * spec.hidden * 2
         wants.append(plan.total_bytes - embed - (plan.slot_pool_bytes if aliased else 0))
         assert emulated_device_bytes(plan, spec, dtype, torch.float32) == wants[-1]
@@ -367,9 +367,9 @@ CHILD = textwrap.dedent("""
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     path, policy, cache = sys.argv[1:]
-    import specter.builder
+    import specter.offload.plan
     draft.DENSE_MAX_BYTES = 0  # this size keeps a dense draft and a real fp32 pool; a real checkpoint does not
-    specter.builder.POOL_UPCAST_MIN_BYTES = 0  # (packed draft; the pool aliases the bf16 store)
+    specter.offload.plan.POOL_UPCAST_MIN_BYTES = 0  # (packed draft; the pool aliases the bf16 store)
     w = specter.load(None, device="cpu", policy=policy, residency=0.25, threads=1, draft_cache=cache)
     w.generate([1, 2, 3], max_new_tokens=2)  # imports, allocator, compiled paths
     w.close()

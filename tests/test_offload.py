@@ -23,6 +23,7 @@ import torch
 
 import specter
 import specter.builder as builder
+import specter.offload.plan as plan
 import specter.offload.manager as manager_mod
 from specter import sansio
 from specter.moe import ExpertWeights, ResidentExperts
@@ -496,13 +497,13 @@ def test_an_aliased_pool_holds_no_bytes_and_reads_only_landed_experts():
 # ---------------------------------------------------------------------------------- through the engine
 @pytest.mark.parametrize("policy", ["on-demand", "next-layer", "spec-lru", "specter"])
 def test_aliased_pool_decodes_like_the_copying_pool(tiny, emulated_link, monkeypatch, policy):
-    """A big model's CPU pool aliases the store (builder.alias_pool); forced on a tiny one, every
+    """A big model's CPU pool aliases the store (offload/plan.py's alias_pool); forced on a tiny one, every
     policy gives the copying pool's tokens and the very same logits, at every forward."""
     path, _ = tiny("qwen2_moe", mlp_only_layers=[0])
     emulated_link(bandwidth=20e6, latency=1e-3)  # copies in flight across layers
     runs = []
     for alias in (False, True):
-        monkeypatch.setattr(builder, "alias_pool", lambda *a, alias=alias, **k: alias)
+        monkeypatch.setattr(plan, "alias_pool", lambda *a, alias=alias, **k: alias)
         engine = specter.load(path, device="cpu", policy=policy, residency=0.25, draft_cache="off")
         mgr = getattr(engine.decoder, "experts", None) or engine.decoder.target
         assert mgr.alias is alias and mgr.pool[0].w13.is_meta is alias
@@ -554,7 +555,7 @@ def test_engine_invariants_on_a_slow_link(tiny, resident_tokens, emulated_link, 
                                           alias):
     arch, kw = case
     path, ref = tiny(arch, **kw)
-    monkeypatch.setattr(builder, "alias_pool", lambda *a, **k: alias)
+    monkeypatch.setattr(plan, "alias_pool", lambda *a, **k: alias)
     emulated_link(bandwidth=20e6, latency=1e-3)  # 24 KiB experts: ~2 ms a copy, in flight across layers
     engine = specter.load(path, device="cpu", policy=policy, residency=0.25, driver=driver)
     try:

@@ -28,7 +28,7 @@ def test_wheel_carries_subpackages_profiles_and_default_model(tmp_path):
     wheel = next(tmp_path.glob("specter-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     for must in ("specter/compiled/__init__.py", "specter/triton_ops/__init__.py",
-                 "specter/profiles/A100-40GB-PCIe4.json", "specter/cli.py"):
+                 "specter/profiles/A100-40GB-PCIe4.json", "specter/cli/__init__.py"):
         assert must in names, must
     if (ROOT / "specter" / "default_model" / "model.safetensors").exists():
         assert "specter/default_model/model.safetensors" in names

@@ -5,6 +5,10 @@
 
 A budget is a residency fraction, a slot-pool byte budget, or a whole-device byte budget. Any that
 cannot hold one layer's top-k experts is refused: a single token would not fit.
+
+The plan also makes the dtype decisions, once, for whoever builds from it: the compute dtype
+(compute_dtype), the slot pool's dtype (pool_dtype) and whether the pool has bytes of its own or
+reads rows in place (alias_pool, MemoryPlan.pool_rows).
 """
 from __future__ import annotations
 
@@ -15,9 +19,62 @@ import torch
 
 from ..config import ModelSpec
 from ..errors import BudgetError, ConfigError
+from ..policy import get as get_policy
 from ..sizes import format_size, parse_size
+from .staging import aligned, describe as describe_staging
+from .store import pin_wanted, store_bytes
 
 INT4_GROUP = 128
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def compute_dtype(device: torch.device, storage: torch.dtype, dtype=None) -> torch.dtype:
+    """fp32 on CPU (exact, and what CPUs are fast at); the checkpoint's 16-bit dtype on CUDA."""
+    if dtype is not None:
+        if isinstance(dtype, str):
+            if dtype not in _DTYPES:
+                raise ConfigError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+            return _DTYPES[dtype]
+        return dtype
+    if device.type == "cpu":
+        return torch.float32
+    return storage if storage in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+# On CPU a slot pool that would take more than this in the compute dtype holds the store's narrower
+# dtype instead. Below it the pool stays in the compute dtype: converting an expert as it runs costs
+# little at real shapes, into a reused buffer, but its per-call overhead slows a small model's decode
+# (and the emulated link calibrated on it) several times over (docs/RESULTS.md).
+POOL_UPCAST_MIN_BYTES = 256 << 20
+
+
+def _is_cpu(device) -> bool:
+    return device is not None and torch.device(device).type == "cpu"
+
+
+def pool_dtype(device, storage: torch.dtype, compute: torch.dtype, slots: int = 0,
+               expert_numel: int = 0) -> torch.dtype:
+    """The slot pool's dtype. CUDA: the compute dtype (the kernels read it; copies convert on the
+    device). CPU: the store's dtype when it is narrower and a compute-dtype pool of `slots` experts
+    would pass POOL_UPCAST_MIN_BYTES; the torch backend converts each expert it runs into the compute
+    dtype, which gives the very values a converting copy would have put in the pool (bf16 -> fp32
+    is exact), and the emulated device's memory is the host's."""
+    if not _is_cpu(device) or storage.itemsize >= compute.itemsize:
+        return compute
+    return storage if slots * expert_numel * compute.itemsize > POOL_UPCAST_MIN_BYTES else compute
+
+
+def alias_pool(device, compute: torch.dtype, slots: int, expert_numel: int, every_expert: bool = False) -> bool:
+    """Whether the slot pool aliases the host store (OffloadedExperts(alias=True)): on CPU, past the
+    same POOL_UPCAST_MIN_BYTES, the emulated device is host memory and a pool would be a second copy
+    of experts the store already holds, so compute reads the store's rows and copies are only timed.
+    Small models keep a real pool, so the slot and copy races stay exercised by real bytes -- except
+    when the budget holds `every_expert`: nothing is ever copied after warm-up then, and compute
+    reads the very tensors the resident policy reads (Loaded.resident_experts), not a pool copy of
+    them whose speed depends on where its pages fell."""
+    return _is_cpu(device) and (every_expert or slots * expert_numel * compute.itemsize > POOL_UPCAST_MIN_BYTES)
 
 
 def draft_expert_bytes(spec: ModelSpec) -> int:
@@ -40,6 +97,14 @@ class MemoryPlan:
     slots_per_layer: int
     slot_pool_bytes: int
     total_bytes: int
+    pool_dtype: str              # the slot pool's (pool_dtype): the compute dtype, or a CPU pool in the store's
+    pool_rows: str               # what compute reads: "own" (the pool's copies) | "store" (the store's rows in
+    #                              place, alias_pool) | "resident" (every expert, in place in the resident copy)
+
+    @property
+    def aliased(self) -> bool:
+        """The pool holds no copies of its own (OffloadedExperts(alias=True))."""
+        return self.pool_rows != "own"
 
     @property
     def residency(self) -> float:
@@ -53,8 +118,8 @@ class MemoryPlan:
             ("non-expert weights (always on device)", self.non_expert_bytes),
             (f"draft experts (INT4, g{INT4_GROUP})", self.draft_bytes),
             (f"KV cache ({self.context} tokens)", self.kv_bytes),
-            (f"slot pool ({self.n_moe_layers} layers x {self.slots_per_layer} slots x {format_size(self.expert_bytes)})",
-             self.slot_pool_bytes),
+            (f"slot pool ({self.n_moe_layers} layers x {self.slots_per_layer} slots x {format_size(self.expert_bytes)}"
+             + (f" {self.pool_dtype}" if self.pool_dtype != self.dtype else "") + ")", self.slot_pool_bytes),
             ("total on device", self.total_bytes),
         ]
         w = max(len(r[0]) for r in rows)
@@ -78,49 +143,66 @@ def non_expert_numel(spec: ModelSpec, total_numel: int) -> int:
 
 def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residency: float | None = None,
               expert_memory=None, device_memory=None, context: int | None = None, draft: bool = True,
-              pool_dtype: torch.dtype | None = None) -> MemoryPlan:
+              device=None, store_dtype: torch.dtype | None = None, compressed: bool = False) -> MemoryPlan:
     """`total_numel`: parameters in the checkpoint. At most one of the three budgets; none = all resident.
-    `pool_dtype`: the slot pool's, when it is not the compute dtype (a CPU pool in the store's bf16)."""
+    `device`, `store_dtype`, `compressed` (the store losslessly coded): what the pool decisions depend
+    on. On CPU a big pool holds the store's narrower dtype (pool_dtype: a byte budget then buys more
+    slots) and aliases the store (alias_pool); elsewhere, or with `device` None, the pool holds its
+    own copies in the compute dtype."""
     given = [b for b in (residency, expert_memory, device_memory) if b is not None]
     if len(given) > 1:
         raise ConfigError("give one budget: residency, expert_memory or device_memory")
     item = torch.empty((), dtype=dtype).element_size()
-    E, k, L = spec.n_experts, spec.top_k, spec.n_moe_layers
-    expert = spec.expert_numel() * (pool_dtype.itemsize if pool_dtype is not None else item)
+    E, k, L, numel = spec.n_experts, spec.top_k, spec.n_moe_layers, spec.expert_numel()
     context = min(context or spec.max_position, spec.max_position)
     fixed = dict(non=non_expert_numel(spec, total_numel) * item,
                  draft=L * E * draft_expert_bytes(spec) if draft else 0,
                  kv=kv_bytes_per_token(spec, item) * context)
-    if residency is not None:
-        if isinstance(residency, bool) or not (isinstance(residency, (int, float)) and 0 < residency <= 1):
-            raise ConfigError(f"residency must be a fraction in (0, 1], got {residency!r}")
-        slots = math.ceil(residency * E - 1e-9)
-        what = f"residency {residency}"
-    elif expert_memory is not None:
-        slots = parse_budget(expert_memory, "expert_memory") // max(L * expert, 1)
-        what = f"expert_memory {format_size(parse_budget(expert_memory, 'expert_memory'))}"
-    elif device_memory is not None:
-        left = parse_budget(device_memory, "device_memory") - sum(fixed.values())
-        if left < 0:
-            raise BudgetError(
-                f"device_memory {format_size(parse_budget(device_memory, 'device_memory'))} cannot even hold the "
-                f"non-expert weights, draft and KV cache ({format_size(sum(fixed.values()))}); "
-                f"raise it or shorten the context")
-        slots = left // max(L * expert, 1)
-        what = f"device_memory {format_size(parse_budget(device_memory, 'device_memory'))}"
-    else:
-        slots, what = E, "all resident"
-    slots = min(slots, E)
+    slots, what = _slots(E, L * numel * item, fixed, residency, expert_memory, device_memory)
+    store = store_dtype if store_dtype is not None else dtype
+    pdt = pool_dtype(device, store, dtype, L * slots, numel)
+    if pdt != dtype:  # the same budget in bytes holds more experts of the narrower dtype
+        slots, what = _slots(E, L * numel * pdt.itemsize, fixed, residency, expert_memory, device_memory)
+    expert = numel * pdt.itemsize
     if L and slots < k:
         need = k * L * expert
         raise BudgetError(
             f"{what} gives {slots} expert slot(s) per layer, but one token needs top-{k} = {k} experts in each "
             f"layer: at least {format_size(need)} of slot pool ({k / E:.3f} residency) is required")
+    every = slots >= E
+    # compute cannot read coded rows: a compressed store's pool copies (and decodes) into its own slots
+    rows = "own" if compressed or not alias_pool(device, dtype, L * slots, numel, every_expert=every) else \
+        "resident" if every and pdt != store else "store"
     pool = L * slots * expert
-    return MemoryPlan(dtype=str(dtype).replace("torch.", ""), non_expert_bytes=fixed["non"], expert_bytes=expert,
+    return MemoryPlan(dtype=_name(dtype), non_expert_bytes=fixed["non"], expert_bytes=expert,
                       draft_bytes=fixed["draft"], kv_bytes=fixed["kv"], context=context, n_moe_layers=L,
                       n_experts=E, top_k=k, slots_per_layer=slots, slot_pool_bytes=pool,
-                      total_bytes=pool + sum(fixed.values()))
+                      total_bytes=pool + sum(fixed.values()), pool_dtype=_name(pdt), pool_rows=rows)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _slots(E: int, layer_bytes: int, fixed: dict, residency, expert_memory, device_memory) -> tuple[int, str]:
+    """Expert slots a layer (at most E) that the budget buys, an expert slot across the layers taking
+    `layer_bytes`; and the budget in words."""
+    if residency is not None:
+        if isinstance(residency, bool) or not (isinstance(residency, (int, float)) and 0 < residency <= 1):
+            raise ConfigError(f"residency must be a fraction in (0, 1], got {residency!r}")
+        return min(math.ceil(residency * E - 1e-9), E), f"residency {residency}"
+    if expert_memory is not None:
+        budget = parse_budget(expert_memory, "expert_memory")
+        return min(budget // max(layer_bytes, 1), E), f"expert_memory {format_size(budget)}"
+    if device_memory is not None:
+        budget = parse_budget(device_memory, "device_memory")
+        left = budget - sum(fixed.values())
+        if left < 0:
+            raise BudgetError(
+                f"device_memory {format_size(budget)} cannot even hold the non-expert weights, draft and KV cache "
+                f"({format_size(sum(fixed.values()))}); raise it or shorten the context")
+        return min(left // max(layer_bytes, 1), E), f"device_memory {format_size(budget)}"
+    return E, "all resident"
 
 
 def parse_budget(value, name: str) -> int:
@@ -144,23 +226,16 @@ class HostNeeds:
 def emulated_device_bytes(plan: MemoryPlan, spec: ModelSpec, store_dtype: torch.dtype, compute: torch.dtype) -> int:
     """On CPU the device is host memory: what the emulated device adds beside the expert store. The
     plan counts what a GPU would hold; the CPU keeps a narrower checkpoint's input embedding in its
-    own dtype (model.Embedding), and a big model's slot pool aliases the store, as does one that
-    holds every expert of a checkpoint already in the compute dtype (builder.alias_pool)."""
-    from ..builder import alias_pool
-
+    own dtype (model.Embedding), and a pool that reads the store's rows in place (plan.pool_rows,
+    from a plan made for the CPU) adds nothing."""
     embed = spec.vocab_size * spec.hidden * max(0, compute.itemsize - store_dtype.itemsize)
-    aliased = alias_pool(torch.device("cpu"), compute, plan.n_moe_layers * plan.slots_per_layer, spec.expert_numel(),
-                         every_expert=plan.slots_per_layer >= plan.n_experts and store_dtype == compute)
-    return plan.total_bytes - embed - (plan.slot_pool_bytes if aliased else 0)
+    return plan.total_bytes - embed - (plan.slot_pool_bytes if plan.pool_rows == "store" else 0)
 
 
 def host_needs(spec: ModelSpec, store_dtype: torch.dtype, device_type: str, draft: bool = True,
                pin: bool | None = None) -> HostNeeds:
     """`pin`: whether a CUDA load pins the store (default: unless SPECTER_PIN_STORE=0); if not, copies go
     through CudaLink's two staging buffers, each one expert of the store."""
-    from .staging import aligned, describe
-    from .store import pin_wanted, store_bytes
-
     store = store_bytes(spec, store_dtype)
     drafts = spec.n_moe_layers * spec.n_experts * draft_expert_bytes(spec) if draft else 0
     if device_type != "cuda":
@@ -169,7 +244,7 @@ def host_needs(spec: ModelSpec, store_dtype: torch.dtype, device_type: str, draf
     staging = aligned(2 * spec.expert_inter * spec.hidden * item) + aligned(spec.hidden * spec.expert_inter * item)
     if pin_wanted() if pin is None else pin:
         return HostNeeds(store, store, drafts, h2d_path="pinned store", staging_bytes=staging)
-    return HostNeeds(store, 2 * staging, drafts, h2d_path=describe(staging), staging_bytes=staging)
+    return HostNeeds(store, 2 * staging, drafts, h2d_path=describe_staging(staging), staging_bytes=staging)
 
 
 @dataclass
@@ -196,7 +271,7 @@ class Fit:
 
 def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *, policy: str = "specter",
         context: int | None = None) -> Fit:
-    draft = policy in ("spec-lru", "specter")
+    draft = get_policy(policy).drafts
     budget = parse_budget(device_memory, "device_memory")
     item = torch.empty((), dtype=dtype).element_size()
     L, E, k, expert = spec.n_moe_layers, spec.n_experts, spec.top_k, spec.expert_numel() * item

@@ -1,0 +1,50 @@
+"""The `specter` command line: the parser and main(); one module per command family.
+
+    options.py    flags shared by several commands, and the engine they load
+    generate.py   generate, chat
+    plan.py       plan
+    bench.py      bench
+    profile.py    profile (and --trace)
+    serve.py      serve
+
+User errors print one line on stderr and exit 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .. import __version__
+from ..errors import SpecterError
+from . import bench, generate, plan, profile, serve
+from .generate import summary_line
+from .options import engine_options
+
+__all__ = ["build_parser", "main", "engine_options", "summary_line"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specter", description="Lossless speculative expert offloading for MoE LLMs")
+    ap.add_argument("--version", action="version", version=f"specter {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True)
+    for command in (generate, plan, bench, profile, serve):  # the order `specter --help` lists them in
+        command.add_parsers(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecterError as e:
+        print(f"specter: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # the reader left (`specter generate ... | head -2`): stop quietly, like any filter
+        try:  # and keep Python's final flush of stdout from failing again at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141  # 128 + SIGPIPE, what a shell reports for a filter stopped by a closed pipe

@@ -1,0 +1,64 @@
+"""`specter bench`: several policies side by side on the same prompts (specter/bench.py runs them)."""
+from __future__ import annotations
+
+import json
+
+from ..bench import format_table, read_prompts, run_bench
+from ..errors import ConfigError
+from ..plot import residency_sweep
+from ..policy import BENCH_POLICIES
+from .options import engine_options, model_args, policy_help
+
+
+def add_parsers(sub) -> None:
+    bn = sub.add_parser("bench", help="run several policies side by side on the same prompts")
+    bn.add_argument("--policies", default=",".join(BENCH_POLICIES),
+                    help="comma-separated policies to compare; the first is the reference for token equality "
+                         f"(default: all {len(BENCH_POLICIES)}: {policy_help(bench=True)})")
+    model_args(bn, policy=False)
+    bn.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (default 64)")
+    bn.add_argument("--prompts", default=None, help="file: one prompt a line, or a .json list")
+    bn.add_argument("--workload", default=None,
+                    help="built-in prompt set: default (4 short prompts) | diverse (12 prompts in domains the "
+                         "bundled model never saw; run it sampled too: --temperature 1.0 --top-p 0.95)")
+    bn.add_argument("--repeat", type=int, default=1, help="passes over the prompts (default 1)")
+    bn.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; tokens are compared)")
+    bn.add_argument("--top-p", type=float, default=1.0, help="nucleus mass kept when sampling (default 1 = off)")
+    bn.add_argument("--top-k", type=int, default=0, help="likeliest tokens kept when sampling (default 0 = off)")
+    bn.add_argument("--seed", type=int, default=0, help="sampling seed of every generation (default 0)")
+    bn.add_argument("--plot", default=None, help="PNG: TPOT per policy across residencies 1/8, 1/4, 1/2, 1")
+    bn.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    bn.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise ConfigError("--policies is empty")
+    if args.repeat < 1 or args.max_new_tokens < 1:
+        raise ConfigError("--repeat and --max-new-tokens must be >= 1")
+    prompts = read_prompts(args.prompts, args.workload)
+    kw = dict(prompts=prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat, device=args.device,
+              link=args.link)
+    kw["sampling"] = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    kw.update(engine_options(args))
+    if args.plot:
+        sweep = residency_sweep(args.model, policies, args.plot, **kw)
+        if args.json:
+            print(json.dumps(sweep))
+        return 0
+    residency = args.residency
+    if residency is None and args.expert_memory is None:
+        residency = 0.25  # a budget where offloading matters; everything resident would tie every policy
+    res = run_bench(args.model, policies, residency=residency, expert_memory=args.expert_memory, **kw)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        budget = f"expert_memory {args.expert_memory}" if args.expert_memory else f"residency {residency:g}"
+        mode = "greedy" if not args.temperature else f"sampling (temperature {args.temperature:g}, " \
+            f"top-p {args.top_p:g}, top-k {args.top_k}, seed {args.seed})"
+        workload = f"workload {args.workload or 'default'}" if args.prompts is None else args.prompts
+        print(f"link: {res['link']}, {budget}, {workload}: {res['prompts']} prompts x {res['repeat']}, "
+              f"{res['max_new_tokens']} new tokens, {mode}")
+        print(format_table(res))
+    return 0

@@ -1,0 +1,128 @@
+"""`specter generate` and `specter chat`: a continuation, or a conversation, streamed to the terminal."""
+from __future__ import annotations
+
+import json
+import sys
+
+from ..errors import ConfigError, SpecterError
+from .options import load_engine, model_args, sampling_args, sampling_kwargs, token_ids
+
+
+def add_parsers(sub) -> None:
+    g = sub.add_parser("generate", help="generate a continuation, streamed to the terminal")
+    g.add_argument("prompt", nargs="?", help="the prompt (default: read standard input)")
+    g.add_argument("--prompt-ids", type=token_ids, default=None, metavar="IDS",
+                   help="the prompt as token ids, e.g. 1,2,3 (for checkpoints without a tokenizer; output is then "
+                        "token ids too)")
+    g.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the checkpoint's chat template")
+    g.add_argument("--system", default=None, help="a system message before the prompt (implies --chat)")
+    model_args(g)
+    sampling_args(g)
+    g.add_argument("--json", action="store_true", help='print one JSON object {"text", "token_ids", "stats"}')
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="an interactive chat through the checkpoint's chat template")
+    c.add_argument("--system", default=None, help="a system message at the start of the conversation")
+    model_args(c)
+    sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+
+
+def summary_line(stats: dict) -> str:
+    """One line after a streamed generation: speed, then what offloading and speculation did."""
+    n, tpot = stats.get("new_tokens", 0), stats.get("tpot_s", 0.0)
+    parts = [f"{n} tokens", f"TTFT {stats.get('ttft_s', 0) * 1e3:.0f} ms",
+             f"TPOT {tpot * 1e3:.1f} ms ({1 / tpot if tpot else 0:.1f} tok/s)", f"policy {stats.get('policy')}"]
+    uses = stats.get("expert_hits", 0) + stats.get("expert_misses", 0)
+    if stats.get("expert_misses"):
+        parts.append(f"expert hit rate {stats['expert_hits'] / uses:.0%}, "
+                     f"{stats.get('h2d_bytes', 0) / 1e6:.0f} MB copied")
+    if stats.get("drafted_tokens"):
+        parts.append(f"{stats['accepted_per_cycle']:.1f} drafted tokens accepted a cycle "
+                     f"(alpha {stats['acceptance_rate']:.2f})")
+    if stats.get("sampling"):
+        parts.append(stats["sampling"] + (" (the model's generation_config.json)"
+                                          if stats.get("sampling_from") == "model" else ""))
+    return "[" + ", ".join(parts) + "]"
+
+
+def _prompt(args):
+    """The prompt from the arguments: text, --prompt-ids, or standard input; --chat/--system wrap it."""
+    if args.prompt_ids is not None:
+        if args.prompt is not None:
+            raise ConfigError("give the prompt as text or as --prompt-ids, not both")
+        if args.chat or args.system is not None:
+            raise ConfigError("--chat/--system render text through the chat template; --prompt-ids are already tokens")
+        return args.prompt_ids
+    prompt = args.prompt
+    if prompt is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise SpecterError('no prompt: pass one, e.g. specter generate "def add(a, b):", or pipe it on stdin')
+        prompt = sys.stdin.read()
+    if args.chat or args.system is not None:
+        system = [] if args.system is None else [{"role": "system", "content": args.system}]
+        return system + [{"role": "user", "content": prompt}]
+    return prompt
+
+
+def cmd_generate(args) -> int:
+    prompt = _prompt(args)
+    engine = load_engine(args)
+    kw = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, **sampling_kwargs(args))
+    try:
+        if args.json:
+            out = engine.generate(prompt, **kw)
+            print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats}))
+            return 0
+        stats: dict = {}
+        if engine.tokenizer is None:  # no text to show: the new token ids, as they are committed
+            pieces = (" ".join(map(str, ids)) + " " for ids in engine.stream_ids(prompt, stats=stats, **kw))
+        else:
+            pieces = engine.stream(prompt, stats=stats, **kw)
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(summary_line(stats), file=sys.stderr)
+        return 0
+    finally:
+        engine.close()
+
+
+def cmd_chat(args) -> int:
+    """One line from standard input is one user turn; the reply streams to standard output. `/reset`
+    starts over, `/exit` (or end of input) ends. An error in one turn is reported and the chat goes on."""
+    engine = load_engine(args)
+    try:
+        if not getattr(engine.tokenizer, "chat_template", None):
+            engine.encode([{"role": "user", "content": ""}])  # raises the engine's own clear error
+        start = [] if args.system is None else [{"role": "system", "content": args.system}]
+        messages = list(start)
+        kw = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, **sampling_kwargs(args))
+        interactive = sys.stdin.isatty()
+        while True:
+            if interactive:
+                print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line or line.strip() == "/exit":
+                return 0
+            if line.strip() == "/reset":
+                messages = list(start)
+                continue
+            turn = messages + [{"role": "user", "content": line.rstrip("\n")}]
+            reply = []
+            try:
+                for piece in engine.stream(turn, **kw):
+                    reply.append(piece)
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            except SpecterError as e:  # e.g. the conversation outgrew the context: say so, keep chatting
+                print(f"specter: error: {e} (/reset starts over)", file=sys.stderr)
+                continue
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            messages = turn + [{"role": "assistant", "content": "".join(reply)}]
+    finally:
+        engine.close()

@@ -1,0 +1,144 @@
+"""Flags more than one command takes, their argparse types, and the engine they load."""
+from __future__ import annotations
+
+import argparse
+
+import specter
+
+from ..errors import ConfigError
+from ..policy import BENCH_POLICIES, POLICIES, get as get_policy, names as policy_names
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
+def token_ids(text: str) -> list[int]:
+    """argparse type: "1,2,3" or "1 2 3" -> [1, 2, 3]."""
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids such as 1,2,3, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one token id")
+    return ids
+
+
+def policy_help(what: str = "", bench: bool = False) -> str:
+    """`--policy`'s help: the table's names (specter/policy.py), then `what`."""
+    return " | ".join(BENCH_POLICIES if bench else POLICIES) + (f" ({what})" if what else "")
+
+
+def model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
+    """The model, device, policy, budget and engine flags of generate, chat, serve and bench."""
+    p.add_argument("--model", default=None, help="local Hugging Face model directory (default: the bundled model)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="compute dtype (default: float32 on CPU, the checkpoint's 16-bit dtype on CUDA)")
+    if policy:
+        p.add_argument("--policy", default="specter", help=policy_help("default: specter"))
+    p.add_argument("--residency", type=float, default=None,
+                   help="fraction of each layer's experts kept on the device, in (0, 1] (offloading policies)")
+    p.add_argument("--expert-memory", default=None,
+                   help="device bytes for the expert slot pool, e.g. 6GiB (offloading policies)")
+    p.add_argument("--link", default=None, help="CPU only: link profile of the emulated PCIe link (see `specter profile`)")
+    p.add_argument("--host-threads", type=positive_int, default=None,
+                   help=f"policies {' and '.join(policy_names('host_lane'))}: threads of the host lane that "
+                        "computes experts not on the device (default: physical cores less one; specter on CUDA "
+                        "uses the lane only when given)")
+    p.add_argument("--k-max", type=int, default=None,
+                   help="longest draft the governor may choose (default 32; 0 = never speculate)")
+    p.add_argument("--draft-cache", default=None,
+                   help="directory of the INT4 draft cache, or 'off' (default: $SPECTER_DRAFT_CACHE, else "
+                        "~/.cache/specter/drafts)")
+    p.add_argument("--compress-experts", action="store_true",
+                   help="keep the host store's experts losslessly coded (bf16 checkpoints): copies move the coded "
+                        "bytes and decode into the slot as they land; the same tokens")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the draft's one-token step and the verifier's non-expert pieces with "
+                        "torch.compile (default: on CUDA, with CUDA graphs; off on CPU, where the compile at "
+                        "every load costs more than a short generation gains; docs/RESULTS.md)")
+    p.add_argument("--driver", choices=("sync", "async"), default=None,
+                   help="how a generation is driven: blocking waits, or an asyncio event loop that awaits "
+                        "copies and plans in a task while the draft runs (default: async on CUDA, sync on CPU, "
+                        "where the loop has nothing to overlap; docs/RESULTS.md)")
+
+
+def sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    s = p.add_argument_group("sampling", "With none of these (--seed aside), the model's own settings apply: its "
+                                         "generation_config.json, greedy if it has none. With any, exactly those "
+                                         "apply, the rest at the neutral values shown.")
+    t = s.add_mutually_exclusive_group()
+    t.add_argument("--greedy", action="store_true", help="always the likeliest token (the same as --temperature 0)")
+    t.add_argument("--temperature", type=float, default=None, help="0 = greedy (neutral value 0)")
+    s.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep this much mass, in (0, 1] "
+                                                             "(neutral 1 = off)")
+    s.add_argument("--top-k", type=int, default=None, help="keep the K likeliest tokens (neutral 0 = off)")
+    s.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens below MIN_P x the likeliest token's probability, in [0, 1] (neutral 0 = off)")
+    s.add_argument("--repetition-penalty", type=float, default=None,
+                   help="> 1 discourages tokens of the prompt and output (neutral 1 = off)")
+    s.add_argument("--presence-penalty", type=float, default=None,
+                   help="[-2, 2]: subtracted once from each generated token's logit (neutral 0)")
+    s.add_argument("--frequency-penalty", type=float, default=None,
+                   help="[-2, 2]: subtracted per occurrence among generated tokens (neutral 0)")
+    s.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one each run)")
+    p.add_argument("--stop", action="append", default=None,
+                   help="stop string: the text ends before it (repeatable)")
+
+
+def sampling_kwargs(args) -> dict:
+    """generate()'s sampling keywords from sampling_args' flags; None = not given (the engine then
+    applies the model's own settings if no flag was given at all)."""
+    return dict(temperature=0.0 if args.greedy else args.temperature, top_p=args.top_p, top_k=args.top_k,
+                min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, seed=args.seed)
+
+
+def engine_options(args) -> dict:
+    """specter.load options from model_args' flags that have no value of their own by default."""
+    opts = {} if args.k_max is None else {"k_max": args.k_max}
+    if args.compile is not None:
+        opts["compile"] = args.compile
+    if getattr(args, "driver", None):
+        opts["driver"] = args.driver
+    if getattr(args, "dtype", None):
+        opts["dtype"] = args.dtype
+    if getattr(args, "draft_cache", None) is not None:
+        opts["draft_cache"] = args.draft_cache
+    if getattr(args, "compress_experts", False):
+        opts["compress_experts"] = True
+    if getattr(args, "host_threads", None) is not None:
+        opts["host_threads"] = args.host_threads
+    return opts
+
+
+# Flags that only some policies read, and the Policy field that says which: given to any other
+# policy they would be ignored, so they are refused.
+FLAG_USERS = (("--k-max", "k_max", "drafts"), ("--compile", "compile", "drafts"),
+              ("--host-threads", "host_threads", "host_lane"), ("--link", "link", "offloads"))
+
+
+def load_engine(args, policy: str | None = None):
+    """specter.load from model_args' flags, refusing a flag the policy would ignore."""
+    policy = policy or args.policy
+    pol = get_policy(policy)
+    for flag, dest, field in FLAG_USERS:
+        value = getattr(args, dest)
+        if (value is not None and value is not False) and not getattr(pol, field):
+            users = "; ".join(f"{'/'.join(f for f, _, w in FLAG_USERS if w == fld)}: {', '.join(policy_names(fld))}"
+                              for fld in dict.fromkeys(w for _, _, w in FLAG_USERS))
+            raise ConfigError(f"policy {policy!r} does not use {flag}, so it would be ignored; drop it or pick a "
+                              f"policy that does ({users})")
+    return specter.load(args.model, device=args.device, policy=policy, residency=args.residency,
+                        expert_memory=args.expert_memory, link=args.link, **engine_options(args))

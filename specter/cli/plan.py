@@ -1,0 +1,181 @@
+"""`specter plan`: the device memory plan and the host's needs, from the weights' headers or from
+config.json alone (it answers before anything is downloaded); with --device-memory, whether it
+fits and what to change."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from .. import default_model_path, resolve_device
+from ..compiled.verify_step import graph_plan
+from ..errors import ConfigError
+from ..loader import describe
+from ..offload.calibrate import emulated_host_params, load_profile
+from ..offload.coded import coded_store_bytes
+from ..offload.plan import compute_dtype, emulated_device_bytes, fit, host_needs, make_plan
+from ..offload.staging import describe as describe_staging
+from ..policy import get as get_policy, names as policy_names
+from ..sizes import format_size
+from .options import policy_help, positive_int
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("plan", help="device memory plan and host needs, from config.json alone if need be; "
+                                    "with --device-memory: does it fit, and what to change")
+    p.add_argument("--model", default=None, help="local Hugging Face model directory (default: the bundled model)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]: the device to plan for (default: auto)")
+    b = p.add_mutually_exclusive_group()
+    b.add_argument("--residency", type=float, default=None, help="fraction of each layer's experts on device")
+    b.add_argument("--expert-memory", default=None, help="slot pool budget, e.g. 6GiB")
+    b.add_argument("--device-memory", default=None, help="whole-device budget, e.g. 16GiB")
+    p.add_argument("--context", type=positive_int, default=None, help="KV cache tokens (default: the model's context)")
+    p.add_argument("--policy", default="specter",
+                   help=policy_help(f"the policy to plan for, default specter; a draft only with "
+                                    f"{'/'.join(policy_names('drafts'))}", bench=True))
+    p.add_argument("--compress-experts", action="store_true",
+                   help="the host store losslessly coded (bf16 checkpoints): its size, measured from the weights")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args) -> int:
+    pol = get_policy(args.policy)
+    path = args.model or default_model_path()
+    spec, store_dtype, numel, weights = describe(path)
+    device = _plan_device(args.device, args.device_memory is not None)
+    dtype = compute_dtype(device, store_dtype)
+    host = host_needs(spec, store_dtype, device.type, draft=pol.drafts)
+    coded = _coded_store(path, weights, host) if args.compress_experts else None
+    head = f"model {path} ({spec.arch}), stored {str(store_dtype)[6:]} " \
+           f"({'weights' if weights else 'config.json only'}), computed {str(dtype)[6:]} on {device.type}"
+    hosts = f"host memory: expert store {format_size(host.store_bytes)} (pinned {format_size(host.pinned_bytes)}), " \
+            f"draft cache {format_size(host.draft_cache_bytes)} on disk"
+    if coded is not None:  # the store's size above is the coded one
+        hosts = hosts.replace("expert store", "expert store (losslessly coded: "
+                              f"{coded / host.raw_store_bytes:.2f}x of bf16's {format_size(host.raw_store_bytes)})", 1)
+    copies = f"host->device copies: {host.h2d_path}"
+    if host.h2d_path == "pinned store":
+        copies += f" (if the host cannot pin it: {describe_staging(host.staging_bytes)})"
+    graphs = _graph_plan(spec, device, pol.drafts, dtype)
+    if graphs is not None:  # one more line under the copies
+        copies += f"\nCUDA graphs (compiled draft and verifier): {graphs['recordings']} recorded per generating " \
+                  f"thread and KV cache size, before its first generation there (verifier {graphs['widths']} " \
+                  f"widths x ({spec.n_layers} layers + 2), draft 2); one pool per thread, " \
+                  f"~{format_size(graphs['pool_bytes'])} (estimate; measured: stats cuda_graphs)"
+    if args.device_memory is not None:
+        f = fit(spec, numel, dtype, args.device_memory, policy=args.policy, context=args.context)
+        if args.json:
+            print(json.dumps({**f.as_dict(), "host": vars(host), "dtype": str(dtype)[6:], "cuda_graphs": graphs}))
+            return 0
+        print(head)
+        if f.fits:
+            print(f.plan.table())
+            print(f"{args.policy} runs in {format_size(f.device_memory)}: residency {f.plan.residency:.1%} "
+                  f"({f.plan.slots_per_layer} of {spec.n_experts} experts a layer on the device)")
+        else:
+            print(f"{args.policy} does NOT fit in {format_size(f.device_memory)}: it needs at least "
+                  f"{format_size(f.minimum)} at {f.context} tokens of context")
+        print(hosts)
+        print(copies)
+        for tip in f.suggestions:
+            print(f"  - {tip}")
+        return 0
+    plan = make_plan(spec, numel, dtype, residency=args.residency, expert_memory=args.expert_memory,
+                     context=args.context, draft=pol.drafts, device=device, store_dtype=store_dtype,
+                     compressed=args.compress_experts)
+    lanes = _lane_split(spec, store_dtype, plan.residency, pol.host_lane) if pol.host_lane else None
+    if lanes is not None and pol.host_lane == "misses":
+        copies += f"\nhost lane (policy {args.policy}): ~{format_size(lanes['host_bytes_per_token'])} of expert weights a " \
+                  f"token read in place on the host ({1 - plan.residency:.0%} of expert uses if routing were " \
+                  f"uniform), 0 B over PCIe after warm-up"
+    elif lanes is not None:
+        v = lanes["verification"]
+        copies += f"\ntwo lanes (policy {args.policy}; on CUDA with --host-threads): each layer's misses split so that " \
+                  f"both lanes finish together, the ones the draft predicts reuse for copied first " \
+                  f"({lanes['profile']}'s link and host, routing uniform): a plain step " \
+                  f"~{format_size(lanes['pcie_bytes_per_token'])} over PCIe and " \
+                  f"~{format_size(lanes['host_bytes_per_token'])} read in place on the host; a verification of " \
+                  f"{v['tokens']} tokens ~{format_size(v['pcie_bytes_per_token'])} and " \
+                  f"~{format_size(v['host_bytes_per_token'])} a token (the host's per-job latency is paid once " \
+                  f"for all of them)"
+    if device.type == "cpu":  # the emulated device lives in host memory
+        host.device_bytes = emulated_device_bytes(plan, spec, store_dtype, dtype)
+        hosts += f", emulated device {format_size(host.device_bytes)} (host memory on cpu: a big model's slot " \
+                 f"pool aliases the store)"
+    if args.json:
+        print(json.dumps({**plan.as_dict(), "host": vars(host), "cuda_graphs": graphs, "lanes": lanes}))
+    else:
+        print(head)
+        print(plan.table())
+        print(hosts)
+        print(copies)
+    return 0
+
+
+def _coded_store(path, weights: bool, host) -> int:
+    """--compress-experts: the coded store's bytes (every expert read once); host's store and pinned
+    bytes become the coded ones (host.raw_store_bytes keeps the bf16 size)."""
+    if not weights:
+        raise ConfigError("--compress-experts: the coded size is measured from the weights, and this "
+                          "model directory has config.json only")
+    coded, raw = coded_store_bytes(path)
+    host.raw_store_bytes = raw
+    if host.pinned_bytes == host.store_bytes:
+        host.pinned_bytes = coded
+    host.store_bytes = coded
+    return coded
+
+
+def _lane_split(spec, store_dtype, residency: float, host_lane: str = "misses", profile: str | None = None,
+                verify_tokens: int = 8) -> dict:
+    """Expected expert traffic a decoded token sends each lane, if routing were uniform. host_lane
+    "misses" (policy host): the non-resident share of its top-k uses is computed on the host from
+    the store. "split" (specter): each
+    layer's m misses are split as LaneChoice splits them, c copied and the rest hosted so that both
+    lanes finish together on the link profile's machine (memory-bound host):
+
+        c (latency + b / pcie) = host_latency + (m - c) b / host_bandwidth,   0 <= c <= m
+
+    b an expert's bytes; for a plain step (one token, m = top_k (1 - residency)) and for a verification
+    of `verify_tokens` tokens (m = the non-resident share of the E (1 - (1 - top_k / E)^T) distinct
+    experts they route to), the latter per token verified."""
+    per_token = spec.n_moe_layers * spec.top_k * spec.expert_numel() * store_dtype.itemsize
+    off = per_token * (1 - residency)
+    out = {"host_bytes_per_token": int(off), "pcie_bytes_per_token": 0, "device_bytes_per_token": int(per_token * residency)}
+    if host_lane != "split":
+        return out
+    p = load_profile(profile)
+    h = emulated_host_params(p, 1.0)  # the profiled machine's own seconds
+    b = spec.expert_numel() * store_dtype.itemsize
+    copy_s, host_s = p.latency + b / p.pcie_bandwidth, b / h.bandwidth
+
+    def split(m: float) -> tuple[int, int]:  # (copied, hosted) bytes of one layer call with m misses
+        c = min(m, max(0.0, (h.latency + m * host_s) / (copy_s + host_s))) if m > 0 else 0.0
+        return int(c * b), int((m - c) * b)
+
+    L, E, k = spec.n_moe_layers, spec.n_experts, spec.top_k
+    pcie, hosted = split(k * (1 - residency))
+    T = verify_tokens
+    vp, vh = split(E * (1 - (1 - k / E) ** T) * (1 - residency))
+    out.update(pcie_bytes_per_token=L * pcie, host_bytes_per_token=L * hosted, profile=p.name,
+               verification={"tokens": T, "pcie_bytes_per_token": L * vp // T, "host_bytes_per_token": L * vh // T})
+    return out
+
+
+def _graph_plan(spec, device, drafts: bool, dtype) -> dict | None:
+    """CUDA graphs a speculative policy records on CUDA (compiled by default there), at the default
+    K_max; None elsewhere."""
+    if device.type != "cuda" or not drafts:
+        return None
+    return graph_plan(spec.n_layers, spec.vocab_size, spec.hidden, 32, dtype.itemsize)
+
+
+def _plan_device(device: str, sized: bool):
+    """A plan is arithmetic: `cuda` needs no GPU here. auto = cuda when present or when a device size
+    is given (the question is then "will it run on that GPU"), else cpu."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() or sized else "cpu")
+    if device.startswith("cuda"):
+        return torch.device("cuda")
+    return resolve_device(device)

@@ -1,0 +1,111 @@
+"""`specter profile`: link profiles, this machine's emulated-link calibration and host lane; with
+--trace, a torch.profiler trace of a short generation."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+import specter
+
+from .. import default_model_path
+from ..builder import configure_threads
+from ..errors import ConfigError
+from ..loader import open_checkpoint
+from ..offload import calibrate, host_measure  # modules, not names: tests stand in for their measurements
+from ..offload.calibrate import available_profiles, emulated_host_params, emulated_link_params, load_profile
+from ..offload.host_lane import default_host_threads
+from ..policy import get as get_policy
+from ..profiling import trace
+from .options import policy_help, positive_int
+
+
+def add_parsers(sub) -> None:
+    pr = sub.add_parser("profile", help="list link profiles (GPU, link, host) and this machine's emulated-link "
+                                        "calibration and measured host lane; --trace: a torch.profiler trace of a "
+                                        "short generation")
+    pr.add_argument("--model", default=None, help="local Hugging Face model directory (default: the bundled model)")
+    pr.add_argument("--json", action="store_true", help="print the calibration as one JSON object")
+    pr.add_argument("--host-threads", type=positive_int, default=None,
+                    help="threads of the host lane measured (default: physical cores less one)")
+    pr.add_argument("--no-host", action="store_true", help="skip measuring this machine's host lane")
+    pr.add_argument("--trace", default=None, metavar="FILE.json",
+                    help="write a Chrome/Perfetto trace (open in ui.perfetto.dev) of a short generation, with the "
+                         "ranges draft step, plan, copy issue, verify, layer N, accept")
+    pr.add_argument("--device", default="auto", help="--trace: auto | cpu | cuda[:N] (default: auto)")
+    pr.add_argument("--policy", default="specter", help="--trace: the policy traced, " + policy_help("default: specter"))
+    pr.add_argument("--residency", type=float, default=0.25,
+                    help="--trace: fraction of each layer's experts on the device (default 0.25)")
+    pr.add_argument("--max-new-tokens", type=int, default=16, help="--trace: tokens generated (default 16)")
+    pr.add_argument("--prompt", default="def fibonacci(n):", help="--trace: the prompt (default: def fibonacci(n):)")
+    pr.set_defaults(func=cmd_profile)
+
+
+def cmd_profile(args) -> int:
+    if args.trace:
+        return cmd_trace(args)
+    spec = open_checkpoint(args.model or default_model_path()).spec
+    configure_threads(torch.device("cpu"), None)  # calibrate exactly as the engine does
+    tput = calibrate.measure_expert_throughput(spec.hidden, spec.expert_inter)
+    rows = []
+    for name in available_profiles():
+        p = load_profile(name)
+        bw, lat = emulated_link_params(p, tput)
+        h = emulated_host_params(p, p.device_memory_bandwidth / tput)
+        rows.append(dict(name=name, gpu=p.gpu, device_memory_GBps=p.device_memory_bandwidth / 1e9,
+                         pcie_GBps=p.pcie_bandwidth / 1e9, emulated_MBps=bw / 1e6, emulated_latency_us=lat * 1e6,
+                         host=p.host, host_memory_GBps=p.host_memory_bandwidth / 1e9, host_cores=p.host_cores,
+                         emulated_host_MBps=h.bandwidth / 1e6, emulated_host_latency_us=h.latency * 1e6))
+    lane = None
+    if not args.no_host:
+        lane = host_measure.measure(args.host_threads or default_host_threads())
+    if args.json:
+        print(json.dumps({"expert_throughput_GBps": tput / 1e9, "profiles": rows, "host_lane": lane}))
+        return 0
+    print(f"this machine's expert throughput (fp32, {spec.hidden}x{spec.expert_inter}): {tput / 1e9:.2f} GB/s")
+    print(f"{'profile':<18} {'mem GB/s':>9} {'PCIe GB/s':>9} {'ratio':>6} {'emulated MB/s':>13} {'latency us':>10}")
+    for r in rows:
+        print(f"{r['name']:<18} {r['device_memory_GBps']:>9.0f} {r['pcie_GBps']:>9.1f} "
+              f"{r['device_memory_GBps'] / r['pcie_GBps']:>6.0f} {r['emulated_MBps']:>13.1f} {r['emulated_latency_us']:>10.0f}")
+    print(f"\n{'profile':<18} {'host GB/s':>9} {'cores':>5} {'emulated host MB/s':>18} {'latency us':>10}  host")
+    for r in rows:
+        print(f"{r['name']:<18} {r['host_memory_GBps']:>9.1f} {r['host_cores']:>5} {r['emulated_host_MBps']:>18.1f} "
+              f"{r['emulated_host_latency_us']:>10.0f}  {r['host']}")
+    if lane is not None:
+        print(f"\nthis machine's host lane ({lane['threads']} threads): STREAM-like triad {lane['stream_GBps']:.1f} GB/s "
+              f"on {lane['stream_cores']} cores, {lane['stream_lane_threads_GBps']:.1f} GB/s on the lane's threads")
+        print(host_lane_table(lane))
+    return 0
+
+
+def host_lane_table(lane: dict) -> str:
+    """The lane's achieved GB/s per model shape, mode and T, and as a share of the triad on its threads."""
+    ref = lane["stream_lane_threads_GBps"]
+    modes = list(dict.fromkeys(r["mode"] for r in lane["lane"]))
+    Ts = sorted({r["T"] for r in lane["lane"]})
+    head = f"{'expert shape':<28} " + " ".join(f"{m + ' T=' + str(t):>15}" for m in modes for t in Ts)
+    lines = [head]
+    for model in dict.fromkeys(r["model"] for r in lane["lane"]):
+        got = {(r["mode"], r["T"]): r for r in lane["lane"] if r["model"] == model}
+        any_row = next(iter(got.values()))
+        cells = " ".join(f"{got[m, t]['GBps']:>6.1f} ({got[m, t]['GBps'] / ref:>4.0%})" for m in modes for t in Ts)
+        lines.append(f"{model + ' ' + str(any_row['hidden']) + 'x' + str(any_row['intermediate']):<28} {cells}")
+    return "\n".join(lines + ["GB/s of expert weights read (as stored); (%): of the triad on the lane's threads. "
+                               "fp32 rows are batch-invariant GEMVs, which read the weights once a token."])
+
+
+def cmd_trace(args) -> int:
+    if args.max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens must be >= 1")
+    engine = specter.load(args.model, device=args.device, policy=args.policy,
+                          residency=args.residency if get_policy(args.policy).offloads else None)
+    try:
+        prompt = args.prompt if engine.tokenizer is not None else [1, 2, 3]
+        engine.generate(prompt, max_new_tokens=2)  # warm up outside the trace
+        out = trace(args.trace, lambda: engine.generate(prompt, max_new_tokens=args.max_new_tokens),
+                    cuda=engine.device.type == "cuda")
+    finally:
+        engine.close()
+    print(f"wrote {args.trace}: {out.stats['new_tokens']} tokens, policy {args.policy} on {engine.device} "
+          f"(open in https://ui.perfetto.dev or chrome://tracing)")
+    return 0

@@ -1,0 +1,78 @@
+"""`specter serve`: the OpenAI-compatible HTTP server (specter/server) over one engine."""
+from __future__ import annotations
+
+import os
+
+from ..errors import ConfigError
+from .options import load_engine, model_args, positive_int
+
+
+def add_parsers(sub) -> None:
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                      "/v1/models, /health, /metrics)")
+    model_args(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    sv.add_argument("--max-queue", type=int, default=32,
+                    help="requests that may wait for the engine; more get 503 + Retry-After (default 32)")
+    sv.add_argument("--model-name", default=None, help="model id clients send (default: the model directory's name)")
+    sv.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                    help="require `Authorization: Bearer KEY` on /v1 routes (repeat for several keys; default: "
+                         "SPECTER_API_KEY, comma-separated, else none)")
+    sv.add_argument("--api-key-all-routes", action="store_true",
+                    help="require the key on /health and /metrics too")
+    sv.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
+                    help="comma-separated Host header values to accept, e.g. api.example.com,*.example.com "
+                         "(default: any)")
+    sv.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (default: off)")
+    sv.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                    help="largest request body; larger ones get 413 (default 4 MiB; 0 = no limit)")
+    sv.add_argument("--max-tokens-default", type=positive_int, default=None, metavar="N",
+                    help="tokens a request without max_tokens may generate (default: 16 for completions, the "
+                         "rest of the context for chat)")
+    sv.add_argument("--shutdown-grace", type=float, default=None, metavar="S",
+                    help="on SIGINT/SIGTERM, seconds the running generation may go on before it is stopped "
+                         "(default 10)")
+    sv.add_argument("--timeout-keep-alive", type=float, default=5, metavar="S",
+                    help="close a connection idle this long between requests (default 5)")
+    sv.add_argument("--request-timeout", type=float, default=60, metavar="S",
+                    help="close a connection whose request (headers and body) takes longer than this to arrive "
+                         "(default 60)")
+    sv.add_argument("--limit-concurrency", type=positive_int, default=None, metavar="N",
+                    help="most open connections and tasks; more get 503 (default: no limit)")
+    sv.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    if args.max_queue < 0 or not 0 <= args.port <= 65535:
+        raise ConfigError("--max-queue must be >= 0 and --port in [0, 65535]")
+    if args.max_request_bytes is not None and args.max_request_bytes < 0:
+        raise ConfigError("--max-request-bytes must be >= 0 (0 = no limit)")
+    if args.shutdown_grace is not None and not args.shutdown_grace >= 0:
+        raise ConfigError("--shutdown-grace must be a number of seconds >= 0")
+    if not (args.timeout_keep_alive > 0 and args.request_timeout > 0):
+        raise ConfigError("--timeout-keep-alive and --request-timeout must be a number of seconds > 0")
+    keys = args.api_key if args.api_key else [k.strip() for k in os.environ.get("SPECTER_API_KEY", "").split(",")]
+    keys = [k for k in keys if k]
+    if args.api_key and len(keys) < len(args.api_key):
+        raise ConfigError("--api-key must not be empty")
+    options = dict(api_keys=keys, protect_all=args.api_key_all_routes, docs=args.docs,
+                   max_tokens_default=args.max_tokens_default, timeout_keep_alive=args.timeout_keep_alive,
+                   request_timeout=args.request_timeout, limit_concurrency=args.limit_concurrency)
+    if args.allowed_hosts:
+        options["allowed_hosts"] = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+    if args.max_request_bytes is not None:
+        options["max_request_bytes"] = args.max_request_bytes or None
+    if args.shutdown_grace is not None:
+        options["shutdown_grace"] = args.shutdown_grace
+    # the server's packages (fastapi, uvicorn) are needed by this command only: imported when it runs, so
+    # every other command works without them (tests/test_device_check.py's bare environment)
+    from ..server import serve
+
+    engine = load_engine(args)
+    try:
+        serve(engine, host=args.host, port=args.port, model_name=args.model_name, max_queue=args.max_queue,
+              **options)
+    finally:
+        engine.close()
+    return 0
