@@ -1,6 +1,6 @@
 """Where a speculative cycle's copies go, and what the planner's levers change, side by side.
 
-    nice python bench/planner_levers.py [--workload diverse] [--prompts 12] [--max-new-tokens 64]
+    nice python bench/experiments/planner_levers.py [--workload diverse] [--prompts 12] [--max-new-tokens 64]
         [--temperature 0.7 --top-p 0.95 --top-k 50 | --greedy] [--k 10] [--residency 0.25] [--json out.json]
 
 Policies, all on one loaded checkpoint, alternating per prompt so machine load hits all alike:

@@ -3,7 +3,7 @@
 so a drifting machine hits both alike.
 
     git show <rev>:triton_ops/reference.py > /tmp/reference_before.py
-    python bench/moe_backend_ab.py /tmp/reference_before.py [--pairs 5] [--policies resident,specter]
+    python bench/experiments/moe_backend_ab.py /tmp/reference_before.py [--pairs 5] [--policies resident,specter]
 
 Per policy: the median of the per-pair ratios after/before of (a) this process's CPU time per
 generated token (the engine runs on one thread here, and the simulated link's copy stalls are

@@ -1,7 +1,7 @@
 """Greedy tokens of an engine with both steps compiled (draft step + piecewise verifier, Inductor)
 against eager resident decoding, on the bundled model's built-in workloads (fp32, CPU).
 
-    python bench/compiled_exactness.py [--residency 0.25] [--max-new-tokens 128]
+    python bench/experiments/compiled_exactness.py [--residency 0.25] [--max-new-tokens 128]
 
 Where a continuation differs it prints where, and plain decoding's logit gap there against the
 rounding noise (specter.testing.tie_gap). Measured: 16/16 prompts x 128 tokens identical.

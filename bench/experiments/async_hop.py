@@ -1,7 +1,7 @@
 """For the asyncio driver (issue 10 item 4; built: specter/sansio.py): what handing compute to a worker thread
 costs from an event loop, against the verifier's pieces' own time on CPU (bundled model).
 
-    python bench/async_hop.py
+    python bench/experiments/async_hop.py
 
 Measured (2 loaded cores, two runs): run_in_executor round trip 33-90 us, await of a completed
 transfer ~13 us; a verification piece 250-400 us at T = 1, 0.8-1.3 ms at T = 8, 1.4-3 ms at T = 33.

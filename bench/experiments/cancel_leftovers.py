@@ -1,7 +1,7 @@
 """Withdrawing a cycle's leftover prefetches, measured side by side in one process: specter with and
 without `decoder.cancel_leftovers`, against on-demand and spec-lru, on one matrix model.
 
-    nice python bench/cancel_leftovers.py [--model top8] [--residency 0.5] [--rounds 12]
+    nice python bench/experiments/cancel_leftovers.py [--model top8] [--residency 0.5] [--rounds 12]
 
 Rounds alternate the policies' order; a policy's TPOT is its median round (as governor_matrix.py).
 Prints TPOT / on-demand's, MB a token, prefetches issued / used / withdrawn and the K histogram:
@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: governor_matrix
 from governor_matrix import add_histogram, alternate, build, prompts_for  # noqa: E402
 
 import specter  # noqa: E402

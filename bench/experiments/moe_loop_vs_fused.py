@@ -1,7 +1,7 @@
 """CPU: one MoE layer through fused_moe's torch backend beside the per-expert loop it replaced
 (`moe.run_experts` before issue 9), alternated in one process so a drifting machine cancels out.
 
-    python bench/moe_loop_vs_fused.py [--threads 1]
+    python bench/experiments/moe_loop_vs_fused.py [--threads 1]
 
 Prints per T the median microseconds of each and the median of the per-round ratios new/old.
 The bundled model's expert shapes (16 experts, hidden 256, intermediate 192, top-2), fp32.

@@ -2,7 +2,7 @@
 clients that leave the queue, large bodies and prompts (and /health meanwhile), keys and exposure,
 connection limits, and SIGTERM mid-stream. Each probe prints one line; every wait is bounded.
 
-    python bench/server_probe.py [--only 5,2,1,4,6,3] [--port 18470] [--pythonpath DIR]
+    python bench/experiments/server_probe.py [--only 5,2,1,4,6,3] [--port 18470] [--pythonpath DIR]
 
 The server is `python -m specter serve --device cpu --policy resident --max-queue 1` on loopback, a
 subprocess; --pythonpath puts another checkout's `specter` first (e.g. an older tree, for a before/after).

@@ -4,7 +4,7 @@ at the default model's vocabulary and at Qwen's (151936), one thread, side by si
 --end-to-end, also `specter` at residency 0.25 on the bundled model (bench prompts, 64 greedy
 tokens) with and without penalties: acceptance and bytes copied, which the changed text moves.
 
-    python bench/penalty_cost.py [--end-to-end]
+    python bench/experiments/penalty_cost.py [--end-to-end]
 """
 import sys
 import time
