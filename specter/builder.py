@@ -210,7 +210,7 @@ def default_driver(device: torch.device) -> str:
     """How the engine drives a generation (specter/sansio.py): "async" on CUDA, where the loop is free
     while graphs replay and copies fly, and the lookahead and routing reads are polled events; "sync"
     on CPU, where the emulated device's compute runs on the loop's own thread, so the loop frees
-    nothing, and the blocking driver measured no slower (bench/async_vs_sync.py, docs/ARCHITECTURE.md)."""
+    nothing and the blocking driver is the simpler one (figures: docs/RESULTS.md, bench/async_vs_sync.py)."""
     return "async" if device.type == "cuda" else "sync"
 
 
@@ -219,12 +219,9 @@ def _compiled_steps(model, draft, compile: bool | None, device: torch.device, k_
 
     CUDA: compiled with CUDA graphs unless compile=False (a compile that fails at load falls back
     to the eager draft and verifier with a warning when compile was not asked for explicitly). CPU:
-    only with compile=True -- measured (bench/compile_speedup.py, bundled model), both compiled make
-    decode 23% faster at 25% and 50% residency (the verifier's pieces 8-10% of that), for a compile
-    at every load of 28 s cold and 5 s from Inductor's cache on two cores; a CLI that loads per
-    command loses more than it gains, so it is not the CPU default. The sync-free step run eagerly
-    is no win on CPU either (1.06-1.11x the eager draft's TPOT: it attends over the whole static
-    cache)."""
+    only with compile=True: the compile runs at every load, which a CLI that loads per command pays
+    each time for a modest gain on a short generation, so it is not the CPU default (figures:
+    docs/RESULTS.md, bench/compile_speedup.py)."""
     if compile is False or (compile is None and device.type != "cuda"):
         return None, None
     print("specter: compiling the draft step and the verifier (torch.compile; once per load, Inductor "
