@@ -8,10 +8,7 @@ Greedy tokens of every variant are compared with eager plain decoding (`resident
 
     python bench/compile_speedup.py [--residency 0.25 0.5] [--repeat 3] [--max-new-tokens 64]
 
-Measured on the 2-core CPU (emulated A100 PCIe 4.0 link, bundled model, 64 tokens, 3 repeats),
-before the sync-free step: compiled/eager TPOT 0.93 at 25% residency and 0.87 at 50%; the draft's
-share of decode time fell from 28% to 20% and from 40% to 29%. See docs/ARCHITECTURE.md for the
-current numbers.
+What it measured, with dates: docs/RESULTS.md (builder and CLI defaults).
 """
 from __future__ import annotations
 
