@@ -61,11 +61,12 @@ from pathlib import Path
 import torch
 
 from specter.errors import BudgetError
+from specter.policy import names as policy_names
 from specter.workloads import DIVERSE
 
 LIMIT = 1.03
 BASELINES = ("on-demand", "next-layer", "host")
-SPECULATIVE = ("spec-lru", "specter")
+SPECULATIVE = policy_names("drafts")  # spec-lru, specter (specter/policy.py)
 TWIN = "on-demand#2"  # --twin: a second on-demand engine, judged like a speculative policy: the noise floor
 DISAGREE_EXPERTS = 6.0  # `disagree`: routed expert weights scaled up
 NEXT = "next-layer/on-demand"  # next-layer judged against on-demand, not the best baseline

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from specter.policy import POLICY
+
 # config overrides per shape: the routed experts (and attention) as published, a 32k vocabulary
 SHAPES = {
     "qwen3-30b-a3b": ("qwen3_moe", "num_experts", dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144,
@@ -185,7 +187,7 @@ def main(argv=None) -> int:
         size = (path / "model.safetensors").stat().st_size
         rows = []
         for p in policies:
-            loads = ("first", "cached") if p in ("spec-lru", "specter") else ("first",)
+            loads = ("first", "cached") if POLICY[p].drafts else ("first",)  # a draft: quantised, then cached
             for which in loads:
                 runs = []
                 for _ in range(args.repeat):
