@@ -1,16 +1,15 @@
 """`specter bench --plot`: TPOT per policy across residencies, one picture."""
 from __future__ import annotations
 
+import sys
+
+from .bench import load_once, run_bench
+from .errors import BudgetError, ConfigError
+
 RESIDENCIES = (0.125, 0.25, 0.5, 1.0)
 
 
 def residency_sweep(model, policies: list[str], out_png: str, *, residencies=RESIDENCIES, **bench_kw) -> dict:
-    from .bench import load_once, run_bench
-
-    import sys
-
-    from .errors import BudgetError
-
     sweep, link = {}, None
     shared = load_once(model, **{k: v for k, v in bench_kw.items()  # one load under every residency
                                  if k in ("device", "dtype", "threads", "draft_cache", "compress_experts")})
@@ -32,11 +31,9 @@ def residency_sweep(model, policies: list[str], out_png: str, *, residencies=RES
 
 
 def draw(sweep: dict, out_png: str, link: str | None = None) -> None:
-    try:
+    try:  # an optional dependency (specter[plot]): imported only when a plot is drawn
         import matplotlib
     except ImportError:
-        from .errors import ConfigError
-
         raise ConfigError("--plot needs matplotlib: pip install 'specter[plot]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,5 +1,7 @@
 """compiled/ and triton_ops/ install as specter.compiled / specter.triton_ops (setuptools
-package-dir), profiles and the default model ship as package data: in a wheel and editable."""
+package-dir), profiles and the default model ship as package data: in a wheel and editable. The
+package's imports form no cycle (tests/import_graph.py)."""
+import importlib.util
 import subprocess
 import sys
 import zipfile
@@ -45,3 +47,35 @@ def test_wheel_carries_subpackages_profiles_and_default_model(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     where, n = r.stdout.split()
     assert Path(where) == target and int(n) == 4
+
+
+def _import_graph():
+    spec = importlib.util.spec_from_file_location("import_graph", Path(__file__).with_name("import_graph.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_package_imports_form_no_cycle():
+    """No module-level import cycle, and none hidden behind an import inside a function."""
+    ig = _import_graph()
+    edges, local = ig.graph(ROOT)
+    assert "specter.cli" in edges and "specter.compiled.verify_step" in edges and "specter.triton_ops" in edges
+    assert ig.cycles(edges) == []
+    assert ig.hidden_cycles(edges, local) == []
+
+
+def test_the_import_graph_sees_cycles(tmp_path):
+    """The checker itself: a module-level cycle, and one hidden behind a function-level import."""
+    ig = _import_graph()
+    for folder in ig.ROOTS.values():
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "specter" / "a.py").write_text("from . import b\n")
+    (tmp_path / "specter" / "b.py").write_text("from .c import x\n")
+    (tmp_path / "specter" / "c.py").write_text("def f():\n    from .b import y\nfrom compiled import k\n")
+    (tmp_path / "compiled" / "k.py").write_text("import specter.a\n")
+    edges, local = ig.graph(tmp_path)
+    assert edges["specter.a"] == {"specter.b"} and edges["specter.compiled.k"] == {"specter.a"}
+    assert ig.cycles(edges) == [["specter.a", "specter.b", "specter.c", "specter.compiled.k"]]
+    assert local == [("specter.c", "specter.b", 2)] and ig.hidden_cycles(edges, local) == [("specter.c", "specter.b")]
