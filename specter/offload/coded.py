@@ -19,7 +19,7 @@ What reads the store, and what it gets (the decision per reader):
   memory speed; decoding each one per job on the CPU would cost it more than its GEMV, and such
   policies move few bytes over the link anyway. The price: with a host lane the host holds the raw
   store beside the coded one (the PCIe saving stays, the host memory saving is lost).
-- the CPU aliased pool (builder.alias_pool, big models on CPU): not used with compress_experts:
+- the CPU aliased pool (plan.alias_pool, big models on CPU): not used with compress_experts:
   compute cannot read coded rows, so the pool is a real one that copies decode into.
 
 Encoding happens once per checkpoint and is cached on disk beside the INT4 draft (its machinery:

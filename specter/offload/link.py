@@ -12,7 +12,7 @@ so a CPU run sees the same copy : compute ratio as the real GPU (see calibrate.p
 
 A copy converts into the destination's dtype: the host store keeps the checkpoint's dtype (bf16 / fp16)
 and the slot pool holds the compute dtype (on CPU, a big model's pool keeps the store's dtype and
-the compute upcasts at use: see builder.pool_dtype). CUDA stages a converting copy through the device
+the compute upcasts at use: see offload/plan.py pool_dtype). CUDA stages a converting copy through the device
 (the bus carries the stored bytes); the emulated link converts as it copies and times the copy by the
 bytes it writes, the width its compute was calibrated at, so the copy : compute ratio stays the GPU's.
 """

@@ -18,7 +18,7 @@ A layer's computation is written once, as a body (specter/sansio.py) that yields
 each copy it must wait for: `mgr(layer, ...)` drives it blocking (the synchronous engine),
 `await mgr.acall(layer, ...)` on an event loop, which stays free while a copy is in flight.
 
-`alias=True` (CPU, big models: builder.alias_pool): on CPU the "device" is host memory, so a pool
+`alias=True` (CPU, big models: plan.alias_pool): on CPU the "device" is host memory, so a pool
 would be a second copy of experts the store already holds. The pool is then shapes without storage
 (meta tensors): the slot cache decides residency and eviction as before, the emulated link charges
 every copy's time by the bytes it would write (so copy : compute stays the GPU's) and moves none,
