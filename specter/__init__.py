@@ -13,7 +13,7 @@ from pathlib import Path
 from .engine import Engine, GenerationOutput
 from .errors import (BudgetError, CheckpointError, ConfigError, ContextLengthError, NotAvailableError,
                      SpecterError, TokenizerError, UnsupportedModelError)
-from .policy import BENCH_POLICIES, POLICIES, get as get_policy, names as policy_names
+from .policy import BENCH_POLICIES, DEFAULT as DEFAULT_POLICY, POLICIES, get as get_policy, names as policy_names
 
 __version__ = "0.1.0"
 __all__ = ["load", "default_model_path", "Engine", "GenerationOutput", "POLICIES", "SpecterError",
@@ -42,7 +42,7 @@ def resolve_device(device: str | None):
     return dev
 
 
-def load(model: str | Path | None = None, device: str = "auto", policy: str = "specter",
+def load(model: str | Path | None = None, device: str = "auto", policy: str = DEFAULT_POLICY,
          residency: float | None = None, expert_memory: str | int | None = None, link: str | None = None,
          dtype=None, **options) -> Engine:
     """Load a local Hugging Face MoE checkpoint (None = the bundled default model).

@@ -44,6 +44,7 @@ TABLE = (
            offloads=True, prefetch="oracle", decoder="oracle", bench_only=True),
 )
 
+DEFAULT = "specter"  # what specter.load and the CLI run when no policy is named
 POLICY = {p.name: p for p in TABLE}
 POLICIES = tuple(p.name for p in TABLE if not p.bench_only)  # what specter.load and the CLI offer
 BENCH_POLICIES = tuple(POLICY)                                 # and what `specter bench` may compare

@@ -6,7 +6,7 @@ import argparse
 import specter
 
 from ..errors import ConfigError
-from ..policy import BENCH_POLICIES, POLICIES, get as get_policy, names as policy_names
+from ..policy import BENCH_POLICIES, DEFAULT as DEFAULT_POLICY, POLICIES, get as get_policy, names as policy_names
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -45,7 +45,7 @@ def model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="compute dtype (default: float32 on CPU, the checkpoint's 16-bit dtype on CUDA)")
     if policy:
-        p.add_argument("--policy", default="specter", help=policy_help("default: specter"))
+        p.add_argument("--policy", default=DEFAULT_POLICY, help=policy_help(f"default: {DEFAULT_POLICY}"))
     p.add_argument("--residency", type=float, default=None,
                    help="fraction of each layer's experts kept on the device, in (0, 1] (offloading policies)")
     p.add_argument("--expert-memory", default=None,

@@ -15,7 +15,7 @@ from ..offload.calibrate import emulated_host_params, load_profile
 from ..offload.coded import coded_store_bytes
 from ..offload.plan import compute_dtype, emulated_device_bytes, fit, host_needs, make_plan
 from ..offload.staging import describe as describe_staging
-from ..policy import get as get_policy, names as policy_names
+from ..policy import DEFAULT as DEFAULT_POLICY, get as get_policy, names as policy_names
 from ..sizes import format_size
 from .options import policy_help, positive_int
 
@@ -30,8 +30,8 @@ def add_parsers(sub) -> None:
     b.add_argument("--expert-memory", default=None, help="slot pool budget, e.g. 6GiB")
     b.add_argument("--device-memory", default=None, help="whole-device budget, e.g. 16GiB")
     p.add_argument("--context", type=positive_int, default=None, help="KV cache tokens (default: the model's context)")
-    p.add_argument("--policy", default="specter",
-                   help=policy_help(f"the policy to plan for, default specter; a draft only with "
+    p.add_argument("--policy", default=DEFAULT_POLICY,
+                   help=policy_help(f"the policy to plan for, default {DEFAULT_POLICY}; a draft only with "
                                     f"{'/'.join(policy_names('drafts'))}", bench=True))
     p.add_argument("--compress-experts", action="store_true",
                    help="the host store losslessly coded (bf16 checkpoints): its size, measured from the weights")

@@ -15,7 +15,7 @@ from ..loader import open_checkpoint
 from ..offload import calibrate, host_measure  # modules, not names: tests stand in for their measurements
 from ..offload.calibrate import available_profiles, emulated_host_params, emulated_link_params, load_profile
 from ..offload.host_lane import default_host_threads
-from ..policy import get as get_policy
+from ..policy import DEFAULT as DEFAULT_POLICY, get as get_policy
 from ..profiling import trace
 from .options import policy_help, positive_int
 
@@ -33,7 +33,8 @@ def add_parsers(sub) -> None:
                     help="write a Chrome/Perfetto trace (open in ui.perfetto.dev) of a short generation, with the "
                          "ranges draft step, plan, copy issue, verify, layer N, accept")
     pr.add_argument("--device", default="auto", help="--trace: auto | cpu | cuda[:N] (default: auto)")
-    pr.add_argument("--policy", default="specter", help="--trace: the policy traced, " + policy_help("default: specter"))
+    pr.add_argument("--policy", default=DEFAULT_POLICY,
+                    help="--trace: the policy traced, " + policy_help(f"default: {DEFAULT_POLICY}"))
     pr.add_argument("--residency", type=float, default=0.25,
                     help="--trace: fraction of each layer's experts on the device (default 0.25)")
     pr.add_argument("--max-new-tokens", type=int, default=16, help="--trace: tokens generated (default 16)")
