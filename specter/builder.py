@@ -257,7 +257,7 @@ def _decoder(policy: Policy, shared: Loaded, mgr, k_max):
     model and the offload manager."""
     model, device, dt = shared.model, shared.device, shared.dtype
     if policy.decoder == "plain":
-        if policy.prefetch == "next-layer":
+        if policy.prefetch == "next-layer" and not mgr.all_resident:  # all resident: nothing to prefetch
             mgr.next_layer_router = NextLayerPrefetch(model, mgr)
         return PlainDecoder(model, mgr, device, dt)
     if policy.decoder == "oracle":
@@ -270,7 +270,8 @@ def _decoder(policy: Policy, shared: Loaded, mgr, k_max):
         return SpeculativeDecoder(model, mgr, draft, device, dt, governor=Governor(k_max))
     planner = PrefetchPlanner(mgr, lookahead)
     if mgr.host_lane is not None:  # both lanes: the misses the planner ranks low go to the host
-        mgr.host_choice = LaneChoice(mgr, host_params(mgr.host_lane), scores=planner.score)
+        mgr.host_choice = LaneChoice(mgr, host_params(mgr.host_lane), scores=planner.score,
+                                    use_weight=planner.use_weight)
     return SpeculativeDecoder(model, mgr, draft, device, dt, governor=Governor(k_max),
                               planner=planner, fallback=NextLayerPrefetch(model, mgr))
 

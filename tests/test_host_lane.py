@@ -212,7 +212,7 @@ def test_bench_names_the_host_lanes_wait():
 class _HalfToHost:
     """An injected lane choice: every other missing expert to the host, the rest copied."""
 
-    def __init__(self, mgr, params, scores=None):
+    def __init__(self, mgr, params, scores=None, use_weight=None):
         self.calls = 0
 
     def __call__(self, layer, missing, routed):
@@ -337,6 +337,32 @@ def test_lane_choice_lets_both_lanes_finish_together():
     assert full(0, list(range(6)), list(range(6)) + [10, 11]) == list(range(6))
     fits = LaneChoice(_Mgr(n_slots=4, held={10}, copy_s=7e-3), None)  # no host profile: copy what fits
     assert fits(0, [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 10]) == [4, 5]
+
+
+def test_lane_choice_copies_only_when_the_exchange_pays():
+    """With the planner's scores (3 a use, decayed), a copy is worth the uses it will serve less its
+    victim's: an expert every step has used displaces a cold resident even though hosting it is
+    faster this once; a one-off miss stays on the host when the resident it would evict is hot."""
+    from types import SimpleNamespace
+
+    from specter.offload.calibrate import HostParams
+    from specter.offload.host_lane import LaneChoice
+
+    eb = 3 * H * I * 4
+    params = HostParams(bandwidth=eb / 1e-3, flops_per_s=0.0, latency=5e-3, pcie_bandwidth=float("inf"))
+
+    def choose(score_3, score_11, free=0):  # layer 0: expert 3 missing, 10 resident and used, 11 resident
+        mgr = _Mgr(n_slots=2, held={10}, copy_s=7e-3)
+        mgr.slots.free_slots, mgr.slots.residents = (lambda layer: free), (lambda layer: [10, 11])
+        scores = [[0.0] * 16]
+        scores[0][3], scores[0][10], scores[0][11] = score_3, 15.0, score_11
+        return LaneChoice(mgr, params, scores=scores, use_weight=3.0)(0, [3], [3, 10])
+
+    assert LaneChoice(_Mgr(2, {10}, 7e-3), params)(0, [3], [3, 10]) == [3]  # no scores: this call only (6 < 7 ms)
+    assert choose(score_3=12.0, score_11=0.0) == []       # 4 recent uses against a cold resident: copied
+    assert choose(score_3=3.0, score_11=15.0) == [3]      # one use against one used every step: hosted
+    assert choose(score_3=3.0, score_11=15.0, free=1) == []  # a free slot displaces nothing: copied
+    assert choose(score_3=0.3, score_11=0.0) == [3]       # barely used: the copy's extra second is not won back
 
 
 def test_host_policy_in_bf16_on_cpu_is_the_devices_bits(tiny):

@@ -684,6 +684,22 @@ def test_planner_keeps_a_predicted_resident_outside_the_top_slots(planner_setup)
     link.synchronize()
 
 
+def test_planner_scores_decay_once_a_plain_step_as_once_a_cycle(planner_setup):
+    """A plain step's use decays its layer's scores (a verification's does not: its cycle did at
+    its start), so a score counts recent uses whether the governor drafts or not."""
+    store, mgr, la, planner, link = planner_setup
+    planner.observe_use(0, [5])
+    planner.observe_use(0, [5])
+    assert planner.score[0][5] == 3.0 * 0.8 + 3.0 and planner.score[1][5] == 0.0
+    planner.begin_cycle(2)  # a speculative cycle: decayed at its start, not again at verification
+    fill(la, [[(6, 7)] * L_])
+    planner.plan(1)
+    planner.observe_use(0, [5])
+    assert planner.score[0][5] == (3.0 * 0.8 + 3.0) * 0.8 + 3.0
+    planner.end_cycle()
+    link.synchronize()
+
+
 def test_late_experts_leave_the_highest_ranked_resident(planner_setup):
     """A layer needing more experts than its slots computes them in batches; with keep_rank the
     ones loaded last, and so left resident for the next cycle, are the highest ranked. The output

@@ -11,24 +11,17 @@ kTransformers). The lane computes `expert_rows` over the store's own tensors thr
 so a job's rows are (token, top-k position) rows the device merges with its own (`merge_rows`) and
 combines in the one fixed order: with the torch backend on CPU the bits are the emulated device's.
 
-Threads: one dispatcher thread takes jobs in order; a job's experts are split over `threads` threads
-(the dispatcher and threads - 1 pool workers), each running ATen on one intra-op thread (OpenMP's
-thread count is per thread, so the device's own setting is untouched). A thread's share is a
-`expert_rows` call whose remap keeps only its experts; the shares merge by row, so the split never
-changes a bit. Weights are read in place: a store narrower than the compute dtype (a CPU fp32 run of
-a bf16 checkpoint) is converted an expert at a time into each thread's reused buffer, as the torch
-backend does for the emulated device's bf16 pool; nothing is allocated per weight.
+Threads: one dispatcher takes jobs in order; a job's experts are split over `threads` threads (the
+dispatcher and threads - 1 pool workers), each running ATen on one intra-op thread; a thread's share
+is an `expert_rows` call whose remap keeps only its experts, merged by row, so the split never
+changes a bit. Weights are read in place (a store narrower than the compute dtype is converted an
+expert at a time into each thread's reused buffer, as the torch backend does).
 
-CPU (the emulated device): a job completes no earlier than its emulated time, `charge(job)`, which
-`make_host_lane` builds from the link profile's host (calibrate.emulated_host_params: the profile's
-host bandwidth, cores and dispatch latency slowed by the same time scale as the link), so host time :
-device time : copy time is the real machine's. The lane computes the real result either way.
-
-CUDA (written, not yet run on a GPU): x, ids and weights go to pinned host buffers by non-blocking
-copies on the compute stream plus an event the dispatcher waits on; the host computes in the
-store's dtype; the rows go back from a pinned buffer on the lane's own stream, and `wait()` makes
-the compute stream wait for that copy's event (after waiting on the host until the copy is queued,
-timed as stall: the GPU cannot wait on host work it has not been handed).
+CPU (the emulated device): a job completes no earlier than its emulated time, `charge(job)`, from the
+link profile's host slowed by the link's time scale (calibrate.emulated_host_params), so host time :
+device time : copy time is the real machine's. CUDA (written, not yet run on a GPU): inputs go to
+pinned host buffers on the compute stream (an event the dispatcher waits on), the rows come back on
+the lane's own stream, and `wait()` makes the compute stream wait for that copy's event.
 """
 from __future__ import annotations
 
@@ -299,14 +292,6 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def job_cost(job: HostJob, expert_bytes: int, hidden: int, intermediate: int, act_bytes: int) -> dict:
-    """What a job moves and computes on the real host: weight bytes read, FLOPs, activation bytes."""
-    experts, rows = job.work()
-    T = job.ids.shape[0]
-    return {"weight_bytes": experts * expert_bytes, "flops": rows * 6 * hidden * intermediate,
-            "act_bytes": (T * hidden + rows * hidden) * act_bytes}
-
-
 def make_host_lane(store: list[ExpertWeights], device, link, *, threads: int | None = None,
                    dtype: torch.dtype | None = None, charged_dtype: torch.dtype | None = None) -> HostLane:
     """The host lane for `device`. CPU: each job is charged its emulated time from the link's profile
@@ -324,9 +309,10 @@ def make_host_lane(store: list[ExpertWeights], device, link, *, threads: int | N
         item = (charged_dtype or dtype or w13.dtype).itemsize
         params = emulated_host_params(profile, scale)
 
-        def charge(job: HostJob) -> float:
-            c = job_cost(job, 3 * H * I * item, H, I, item)
-            return params.seconds(**c)
+        def charge(job: HostJob) -> float:  # weight bytes read, FLOPs, activations down and rows back
+            experts, rows = job.work()
+            return params.seconds(weight_bytes=experts * 3 * H * I * item, flops=rows * 6 * H * I,
+                                  act_bytes=(job.ids.shape[0] + rows) * H * item)
     lane = HostLane(store, device, threads=threads, dtype=dtype if device.type == "cpu" else store[0].w13.dtype,
                     charge=charge, name="host" if charge is None else f"host:{profile.name}")
     if device.type == "cuda":  # real seconds: the GPU's own profile, unscaled (for LaneChoice's estimates)
@@ -340,19 +326,24 @@ def make_host_lane(store: list[ExpertWeights], device, link, *, threads: int | N
 # ------------------------------------------------------------------------------- which lane
 class LaneChoice:
     """Specter's two lanes: which of a layer's missing experts compute on the host instead of crossing
-    PCIe (OffloadedExperts.host_choice). The missing experts are ranked by the planner's scores
-    (predicted demand and verified use, the reuse a copy would serve; likeliest first) and the first
-    c are copied, the rest computed on the host, with c chosen so that both lanes finish soonest:
+    PCIe (OffloadedExperts.host_choice). The m missing experts are ranked by the planner's scores
+    (decayed predicted and verified uses) and the first c are copied, the rest computed on the host,
+    c minimising this call's time less what the copies are worth later:
 
-        min over c of max(c * copy time, host time of the other m - c)   (ties: more copies)
+        J(c) = max(c t_copy, host(the other m - c)) - t_host1 sum_{i<c} (u(e_i) - u(v_i))   (ties: more copies)
 
-    c at most the slots the layer can free beside the experts this call holds. Copy time is the link's
-    measured seconds a copy (Link.copy_seconds); host time HostParams.seconds, the profile's host
-    roofline, in the same (emulated) seconds. Both are estimates; the rows are exact whichever lane
-    computes them."""
+    v_i the resident the i-th copy displaces (a free slot first, u = 0; then the lowest scored
+    resident this call does not use), u = score / use_weight an expert's decayed count of uses, and
+    t_host1 what one later miss of an expert costs on the host: an expert copied now is expected to
+    serve as many uses in the next steps as it had in the last ones, and its victim to miss as many.
+    So a copy displaces a resident only when the exchange pays. c is at most the slots the layer can
+    free beside the experts this call holds. t_copy is the link's measured seconds a copy; host times
+    HostParams.seconds, in the same (emulated) seconds. The rows are exact whichever lane computes them."""
 
-    def __init__(self, mgr, params: HostParams | None, scores: list[list[float]] | None = None):
+    def __init__(self, mgr, params: HostParams | None, scores: list[list[float]] | None = None,
+                 use_weight: float | None = None):
         self.mgr, self.params, self.scores = mgr, params, scores  # scores[layer][expert]: higher = copy first
+        self.use_weight = use_weight  # a score per use (None: copies are worth nothing later)
         self.H, self.I = mgr.store[0].w13.shape[2], mgr.store[0].w2.shape[2]
         self.item = mgr.pool[0].w13.element_size()  # the width copies are timed at
 
@@ -372,19 +363,32 @@ class LaneChoice:
             return order[room:]
         t_copy = self.mgr.link.copy_seconds(self.mgr.expert_bytes)
         p, H, I, item = self.params, self.H, self.I, self.item
+        worth = self.use_weight is not None and self.scores is not None
+        if worth:  # the uses each copy gains: its own, less its victim's (free slots first, then coldest)
+            score, victims = self.scores[layer], [0.0] * slots.free_slots(layer)
+            cold = []
+            for e in slots.residents(layer):
+                if e not in counts:
+                    cold.append(score[e])
+            victims += sorted(cold)
+            t_host1 = p.latency + 2 * H * item / p.pcie_bandwidth + max(
+                3 * H * I * item / p.bandwidth, 6 * H * I / p.flops_per_s if p.flops_per_s else 0.0)
         rows = 0  # the (token, position) rows of order[c:]
         for e in order:
             rows += counts[e]
-        best_c, best_t = 0, None
+        best_c, best_t, gained = 0, None, 0.0
         for c in range(room + 1):
             n = len(order) - c  # HostParams.seconds of those n experts, written out (one call fewer each)
             host = p.latency + 2 * rows * H * item / p.pcie_bandwidth + max(
                 n * 3 * H * I * item / p.bandwidth, rows * 6 * H * I / p.flops_per_s if p.flops_per_s else 0.0) if n else 0.0
-            t = max(c * t_copy, host)
+            t = max(c * t_copy, host) - gained
             if best_t is None or t <= best_t:
                 best_c, best_t = c, t
             if c < len(order):
                 rows -= counts[order[c]]
+                if worth:
+                    victim = victims[c] if c < len(victims) else 0.0
+                    gained += t_host1 * (score[order[c]] - victim) / self.use_weight
         return order[best_c:]
 
 

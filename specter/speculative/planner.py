@@ -13,7 +13,8 @@ chunk = clamp(round(d / c), 1, K): a slow link plans after every step so it neve
 one plans less often and saves the reads.
 
 Eviction follows the lookahead too: each expert keeps a score, its predicted demand (+1 a
-drafted token) plus its verified use (+3 a verification), decayed by 0.8 every cycle; the slot
+drafted token) plus its verified use (+3 a verification or plain step), decayed by 0.8 every cycle
+(a speculative cycle at its start, a plain step or prefill at its layer's use); the slot
 cache evicts the lowest score first (least recently used among equals), and a prediction is only
 admitted if it outscores its victim (the constants' measurement: docs/ARCHITECTURE.md).
 
@@ -79,6 +80,10 @@ class PrefetchPlanner:
         cycle is being verified, also count how many of them the draft's routers predicted (route
         coverage: the draft's accuracy as a predictor, whatever the slot budget let us prefetch)."""
         row, w = self.score[layer], self.use_weight
+        if not self.read_upto:  # a plain step or prefill: decay once a step, as begin_cycle does a cycle
+            decay = self.decay
+            for e in range(len(row)):
+                row[e] *= decay
         predicted = self.demand[layer] if self.read_upto else ()
         for e in experts:
             row[e] += w
