@@ -24,16 +24,22 @@ def test_every_dot_block_is_at_least_16():
 
 
 KERNEL_SHAPES = dict(H=80, I=40)  # two K-loop steps over H, partial tiles everywhere, INT4 groups of 8
+LOW_BIT_SHAPES = dict(H=96, I=96)  # 3 bits need K divisible by 32: masked second K steps in both kernels
+
+
+def shapes(int4):
+    return LOW_BIT_SHAPES if int4 in (3, 2) else KERNEL_SHAPES
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("int4", [False, True])
+@pytest.mark.parametrize("int4", [False, True, 3, 2])
 @pytest.mark.parametrize("R", [None, 3])
 def test_kernels_match_the_torch_backend(dtype, int4, R):
-    """Every (T, top-k) of the issue's matrix: rows per (token, position), skipped rows zero."""
+    """Every (T, top-k) of the issue's matrix: rows per (token, position), skipped rows zero; dense
+    weights and codes of 4, 3 and 2 bits (int4 = True is 4)."""
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=4e-3)
     for T, k in [(1, 1), (5, 2), (33, 8), (65, 2)]:
-        x, ids, w, w13, w2, remap = moe_case(T, k, E=10, R=R, dtype=dtype, int4=int4, **KERNEL_SHAPES)
+        x, ids, w, w13, w2, remap = moe_case(T, k, E=10, R=R, dtype=dtype, int4=int4, **shapes(int4))
         rows = expert_rows(x, ids, w, w13, w2, remap=remap, backend="triton")
         ref = expert_rows(x, ids, w, w13, w2, remap=remap, backend="torch")
         torch.testing.assert_close(rows, ref, **tol)
@@ -42,9 +48,9 @@ def test_kernels_match_the_torch_backend(dtype, int4, R):
         assert torch.equal(combine_rows(rows, backend="triton"), combine_rows(rows, backend="torch"))
 
 
-@pytest.mark.parametrize("int4", [False, True])
+@pytest.mark.parametrize("int4", [False, True, 3, 2])
 def test_kernels_are_batch_invariant_and_split_calls_merge_exactly(int4):
-    x, ids, w, w13, w2, _ = moe_case(33, 2, E=8, dtype=torch.float16, int4=int4, **KERNEL_SHAPES)
+    x, ids, w, w13, w2, _ = moe_case(33, 2, E=8, dtype=torch.float16, int4=int4, **shapes(int4))
     full = fused_moe(x, ids, w, w13, w2, backend="triton")
     for t in (0, 32):
         assert torch.equal(fused_moe(x[t:t + 1], ids[t:t + 1], w[t:t + 1], w13, w2, backend="triton")[0], full[t])
@@ -58,15 +64,17 @@ def test_kernels_are_batch_invariant_and_split_calls_merge_exactly(int4):
 
 @pytest.mark.parametrize("group", [128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_int4_scales_loaded_once_per_tile_give_the_same_bits(group, dtype, monkeypatch):
-    """Groups that the INT4 block divides (128: a group a tile; 256: two tiles a group, and w2's
+@pytest.mark.parametrize("bits", [4, 3, 2])
+def test_int4_scales_loaded_once_per_tile_give_the_same_bits(group, dtype, bits, monkeypatch):
+    """Groups that the quantized block divides (128: a group a tile; 256: two tiles a group, and w2's
     K = 128 gets a group of 128): one scale and shift load per row of a tile gives the bits of
-    loading them per element, and the torch backend's values."""
-    from specter.triton_ops import pack_int4
+    loading them per element, and the torch backend's values; at every code width (unmasked
+    K steps, so the 3-bit high plane's aligned offset is taken)."""
+    from specter.triton_ops import pack_experts
     assert kernels.group_tile(group) and not kernels.group_tile(64)
     x, ids, w = moe_case(33, 2, H=256, I=128, dtype=dtype)[:3]
     w13, w2 = moe_case(33, 2, H=256, I=128)[3:5]
-    q13, q2 = pack_int4(w13, group, dtype=dtype), pack_int4(w2, group, dtype=dtype)
+    q13, q2 = pack_experts(w13, bits, group, dtype=dtype), pack_experts(w2, bits, group, dtype=dtype)
     per_tile = expert_rows(x, ids, w, q13, q2, backend="triton")
     # K = 256: sums twice as long as KERNEL_SHAPES', and the kernel rounds a dequantized weight once
     # where the reference rounds `scale * q` and then `- shift`

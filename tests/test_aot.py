@@ -34,14 +34,15 @@ def reports(launches):
 
 def test_recorded_launches_cover_every_kernel_and_variant(launches):
     """The matrix the engine launches: align (with and without a remap row), both expert kernels
-    dense and INT4, with and without masked K tiles, and the combine."""
+    dense and quantized at 4, 3 and 2 bits, with and without masked K tiles, and the combine."""
     names = {launch.kernel.fn.__name__ for launch in launches}
     assert names == set(aot.KERNELS)
-    variants = {(launch.kernel.fn.__name__, launch.kwargs.get("INT4"), launch.kwargs.get("HAS_REMAP"))
+    variants = {(launch.kernel.fn.__name__, launch.kwargs.get("BITS"), launch.kwargs.get("HAS_REMAP"))
                 for launch in launches}
-    assert {("_gate_up_kernel", False, None), ("_gate_up_kernel", True, None), ("_down_kernel", False, None),
-            ("_down_kernel", True, None), ("_align_kernel", None, True), ("_align_kernel", None, False)} <= variants
-    assert any(launch.kwargs.get("GROUP_TILE") for launch in launches)
+    assert {(k, b, None) for k in ("_gate_up_kernel", "_down_kernel") for b in (0, 4, 3, 2)} <= variants
+    assert {("_align_kernel", None, True), ("_align_kernel", None, False)} <= variants
+    for bits in (4, 3, 2):
+        assert any(launch.kwargs.get("GROUP_TILE") and launch.kwargs.get("BITS") == bits for launch in launches)
 
 
 def test_every_specialization_compiles_without_spills_within_shared_memory(reports):
@@ -56,27 +57,25 @@ def test_no_kernel_loads_single_bytes(reports):
         assert r.byte_loads == 0, (r.kernel, r.cc, r.loads)
 
 
-def _weight_tiles(launch):
-    """(rows, cols, element) of the weight tiles of an expert kernel's launch."""
-    kw = launch.kwargs
-    if kw["INT4"]:
-        return {(kw["BLOCK_N"], kw["BLOCK_K"] // 8, "i32")}
-    return {(kw["BLOCK_N"], kw["BLOCK_K"], e) for e in ("bf16", "f16", "f32")}
-
-
 def test_weight_tiles_are_read_with_wide_loads(reports):
-    """Dense and INT4 weight tiles go through cp.async (or vector loads), 16 bytes a thread where a
-    weight row is a multiple of 64 bytes (every real model's), whole int32 words at least elsewhere
-    (the bundled model's INT4 w2: 96-byte rows, whose alignment Triton cannot prove)."""
+    """Dense and quantized weight tiles go through cp.async (or vector loads), 16 bytes a thread
+    where a weight row is a multiple of 64 bytes (every real model's), whole int32 words at least
+    elsewhere (the bundled model's INT4 w2: 96-byte rows, whose alignment Triton cannot prove). A
+    2- or 3-bit plane of a 128-column tile is smaller than 16 bytes for each of the 128 threads
+    (32 rows of 8 or 4 words): its floor is the whole tile spread over them, 8 bytes or one word."""
     for launch, r in reports:
         if r.kernel not in ("gate_up_kernel", "down_kernel"):
             continue
-        widths = r.weight_load_bytes(_weight_tiles(launch))
-        assert widths, (r.kernel, r.cc, r.tile_loads)
-        K = launch.args[8] if r.kernel == "gate_up_kernel" else launch.args[10]  # H, or I
-        row_bytes = K // 2 if launch.kwargs["INT4"] else K * 2
-        floor = 16 if row_bytes % 64 == 0 else 4
-        assert min(widths) >= floor, (r.kernel, r.cc, row_bytes, r.tile_loads)
+        kw = launch.kwargs
+        for tile in aot.weight_tiles(launch):
+            widths = r.weight_load_bytes({tile})
+            if not kw["BITS"] and not widths:
+                continue  # a dense tile of another dtype than this launch's
+            assert widths, (r.kernel, r.cc, tile, r.tile_loads)
+            K = launch.args[8] if r.kernel == "gate_up_kernel" else launch.args[10]  # H, or I
+            row_bytes = K * kw["BITS"] // 8 if kw["BITS"] else K * 2  # a weight row's stride in bytes
+            floor = min(16, tile[0] * tile[1] * 4 // 128) if row_bytes % 64 == 0 else 4
+            assert min(widths) >= floor, (r.kernel, r.cc, kw["BITS"], tile, row_bytes, r.tile_loads)
 
 
 def test_real_model_shapes_are_recorded_at_their_sizes():

@@ -29,7 +29,7 @@ import torch
 import triton
 
 from . import kernels, lossless
-from .int4 import Int4Experts
+from .int4 import WIDTHS, QuantExperts, group_size_for
 
 TARGETS = {80: "A100", 89: "L4 / RTX 4090", 90: "H100 / H200"}
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # bytes a block may hold
@@ -105,21 +105,24 @@ def lossless_launches(models=MODELS, widths=lossless.WIDTHS) -> list[Launch]:
     return out
 
 
-def stand_in_experts(R: int, H: int, I: int, dtype: torch.dtype, int4: bool, group_size: int = 128):
-    """(w13 [R, 2I, H], w2 [R, H, I]) of the real sizes, dense or Int4Experts, in untouched memory."""
+def stand_in_experts(R: int, H: int, I: int, dtype: torch.dtype, int4, group_size: int = 128):
+    """(w13 [R, 2I, H], w2 [R, H, I]) of the real sizes, dense or QuantExperts (int4: True or 4, 3, 2
+    bits), in untouched memory."""
     if not int4:
         return torch.empty(R, 2 * I, H, dtype=dtype), torch.empty(R, H, I, dtype=dtype)
+    bits = 4 if int4 is True else int4
 
     def packed(N, K):
-        g = min(group_size, K)
-        return Int4Experts(torch.empty(R, N, K // 8, dtype=torch.int32), torch.empty(R, K // g, N, dtype=dtype),
-                           torch.empty(R, K // g, N, dtype=dtype))
+        g = group_size_for(K, group_size)
+        return QuantExperts(torch.empty(R, N, K * bits // 32, dtype=torch.int32),
+                            torch.empty(R, K // g, N, dtype=dtype), torch.empty(R, K // g, N, dtype=dtype), bits)
     return packed(2 * I, H), packed(H, I)
 
 
-def record_moe(H: int, I: int, E: int, k: int, T: int, dtype: torch.dtype, int4: bool, slots: int | None):
+def record_moe(H: int, I: int, E: int, k: int, T: int, dtype: torch.dtype, int4, slots: int | None):
     """The launches of one fused MoE call (expert rows, then their combine) over E experts, or over
-    `slots` weight rows of a slot pool through a remap row when slots is given."""
+    `slots` weight rows of a slot pool through a remap row when slots is given; int4: False (dense),
+    True (4 bits) or the code width."""
     R = slots or E
     w13, w2 = stand_in_experts(R, H, I, dtype, int4)
     x = torch.empty(T, H, dtype=dtype)
@@ -268,18 +271,19 @@ def inspect(launch: Launch, cc: int) -> Report:
     ptx = k.asm["ptx"]
     regs, spills = _ptxas_usage(ptx, cc)
     _, signature, constexprs, _, _ = _bind(launch, cc)
-    flags = ",".join(f"{n}={v}" for n, v in launch.kwargs.items() if n in ("INT4", "GROUP_TILE", "HAS_REMAP", "BITS") and v)
+    flags = ",".join(f"{n}={v}" for n, v in launch.kwargs.items() if n in ("GROUP_TILE", "HAS_REMAP", "BITS") and v)
     return Report(launch.kernel.fn.__name__.strip("_"), cc, regs, spills, k.metadata.shared, load_kinds(ptx),
                   tile_loads(k.asm["ttgir"]), f"{signature.get('x_ptr') or signature.get('rows_ptr') or signature.get('ids_ptr') or signature.get('signman_ptr')} {flags}")
 
 
-def engine_launches(models=MODELS, widths=(1, 8, 33), dtypes=(torch.bfloat16, torch.float16)):
+def engine_launches(models=MODELS, widths=(1, 8, 33), dtypes=(torch.bfloat16, torch.float16), bits=WIDTHS):
     """Every distinct launch fused_moe makes for these models: dense experts in each dtype and
-    INT4 experts (the draft, scales in the first dtype), over all experts and over a slot pool
-    (a quarter of the experts, remap row), at each T, with each model's top-k and top-1."""
+    quantized experts at each code width of `bits` (the draft, scales in the first dtype), over all
+    experts and over a slot pool (a quarter of the experts, remap row), at each T, with each model's
+    top-k and top-1."""
     seen, out = set(), []
     for name, (H, I, E, k) in models.items():
-        cases = [(dt, False) for dt in dtypes] + [(dtypes[0], True)]
+        cases = [(dt, False) for dt in dtypes] + [(dtypes[0], b) for b in bits]
         for (dtype, int4), slots, T, topk in ((c, s, t, kk) for c in cases for s in (None, max(k, E // 4))
                                               for t in widths for kk in sorted({1, k})):
             for launch in record_moe(H, I, E, topk, T, dtype, int4, slots):
@@ -300,8 +304,19 @@ def variant(launch: Launch) -> str:
     if name == "_decode_kernel":
         return f"lossless {kw['BITS']}-bit codes"
     x = launch.args[0]
-    words = "INT4" + (" group-tile" if kw["GROUP_TILE"] else "") if kw["INT4"] else str(x.dtype).removeprefix("torch.")
+    words = (f"INT{kw['BITS']}" + (" group-tile" if kw["GROUP_TILE"] else "") if kw["BITS"]
+             else str(x.dtype).removeprefix("torch."))
     return words + ("" if kw["EVEN_K"] else " masked-K")
+
+
+def weight_tiles(launch: Launch, elem: str | None = None) -> set:
+    """(rows, cols, element) of the weight tiles an expert kernel's launch loads: [BLOCK_N, BLOCK_K]
+    of a dense dtype (`elem`, or any), or one [BLOCK_N, BLOCK_K * width / 32] int32 tile a plane."""
+    kw = launch.kwargs
+    if kw["BITS"]:
+        planes = {4: (4,), 3: (2, 1), 2: (2,)}[kw["BITS"]]
+        return {(kw["BLOCK_N"], kw["BLOCK_K"] * p // 32, "i32") for p in planes}
+    return {(kw["BLOCK_N"], kw["BLOCK_K"], e) for e in ([elem] if elem else ("bf16", "f16", "f32"))}
 
 
 def table(launches) -> list[dict]:
@@ -322,8 +337,7 @@ def table(launches) -> list[dict]:
             if r.kernel in ("gate_up_kernel", "down_kernel"):
                 kw = launch.kwargs
                 elem = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}[launch.args[0].dtype]
-                tile = (kw["BLOCK_N"], kw["BLOCK_K"] // 8, "i32") if kw["INT4"] else (kw["BLOCK_N"], kw["BLOCK_K"], elem)
-                widths = r.weight_load_bytes({tile})
+                widths = r.weight_load_bytes(weight_tiles(launch, elem))
                 if widths:
                     low = min(widths)
                     row["weight_load_bytes"] = low if row["weight_load_bytes"] is None else min(row["weight_load_bytes"], low)

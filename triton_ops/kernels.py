@@ -8,9 +8,9 @@
     combine  grid (T, cdiv(H, BLOCK_H))    y[t] = out[t, 0] + out[t, 1] + ... in fp32, rounded once
 
 e = the block's weight row (align.py), tok = row // top_k. A weight tile is [BLOCK_N, BLOCK_K]:
-BLOCK_N rows of the expert, each a contiguous run along K (vector loads). INT4 weights (int4.py's
-layout: eight codes an int32 word along K, group-major scales) are dequantized inside the K loop a
-tile at a time (`scale * q - shift` in the scales' dtype), so no whole expert is ever
+BLOCK_N rows of the expert, each a contiguous run along K (vector loads). Quantized weights at
+4, 3 or 2 bits (int4.py's layout: codes in int32 words along K, the constexpr BITS; group-major
+scales) are dequantized inside the K loop a tile at a time (`scale * q - shift` in the scales' dtype), so no whole expert is ever
 dequantized; when the block divides the group size (128 on real models) a tile's scales and shifts
 are one vector load each. Every tl.dot is at least 16 in each dimension (NVIDIA's minimum; the
 interpreter would accept less). Block sizes never depend on
@@ -33,7 +33,9 @@ from .int4 import Int4Experts
 BLOCK_N, BLOCK_H = 32, 128
 BLOCK_K = 64         # 16-bit weights: a [32, 64] tile is 32 bytes a thread (4 warps), two 16-byte loads
 BLOCK_K_INT4 = 128   # INT4: a [32, 128] tile is 16 bytes a thread, one load; and a tile is one group of 128
-                     # (64 where K is no multiple of 128: 8 bytes a thread, but no masked columns)
+                     # (64 where K is no multiple of 128: 8 bytes a thread, but no masked columns).
+                     # 2 and 3 bits keep the tile one group (one scale load a row): 8 bytes a thread at
+                     # 2 bits, 8 + 4 at 3 (its two planes)
 
 
 @triton.jit
@@ -47,22 +49,44 @@ def _tile_mask(row_ok, col_ok, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _plane(w_ptr, offs_n, n_ok, k0, K, stride_wn, WIDTH: tl.constexpr, EVEN_K: tl.constexpr,
+           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] int32 fields of one plane of codes at w_ptr: 32 / WIDTH fields a word along K,
+    field i of word j at bits WIDTH * i (int4.py), its K * WIDTH / 32 words a row contiguous."""
+    offs_w = tl.multiple_of(k0 * WIDTH // 32, BLOCK_K * WIDTH // 32) + tl.arange(0, BLOCK_K * WIDTH // 32)
+    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
+                    mask=_tile_mask(n_ok, offs_w < K * WIDTH // 32, EVEN_K), other=0)
+    q = (words[:, :, None] >> (tl.arange(0, 32 // WIDTH) * WIDTH)[None, None, :]) & ((1 << WIDTH) - 1)
+    return tl.reshape(q, (BLOCK_N, BLOCK_K))  # [BLOCK_N, BLOCK_K / (32 / WIDTH), 32 / WIDTH] -> along K
+
+
+@triton.jit
 def _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, n_ok, k0, K, stride_wn, stride_sg, group_size,
-                 INT4: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BITS: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     """[BLOCK_N, BLOCK_K] tile of an expert's weight rows offs_n at columns k0 .. k0 + BLOCK_K, each
-    row a contiguous run. INT4: w_ptr is the expert's int32 words (eight codes a word along K,
-    int4.py), s_ptr/z_ptr its group-major scales/shifts, and the tile is dequantized in the scales'
-    dtype, as Int4Experts.dequantize does (in fp32, gate_up's two tiles spilled registers on sm_90
-    with Triton 3.6's ptxas: tests/test_aot.py). GROUP_TILE: BLOCK_K divides
-    the group size, so the tile lies in one group and its scales are BLOCK_N adjacent values.
-    EVEN_K: BLOCK_K divides K, so no column needs a mask (which would cap the loads' width)."""
-    if INT4:
-        offs_w = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8] words
-        words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
-                        mask=_tile_mask(n_ok, offs_w < K // 8, EVEN_K), other=0)
-        q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K / 8, 8]
-        q = tl.reshape(q, (BLOCK_N, BLOCK_K)).to(s_ptr.dtype.element_ty)
+    row a contiguous run. BITS = 0: dense weights. BITS = 4, 3, 2: w_ptr is the expert's int32 words
+    (int4.py's layout: 4 and 2 bits one plane, 8 or 16 codes a word; 3 bits a 2-bit plane of the low
+    bits, then a 1-bit plane of the high bit after the row's K / 16 low words), s_ptr/z_ptr its
+    group-major scales/shifts, and the tile is dequantized in the scales' dtype, as
+    QuantExperts.dequantize does (in fp32, gate_up's two tiles spilled registers on sm_90 with
+    Triton 3.6's ptxas: tests/test_aot.py). GROUP_TILE: BLOCK_K divides the group size, so the tile
+    lies in one group and its scales are BLOCK_N adjacent values. EVEN_K: BLOCK_K divides K, so no
+    column needs a mask (which would cap the loads' width)."""
+    if BITS == 0:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                    mask=_tile_mask(n_ok, offs_k < K, EVEN_K), other=0.0)
+    else:
+        if BITS == 3:
+            high = K // 16                                # the high plane's first word in a row
+            if EVEN_K:                                    # K a multiple of BLOCK_K: so is that offset of words
+                high = tl.multiple_of(high, BLOCK_K // 16)
+            q = _plane(w_ptr, offs_n, n_ok, k0, K, stride_wn, 2, EVEN_K, BLOCK_N, BLOCK_K)
+            q = q | (_plane(w_ptr + high, offs_n, n_ok, k0, K, stride_wn, 1, EVEN_K, BLOCK_N, BLOCK_K) << 2)
+        else:
+            q = _plane(w_ptr, offs_n, n_ok, k0, K, stride_wn, BITS, EVEN_K, BLOCK_N, BLOCK_K)
+        q = q.to(s_ptr.dtype.element_ty)
         if GROUP_TILE:
             g = (k0 // group_size) * stride_sg + offs_n                     # [BLOCK_N]
             s = tl.load(s_ptr + g, mask=n_ok, other=0.0)[:, None]
@@ -74,10 +98,6 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, n_ok, k0, K, stride_wn, stride_sg,
             s = tl.load(s_ptr + g, mask=mask, other=0.0)
             z = tl.load(z_ptr + g, mask=mask, other=0.0)
         w = q * s - z
-    else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-                    mask=_tile_mask(n_ok, offs_k < K, EVEN_K), other=0.0)
     return w
 
 
@@ -94,7 +114,7 @@ def _dot(a, w, acc, IEEE: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, a_ptr, slot_row_ptr, block_expert_ptr, n_padded_ptr,
                     H, I, M, top_k, stride_xt, stride_we, stride_wn, stride_se, stride_sg, group_size,
-                    INT4: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                    BITS: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M < tl.load(n_padded_ptr):           # blocks past the real end do nothing
@@ -113,9 +133,9 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, a_ptr, slot_row_ptr, block_exper
             x = tl.load(x_ptr + tok[:, None] * stride_xt + offs_k[None, :],
                         mask=_tile_mask(rows < M, offs_k < H, EVEN_K), other=0.0)
             wg = _weight_tile(w_e, s_e, z_e, offs_n, n_ok, k0, H, stride_wn, stride_sg, group_size,
-                              INT4, GROUP_TILE, EVEN_K, BLOCK_N, BLOCK_K)
+                              BITS, GROUP_TILE, EVEN_K, BLOCK_N, BLOCK_K)
             wu = _weight_tile(w_e + up, s_e + I, z_e + I, offs_n, n_ok, k0, H, stride_wn, stride_sg, group_size,
-                              INT4, GROUP_TILE, EVEN_K, BLOCK_N, BLOCK_K)
+                              BITS, GROUP_TILE, EVEN_K, BLOCK_N, BLOCK_K)
             acc_g = _dot(x, wg, acc_g, IEEE)
             acc_u = _dot(x, wu, acc_u, IEEE)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u      # silu(gate) * up
@@ -125,7 +145,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, a_ptr, slot_row_ptr, block_exper
 @triton.jit
 def _down_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, rw_ptr, slot_row_ptr, block_expert_ptr, n_padded_ptr,
                  H, I, M, stride_we, stride_wn, stride_se, stride_sg, group_size,
-                 INT4: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                 BITS: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M < tl.load(n_padded_ptr):
@@ -142,7 +162,7 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, rw_ptr, slot_row_ptr, bloc
             a = tl.load(a_ptr + offs_m[:, None] * I + offs_k[None, :], mask=_tile_mask(offs_m >= 0, offs_k < I, EVEN_K),
                         other=0.0)
             w = _weight_tile(w_e, s_e, z_e, offs_n, n_ok, k0, I, stride_wn, stride_sg, group_size,
-                             INT4, GROUP_TILE, EVEN_K, BLOCK_N, BLOCK_K)
+                             BITS, GROUP_TILE, EVEN_K, BLOCK_N, BLOCK_K)
             acc = _dot(a, w, acc, IEEE)
         rw = tl.load(rw_ptr + rows, mask=real, other=0.0).to(tl.float32)
         acc = acc * rw[:, None]                           # the routing weight, in-kernel
@@ -244,12 +264,12 @@ def group_tile(group_size: int, block_k: int = BLOCK_K_INT4) -> bool:
 
 
 def _tiles(w, K: int) -> dict:
-    """The launch constants of a weight's K loop: INT4 or not, its block sizes, whether tiles lie in
-    one group and whether the block divides K. They depend on the weights only, never on T."""
-    int4 = isinstance(w, Int4Experts)
-    block_k = int4_block_k(K) if int4 else BLOCK_K
-    return dict(INT4=int4, GROUP_TILE=int4 and group_tile(w.group_size, block_k), EVEN_K=K % block_k == 0,
-                BLOCK_N=BLOCK_N, BLOCK_K=block_k)
+    """The launch constants of a weight's K loop: the code width (0: dense), its block sizes, whether
+    tiles lie in one group and whether the block divides K. They depend on the weights only, never on T."""
+    quant = isinstance(w, Int4Experts)
+    block_k = int4_block_k(K) if quant else BLOCK_K
+    return dict(BITS=w.bits if quant else 0, GROUP_TILE=quant and group_tile(w.group_size, block_k),
+                EVEN_K=K % block_k == 0, BLOCK_N=BLOCK_N, BLOCK_K=block_k)
 
 
 def _parts(w, dtype):
