@@ -135,7 +135,8 @@ def load_once(model, device: str = "auto", **load_kw):
     """The checkpoint loaded once for several benches (a residency sweep): a builder.Loaded."""
     path = Path(model) if model is not None else default_model_path()
     return load_shared(path, resolve_device(device), dtype=load_kw.get("dtype"), threads=load_kw.get("threads"),
-                       draft_cache=load_kw.get("draft_cache"), compress_experts=load_kw.get("compress_experts", False))
+                       draft_cache=load_kw.get("draft_cache"), compress_experts=load_kw.get("compress_experts", False),
+                       draft_bits=load_kw.get("draft_bits", 4))
 
 
 def _link_name(engines) -> str | None:

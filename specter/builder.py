@@ -55,6 +55,7 @@ class Loaded:
     tokenizer: object                # compress_experts, CodedLayer per layer (offload/coded.py)
     draft_cache: str | None = None   # None: $SPECTER_DRAFT_CACHE or the user cache; "off": none
     draft: DraftExperts | None = None
+    draft_bits: int = 4              # the draft experts' code width (4, 3 or 2)
     resident: list[ExpertWeights] | None = None  # every expert on the device in the compute dtype (resident_experts)
     compressed: bool = False         # the store is losslessly coded (compress_experts)
     raw: list[ExpertWeights] | None = None  # compressed only: the decoded store a host lane reads (host_rows)
@@ -84,12 +85,13 @@ class Loaded:
 
 
 def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | None = None,
-                draft_cache=None, compress_experts: bool = False) -> Loaded:
+                draft_cache=None, compress_experts: bool = False, draft_bits: int = 4) -> Loaded:
     """`compress_experts`: the store is coded losslessly (offload/coded.py; bf16 only), read from its
     on-disk cache when every layer is there (no expert read from the checkpoint), else coded as it
     loads and cached (`draft_cache` places or disables the cache, as the draft's)."""
     ckpt = open_checkpoint(path)
     check_compressible(ckpt, compress_experts)
+    check_draft_bits(draft_bits)
     dt = compute_dtype(device, ckpt.dtype, dtype)
     configure_threads(device, threads)
     pin = device.type == "cuda" and pin_wanted()
@@ -102,7 +104,12 @@ def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | 
         model, store, _ = load_checkpoint(path, device, dt, experts=not hit)
         store = coded_store(store, cached, entry, pin=pin)
     return Loaded(Path(path), ckpt, device, dt, model, store, load_tokenizer(path), draft_cache,
-                  compressed=bool(compress_experts))
+                  compressed=bool(compress_experts), draft_bits=draft_bits)
+
+
+def check_draft_bits(draft_bits) -> None:
+    if isinstance(draft_bits, bool) or draft_bits not in (4, 3, 2):
+        raise ConfigError(f"draft_bits must be 4, 3 or 2 (the draft experts' code width), got {draft_bits!r}")
 
 
 def check_compressible(ckpt: Checkpoint, compress_experts) -> None:
@@ -119,7 +126,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
                  link=None, dtype=None, threads: int | None = None, eviction: str | None = None,
                  device_memory=None, k_max: int = 32, compile: bool | None = None, shared: Loaded | None = None,
                  draft_cache=None, driver: str | None = None, host_threads: int | None = None,
-                 compress_experts: bool = False, **options) -> Engine:
+                 compress_experts: bool = False, draft_bits: int = 4, **options) -> Engine:
     """An engine for `policy` (a name in specter/policy.py's table). `shared`: a checkpoint already
     loaded (load_shared) to build on instead of loading it again; its store, model and draft are
     reused, never copied. `host_threads`: the host lane's threads (policies with a host lane, see
@@ -147,6 +154,9 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     if shared is not None and shared.compressed != compress_experts:
         raise ConfigError(f"shared: its store was loaded with compress_experts={shared.compressed}, but "
                           f"compress_experts={compress_experts} was asked for")
+    check_draft_bits(draft_bits)
+    if shared is not None and shared.draft_bits != draft_bits:
+        raise ConfigError(f"shared: its draft is {shared.draft_bits}-bit, but draft_bits={draft_bits} was asked for")
     defaults = read_generation_defaults(path)  # a malformed file fails before the weights load
     dt = shared.dtype if shared is not None else compute_dtype(device, ckpt.dtype, dtype)
     spec = ckpt.spec
@@ -164,7 +174,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
                                                       storage=pdt))
     if shared is None:
         shared = load_shared(path, device, dtype=dt, threads=threads, draft_cache=draft_cache,
-                             compress_experts=compress_experts)
+                             compress_experts=compress_experts, draft_bits=draft_bits)
     model, store = shared.model, shared.store
     if not pol.offloads:
         experts = shared.resident_experts()
@@ -279,7 +289,8 @@ def _decoder(policy: Policy, shared: Loaded, mgr, k_max):
 def _draft(shared: Loaded, lookahead: Lookahead) -> DraftExperts:
     """The shared draft's INT4 experts (quantised on first use) behind this engine's own lookahead."""
     if shared.draft is None:
-        int4 = draft_int4(shared.decoded_store(), shared.ckpt.files.values(), shared.device, cache=shared.draft_cache)
+        int4 = draft_int4(shared.decoded_store(), shared.ckpt.files.values(), shared.device, cache=shared.draft_cache,
+                          bits=shared.draft_bits)
         spec = shared.ckpt.spec
         n = spec.n_moe_layers * spec.n_experts * spec.expert_numel()
         packed = keep_packed(shared.device, n, shared.dtype)

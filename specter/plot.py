@@ -12,7 +12,8 @@ RESIDENCIES = (0.125, 0.25, 0.5, 1.0)
 def residency_sweep(model, policies: list[str], out_png: str, *, residencies=RESIDENCIES, **bench_kw) -> dict:
     sweep, link = {}, None
     shared = load_once(model, **{k: v for k, v in bench_kw.items()  # one load under every residency
-                                 if k in ("device", "dtype", "threads", "draft_cache", "compress_experts")})
+                                 if k in ("device", "dtype", "threads", "draft_cache", "compress_experts",
+                                          "draft_bits")})
     for r in residencies:
         try:
             res = run_bench(model, policies, residency=r, shared=shared, **bench_kw)

@@ -192,8 +192,8 @@ def test_policies_share_one_store_and_one_draft(bf16):
 # ---------------------------------------------------------------------------------- draft cache
 def _count_packs(monkeypatch):
     calls = []
-    real = draft_cache.pack_int4
-    monkeypatch.setattr(draft_cache, "pack_int4", lambda w, *a, **k: calls.append(1) or real(w, *a, **k))
+    real = draft_cache.pack_experts
+    monkeypatch.setattr(draft_cache, "pack_experts", lambda w, *a, **k: calls.append(1) or real(w, *a, **k))
     return calls
 
 
@@ -227,7 +227,7 @@ def test_draft_cache_miss_hit_corrupt_stale(tmp_path, monkeypatch, bf16):
     assert calls == []
 
     # stale: a file from another entry (another checkpoint) copied under this key is not trusted
-    monkeypatch.setattr(draft_cache, "cache_key", lambda files: "another-key")
+    monkeypatch.setattr(draft_cache, "cache_key", lambda files, bits=4: "another-key")
     list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path))
     shutil.copy(tmp_path / "another-key" / "layer-0.safetensors", entry / "layer-0.safetensors")
     monkeypatch.undo()

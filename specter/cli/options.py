@@ -60,6 +60,10 @@ def model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
     p.add_argument("--draft-cache", default=None,
                    help="directory of the INT4 draft cache, or 'off' (default: $SPECTER_DRAFT_CACHE, else "
                         "~/.cache/specter/drafts)")
+    p.add_argument("--draft-bits", type=int, choices=(4, 3, 2), default=None,
+                   help=f"policies {' and '.join(policy_names('drafts'))}: code width of the draft's experts "
+                        "(default 4): fewer bits, a smaller draft, fewer drafted tokens accepted; the same output "
+                        "tokens")
     p.add_argument("--compress-experts", action="store_true",
                    help="keep the host store's experts losslessly coded (bf16 checkpoints): copies move the coded "
                         "bytes and decode into the slot as they land; the same tokens")
@@ -118,6 +122,8 @@ def engine_options(args) -> dict:
         opts["draft_cache"] = args.draft_cache
     if getattr(args, "compress_experts", False):
         opts["compress_experts"] = True
+    if getattr(args, "draft_bits", None) is not None:
+        opts["draft_bits"] = args.draft_bits
     if getattr(args, "host_threads", None) is not None:
         opts["host_threads"] = args.host_threads
     return opts
@@ -125,7 +131,7 @@ def engine_options(args) -> dict:
 
 # Flags that only some policies read, and the Policy field that says which: given to any other
 # policy they would be ignored, so they are refused.
-FLAG_USERS = (("--k-max", "k_max", "drafts"), ("--compile", "compile", "drafts"),
+FLAG_USERS = (("--k-max", "k_max", "drafts"), ("--compile", "compile", "drafts"), ("--draft-bits", "draft_bits", "drafts"),
               ("--host-threads", "host_threads", "host_lane"), ("--link", "link", "offloads"))
 
 

@@ -1,13 +1,15 @@
-"""The draft's INT4 experts, quantised once per checkpoint and cached on disk.
+"""The draft's quantised experts (4, 3 or 2 bits), quantised once per checkpoint and width and cached on disk.
 
-    <cache>/<key>/layer-<i>.safetensors    w13.{qweight,scale,shift}, w2.{...}: Int4Experts, fp32 scales
+    <cache>/<key>/layer-<i>.safetensors    w13.{qweight,scale,shift}, w2.{...}: QuantExperts, fp32 scales
 
-key = sha256 of the quantiser's settings and the checkpoint's content fingerprint (every shard's
+key = sha256 of the quantiser's settings (the format, the code width among them) and the checkpoint's
+content fingerprint (every shard's
 size and safetensors header, which holds every tensor's name, dtype, shape and offsets, plus 32
 blocks of 64 KiB sampled across its data), so a re-saved or edited checkpoint gets a new entry.
-Each layer file records the key, its layer and a CRC32 of every tensor in its metadata; a file that
-is missing, unreadable, truncated, for another key or layer, or whose bytes fail the CRC is
-rebuilt from the host store, never trusted. Files are written to a temporary name and renamed,
+Each layer file records the key, its layer, its code width and a CRC32 of every tensor in its
+metadata; a file that is missing, unreadable, truncated, for another key, layer or width, or whose
+bytes fail the CRC is rebuilt from the host store, never trusted. An entry written by an older
+format (another FORMAT) has another key: it is never read, so stale, and quantised afresh. Files are written to a temporary name and renamed,
 so a crash never leaves half a file under the real name.
 
 Quantisation runs layer by layer, on the device when there is one: one layer's experts in full
@@ -30,12 +32,13 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from specter.triton_ops import Int4Experts, pack_int4, packed_nbytes
+from specter.triton_ops import Int4Experts, pack_experts, packed_nbytes
+from specter.triton_ops.int4 import check_bits
 
 from ..errors import ConfigError
 from ..moe import ExpertWeights
 
-FORMAT = 2  # 2: int32 words of eight codes, group-major scales (triton_ops/int4.py)
+FORMAT = 3  # 2: int32 words of eight codes, group-major scales (triton_ops/int4.py); 3: and the width (4, 3, 2)
 GROUP_SIZE = 128
 _SAMPLES, _BLOCK = 32, 64 << 10
 
@@ -61,12 +64,16 @@ def cache_root(override: str | os.PathLike | None = None) -> Path | None:
     return Path(where)
 
 
-def settings() -> dict:
+QUANTIZERS = {4: "optimum-quanto MaxOptimizer qint4 float-shift", 2: "optimum-quanto MaxOptimizer qint2 float-shift",
+              3: "affine min-max 3-bit float-shift (torch, quanto's scheme)"}
+
+
+def settings(bits: int = 4) -> dict:
     """What the cached bytes depend on besides the checkpoint. (The version from the package's metadata:
     importing optimum.quanto takes seconds, which a cache hit never needs to spend.)"""
     from importlib.metadata import version
 
-    return {"format": FORMAT, "quantizer": "optimum-quanto MaxOptimizer qint4 float-shift",
+    return {"format": FORMAT, "bits": bits, "quantizer": QUANTIZERS[check_bits(bits)],
             "quanto": version("optimum-quanto"), "group_size": GROUP_SIZE, "scales": "float32"}
 
 
@@ -85,19 +92,20 @@ def fingerprint(files) -> str:
     return h.hexdigest()
 
 
-def cache_key(files) -> str:
-    h = hashlib.sha256(json.dumps(settings(), sort_keys=True).encode())
+def cache_key(files, bits: int = 4) -> str:
+    h = hashlib.sha256(json.dumps(settings(bits), sort_keys=True).encode())
     h.update(fingerprint(files).encode())
     return h.hexdigest()[:32]
 
 
 def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache=None,
-               progress: bool | None = None) -> Iterator[tuple[Int4Experts, Int4Experts]]:
-    """Yields (w13, w2) Int4Experts per MoE layer (fp32 scales, on the CPU), each read from the cache
-    or quantised from `store` (on `device`) and written to it: one layer at a time, so a consumer that
-    moves or dequantises each as it comes never holds the whole INT4 draft on the host."""
+               progress: bool | None = None, bits: int = 4) -> Iterator[tuple[Int4Experts, Int4Experts]]:
+    """Yields (w13, w2) QuantExperts at `bits` per MoE layer (fp32 scales, on the CPU), each read from
+    the cache or quantised from `store` (on `device`) and written to it: one layer at a time, so a
+    consumer that moves or dequantises each as it comes never holds the whole draft on the host."""
+    check_bits(bits)
     root = cache_root(cache)
-    entry = root / cache_key(files) if root is not None else None
+    entry = root / cache_key(files, bits) if root is not None else None
     if entry is not None:
         try:
             entry.mkdir(parents=True, exist_ok=True)
@@ -111,14 +119,14 @@ def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache
     nbytes = sum(ew.n_experts * ew.expert_nbytes() for ew in store)  # a DecodedStore decodes nothing here
     if progress is None:
         progress = nbytes > (256 << 20)
-    bar = tqdm(store, desc="draft (INT4)", unit="layer", disable=not progress)
+    bar = tqdm(store, desc=f"draft (INT{bits})", unit="layer", disable=not progress)
     for i, ew in enumerate(bar):
         path = entry / f"layer-{i}.safetensors" if entry is not None else None
-        layer = _read(path, entry.name, i) if path is not None else None
+        layer = _read(path, entry.name, i, bits) if path is not None else None
         if layer is None:
             bar.set_description("draft: quantising")
-            layer = (pack_int4(ew.w13.to(device), GROUP_SIZE, dtype=torch.float32).to("cpu"),
-                     pack_int4(ew.w2.to(device), GROUP_SIZE, dtype=torch.float32).to("cpu"))
+            layer = (pack_experts(ew.w13.to(device), bits, GROUP_SIZE, dtype=torch.float32).to("cpu"),
+                     pack_experts(ew.w2.to(device), bits, GROUP_SIZE, dtype=torch.float32).to("cpu"))
             if path is not None:
                 _write(path, entry.name, i, layer)
         yield layer
@@ -138,7 +146,7 @@ _ST_NAMES = {torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64", torch.fl
 
 
 def _write(path: Path, key: str, layer: int, q: tuple[Int4Experts, Int4Experts]) -> None:
-    write_layer_file(path, key, layer, _tensors(q))
+    write_layer_file(path, key, layer, _tensors(q), {"bits": str(q[0].bits)})
 
 
 def write_layer_file(path: Path, key: str, layer: int, tensors: dict[str, torch.Tensor],
@@ -171,14 +179,16 @@ def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]
             f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
 
 
-def _read(path: Path, key: str, layer: int) -> tuple[Int4Experts, Int4Experts] | None:
+def _read(path: Path, key: str, layer: int, bits: int = 4) -> tuple[Int4Experts, Int4Experts] | None:
     """The cached layer, or None when it is missing, corrupt or stale (and then it is rebuilt)."""
     read = read_layer_file(path, key, layer)
     if read is None:
         return None
-    tensors, _ = read
+    tensors, meta = read
+    if meta.get("bits") != str(bits):
+        return None
     try:
-        return tuple(Int4Experts(**{k: tensors[f"{m}.{k}"] for k in ("qweight", "scale", "shift")})
+        return tuple(Int4Experts(**{k: tensors[f"{m}.{k}"] for k in ("qweight", "scale", "shift")}, bits=bits)
                      for m in ("w13", "w2"))
     except Exception:  # wrong tensors: rebuild
         return None

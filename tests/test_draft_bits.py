@@ -1,0 +1,210 @@
+"""Drafts at 4, 3 and 2 bits: the draft cache keys and checks the width, and speculation stays
+lossless whatever the width (greedy tokens equal plain decoding, spec-lru and specter, on the
+bundled model and on a tiny checkpoint)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specter
+from specter import builder
+from specter.errors import ConfigError
+from specter.loader import load_checkpoint
+from specter.offload.link import EmulatedLink
+from specter.speculative import draft_cache
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def fast_link(monkeypatch):
+    made = []
+
+    def make_link(device, profile=None, **kw):
+        link = EmulatedLink(100e6, 2e-4, name="test")
+        made.append(link)
+        return link
+
+    monkeypatch.setattr(builder, "make_link", make_link)
+    yield made
+    for link in made:
+        link.close()
+
+
+@pytest.fixture(scope="module")
+def qwen(tiny):
+    path, _ = tiny("qwen3_moe", eos_token_id=None)  # hidden 64, expert intermediate 32: every width fits
+    return path
+
+
+def _count_packs(monkeypatch):
+    calls = []
+    real = draft_cache.pack_experts
+    monkeypatch.setattr(draft_cache, "pack_experts",
+                        lambda w, bits, *a, **k: calls.append(bits) or real(w, bits, *a, **k))
+    return calls
+
+
+def _same(a, b) -> bool:
+    return all(qa.bits == qb.bits and all(torch.equal(x, y) for x, y in zip(qa.tensors().values(),
+                                                                            qb.tensors().values()))
+               for la, lb in zip(a, b) for qa, qb in zip(la, lb))
+
+
+# ---------------------------------------------------------------------------------- the cache
+@pytest.mark.parametrize("bits", [3, 2])
+def test_cache_miss_hit_corrupt_stale_at_each_width(qwen, tmp_path, monkeypatch, bits):
+    _, store, ckpt = load_checkpoint(qwen, CPU, torch.float32)
+    files, L = list(ckpt.files.values()), len(store)
+    calls = _count_packs(monkeypatch)
+    first = list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path, bits=bits))
+    assert calls == [bits] * 2 * L  # miss: every layer quantised at this width
+    assert all(q.bits == bits for layer in first for q in layer)
+    entry = tmp_path / draft_cache.cache_key(files, bits)
+    assert sorted(p.name for p in entry.iterdir()) == [f"layer-{i}.safetensors" for i in range(L)]
+
+    calls.clear()
+    assert _same(list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path, bits=bits)), first)
+    assert calls == []  # hit
+
+    f = entry / "layer-1.safetensors"  # corrupt: one flipped byte
+    raw = bytearray(f.read_bytes())
+    raw[-3] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    calls.clear()
+    assert _same(list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path, bits=bits)), first)
+    assert calls == [bits, bits]  # that layer alone, rebuilt
+
+    # another width is another entry, never this one's files
+    calls.clear()
+    four = list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path, bits=4))
+    assert calls == [4] * 2 * L and all(q.bits == 4 for layer in four for q in layer)
+    assert len(list(tmp_path.iterdir())) == 2
+
+    # stale: a file of another width copied under this key (its own key stamped inside) is not trusted
+    (entry / "layer-0.safetensors").write_bytes((tmp_path / draft_cache.cache_key(files, 4) / "layer-0.safetensors")
+                                                .read_bytes())
+    calls.clear()
+    list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path, bits=bits))
+    assert calls == [bits, bits]
+
+
+def test_a_file_whose_width_disagrees_is_rebuilt(qwen, tmp_path, monkeypatch):
+    """The width in a layer file's metadata is checked, not only the key: a file stamped with this
+    key and layer but another width (written by a faulty or older writer) is rebuilt."""
+    _, store, ckpt = load_checkpoint(qwen, CPU, torch.float32)
+    files = list(ckpt.files.values())
+    list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path, bits=2))
+    key = draft_cache.cache_key(files, 2)
+    q = draft_cache._read(tmp_path / key / "layer-0.safetensors", key, 0, 2)
+    assert q is not None and q[0].bits == 2
+    draft_cache.write_layer_file(tmp_path / key / "layer-0.safetensors", key, 0, draft_cache._tensors(q),
+                                 {"bits": "4"})
+    assert draft_cache._read(tmp_path / key / "layer-0.safetensors", key, 0, 2) is None
+    calls = _count_packs(monkeypatch)
+    list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path, bits=2))
+    assert calls == [2, 2]
+
+
+def test_entries_of_the_previous_format_are_stale_and_do_not_collide(qwen, tmp_path, monkeypatch):
+    """Code of format 2 (before the width) wrote its 4-bit entries under other keys: this code never
+    reads them (quantises afresh) and never writes into them."""
+    _, store, ckpt = load_checkpoint(qwen, CPU, torch.float32)
+    files = list(ckpt.files.values())
+    assert draft_cache.FORMAT == 3
+    with monkeypatch.context() as m:
+        m.setattr(draft_cache, "FORMAT", 2)
+        old_key = draft_cache.cache_key(files, 4)
+        list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path, bits=4))
+    old = {p.name: p.read_bytes() for p in (tmp_path / old_key).iterdir()}
+    assert draft_cache.cache_key(files, 4) != old_key
+    calls = _count_packs(monkeypatch)
+    list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path, bits=4))
+    assert len(calls) == 2 * len(store)
+    assert {p.name: p.read_bytes() for p in (tmp_path / old_key).iterdir()} == old
+
+
+def test_the_4bit_draft_is_todays_bit_for_bit(qwen, tmp_path):
+    """The default width packs exactly as pack_int4 (quanto's qint4) did."""
+    from specter.triton_ops import pack_int4
+
+    _, store, ckpt = load_checkpoint(qwen, CPU, torch.float32)
+    got = list(draft_cache.draft_int4(store, list(ckpt.files.values()), CPU, cache="off"))
+    want = [(pack_int4(ew.w13, 128, dtype=torch.float32), pack_int4(ew.w2, 128, dtype=torch.float32)) for ew in store]
+    assert _same(got, want)
+
+
+def test_bad_width_is_a_clear_error(qwen):
+    with pytest.raises(ConfigError, match="draft_bits must be 4, 3 or 2"):
+        specter.load(qwen, device="cpu", policy="specter", residency=0.5, draft_bits=8)
+    with pytest.raises(ConfigError, match="one of 4, 3, 2"):
+        next(draft_cache.draft_int4([], [], CPU, cache="off", bits=1))
+
+
+# ------------------------------------------------------------------------------- losslessness
+PROMPTS = [[5, 6, 7, 8], [17, 3, 99, 42, 8, 1]]
+
+
+def _greedy(engine, prompts, n):
+    try:
+        return [engine.generate(p, max_new_tokens=n, temperature=0.0) for p in prompts]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("bits", [3, 2])
+def test_low_bit_drafts_are_lossless_on_a_tiny_checkpoint(qwen, fast_link, bits):
+    want = [o.token_ids for o in _greedy(specter.load(qwen, device="cpu", policy="resident"), PROMPTS, 24)]
+    for policy in ("spec-lru", "specter"):
+        engine = specter.load(qwen, device="cpu", policy=policy, residency=0.25, k_max=6, draft_bits=bits)
+        assert engine.decoder.draft.q13 or engine.decoder.draft.layers
+        outs = _greedy(engine, PROMPTS, 24)
+        assert [o.token_ids for o in outs] == want, (policy, bits)
+        assert sum(o.stats["drafted_tokens"] for o in outs) > 0
+
+
+def test_low_bit_drafts_are_lossless_on_the_bundled_model(fast_link):
+    path = specter.default_model_path()
+    if not (path / "model.safetensors").exists():
+        pytest.skip("the bundled default model is not present")
+    prompts = ["def fibonacci(n):", "for i, line in enumerate(lines):"]
+    want = [o.token_ids for o in _greedy(specter.load(path, device="cpu", policy="resident"), prompts, 24)]
+    for bits in (3, 2):
+        for policy in ("spec-lru", "specter"):
+            outs = _greedy(specter.load(path, device="cpu", policy=policy, residency=0.25, draft_bits=bits),
+                           prompts, 24)
+            assert [o.token_ids for o in outs] == want, (policy, bits)
+            assert sum(o.stats["drafted_tokens"] for o in outs) > 0
+
+
+def test_the_draft_really_has_the_width_asked_for(qwen, fast_link):
+    """Not the 4-bit draft under another name: the engine's draft experts dequantize to values on a
+    grid of 2^bits levels per group, and differ from the 4-bit draft's."""
+    drafts = {}
+    for bits in (4, 2):
+        engine = specter.load(qwen, device="cpu", policy="specter", residency=0.5, draft_bits=bits)
+        try:
+            d = engine.decoder.draft
+            w = d.q13[0].dequantize() if d.packed else d.layers[0].w13
+            drafts[bits] = w
+            levels = max(len(torch.unique(row[:32])) for row in w.reshape(-1, w.shape[-1])[:64])
+            assert levels <= 2 ** bits, (bits, levels)
+        finally:
+            engine.close()
+    assert not torch.equal(drafts[4], drafts[2])
+
+
+def test_draft_bits_flag_reaches_the_engine(qwen, tmp_path, fast_link, capsys):
+    from specter.cli import main
+
+    argv = ["generate", "--model", str(qwen), "--device", "cpu", "--residency", "0.25", "--max-new-tokens", "2",
+            "--json", "--draft-cache", str(tmp_path / "dc"), "--prompt-ids", "1,2,3", "--draft-bits", "3"]
+    assert main(argv) == 0
+    spec_ = load_checkpoint(qwen, CPU, torch.float32)[2]
+    entry = tmp_path / "dc" / draft_cache.cache_key(list(spec_.files.values()), 3)
+    assert len(list(entry.glob("layer-*.safetensors"))) == 3
+    with pytest.raises(SystemExit):
+        main(argv[:-1] + ["5"])
+    assert main(["generate", "--model", str(qwen), "--device", "cpu", "--policy", "on-demand", "--residency", "0.5",
+                 "--max-new-tokens", "1", "--prompt-ids", "1,2", "--draft-bits", "2"]) != 0
+    assert "--draft-bits" in capsys.readouterr().err
