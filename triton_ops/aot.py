@@ -226,26 +226,35 @@ def load_kinds(ptx: str) -> dict[str, int]:
 
 _LAYOUT = re.compile(r"^#(\w+) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\].*order = \[([\d, ]+)\]")
 _TILE_LOAD = re.compile(r"= (ttg\.async_copy_global_to_local|tt\.load) .*?(?:contiguity = (\d+) : i32\}.*?)?"
-                        r": tensor<(\d+)x(\d+)x!tt\.ptr<(\w+)>, #(\w+)>")
+                        r": tensor<(\d+)x(\d+)x!tt\.ptr<(\w+)>, "
+                        r"(?:#ttg\.slice<\{dim = (\d+), parent = #(\w+)\}>|#(\w+))>")
 _ELEM_BYTES = {"i8": 1, "u8": 1, "i16": 2, "bf16": 2, "f16": 2, "i32": 4, "f32": 4, "i64": 8}
 
 
 def tile_loads(ttgir: str) -> list[tuple[tuple[int, int, str], str, int]]:
     """2-D tile loads of a TTGIR listing: ((rows, cols, element), op, bytes a thread), the bytes being
     the elements a thread reads contiguously (its layout's sizePerThread along the fastest axis,
-    capped by the contiguity Triton proved for an async copy)."""
+    capped by the contiguity Triton proved for an async copy). A tile in a slice of a 3-D blocked
+    layout (a 3-bit tile's 1-bit plane, [32, 2] words, can be one) takes its parent's sizes and
+    order without the sliced dimension."""
     layouts = {}
     for line in ttgir.splitlines():
         if m := _LAYOUT.match(line):
-            size = [int(v) for v in m.group(2).split(",")]
-            order = [int(v) for v in m.group(3).split(",")]
-            layouts[m.group(1)] = size[order[0]]
+            layouts[m.group(1)] = ([int(v) for v in m.group(2).split(",")], [int(v) for v in m.group(3).split(",")])
     out = []
     for line in ttgir.splitlines():
-        if (m := _TILE_LOAD.search(line)) and m.group(6) in layouts:
-            op, contiguity, rows, cols, elem, layout = m.groups()
-            n = layouts[layout] if contiguity is None else min(layouts[layout], int(contiguity))
-            out.append(((int(rows), int(cols), elem), op.split(".")[-1], n * _ELEM_BYTES[elem]))
+        if not (m := _TILE_LOAD.search(line)):
+            continue
+        op, contiguity, rows, cols, elem, dim, parent, layout = m.groups()
+        if (layout or parent) not in layouts:
+            continue
+        size, order = layouts[layout or parent]
+        if parent is not None:  # drop the sliced dimension
+            d = int(dim)
+            size = [v for i, v in enumerate(size) if i != d]
+            order = [o - (o > d) for o in order if o != d]
+        n = size[order[0]] if contiguity is None else min(size[order[0]], int(contiguity))
+        out.append(((int(rows), int(cols), elem), op.split(".")[-1], n * _ELEM_BYTES[elem]))
     return out
 
 
