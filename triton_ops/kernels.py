@@ -10,9 +10,9 @@
 e = the block's weight row (align.py), tok = row // top_k. A weight tile is [BLOCK_N, BLOCK_K]:
 BLOCK_N rows of the expert, each a contiguous run along K (vector loads). Quantized weights at
 4, 3 or 2 bits (int4.py's layout: codes in int32 words along K, the constexpr BITS; group-major
-scales) are dequantized inside the K loop a tile at a time (`scale * q - shift` in the scales' dtype), so no whole expert is ever
-dequantized; when the block divides the group size (128 on real models) a tile's scales and shifts
-are one vector load each. Every tl.dot is at least 16 in each dimension (NVIDIA's minimum; the
+scales) are dequantized inside the K loop a tile at a time (`scale * q - shift` in the scales'
+dtype), so no whole expert is ever dequantized; when the block divides the group size (128 on
+real models) a tile's scales and shifts are one vector load each. Every tl.dot is at least 16 in each dimension (NVIDIA's minimum; the
 interpreter would accept less). Block sizes never depend on
 T, and each output is one K loop in a fixed order, so a token's bits do not depend on the batch.
 

@@ -131,7 +131,8 @@ def engine_options(args) -> dict:
 
 # Flags that only some policies read, and the Policy field that says which: given to any other
 # policy they would be ignored, so they are refused.
-FLAG_USERS = (("--k-max", "k_max", "drafts"), ("--compile", "compile", "drafts"), ("--draft-bits", "draft_bits", "drafts"),
+FLAG_USERS = (("--k-max", "k_max", "drafts"), ("--compile", "compile", "drafts"),
+              ("--draft-bits", "draft_bits", "drafts"),
               ("--host-threads", "host_threads", "host_lane"), ("--link", "link", "offloads"))
 
 

@@ -3,14 +3,14 @@
     <cache>/<key>/layer-<i>.safetensors    w13.{qweight,scale,shift}, w2.{...}: QuantExperts, fp32 scales
 
 key = sha256 of the quantiser's settings (the format, the code width among them) and the checkpoint's
-content fingerprint (every shard's
-size and safetensors header, which holds every tensor's name, dtype, shape and offsets, plus 32
-blocks of 64 KiB sampled across its data), so a re-saved or edited checkpoint gets a new entry.
-Each layer file records the key, its layer, its code width and a CRC32 of every tensor in its
-metadata; a file that is missing, unreadable, truncated, for another key, layer or width, or whose
-bytes fail the CRC is rebuilt from the host store, never trusted. An entry written by an older
-format (another FORMAT) has another key: it is never read, so stale, and quantised afresh. Files are written to a temporary name and renamed,
-so a crash never leaves half a file under the real name.
+content fingerprint (every shard's size and safetensors header, which holds every tensor's name,
+dtype, shape and offsets, plus 32 blocks of 64 KiB sampled across its data), so a re-saved or
+edited checkpoint gets a new entry. Each layer file records the key, its layer, its code width and
+a CRC32 of every tensor in its metadata; a file that is missing, unreadable, truncated, for another
+key, layer or width, or whose bytes fail the CRC is rebuilt from the host store, never trusted. An
+entry written by an older format (another FORMAT) has another key: it is never read, so stale, and
+quantised afresh. Files are written to a temporary name and renamed, so a crash never leaves half
+a file under the real name.
 
 Quantisation runs layer by layer, on the device when there is one: one layer's experts in full
 precision exist beside the store at a time, never all of them.
