@@ -120,6 +120,8 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
             plan = getattr(engines[p], "plan", None)
             if plan is not None:
                 r["slots_per_layer"], r["residency"] = plan.slots_per_layer, plan.residency
+            if hasattr(engines[p].decoder, "draft"):  # the draft's code width (its acceptance is above)
+                r["draft_bits"] = engines[p].shared.draft_bits
             result[p] = r
         base = speedup_baseline(policies)
         for p in policies:

@@ -208,3 +208,21 @@ def test_draft_bits_flag_reaches_the_engine(qwen, tmp_path, fast_link, capsys):
     assert main(["generate", "--model", str(qwen), "--device", "cpu", "--policy", "on-demand", "--residency", "0.5",
                  "--max-new-tokens", "1", "--prompt-ids", "1,2", "--draft-bits", "2"]) != 0
     assert "--draft-bits" in capsys.readouterr().err
+
+
+def test_bench_reports_the_draft_width(qwen, tmp_path, fast_link, capsys):
+    import json
+
+    from specter.cli import main
+
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[5, 6, 7, 8]]))
+    argv = ["bench", "--model", str(qwen), "--device", "cpu", "--policies", "resident,spec-lru,specter",
+            "--residency", "0.5", "--prompts", str(prompts), "--max-new-tokens", "8", "--draft-bits", "2"]
+    assert main(argv + ["--json"]) == 0
+    pols = json.loads(capsys.readouterr().out)["policies"]
+    assert "draft_bits" not in pols["resident"]
+    assert pols["spec-lru"]["draft_bits"] == pols["specter"]["draft_bits"] == 2
+    assert all(pols[p]["lossless_vs_resident"] for p in pols)
+    assert main(argv) == 0
+    assert "draft INT2" in capsys.readouterr().out.splitlines()[0]

@@ -58,7 +58,9 @@ def cmd_bench(args) -> int:
         mode = "greedy" if not args.temperature else f"sampling (temperature {args.temperature:g}, " \
             f"top-p {args.top_p:g}, top-k {args.top_k}, seed {args.seed})"
         workload = f"workload {args.workload or 'default'}" if args.prompts is None else args.prompts
+        bits = {r["draft_bits"] for r in res["policies"].values() if "draft_bits" in r}
+        drafts = f", draft INT{bits.pop()}" if bits else ""
         print(f"link: {res['link']}, {budget}, {workload}: {res['prompts']} prompts x {res['repeat']}, "
-              f"{res['max_new_tokens']} new tokens, {mode}")
+              f"{res['max_new_tokens']} new tokens, {mode}{drafts}")
         print(format_table(res))
     return 0
