@@ -11,7 +11,8 @@ function of K, the copy stall as a function of K, and how many drafted tokens ar
    within a bounded number of cycles and then costs at most a probe per `probe_max` cycles; when
    it pays again (the cache or the text changed), the governor is speculating again within a
    bounded number of cycles -- both ways, because K = 0 keeps being re-measured; a stretch of text
-   that slows plain decoding does not switch to speculation on cycles measured on earlier text.
+   that slows plain decoding does not switch to speculation on cycles measured on earlier text; a
+   probe is charged the copies its evictions leave to the plain steps after it.
 2b. The burden of proof: with every expert resident (plain steps copy nothing) speculation at
    break-even or a few percent slower never costs over 2% under +-30% timing noise, and a batched
    verification that really pays is still taken; slightly slower speculation under heavy noise
@@ -370,6 +371,29 @@ def test_one_lucky_cycle_does_not_make_an_untried_k_the_best():
     gov.observe_cycle(12, 2, 24e-3, 14e-3, 1e-3)  # lucky: almost no stall, but acceptance is ~2 a cycle
     assert gov.stall_estimate(12) > 10e-3
     assert gov._argmax_k() < 12
+
+
+def test_probes_pay_for_the_copies_they_leave_behind():
+    """A speculative probe's verification evicts experts the plain steps after it copy back (here the
+    next plain step costs three steps more). Charged to the probe, that aftermath keeps probing of a
+    losing speculation near its budget; unseen, probes came as if free and cost 3% or more."""
+    for seed in range(6):
+        gov, rng = Governor(8), random.Random(seed)
+        jit = lambda t: t * rng.uniform(0.9, 1.1)  # noqa: E731
+        toks = secs = 0.0
+        after = False
+        for _ in range(3000):
+            k = gov.next_k(10 ** 6)
+            if k == 0:
+                t = jit(10e-3) + (30e-3 if after else 0.0)
+                gov.observe_cycle(0, 0, 0.0, t, 0.0, copied=1)
+                toks, secs, after = toks + 1, secs + t, False
+            else:
+                m = geometric(0.7)(k, rng)
+                d, v = jit(k * 4e-3), jit(9e-3 + 1e-3 * (k + 1)) + 3e-3
+                gov.observe_cycle(k, m, d, v, 3e-3)
+                toks, secs, after = toks + m + 1, secs + d + v, True
+        assert toks / secs * 10e-3 > 0.975, seed
 
 
 # ------------------------------------------------------------------------------------------------- 4. caps

@@ -17,11 +17,13 @@ and what was measured: docs/ARCHITECTURE.md ("The governor ...").
        extra = min(proof sqrt(e_spec^2 + e_plain^2), proof_cap) + free_margin
 
    e = sqrt(pi/2) 1.4826 MAD(rates) / R / sqrt(n) a window's relative standard error, R_plain_3
-   the median of the newest 3 plain steps. Leaving speculation takes only the margin. The other
-   arm is probed (`plain_probe` plain steps, or one speculative cycle at its best K) `probe_every`
-   cycles after it lost, then at doubling intervals while it keeps losing; a probe that alone beats
-   the running arm by the same burden is followed up at once. A probe of n cycles of t_o seconds
-   at rate R_o loses n t_o (1 - R_o / R_r) over the interval's cycles of t_r seconds, so
+   the median of the newest 3 plain steps. Leaving speculation takes only the margin. A plain step
+   that copied, right after a speculative cycle, charges that cycle what it took over the plain
+   window's median step (the experts its verification evicted, re-copied). The other arm is probed
+   (`plain_probe` plain steps, or one speculative cycle at its best K) `probe_every` cycles after
+   it lost, then at doubling intervals while it keeps losing; a probe that alone beats the running
+   arm by the same burden is followed up at once. A probe of n cycles of t_o seconds at rate R_o
+   loses n t_o (1 - R_o / R_r) over the interval's cycles of t_r seconds, so
 
        interval >= n (t_o / t_r) (1 - R_o / R_r) / budget      (t = an arm's median cycle seconds)
 
@@ -87,8 +89,7 @@ class _Window:
             self._memo["rate"] = statistics.median(self.rates()) if self.secs else None
         return self._memo["rate"]
 
-    def recent(self, n: int = 3) -> float | None:
-        """The median rate of its newest n cycles: what it measured just now."""
+    def recent(self, n: int = 3) -> float | None:  # the median rate of its newest n cycles
         return statistics.median(self.rates()[-n:]) if self.secs else None
 
     def error(self) -> float | None:
@@ -129,9 +130,9 @@ class Governor:
         self.cycles = 0
         self.arm: str | None = None          # the running arm: "spec" or "plain" (None: both still measured)
         self._spec_fresh: float | None = None  # the rate of the latest cycle if it was speculative (a probe)
+        self._after_spec = False             # the latest cycle was speculative
         self.probe = False                   # the last decision was a probe (of the other arm, or of a K)
-        self._arm_probe = False              # ... of the other arm
-        self._arm_probe_left = 0             # cycles still to run of the current arm probe
+        self._arm_probe, self._arm_probe_left = False, 0  # ... of the other arm; its cycles still to run
         self._arm_interval, self._arm_next = probe_every, probe_every
         self._best: int | None = None        # speculation's argmax K at the last decision
         self._k_interval, self._k_next, self._side = probe_every, probe_every, 0
@@ -157,6 +158,13 @@ class Governor:
             self.pool_tries = 0.98 * self.pool_tries + 1.0
         self._worth.clear()
         self._bounds.clear()
+        after_spec, self._after_spec = self._after_spec, drafted > 0
+        if after_spec and drafted == 0 and copied != 0 and len(self.plain.secs) >= self.plain_probe:
+            excess = seconds - self.plain.seconds()  # what the last cycle's evictions cost this step
+            if excess > 0:
+                self.spec.secs[-1] += excess
+                self.spec._memo.clear()
+                seconds -= excess
         self._spec_fresh = self.window_tokens(k) / seconds if drafted > 0 and seconds > 0 else None
         if self._arm_probe and self._arm_probe_left == 0 and seconds > 0:
             self._follow_up(drafted, self.window_tokens(k) / seconds)
@@ -189,13 +197,10 @@ class Governor:
     def _plain_bar(self) -> float:
         """Plain decoding's rate as speculation must beat it: the window's, and when plain steps copy
         nothing also its newest steps' (R_plain_3), whichever is faster."""
-        if self.plain_copies_nothing:
-            return max(self.plain.rate(), self.plain.recent())
-        return self.plain.rate()
+        return max(self.plain.rate(), self.plain.recent()) if self.plain_copies_nothing else self.plain.rate()
 
     def burden(self) -> float:
-        """How much faster speculation must measure than plain decoding before it runs: the margin,
-        plus `extra` when plain decoding copies nothing (see the module docstring)."""
+        """How much faster speculation must be before it runs: margin (+ extra when plain copies nothing)."""
         if not self.plain_copies_nothing:
             return self.margin
         var = 0.0
@@ -229,8 +234,7 @@ class Governor:
         return self.pool_hits / self.pool_tries
 
     def acceptance(self, i: int, z: float | None = None) -> float:
-        """a_i^-: the lower confidence bound of position i's acceptance (see the module docstring);
-        z = 0 gives the estimate itself."""
+        """a_i^-: the lower confidence bound of position i's acceptance; z = 0: the estimate itself."""
         return self.bounds(self.z if z is None else z)[i]
 
     def bounds(self, z: float) -> list[float]:
@@ -245,8 +249,7 @@ class Governor:
         return out
 
     def window_tokens(self, k: int) -> float:
-        """worth(K): what a speculative cycle that verified K tokens is worth in the arms' comparison,
-        E^-[tokens | K] by the acceptance's lower bounds of now (not the cycle's own noisy count)."""
+        """worth(K) = E^-[tokens | K] now: a verified K's worth in the arms' comparison."""
         if k not in self._worth:
             a, tokens, run = self.bounds(self.z), 1.0, 1.0
             for i in range(1, k + 1):
@@ -348,10 +351,7 @@ class Governor:
             self._k_next = self.cycles + self._k_interval
             self._k_interval = min(2 * self._k_interval, self.probe_max)
             self._side += 1
-            around = ()  # the neighbours of the best K, above first
-            for k in (best + 1, best - 1):
-                if 1 <= k <= self.k_max:
-                    around += (k,)
+            around = [k for k in (best + 1, best - 1) if 1 <= k <= self.k_max]  # (a K probe: rare)
             if around:
                 self.probe = True
                 return around[self._side % len(around)]
@@ -368,8 +368,8 @@ class PlainArms:
     def __init__(self, probe_every: int = 8, probe_max: int = 1024, budget: float = 0.01, alpha: float = 0.25,
                  margin: float = 0.03):
         self.t = {True: None, False: None}
-        self.probe_every, self.probe_max, self.budget, self.alpha = probe_every, probe_max, budget, alpha
-        self.margin = margin
+        self.probe_every, self.probe_max, self.budget = probe_every, probe_max, budget
+        self.alpha, self.margin = alpha, margin
         self.n, self.best, self.interval, self.next = 0, None, probe_every, probe_every
         self.probing = False  # the last pick measures an arm other than the best one
         self.last: bool | None = None  # the arm observed last
