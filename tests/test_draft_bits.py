@@ -226,3 +226,12 @@ def test_bench_reports_the_draft_width(qwen, tmp_path, fast_link, capsys):
     assert all(pols[p]["lossless_vs_resident"] for p in pols)
     assert main(argv) == 0
     assert "draft INT2" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_a_width_the_shapes_cannot_take_is_refused_before_any_work(tiny, fast_link):
+    """The tiny mixtral's experts are 48 wide: 3 bits (words of 32 codes) cannot pack them, 2 can."""
+    path, _ = tiny("mixtral", eos_token_id=None)
+    with pytest.raises(ConfigError, match=r"3-bit draft needs .* divisible by 32.*64 and 48.*--draft-bits \(4, 2\)"):
+        specter.load(path, device="cpu", policy="specter", residency=0.5, draft_bits=3)
+    engine = specter.load(path, device="cpu", policy="specter", residency=0.5, draft_bits=2)
+    engine.close()

@@ -33,7 +33,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from specter.triton_ops import Int4Experts, pack_experts, packed_nbytes
-from specter.triton_ops.int4 import check_bits
+from specter.triton_ops.int4 import K_MULTIPLE, check_bits
 
 from ..errors import ConfigError
 from ..moe import ExpertWeights
@@ -104,6 +104,13 @@ def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache
     the cache or quantised from `store` (on `device`) and written to it: one layer at a time, so a
     consumer that moves or dequantises each as it comes never holds the whole draft on the host."""
     check_bits(bits)
+    for ew in store[:1]:  # before any work: a width the expert shapes cannot be packed at
+        sizes = {ew.w13.shape[2], ew.w2.shape[2]}  # hidden size, expert intermediate size: the K of w13, w2
+        if any(k % K_MULTIPLE[bits] for k in sizes):
+            raise ConfigError(f"a {bits}-bit draft needs the hidden and expert intermediate sizes divisible by "
+                              f"{K_MULTIPLE[bits]} (whole int32 words of codes); this model's are "
+                              f"{ew.w13.shape[2]} and {ew.w2.shape[2]}: use another --draft-bits "
+                              f"({', '.join(str(b) for b in K_MULTIPLE if not any(k % K_MULTIPLE[b] for k in sizes))})")
     root = cache_root(cache)
     entry = root / cache_key(files, bits) if root is not None else None
     if entry is not None:
