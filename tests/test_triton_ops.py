@@ -463,10 +463,11 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("int4", [False, True])
+@pytest.mark.parametrize("int4", [False, True, 3, 2])
 def test_compiled_kernels_on_cuda(dtype, int4):
     """The kernels compiled for the GPU: against the torch backend, skipped rows, batch invariance
-    and split calls merging exactly, at the shapes a real layer has (tiles full and partial)."""
+    and split calls merging exactly, at the shapes a real layer has (tiles full and partial); dense
+    and codes of 4, 3 and 2 bits."""
     for T, k, R in [(1, 2, None), (33, 8, 6), (65, 2, None)]:
         case = moe_case(T, k, E=12, H=256, I=160, R=R, dtype=dtype, int4=int4)
         x, ids, w = (t.cuda() for t in case[:3])
@@ -501,9 +502,10 @@ def test_alignment_kernel_on_cuda_equals_the_torch_alignment():
 
 
 @cuda
-def test_packing_on_cuda_equals_packing_on_cpu():
+@pytest.mark.parametrize("bits", [4, 3, 2])
+def test_packing_on_cuda_equals_packing_on_cpu(bits):
     w = _weights(E=4, N=64, K=512, dtype=torch.bfloat16)
-    on_gpu, on_cpu = pack_int4(w.cuda()), pack_int4(w)
+    on_gpu, on_cpu = pack_experts(w.cuda(), bits), pack_experts(w, bits)
     assert on_gpu.device.type == "cuda"
     assert torch.equal(on_gpu.qweight.cpu(), on_cpu.qweight) and torch.equal(on_gpu.scale.cpu(), on_cpu.scale)
 
