@@ -333,17 +333,18 @@ class LaneChoice:
         J(c) = max(c t_copy, host(the other m - c)) - t_host1 sum_{i<c} (u(e_i) - u(v_i))   (ties: more copies)
 
     v_i the resident the i-th copy displaces (a free slot first, u = 0; then the lowest scored
-    resident this call does not use), u = score / use_weight an expert's decayed count of uses, and
-    t_host1 what one later miss of an expert costs on the host: an expert copied now is expected to
-    serve as many uses in the next steps as it had in the last ones, and its victim to miss as many.
+    resident this call does not use), u an expert's decayed count of uses once this step is counted
+    (score decay / use_weight, + 1 for the copied expert's use now), and t_host1 what one later miss
+    costs on the host: a copy is expected to serve as many uses in the next steps as its expert had
+    in the last ones, and its victim to miss as many.
     So a copy displaces a resident only when the exchange pays. c is at most the slots the layer can
     free beside the experts this call holds. t_copy is the link's measured seconds a copy; host times
     HostParams.seconds, in the same (emulated) seconds. The rows are exact whichever lane computes them."""
 
     def __init__(self, mgr, params: HostParams | None, scores: list[list[float]] | None = None,
-                 use_weight: float | None = None):
+                 use_weight: float | None = None, decay: float = 0.8):
         self.mgr, self.params, self.scores = mgr, params, scores  # scores[layer][expert]: higher = copy first
-        self.use_weight = use_weight  # a score per use (None: copies are worth nothing later)
+        self.use_weight, self.decay = use_weight, decay  # a score a use (None: no later worth), decay a step
         self.H, self.I = mgr.store[0].w13.shape[2], mgr.store[0].w2.shape[2]
         self.item = mgr.pool[0].w13.element_size()  # the width copies are timed at
 
@@ -388,7 +389,7 @@ class LaneChoice:
                 rows -= counts[order[c]]
                 if worth:
                     victim = victims[c] if c < len(victims) else 0.0
-                    gained += t_host1 * (score[order[c]] - victim) / self.use_weight
+                    gained += t_host1 * (1.0 + self.decay * (score[order[c]] - victim) / self.use_weight)
         return order[best_c:]
 
 
