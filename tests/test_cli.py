@@ -175,3 +175,26 @@ def test_flags_a_policy_would_ignore_are_refused(tiny, capsys):
         assert main(base + extra) == 2, extra
         assert flag in capsys.readouterr().err
     assert main(base + ["--policy", "on-demand", "--residency", "0.5", "--no-compile"]) == 0
+
+
+def test_the_policy_table_decides_which_flags_each_policy_takes(tmp_path, capsys):
+    """Every flag only some policies read is refused, before anything loads, by every policy whose
+    record (specter/policy.py) says it does not read it; `specter --help` lists every policy."""
+    from specter.cli.options import FLAG_USERS
+    from specter.policy import POLICIES, POLICY
+
+    values = {"--k-max": ["4"], "--compile": [], "--host-threads": ["2"], "--link": ["H100-PCIe5"], "--draft-bits": ["3"]}
+    base = ["generate", "--prompt-ids", "1,2", "--model", str(tmp_path / "nothing-here"), "--device", "cpu"]
+    refused = []
+    for flag, _, field in FLAG_USERS:
+        for name in POLICIES:
+            if not getattr(POLICY[name], field):
+                assert main(base + ["--policy", name, flag, *values[flag]]) == 2, (name, flag)
+                assert f"does not use {flag}" in capsys.readouterr().err
+                refused.append((name, flag))
+    assert ("on-demand", "--k-max") in refused and ("resident", "--link") in refused
+    assert ("specter", "--host-threads") not in refused and ("host", "--k-max") in refused
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert all(f"\n  {name} " in text for name in POLICY)

@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 
 from .. import __version__
 from ..errors import SpecterError
+from ..policy import TABLE
 from . import bench, generate, plan, profile, serve
 from .generate import summary_line
 from .options import engine_options
@@ -25,12 +27,21 @@ __all__ = ["build_parser", "main", "engine_options", "summary_line"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="specter", description="Lossless speculative expert offloading for MoE LLMs")
+    ap = argparse.ArgumentParser(prog="specter", description="Lossless speculative expert offloading for MoE LLMs",
+                                 epilog=_policies(), formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=f"specter {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     for command in (generate, plan, bench, profile, serve):  # the order `specter --help` lists them in
         command.add_parsers(sub)
     return ap
+
+
+def _policies() -> str:
+    """`specter --help`'s last lines: each policy and what it does (specter/policy.py's table)."""
+    width = max(len(p.name) for p in TABLE) + 4
+    lines = [textwrap.fill(p.summary + (" (bench only)" if p.bench_only else ""), 79,
+                           initial_indent=f"  {p.name:<{width - 2}}", subsequent_indent=" " * width) for p in TABLE]
+    return "policies (--policy, bench --policies):\n" + "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
