@@ -35,7 +35,7 @@ def sync_free_check(engine, steps: int = 8) -> str:
     ds, model = dec.draft_step, dec.model
     cache = KVCache(model.spec, 256, engine.device, engine.dtype)
     prompt = torch.tensor([1, 2, 3, 4, 5], device=engine.device)
-    logits = model(prompt, 0, cache, dec.target, logits_for="last")
+    logits = model(prompt, 0, cache, dec.experts, logits_for="last")
     t = int(logits.argmax(-1))
     gen = torch.Generator(device=engine.device).manual_seed(0)
     for params in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9)):  # warm: record the graphs

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import threading
 from typing import NamedTuple
 
 import torch
@@ -200,3 +201,76 @@ class _D2HMode(TorchDispatchMode):
             if isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst_cpu:
                 self.calls.append(f"d2h {func}")
         return func(*args, **(kwargs or {}))
+
+
+class GraphRecordings:
+    """The CUDA graphs a speculative decoder's compiled steps record before generating, per thread and
+    KV cache. cudagraph trees keep graphs per thread and record one per static address set (recording
+    one syncs the device), so a graph first met mid-generation would be recorded inside a timed cycle,
+    and one recorded on the loading thread is never replayed by a server's engine thread. `record`
+    runs each step's `warmup(cache=..., repeat=2)` once per thread and cache: a bounded number, each
+    step's `recordings()` (the cache grows geometrically, from CACHE_MIN tokens). Nothing without graphs."""
+
+    CACHE_MIN = 1024  # tokens: the smallest KV cache made while the steps run as CUDA graphs
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.warmups: list[dict] = []   # one per thread and cache recorded
+        self._warm = threading.local()  # .caches: numbers of the caches this thread recorded
+
+    @staticmethod
+    def needed(steps) -> bool:
+        return any(getattr(s, "graphs", False) for s in steps)
+
+    def record(self, steps, cache, number: int) -> None:
+        """Record every graph `steps` can replay on `cache` (the decoder's `number`th), on this thread."""
+        steps = [s for s in steps if getattr(s, "graphs", False)]
+        warm = self._warm.__dict__.setdefault("caches", set())
+        if not steps or number in warm:
+            return
+        before = (self._memory(), self._recorded())
+        for step in steps:
+            step.warmup(cache=cache, repeat=2)
+        after = (self._memory(), self._recorded())
+        warm.add(number)
+        self.warmups.append(dict(
+            thread=threading.current_thread().name, cache_len=cache.max_len,
+            recordings=sum(s.recordings() for s in steps),  # the bound
+            recorded=None if before[1] is None or after[1] is None else after[1] - before[1],  # counted (CUDA)
+            bytes=None if before[0] is None else after[0] - before[0]))
+
+    def summary(self) -> dict | None:
+        """Over threads and caches: recordings (the steps' bound), recorded (counted in cudagraph
+        trees, CUDA), device bytes the allocator took; None without any."""
+        if not self.warmups:
+            return None
+
+        def total(key):
+            return None if any(w[key] is None for w in self.warmups) else sum(w[key] for w in self.warmups)
+
+        return dict(recordings=total("recordings"), recorded=total("recorded"), bytes=total("bytes"),
+                    warmups=len(self.warmups), threads=len({w["thread"] for w in self.warmups}))
+
+    def _memory(self) -> int | None:
+        """Device memory the caching allocator holds (CUDA graphs' pools included); None off CUDA."""
+        return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else None
+
+    def _recorded(self) -> int | None:
+        """CUDA graphs cudagraph trees hold for this thread (their nodes); None off CUDA or if unknown."""
+        if self.device.type != "cuda":
+            return None
+        try:
+            from torch._inductor import cudagraph_trees
+
+            index = self.device.index
+            mgr = cudagraph_trees.get_container(torch.cuda.current_device() if index is None else index).tree_manager
+            if mgr is None:
+                return 0
+            todo, n = [node for nodes in mgr.roots.values() for node in nodes], 0
+            while todo:
+                node = todo.pop()
+                n += 1
+                todo.extend(c for cs in node.children.values() for c in cs)
+            return n
+        except Exception:  # noqa: BLE001 -- a private structure: report unknown rather than fail a generation
+            return None

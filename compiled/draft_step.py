@@ -43,7 +43,7 @@ from specter.layers import KVCache
 from specter.model import MoETransformer
 from specter.moe import ExpertWeights
 from specter.sampling import SamplingParams
-from specter.speculative.lookahead import Lookahead
+from specter.speculative.draft import Lookahead
 from specter.triton_ops import Int4Experts, fused_moe
 
 

@@ -40,14 +40,11 @@ piece before it, one candidate per layer, rather than among every layer's record
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from specter import sansio
 from specter.compiled.capture import own_code
 from specter.layers import KVCache
 from specter.model import MoETransformer
 from specter.moe import ExpertProvider
-from specter.profiling import span
 
 
 def width_buckets(k_max: int) -> tuple[int, ...]:
@@ -88,7 +85,8 @@ class LayerKV(KVCache):
 
 class VerifyStep:
     """`step(tokens [T], n, cache, experts) -> logits [T, V]` (fp32): the target's forward at positions
-    n .. n+T-1, as `MoETransformer.forward` computes it, with the non-expert work compiled.
+    n .. n+T-1, as `MoETransformer.forward` computes it: the model's own layer loop (`run`) over its
+    own pieces, here compiled, on a width padded to a bucket.
 
     compile=False runs the same pieces eagerly (the reference for tests); compile=True runs them
     under torch.compile(fullgraph=True): Inductor on CPU, mode="reduce-overhead" (CUDA graphs) on
@@ -104,36 +102,18 @@ class VerifyStep:
         W = self.buckets[-1]
         self.tokens = torch.zeros(W, dtype=torch.int64, device=dev)      # the padded input
         self.base = torch.zeros((), dtype=torch.int64, device=dev)       # position of tokens[0]
-        self.zeros = torch.zeros(W, H, dtype=model.dtype, device=dev)        # the first segment's mlp_out
-        self._cache, self._kv = None, []
-        fns = (self._enter, self._dense, self._moe_in, self._head)
+        self.zeros = torch.zeros(W, H, dtype=model.dtype, device=dev)    # the first piece's `out`
+        self._cache, self._kv, self._only = None, [], None
+        fns = (model.enter, model.dense, model.pre_experts, model.head)  # the model's pieces, bound to it
         if compile:
             for t in (self.tokens, self.base, self.zeros):
                 torch._dynamo.mark_static_address(t)
             kw = dict(fullgraph=True, backend=backend) if backend is not None else \
                 dict(fullgraph=True, mode="reduce-overhead" if self.graphs else mode)
             fns = tuple(torch.compile(own_code(f), **kw) for f in fns)
-        self.enter, self.dense, self.moe_in, self.head = fns
-
-    # --------------------------------------------------------------------- the traced pieces
-    def _enter(self, tokens):
-        x = self.model.model.embed_tokens(tokens)                                 # [W, H]
-        pos = torch.arange(tokens.shape[0], device=tokens.device) + self.base     # [W]
-        cos, sin = self.model.rope.cos_sin(pos, x.dtype)
-        return x, cos, sin
-
-    def _dense(self, layer, x, mlp_out, cos, sin, kv: LayerKV):
-        return layer(x + mlp_out, self.model.rope, cos, sin, kv, self.base, None)  # [W, H]
-
-    def _moe_in(self, layer, x, mlp_out, cos, sin, kv: LayerKV):
-        x = x + mlp_out
-        x = x + layer.self_attn(layer.input_layernorm(x), self.model.rope, cos, sin, kv, self.base)
-        h = layer.post_attention_layernorm(x)
-        shared, ids, w = layer.mlp.prepare(h)
-        return x, h, ids, w, shared
-
-    def _head(self, x, mlp_out):
-        return self.model.logits(x + mlp_out)                                      # [W, V] fp32
+        if self.graphs:  # a replay overwrites the outputs of the one before: clone them first
+            fns = tuple(_cloned(f) for f in fns)
+        self.enter, self.dense, self.pre_experts, self.head = fns
 
     # ------------------------------------------------------------------------------ host API
     def recordings(self) -> int:
@@ -147,7 +127,8 @@ class VerifyStep:
                 return w
         raise ValueError(f"verification of {T} tokens exceeds the largest width bucket {self.buckets[-1]}")
 
-    def _layer_kv(self, cache: KVCache) -> list[LayerKV]:
+    def layers(self, cache: KVCache):
+        """(layer, its LayerKV) for the model's loop: every layer, or the warm-up's `_only`."""
         if cache is not self._cache:  # a new cache: its length is symbolic, not a recompile
             if self.compiled:
                 for t in cache.k + cache.v:
@@ -155,50 +136,21 @@ class VerifyStep:
                     torch._dynamo.mark_static_address(t)
             self._kv = [LayerKV(k, v, cache.max_len) for k, v in zip(cache.k, cache.v)]
             self._cache = cache
-        return self._kv
-
-    def _out(self, t):
-        """A piece's output, cloned when the next replay of a CUDA graph would overwrite it."""
-        if not self.graphs or t is None:
-            return t
-        return t.clone()
-
-    def step(self, tokens: torch.Tensor, n: int, cache: KVCache, experts: ExpertProvider) -> torch.Tensor:
-        return sansio.drive(self.body(tokens, n, cache, experts))
+        pairs = zip(self.model.model.layers, self._kv)
+        return pairs if self._only is None else [p for i, p in enumerate(pairs) if i in self._only]
 
     @torch.no_grad()
-    def body(self, tokens: torch.Tensor, n: int, cache: KVCache, experts: ExpertProvider, only=None):
-        """`step` as a body (specter/sansio.py): each MoE layer's routing read and copy waits are
-        yielded, so an asyncio driver awaits exactly the copies each layer needs. `only`: run just
-        these layers (indices; the compile warm-up under CUDA graphs)."""
+    def step(self, tokens: torch.Tensor, n: int, cache: KVCache, experts: ExpertProvider) -> torch.Tensor:
         T = tokens.shape[0]
         W = self.width(T)
         if n + W > cache.max_len:
             raise IndexError(f"positions up to {n + W} exceed the KV cache ({cache.max_len}): "
                              f"verification pads to {W} and needs {self.headroom} rows of headroom")
-        kv = self._layer_kv(cache)
         self.tokens[:T].copy_(tokens)  # host-to-device at most (tokens built on the host): no sync
         self.base.fill_(n)
         if self.graphs:  # one path of graphs per verification (see the module docstring)
             torch.compiler.cudagraph_mark_step_begin()
-        x, cos, sin = map(self._out, self.enter(self.tokens[:W]))
-        mlp_out = self.zeros[:W]
-        model = self.model.model
-        layers = zip(model.layers, model.span_names, kv)
-        if only is not None:
-            layers = [entry for i, entry in enumerate(layers) if i in only]
-        for layer, name, lkv in layers:
-            with span(name):
-                if not layer.is_moe:
-                    x = self._out(self.dense(layer, x, mlp_out, cos, sin, lkv))
-                    mlp_out = self.zeros[:W]
-                    continue
-                x, h, ids, w, shared = map(self._out, self.moe_in(layer, x, mlp_out, cos, sin, lkv))
-                y = yield from sansio.call(experts, layer.mlp.moe_index, h[:T], ids[:T], w[:T])  # [T, H], eagerly
-                mlp_out = F.pad(y, (0, 0, 0, W - T)) if W > T else y
-                if shared is not None:
-                    mlp_out = mlp_out + shared
-        return self._out(self.head(x, mlp_out))[:T]                             # [T, V]
+        return self.model.run(self.tokens[:W], self.base, cache, experts, pieces=self, rows=T)[:T]  # [T, V]
 
     def warmup(self, cache_len: int = 64, cache: KVCache | None = None, repeat: int = 1) -> None:
         """Compile every piece now (widths 1 and 2: the second makes the width dynamic, so no later
@@ -212,18 +164,30 @@ class VerifyStep:
         second records it, so repeat=2 records all `recordings()` graphs, on this thread. Rows
         written are scratch (past any committed length a generation reaches before writing them)."""
         dev = self.tokens.device
-        only = None
         if cache is None:
             cache = KVCache(self.model.spec, max(cache_len, 3 + self.buckets[-1]), dev, self.model.dtype)
             runs = [(T, 3) for T in (1, 2, 3) if T <= self.buckets[-1]]
             if self.graphs:  # compiling needs one layer of each kind; none is recorded
                 kinds = {layer.is_moe: i for i, layer in reversed(list(enumerate(self.model.model.layers)))}
-                only = set(kinds.values())
+                self._only = set(kinds.values())
         else:
             runs = [(W, 0) for W in self.buckets if W <= cache.max_len] * repeat
-        for T, n in runs:
-            sansio.drive(self.body(torch.zeros(T, dtype=torch.int64, device=dev), n, cache, _no_experts, only))
+        try:
+            for T, n in runs:
+                self.step(torch.zeros(T, dtype=torch.int64, device=dev), n, cache, _no_experts)
+        finally:
+            self._only = None
         self._cache, self._kv = None, []
+
+
+def _cloned(fn):
+    """A compiled piece whose outputs are cloned (CUDA graphs: the next replay overwrites them)."""
+    def call(*args):
+        out = fn(*args)
+        if isinstance(out, torch.Tensor):
+            return out.clone()
+        return tuple(None if t is None else t.clone() for t in out)
+    return call
 
 
 def _no_experts(layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

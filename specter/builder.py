@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .engine import Engine, PlainDecoder
+from .engine import Engine
 from .errors import ConfigError
 from .generation_defaults import read_generation_defaults
 from .loader import Checkpoint, load_checkpoint, load_tokenizer, open_checkpoint
@@ -26,11 +26,10 @@ from .offload.store import pin_wanted
 from .offload.oracle import OracleDecoder
 from .offload.policies import NextLayerPrefetch
 from .policy import Policy, get as get_policy, names as policy_names
-from .speculative.decoder import SpeculativeDecoder
-from .speculative.draft import DraftExperts, keep_packed
+from .speculative.decoder import PlainDecoder, SpeculativeDecoder
+from .speculative.draft import DraftExperts, Lookahead, keep_packed
 from .speculative.draft_cache import draft_int4
 from .speculative.governor import Governor
-from .speculative.lookahead import Lookahead
 from .speculative.planner import PrefetchPlanner
 
 def configure_threads(device: torch.device, threads: int | None) -> None:
@@ -192,9 +191,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
                 mgr = HostExperts(mgr, lane)
             else:  # "split": LaneChoice (ranked by the planner, in _decoder) picks which misses the host computes
                 mgr.host_lane = lane
-        decoder = _decoder(pol, shared, mgr, k_max)
-        if hasattr(decoder, "draft"):
-            decoder.draft_step, decoder.verify_step = _compiled_steps(model, decoder.draft, compile, device, k_max)
+        decoder = _decoder(pol, shared, mgr, k_max, compile)
     engine = Engine(model, experts, shared.tokenizer, path=path, device=device, dtype=dt, policy=policy,
                     decoder=decoder, generation_defaults=defaults)
     engine.plan, engine.shared = plan, shared
@@ -217,10 +214,8 @@ def uses_host_lane(policy: Policy | str, device: torch.device, host_threads: int
 
 
 def default_driver(device: torch.device) -> str:
-    """How the engine drives a generation (specter/sansio.py): "async" on CUDA, where the loop is free
-    while graphs replay and copies fly, and the lookahead and routing reads are polled events; "sync"
-    on CPU, where the emulated device's compute runs on the loop's own thread, so the loop frees
-    nothing and the blocking driver is the simpler one (figures: docs/RESULTS.md, bench/async_vs_sync.py)."""
+    """engine.driver's default. Kept for load(driver=...): every driver now runs the decoder's one body
+    (docs/ARCHITECTURE.md, "One body per generation"), so the value changes nothing."""
     return "async" if device.type == "cuda" else "sync"
 
 
@@ -262,28 +257,31 @@ def _compiled_verify_step(model, k_max: int, compile: bool = True):
     return step
 
 
-def _decoder(policy: Policy, shared: Loaded, mgr, k_max):
-    """The decode loop each policy runs (its record's decoder and prefetch); all of them share the
-    model and the offload manager."""
+def _decoder(policy: Policy, shared: Loaded, mgr, k_max, compile: bool | None = None):
+    """The decode loop each policy runs (its record's decoder and prefetch), with its collaborators;
+    all of them share the model and the offload manager."""
     model, device, dt = shared.model, shared.device, shared.dtype
     if policy.decoder == "plain":
+        guess = None
         if policy.prefetch == "next-layer" and not mgr.all_resident:  # all resident: nothing to prefetch
-            mgr.next_layer_router = NextLayerPrefetch(model, mgr)
-        return PlainDecoder(model, mgr, device, dt)
+            guess = NextLayerPrefetch(model, mgr)
+        return PlainDecoder(model, mgr, device, dt, guess=guess)
     if policy.decoder == "oracle":
         resident = ResidentExperts(shared.resident_experts())
         return OracleDecoder(model, mgr, resident, device, dt)
     spec = model.spec
     lookahead = Lookahead(k_max, spec.n_moe_layers, spec.top_k, device)
     draft = _draft(shared, lookahead)
+    draft_step, verify_step = _compiled_steps(model, draft, compile, device, k_max)
+    steps = dict(governor=Governor(k_max), draft_step=draft_step, verify_step=verify_step)
     if policy.prefetch != "planner":  # speculation alone: same governor, experts fetched when verification needs them
-        return SpeculativeDecoder(model, mgr, draft, device, dt, governor=Governor(k_max))
+        return SpeculativeDecoder(model, mgr, draft, device, dt, **steps)
     planner = PrefetchPlanner(mgr, lookahead)
     if mgr.host_lane is not None:  # both lanes: the misses the planner ranks low go to the host
         mgr.host_choice = LaneChoice(mgr, host_params(mgr.host_lane), scores=planner.score,
                                     use_weight=planner.use_weight, decay=planner.decay)
-    return SpeculativeDecoder(model, mgr, draft, device, dt, governor=Governor(k_max),
-                              planner=planner, fallback=NextLayerPrefetch(model, mgr))
+    return SpeculativeDecoder(model, mgr, draft, device, dt, planner=planner,
+                              fallback=NextLayerPrefetch(model, mgr), **steps)
 
 
 def _draft(shared: Loaded, lookahead: Lookahead) -> DraftExperts:

@@ -1,51 +1,111 @@
-"""The MoE decoder: one module tree for all supported architectures.
+"""The MoE decoder: one module tree for all supported architectures, one layer loop for every caller.
 
     embed -> [norm -> attention (GQA | MLA) -> + -> norm -> MoE block | dense MLP -> +] x L -> norm -> lm_head
 
 Parameter names follow the Hugging Face checkpoints (`model.layers.N.self_attn.q_proj.weight`,
 ...), so loading is a rename only where architectures differ (see loader.py). Routed expert
-weights are not parameters of this module: they come through the expert provider passed to
-`forward`, which is how the same model runs resident, offloaded, or as the INT4 draft.
+weights are not parameters of this module: each MoE layer calls the expert provider passed to
+`forward` (moe.py), which is how the same model runs resident, offloaded, or as the INT4 draft.
+
+The layer loop (`run`) is written once. It calls four *pieces* -- `enter`, `dense`, `pre_experts`,
+`head` -- and between an MoE layer's `pre_experts` and the next piece, the provider. Eagerly the
+pieces are this module's own methods; the draft step (compiled/draft_step.py) traces `run` whole;
+the verifier (compiled/verify_step.py) passes the same methods compiled, over a padded width. An MoE
+layer's output is added at the start of the next piece (`out`), so a compiled piece ends right
+before the routed experts and the next one starts right after them.
 """
 from __future__ import annotations
+
+from itertools import repeat
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import profiling
 from .config import ModelSpec
 from .layers import MLP, Attention, KVCache, MLAttention, Rope, make_norm
-from .moe import ExpertProvider, MoEBlock
-from . import sansio
-from .profiling import span
+from .moe import ExpertProvider
+
+
+# ------------------------------------------------------------------------------ routers, MoE block
+def route_sparsemixer(logits: torch.Tensor, eps: float):
+    """PhiMoE's sparsemixer at inference: the top expert, weighted by a softmax over the experts
+    within a relative `2*eps` of it; then the same for the runner-up with the top expert masked."""
+    def pick(masked: torch.Tensor):
+        top, idx = masked.max(dim=-1, keepdim=True)
+        far = (top - logits) / logits.abs().clamp(min=top) > 2 * eps
+        w = torch.softmax(masked.masked_fill(far, float("-inf")), dim=-1).gather(-1, idx)
+        return idx, w
+
+    id1, w1 = pick(logits)
+    id2, w2 = pick(logits.scatter(-1, id1, float("-inf")))
+    return torch.cat((id1, id2), dim=-1), torch.cat((w1, w2), dim=-1)
+
+
+def route_deepseek(logits: torch.Tensor, spec: ModelSpec):
+    """DeepSeek-V2: softmax scores in fp32, greedy or group-limited top-k, then either
+    renormalise (norm_topk_prob) or scale by routed_scaling_factor, as the original release does."""
+    scores = torch.softmax(logits.float(), dim=-1)
+    if spec.topk_method == "group_limited_greedy":
+        T, E = scores.shape
+        group_best = scores.view(T, spec.n_group, E // spec.n_group).max(dim=-1).values  # [T, G]
+        keep = torch.topk(group_best, spec.topk_group, dim=-1, sorted=False).indices
+        mask = torch.zeros_like(group_best, dtype=torch.bool).scatter_(1, keep, True)
+        scores = scores.masked_fill(~mask.repeat_interleave(E // spec.n_group, dim=1), 0.0)
+    w, ids = torch.topk(scores, spec.top_k, dim=-1, sorted=False)
+    if spec.top_k > 1 and spec.norm_topk_prob:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        w = w * spec.routed_scale
+    return ids, w
+
+
+class MoEBlock(nn.Module):
+    """An MoE layer's own weights: the router and the optional shared expert (Qwen2-MoE gates it with
+    a sigmoid; DeepSeek-V2 adds it plainly). The routed experts come from the provider. The shared
+    expert runs before them, so on an offloading provider it overlaps with copies still in flight."""
+
+    def __init__(self, spec: ModelSpec, moe_index: int):
+        super().__init__()
+        self.spec, self.moe_index = spec, moe_index
+        self.gate = nn.Linear(spec.hidden, spec.n_experts, bias=False)  # the router
+        self.shared = MLP(spec.hidden, spec.shared_inter) if spec.shared_inter else None
+        self.shared_gate = nn.Linear(spec.hidden, 1, bias=False) if spec.shared_gate else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [T, H] -> ids [T, k] (int64), weights [T, k]
+        s = self.spec
+        if s.router == "deepseek":
+            return route_deepseek(F.linear(x.float(), self.gate.weight.float()), s)
+        logits = self.gate(x)  # [T, E]
+        if s.router == "sparsemixer":
+            return route_sparsemixer(logits, s.router_jitter)
+        # Mixtral, Qwen2/3-MoE, OLMoE: softmax over all experts, top-k, optional renormalisation
+        w, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), s.top_k, dim=-1)
+        if s.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return ids, w.to(logits.dtype)
+
+    def shared_out(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's output [T, H] (gated where the architecture gates it), or None."""
+        if self.shared is None:
+            return None
+        y = self.shared(x)
+        return y if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * y
 
 
 class DecoderLayer(nn.Module):
+    """Attention and an MLP (an MoE block, or dense); the model's pieces run them."""
+
     def __init__(self, spec: ModelSpec, layer: int, moe_index: int | None):
         super().__init__()
+        self.index, self.moe_index = layer, moe_index  # moe_index: the provider's layer (None: dense)
         self.self_attn = MLAttention(spec, layer) if spec.attention == "mla" else Attention(spec, layer)
         self.mlp = MoEBlock(spec, moe_index) if moe_index is not None else MLP(spec.hidden, spec.dense_inter)
         self.is_moe = moe_index is not None
         self.input_layernorm = make_norm(spec)
         self.post_attention_layernorm = make_norm(spec)
-
-    def forward(self, x, rope, cos, sin, cache, start, experts):
-        x, h = self.attend(x, rope, cos, sin, cache, start)
-        return x + (self.mlp(h, experts) if self.is_moe else self.mlp(h))
-
-    def attend(self, x, rope, cos, sin, cache, start):
-        """x [T, H] -> (x + attention, the MLP's input h [T, H])."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, cos, sin, cache, start)
-        return x, self.post_attention_layernorm(x)
-
-    def body(self, x, rope, cos, sin, cache, start, experts):
-        """`forward` as a body (specter/sansio.py): the routed experts' waits are yielded."""
-        x, h = self.attend(x, rope, cos, sin, cache, start)
-        if not self.is_moe:
-            return x + self.mlp(h)
-        shared, ids, w = self.mlp.prepare(h)
-        y = yield from sansio.call(experts, self.mlp.moe_index, h, ids, w)
-        return x + self.mlp.combine(y, shared)
 
 
 class Embedding(nn.Embedding):
@@ -88,43 +148,72 @@ class MoETransformer(nn.Module):
         experts: ExpertProvider,
         logits_for: str = "all",      # "all" -> [T, V]; "last" -> [1, V]
     ) -> torch.Tensor:
-        self._check(tokens, start, cache)
-        return self.run(tokens, start, cache, experts, logits_for)
-
-    @torch.inference_mode()
-    def body(self, tokens: torch.Tensor, start: int, cache: KVCache, experts: ExpertProvider,
-             logits_for: str = "all"):
-        """`forward` as a body (specter/sansio.py): drive(body) == forward; adrive awaits the offload
-        manager's copies layer by layer."""
-        self._check(tokens, start, cache)
-        x, cos, sin = self._enter(tokens, start)
-        for layer, name in zip(self.model.layers, self.model.span_names):
-            with span(name):
-                x = yield from layer.body(x, self.rope, cos, sin, cache, start, experts)
-        return self._head(x, logits_for)
-
-    def run(self, tokens, start: int, cache: KVCache, experts: ExpertProvider, logits_for: str = "all"):
-        """`forward` without its checks and its inference mode: the body torch.compile traces."""
-        x, cos, sin = self._enter(tokens, start)
-        for layer, name in zip(self.model.layers, self.model.span_names):
-            with span(name):
-                x = layer(x, self.rope, cos, sin, cache, start, experts)
-        return self._head(x, logits_for)
-
-    def _enter(self, tokens, start):
-        x = self.model.embed_tokens(tokens)  # [T, H]
-        pos = torch.arange(tokens.shape[0], device=tokens.device) + start  # start: an int, or a 0-d device tensor
-        return (x, *self.rope.cos_sin(pos, x.dtype))
-
-    def _head(self, x, logits_for: str):
-        if logits_for == "last":
-            x = x[-1:]
-        return self.logits(x)  # [T or 1, V] fp32
-
-    @staticmethod
-    def _check(tokens, start: int, cache: KVCache) -> None:
         if start + tokens.shape[0] > cache.max_len:
             raise IndexError(f"positions up to {start + tokens.shape[0]} exceed the KV cache ({cache.max_len})")
+        return self.run(tokens, start, cache, experts, logits_for)
+
+    def run(self, tokens, start, cache: KVCache, experts: ExpertProvider, logits_for: str = "all",
+            pieces=None, rows: int | None = None):
+        """The layer loop: `forward` without its check and its inference mode. `start`: an int, or a 0-d
+        device tensor (the compiled steps). `pieces`: an object with this module's four piece methods
+        and `layers(cache)` (the verifier's compiled ones); `rows`: the real rows of a padded width,
+        the only ones the provider sees."""
+        p = self if pieces is None else pieces
+        x, cos, sin = p.enter(tokens, start)
+        out = empty = None if pieces is None else pieces.zeros[:x.shape[0]]  # the last MLP's output, not yet added
+        named = not torch.compiler.is_compiling() and profiling.ON  # the flag read after: no guard on it
+        for layer, kv in p.layers(cache):
+            with profiling.span(self.model.span_names[layer.index]) if named else _NULL:
+                if layer.moe_index is None:
+                    x, out = p.dense(layer, x, out, cos, sin, kv, start), empty
+                    continue
+                x, h, ids, w, shared = p.pre_experts(layer, x, out, cos, sin, kv, start)
+                if rows is None:
+                    out = experts(layer.moe_index, h, ids, w)  # [T, H]
+                else:  # the real rows only; the padding's output is zeros
+                    out = F.pad(experts(layer.moe_index, h[:rows], ids[:rows], w[:rows]), (0, 0, 0, x.shape[0] - rows))
+                if shared is not None:
+                    out = out + shared
+        return p.head(x, out, logits_for)
+
+    # ------------------------------------------------------------------ the pieces run calls
+    def layers(self, cache: KVCache):
+        """(layer, the cache its attention writes) for each layer in order."""
+        return zip(self.model.layers, repeat(cache))
+
+    def enter(self, tokens, start):
+        """tokens [T] -> embeddings x [T, H], and cos/sin of positions start .. start+T-1."""
+        x = self.model.embed_tokens(tokens)  # [T, H]
+        pos = torch.arange(tokens.shape[0], device=tokens.device) + start  # start: an int, or a 0-d device tensor
+        cos, sin = self.rope.cos_sin(pos, x.dtype)
+        return x, cos, sin
+
+    def dense(self, layer: DecoderLayer, x, out, cos, sin, cache: KVCache, start):
+        """A dense layer, after adding the previous MLP's output `out` (None: nothing) -> x [T, H]."""
+        if out is not None:
+            x = x + out
+        x = x + layer.self_attn(layer.input_layernorm(x), self.rope, cos, sin, cache, start)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def pre_experts(self, layer: DecoderLayer, x, out, cos, sin, cache: KVCache, start):
+        """An MoE layer up to its routed experts -> x [T, H] (the residual), h [T, H] (the experts'
+        input), ids [T, k], weights [T, k], the shared expert's output [T, H] or None."""
+        if out is not None:
+            x = x + out
+        x = x + layer.self_attn(layer.input_layernorm(x), self.rope, cos, sin, cache, start)
+        h = layer.post_attention_layernorm(x)
+        moe = layer.mlp
+        shared = None if moe.shared is None else moe.shared_out(h)
+        ids, w = moe.route(h)
+        return x, h, ids, w, shared
+
+    def head(self, x, out, logits_for: str = "all"):
+        """x + the last MLP's output -> fp32 logits [T, V] ("all") or [1, V] ("last")."""
+        if out is not None:
+            x = x + out
+        if logits_for == "last":
+            x = x[-1:]
+        return self.logits(x)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -145,6 +234,9 @@ class MoETransformer(nn.Module):
         parts = [F.linear(h, w[i:i + chunk].float(), None if b is None else b[i:i + chunk].float())
                  for i in range(0, w.shape[0], chunk)]
         return torch.cat(parts, dim=-1)
+
+
+_NULL = profiling._NULL
 
 
 def fp32_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ else spells out which policy does what.
 
 A leaf module (no torch): `specter --help` and `specter plan` read it without loading the engine.
 The prefetch rules themselves live in offload/policies.py (next-layer), speculative/planner.py
-(the planner) and offload/oracle.py (the oracle); the decoders in engine.py and speculative/.
+(the planner) and offload/oracle.py (the oracle); the decoders in speculative/decoder.py.
 """
 from __future__ import annotations
 

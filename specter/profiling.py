@@ -6,7 +6,8 @@ Ranges: "draft step" (one drafted token), "plan" (the planner reading lookahead 
 copies), "copy issue" (one expert copy handed to the link), "verify" (the verification pass),
 "layer N" (each decoder layer, inside "draft step" or "verify"), "accept" (acceptance).
 
-Off (the default) a span costs one function call returning a shared null context. On:
+Off (the default) a span costs one function call returning a shared null context, and the layer
+loop makes no call at all (it reads `ON`). On:
   - NVTX push/pop on CUDA, which `nsys profile -t cuda,nvtx` shows (SPECTER_NVTX=1 turns them on
     for a whole process, see README "Profiling");
   - torch.profiler user annotations (record_function), on CPU as on CUDA, while `trace` runs.
@@ -22,7 +23,7 @@ import torch
 
 _NULL = contextlib.nullcontext()
 _on = {"nvtx": os.environ.get("SPECTER_NVTX", "") not in ("", "0"), "record": False}
-_enabled = _on["nvtx"]
+ON = _on["nvtx"]  # any range on: read (not called) by the layer loop
 
 
 class _Span:
@@ -49,28 +50,28 @@ class _Span:
 
 def span(name: str):
     """A context manager marking `name` on the timeline; free when profiling is off."""
-    if torch.compiler.is_compiling() or not _enabled:  # is_compiling first: no guard on the flag
+    if torch.compiler.is_compiling() or not ON:  # is_compiling first: no guard on the flag
         return _NULL
     return _Span(name)
 
 
 def enabled() -> bool:
-    return _enabled
+    return ON
 
 
 @contextlib.contextmanager
 def ranges(*, record: bool = True, nvtx: bool | None = None):
     """Turn spans on for the duration (record: torch.profiler annotations; nvtx: default on CUDA)."""
-    global _enabled
-    old, was = dict(_on), _enabled
+    global ON
+    old, was = dict(_on), ON
     _on["record"] = record
     _on["nvtx"] = torch.cuda.is_available() if nvtx is None else nvtx
-    _enabled = _on["record"] or _on["nvtx"]
+    ON = _on["record"] or _on["nvtx"]
     try:
         yield
     finally:
         _on.update(old)
-        _enabled = was
+        ON = was
 
 
 def trace(path: str | Path, fn, *, cuda: bool = False):

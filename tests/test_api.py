@@ -214,7 +214,7 @@ def test_stop_string_cuts_text_and_token_ids_alike(engine, spec_engine):
 
 
 def test_held_back():
-    from specter.engine import held_back
+    from specter.streaming import held_back
 
     assert held_back("abc k.c", ["k.ca"]) == 3 and held_back("abc k", ["k.ca", "zz"]) == 1
     assert held_back("abc", ["k.ca"]) == 0 and held_back("", ["ab"]) == 0 and held_back("a", ["a"]) == 0

@@ -177,7 +177,7 @@ def test_policies_share_one_store_and_one_draft(bf16):
     engines = [build_engine(bf16, CPU, policy=p, residency=0.25, shared=shared)
                for p in ("on-demand", "spec-lru", "specter")]
     try:
-        stores = {id(e.decoder.experts.store if hasattr(e.decoder, "experts") else e.decoder.target.store)
+        stores = {id(e.decoder.experts.store if hasattr(e.decoder, "experts") else e.decoder.experts.store)
                   for e in engines}
         assert stores == {id(shared.store)}
         drafts = [e.decoder.draft for e in engines[1:]]

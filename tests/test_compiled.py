@@ -141,7 +141,7 @@ def test_inductor_steps_compute_what_the_eager_ones_do(tiny_path):
         step = DraftStep(model, dec.draft.layers, la, compile=True)
         caches = [KVCache(model.spec, 48, dec.device, dec.dtype) for _ in range(2)]
         for c in caches:  # the same committed prefix in both
-            model(torch.tensor(PROMPT), 0, c, dec.target)
+            model(torch.tensor(PROMPT), 0, c, dec.experts)
         n, tok = len(PROMPT), 60
         step.begin(tok, n, SamplingParams())
         for i in range(5):
@@ -157,11 +157,11 @@ def test_inductor_steps_compute_what_the_eager_ones_do(tiny_path):
         verify = VerifyStep(model, dec.governor.k_max, compile=True)
         verify.warmup()
         cache = KVCache(model.spec, 48, dec.device, dec.dtype)
-        model(torch.tensor(PROMPT), 0, cache, dec.target)
+        model(torch.tensor(PROMPT), 0, cache, dec.experts)
         for T in (1, 4, 7):
             toks = torch.arange(T) + 11
-            want = model(toks, n, caches[0], dec.target)
-            got = verify.step(toks, n, cache, dec.target)
+            want = model(toks, n, caches[0], dec.experts)
+            got = verify.step(toks, n, cache, dec.experts)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             assert torch.equal(got.argmax(-1), want.argmax(-1)), T
         ref = specter.load(tiny_path, device="cpu", policy="resident")
@@ -306,10 +306,10 @@ def test_graph_recordings_are_bounded_and_all_made_before_generating(tiny_path):
 
     draft._greedy = keyed(draft._greedy, lambda cache: ("greedy", cache.k[0].data_ptr()))
     draft._sampled = keyed(draft._sampled, lambda cache: ("sampled", cache.k[0].data_ptr()))
-    verify.enter = keyed(verify.enter, lambda tokens: ("enter", tokens.shape[0]))
-    verify.head = keyed(verify.head, lambda x, mlp_out: ("head", x.shape[0]))
-    verify.moe_in = keyed(verify.moe_in,
-                          lambda layer, x, mlp_out, cos, sin, kv: ("moe", x.shape[0], kv.k[0].data_ptr()))
+    verify.enter = keyed(verify.enter, lambda tokens, start: ("enter", tokens.shape[0]))
+    verify.head = keyed(verify.head, lambda x, out, logits_for: ("head", x.shape[0]))
+    verify.pre_experts = keyed(verify.pre_experts,
+                               lambda layer, x, out, cos, sin, kv, start: ("moe", x.shape[0], kv.k[0].data_ptr()))
     for step in (draft, verify):
         step.graphs = True
     draft.warmup()  # the load's compile warm-up, on a scratch cache: it must record nothing, so runs
@@ -328,7 +328,7 @@ def test_graph_recordings_are_bounded_and_all_made_before_generating(tiny_path):
                 out.append((got.token_ids, ref.generate(prompt, max_new_tokens=n).token_ids if k != 5 else None,
                             got.stats["cuda_graphs"]))
         dec.record_graphs()  # as a server's engine thread would before its first request
-        assert len(dec.graph_warmups) == 1 and seen == set()
+        assert len(dec.graphs.warmups) == 1 and seen == set()
         outs = []
         generate(outs)
         other = threading.Thread(target=generate, args=(outs,))

@@ -25,7 +25,6 @@ import specter
 import specter.builder as builder
 import specter.offload.plan as plan
 import specter.offload.manager as manager_mod
-from specter import sansio
 from specter.moe import ExpertWeights, ResidentExperts
 from specter.offload.link import EmulatedLink
 from specter.offload.manager import OffloadedExperts
@@ -174,16 +173,10 @@ class Watch:
     def __getattr__(self, name):  # stats(), reset_stats(), close(), ...
         return getattr(self.mgr, name)
 
-    def __call__(self, layer, x, ids, weights):
-        return sansio.drive(self._watched(layer, x, ids, weights))
-
-    async def acall(self, layer, x, ids, weights):  # the asyncio driver's call: the same checks
-        return await sansio.adrive(self._watched(layer, x, ids, weights))
-
-    def _watched(self, layer, x, ids, weights):
+    def __call__(self, layer, x, ids, weights, guess=None):
         self.layer, self.done = layer, set()
         try:
-            out = yield from self.mgr.body(layer, x, ids, weights)
+            out = self.mgr(layer, x, ids, weights, guess)
         finally:
             self.layer = None
         self.after_call()
@@ -450,10 +443,9 @@ def test_prefetch_used_counts_only_prefetches_that_served():
 class EagerLanding(OffloadedExperts):
     """A broken manager: marks a copy ready without waiting for it to complete."""
 
-    def _land(self, layer, e):  # a body (specter/sansio.py) that never yields the copy
+    def _land(self, layer, e):  # never waits for the copy
         if self.inflight.pop((layer, e), None) is not None:
             self.slots.mark_ready(layer, e)
-        yield from ()
 
 
 @ALIAS
@@ -505,7 +497,7 @@ def test_aliased_pool_decodes_like_the_copying_pool(tiny, emulated_link, monkeyp
     for alias in (False, True):
         monkeypatch.setattr(plan, "alias_pool", lambda *a, alias=alias, **k: alias)
         engine = specter.load(path, device="cpu", policy=policy, residency=0.25, draft_cache="off")
-        mgr = getattr(engine.decoder, "experts", None) or engine.decoder.target
+        mgr = getattr(engine.decoder, "experts", None) or engine.decoder.experts
         assert mgr.alias is alias and mgr.pool[0].w13.is_meta is alias
         if hasattr(engine.decoder, "governor"):  # the same drafted widths both times, whatever the timing
             from specter.speculative.governor import Governor

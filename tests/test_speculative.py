@@ -46,10 +46,10 @@ from specter.moe import ExpertWeights, ResidentExperts
 from specter.offload.link import EmulatedLink
 from specter.offload.manager import OffloadedExperts
 from specter.sampling import SamplingParams, probs
-from specter.speculative.acceptance import accept_greedy, accept_on_device, accept_sampling
+from specter.speculative.draft import accept_greedy, accept_on_device, accept_sampling
 from specter.speculative.draft import DraftExperts
 from specter.speculative.governor import Governor
-from specter.speculative.lookahead import Lookahead
+from specter.speculative.draft import Lookahead
 from specter.speculative.planner import PrefetchPlanner
 
 ARCHS = ["qwen3_moe", "deepseek_v2", "mixtral"]
@@ -785,7 +785,7 @@ def test_route_coverage_of_an_exact_draft(tiny, fast_link):
     try:
         dec = engine.decoder
         dec.governor = Governor(4, fixed=4)
-        dec.draft.layers = [ExpertWeights(w.w13.clone(), w.w2.clone()) for w in dec.target.store]
+        dec.draft.layers = [ExpertWeights(w.w13.clone(), w.w2.clone()) for w in dec.experts.store]
         out = engine.generate([1, 5, 9, 33, 2], max_new_tokens=41)
         # penalties too: the draft's step i must see the drafted prefix exactly as target row i does
         pen = engine.generate([1, 5, 9, 33, 2], max_new_tokens=41, repetition_penalty=1.5, frequency_penalty=0.7)
@@ -809,7 +809,7 @@ def test_a_cycle_leaves_no_queued_prefetch_behind(tiny, resident_tokens, monkeyp
     try:
         dec = engine.decoder
         dec.governor = Governor(2, fixed=2)
-        mgr, planner, cycle, queued = dec.target, dec.planner, dec._cycle, []
+        mgr, planner, cycle, queued = dec.experts, dec.planner, dec._cycle, []
         plan, last = planner.plan, mgr.slots.n_layers - 1
 
         def plan_and_guess(upto, host=False):

@@ -70,16 +70,16 @@ def count_phases(engine, monkeypatch, **gen):
     draft_name = "_draft_on_device" if dec.draft_step is not None else "_draft"
     real_draft, real_cycle = getattr(dec, draft_name), dec._cycle
 
-    def draft(*a):  # bodies (specter/sansio.py): counted while they run, their ops included
+    def draft(*a):
         with counting() as r:
-            out = yield from real_draft(*a)
+            out = real_draft(*a)
         per_cycle[-1]["draft"] = r.count
         return out
 
     def cycle(t, n, k, *a):
         per_cycle.append({"k": k})
         with counting() as r:
-            out = yield from real_cycle(t, n, k, *a)
+            out = real_cycle(t, n, k, *a)
         per_cycle[-1]["rest"] = r.count - per_cycle[-1].get("draft", 0)  # a plain step (K = 0) drafts nothing
         return out
 

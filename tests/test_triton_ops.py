@@ -214,7 +214,7 @@ def draft_pair(device: str, dtype: torch.dtype):
     top-2), and one routed batch of 5 tokens for them: (packed, plain, (x, ids, w))."""
     from specter.moe import ExpertWeights
     from specter.speculative.draft import DraftExperts
-    from specter.speculative.lookahead import Lookahead
+    from specter.speculative.draft import Lookahead
 
     E, H, I, T, k = 4, 64, 32, 5, 2
     g = torch.Generator().manual_seed(1)

@@ -32,7 +32,7 @@ class CycleCopies:
     """Hooks one speculative engine's offload manager and decoder to count each cycle's copies."""
 
     def __init__(self, engine):
-        dec, mgr = engine.decoder, engine.decoder.target
+        dec, mgr = engine.decoder, engine.decoder.experts
         self.c: Counter = Counter()
         self.live = self.urgent = False
         issue, evict, hook, cycle = mgr._issue, mgr.slots._evict, mgr.use_hook, dec._cycle
@@ -112,7 +112,7 @@ def main() -> None:
             e = engines[name] = specter.load(None, policy=policy, residency=args.residency, shared=shared)
             shared = e.shared
             if opts.get("keep") is False:
-                e.decoder.target.keep_rank = None
+                e.decoder.experts.keep_rank = None
             if hasattr(e.decoder, "governor"):
                 if args.k is not None:
                     e.decoder.governor.fixed = args.k

@@ -16,7 +16,6 @@ import torch
 
 from specter.triton_ops import combine_rows, expert_rows, merge_rows
 
-from ..sansio import HostRead, adrive, drive
 from .host_lane import HostLane
 from .manager import OffloadedExperts
 
@@ -29,28 +28,15 @@ class HostExperts:
         self.reset_stats()
 
     @property
-    def may_wait(self) -> bool:
-        return self.mgr.may_wait
-
-    @property
     def all_resident(self) -> bool:
         return self.mgr.all_resident
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if not self.may_wait:
-            return self.mgr(layer, x, ids, weights)
-        return drive(self.body(layer, x, ids, weights))
-
-    async def acall(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return await adrive(self.body(layer, x, ids, weights))
-
-    @torch.no_grad()
-    def body(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
-        """The layer's routed experts: the lane's job yielded like a copy (seconds stalled)."""
+        """The layer's routed experts: cold ones on the lane while the resident ones compute here."""
         mgr, slots = self.mgr, self.slots
         if mgr.all_resident:
-            return mgr._all_resident(layer, x, ids, weights)
-        routed = yield HostRead(ids.reshape(-1))  # [T * k] on the host
+            return mgr(layer, x, ids, weights)
+        routed = ids.reshape(-1).tolist()  # [T * k] on the host
         need = sorted(set(routed))
         cold = [e for e in need if not slots.is_ready(layer, e)]  # nothing is copied: resident = warmed
         st = self._stats
@@ -69,7 +55,7 @@ class HostExperts:
         else:
             rows = x.new_zeros(ids.shape + x.shape[1:])
         if job is not None:
-            waited = yield job
+            waited = job.wait()
             st["host_stall_s"] += waited
             st["stall_s"] += waited
             rows = merge_rows(rows, job.rows, ids, job.remap_device)

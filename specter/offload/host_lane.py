@@ -43,7 +43,7 @@ from .calibrate import HostParams, emulated_host_params
 
 
 class HostJob:
-    """One layer's cold experts on the host. Awaitable, like a Transfer (sansio drivers yield it)."""
+    """One layer's cold experts on the host. Awaitable, like a Transfer; `wait()` blocks for it."""
 
     def __init__(self, layer: int, x, ids, weights, remap: torch.Tensor, experts: list[int], device):
         self.layer, self.experts = layer, experts   # experts: the store rows computed, in order

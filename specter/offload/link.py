@@ -28,7 +28,17 @@ import time
 
 import torch
 
-from specter.sansio import poll
+
+async def poll(ready, spin: float = 2e-3, every: float = 1e-3) -> None:
+    """Until ready() (CUDA events are queried from the loop, never synchronised): for `spin` seconds
+    give the loop a turn between checks (sleep(0)), then sleep `every` between them (epoll's timeout
+    has 1 ms resolution: no finer sleep exists)."""
+    if ready():
+        return
+    spin_until = time.perf_counter() + spin
+    while not ready():
+        await asyncio.sleep(0 if time.perf_counter() < spin_until else every)
+
 
 _CHUNK = 32768  # elements per emulated copy_: below ATen's parallel grain, so the worker never starts OpenMP
 

@@ -14,9 +14,9 @@ a layer needs more experts than it has slots). Rows combine by (token, top-k pos
 result is the bits of one call over resident weights, whatever was resident. `prefetch` is the hook for every smarter policy: next-layer
 routing and the speculative planner issue copies through it ahead of need.
 
-A layer's computation is written once, as a body (specter/sansio.py) that yields its routing read and
-each copy it must wait for: `mgr(layer, ...)` drives it blocking (the synchronous engine),
-`await mgr.acall(layer, ...)` on an event loop, which stays free while a copy is in flight.
+A layer's call reads its routing on the host once and waits only for the copies it needs that are
+still in flight: on CUDA a stream wait (compute is ordered after the copy's event, the host never
+blocks); on the emulated link a sleep of the link's thread's making.
 
 `alias=True` (CPU, big models: plan.alias_pool): on CPU the "device" is host memory, so a pool
 would be a second copy of experts the store already holds. The pool is then shapes without storage
@@ -27,7 +27,6 @@ An expert whose copy has not landed is still -1 in the remap, so it computes not
 """
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -35,7 +34,6 @@ from specter.triton_ops import combine_rows, expert_rows, merge_rows
 
 from ..moe import ExpertWeights
 from ..profiling import span
-from ..sansio import HostRead, adrive, drive
 from .link import Link, Transfer
 from .slots import SlotCache
 from .staging import staged_nbytes
@@ -64,7 +62,6 @@ class OffloadedExperts:
         self.host_expert_bytes = getattr(store[0], "raw_expert_nbytes", store[0].expert_nbytes)()  # a host lane's read
         self.inflight: dict[tuple[int, int], Transfer] = {}
         self.prefetched: set[tuple[int, int]] = set()   # copies issued ahead of need, not yet used
-        self.next_layer_router = None                   # set by the next-layer policy
         self.use_hook = None                            # use_hook(layer, experts) after each layer computes
         self.keep_rank = None                           # keep_rank(layer, e): late experts load lowest first,
                                                         # so the highest ranked are the ones left resident
@@ -97,12 +94,12 @@ class OffloadedExperts:
         self._stats["h2d_bytes"] += t.nbytes  # a coded store's (offload/coded.py): the expert's coded bytes
         return True
 
-    def _land(self, layer: int, e: int):
-        """Body: wait (if needed) for (layer, e)'s copy and mark it ready."""
+    def _land(self, layer: int, e: int) -> None:
+        """Wait (if needed) for (layer, e)'s copy and mark it ready."""
         t = self.inflight.pop((layer, e), None)
         if t is not None:
             try:
-                self._stats["stall_s"] += yield t
+                self._stats["stall_s"] += t.wait()
             except BaseException:
                 if t.failed():  # its bytes never arrived: the slot is free again, a later need copies anew
                     self.slots.cancel(layer, e)
@@ -116,7 +113,7 @@ class OffloadedExperts:
     def poll(self) -> None:
         """Mark every completed copy ready (cheap; called between layers; nothing waits)."""
         for key in [k for k, t in self.inflight.items() if t.done()]:
-            drive(self._land(*key))
+            self._land(*key)
 
     def prefetch(self, layer: int, experts, *, protect=(), urgent: bool = False) -> int:
         """Start copies for those of `experts` not resident or in flight, in the given order, never
@@ -182,56 +179,57 @@ class OffloadedExperts:
         return self.slots.slot_of(layer, e) is not None
 
     # ------------------------------------------------------------------------------ compute
-    @property
-    def may_wait(self) -> bool:
-        """Whether a layer's call may wait on a copy (sansio.call yields it to the driver only then)."""
-        return not (self.all_resident and self.next_layer_router is None)
-
-    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if not self.may_wait:  # nothing to wait for: no body to drive (a ~1 ms step at full residency
-            return self._all_resident(layer, x, ids, weights)  # on a CPU: the driver's loop showed)
-        return drive(self.body(layer, x, ids, weights))
-
-    async def acall(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return await adrive(self.body(layer, x, ids, weights))
-
-    def _all_resident(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The budget holds every expert: one call, no host read of the routing."""
-        if ids.shape[0] == 1:  # one token: its top-k experts are distinct, so counted on the host
-            self._stats["expert_hits"] += ids.shape[1]
-        else:
-            used = self._resident_hits.new_zeros(self.slots.n_experts).index_fill_(0, ids.reshape(-1), 1)
-            self._resident_hits += used.sum()  # distinct experts, counted on the device
-            self._hits_on_device = True
-        remap = None if self._in_order else self.slots.remap[layer]  # expert e in row e: no gather
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 guess=None) -> torch.Tensor:
+        """The layer's routed experts, x [T, H] -> [T, H]. Waits only for a copy it needs that is still
+        in flight (`Transfer.wait`: a stream wait on CUDA, no host sync; the emulated link's sleep on
+        CPU). `guess`: the next-layer policy (offload/policies.py): its guesses for this layer settle
+        once the routing is known, and its guesses for the next layer go out behind this one's misses."""
+        slots = self.slots
+        if self.all_resident:  # the budget holds every expert: one call, no host read of the routing
+            if ids.shape[0] == 1:  # one token: its top-k experts are distinct, so counted on the host
+                self._stats["expert_hits"] += ids.shape[1]
+            else:
+                used = self._resident_hits.new_zeros(slots.n_experts).index_fill_(0, ids.reshape(-1), 1)
+                self._resident_hits += used.sum()  # distinct experts, counted on the device
+                self._hits_on_device = True
+            pool = self.rows[layer]
+            remap = None if self._in_order else slots.remap[layer]  # expert e in row e: no gather
+            return combine_rows(expert_rows(x, ids, weights, pool.w13, pool.w2, remap=remap))
         pool = self.rows[layer]
-        return combine_rows(expert_rows(x, ids, weights, pool.w13, pool.w2, remap=remap))
-
-    @torch.no_grad()  # entered and left around each step of the body, never held across a wait
-    def body(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
-        """The layer's routed experts, as a body: yields the routing read and the copies it waits for."""
-        guess = self.next_layer_router
-        if self.all_resident:
-            return self._all_resident(layer, x, ids, weights)
-        pool, slots = self.rows[layer], self.slots
-        routed = yield HostRead(ids.reshape(-1))  # [T * k] on the host
+        routed = ids.reshape(-1).tolist()  # [T * k] on the host: the layer's one read
         need = sorted(set(routed))
         if ids.shape[0] > 1:  # a verification: which rows needed what, for demote_rejected
             self._routed[layer] = (routed, ids.shape[1])
-        self.poll()
+        if self.inflight:
+            self.poll()
         if guess is not None:  # its guesses for this layer that the routing did not ask for go now
             guess.settle(layer, need)
-        self._count(layer, need)
-        ready = [e for e in need if slots.is_ready(layer, e)]
-        flying = [e for e in need if (layer, e) in self.inflight]
-        missing = [e for e in need if slots.slot_of(layer, e) is None]
+        ready, flying, missing = [], [], []
+        st, prefetched, inflight = self._stats, self.prefetched, self.inflight
+        for e in need:  # sort by state, and count hits, misses and prefetches used
+            key = (layer, e)
+            resident = slots.slot_of(layer, e) is not None
+            if key in prefetched:
+                prefetched.discard(key)
+                st["prefetch_used"] += resident  # evicted unused before it served: not a use
+            if not resident:
+                st["expert_misses"] += 1
+                missing.append(e)
+                continue
+            st["expert_hits"] += 1
+            if key in inflight:
+                flying.append(e)
+            elif slots.is_ready(layer, e):
+                ready.append(e)
         if self.keep_rank is not None and len(need) > slots.n_slots:  # more than fit: choose who stays
             missing.sort(key=lambda e: self.keep_rank(layer, e))
-        job, hosted = self._host_job(layer, x, ids, weights, missing, routed)  # None, [] without a host lane
-        if hosted:  # computed on the host while the copies fly and the residents compute
-            missing = [e for e in missing if e not in hosted]
+        job = None
+        if missing and self.host_choice is not None:  # both lanes: some misses computed on the host
+            job, missing = self._host_job(layer, x, ids, weights, missing, routed)
+        protect = set(need)
         for e in missing:  # fetched at the queue's front, never evicting each other
-            if not self._issue(layer, e, urgent=True, protect=set(need)):
+            if not self._issue(layer, e, urgent=True, protect=protect):
                 break  # more experts than slots: the rest are fetched as computed ones free theirs
         if guess is not None:  # the next layer's guesses, queued behind this layer's misses
             guess(layer, x)
@@ -242,7 +240,7 @@ class OffloadedExperts:
             rows = x.new_zeros(ids.shape + x.shape[1:])
         todo = flying + missing
         while todo:  # the late experts, in as few calls as the slots allow
-            batch = yield from self._land_batch(layer, todo)
+            batch = self._land_batch(layer, todo)
             late = self._late.fill_(-1)  # this batch's remap, written in place: no host-to-device sync
             for e in batch:
                 late[e] = slots.row(layer, e)
@@ -250,9 +248,9 @@ class OffloadedExperts:
             self._read_done(layer, batch)
             todo = todo[len(batch):]
         if job is not None:  # the host lane's rows, merged by (token, position) like late ones
-            waited = yield job
-            self._stats["stall_s"] += waited
-            self._stats["host_stall_s"] += waited
+            waited = job.wait()
+            st["stall_s"] += waited
+            st["host_stall_s"] += waited
             rows = merge_rows(rows, job.rows, ids, job.remap_device)
         slots.touch(layer, need)
         if self.use_hook is not None:
@@ -260,17 +258,16 @@ class OffloadedExperts:
         return combine_rows(rows)
 
     def _host_job(self, layer: int, x, ids, weights, missing: list[int], routed: list[int]):
-        """(HostJob, experts) for the missing experts `host_choice` sends to the host lane; (None, [])."""
-        if self.host_choice is None or not missing:
-            return None, []
+        """(HostJob or None, the misses left to copy): `host_choice` picks which misses the host lane computes."""
         hosted = self.host_choice(layer, missing, routed)
         if not hosted:
-            return None, []
+            return None, missing
         remap = torch.full((self.slots.n_experts,), -1, dtype=torch.int32)  # host: expert -> store row
         remap[hosted] = torch.tensor(hosted, dtype=torch.int32)
         self._stats["host_experts"] += len(hosted)
         self._stats["host_bytes"] += len(hosted) * self.host_expert_bytes
-        return self.host_lane.submit(layer, x, ids, weights, remap, experts=list(hosted)), hosted
+        job = self.host_lane.submit(layer, x, ids, weights, remap, experts=list(hosted))
+        return job, [e for e in missing if e not in hosted]
 
     def demote_rejected(self, kept_rows: int) -> None:
         """The last verification's rows from `kept_rows` on ran on rejected drafted tokens: the experts
@@ -283,8 +280,8 @@ class OffloadedExperts:
             self.slots.demote(layer, [e for e in set(routed[kept_rows * k:]) - kept if self.slots.is_ready(layer, e)])
         self._routed.clear()
 
-    def _land_batch(self, layer: int, todo: list[int]):
-        """Body -> the longest prefix of `todo` that holds slots (issuing copies for those without, never
+    def _land_batch(self, layer: int, todo: list[int]) -> list[int]:
+        """The longest prefix of `todo` that holds slots (issuing copies for those without, never
         evicting another of `todo`), landed. At least one expert, waiting for copies if it must."""
         protect, batch = set(todo), []
         for e in todo:
@@ -292,10 +289,10 @@ class OffloadedExperts:
                 break
             batch.append(e)
         if not batch:
-            yield from self._issue_blocking(layer, todo[0], protect=protect)
+            self._issue_blocking(layer, todo[0], protect=protect)
             batch = todo[:1]
         for e in batch:
-            yield from self._land(layer, e)
+            self._land(layer, e)
         return batch
 
     def _read_done(self, layer: int, experts) -> None:
@@ -305,23 +302,14 @@ class OffloadedExperts:
             for e in experts:
                 self.last_read[layer][self.slots.slot_of(layer, e)] = ev
 
-    def _issue_blocking(self, layer: int, e: int, protect):
-        """Body: issue (layer, e) now; if every slot is loading, wait for this layer's copies to land first."""
+    def _issue_blocking(self, layer: int, e: int, protect) -> None:
+        """Issue (layer, e) now; if every slot is loading, wait for this layer's copies to land first."""
         if self._issue(layer, e, urgent=True, protect=protect):
             return
         for key in [k for k in self.inflight if k[0] == layer]:
-            yield from self._land(*key)
+            self._land(*key)
         if not self._issue(layer, e, urgent=True, protect=protect):
             raise RuntimeError(f"no evictable slot in layer {layer}: the slot budget is below top-k")
-
-    def _count(self, layer: int, need: list[int]) -> None:
-        st = self._stats
-        for e in need:
-            resident = self.slots.slot_of(layer, e) is not None
-            if (layer, e) in self.prefetched:
-                self.prefetched.discard((layer, e))
-                st["prefetch_used"] += resident  # evicted unused before it served: not a use
-            st["expert_hits" if resident else "expert_misses"] += 1
 
     # -------------------------------------------------------------------------------- stats
     def reset_stats(self) -> None:

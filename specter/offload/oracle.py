@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 from typing import Iterator
 
-from ..engine import PlainDecoder
+from ..speculative.decoder import PlainDecoder
 from ..moe import ResidentExperts
 from .manager import OffloadedExperts
 

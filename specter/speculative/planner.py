@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ..offload.manager import OffloadedExperts
-from .lookahead import Lookahead
+from .draft import Lookahead
 
 
 class PrefetchPlanner:
