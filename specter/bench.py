@@ -120,6 +120,7 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
             plan = getattr(engines[p], "plan", None)
             if plan is not None:
                 r["slots_per_layer"], r["residency"] = plan.slots_per_layer, plan.residency
+                r["pool_slots"], r["slot_pool"] = plan.pool_slots, plan.pool  # the shared pool's slots in all
             if hasattr(engines[p].decoder, "draft"):  # the draft's code width (its acceptance is above)
                 r["draft_bits"] = engines[p].shared.draft_bits
             result[p] = r

@@ -125,12 +125,13 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
                  link=None, dtype=None, threads: int | None = None, eviction: str | None = None,
                  device_memory=None, k_max: int = 32, compile: bool | None = None, shared: Loaded | None = None,
                  draft_cache=None, driver: str | None = None, host_threads: int | None = None,
-                 compress_experts: bool = False, draft_bits: int = 4, **options) -> Engine:
+                 compress_experts: bool = False, draft_bits: int = 4, slot_pool: str = "shared",
+                 **options) -> Engine:
     """An engine for `policy` (a name in specter/policy.py's table). `shared`: a checkpoint already
     loaded (load_shared) to build on instead of loading it again; its store, model and draft are
     reused, never copied. `host_threads`: the host lane's threads (policies with a host lane, see
     uses_host_lane; default: physical cores less one). `eviction`: the slot cache's rule (default:
-    the policy's)."""
+    the policy's). `slot_pool`: "shared" (one expert pool for every layer) or "layer" (its per-layer rule)."""
     pol = get_policy(policy)
     if options:
         raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}")
@@ -166,7 +167,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
             device_memory = int(free * 0.9)
         plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
                          device_memory=device_memory, draft=pol.drafts, device=device, store_dtype=ckpt.dtype,
-                         compressed=compress_experts)
+                         compressed=compress_experts, pool=slot_pool)
         pdt = getattr(torch, plan.pool_dtype)
         # calibrating allocates a working set of experts: before the store exists, not beside it
         lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,
@@ -180,10 +181,10 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         decoder = PlainDecoder(model, ResidentExperts(experts), device, dt)
     else:
         experts = store
-        every = plan.slots_per_layer >= spec.n_experts
+        every = plan.pool_slots >= spec.n_moe_layers * spec.n_experts
         rows = shared.resident_experts() if plan.pool_rows == "resident" else None
         mgr = OffloadedExperts(store, plan.slots_per_layer, device, lk, eviction=eviction or pol.eviction, dtype=pdt,
-                               alias=plan.aliased, rows=rows)
+                               alias=plan.aliased, rows=rows, pool=plan.pool_slots)
         mgr.warm()
         if uses_host_lane(pol, device, host_threads, every_expert=every):  # misses may compute where the store holds them
             lane = make_host_lane(shared.host_rows(), device, lk, threads=host_threads, dtype=dt, charged_dtype=pdt)

@@ -48,20 +48,20 @@ def test_plan_json(capsys, model):
     assert rc == 0, err
     plan = json.loads(out)  # the whole of stdout is one JSON object
     assert out.count("\n") == 1
-    assert plan["slots_per_layer"] == 2 and plan["n_experts"] == 8 and plan["top_k"] == 2
+    assert plan["pool_slots"] == 4 and plan["n_experts"] == 8 and plan["top_k"] == 2  # one pool: 2 layers x 2
     assert plan["residency"] == 0.25 and plan["n_moe_layers"] == 2
     itemsize = torch.empty(0, dtype=getattr(torch, plan["dtype"])).element_size()
     assert plan["expert_bytes"] == 3 * 64 * 32 * itemsize
-    assert plan["slot_pool_bytes"] == 2 * 2 * plan["expert_bytes"]
+    assert plan["slot_pool_bytes"] == 4 * plan["expert_bytes"]
 
 
 def test_plan_expert_memory_and_table(capsys, model):
     rc, out, err = run_cli(capsys, "plan", "--model", model, "--device", "cpu", "--expert-memory", "144KiB", "--json")
     assert rc == 0, err
-    assert json.loads(out)["slots_per_layer"] == 3  # 147456 B / (2 layers x 24576 B)
+    assert json.loads(out)["pool_slots"] == 6  # 147456 B / 24576 B, one pool for both MoE layers
     rc, out, err = run_cli(capsys, "plan", "--model", model, "--device", "cpu", "--residency", "0.5")
     assert rc == 0, err
-    assert "4 of 8" in out and "top-2" in out
+    assert "8 of 16" in out and "top-2" in out
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -111,7 +111,7 @@ def test_bench_json_three_policies(capsys, model, tmp_path):
         assert r["speedup_vs_on-demand"] > 0  # speed-ups are over plain offloading
     for name in ("on-demand", "next-layer"):
         r = pols[name]
-        assert r["slots_per_layer"] == 4 and r["residency"] == 0.5
+        assert r["pool_slots"] == 8 and r["residency"] == 0.5
         assert r["expert_hits"] + r["expert_misses"] > 0 and 0 <= r["hit_rate"] <= 1
         assert r["expert_misses"] > 0 and r["h2d_bytes"] > 0
         assert 0 < r["decode_stall_s"] <= r["stall_s"] and r["decode_stall_s"] < r["decode_s"]
@@ -140,7 +140,7 @@ def test_bench_bad_arguments_exit_2(capsys, model, tmp_path):
     common = ["bench", "--model", model, "--device", "cpu", "--prompts", str(f)]
     assert_one_line_error(*run_cli(capsys, *common, "--policies", " , "), "--policies")
     assert_one_line_error(*run_cli(capsys, *common, "--policies", "resident", "--max-new-tokens", "0"), "max-new-tokens")
-    assert_one_line_error(*run_cli(capsys, *common, "--policies", "on-demand", "--residency", "0.1"), "top-2")
+    assert_one_line_error(*run_cli(capsys, *common, "--policies", "on-demand", "--residency", "0.05"), "top-2")
     assert_one_line_error(*run_cli(capsys, *common, "--policies", "bogus"), "bogus")
     assert_one_line_error(*run_cli(capsys, *common, "--policies", "on-demand", "--temperature", "0.7",
                                    "--top-p", "0"), "top_p")

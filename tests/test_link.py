@@ -481,7 +481,7 @@ def test_unread_slot_copy_waits_for_no_queued_compute():
 
         x, ids, w = torch.randn(1, 16, generator=g), torch.tensor([[0, 1]]), torch.tensor([[0.5, 0.5]])
         mgr(0, x, ids, w)  # reads slots 0 and 1 of layer 0
-        reader = mgr.last_read[0][mgr.slots.slot_of(0, 0)]
+        reader = mgr.last_read[mgr.slots.slot_of(0, 0)]  # per slot of the one pool
         assert reader is not None and reader.at > draft
         cuda.launch("more compute")
         mark = len(cuda.log)

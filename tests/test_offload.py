@@ -33,10 +33,14 @@ CASES = [("deepseek_v2", {}), ("qwen2_moe", {"mlp_only_layers": [0]}), ("mixtral
 IDS = [a for a, _ in CASES]
 PROMPTS = [[1, 5, 9, 33, 2], [7, 7, 7], list(range(10, 40)), [100, 3, 64, 12, 90, 45, 8]]
 NEW = 24
-# (budget, slots per layer) for 8 experts, top-2. expert_memory is given here in slots and turned into the
-# bytes of that many slots in every MoE layer; the last budget also switches the slot cache to LFU eviction.
+# (budget, slots per layer) for 8 experts, top-2, on the shared pool (the default) unless slot_pool="layer".
+# expert_memory is given here in slots and turned into the bytes of that many slots in every MoE layer;
+# pool_slots into the bytes of that many slots in all: 2 (one layer's top-2) is below the per-layer
+# rule's floor (2 in every layer), and every layer's experts then take turns in the same slots. The
+# lfu budgets also switch the slot cache to LFU eviction.
 BUDGETS = [({"residency": 0.25}, 2), ({"residency": 0.5}, 4), ({"residency": 1.0}, 8), ({"expert_memory": 3}, 3),
-           ({"residency": 0.375, "eviction": "lfu"}, 3)]
+           ({"residency": 0.375, "eviction": "lfu"}, 3), ({"residency": 0.25, "slot_pool": "layer"}, 2),
+           ({"pool_slots": 2}, None), ({"pool_slots": 3, "eviction": "lfu"}, None)]
 POLICIES = ["on-demand", "next-layer"]
 LOSSLESS_POLICIES = POLICIES + ["host"]  # host: the experts not resident computed on the host lane
 
@@ -52,10 +56,19 @@ def expert_bytes_fp32(ref) -> tuple[int, int]:
 
 
 def budget_kwargs(ref, budget: dict) -> dict:
+    eb, L = expert_bytes_fp32(ref)
     if "expert_memory" in budget:  # slots per layer -> bytes, written with a unit
-        eb, L = expert_bytes_fp32(ref)
         return {**budget, "expert_memory": f"{budget['expert_memory'] * L * eb}B"}
+    if "pool_slots" in budget:  # slots in all -> bytes
+        kw = dict(budget)
+        kw["expert_memory"] = f"{kw.pop('pool_slots') * eb}B"
+        return kw
     return dict(budget)
+
+
+def pool_slots(ref, budget: dict, slots: int | None) -> int:
+    """The slots the budget buys in all (per layer x MoE layers, or given in all)."""
+    return budget["pool_slots"] if slots is None else slots * expert_bytes_fp32(ref)[1]
 
 
 @pytest.fixture
@@ -108,7 +121,8 @@ def test_offloaded_greedy_equals_resident(tiny, resident_tokens, emulated_link, 
     for budget, slots in BUDGETS:
         engine = specter.load(path, device="cpu", policy=policy, **budget_kwargs(ref, budget))
         try:
-            assert engine.dtype == torch.float32 and engine.plan.slots_per_layer == slots, budget
+            assert engine.dtype == torch.float32 and engine.plan.pool_slots == pool_slots(ref, budget, slots), budget
+            assert engine.plan.pool == budget.get("slot_pool", "shared")
             assert engine.decoder.experts.slots.policy == budget.get("eviction", "lru")
             outs = [engine.generate(p, max_new_tokens=NEW) for p in PROMPTS]
         finally:
@@ -116,12 +130,12 @@ def test_offloaded_greedy_equals_resident(tiny, resident_tokens, emulated_link, 
         for p, out, w in zip(PROMPTS, outs, want):
             assert out.token_ids == w, f"{arch} {policy} {budget}, prompt {p}: {out.token_ids} != resident {w}"
         misses = sum(o.stats["expert_misses"] for o in outs)
-        if slots < 8 and policy == "host":  # computed on the host lane, never copied
+        if slots != 8 and policy == "host":  # computed on the host lane, never copied
             assert misses > 0 and sum(o.stats["host_experts"] for o in outs) == misses, budget
             assert sum(o.stats["h2d_bytes"] for o in outs) == 0, budget
-        elif slots < 8:  # the offload path really ran: experts were missing and copied
+        elif slots != 8:  # the offload path really ran: experts were missing and copied
             assert misses > 0 and sum(o.stats["h2d_bytes"] for o in outs) > 0, budget
-            if policy == "next-layer":
+            if policy == "next-layer" and slots is not None:  # (a pool of top-k slots has no room for a guess)
                 assert sum(o.stats["prefetch_issued"] for o in outs) > 0
         else:  # everything resident after warm-up: no miss, no copy
             assert misses == 0 and sum(o.stats["h2d_bytes"] for o in outs) == 0
@@ -262,17 +276,28 @@ def slow_link(bandwidth=2e6, latency=1e-3):
 # every manager test runs with a real pool and with an aliased one (the CPU pool of a big model: compute
 # reads the store's rows, copies are only timed), whose residency the same checks must hold to
 ALIAS = pytest.mark.parametrize("alias", [False, True], ids=["copy", "alias"])
+# ... and on both rules of the pool: n slots in every layer, or n slots in all (shared by every layer)
+POOL = pytest.mark.parametrize("pool", ["layer", "shared"])
+
+
+def make_mgr(store, n: int, link, pool: str, **kw) -> OffloadedExperts:
+    if pool == "layer":
+        return OffloadedExperts(store, n, torch.device("cpu"), link, **kw)
+    mgr = OffloadedExperts(store, None, torch.device("cpu"), link, pool=n, **kw)
+    assert mgr.slots.pool_slots == n and all(p is mgr.pool[0] for p in mgr.pool)
+    return mgr
 
 
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
 @ALIAS
-def test_more_distinct_experts_than_slots_in_one_call(watch, eviction, alias):
+@POOL
+def test_more_distinct_experts_than_slots_in_one_call(watch, eviction, alias, pool):
     """8 tokens x top-2 touch all 8 experts of a layer through 2 slots: every expert is computed from
     its own landed copy, none is evicted while in use, and the output is resident's, bit for bit."""
     store = make_store()
     resident = ResidentExperts(store)
     with slow_link() as link:
-        mgr = OffloadedExperts(store, 2, torch.device("cpu"), link, eviction=eviction, alias=alias)
+        mgr = make_mgr(store, 2, link, pool, eviction=eviction, alias=alias)
         w = watch(mgr)
         gen = torch.Generator().manual_seed(1)
         x = torch.randn(8, 32, generator=gen)
@@ -288,13 +313,14 @@ def test_more_distinct_experts_than_slots_in_one_call(watch, eviction, alias):
 
 
 @ALIAS
-def test_random_calls_with_prefetches_in_flight(watch, alias):
+@POOL
+def test_random_calls_with_prefetches_in_flight(watch, alias, pool):
     """Layer calls interleaved with prefetches that are still copying when the layer runs."""
     store = make_store(L=3)
     resident = ResidentExperts(store)
     rng, gen = random.Random(0), torch.Generator().manual_seed(2)
     with slow_link() as link:
-        mgr = OffloadedExperts(store, 3, torch.device("cpu"), link, alias=alias)
+        mgr = make_mgr(store, 3, link, pool, alias=alias)
         w = watch(mgr)
         for step in range(14):
             layer = rng.randrange(3)
@@ -310,12 +336,13 @@ def test_random_calls_with_prefetches_in_flight(watch, alias):
 
 
 @ALIAS
-def test_every_slot_loading_when_the_layer_runs(watch, alias):
+@POOL
+def test_every_slot_loading_when_the_layer_runs(watch, alias, pool):
     """Both slots hold unrelated prefetches still in flight; the layer needs two other experts."""
     store = make_store()
     resident = ResidentExperts(store)
     with slow_link(latency=0.02) as link:
-        mgr = OffloadedExperts(store, 2, torch.device("cpu"), link, alias=alias)
+        mgr = make_mgr(store, 2, link, pool, alias=alias)
         w = watch(mgr)
         assert mgr.prefetch(0, [6, 7]) == 2
         assert not mgr.slots.is_ready(0, 6) and not mgr.slots.is_ready(0, 7)
@@ -331,13 +358,14 @@ def test_every_slot_loading_when_the_layer_runs(watch, alias):
 
 
 @ALIAS
-def test_experts_only_rejected_drafts_needed_are_evicted_first(alias):
+@POOL
+def test_experts_only_rejected_drafts_needed_are_evicted_first(alias, pool):
     """After a verification whose rows from 2 on ran on rejected drafted tokens, demote_rejected(2) puts
     the experts only those rows needed first in line: the next miss evicts them, not an expert the
     committed rows used (even one used longer ago)."""
     store = make_store(L=1)
     with slow_link(bandwidth=1e9, latency=0.0) as link:
-        mgr = OffloadedExperts(store, 4, torch.device("cpu"), link, alias=alias)
+        mgr = make_mgr(store, 4, link, pool, alias=alias)
         x = torch.randn(3, 32)
         w = torch.full((3, 2), 0.5)
         mgr(0, x[:1], torch.tensor([[0, 1]]), w[:1])                     # 0, 1 resident
@@ -542,17 +570,19 @@ def test_full_residency_computes_on_the_residents_tensors(tiny, dtype):
 
 @pytest.mark.parametrize("policy,driver", [(p, "sync") for p in POLICIES] + [("next-layer", "async")])
 @pytest.mark.parametrize("case", CASES[:2], ids=IDS[:2])
+@pytest.mark.parametrize("budget", [{"residency": 0.25}, {"pool_slots": 3}], ids=["quarter", "3slots"])
 @ALIAS
 def test_engine_invariants_on_a_slow_link(tiny, resident_tokens, emulated_link, watch, monkeypatch, case, policy, driver,
-                                          alias):
+                                          alias, budget):
     arch, kw = case
     path, ref = tiny(arch, **kw)
     monkeypatch.setattr(plan, "alias_pool", lambda *a, **k: alias)
     emulated_link(bandwidth=20e6, latency=1e-3)  # 24 KiB experts: ~2 ms a copy, in flight across layers
-    engine = specter.load(path, device="cpu", policy=policy, residency=0.25, driver=driver)
+    engine = specter.load(path, device="cpu", policy=policy, driver=driver, **budget_kwargs(ref, budget))
     try:
         mgr = engine.decoder.experts
-        assert isinstance(mgr, OffloadedExperts) and mgr.slots.n_slots == 2 and mgr.alias is alias
+        want_slots = pool_slots(ref, budget, 2 if "residency" in budget else None)
+        assert isinstance(mgr, OffloadedExperts) and mgr.slots.pool_slots == want_slots and mgr.alias is alias
         w = watch(mgr)
         engine.decoder.experts = w
         outs = [engine.generate(p, max_new_tokens=12) for p in PROMPTS[:2]]
@@ -564,7 +594,7 @@ def test_engine_invariants_on_a_slow_link(tiny, resident_tokens, emulated_link, 
     L = expert_bytes_fp32(ref)[1]
     assert w.calls > 0 and w.calls % L == 0 and w.computed >= w.calls
     assert sum(o.stats["expert_misses"] for o in outs) > 0
-    if policy == "next-layer":
+    if policy == "next-layer" and "residency" in budget:  # (3 slots: no room for a guess beside a layer's own)
         assert sum(o.stats["prefetch_issued"] for o in outs) > 0
 
 
@@ -597,19 +627,20 @@ class OrderLink(EmulatedLink):
         if mgr is not None and tag is not None:
             layer = tag[0]
             slot = (dst[0].data_ptr() - mgr.pool[layer].w13.data_ptr()) // dst[0][0].nbytes // dst[0].shape[0]
-            need = self.last_reader.get((layer, slot))
+            need = self.last_reader.get(slot)  # whichever layer's compute read the pool slot last
             if need is not None:
                 assert after != "all", "the manager must name the slot's last reader, not wait for all compute"
                 assert after is not None and after >= need, \
-                    f"copy into layer {layer} slot {slot} ordered after {after}, but compute {need} reads it"
+                    f"copy for layer {layer} into slot {slot} ordered after {after}, but compute {need} reads it"
                 self.checked += 1
         return super().copy(dst, src, urgent=urgent, tag=tag, after=after)
 
 
-def test_copies_wait_for_the_last_reader_of_their_slot(monkeypatch):
+@POOL
+def test_copies_wait_for_the_last_reader_of_their_slot(monkeypatch, pool):
     """Per-slot ordering (CUDA's contract, checked on CPU): a copy into a slot is ordered after the
     compute that last read it -- including an expert computed earlier in the same layer call whose
-    slot a later miss takes -- instead of after all queued compute."""
+    slot a later miss takes, and in a shared pool another layer's -- instead of after all queued compute."""
     store = make_store(L=2)
     resident = ResidentExperts(store)
     holder = {}
@@ -618,16 +649,14 @@ def test_copies_wait_for_the_last_reader_of_their_slot(monkeypatch):
 
     def run(x, ids, weights, w13, w2, *, remap=None, backend=None):
         link.queued += 1  # this grouped call's compute is queued now
-        mgr = holder["mgr"]
-        layer = next(l for l in range(len(mgr.pool)) if mgr.pool[l].w13.data_ptr() == w13.data_ptr())
         for e in set(ids.reshape(-1).tolist()):
             if int(remap[e]) >= 0:
-                link.last_reader[(layer, int(remap[e]))] = link.queued
+                link.last_reader[int(remap[e])] = link.queued
         return real(x, ids, weights, w13, w2, remap=remap, backend=backend)
 
     monkeypatch.setattr(manager_mod, "expert_rows", run)
     with link:
-        mgr = OffloadedExperts(store, 2, torch.device("cpu"), link)
+        mgr = make_mgr(store, 2 if pool == "layer" else 3, link, pool)
         holder["mgr"] = mgr
         gen, rng = torch.Generator().manual_seed(3), random.Random(3)
         for step in range(10):
@@ -636,4 +665,38 @@ def test_copies_wait_for_the_last_reader_of_their_slot(monkeypatch):
                 mgr.prefetch(layer, rng.sample(range(8), 2))
             x, ids, weights = routed(rng.choice([1, 4]), 2, 8, gen)
             assert torch.equal(mgr(layer, x, ids, weights), resident(layer, x, ids, weights)), step
-    assert link.checked > 5 and any(v is not None for row in mgr.last_read for v in row)
+    assert link.checked > 5 and any(v is not None for v in mgr.last_read)
+
+
+class GreedyGuess:
+    """A next-layer router stand-in that, while layer l computes, prefetches every expert of another
+    layer it can get: in a shared pool those copies look for victims in every layer."""
+
+    def __init__(self, mgr, target):
+        self.mgr, self.target, self.issued = mgr, target, 0
+
+    def settle(self, layer, need):
+        pass
+
+    def __call__(self, layer, x):
+        other = self.target(layer)
+        self.issued += self.mgr.prefetch(other, range(8))
+
+
+@ALIAS
+def test_a_running_call_s_experts_are_held_against_other_layers_copies(watch, alias):
+    """Shared pool of 6 slots, 2 layers: a layer's residents must survive the copies a guess issues for
+    the other layer between the call's routing read and its grouped call (SlotCache.hold); evicting
+    one would drop its rows, or compute them from another expert's bytes."""
+    store = make_store()
+    resident = ResidentExperts(store)
+    with slow_link(bandwidth=1e9, latency=0.0) as link:
+        mgr = make_mgr(store, 6, link, "shared", alias=alias)
+        w = watch(mgr)
+        guess = GreedyGuess(mgr, lambda layer: 1 - layer)
+        gen = torch.Generator().manual_seed(7)
+        for step in range(8):
+            layer = step % 2
+            x, ids, weights = routed(2, 2, 8, gen)
+            assert torch.equal(w(layer, x, ids, weights, guess), resident(layer, x, ids, weights)), step
+        assert guess.issued > 0 and mgr.slots.stats["evictions"] > 0

@@ -4,7 +4,9 @@ One routed expert holds gate, up and down projections: 3 * hidden * expert_inter
 it is 3 * hidden * expert_inter * 4 bytes. A slot pool of B bytes buys floor(B / (n_moe_layers *
 expert_bytes)) slots per layer; a residency fraction F buys ceil(F * n_experts); a device budget D
 buys what is left after the non-expert weights, the INT4 draft and the KV cache. Fewer slots than
-top-k is refused (BudgetError); a malformed budget is a ConfigError.
+top-k is refused (BudgetError); a malformed budget is a ConfigError. Those are the per-layer rule's
+numbers (pool="layer"); the shared pool's (the default: floor(B / expert_bytes) slots in one pool,
+refused below one layer's top-k) are checked after them.
 """
 from __future__ import annotations
 
@@ -16,7 +18,13 @@ import torch
 import specter
 from specter.layers import KVCache
 from specter.loader import open_checkpoint
-from specter.offload.plan import MemoryPlan, make_plan
+from specter.offload.plan import MemoryPlan
+from specter.offload.plan import make_plan as plan_of
+
+
+def make_plan(*args, **kw) -> MemoryPlan:
+    """The per-layer rule's plan (the tests below were written for it; the shared pool's follow)."""
+    return plan_of(*args, **{"pool": "layer", **kw})
 
 # arch, tiny_config overrides. deepseek_v2: first layer dense + shared expert; qwen2_moe: dense first
 # layer (mlp_only_layers=[0]) + gated shared expert; mixtral: every layer MoE, nothing shared.
@@ -217,16 +225,27 @@ def test_load_uses_the_plan_and_refuses_bad_budgets(tiny):
     path, _ = tiny("deepseek_v2")
     ckpt = open_checkpoint(path)
     n = ckpt.numel()
-    engine = specter.load(path, device="cpu", policy="on-demand", expert_memory="144KiB")
+    engine = specter.load(path, device="cpu", policy="on-demand", expert_memory="144KiB")  # 6 x 24 KiB
     try:
-        assert engine.plan.slots_per_layer == 3
-        assert engine.plan == make_plan(ckpt.spec, n, torch.float32, expert_memory="144KiB", draft=False)
+        assert engine.plan.pool_slots == 6 and engine.plan.pool == "shared"
+        assert engine.plan == plan_of(ckpt.spec, n, torch.float32, expert_memory="144KiB", draft=False)
         mgr = engine.decoder.experts
-        assert mgr.slots.n_slots == 3 and tuple(mgr.pool[0].w13.shape[:1]) == (3,)
+        assert mgr.slots.pool_slots == 6 and tuple(mgr.pool[0].w13.shape[:1]) == (6,)
+        assert all(p is mgr.pool[0] for p in mgr.pool)  # one pool for both MoE layers
     finally:
         engine.close()
+    engine = specter.load(path, device="cpu", policy="on-demand", expert_memory="144KiB", slot_pool="layer")
+    try:
+        assert engine.plan.slots_per_layer == 3 and engine.plan.pool_slots == 6
+        assert engine.plan == make_plan(ckpt.spec, n, torch.float32, expert_memory="144KiB", draft=False)
+        mgr = engine.decoder.experts
+        assert mgr.slots.n_slots == 3 and mgr.slots.per_layer and tuple(mgr.pool[0].w13.shape[:1]) == (6,)
+    finally:
+        engine.close()
+    with pytest.raises(specter.BudgetError):  # 1 slot of 16: below one layer's top-2
+        specter.load(path, device="cpu", policy="on-demand", residency=0.0625)
     with pytest.raises(specter.BudgetError):
-        specter.load(path, device="cpu", policy="on-demand", residency=0.125)
+        specter.load(path, device="cpu", policy="on-demand", residency=0.125, slot_pool="layer")
     with pytest.raises(specter.BudgetError):
         specter.load(path, device="cpu", policy="next-layer", expert_memory="1KB")
     with pytest.raises(specter.ConfigError):
@@ -278,3 +297,24 @@ def test_engine_stats_name_the_host_to_device_path(tiny):
             assert engine.generate([1, 2, 3], max_new_tokens=2).stats["h2d_path"] == want
         finally:
             engine.close()
+
+
+# ------------------------------------------------------------------------------ the shared pool
+def test_shared_pool_slots_by_hand(case):
+    """One pool: B bytes buy floor(B / expert_bytes) slots, a residency F ceil(F x L x E); the floor is
+    one layer's top-k, not every layer's."""
+    spec, numel, h, _ = case
+    L, E, k, eb = h["L"], h["E"], h["k"], h["expert_fp32"]
+    for slots in (k, k + 1, L * k - 1, L * E):
+        plan = plan_of(spec, numel, torch.float32, expert_memory=slots * eb + eb - 1)
+        assert (plan.pool_slots, plan.pool, plan.slot_pool_bytes) == (slots, "shared", slots * eb)
+        assert plan.slots_per_layer == min(E, slots) and plan.residency == slots / (L * E)
+    assert plan_of(spec, numel, torch.float32, residency=0.3).pool_slots == math.ceil(0.3 * L * E - 1e-9)
+    assert plan_of(spec, numel, torch.float32, expert_memory="1TiB").pool_slots == L * E
+    assert plan_of(spec, numel, torch.float32).pool_slots == L * E
+    with pytest.raises(specter.BudgetError, match=f"top-{k}"):
+        plan_of(spec, numel, torch.float32, expert_memory=k * eb - 1)
+    text = plan_of(spec, numel, torch.float32, expert_memory=(k + 1) * eb).table()
+    assert f"shared: {k + 1} slots" in text and f"{k + 1} of {L * E}" in text
+    with pytest.raises(specter.ConfigError, match="pool"):
+        plan_of(spec, numel, torch.float32, pool="layers")

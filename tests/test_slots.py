@@ -250,7 +250,7 @@ def test_reserve_none_when_all_pinned(device):
     before = cache.remap.clone()
     assert cache.reserve(0, 3) is None
     assert torch.equal(cache.remap, before) and cache.residents(0) == [0, 1, 2]
-    assert cache.reserve(1, 3) == 0  # other layers are independent
+    assert cache.reserve(1, 3) == 3  # the per-layer rule: other layers are independent (slot 3: a free one)
     cache.check()
 
 
@@ -355,3 +355,168 @@ def test_belady_victim():
     assert belady_victim({0, 9, 4}, [9, 0, 4, 4, 9]) == 4
     with pytest.raises(ValueError):
         belady_victim([], [1, 2])
+
+
+# ---- one pool shared by every layer ----
+
+def test_shared_pool_slots_go_to_the_layers_that_need_them(device):
+    cache = SlotCache.shared(3, 8, 4, device=device)
+    assert cache.n_slots == 4 and cache.pool_slots == 4 and not cache.per_layer
+    fill(cache, 1, [0, 1, 2])                 # one layer takes three of the four slots
+    assert cache.free_slots(0) == cache.free_slots(2) == 1
+    assert cache.remap[1].tolist()[:3] == [0, 1, 2]  # the layer's remap row points into the one pool
+    reserve_ready(cache, 2, 5)
+    assert cache.used_slots == 4 and cache.free_slots(0) == 0
+    cache.touch(1, [0, 1, 2])                 # layer 1 read last: layer 2 runs next, then 0, then 1 again
+    slot = reserve_ready(cache, 0, 7)         # layer 1's experts are read farthest from now: one goes
+    assert cache.slot_of(1, 0) is None and slot == 0 and cache.residents(1) == [1, 2]
+    with pytest.raises(ValueError, match="pool"):
+        SlotCache.shared(2, 4, 9)
+    quota = SlotCache(2, 8, 2, device=device, pool=3)  # a quota below the pool: a layer evicts its own
+    fill(quota, 0, [0, 1])
+    assert quota.free_slots(0) == 0 and quota.free_slots(1) == 1
+    reserve_ready(quota, 0, 2)
+    assert quota.residents(0) == [1, 2] and quota.used_slots == 2
+
+
+def test_shared_pool_evicts_the_farthest_predicted_next_use(device):
+    """Layer m is read again (m - now - 1) mod L calls after layer `now`; an expert its layer's last
+    `age` calls did not use is predicted L x age calls later still."""
+    L = 4
+    cache = SlotCache.shared(L, 8, 8, device=device)
+    for layer in range(L):
+        fill(cache, layer, [0, 1])
+    for layer in range(L):                    # one decode step: every layer used expert 0 only
+        cache.touch(layer, [0])
+    assert [cache.next_use(l, 0) for l in range(L)] == [0, 1, 2, 3]
+    assert [cache.next_use(l, 1) for l in range(L)] == [4, 5, 6, 7]
+    evicted = []
+    for new in (2, 3, 4, 5):                  # layer 0 asks: the stale experts go, farthest layer first
+        reserve_ready(cache, 0, new)
+        evicted += [(l, e) for l in range(L) for e in (0, 1) if cache.slot_of(l, e) is None and (l, e) not in evicted]
+    assert evicted == [(3, 1), (2, 1), (1, 1), (0, 1)]
+    cache.touch(0, [0, 2, 3, 4, 5])           # layer 0 read last: it is read again after 1, 2 and 3
+    assert cache.victim(1) == (0, 0)          # so one of its experts goes, the first of its recency order
+    cache.demote(2, [0])                      # a rejected draft's expert: first in line, whatever its layer
+    assert cache.victim(1) == (2, 0)
+
+
+def test_hold_keeps_a_running_call_s_experts_from_other_layers(device):
+    cache = SlotCache.shared(2, 8, 3, device=device)
+    fill(cache, 0, [0, 1])
+    fill(cache, 1, [4])
+    cache.touch(0, [0, 1])
+    cache.hold(1, {4})                        # layer 1 is computing with 4
+    cache.touch(1, [])                        # (another call's touch does not end the hold) ...
+    cache.hold(1, {4})
+    assert cache.victim(0) == (0, 0)          # layer 0's own experts, never the held one
+    cache.pin(0, [0, 1])
+    assert cache.reserve(0, 2) is None        # nothing else evictable
+    assert cache.reserve(1, 5) is not None    # layer 1's own copy may evict ... not its held 4: nothing else
+    cache.check()
+
+
+def test_cancel_restore_across_layers(device):
+    cache = SlotCache.shared(2, 8, 2, device=device)
+    fill(cache, 0, [0])
+    fill(cache, 1, [3])
+    cache.touch(1, [3])
+    cache.touch(0, [0])                       # layer 0 read last: layer 1 runs next
+    slot = cache.reserve(1, 5)                # evicts layer 0's expert 0, the farthest next read
+    assert cache.slot_of(0, 0) is None
+    cache.cancel(1, 5, restore=True)
+    cache.check()
+    assert cache.slot_of(0, 0) == slot and cache.is_ready(0, 0) and cache.victim(1) == (0, 0)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_sequences_shared_pool(device, policy, seed):
+    """Every reservation against a brute-force reference of the shared pool's rule: free slot if the
+    layer is under its quota, else the evictable resident (of its own layer at the quota) with the
+    lowest (rank, LFU count, -predicted next use), least recent of its layer among equals; with a
+    planner rank, the layers up to a running call's first."""
+    rng = random.Random(seed)
+    L, E, S, Q = 3, 6, 5, rng.choice([3, 6])
+    cache = SlotCache(L, E, Q, device=device, policy=policy, pool=S)
+    reads, stamp, now = [0] * L, [[0] * E for _ in range(L)], L - 1
+    count = [[0] * E for _ in range(L)]
+    ranks = [[rng.randrange(3) for _ in range(E)] for _ in range(L)]
+    pins = [dict() for _ in range(L)]
+    planner, held, evictions = False, (-1, set()), 0
+    for step in range(1200):
+        l = rng.randrange(L)
+        op = rng.random()
+        if op < 0.35:
+            e = rng.randrange(E)
+            if cache.slot_of(l, e) is not None:
+                continue
+            protect = set(rng.sample(range(E), rng.randrange(3)))
+            own, reach = len(cache.residents(l)) >= Q, rng.random() < 0.5
+            cands = []
+            # at its quota a layer evicts its own; a running call of l leaves later layers alone unless reach
+            for m in ([l] if own else range(l + 1) if held[0] == l and not reach else range(L)):
+                order = cache.recency(m)
+                for pos, x in enumerate(order):
+                    if not cache.is_ready(m, x) or x in pins[m] or (m == l and x in protect):
+                        continue
+                    if m == held[0] and m != l and x in held[1]:
+                        continue
+                    far = (m - now - 1) % L + L * (reads[m] - stamp[m][x])
+                    ahead = m > (held[0] if planner else -1)  # a planner: layers a running call passed go first
+                    cands.append(((ahead, ranks[m][x] if planner else 0, count[m][x] if policy == "lfu" else 0, -far,
+                                   pos), (m, x)))
+            free = min(S - cache.used_slots, Q - len(cache.residents(l)))
+            want = None if free > 0 or not cands else min(cands)[1]
+            slot = cache.reserve(l, e, protect=protect, reach=reach)
+            if free <= 0 and not cands:
+                assert slot is None
+                continue
+            assert slot is not None
+            if want is not None:
+                assert cache.slot_of(*want) is None, (step, want)
+                evictions += 1
+            stamp[l][e] = reads[l]
+        elif op < 0.55:
+            loading = [x for x in cache.residents(l) if not cache.is_ready(l, x)]
+            if loading:
+                x = rng.choice(loading)
+                if x in pins[l] or rng.random() < 0.85:
+                    cache.mark_ready(l, x)
+                else:
+                    cache.cancel(l, x)
+        elif op < 0.75:
+            experts = [rng.randrange(E) for _ in range(rng.randrange(0, 3))]
+            cache.touch(l, experts)
+            reads[l] += 1
+            now = l
+            if held[0] == l:
+                held = (-1, set())
+            for x in experts:
+                count[l][x] += 1
+                if cache.slot_of(l, x) is not None:
+                    stamp[l][x] = reads[l]
+        elif op < 0.80:
+            x = rng.randrange(E)
+            cache.demote(l, [x])
+            count[l][x] = max(0, count[l][x] - 1)
+            if cache.slot_of(l, x) is not None:
+                stamp[l][x] = -(1 << 40)
+        elif op < 0.85 and cache.residents(l):
+            x = rng.choice(cache.residents(l))
+            cache.pin(l, [x])
+            pins[l][x] = pins[l].get(x, 0) + 1
+        elif op < 0.90 and pins[l]:
+            x = rng.choice(list(pins[l]))
+            cache.unpin(l, [x])
+            pins[l][x] -= 1
+            if not pins[l][x]:
+                del pins[l][x]
+        elif op < 0.95:
+            held = (l, set(rng.sample(range(E), 2)))
+            cache.hold(*held)
+        else:
+            planner = not planner
+            cache.set_planner((lambda layer, x: ranks[layer][x]) if planner else None)
+        cache.check()
+    assert evictions > 10  # the sequence exercised eviction, not just free slots

@@ -72,7 +72,8 @@ def cmd_plan(args) -> int:
         if f.fits:
             print(f.plan.table())
             print(f"{args.policy} runs in {format_size(f.device_memory)}: residency {f.plan.residency:.1%} "
-                  f"({f.plan.slots_per_layer} of {spec.n_experts} experts a layer on the device)")
+                  f"({f.plan.pool_slots} of {spec.n_moe_layers * spec.n_experts} routed experts on the device, "
+                  f"one pool for all layers)")
         else:
             print(f"{args.policy} does NOT fit in {format_size(f.device_memory)}: it needs at least "
                   f"{format_size(f.minimum)} at {f.context} tokens of context")

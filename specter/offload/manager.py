@@ -1,16 +1,21 @@
-"""The offload manager: routed experts in a host store, a per-layer slot pool on the device, a
-slot cache deciding residency, and a link moving the bytes. It is an expert provider (see moe.py),
-so the model runs on it exactly as on resident weights.
+"""The offload manager: routed experts in a host store, one slot pool on the device shared by every
+MoE layer, a slot cache deciding residency, and a link moving the bytes. It is an expert provider
+(see moe.py), so the model runs on it exactly as on resident weights.
 
     store  [host]    ExpertWeights per MoE layer, pinned on CUDA
-    pool   [device]  w13 [S, 2I, H], w2 [S, H, I] per MoE layer, allocated once
-    slots            SlotCache(n_moe_layers, E, S): expert -> slot, eviction policy, remap table
+    pool   [device]  w13 [S, 2I, H], w2 [S, H, I], one pair for all layers, allocated once
+    slots            SlotCache(n_moe_layers, E, quota, pool=S): (layer, expert) -> slot, eviction, remap
     link             EmulatedLink (CPU) | CudaLink: transfers are awaitables
+
+Each layer's remap row maps its expert ids into the shared pool; a slot holds any layer's expert,
+and eviction ranks the residents of every layer together (offload/slots.py). The per-layer pool is
+the rule S = n_moe_layers x quota. A layer's call holds the experts it reads (SlotCache.hold), so a
+copy issued for another layer meanwhile (a next-layer guess, a planner prefetch) never evicts them.
 
 When a layer runs, every expert already resident computes in one grouped call over the slot
 pool through the layer's remap row (`specter.triton_ops.expert_rows`); missing ones are requested
 at the front of the link's queue and compute in a second call as they land (more calls only when
-a layer needs more experts than it has slots). Rows combine by (token, top-k position), so the
+a layer needs more experts than the pool can give it). Rows combine by (token, top-k position), so the
 result is the bits of one call over resident weights, whatever was resident. `prefetch` is the hook for every smarter policy: next-layer
 routing and the speculative planner issue copies through it ahead of need.
 
@@ -40,10 +45,12 @@ from .staging import staged_nbytes
 
 
 class OffloadedExperts:
-    def __init__(self, store: list[ExpertWeights], n_slots: int, device: torch.device, link: Link,
+    def __init__(self, store: list[ExpertWeights], n_slots: int | None, device: torch.device, link: Link,
                  eviction: str = "lru", dtype: torch.dtype | None = None, alias: bool = False,
-                 rows: list[ExpertWeights] | None = None):
-        """`dtype`: the compute dtype of the slot pool (default the store's); copies convert into it.
+                 rows: list[ExpertWeights] | None = None, *, pool: int | None = None):
+        """`n_slots`: the most experts one layer may hold (None: all of them); `pool`: the slots every
+        layer shares (default len(store) x n_slots: the per-layer pool, each layer at most n_slots).
+        `dtype`: the compute dtype of the slot pool (default the store's); copies convert into it.
         `alias`: the pool is the store itself (CPU only; see the module docstring), or `rows`, a host
         copy of it in the compute dtype (a budget that holds every expert: the resident policy's)."""
         if alias and device.type != "cpu":
@@ -51,12 +58,20 @@ class OffloadedExperts:
         self.store, self.link, self.device, self.alias = store, link, device, alias
         L, E = len(store), store[0].n_experts
         w13, w2 = store[0].w13, store[0].w2
+        shapes = {(ew.n_experts, tuple(ew.w13.shape[1:]), tuple(ew.w2.shape[1:])) for ew in store}
+        if len(shapes) > 1:  # one pool of one row shape: per-shape pools are not built yet
+            raise ValueError(f"the shared expert pool needs routed experts of one shape in every layer; "
+                             f"this model has {len(shapes)}: {sorted(shapes)}")
+        if n_slots is None and pool is None:
+            raise ValueError("give n_slots (a layer's quota), pool (the shared slots), or both")
+        self.slots = SlotCache(L, E, E if n_slots is None else n_slots, device=device, policy=eviction,
+                               alias=alias, pool=pool)
+        S = self.slots.pool_slots
         dtype, at = dtype or w13.dtype, torch.device("meta") if alias else device
-        self.pool = [ExpertWeights(torch.zeros((n_slots,) + w13.shape[1:], dtype=dtype, device=at),
-                                   torch.zeros((n_slots,) + w2.shape[1:], dtype=dtype, device=at))
-                     for _ in range(L)]
+        shared = ExpertWeights(torch.zeros((S,) + w13.shape[1:], dtype=dtype, device=at),
+                               torch.zeros((S,) + w2.shape[1:], dtype=dtype, device=at))
+        self.pool = [shared] * L  # one [S, 2I, H] / [S, H, I] pair: every layer's remap row points into it
         self.rows = (rows or store) if alias else self.pool  # what compute reads through the remap
-        self.slots = SlotCache(L, E, n_slots, device=device, policy=eviction, alias=alias)
         self._late = torch.full((E,), -1, dtype=torch.int32, device=device)  # late experts' remap
         self.expert_bytes = store[0].expert_nbytes()  # a coded store's (offload/coded.py): its mean coded bytes
         self.host_expert_bytes = getattr(store[0], "raw_expert_nbytes", store[0].expert_nbytes)()  # a host lane's read
@@ -73,19 +88,21 @@ class OffloadedExperts:
         # where compute is synchronous): a copy into the slot waits for that, not for all compute. A slot
         # never read waits only for the pool's allocation (queued before this point), nothing later.
         allocated = link.read_event()
-        self.last_read: list[list] = [[allocated] * n_slots for _ in range(L)]
+        self.last_read: list = [allocated] * S  # per pool slot, whichever layer read it
         link.prepare([t for ew in store for t in (ew.w13, ew.w2)], staged_nbytes([w13[0], w2[0]]))
         self._routed: dict[int, tuple[list[int], int]] = {}  # layer -> (the last verification's routing [T * k], k)
         self.reset_stats()
 
     # ------------------------------------------------------------------------------- copies
-    def _issue(self, layer: int, e: int, *, urgent: bool, protect=()) -> bool:
-        """Reserve a slot for (layer, e) and start its copy. False when no slot can be freed."""
-        slot = self.slots.reserve(layer, e, protect=protect)
+    def _issue(self, layer: int, e: int, *, urgent: bool, protect=(), reach: bool = False) -> bool:
+        """Reserve a slot for (layer, e) and start its copy. False when no slot can be freed. `reach`:
+        a running call of `layer` that cannot progress otherwise may evict the layers after it
+        (SlotCache.victim)."""
+        slot = self.slots.reserve(layer, e, protect=protect, reach=reach)
         if slot is None:
             return False
         src, dst = self.store[layer], self.pool[layer]
-        last = self.last_read[layer][slot]  # CUDA: the slot's last reader (or its allocation), not all compute
+        last = self.last_read[slot]  # CUDA: the slot's last reader (or its allocation), not all compute
         order = {} if last is None else {"after": last}  # None: CPU, where compute has finished
         with span("copy issue"):
             t = self.link.copy([dst.w13[slot], dst.w2[slot]], [src.w13[e], src.w2[e]],
@@ -199,6 +216,7 @@ class OffloadedExperts:
         pool = self.rows[layer]
         routed = ids.reshape(-1).tolist()  # [T * k] on the host: the layer's one read
         need = sorted(set(routed))
+        slots.hold(layer, set(need))  # a shared pool: other layers' copies must not evict what this call reads
         if ids.shape[0] > 1:  # a verification: which rows needed what, for demote_rejected
             self._routed[layer] = (routed, ids.shape[1])
         if self.inflight:
@@ -299,17 +317,22 @@ class OffloadedExperts:
         """Compute reading these experts' slots has been queued: note the point a copy must wait for."""
         ev = self.link.read_event()
         if ev is not None:
+            slot = self.slots._slot[layer]
             for e in experts:
-                self.last_read[layer][self.slots.slot_of(layer, e)] = ev
+                self.last_read[slot[e]] = ev
 
     def _issue_blocking(self, layer: int, e: int, protect) -> None:
-        """Issue (layer, e) now; if every slot is loading, wait for this layer's copies to land first."""
-        if self._issue(layer, e, urgent=True, protect=protect):
+        """Issue (layer, e) now; if no slot can be freed, wait for this layer's copies to land first, then
+        (a shared pool: other layers' prefetches may hold every other slot) for every copy. It may evict
+        the experts of the layers after this one (reach: the call cannot progress otherwise)."""
+        if self._issue(layer, e, urgent=True, protect=protect, reach=True):
             return
-        for key in [k for k in self.inflight if k[0] == layer]:
-            self._land(*key)
-        if not self._issue(layer, e, urgent=True, protect=protect):
-            raise RuntimeError(f"no evictable slot in layer {layer}: the slot budget is below top-k")
+        for mine in (True, False):
+            for key in [k for k in self.inflight if (k[0] == layer) == mine]:
+                self._land(*key)
+            if self._issue(layer, e, urgent=True, protect=protect, reach=True):
+                return
+        raise RuntimeError(f"no evictable slot for layer {layer}: every slot of the pool is pinned or in use")
 
     # -------------------------------------------------------------------------------- stats
     def reset_stats(self) -> None:
@@ -338,13 +361,17 @@ class OffloadedExperts:
         self.all_resident = False
 
     def warm(self) -> None:
-        """Fill every slot with the first experts of each layer (a deterministic start)."""
-        for layer in range(len(self.store)):
-            self.prefetch(layer, range(self.slots.n_slots))
+        """Fill every slot with the first experts of each layer (a deterministic start): expert 0 of
+        every layer, then expert 1, ..., up to each layer's quota, until the pool is full."""
+        slots, L = self.slots, len(self.store)
+        for e in range(slots.n_slots):
+            for layer in range(L):
+                if slots.used_slots < slots.pool_slots:
+                    self.prefetch(layer, [e])
         self.link.synchronize()
         self.poll()
         self.prefetched.clear()
-        self.all_resident = self.slots.n_slots == self.slots.n_experts
+        self.all_resident = slots.pool_slots >= L * slots.n_experts
         self._in_order = self.all_resident and all(self.slots.row(layer, e) == e for layer in range(len(self.store))
                                                    for e in range(self.slots.n_experts))
 

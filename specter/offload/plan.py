@@ -1,10 +1,12 @@
-"""Memory plan: what the device holds, and how many expert slots per layer a budget buys.
+"""Memory plan: what the device holds, and how many expert slots a budget buys.
 
     device = non-expert weights (always resident) + draft experts (INT4) + KV cache + slot pool
-    slot pool = n_moe_layers x slots_per_layer x bytes_per_expert
+    slot pool = pool_slots x bytes_per_expert, one pool every MoE layer shares (offload/slots.py)
 
-A budget is a residency fraction, a slot-pool byte budget, or a whole-device byte budget. Any that
-cannot hold one layer's top-k experts is refused: a single token would not fit.
+A budget is a residency fraction, a slot-pool byte budget, or a whole-device byte budget. The floor
+is one layer's working set, top-k slots: a layer runs its experts in as many calls as the pool
+needs, so a verification of K + 1 tokens fits too. `pool="layer"` is the per-layer rule instead
+(every layer top-k slots or more, the same count in each: n_moe_layers x top-k at least).
 
 The plan also makes the dtype decisions, once, for whoever builds from it: the compute dtype
 (compute_dtype), the slot pool's dtype (pool_dtype) and whether the pool has bytes of its own or
@@ -94,12 +96,14 @@ class MemoryPlan:
     n_moe_layers: int
     n_experts: int
     top_k: int
-    slots_per_layer: int
+    slots_per_layer: int         # the most one layer may hold (its quota; the per-layer rule: all it has)
     slot_pool_bytes: int
     total_bytes: int
     pool_dtype: str              # the slot pool's (pool_dtype): the compute dtype, or a CPU pool in the store's
     pool_rows: str               # what compute reads: "own" (the pool's copies) | "store" (the store's rows in
     #                              place, alias_pool) | "resident" (every expert, in place in the resident copy)
+    pool_slots: int = 0          # slots in the pool all layers share
+    pool: str = "shared"         # "shared" | "layer" (the per-layer rule)
 
     @property
     def aliased(self) -> bool:
@@ -108,7 +112,7 @@ class MemoryPlan:
 
     @property
     def residency(self) -> float:
-        return self.slots_per_layer / self.n_experts
+        return self.pool_slots / max(1, self.n_moe_layers * self.n_experts)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "residency": self.residency}
@@ -118,15 +122,24 @@ class MemoryPlan:
             ("non-expert weights (always on device)", self.non_expert_bytes),
             (f"draft experts (INT4, g{INT4_GROUP})", self.draft_bytes),
             (f"KV cache ({self.context} tokens)", self.kv_bytes),
-            (f"slot pool ({self.n_moe_layers} layers x {self.slots_per_layer} slots x {format_size(self.expert_bytes)}"
-             + (f" {self.pool_dtype}" if self.pool_dtype != self.dtype else "") + ")", self.slot_pool_bytes),
+            (self._pool_row(), self.slot_pool_bytes),
             ("total on device", self.total_bytes),
         ]
         w = max(len(r[0]) for r in rows)
         lines = [f"{name:<{w}}  {format_size(b):>11}" for name, b in rows]
-        lines.append(f"{'slots per layer':<{w}}  {self.slots_per_layer:>5} of {self.n_experts} "
-                     f"({self.residency:.1%} of routed experts resident, top-{self.top_k})")
+        if self.pool == "layer":
+            lines.append(f"{'slots per layer':<{w}}  {self.slots_per_layer:>5} of {self.n_experts} "
+                         f"({self.residency:.1%} of routed experts resident, top-{self.top_k})")
+        else:
+            lines.append(f"{'slots (all layers)':<{w}}  {self.pool_slots:>5} of {self.n_moe_layers * self.n_experts} "
+                         f"({self.residency:.1%} of routed experts resident; a layer runs top-{self.top_k})")
         return "\n".join(lines)
+
+    def _pool_row(self) -> str:
+        size = format_size(self.expert_bytes) + (f" {self.pool_dtype}" if self.pool_dtype != self.dtype else "")
+        if self.pool == "layer":
+            return f"slot pool ({self.n_moe_layers} layers x {self.slots_per_layer} slots x {size})"
+        return f"slot pool (shared: {self.pool_slots} slots x {size})"
 
 
 def kv_bytes_per_token(spec: ModelSpec, itemsize: int) -> int:
@@ -141,14 +154,21 @@ def non_expert_numel(spec: ModelSpec, total_numel: int) -> int:
     return total_numel - spec.n_moe_layers * spec.n_experts * spec.expert_numel()
 
 
+POOLS = ("shared", "layer")
+
+
 def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residency: float | None = None,
               expert_memory=None, device_memory=None, context: int | None = None, draft: bool = True,
-              device=None, store_dtype: torch.dtype | None = None, compressed: bool = False) -> MemoryPlan:
+              device=None, store_dtype: torch.dtype | None = None, compressed: bool = False,
+              pool: str = "shared") -> MemoryPlan:
     """`total_numel`: parameters in the checkpoint. At most one of the three budgets; none = all resident.
     `device`, `store_dtype`, `compressed` (the store losslessly coded): what the pool decisions depend
     on. On CPU a big pool holds the store's narrower dtype (pool_dtype: a byte budget then buys more
     slots) and aliases the store (alias_pool); elsewhere, or with `device` None, the pool holds its
-    own copies in the compute dtype."""
+    own copies in the compute dtype. `pool`: "shared" (one pool, floor top-k slots) or "layer" (the
+    per-layer rule: the same slots in every layer, floor top-k in each)."""
+    if pool not in POOLS:
+        raise ConfigError(f"pool must be one of {POOLS}, got {pool!r}")
     given = [b for b in (residency, expert_memory, device_memory) if b is not None]
     if len(given) > 1:
         raise ConfigError("give one budget: residency, expert_memory or device_memory")
@@ -158,26 +178,30 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
     fixed = dict(non=non_expert_numel(spec, total_numel) * item,
                  draft=L * E * draft_expert_bytes(spec) if draft else 0,
                  kv=kv_bytes_per_token(spec, item) * context)
-    slots, what = _slots(E, L * numel * item, fixed, residency, expert_memory, device_memory)
+    per = max(L, 1) if pool == "layer" else 1  # a slot is counted in every layer (the per-layer rule) or once
+    most = E * (L // per)                       # slots in a layer (the rule), or in the pool, for every expert
+    slots, what = _slots(most, per * numel * item, fixed, residency, expert_memory, device_memory)
     store = store_dtype if store_dtype is not None else dtype
-    pdt = pool_dtype(device, store, dtype, L * slots, numel)
+    pdt = pool_dtype(device, store, dtype, per * slots, numel)
     if pdt != dtype:  # the same budget in bytes holds more experts of the narrower dtype
-        slots, what = _slots(E, L * numel * pdt.itemsize, fixed, residency, expert_memory, device_memory)
+        slots, what = _slots(most, per * numel * pdt.itemsize, fixed, residency, expert_memory, device_memory)
     expert = numel * pdt.itemsize
     if L and slots < k:
-        need = k * L * expert
+        need = k * per * expert
+        where = "expert slot(s) per layer" if pool == "layer" else "expert slot(s) in the shared pool"
         raise BudgetError(
-            f"{what} gives {slots} expert slot(s) per layer, but one token needs top-{k} = {k} experts in each "
-            f"layer: at least {format_size(need)} of slot pool ({k / E:.3f} residency) is required")
-    every = slots >= E
+            f"{what} gives {slots} {where}, but one layer needs its top-{k} = {k} experts at once: at least "
+            f"{format_size(need)} of slot pool ({k * per / (L * E):.3f} residency) is required")
+    n_pool = per * slots
+    every = n_pool >= L * E
     # compute cannot read coded rows: a compressed store's pool copies (and decodes) into its own slots
-    rows = "own" if compressed or not alias_pool(device, dtype, L * slots, numel, every_expert=every) else \
+    rows = "own" if compressed or not alias_pool(device, dtype, n_pool, numel, every_expert=every) else \
         "resident" if every and pdt != store else "store"
-    pool = L * slots * expert
     return MemoryPlan(dtype=_name(dtype), non_expert_bytes=fixed["non"], expert_bytes=expert,
                       draft_bytes=fixed["draft"], kv_bytes=fixed["kv"], context=context, n_moe_layers=L,
-                      n_experts=E, top_k=k, slots_per_layer=slots, slot_pool_bytes=pool,
-                      total_bytes=pool + sum(fixed.values()), pool_dtype=_name(pdt), pool_rows=rows)
+                      n_experts=E, top_k=k, slots_per_layer=slots if pool == "layer" else min(E, slots),
+                      slot_pool_bytes=n_pool * expert, total_bytes=n_pool * expert + sum(fixed.values()),
+                      pool_dtype=_name(pdt), pool_rows=rows, pool_slots=n_pool, pool=pool)
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -185,8 +209,8 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def _slots(E: int, layer_bytes: int, fixed: dict, residency, expert_memory, device_memory) -> tuple[int, str]:
-    """Expert slots a layer (at most E) that the budget buys, an expert slot across the layers taking
-    `layer_bytes`; and the budget in words."""
+    """Expert slots (at most E: every expert a layer, or of the model) that the budget buys, a slot
+    taking `layer_bytes` (one expert in every layer, or one in the shared pool); and the budget in words."""
     if residency is not None:
         if isinstance(residency, bool) or not (isinstance(residency, (int, float)) and 0 < residency <= 1):
             raise ConfigError(f"residency must be a fraction in (0, 1], got {residency!r}")
@@ -255,7 +279,7 @@ class Fit:
     device_memory: int
     context: int
     plan: MemoryPlan | None       # None when it does not fit
-    minimum: int                  # device bytes the policy needs at this context (top-k slots a layer)
+    minimum: int                  # device bytes the policy needs at this context (one layer's top-k slots)
     full: int                     # device bytes for every expert resident
     suggestions: list[str]
 
@@ -279,7 +303,7 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
     non = non_expert_numel(spec, total_numel) * item
     draft_b = L * E * draft_expert_bytes(spec) if draft else 0
     kv_tok = kv_bytes_per_token(spec, item)
-    minimum = lambda d, c: non + d + kv_tok * c + L * k * expert  # noqa: E731
+    minimum = lambda d, c: non + d + kv_tok * c + k * expert  # noqa: E731  (one layer's top-k slots)
     full = non + draft_b + kv_tok * context + L * E * expert
     try:
         plan = make_plan(spec, total_numel, dtype, device_memory=budget, context=context, draft=draft)
@@ -297,7 +321,7 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
         if 512 <= c < context:  # a context too short to be useful is no advice
             tips.append(f"a shorter context fits: --context {int(c)} (KV cache {format_size(kv_tok * int(c))})")
         tips.append(f"a device with at least {format_size(minimum(draft_b, context))} runs {policy} at "
-                    f"{context} tokens of context (top-{k} slots a layer)")
-    elif plan.slots_per_layer < E:
+                    f"{context} tokens of context (one layer's top-{k} slots)")
+    elif plan.pool_slots < L * E:
         tips.append(f"every expert resident needs {format_size(full)}")
     return Fit(policy, budget, context, plan, minimum(draft_b, context), full, tips)
