@@ -212,7 +212,7 @@ def test_bench_names_the_host_lanes_wait():
 class _HalfToHost:
     """An injected lane choice: every other missing expert to the host, the rest copied."""
 
-    def __init__(self, mgr, params, scores=None, use_weight=None, decay=None):
+    def __init__(self, mgr, params, scores=None, use_weight=None, decay=None, reuse=None):
         self.calls = 0
 
     def __call__(self, layer, missing, routed):
@@ -342,7 +342,8 @@ def test_lane_choice_lets_both_lanes_finish_together():
 def test_lane_choice_copies_only_when_the_exchange_pays():
     """With the planner's scores (3 a use, decayed 0.8 a step), a copy is worth the uses it will serve
     less its victim's: an expert every step has used displaces a cold resident even though hosting it
-    is faster this once; a first miss stays on the host when the resident it would evict is used."""
+    is faster this once; a first miss stays on the host when the resident it would evict is used, or
+    when the layer's experts rarely recur from one step to the next (uniform routing)."""
     from types import SimpleNamespace
 
     from specter.offload.calibrate import HostParams
@@ -351,12 +352,12 @@ def test_lane_choice_copies_only_when_the_exchange_pays():
     eb = 3 * H * I * 4
     params = HostParams(bandwidth=eb / 1e-3, flops_per_s=0.0, latency=5e-3, pcie_bandwidth=float("inf"))
 
-    def choose(score_3, score_11, free=0):  # layer 0: expert 3 missing, 10 resident and used, 11 resident
+    def choose(score_3, score_11, free=0, reuse=1.0):  # layer 0: expert 3 missing, 10 resident and used, 11 too
         mgr = _Mgr(n_slots=2, held={10}, copy_s=7e-3)
         mgr.slots.free_slots, mgr.slots.residents = (lambda layer: free), (lambda layer: [10, 11])
         scores = [[0.0] * 16]
         scores[0][3], scores[0][10], scores[0][11] = score_3, 15.0, score_11
-        return LaneChoice(mgr, params, scores=scores, use_weight=3.0, decay=0.8)(0, [3], [3, 10])
+        return LaneChoice(mgr, params, scores=scores, use_weight=3.0, decay=0.8, reuse=[reuse])(0, [3], [3, 10])
 
     assert LaneChoice(_Mgr(2, {10}, 7e-3), params)(0, [3], [3, 10]) == [3]  # no scores: this call only (6 < 7 ms)
     assert choose(score_3=12.0, score_11=0.0) == []       # used every step, against a cold resident: copied
@@ -364,6 +365,7 @@ def test_lane_choice_copies_only_when_the_exchange_pays():
     assert choose(score_3=3.0, score_11=15.0, free=1) == []  # a free slot displaces nothing: copied
     assert choose(score_3=0.0, score_11=6.0) == [3]       # a first miss, against a resident used twice: hosted
     assert choose(score_3=0.0, score_11=0.0) == []        # ... against a cold one: the use now pays the copy
+    assert choose(score_3=0.0, score_11=0.0, reuse=0.05) == [3]  # ... unless this layer's experts rarely recur
 
 
 def test_host_policy_in_bf16_on_cpu_is_the_devices_bits(tiny):

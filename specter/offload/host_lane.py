@@ -334,17 +334,17 @@ class LaneChoice:
 
     v_i the resident the i-th copy displaces (a free slot first, u = 0; then the lowest scored
     resident this call does not use), u an expert's decayed count of uses once this step is counted
-    (score decay / use_weight, + 1 for the copied expert's use now), and t_host1 what one later miss
-    costs on the host: a copy is expected to serve as many uses in the next steps as its expert had
-    in the last ones, and its victim to miss as many.
-    So a copy displaces a resident only when the exchange pays. c is at most the slots the layer can
-    free beside the experts this call holds. t_copy is the link's measured seconds a copy; host times
-    HostParams.seconds, in the same (emulated) seconds. The rows are exact whichever lane computes them."""
+    (score decay / use_weight, + rho for the copied expert's use now: rho the layer's measured chance
+    that an expert a step uses, the next step uses too), and t_host1 what one later miss costs on the
+    host: a copy serves as many uses in the next steps as its expert had in the last ones.
+    c is at most the slots the layer can free beside the experts this call holds; t_copy the link's
+    measured seconds a copy; host times HostParams.seconds. Rows are exact whichever lane computes them."""
 
     def __init__(self, mgr, params: HostParams | None, scores: list[list[float]] | None = None,
-                 use_weight: float | None = None, decay: float = 0.8):
+                 use_weight: float | None = None, decay: float = 0.8, reuse: list[float] | None = None):
         self.mgr, self.params, self.scores = mgr, params, scores  # scores[layer][expert]: higher = copy first
         self.use_weight, self.decay = use_weight, decay  # a score a use (None: no later worth), decay a step
+        self.reuse = reuse or [1.0] * len(mgr.store)  # per layer: chance an expert used now is used next step
         self.H, self.I = mgr.store[0].w13.shape[2], mgr.store[0].w2.shape[2]
         self.item = mgr.pool[0].w13.element_size()  # the width copies are timed at
 
@@ -364,7 +364,7 @@ class LaneChoice:
             return order[room:]
         t_copy = self.mgr.link.copy_seconds(self.mgr.expert_bytes)
         p, H, I, item = self.params, self.H, self.I, self.item
-        worth = self.use_weight is not None and self.scores is not None
+        worth = self.use_weight is not None and self.scores is not None  # and the planner's reuse
         if worth:  # the uses each copy gains: its own, less its victim's (free slots first, then coldest)
             score, victims = self.scores[layer], [0.0] * slots.free_slots(layer)
             cold = []
@@ -389,7 +389,7 @@ class LaneChoice:
                 rows -= counts[order[c]]
                 if worth:
                     victim = victims[c] if c < len(victims) else 0.0
-                    gained += t_host1 * (1.0 + self.decay * (score[order[c]] - victim) / self.use_weight)
+                    gained += t_host1 * (self.reuse[layer] + self.decay * (score[order[c]] - victim) / self.use_weight)
         return order[best_c:]
 
 

@@ -45,6 +45,8 @@ class PrefetchPlanner:
         self.read_upto = 0
         self.new_per_token = 1.0   # EMA: experts one drafted token newly needs (not resident)
         self.cover_hits = self.cover_total = 0  # route coverage: verified uses the lookahead predicted
+        self.reuse = [0.5] * lookahead.n_layers  # per layer, EMA: share of a plain step's experts the one before used
+        self._last: list = [()] * lookahead.n_layers  # per layer, the experts the last plain step used
 
     def rank(self, layer: int, e: int) -> float:
         """The slot cache evicts the lowest rank first."""
@@ -76,14 +78,19 @@ class PrefetchPlanner:
         return out
 
     def observe_use(self, layer: int, experts) -> None:
-        """Verification used these: actual demand counts like predicted demand. While a drafted
+        """Verification or a plain step used these: actual demand counts like predicted demand (and a
+        plain step measures `reuse`, how much of it the step before used too). While a drafted
         cycle is being verified, also count how many of them the draft's routers predicted (route
         coverage: the draft's accuracy as a predictor, whatever the slot budget let us prefetch)."""
         row, w = self.score[layer], self.use_weight
         if not self.read_upto:  # a plain step or prefill: decay once a step, as begin_cycle does a cycle
-            decay = self.decay
+            decay, last, again = self.decay, self._last[layer], 0
             for e in range(len(row)):
                 row[e] *= decay
+            for e in experts:
+                again += e in last
+            self.reuse[layer] = 0.9 * self.reuse[layer] + 0.1 * again / max(1, len(experts))
+            self._last[layer] = set(experts)
         predicted = self.demand[layer] if self.read_upto else ()
         for e in experts:
             row[e] += w
