@@ -16,7 +16,7 @@ import os
 import sys
 import textwrap
 
-from .. import __version__
+from .. import __version__, pipeline
 from ..errors import SpecterError
 from ..policy import TABLE
 from . import bench, generate, plan, profile, serve
@@ -47,6 +47,9 @@ def _policies() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if pipeline.launched() and args.command != "generate":
+            raise SpecterError(f"under torchrun only `generate` runs as a pipeline today, not `{args.command}`; "
+                               "run it as one process")
         return args.func(args)
     except SpecterError as e:
         print(f"specter: error: {e}", file=sys.stderr)

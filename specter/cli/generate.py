@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
+from .. import pipeline
 from ..errors import ConfigError, SpecterError
 from .options import load_engine, model_args, sampling_args, sampling_kwargs, token_ids
 
@@ -20,6 +21,10 @@ def add_parsers(sub) -> None:
     model_args(g)
     sampling_args(g)
     g.add_argument("--json", action="store_true", help='print one JSON object {"text", "token_ids", "stats"}')
+    g.add_argument("--pipeline-backend", choices=("gloo", "nccl"), default=None,
+                   help="under torchrun: the backend between ranks (default: nccl between GPUs, else gloo)")
+    g.add_argument("--pipeline-timeout", type=float, default=None, metavar="SECONDS",
+                   help="under torchrun: how long a rank waits for another before the pipeline fails (default 600)")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="an interactive chat through the checkpoint's chat template")
@@ -67,8 +72,16 @@ def _prompt(args):
 
 
 def cmd_generate(args) -> int:
+    if pipeline.launched():  # one rank of several (torchrun): rank 0 runs _generate, once
+        return pipeline.run(args, lambda engine: _generate(args, _prompt(args), engine))
+    if args.pipeline_backend is not None or args.pipeline_timeout is not None:
+        raise ConfigError("--pipeline-backend and --pipeline-timeout apply under torchrun only "
+                          "(torchrun --nproc-per-node N -m specter generate ...)")
     prompt = _prompt(args)
-    engine = load_engine(args)
+    return _generate(args, prompt, load_engine(args))
+
+
+def _generate(args, prompt, engine) -> int:
     kw = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, **sampling_kwargs(args))
     try:
         if args.json:

@@ -1,0 +1,31 @@
+"""Layer pipeline over torch.distributed: each rank runs a contiguous range of decoder layers.
+
+    group.py    the process group: torchrun's environment (or one already initialised), the
+                backend (NCCL between GPUs, gloo on CPU), collective timeouts, errors on every rank
+    stages.py   layer ranges balanced by bytes, one per rank; the checkpoint-and-config fingerprint
+                every rank must share
+    stage.py    one rank's part: its layers' weights, KV cache and expert provider, and the pieces
+                it hands the model's own layer loop (MoETransformer.run)
+    decoder.py  plain decoding across the stages: rank 0's decoder (an Engine decoder) and every
+                other rank's loop
+    launch.py   `torchrun ... -m specter generate`: the whole run on one rank, errors included
+
+This module stays light (no torch): the CLI asks `launched()` before anything loads.
+"""
+from __future__ import annotations
+
+import os
+
+def launched() -> bool:
+    """True when this process is one rank of several (torchrun's WORLD_SIZE > 1)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
+
+
+def run(args, body) -> int:
+    """The CLI's pipelined `generate` (see launch.py)."""
+    from .launch import run as launch_run
+
+    return launch_run(args, body)

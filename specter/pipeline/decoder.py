@@ -1,0 +1,188 @@
+"""Plain decoding across the stages.
+
+Rank 0 runs the Engine (tokenizer, sampling, stop strings, stats) with `PipelineDecoder` as its
+decoder; every other rank runs `serve_stage`. Messages go down the chain 0 -> 1 -> ... -> N-1, each
+a header [command, T, start, max_len] (int64) and, for a step, the hidden state [T, H]:
+
+    BEGIN   a generation of at most max_len positions: each rank makes its stage's KV cache
+    STEP    T positions from `start`: each rank runs its layers on the hidden state it receives and
+            sends the result on; the last stage sends the fp32 logits of the last position [1, V]
+            back to rank 0, which samples exactly as one process does (same generator, history)
+    END     the generation is over: every rank's expert stats are gathered on rank 0
+    STOP    no more generations: every rank leaves its loop
+    ABORT   rank 0 failed (its error says why): the other ranks leave with an error
+
+Every receive is bounded by the group's timeout, and a peer that dies closes its connections; the
+exchange then raises a PipelineError on the rank that saw it (group.comm).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..sampling import SamplingParams, sample
+from .group import Group, PipelineError, comm
+from .stage import StageModel
+from .stages import Stage
+
+BEGIN, STEP, END, STOP, ABORT = 1, 2, 3, 4, 5
+NAMES = {BEGIN: "begin", STEP: "step", END: "end", STOP: "stop", ABORT: "abort"}
+SUMMED = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "prefetch_issued", "prefetch_used",
+          "prefetch_cancelled", "host_experts", "host_bytes", "host_stall_s")
+
+
+class Wire:
+    """This rank's sends and receives, on the group's wire device, with errors that say what failed."""
+
+    def __init__(self, group: Group, hidden: int, dtype: torch.dtype, vocab: int):
+        self.group, self.hidden, self.dtype, self.vocab = group, hidden, dtype, vocab
+        self.broken = False
+
+    def _do(self, what: str, fn):
+        try:
+            with comm(self.group, what):
+                return fn()
+        except PipelineError:
+            self.broken = True
+            raise
+
+    def send_header(self, dst: int, cmd: int, T: int = 0, start: int = 0, max_len: int = 0) -> None:
+        h = torch.tensor([cmd, T, start, max_len], dtype=torch.int64, device=self.group.wire)
+        self._do(f"sending '{NAMES[cmd]}' to rank {dst}", lambda: dist.send(h, dst))
+
+    def recv_header(self, src: int) -> list[int]:
+        h = torch.empty(4, dtype=torch.int64, device=self.group.wire)
+        self._do(f"waiting for rank {src}'s next message", lambda: dist.recv(h, src))
+        return [int(v) for v in h.tolist()]
+
+    def send(self, dst: int, x: torch.Tensor, what: str) -> None:
+        x = x.to(self.group.wire).contiguous()
+        self._do(f"sending {what} to rank {dst}", lambda: dist.send(x, dst))
+
+    def recv(self, src: int, shape, dtype, what: str, device) -> torch.Tensor:
+        x = torch.empty(shape, dtype=dtype, device=self.group.wire)
+        self._do(f"receiving {what} from rank {src}", lambda: dist.recv(x, src))
+        return x.to(device)
+
+    def gather_stats(self, mine: dict) -> list[dict] | None:
+        out = [None] * self.group.world if self.group.rank == 0 else None
+        self._do("gathering every rank's stats", lambda: dist.gather_object(mine, out, dst=0))
+        return out
+
+
+def pipeline_info(group: Group, stages: list[Stage]) -> dict:
+    return {"ranks": group.world, "layers": [[s.first, s.last] for s in stages], "backend": group.backend}
+
+
+class PipelineDecoder:
+    """Rank 0's decoder (the Engine's): prefill, then one step per token, through every stage."""
+
+    def __init__(self, stage: StageModel, group: Group, stages: list[Stage]):
+        spec = stage.model.spec
+        self.stage, self.group, self.stages = stage, group, stages
+        self.wire = Wire(group, spec.hidden, stage.dtype, spec.vocab_size)
+        self.device, self.dtype = stage.device, stage.dtype
+        self.model = stage.model
+        self._per_rank: list[dict] | None = None
+        self._closed = False
+
+    def run(self, prompt: list[int], params: SamplingParams, max_new: int) -> Iterator[list[int]]:
+        return self._steps(prompt, params, max_new)
+
+    def _steps(self, prompt, params, max_new):
+        self._per_rank = None
+        max_len = len(prompt) + max_new
+        self.stage.begin(max_len)
+        self.wire.send_header(1, BEGIN, max_len=max_len)
+        try:
+            gen = params.generator(self.device)
+            hist = params.history(prompt, self.device)  # what penalties look at
+            logits = self._forward(torch.tensor(prompt, device=self.device), 0)  # [1, V]
+            pos = len(prompt)
+            for _ in range(max_new):
+                tok = sample(logits, params, gen, hist)  # [1]
+                hist.commit([int(tok)])
+                yield [int(tok)]
+                logits = self._forward(tok.reshape(1), pos)
+                pos += 1
+        finally:
+            if not self.wire.broken:
+                self.wire.send_header(1, END)
+                self._per_rank = self.wire.gather_stats(self.stage.stats())
+
+    def _forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        x = self.stage.forward(tokens, start)  # [T, H]
+        T = tokens.shape[0]
+        self.wire.send_header(1, STEP, T, start)
+        self.wire.send(1, x, "the hidden state")
+        last = self.group.world - 1
+        return self.wire.recv(last, (1, self.model.spec.vocab_size), torch.float32, "the logits", self.device)
+
+    def stats(self) -> dict:
+        """Rank 0's expert stats until the generation ends; then the sum over the ranks, each rank's own
+        under pipeline.per_rank."""
+        per = self._per_rank or [self.stage.stats()]
+        out = dict(per[0])
+        for s in per[1:]:
+            for k in SUMMED:
+                if k in s:
+                    out[k] = out.get(k, 0) + s[k]
+            if out.get("h2d_path") is None and s.get("h2d_path") is not None:
+                out["h2d_path"] = s["h2d_path"]
+        out["pipeline"] = dict(pipeline_info(self.group, self.stages), per_rank=per if self._per_rank else None)
+        return out
+
+    def reset_stats(self) -> None:
+        self.stage.reset_stats()
+
+    def close(self) -> None:
+        """The Engine's close: nothing here; the launcher ends the pipeline (`finish`)."""
+
+    def finish(self, abort: bool = False) -> None:
+        """Ends every rank's loop (abort: with an error there). Idempotent; nothing is sent on a
+        broken pipeline."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if not self.wire.broken:
+                self.wire.send_header(1, ABORT if abort else STOP)
+        finally:
+            self.stage.close()
+
+
+def serve_stage(stage: StageModel, group: Group) -> None:
+    """Every rank but 0: runs its stage for each message from the previous rank until STOP."""
+    spec, r = stage.model.spec, group.rank
+    wire = Wire(group, spec.hidden, stage.dtype, spec.vocab_size)
+    prev, nxt, last = r - 1, r + 1, r == group.world - 1
+    try:
+        while True:
+            cmd, T, start, max_len = wire.recv_header(prev)
+            if cmd == STEP:
+                x = wire.recv(prev, (T, spec.hidden), stage.dtype, "the hidden state", stage.device)
+                y = stage.forward(x, start)
+                if last:
+                    wire.send(0, y, "the logits")
+                else:
+                    wire.send_header(nxt, STEP, T, start)
+                    wire.send(nxt, y, "the hidden state")
+                continue
+            if not last:
+                wire.send_header(nxt, cmd, T, start, max_len)
+            if cmd == BEGIN:
+                stage.reset_stats()
+                stage.begin(max_len)
+            elif cmd == END:
+                wire.gather_stats(stage.stats())
+            elif cmd == STOP:
+                return
+            elif cmd == ABORT:
+                raise PipelineError(f"rank {r} of {group.world}: rank 0 stopped the pipeline after an error "
+                                    "(rank 0's message says what)")
+            else:
+                raise PipelineError(f"rank {r} of {group.world}: unknown message {cmd} from rank {prev}")
+    finally:
+        stage.close()

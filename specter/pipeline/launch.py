@@ -1,0 +1,108 @@
+"""`torchrun --nproc-per-node N -m specter generate ...`: one rank's whole run.
+
+Every rank joins the group, computes the same stages, checks that every rank loaded the same
+checkpoint with the same options (a mismatch is an error on every rank), and loads its stage. Rank
+0 then builds an Engine whose decoder is the pipeline and hands it to the command's body (which
+prints, once); the other ranks serve their stage until rank 0 is done. An error on any rank ends
+every rank with a PipelineError (exit status 2 from the CLI), never a hang: rank 0 tells the others
+when it fails, and a rank that dies or stalls is detected by the others' connections or timeouts.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import ConfigError, SpecterError
+from ..policy import get as get_policy
+from .group import Group, PipelineError, join
+from .stages import agree, fingerprint, make_stages
+
+PIPELINED_POLICIES = ("resident", "on-demand")  # plain decoding across stages; speculation is not yet
+UNSUPPORTED = ("k_max", "compile", "driver", "draft_cache", "compress_experts", "draft_bits", "host_threads")
+
+
+def check_options(policy: str, options: dict) -> None:
+    get_policy(policy)
+    if policy not in PIPELINED_POLICIES:
+        raise ConfigError(f"policy {policy!r} is not pipelined yet; under torchrun use --policy "
+                          f"{' or '.join(PIPELINED_POLICIES)}")
+    extra = sorted(k for k in options if k in UNSUPPORTED)
+    if extra:
+        raise ConfigError(f"{', '.join('--' + k.replace('_', '-') for k in extra)} do(es) not apply to a pipeline of "
+                          f"{policy!r}; drop it")
+
+
+def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residency=None, expert_memory=None,
+                  link=None, dtype=None, backend: str | None = None, timeout_s: float | None = None,
+                  threads: int | None = None):
+    """(group, rank 0's Engine or None, this rank's stage): joins the group (torchrun's environment, or
+    the one torch.distributed already has) and loads this rank's stage. Every rank calls it with the
+    same arguments. Rank 0 generates with the Engine, then calls engine.decoder.finish(); the others
+    call decoder.serve_stage(stage, group), which returns when rank 0 finishes. `threads` (CPU): torch
+    threads per rank (default: the cores less one, shared among this machine's ranks)."""
+    from ..engine import Engine
+    from ..generation_defaults import read_generation_defaults
+    from .. import default_model_path
+    from ..loader import open_checkpoint
+    from ..offload.plan import compute_dtype
+    from .decoder import PipelineDecoder
+    from .stage import load_stage
+
+    group = join(device, backend, timeout_s)
+    try:
+        path = Path(model) if model is not None else default_model_path()
+        ckpt = open_checkpoint(path)
+        stages = make_stages(ckpt.spec, group.world, ckpt.dtype.itemsize)
+        options = dict(policy=policy, residency=residency, expert_memory=expert_memory, link=link,
+                       dtype=str(compute_dtype(group.device, ckpt.dtype, dtype)), world=group.world,
+                       backend=group.backend, device_type=group.device.type)
+        agree(group, {"fingerprint": fingerprint(ckpt, options), "options": options,
+                      "layers": [[s.first, s.last] for s in stages]})
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", group.world))
+        if threads is None and group.device.type == "cpu":
+            threads = max(1, ((os.cpu_count() or 2) - 1) // max(local, 1))
+        stage = load_stage(path, stages[group.rank], group.device, policy=policy, residency=residency,
+                           expert_memory=expert_memory, link=link, dtype=dtype, threads=threads)
+    except BaseException:
+        group.close_on_error()
+        raise
+    if group.rank != 0:
+        return group, None, stage
+    decoder = PipelineDecoder(stage, group, stages)
+    engine = Engine(stage.model, [], stage.tokenizer, path=path, device=group.device, dtype=stage.dtype,
+                    policy=policy, decoder=decoder, generation_defaults=read_generation_defaults(path))
+    engine.plan, engine.shared, engine.driver = stage.plan, None, "sync"
+    return group, engine, stage
+
+
+def run(args, body) -> int:
+    """The CLI's pipelined command: rank 0 runs body(engine) (which closes the engine); the others serve.
+    A failure on any rank raises a PipelineError (or the user's error on rank 0) on every rank."""
+    from .decoder import serve_stage
+
+    opts = {k: v for k, v in vars(args).items() if k in UNSUPPORTED and v not in (None, False)}
+    check_options(args.policy, opts)
+    group, engine, stage = open_pipeline(args.model, device=args.device, policy=args.policy,
+                                         residency=args.residency, expert_memory=args.expert_memory,
+                                         link=args.link, dtype=args.dtype, backend=args.pipeline_backend,
+                                         timeout_s=args.pipeline_timeout)
+    ok = False
+    try:
+        if engine is None:
+            serve_stage(stage, group)
+            ok = True
+            return 0
+        try:
+            code = body(engine)
+        except BaseException:
+            engine.decoder.finish(abort=True)  # the other ranks stop with an error too
+            raise
+        engine.decoder.finish()
+        ok = True
+        return code
+    except SpecterError as e:
+        if isinstance(e, PipelineError) or group.rank == 0:
+            raise
+        raise PipelineError(f"rank {group.rank} of {group.world}: {e}") from None
+    finally:
+        group.close() if ok else group.close_on_error()

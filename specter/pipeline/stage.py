@@ -1,0 +1,202 @@
+"""One rank's part of the model: its layers' weights, KV cache and expert provider.
+
+The rank loads the checkpoint, then keeps only its stage: the other layers' modules are replaced
+by empty ones, the embedding's table is dropped off the first stage and lm_head's off every stage but
+the last, and its expert provider (resident weights, or an offload manager with its own slot pool
+and link) is built over its own MoE layers only. (Each rank still reads the whole checkpoint once
+while loading; reading only its own tensors is left to do.)
+
+`StagePieces` is what the model's own layer loop (MoETransformer.run, `pieces=`) runs for a stage:
+the model's pieces over this stage's layers, entered from the previous stage's hidden state
+(positions from `start`), leaving with the hidden state [T, H] (the last MLP's output added), or
+with the logits on the last stage. Both sides of a boundary therefore hold x + out exactly as the
+single-process loop does.
+"""
+from __future__ import annotations
+
+from itertools import repeat
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..layers import KVCache
+from ..moe import ExpertWeights, ResidentExperts
+from ..policy import get as get_policy
+from .stages import Stage
+
+
+class _NoZeros:
+    """run's `pieces.zeros[:T]` (the MLP output before the first layer): None, as without pieces."""
+
+    def __getitem__(self, _):
+        return None
+
+
+class StagePieces:
+    """MoETransformer's pieces restricted to one stage (see the module docstring)."""
+
+    zeros = _NoZeros()
+
+    def __init__(self, model, stage: Stage):
+        self.model, self.stage = model, stage
+        self.dense, self.pre_experts = model.dense, model.pre_experts
+
+    def layers(self, cache: KVCache):
+        return zip(self.model.model.layers[self.stage.first:self.stage.last], repeat(cache))
+
+    def enter(self, x, start):
+        """First stage: token ids [T] -> embeddings; later stages: the hidden state [T, H] as received.
+        Then cos/sin of positions start .. start+T-1."""
+        if self.stage.is_first:
+            return self.model.enter(x, start)
+        pos = torch.arange(x.shape[0], device=x.device) + start
+        cos, sin = self.model.rope.cos_sin(pos, x.dtype)
+        return x, cos, sin
+
+    def head(self, x, out, logits_for: str = "all"):
+        if self.stage.is_last:
+            return self.model.head(x, out, logits_for)
+        return x if out is None else x + out
+
+
+class ShiftedExperts:
+    """A provider over a stage's own MoE layers, called with the model's MoE layer numbers."""
+
+    def __init__(self, inner, offset: int):
+        self.inner, self.offset = inner, offset
+
+    def __call__(self, layer, x, ids, weights):
+        return self.inner(layer - self.offset, x, ids, weights)
+
+    def stats(self) -> dict:
+        return dict(getattr(self.inner, "stats", lambda: {})())
+
+    def reset_stats(self) -> None:
+        getattr(self.inner, "reset_stats", lambda: None)()
+
+    def close(self) -> None:
+        getattr(self.inner, "close", lambda: None)()
+
+
+def stage_cache(spec, stage: Stage, max_len: int, device, dtype) -> KVCache:
+    """A KV cache holding only this stage's layers (the others' entries are 1-row placeholders)."""
+    cache = KVCache(spec, 1, device, dtype)
+    for l in range(stage.first, stage.last):
+        k, v = cache.k[l], cache.v[l]
+        big = k.new_zeros(k.shape[0], max_len, k.shape[2])
+        cache.v[l] = big[..., :v.shape[-1]] if v.data_ptr() == k.data_ptr() else v.new_zeros(v.shape[0], max_len,
+                                                                                                v.shape[2])
+        cache.k[l] = big
+    cache.max_len = max_len
+    return cache
+
+
+def drop_others(model, stage: Stage) -> None:
+    """Frees what this stage never runs: other layers' modules, the embedding table (all but the first
+    stage), lm_head's weight (all but the last). model.dtype (lm_head's dtype) still answers."""
+    layers = model.model.layers
+    for l in range(len(layers)):
+        if not stage.first <= l < stage.last:
+            layers[l] = nn.Identity()
+    if not stage.is_first:
+        w = model.model.embed_tokens.weight
+        model.model.embed_tokens.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+    if not stage.is_last:
+        w = model.lm_head.weight
+        model.lm_head.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+        model.lm_head.bias = None
+
+
+class StageModel:
+    """This rank's loaded stage: the model's loop over its layers with its own provider."""
+
+    def __init__(self, model, provider, stage: Stage, device, dtype, plan=None, tokenizer=None, path=None):
+        self.model, self.provider, self.stage = model, provider, stage
+        self.device, self.dtype, self.plan, self.tokenizer, self.path = device, dtype, plan, tokenizer, path
+        self.pieces = StagePieces(model, stage)
+        self.cache: KVCache | None = None
+
+    def begin(self, max_len: int) -> None:
+        self.cache = stage_cache(self.model.spec, self.stage, max_len, self.device, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Token ids [T] (first stage) or the hidden state [T, H] -> the hidden state [T, H], or fp32
+        logits [1, V] of the last position on the last stage."""
+        if start + x.shape[0] > self.cache.max_len:
+            raise IndexError(f"positions up to {start + x.shape[0]} exceed the KV cache ({self.cache.max_len})")
+        return self.model.run(x, start, self.cache, self.provider, "last", pieces=self.pieces)
+
+    def stats(self) -> dict:
+        return self.provider.stats() if self.provider is not None else {}
+
+    def reset_stats(self) -> None:
+        if self.provider is not None:
+            self.provider.reset_stats()
+
+    def close(self) -> None:
+        if self.provider is not None:
+            self.provider.close()
+
+
+def stage_pool(plan, spec, n_mine: int, own_budget: bool) -> int:
+    """Slots in this stage's expert pool: a byte budget (expert_memory) is each rank's own, so its pool
+    takes what that buys, up to every expert of its layers; a residency (or a device budget, planned
+    for the whole model) gives the stage its layers' share of the whole model's pool."""
+    if own_budget:
+        return min(n_mine * spec.n_experts, plan.pool_slots)
+    return max(spec.top_k, plan.pool_slots * n_mine // max(spec.n_moe_layers, 1))
+
+
+def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residency=None, expert_memory=None,
+               link=None, dtype=None, threads: int | None = None) -> StageModel:
+    """Loads the checkpoint at `path` and keeps `stage` of it, with `policy`'s provider (resident or
+    on-demand) over its MoE layers."""
+    from ..builder import load_shared
+    from ..loader import open_checkpoint
+    from ..offload.cuda_link import make_link
+    from ..offload.manager import OffloadedExperts
+    from ..offload.plan import compute_dtype, make_plan
+
+    pol = get_policy(policy)
+    ckpt = open_checkpoint(path)
+    spec = ckpt.spec
+    dt = compute_dtype(device, ckpt.dtype, dtype)
+    plan = lk = None
+    if not pol.offloads:
+        if residency is not None or expert_memory is not None or link is not None:
+            raise ConfigError(f"policy {policy!r} keeps every expert on the device, so a budget or --link would be "
+                              "ignored; drop it or use --policy on-demand")
+    else:
+        device_memory = None
+        if residency is None and expert_memory is None and device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            device_memory = int(free * 0.9)
+        # the plan of the whole model; each rank's pool is sized from it (stage_pool)
+        plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
+                         device_memory=device_memory, draft=False, device=device, store_dtype=ckpt.dtype)
+        pdt = getattr(torch, plan.pool_dtype)
+        lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,
+                                                      storage=pdt))
+    shared = load_shared(path, device, dtype=dt, threads=threads)
+    model = shared.model
+    drop_others(model, stage)
+    mine = shared.store[stage.moe_first:stage.moe_last]
+    shared.store[:] = []  # the other stages' experts go with the list
+    provider = None
+    if mine:
+        resident = None
+        if not pol.offloads or plan.pool_rows == "resident":
+            resident = [ExpertWeights(e.w13.to(device, dt), e.w2.to(device, dt)) for e in mine]
+        if not pol.offloads:
+            inner = ResidentExperts(resident)
+        else:
+            inner = OffloadedExperts(mine, plan.slots_per_layer, device, lk, eviction=pol.eviction, dtype=pdt,
+                                     alias=plan.aliased, rows=resident,
+                                     pool=stage_pool(plan, spec, len(mine), expert_memory is not None))
+            inner.warm()
+        provider = ShiftedExperts(inner, stage.moe_first)
+    elif lk is not None:
+        lk.close()
+    return StageModel(model, provider, stage, device, dt, plan=plan, tokenizer=shared.tokenizer, path=path)

@@ -1,0 +1,135 @@
+"""Which layers each rank runs, and the fingerprint every rank must share.
+
+Stages are contiguous ranges of decoder layers, one per rank, covering every layer, balanced by
+bytes: each layer's own weights (attention, norms, router, shared or dense MLP, counted on a
+meta-device model, so nothing is read) plus its routed experts (the memory plan's per-expert
+size, spec.expert_numel()); the first stage also carries the embedding, the last the final norm
+and lm_head. The split minimises the largest stage.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..config import ModelSpec
+from ..model import MoETransformer
+from .group import Group, PipelineError, comm
+
+
+@dataclass(frozen=True)
+class Stage:
+    rank: int
+    world: int
+    first: int                   # decoder layers [first, last)
+    last: int
+    moe_first: int               # their MoE layers, as the expert provider numbers them: [moe_first, moe_last)
+    moe_last: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world - 1
+
+
+def layer_bytes(spec: ModelSpec, itemsize: int) -> tuple[list[int], int, int]:
+    """(bytes of each decoder layer, of the embedding, of the final norm + lm_head) at `itemsize`."""
+    with torch.device("meta"):
+        model = MoETransformer(spec, max_len=1)
+    expert = spec.n_experts * spec.expert_numel()
+    moe = set(spec.moe_layer_ids)
+    per = [(sum(p.numel() for p in layer.parameters()) + (expert if l in moe else 0)) * itemsize
+           for l, layer in enumerate(model.model.layers)]
+    embed = model.model.embed_tokens.weight.numel() * itemsize
+    head = (model.lm_head.weight.numel() + sum(p.numel() for p in model.model.norm.parameters())) * itemsize
+    return per, embed, head
+
+
+def split_layers(sizes: list[int], n: int, first_extra: int = 0, last_extra: int = 0) -> list[tuple[int, int]]:
+    """n contiguous non-empty ranges [first, last) covering range(len(sizes)) whose largest total
+    (the first range also counting first_extra, the last last_extra) is the least possible; ties
+    go to the split whose earlier ranges end first."""
+    L = len(sizes)
+    if not 1 <= n <= L:
+        raise PipelineError(f"{n} ranks cannot each run at least one of the model's {L} decoder layers; "
+                            f"launch at most {L} ranks (torchrun --nproc-per-node)")
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+
+    def cost(i: int, a: int, b: int) -> int:  # range i = layers [a, b)
+        return prefix[b] - prefix[a] + (first_extra if i == 0 else 0) + (last_extra if i == n - 1 else 0)
+
+    # best[i][b]: the least largest total of ranges 0..i covering layers [0, b); DP over the end of range i-1
+    INF = float("inf")
+    best = [[INF] * (L + 1) for _ in range(n)]
+    cut = [[0] * (L + 1) for _ in range(n)]
+    for b in range(1, L + 1):
+        best[0][b] = cost(0, 0, b)
+    for i in range(1, n):
+        for b in range(i + 1, L + 1):
+            for a in range(i, b):
+                c = max(best[i - 1][a], cost(i, a, b))
+                if c < best[i][b]:
+                    best[i][b], cut[i][b] = c, a
+    ranges, b = [], L
+    for i in range(n - 1, 0, -1):
+        a = cut[i][b]
+        ranges.append((a, b))
+        b = a
+    ranges.append((0, b))
+    return ranges[::-1]
+
+
+def make_stages(spec: ModelSpec, world: int, itemsize: int) -> list[Stage]:
+    per, embed, head = layer_bytes(spec, itemsize)
+    ranges = split_layers(per, world, embed, head)
+    moe = spec.moe_layer_ids
+    out = []
+    for r, (a, b) in enumerate(ranges):
+        before = sum(1 for l in moe if l < a)
+        mine = sum(1 for l in moe if a <= l < b)
+        out.append(Stage(r, world, a, b, before, before + mine))
+    return out
+
+
+def fingerprint(ckpt, options: dict, samples: int = 16, sample_bytes: int = 1 << 16) -> str:
+    """A hash of what must be the same on every rank: config.json, every safetensors file's name,
+    size and header (tensor names, shapes, dtypes, offsets) and `samples` evenly spaced blocks of its
+    data (so two checkpoints of one shape with other weights differ without reading them whole), and
+    the options that change the computation (policy, dtype, budget, ...)."""
+    h = hashlib.sha256()
+    h.update((ckpt.path / "config.json").read_bytes())
+    for f in sorted(set(ckpt.files.values())):
+        size = f.stat().st_size
+        h.update(f.name.encode() + b"\0" + str(size).encode() + b"\0")
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(fh.read(min(n, 1 << 26)))
+            for i in range(samples):
+                fh.seek(size * i // samples)
+                h.update(fh.read(sample_bytes))
+    h.update(json.dumps(options, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def agree(group: Group, what: dict) -> None:
+    """Every rank's `what` (a JSON-able dict, e.g. {"fingerprint": ..., "layers": ...}) must equal rank
+    0's; otherwise every rank raises a PipelineError naming the ranks and keys that differ."""
+    mine = json.dumps(what, sort_keys=True, default=str)
+    got: list = [None] * group.world
+    with comm(group, "comparing the checkpoint and configuration between ranks"):
+        dist.all_gather_object(got, mine)
+    odd = [r for r, g in enumerate(got) if g != got[0]]
+    if odd:
+        ref = json.loads(got[0])
+        keys = sorted({k for r in odd for k, v in json.loads(got[r]).items() if ref.get(k) != v})
+        raise PipelineError(f"rank {group.rank} of {group.world}: rank(s) {', '.join(map(str, odd))} differ from "
+                            f"rank 0 in {', '.join(keys)}: every rank must load the same checkpoint (config.json and "
+                            f"weights) with the same options")

@@ -1,0 +1,203 @@
+"""The layer pipeline (specter/pipeline/): stages, and 2- and 3-rank runs over gloo on the CPU that
+must give one process's tokens; a mismatch or a dead rank fails every other rank, never hangs.
+
+Ranks are subprocesses given torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...) on a
+free port; each launch runs several generations, so the whole file starts few processes."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import specter
+from specter.loader import open_checkpoint
+from specter.pipeline.group import PipelineError
+from specter.pipeline.stages import make_stages, split_layers
+from specter.testing import make_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCHS = ("qwen3_moe", "deepseek_v2")  # GQA + every layer MoE; MLA + a dense first layer + a shared expert
+POLICIES = (("resident", None), ("on-demand", 0.5))
+SAMPLINGS = (dict(temperature=0.0), dict(temperature=0.9, top_k=20, seed=7))
+PROMPT, NEW = [1, 5, 9, 17, 33], 10
+
+RANKS = r"""
+import json, sys
+from specter.pipeline.decoder import serve_stage
+from specter.pipeline.group import join
+from specter.pipeline.launch import open_pipeline
+
+cases, out = json.loads(sys.argv[1]), sys.argv[2]
+group = join("cpu", None, 60.0)  # an initialised group: open_pipeline joins it
+results = []
+for c in cases:
+    g, engine, stage = open_pipeline(c["model"], device="cpu", policy=c["policy"], residency=c["residency"],
+                                     threads=1)
+    if engine is None:
+        serve_stage(stage, g)
+        continue
+    r = engine.generate(c["prompt"], c["new"], **c["sampling"])
+    engine.decoder.finish()
+    results.append(dict(tokens=r.token_ids, pipeline=r.stats["pipeline"], hits=r.stats["expert_hits"],
+                        misses=r.stats["expert_misses"]))
+if group.rank == 0:
+    json.dump(results, open(out, "w"))
+group.close()
+"""
+
+DIES = r"""
+import os, sys, time
+import specter.pipeline.stage as stage
+from specter.cli import main
+
+def forward(*a, **k):  # this rank's first step: it dies, or hangs (for 2 timeouts, then dies)
+    if sys.argv[1] == "hang":
+        time.sleep(2 * float(sys.argv[sys.argv.index("--pipeline-timeout") + 1]))
+    os._exit(3)
+
+stage.StageModel.forward = forward
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(argvs: list[list[str]], timeout: float = 120) -> list[tuple[int | None, str, str]]:
+    """Runs one process per rank (argvs[r] after `python`); (returncode, stdout, stderr) per rank. A
+    rank still running at `timeout` (a hang) is killed and reported with returncode None."""
+    n, port = len(argvs), _port()
+    procs, t0 = [], time.monotonic()
+    for r, argv in enumerate(argvs):
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, *argv], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        try:
+            so, se = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+            out.append((p.returncode, so, se))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            so, se = p.communicate()
+            out.append((None, so, se))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    paths = {}
+    for arch in ARCHS:
+        paths[arch] = tmp_path_factory.mktemp(f"pipe-{arch}")
+        make_tiny_checkpoint(paths[arch], arch)
+    return paths
+
+
+# ---------------------------------------------------------------------------------------- stages
+def test_split_layers_is_the_balanced_contiguous_cover():
+    import itertools
+
+    for sizes in ([5, 1, 1, 1, 5], [3, 3, 3], [1, 9, 1, 1, 1, 1], [4, 4, 4, 4, 4, 4, 4]):
+        for n in range(1, len(sizes) + 1):
+            for first, last in ((0, 0), (7, 2)):
+                got = split_layers(sizes, n, first, last)
+                assert got[0][0] == 0 and got[-1][1] == len(sizes) and len(got) == n
+                assert all(a < b for a, b in got) and all(got[i][1] == got[i + 1][0] for i in range(n - 1))
+
+                def worst(ranges):
+                    return max(sum(sizes[a:b]) + (first if i == 0 else 0) + (last if i == n - 1 else 0)
+                               for i, (a, b) in enumerate(ranges))
+
+                best = min(worst(list(zip((0,) + cuts, cuts + (len(sizes),))))
+                           for cuts in itertools.combinations(range(1, len(sizes)), n - 1))
+                assert worst(got) == best
+    with pytest.raises(PipelineError, match="at most 3 ranks"):
+        split_layers([1, 1, 1], 4)
+
+
+def test_stages_number_moe_layers_as_the_provider_does(ckpts):
+    spec = open_checkpoint(ckpts["deepseek_v2"]).spec  # layer 0 dense, 1 and 2 MoE
+    stages = make_stages(spec, 3, 4)
+    assert [(s.first, s.last, s.moe_first, s.moe_last) for s in stages] == [(0, 1, 0, 0), (1, 2, 0, 1), (2, 3, 1, 2)]
+    two = make_stages(spec, 2, 4)  # the dense layer is light: the first stage takes two layers
+    assert [(s.first, s.last) for s in two] == [(0, 2), (2, 3)]
+
+
+# ------------------------------------------------------------------------------- token identity
+@pytest.mark.parametrize("world", [2, 3])
+def test_pipelines_give_one_process_tokens(ckpts, tmp_path, world):
+    cases = [dict(model=str(ckpts[a]), policy=p, residency=res, prompt=PROMPT, new=NEW, sampling=s)
+             for a in ARCHS for p, res in POLICIES for s in SAMPLINGS]
+    out = tmp_path / "results.json"
+    ranks = _launch([["-c", RANKS, json.dumps(cases), str(out)]] * world, timeout=240)
+    assert all(r[0] == 0 for r in ranks), [r[2][-2000:] for r in ranks]
+    got = json.loads(out.read_text())
+    assert len(got) == len(cases)
+    for c, g in zip(cases, got):
+        engine = specter.load(c["model"], device="cpu", policy=c["policy"], residency=c["residency"], threads=1)
+        ref = engine.generate(PROMPT, NEW, **c["sampling"])  # a fresh engine, as each case's pipeline is
+        engine.close()
+        assert g["tokens"] == ref.token_ids, c
+        layers = g["pipeline"]["layers"]
+        assert g["pipeline"]["ranks"] == world and len(layers) == world
+        assert layers[0][0] == 0 and layers[-1][1] == 3 and all(layers[i][1] == layers[i + 1][0]
+                                                               for i in range(world - 1))
+        if c["policy"] == "on-demand":  # every rank's expert uses counted once: one process's total
+            assert g["hits"] + g["misses"] == ref.stats["expert_hits"] + ref.stats["expert_misses"] > 0
+
+
+def test_cli_under_torchrun_prints_once_with_pipeline_stats(ckpts):
+    argv = ["-m", "specter", "generate", "--model", str(ckpts["qwen3_moe"]), "--prompt-ids", "1,5,9,17,33",
+            "--max-new-tokens", str(NEW), "--greedy", "--policy", "on-demand", "--residency", "0.5", "--json",
+            "--pipeline-timeout", "60"]
+    ranks = _launch([argv, argv], timeout=120)
+    assert [r[0] for r in ranks] == [0, 0], [r[2][-2000:] for r in ranks]
+    assert ranks[1][1] == ""  # printed once, by rank 0
+    got = json.loads(ranks[0][1])
+    ref = specter.load(str(ckpts["qwen3_moe"]), device="cpu", policy="on-demand", residency=0.5, threads=1)
+    assert got["token_ids"] == ref.generate(PROMPT, NEW, temperature=0.0).token_ids
+    ref.close()
+    assert got["stats"]["pipeline"]["ranks"] == 2 and got["stats"]["pipeline"]["layers"] == [[0, 2], [2, 3]]
+
+
+# ---------------------------------------------------------------------------------------- faults
+def test_a_config_mismatch_fails_every_rank(ckpts, tmp_path):
+    other = tmp_path / "other"
+    make_tiny_checkpoint(other, "qwen3_moe")
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-5
+    (other / "config.json").write_text(json.dumps(cfg))
+    argv = ["-m", "specter", "generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--greedy",
+            "--policy", "resident", "--pipeline-timeout", "60", "--model"]
+    ranks = _launch([argv + [str(ckpts["qwen3_moe"])], argv + [str(other)]], timeout=120)
+    for r, (code, so, se) in enumerate(ranks):
+        assert code == 2, (r, se[-2000:])
+        assert f"rank {r} of 2: rank(s) 1 differ from rank 0 in fingerprint" in se and so == ""
+
+
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_a_dead_or_stuck_rank_fails_the_others_within_the_timeout(ckpts, how):
+    """Rank 1 of 3 dies (or stops answering) at its first step: ranks 0 and 2 exit with an error naming
+    the broken pipeline, at once for a death (the connection closes), after the timeout for a hang
+    (rank 2, waiting on rank 1, times out; rank 0 then sees rank 2 leave, or times out itself)."""
+    timeout = 5
+    args = ["generate", "--model", str(ckpts["qwen3_moe"]), "--prompt-ids", "1,2,3", "--max-new-tokens", "3",
+            "--greedy", "--policy", "resident", "--pipeline-timeout", str(timeout)]
+    ranks = _launch([["-m", "specter", *args], ["-c", DIES, how, *args], ["-m", "specter", *args]], timeout=90)
+    for r in (0, 2):
+        code, so, se = ranks[r]
+        assert code == 2, (r, se[-2000:])
+        assert f"rank {r} of 3:" in se and "the pipeline is broken" in se
+    assert ("timed out" if how == "hang" else "closed its connection") in ranks[2][2]
+    if how == "exit":
+        assert ranks[1][0] == 3
