@@ -17,7 +17,7 @@ from ..policy import get as get_policy
 from .group import Group, PipelineError, join
 from .stages import agree, fingerprint, make_stages
 
-PIPELINED_POLICIES = ("resident", "on-demand")  # plain decoding across stages; speculation is not yet
+PIPELINED_POLICIES = ("resident", "on-demand", "next-layer", "host")  # plain decoding across stages; speculation is not yet
 UNSUPPORTED = ("k_max", "compile", "driver", "draft_cache", "compress_experts", "draft_bits", "host_threads")
 
 

@@ -15,6 +15,7 @@ single-process loop does.
 from __future__ import annotations
 
 from itertools import repeat
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -61,12 +62,16 @@ class StagePieces:
 
 
 class ShiftedExperts:
-    """A provider over a stage's own MoE layers, called with the model's MoE layer numbers."""
+    """A provider over a stage's own MoE layers, called with the model's MoE layer numbers. `guess`:
+    the next-layer policy's guesses, over the stage's own layers (passed on each call, as
+    PlainDecoder passes them)."""
 
-    def __init__(self, inner, offset: int):
-        self.inner, self.offset = inner, offset
+    def __init__(self, inner, offset: int, guess=None):
+        self.inner, self.offset, self.guess = inner, offset, guess
 
     def __call__(self, layer, x, ids, weights):
+        if self.guess is not None:
+            return self.inner(layer - self.offset, x, ids, weights, guess=self.guess)
         return self.inner(layer - self.offset, x, ids, weights)
 
     def stats(self) -> dict:
@@ -151,12 +156,17 @@ def stage_pool(plan, spec, n_mine: int, own_budget: bool) -> int:
 
 def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                link=None, dtype=None, threads: int | None = None) -> StageModel:
-    """Loads the checkpoint at `path` and keeps `stage` of it, with `policy`'s provider (resident or
-    on-demand) over its MoE layers."""
+    """Loads the checkpoint at `path` and keeps `stage` of it, with `policy`'s provider over its MoE
+    layers: resident weights; or its own offload manager (on-demand), with next-layer guesses made
+    within the stage (the last layer of a stage guesses nothing: the next layer is another rank's), or
+    with the host lane computing every miss (host; `threads` also sizes the lane)."""
     from ..builder import load_shared
     from ..loader import open_checkpoint
     from ..offload.cuda_link import make_link
+    from ..offload.host_experts import HostExperts
+    from ..offload.host_lane import make_host_lane
     from ..offload.manager import OffloadedExperts
+    from ..offload.policies import NextLayerPrefetch
     from ..offload.plan import compute_dtype, make_plan
 
     pol = get_policy(policy)
@@ -196,7 +206,13 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
                                      alias=plan.aliased, rows=resident,
                                      pool=stage_pool(plan, spec, len(mine), expert_memory is not None))
             inner.warm()
-        provider = ShiftedExperts(inner, stage.moe_first)
+        guess = None
+        if pol.host_lane == "misses" and not inner.all_resident:  # policy host: every miss computed on the host
+            inner = HostExperts(inner, make_host_lane(mine, device, lk, threads=threads, dtype=dt, charged_dtype=pdt))
+        elif pol.prefetch == "next-layer" and not inner.all_resident:  # guesses within the stage's own layers
+            guess = NextLayerPrefetch(SimpleNamespace(model=SimpleNamespace(layers=model.model.layers[
+                stage.first:stage.last])), inner)
+        provider = ShiftedExperts(inner, stage.moe_first, guess)
     elif lk is not None:
         lk.close()
     return StageModel(model, provider, stage, device, dt, plan=plan, tokenizer=shared.tokenizer, path=path)
