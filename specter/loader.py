@@ -259,21 +259,28 @@ def load_checkpoint(
     pin_experts: bool = False,
     progress: bool | None = None,
     experts: bool = True,
+    layers: tuple[int, int] | None = None,
 ) -> tuple[MoETransformer, list[ExpertWeights], Checkpoint]:
     """Build the model with its non-expert weights on `device` in `dtype`, and return the routed experts
     as the host store: one `ExpertWeights` per MoE layer, in the checkpoint's own dtype (pinned in
     place when `pin_experts`), read once from the files straight into it. Each non-expert weight is
     read into its final dtype a chunk at a time, so no stored-dtype copy of it is ever held. On CPU
     the input embedding keeps a narrower checkpoint dtype (the rows it gathers are upcast: `Embedding`).
-    `experts=False`: the routed experts are not read (the store is []: a coded store came from its cache)."""
+    `experts=False`: the routed experts are not read (the store is []: a coded store came from its cache).
+    `layers` (first, last): only decoder layers [first, last) are read, with the embedding when first
+    is 0 and the final norm and lm_head when last is the last layer (a pipeline stage); every other
+    parameter stays on the meta device, and the store holds those layers' MoE layers only."""
     ckpt = open_checkpoint(path)
     spec = ckpt.spec
     with init_empty_weights(include_buffers=False):
         model = MoETransformer(spec, max_len)
     reader = _Reader(ckpt)
     try:
-        params = [(n, _source(n, spec, reader)) for n, _ in model.named_parameters()]
+        params = [(n, _source(n, spec, reader)) for n, _ in model.named_parameters()
+                  if layers is None or _in_stage(n, layers, spec.n_layers)]
         names = _expert_names(reader, spec) if experts else []
+        if layers is not None:
+            names = [n for l, n in zip(spec.moe_layer_ids, names) if layers[0] <= l < layers[1]]
         total = sum(reader.entries[src][4] for _, src in params if src in reader.entries)
         total += sum(reader.entries[n][4] for layer in names for n in layer if n in reader.entries)
         if progress is None:
@@ -293,7 +300,7 @@ def load_checkpoint(
             del value  # not held while the store fills
             bar.update(reader.entries[src][4])
         model.rope.to(device)
-        store = allocate_store(spec, ckpt.dtype, pin=pin_experts) if experts else []
+        store = allocate_store(spec, ckpt.dtype, pin=pin_experts, n_layers=len(names)) if experts and names else []
         for ew, layer in zip(store, names):
             dsts = iter((ew.w13, ew.w2)) if len(layer) == 2 else _per_expert_views(ew)
             for name, dst in zip(layer, dsts):
@@ -304,6 +311,16 @@ def load_checkpoint(
         reader.close()
     model.eval()
     return model, store, ckpt
+
+
+def _in_stage(name: str, layers: tuple[int, int], n_layers: int) -> bool:
+    """Whether parameter `name` belongs to the pipeline stage running decoder layers [first, last)."""
+    first, last = layers
+    if name.startswith("model.layers."):
+        return first <= int(name.split(".")[2]) < last
+    if name.startswith("model.embed_tokens."):
+        return first == 0
+    return last == n_layers  # the final norm and lm_head
 
 
 def _source(name: str, spec: ModelSpec, reader: _Reader) -> str:

@@ -134,6 +134,40 @@ def test_stages_number_moe_layers_as_the_provider_does(ckpts):
     assert [(s.first, s.last) for s in two] == [(0, 2), (2, 3)]
 
 
+def test_stages_read_only_their_tensors_and_chain_to_the_models_logits(ckpts):
+    """In one process, no group: each stage loads its own tensors only (nothing left on the meta
+    device, its own MoE layers in its store), and the stages run one after the other give the whole
+    model's logits, prefill and steps, bit for bit."""
+    import torch
+
+    from specter.layers import KVCache
+    from specter.pipeline.stage import load_stage
+
+    path = ckpts["deepseek_v2"]
+    spec = open_checkpoint(path).spec
+    stages = [load_stage(path, s, torch.device("cpu"), policy="on-demand", residency=0.5)
+              for s in make_stages(spec, 3, 4)]
+    for st in stages:
+        assert not any(p.is_meta for p in st.model.parameters())
+        n_moe = st.stage.moe_last - st.stage.moe_first
+        assert (st.provider is None) == (n_moe == 0) and (st.provider is None or len(st.provider.inner.store) == n_moe)
+        st.begin(16)
+    ref = specter.load(path, device="cpu", policy="resident")
+    cache = KVCache(spec, 16, torch.device("cpu"), torch.float32)
+    start = 0
+    for tokens in ([1, 5, 9, 17, 33], [40], [2]):
+        t = torch.tensor(tokens)
+        want = ref.model(t, start, cache, ref.decoder.experts, logits_for="last")
+        x = t
+        for st in stages:
+            x = st.forward(x, start)
+        assert torch.equal(x, want)
+        start += len(tokens)
+    ref.close()
+    for st in stages:
+        st.close()
+
+
 # ------------------------------------------------------------------------------- token identity
 @pytest.mark.parametrize("world", [2, 3])
 def test_pipelines_give_one_process_tokens(ckpts, tmp_path, world):

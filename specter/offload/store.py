@@ -34,23 +34,26 @@ def store_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
     return spec.n_moe_layers * spec.n_experts * spec.expert_numel() * item
 
 
-def allocate_store(spec: ModelSpec, dtype: torch.dtype, *, pin: bool = False) -> list[ExpertWeights]:
-    """Empty store views over one arena (pages are touched only as the loader fills them)."""
+def allocate_store(spec: ModelSpec, dtype: torch.dtype, *, pin: bool = False,
+                   n_layers: int | None = None) -> list[ExpertWeights]:
+    """Empty store views over one arena (pages are touched only as the loader fills them); `n_layers`
+    MoE layers of it (default all: a pipeline stage holds its own)."""
     E, I, H = spec.n_experts, spec.expert_inter, spec.hidden
-    nbytes = store_bytes(spec, dtype)
+    L = spec.n_moe_layers if n_layers is None else n_layers
+    nbytes = store_bytes(spec, dtype) * L // max(spec.n_moe_layers, 1)
     available = host_available()
     if available is not None and nbytes > available:
         raise BudgetError(f"the expert store needs {format_size(nbytes)} of host memory but only "
                           f"{format_size(available)} is available ({format_size(nbytes - available)} short): "
                           f"free host memory or use a machine with more RAM")
-    numel = spec.n_moe_layers * E * 3 * I * H
+    numel = L * E * 3 * I * H
     if pin:  # page-aligned, so the locked range is exactly the arena's pages and no neighbour's
         arena = page_aligned(numel, dtype)
         pin_in_place(arena)
     else:
         arena = torch.empty(numel, dtype=dtype)
     store, off = [], 0
-    for _ in range(spec.n_moe_layers):
+    for _ in range(L):
         w13 = arena[off:off + E * 2 * I * H].view(E, 2 * I, H)
         off += w13.numel()
         w2 = arena[off:off + E * H * I].view(E, H, I)

@@ -1,10 +1,9 @@
 """One rank's part of the model: its layers' weights, KV cache and expert provider.
 
-The rank loads the checkpoint, then keeps only its stage: the other layers' modules are replaced
-by empty ones, the embedding's table is dropped off the first stage and lm_head's off every stage but
-the last, and its expert provider (resident weights, or an offload manager with its own slot pool
-and link) is built over its own MoE layers only. (Each rank still reads the whole checkpoint once
-while loading; reading only its own tensors is left to do.)
+The rank reads only its stage's tensors from the checkpoint (loader.load_checkpoint(layers=)):
+its layers, the embedding on the first stage, the final norm and lm_head on the last; the modules
+it never runs are replaced by empty ones, and its expert provider (resident weights, or an offload
+manager with its own slot pool and link) is built over its own MoE layers' store only.
 
 `StagePieces` is what the model's own layer loop (MoETransformer.run, `pieces=`) runs for a stage:
 the model's pieces over this stage's layers, entered from the previous stage's hidden state
@@ -97,20 +96,20 @@ def stage_cache(spec, stage: Stage, max_len: int, device, dtype) -> KVCache:
     return cache
 
 
-def drop_others(model, stage: Stage) -> None:
-    """Frees what this stage never runs: other layers' modules, the embedding table (all but the first
-    stage), lm_head's weight (all but the last). model.dtype (lm_head's dtype) still answers."""
+def drop_others(model, stage: Stage, dtype: torch.dtype) -> None:
+    """Removes what this stage never runs (left on the meta device by a stage's load): other layers'
+    modules, the embedding table (all but the first stage), the final norm and lm_head (all but the
+    last). model.dtype (lm_head's dtype) still answers."""
     layers = model.model.layers
     for l in range(len(layers)):
         if not stage.first <= l < stage.last:
             layers[l] = nn.Identity()
     if not stage.is_first:
-        w = model.model.embed_tokens.weight
-        model.model.embed_tokens.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+        model.model.embed_tokens.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
     if not stage.is_last:
-        w = model.lm_head.weight
-        model.lm_head.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+        model.lm_head.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
         model.lm_head.bias = None
+        model.model.norm = nn.Identity()
 
 
 class StageModel:
@@ -160,14 +159,15 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     layers: resident weights; or its own offload manager (on-demand), with next-layer guesses made
     within the stage (the last layer of a stage guesses nothing: the next layer is another rank's), or
     with the host lane computing every miss (host; `threads` also sizes the lane)."""
-    from ..builder import load_shared
-    from ..loader import open_checkpoint
+    from ..builder import configure_threads
+    from ..loader import load_checkpoint, load_tokenizer, open_checkpoint
     from ..offload.cuda_link import make_link
     from ..offload.host_experts import HostExperts
     from ..offload.host_lane import make_host_lane
     from ..offload.manager import OffloadedExperts
     from ..offload.policies import NextLayerPrefetch
     from ..offload.plan import compute_dtype, make_plan
+    from ..offload.store import pin_wanted
 
     pol = get_policy(policy)
     ckpt = open_checkpoint(path)
@@ -189,11 +189,11 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
         pdt = getattr(torch, plan.pool_dtype)
         lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,
                                                       storage=pdt))
-    shared = load_shared(path, device, dtype=dt, threads=threads)
-    model = shared.model
-    drop_others(model, stage)
-    mine = shared.store[stage.moe_first:stage.moe_last]
-    shared.store[:] = []  # the other stages' experts go with the list
+    configure_threads(device, threads)
+    model, mine, _ = load_checkpoint(path, device, dt, pin_experts=device.type == "cuda" and pin_wanted(),
+                                     layers=(stage.first, stage.last))  # this stage's tensors only
+    drop_others(model, stage, dt)
+    tokenizer = load_tokenizer(path) if stage.is_first else None
     provider = None
     if mine:
         resident = None
@@ -215,4 +215,4 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
         provider = ShiftedExperts(inner, stage.moe_first, guess)
     elif lk is not None:
         lk.close()
-    return StageModel(model, provider, stage, device, dt, plan=plan, tokenizer=shared.tokenizer, path=path)
+    return StageModel(model, provider, stage, device, dt, plan=plan, tokenizer=tokenizer, path=path)
