@@ -45,7 +45,8 @@ def read_prompts(path: str | None, workload: str | None = None) -> list:
 SUM_KEYS = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "decode_stall_s", "prefetch_issued",
             "prefetch_used", "prefetch_cancelled", "cycles", "draft_s", "verify_s", "accepted_tokens",
             "drafted_tokens", "truncated_tokens", "rejections", "recall_hits", "recall_total", "cover_hits",
-            "cover_total", "host_experts", "host_bytes", "host_stall_s", "host_busy_s")
+            "cover_total", "host_experts", "host_bytes", "host_stall_s", "host_busy_s",
+            "tier_hits", "tier_fills", "tier_evictions", "tier_decoded_bytes")
 
 
 def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int = 64, repeat: int = 1,

@@ -17,6 +17,7 @@ from .loader import Checkpoint, load_checkpoint, load_tokenizer, open_checkpoint
 from .model import MoETransformer
 from .moe import ExpertWeights, ResidentExperts
 from .offload.coded import DecodedStore, cache_entry, coded_store, read_cached
+from .offload.coded_tier import PLAN_RATIO, attach as attach_tier
 from .offload.host_experts import HostExperts
 from .offload.host_lane import LaneChoice, host_params, make_host_lane
 from .offload.cuda_link import make_link
@@ -167,7 +168,8 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
             device_memory = int(free * 0.9)
         plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
                          device_memory=device_memory, draft=pol.drafts, device=device, store_dtype=ckpt.dtype,
-                         compressed=compress_experts, pool=slot_pool)
+                         compressed=compress_experts, pool=slot_pool,
+                         coded_tier=PLAN_RATIO if compress_experts and device.type == "cpu" else None)
         pdt = getattr(torch, plan.pool_dtype)
         # calibrating allocates a working set of experts: before the store exists, not beside it
         lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,
@@ -185,6 +187,8 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         rows = shared.resident_experts() if plan.pool_rows == "resident" else None
         mgr = OffloadedExperts(store, plan.slots_per_layer, device, lk, eviction=eviction or pol.eviction, dtype=pdt,
                                alias=plan.aliased, rows=rows, pool=plan.pool_slots)
+        if plan.tier_bytes:  # the compressed device tier (CPU: emulated; its decode charged from the profile)
+            attach_tier(mgr, plan.tier_bytes, lk, rows=shared.host_rows())
         mgr.warm()
         if uses_host_lane(pol, device, host_threads, every_expert=every):  # misses may compute where the store holds them
             lane = make_host_lane(shared.host_rows(), device, lk, threads=host_threads, dtype=dt, charged_dtype=pdt)

@@ -82,6 +82,8 @@ class OffloadedExperts:
                                                         # so the highest ranked are the ones left resident
         self.host_lane = None                           # both lanes (host_experts.LaneChoice): a HostLane, and
         self.host_choice = None                         # host_choice(layer, missing, routed) -> those computed there
+        self.tier = None                                # a CodedTier (offload/coded_tier.py): experts kept coded
+                                                        # on the device, a miss among them decoded into its slot
         self.all_resident = False                       # set by warm() when the budget holds everything
         self._in_order = False                          # ... and compute reads expert e from row e
         # per slot, the event recorded after its last reader's compute was queued (CUDA; None on CPU,
@@ -105,10 +107,12 @@ class OffloadedExperts:
         last = self.last_read[slot]  # CUDA: the slot's last reader (or its allocation), not all compute
         order = {} if last is None else {"after": last}  # None: CPU, where compute has finished
         with span("copy issue"):
-            t = self.link.copy([dst.w13[slot], dst.w2[slot]], [src.w13[e], src.w2[e]],
-                               urgent=urgent, tag=(layer, e), **order)
+            t = None if self.tier is None else self.tier.copy(layer, e, [dst.w13[slot], dst.w2[slot]], urgent=urgent)
+            if t is None:  # not held coded on the device: over the link
+                t = self.link.copy([dst.w13[slot], dst.w2[slot]], [src.w13[e], src.w2[e]],
+                                   urgent=urgent, tag=(layer, e), **order)
+                self._stats["h2d_bytes"] += t.nbytes  # a coded store's (offload/coded.py): the expert's coded bytes
         self.inflight[(layer, e)] = t
-        self._stats["h2d_bytes"] += t.nbytes  # a coded store's (offload/coded.py): the expert's coded bytes
         return True
 
     def _land(self, layer: int, e: int) -> None:
@@ -125,6 +129,8 @@ class OffloadedExperts:
                     self.inflight[(layer, e)] = t
                 raise
             self.slots.mark_ready(layer, e)
+            if self.tier is not None:  # a copy over the link leaves its coded bytes in the tier
+                self.tier.landed(layer, e, t)
             self._read_done(layer, [e])  # CUDA: compute now waits for the copy; a later one waits for that
 
     def poll(self) -> None:
@@ -244,7 +250,11 @@ class OffloadedExperts:
             missing.sort(key=lambda e: self.keep_rank(layer, e))
         job = None
         if missing and self.host_choice is not None:  # both lanes: some misses computed on the host
-            job, missing = self._host_job(layer, x, ids, weights, missing, routed)
+            tier = self.tier  # a miss held coded on the device is a decode, never the host lane's
+            held = [] if tier is None else [e for e in missing if tier.has(layer, e)]
+            job, missing = self._host_job(layer, x, ids, weights, [e for e in missing if e not in held] if held
+                                          else missing, routed)
+            missing = held + missing
         protect = set(need)
         for e in missing:  # fetched at the queue's front, never evicting each other
             if not self._issue(layer, e, urgent=True, protect=protect):
@@ -271,6 +281,8 @@ class OffloadedExperts:
             st["host_stall_s"] += waited
             rows = merge_rows(rows, job.rows, ids, job.remap_device)
         slots.touch(layer, need)
+        if self.tier is not None:
+            self.tier.touch(layer, need)
         if self.use_hook is not None:
             self.use_hook(layer, need)
         return combine_rows(rows)
@@ -340,6 +352,8 @@ class OffloadedExperts:
         self.prefetched.clear()
         self._resident_hits = torch.zeros((), dtype=torch.int64, device=self.device)  # read in stats()
         self._hits_on_device = False  # only then is there anything to read (a host sync on CUDA)
+        if self.tier is not None:
+            self.tier.reset_stats()
         self._stats = dict(expert_hits=0, expert_misses=0, h2d_bytes=0, stall_s=0.0, prefetch_issued=0,
                            prefetch_used=0, prefetch_cancelled=0, host_experts=0, host_bytes=0, host_stall_s=0.0)
 
@@ -349,13 +363,19 @@ class OffloadedExperts:
             self._stats["expert_hits"] += int(self._resident_hits)
             self._resident_hits.zero_()
             self._hits_on_device = False
+        if self.tier is not None:
+            return dict(self._stats, **self.tier.stats, h2d_path=self.link.h2d_path)
         return dict(self._stats, h2d_path=self.link.h2d_path)
 
     def reset(self) -> None:
         """Forget every resident expert (a cold cache)."""
         self.link.synchronize()
+        if self.tier is not None:
+            self.tier.link.synchronize()
         self.poll()
         self.slots.reset()
+        if self.tier is not None:
+            self.tier.reset()
         self.prefetched.clear()
         self._routed.clear()
         self.all_resident = False
@@ -378,5 +398,7 @@ class OffloadedExperts:
     def close(self) -> None:
         if self.host_lane is not None:
             self.host_lane.close()
+        if self.tier is not None:
+            self.tier.close()
         self.link.close()
 

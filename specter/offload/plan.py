@@ -104,6 +104,9 @@ class MemoryPlan:
     #                              place, alias_pool) | "resident" (every expert, in place in the resident copy)
     pool_slots: int = 0          # slots in the pool all layers share
     pool: str = "shared"         # "shared" | "layer" (the per-layer rule)
+    tier_bytes: int = 0          # the compressed device tier (offload/coded_tier.py): experts kept coded
+    tier_experts: int = 0        # ... about this many, at coded_ratio of a slot each
+    coded_ratio: float = 0.0     # a coded expert's bytes over a slot's (0: no tier)
 
     @property
     def aliased(self) -> bool:
@@ -126,6 +129,10 @@ class MemoryPlan:
             ("total on device", self.total_bytes),
         ]
         w = max(len(r[0]) for r in rows)
+        if self.tier_bytes:
+            rows.insert(3, (f"coded tier (~{self.tier_experts} experts x {self.coded_ratio:.2f} of a slot)",
+                            self.tier_bytes))
+            w = max(len(r[0]) for r in rows)
         lines = [f"{name:<{w}}  {format_size(b):>11}" for name, b in rows]
         if self.pool == "layer":
             lines.append(f"{'slots per layer':<{w}}  {self.slots_per_layer:>5} of {self.n_experts} "
@@ -133,6 +140,10 @@ class MemoryPlan:
         else:
             lines.append(f"{'slots (all layers)':<{w}}  {self.pool_slots:>5} of {self.n_moe_layers * self.n_experts} "
                          f"({self.residency:.1%} of routed experts resident; a layer runs top-{self.top_k})")
+        if self.tier_bytes:
+            n = self.n_moe_layers * self.n_experts
+            lines.append(f"{'coded tier (all layers)':<{w}}  {self.tier_experts:>5} of {n} ({self.tier_experts / n:.1%} held "
+                         f"coded on the device, the slots' experts among them; a miss there is decoded into a slot)")
         return "\n".join(lines)
 
     def _pool_row(self) -> str:
@@ -160,13 +171,15 @@ POOLS = ("shared", "layer")
 def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residency: float | None = None,
               expert_memory=None, device_memory=None, context: int | None = None, draft: bool = True,
               device=None, store_dtype: torch.dtype | None = None, compressed: bool = False,
-              pool: str = "shared") -> MemoryPlan:
+              pool: str = "shared", coded_tier: float | None = None) -> MemoryPlan:
     """`total_numel`: parameters in the checkpoint. At most one of the three budgets; none = all resident.
     `device`, `store_dtype`, `compressed` (the store losslessly coded): what the pool decisions depend
     on. On CPU a big pool holds the store's narrower dtype (pool_dtype: a byte budget then buys more
     slots) and aliases the store (alias_pool); elsewhere, or with `device` None, the pool holds its
     own copies in the compute dtype. `pool`: "shared" (one pool, floor top-k slots) or "layer" (the
-    per-layer rule: the same slots in every layer, floor top-k in each)."""
+    per-layer rule: the same slots in every layer, floor top-k in each). `coded_tier`: a coded expert's
+    bytes over a bf16 one's (the store's measured ratio, or an estimate): the budget is split between
+    raw slots and a compressed device tier (tier_split), shared pool only."""
     if pool not in POOLS:
         raise ConfigError(f"pool must be one of {POOLS}, got {pool!r}")
     given = [b for b in (residency, expert_memory, device_memory) if b is not None]
@@ -192,6 +205,15 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
         raise BudgetError(
             f"{what} gives {slots} {where}, but one layer needs its top-{k} = {k} experts at once: at least "
             f"{format_size(need)} of slot pool ({k * per / (L * E):.3f} residency) is required")
+    tier_bytes = tier_n = 0
+    ratio = 0.0
+    if coded_tier and pool == "shared":
+        raw = tier_split(slots, k, E, L, coded_tier)
+        if raw < slots:
+            # a member is charged its coded bytes x the slot dtype's width over bf16 (coded_tier.py), so
+            # the split is the GPU's at any pool dtype: `ratio` of a slot each
+            tier_bytes, ratio = (slots - raw) * numel * pdt.itemsize, coded_tier
+            tier_n, slots = min(L * E, int((slots - raw) / ratio)), raw
     n_pool = per * slots
     every = n_pool >= L * E
     # compute cannot read coded rows: a compressed store's pool copies (and decodes) into its own slots
@@ -200,8 +222,26 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
     return MemoryPlan(dtype=_name(dtype), non_expert_bytes=fixed["non"], expert_bytes=expert,
                       draft_bytes=fixed["draft"], kv_bytes=fixed["kv"], context=context, n_moe_layers=L,
                       n_experts=E, top_k=k, slots_per_layer=slots if pool == "layer" else min(E, slots),
-                      slot_pool_bytes=n_pool * expert, total_bytes=n_pool * expert + sum(fixed.values()),
-                      pool_dtype=_name(pdt), pool_rows=rows, pool_slots=n_pool, pool=pool)
+                      slot_pool_bytes=n_pool * expert, total_bytes=n_pool * expert + tier_bytes + sum(fixed.values()),
+                      pool_dtype=_name(pdt), pool_rows=rows, pool_slots=n_pool, pool=pool,
+                      tier_bytes=tier_bytes, tier_experts=tier_n, coded_ratio=round(ratio, 4) if tier_bytes else 0.0)
+
+
+def tier_split(slots: int, k: int, E: int, L: int, ratio: float) -> int:
+    """The raw slots of a budget of `slots` when the rest may hold coded experts at `ratio` of a slot.
+
+    The tier is inclusive (a raw slot's expert stays coded in the tier, offload/coded_tier.py), so the
+    device holds about max(raw, tier) distinct experts: each raw slot beyond the floor costs 1 / ratio
+    coded experts, i.e. PCIe copies, and buys only hits that would otherwise be decodes, each a launch
+    plus (1 + ratio) x an expert's bytes at device memory bandwidth, tens of times cheaper than the
+    copy on every profile. So the raw slots are the floor, one layer's top-k (a verification's larger
+    working set runs in batches through them, each batch decoded from the tier), and the rest is the
+    tier. No tier (all raw) when it would hold no more experts than the raw slots it replaces, or when
+    every expert fits raw."""
+    raw = min(E, k)
+    if slots >= L * E or slots <= raw or (slots - raw) / ratio <= slots:
+        return slots
+    return raw
 
 
 def _name(dtype: torch.dtype) -> str:
