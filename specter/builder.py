@@ -283,8 +283,7 @@ def _decoder(policy: Policy, shared: Loaded, mgr, k_max, compile: bool | None = 
         return SpeculativeDecoder(model, mgr, draft, device, dt, **steps)
     planner = PrefetchPlanner(mgr, lookahead)
     if mgr.host_lane is not None:  # both lanes: the misses the planner ranks low go to the host
-        mgr.host_choice = LaneChoice(mgr, host_params(mgr.host_lane), scores=planner.score,
-                                    use_weight=planner.use_weight, decay=planner.decay, reuse=planner.reuse)
+        mgr.host_choice = LaneChoice(mgr, host_params(mgr.host_lane), planner=planner)
     return SpeculativeDecoder(model, mgr, draft, device, dt, planner=planner,
                               fallback=NextLayerPrefetch(model, mgr), **steps)
 

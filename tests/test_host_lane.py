@@ -212,7 +212,7 @@ def test_bench_names_the_host_lanes_wait():
 class _HalfToHost:
     """An injected lane choice: every other missing expert to the host, the rest copied."""
 
-    def __init__(self, mgr, params, scores=None, use_weight=None, decay=None, reuse=None):
+    def __init__(self, mgr, params, planner=None):
         self.calls = 0
 
     def __call__(self, layer, missing, routed):
@@ -306,6 +306,13 @@ def test_a_plain_step_on_the_host_lane_is_not_a_resident_step(tiny, monkeypatch)
     assert seen and any(c for c in seen) and not gov.plain_copies_nothing
 
 
+def _planner(score, reuse=1.0, read_upto=0):
+    """What LaneChoice reads of a planner."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(score=score, use_weight=3.0, decay=0.8, reuse=[reuse], read_upto=read_upto)
+
+
 class _Mgr:
     """What LaneChoice reads of a manager: slots, store shapes, pool width, link stats."""
 
@@ -331,7 +338,7 @@ def test_lane_choice_lets_both_lanes_finish_together():
     assert choose(0, [1, 2], [1, 2]) == [2]                  # 7 ms both ways (copy 1, host 1): ties copy
     got = choose(0, list(range(6)), list(range(6)))          # 11 ms all on the host; copy 1, host 5: 10 ms
     assert got == [1, 2, 3, 4, 5]
-    ranked = LaneChoice(_Mgr(8, set(), 7e-3), params, scores=[list(range(6))])  # likeliest reused copied
+    ranked = LaneChoice(_Mgr(8, set(), 7e-3), params, planner=_planner([list(range(6))], read_upto=1))  # likeliest copied
     assert ranked(0, list(range(6)), list(range(6))) == [4, 3, 2, 1, 0]
     full = LaneChoice(_Mgr(n_slots=2, held={10, 11}, copy_s=7e-3), params)  # no slot to spare: all hosted
     assert full(0, list(range(6)), list(range(6)) + [10, 11]) == list(range(6))
@@ -357,7 +364,7 @@ def test_lane_choice_copies_only_when_the_exchange_pays():
         mgr.slots.free_slots, mgr.slots.residents = (lambda layer: free), (lambda layer: [10, 11])
         scores = [[0.0] * 16]
         scores[0][3], scores[0][10], scores[0][11] = score_3, 15.0, score_11
-        return LaneChoice(mgr, params, scores=scores, use_weight=3.0, decay=0.8, reuse=[reuse])(0, [3], [3, 10])
+        return LaneChoice(mgr, params, planner=_planner(scores, reuse=reuse))(0, [3], [3, 10])
 
     assert LaneChoice(_Mgr(2, {10}, 7e-3), params)(0, [3], [3, 10]) == [3]  # no scores: this call only (6 < 7 ms)
     assert choose(score_3=12.0, score_11=0.0) == []       # used every step, against a cold resident: copied
@@ -366,6 +373,10 @@ def test_lane_choice_copies_only_when_the_exchange_pays():
     assert choose(score_3=0.0, score_11=6.0) == [3]       # a first miss, against a resident used twice: hosted
     assert choose(score_3=0.0, score_11=0.0) == []        # ... against a cold one: the use now pays the copy
     assert choose(score_3=0.0, score_11=0.0, reuse=0.05) == [3]  # ... unless this layer's experts rarely recur
+    mgr = _Mgr(n_slots=2, held={10}, copy_s=7e-3)
+    mgr.slots.free_slots, mgr.slots.residents = (lambda layer: 0), (lambda layer: [10, 11])
+    verifying = _planner([[0.0] * 3 + [12.0] + [0.0] * 12], read_upto=3)  # inside a speculative cycle:
+    assert LaneChoice(mgr, params, planner=verifying)(0, [3], [3, 10]) == [3]  # this call's time alone
 
 
 def test_host_policy_in_bf16_on_cpu_is_the_devices_bits(tiny):

@@ -337,14 +337,13 @@ class LaneChoice:
     (score decay / use_weight, + rho for the copied expert's use now: rho the layer's measured chance
     that an expert a step uses, the next step uses too), and t_host1 what one later miss costs on the
     host: a copy serves as many uses in the next steps as its expert had in the last ones.
+    The later worth counts in plain steps only: the scores and reuse measure recurrence from step to
+    step, while a verification's misses serve its own K + 1 rows (there J is this call's time alone).
     c is at most the slots the layer can free beside the experts this call holds; t_copy the link's
     measured seconds a copy; host times HostParams.seconds. Rows are exact whichever lane computes them."""
 
-    def __init__(self, mgr, params: HostParams | None, scores: list[list[float]] | None = None,
-                 use_weight: float | None = None, decay: float = 0.8, reuse: list[float] | None = None):
-        self.mgr, self.params, self.scores = mgr, params, scores  # scores[layer][expert]: higher = copy first
-        self.use_weight, self.decay = use_weight, decay  # a score a use (None: no later worth), decay a step
-        self.reuse = reuse or [1.0] * len(mgr.store)  # per layer: chance an expert used now is used next step
+    def __init__(self, mgr, params: HostParams | None, planner=None):
+        self.mgr, self.params, self.planner = mgr, params, planner  # planner: score, use_weight, decay, reuse
         self.H, self.I = mgr.store[0].w13.shape[2], mgr.store[0].w2.shape[2]
         self.item = mgr.pool[0].w13.element_size()  # the width copies are timed at
 
@@ -358,15 +357,16 @@ class LaneChoice:
             held += slots.slot_of(layer, e) is not None
         room = max(0, min(len(missing), slots.n_slots - held))
         order = list(missing)
-        if self.scores is not None:  # stable: equal scores keep their order
-            order.sort(key=self.scores[layer].__getitem__, reverse=True)
+        pl = self.planner
+        if pl is not None:  # stable: equal scores keep their order
+            order.sort(key=pl.score[layer].__getitem__, reverse=True)
         if self.params is None:  # no host profile (a test's plain link): copy what fits, host the rest
             return order[room:]
         t_copy = self.mgr.link.copy_seconds(self.mgr.expert_bytes)
         p, H, I, item = self.params, self.H, self.I, self.item
-        worth = self.use_weight is not None and self.scores is not None  # and the planner's reuse
+        worth = pl is not None and not pl.read_upto  # a plain step's (a verification's copies serve its cycle)
         if worth:  # the uses each copy gains: its own, less its victim's (free slots first, then coldest)
-            score, victims = self.scores[layer], [0.0] * slots.free_slots(layer)
+            score, victims = pl.score[layer], [0.0] * slots.free_slots(layer)
             cold = []
             for e in slots.residents(layer):
                 if e not in counts:
@@ -389,7 +389,7 @@ class LaneChoice:
                 rows -= counts[order[c]]
                 if worth:
                     victim = victims[c] if c < len(victims) else 0.0
-                    gained += t_host1 * (self.reuse[layer] + self.decay * (score[order[c]] - victim) / self.use_weight)
+                    gained += t_host1 * (pl.reuse[layer] + pl.decay * (score[order[c]] - victim) / pl.use_weight)
         return order[best_c:]
 
 
