@@ -168,6 +168,32 @@ def test_stages_read_only_their_tensors_and_chain_to_the_models_logits(ckpts):
         st.close()
 
 
+def test_plan_ranks_says_what_each_rank_holds_as_the_ranks_load_it(ckpts, capsys):
+    """`specter plan --ranks N`: one row per rank covering every layer; the slot pool each row gives is
+    the one that rank's load builds (a byte budget each rank's own, a residency its layers' share)."""
+    import torch
+
+    from specter.cli import main
+    from specter.pipeline.stage import load_stage
+
+    path = ckpts["qwen3_moe"]
+    spec = open_checkpoint(path).spec
+    for budget in (["--expert-memory", "120KiB"], ["--residency", "0.5"]):
+        assert main(["plan", "--model", str(path), "--ranks", "2", "--policy", "on-demand", "--device", "cpu",
+                     "--json", *budget]) == 0
+        rows = json.loads(capsys.readouterr().out)["ranks"]
+        assert [r["layers"] for r in rows] == [[s.first, s.last] for s in make_stages(spec, 2, 4)]
+        kw = {budget[0][2:].replace("-", "_"): budget[1] if budget[0] == "--expert-memory" else float(budget[1])}
+        for r, s in zip(rows, make_stages(spec, 2, 4)):
+            st = load_stage(path, s, torch.device("cpu"), policy="on-demand", **kw)
+            assert st.provider.inner.slots.pool_slots == r["pool_slots"] and r["fits"]
+            st.close()
+    assert main(["plan", "--model", str(path), "--ranks", "2", "--policy", "on-demand", "--device", "cpu",
+                 "--device-memory", "1KiB"]) == 0
+    assert capsys.readouterr().out.count("does NOT fit") == 2
+    assert main(["plan", "--model", str(path), "--ranks", "2", "--policy", "specter"]) == 2  # not pipelined
+
+
 # ------------------------------------------------------------------------------- token identity
 @pytest.mark.parametrize("world", [2, 3])
 def test_pipelines_give_one_process_tokens(ckpts, tmp_path, world):

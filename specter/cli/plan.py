@@ -15,6 +15,7 @@ from ..offload.calibrate import emulated_host_params, load_profile
 from ..offload.coded import coded_store_bytes
 from ..offload.plan import compute_dtype, emulated_device_bytes, fit, host_needs, make_plan
 from ..offload.staging import describe as describe_staging
+from ..pipeline.plan import cmd_plan_ranks
 from ..policy import DEFAULT as DEFAULT_POLICY, get as get_policy, names as policy_names
 from ..sizes import format_size
 from .options import policy_help, positive_int
@@ -36,11 +37,16 @@ def add_parsers(sub) -> None:
     p.add_argument("--compress-experts", action="store_true",
                    help="the host store losslessly coded (bf16 checkpoints): its size, measured from the weights")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.add_argument("--ranks", type=positive_int, default=1,
+                   help="plan a torchrun pipeline of N ranks: what each rank holds and whether it fits "
+                        "(each rank's own device for --expert-memory/--device-memory)")
     p.set_defaults(func=cmd_plan)
 
 
 def cmd_plan(args) -> int:
     pol = get_policy(args.policy)
+    if args.ranks > 1:  # a layer pipeline: per-rank table (specter/pipeline/plan.py)
+        return cmd_plan_ranks(args, _plan_device(args.device, args.device_memory is not None))
     path = args.model or default_model_path()
     spec, store_dtype, numel, weights = describe(path)
     device = _plan_device(args.device, args.device_memory is not None)

@@ -9,6 +9,7 @@
     decoder.py  plain decoding across the stages: rank 0's decoder (an Engine decoder) and every
                 other rank's loop
     launch.py   `torchrun ... -m specter generate`: the whole run on one rank, errors included
+    plan.py     `specter plan --ranks N`: what each rank holds, and whether it fits
 
 This module stays light (no torch): the CLI asks `launched()` before anything loads.
 """

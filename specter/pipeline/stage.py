@@ -23,7 +23,7 @@ from ..errors import ConfigError
 from ..layers import KVCache
 from ..moe import ExpertWeights, ResidentExperts
 from ..policy import get as get_policy
-from .stages import Stage
+from .stages import Stage, stage_fixed_bytes, stage_pool
 
 
 class _NoZeros:
@@ -144,15 +144,6 @@ class StageModel:
             self.provider.close()
 
 
-def stage_pool(plan, spec, n_mine: int, own_budget: bool) -> int:
-    """Slots in this stage's expert pool: a byte budget (expert_memory) is each rank's own, so its pool
-    takes what that buys, up to every expert of its layers; a residency (or a device budget, planned
-    for the whole model) gives the stage its layers' share of the whole model's pool."""
-    if own_budget:
-        return min(n_mine * spec.n_experts, plan.pool_slots)
-    return max(spec.top_k, plan.pool_slots * n_mine // max(spec.n_moe_layers, 1))
-
-
 def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                link=None, dtype=None, threads: int | None = None) -> StageModel:
     """Loads the checkpoint at `path` and keeps `stage` of it, with `policy`'s provider over its MoE
@@ -179,13 +170,14 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
             raise ConfigError(f"policy {policy!r} keeps every expert on the device, so a budget or --link would be "
                               "ignored; drop it or use --policy on-demand")
     else:
-        device_memory = None
-        if residency is None and expert_memory is None and device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            device_memory = int(free * 0.9)
+        own = expert_memory is not None
+        if residency is None and expert_memory is None and device.type == "cuda":  # 90% of what is free,
+            free, _ = torch.cuda.mem_get_info(device)                              # less the stage's own
+            expert_memory = max(0, int(free * 0.9) - sum(stage_fixed_bytes(spec, stage, dt.itemsize)))
+            own = True
         # the plan of the whole model; each rank's pool is sized from it (stage_pool)
         plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
-                         device_memory=device_memory, draft=False, device=device, store_dtype=ckpt.dtype)
+                         draft=False, device=device, store_dtype=ckpt.dtype)
         pdt = getattr(torch, plan.pool_dtype)
         lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,
                                                       storage=pdt))
@@ -204,7 +196,7 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
         else:
             inner = OffloadedExperts(mine, plan.slots_per_layer, device, lk, eviction=pol.eviction, dtype=pdt,
                                      alias=plan.aliased, rows=resident,
-                                     pool=stage_pool(plan, spec, len(mine), expert_memory is not None))
+                                     pool=stage_pool(plan, spec, len(mine), own))
             inner.warm()
         guess = None
         if pol.host_lane == "misses" and not inner.all_resident:  # policy host: every miss computed on the host

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..config import ModelSpec
 from ..model import MoETransformer
+from ..offload.plan import kv_bytes_per_token
 from .group import Group, PipelineError, comm
 
 
@@ -85,6 +86,28 @@ def split_layers(sizes: list[int], n: int, first_extra: int = 0, last_extra: int
         b = a
     ranges.append((0, b))
     return ranges[::-1]
+
+
+def stage_fixed_bytes(spec: ModelSpec, stage: Stage, itemsize: int, context: int | None = None) -> tuple[int, int]:
+    """(non-expert weight bytes, KV cache bytes at `context` tokens, default the model's) of a stage on
+    its device, at the compute dtype's `itemsize`: what its expert pool's budget is left after."""
+    per, embed, head = layer_bytes(spec, itemsize)
+    expert = spec.n_experts * spec.expert_numel() * itemsize
+    moe = set(spec.moe_layer_ids)
+    non = sum(per[l] - (expert if l in moe else 0) for l in range(stage.first, stage.last))
+    non += (embed if stage.is_first else 0) + (head if stage.is_last else 0)
+    ctx = min(context or spec.max_position, spec.max_position)
+    kv = kv_bytes_per_token(spec, itemsize) * ctx * (stage.last - stage.first) // spec.n_layers
+    return non, kv
+
+
+def stage_pool(plan, spec: ModelSpec, n_mine: int, own_budget: bool) -> int:
+    """Slots in a stage's expert pool: a byte budget (expert_memory, or what a device budget leaves the
+    stage) is each rank's own, so its pool takes what that buys, up to every expert of its layers; a
+    residency gives the stage its layers' share of the whole model's pool."""
+    if own_budget:
+        return min(n_mine * spec.n_experts, plan.pool_slots)
+    return min(n_mine * spec.n_experts, max(spec.top_k, plan.pool_slots * n_mine // max(spec.n_moe_layers, 1)))
 
 
 def make_stages(spec: ModelSpec, world: int, itemsize: int) -> list[Stage]:

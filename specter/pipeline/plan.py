@@ -1,0 +1,86 @@
+"""`specter plan --ranks N`: what each rank of an N-rank pipeline holds, and whether it fits.
+
+Each rank's device holds its stage's non-expert weights (its layers; the embedding on the first,
+the final norm and lm_head on the last), its layers' KV cache at the context, and its expert slot
+pool; its host holds its MoE layers' expert store. The pool is sized as the ranks size it when they
+load (stage.load_stage): a residency gives each stage its layers' share of the whole model's pool;
+--expert-memory is each rank's own; --device-memory is each rank's own device, the pool taking
+what the stage's weights and KV cache leave (it fits when that is at least one layer's top-k)."""
+from __future__ import annotations
+
+import json
+
+from ..errors import BudgetError, ConfigError
+from ..offload.plan import make_plan, parse_budget
+from ..sizes import format_size
+from .stages import make_stages, stage_fixed_bytes, stage_pool
+
+PLAIN = ("resident", "on-demand", "next-layer", "host")
+
+
+def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str, residency=None,
+               expert_memory=None, device_memory=None, context: int | None = None, device=None) -> list[dict]:
+    """One dict per rank: layers, moe_layers, non_expert_bytes, kv_bytes, pool_slots, pool_bytes,
+    total_bytes, store_bytes, fits."""
+    if policy not in PLAIN:
+        raise ConfigError(f"policy {policy!r} is not pipelined yet; plan --ranks for {', '.join(PLAIN)}")
+    stages = make_stages(spec, ranks, store_dtype.itemsize)
+    item, E, k = dtype.itemsize, spec.n_experts, spec.top_k
+    out = []
+    for st in stages:
+        mine = st.moe_last - st.moe_first
+        non, kv = stage_fixed_bytes(spec, st, item, context)
+        if policy == "resident":
+            slots, expert = mine * E, spec.expert_numel() * item
+        else:
+            budget = expert_memory
+            if device_memory is not None:
+                budget = max(0, parse_budget(device_memory, "device_memory") - non - kv)
+            try:
+                plan = make_plan(spec, numel, dtype, residency=residency, expert_memory=budget, draft=False,
+                                 device=device, store_dtype=store_dtype, context=context)
+                slots, expert = stage_pool(plan, spec, mine, budget is not None), plan.expert_bytes
+            except BudgetError:  # less than one layer's top-k left
+                slots, expert = 0, spec.expert_numel() * item
+        out.append(dict(rank=st.rank, layers=[st.first, st.last], moe_layers=mine, non_expert_bytes=non,
+                        kv_bytes=kv, pool_slots=slots, experts=mine * E, pool_bytes=slots * expert,
+                        total_bytes=non + kv + slots * expert,
+                        store_bytes=0 if policy == "resident" else mine * E * spec.expert_numel() * store_dtype.itemsize,
+                        fits=mine == 0 or slots >= k))
+    return out
+
+
+def print_rank_plans(rows: list[dict], as_json: bool, device_memory=None) -> None:
+    if as_json:
+        print(json.dumps({"ranks": rows}))
+        return
+    for r in rows:
+        a, b = r["layers"]
+        line = (f"rank {r['rank']}: layers [{a}, {b}) ({r['moe_layers']} MoE): non-expert "
+                f"{format_size(r['non_expert_bytes'])}, KV {format_size(r['kv_bytes'])}, slot pool "
+                f"{r['pool_slots']} of {r['experts']} experts ({format_size(r['pool_bytes'])}), device total "
+                f"{format_size(r['total_bytes'])}; host store {format_size(r['store_bytes'])}")
+        if device_memory is not None:
+            line += "; fits" if r["fits"] else "; does NOT fit (less than one layer's top-k experts left)"
+        print(line)
+
+
+def cmd_plan_ranks(args, device) -> int:
+    """`specter plan --ranks N` (cli/plan.py hands over): the per-rank table, or {"ranks": [...]}."""
+    from .. import default_model_path
+    from ..loader import describe
+    from ..offload.plan import compute_dtype
+
+    path = args.model or default_model_path()
+    spec, store_dtype, numel, _ = describe(path)
+    if getattr(args, "compress_experts", False):
+        raise ConfigError("plan --ranks does not cover --compress-experts yet (a pipeline does not run it)")
+    dtype = compute_dtype(device, store_dtype)
+    rows = rank_plans(spec, numel, dtype, store_dtype, args.ranks, policy=args.policy, residency=args.residency,
+                      expert_memory=args.expert_memory, device_memory=args.device_memory, context=args.context,
+                      device=device)
+    if not args.json:
+        print(f"model {path} ({spec.arch}) over {args.ranks} ranks, policy {args.policy}, computed "
+              f"{str(dtype)[6:]} on {device.type}")
+    print_rank_plans(rows, args.json, args.device_memory)
+    return 0
