@@ -220,11 +220,11 @@ class GraphRecordings:
 
     @staticmethod
     def needed(steps) -> bool:
-        return any(getattr(s, "graphs", False) for s in steps)
+        return any(s is not None and getattr(s, "graphs", False) for s in steps)
 
     def record(self, steps, cache, number: int) -> None:
         """Record every graph `steps` can replay on `cache` (the decoder's `number`th), on this thread."""
-        steps = [s for s in steps if getattr(s, "graphs", False)]
+        steps = [s for s in steps if s is not None and getattr(s, "graphs", False)]
         warm = self._warm.__dict__.setdefault("caches", set())
         if not steps or number in warm:
             return

@@ -14,7 +14,7 @@ strings and printable pieces are in streaming.py.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
@@ -22,7 +22,6 @@ import torch
 
 from .config import ModelSpec
 from .errors import ConfigError, ContextLengthError, TokenizerError
-from .generation_defaults import choose, describe
 from .model import MoETransformer
 from .moe import ExpertWeights
 from .sampling import SamplingParams
@@ -34,6 +33,37 @@ class GenerationOutput:
     text: str
     token_ids: list[int]            # new tokens only
     stats: dict = field(default_factory=dict)
+
+
+_FIELDS = frozenset(f.name for f in fields(SamplingParams))  # SamplingParams' keywords
+
+
+def choose(sampling: dict, defaults: dict) -> tuple[dict, str]:
+    """(SamplingParams keywords, where they came from): the caller's keywords ("caller") when they set
+    any sampling value (None counts as unset, a seed alone as no choice), else the model's defaults
+    plus the seed ("model"; "none" when the model has none: greedy)."""
+    given, chosen = {}, False
+    for k, v in sampling.items():
+        if v is not None or k not in _FIELDS:  # unknown: from_kwargs says so
+            given[k] = v
+            chosen = chosen or k != "seed"
+    if chosen:
+        return given, "caller"
+    return {**defaults, **given}, "model" if defaults else "none"
+
+
+def describe(params: SamplingParams) -> str:
+    """A short human summary: "greedy" or "temperature 0.7, top-p 0.95, top-k 50, repetition 1.1"."""
+    p = params
+    parts = ["greedy"] if p.greedy else [f"temperature {p.temperature:g}"]
+    for name, v, on in (("top-p", p.top_p, not p.greedy and p.top_p < 1), ("top-k", p.top_k, not p.greedy and p.top_k > 0),
+                        ("min-p", p.min_p, not p.greedy and p.min_p > 0),
+                        ("repetition", p.repetition_penalty, p.repetition_penalty != 1),
+                        ("presence", p.presence_penalty, p.presence_penalty != 0),
+                        ("frequency", p.frequency_penalty, p.frequency_penalty != 0)):
+        if on:
+            parts.append(f"{name} {v:g}")
+    return ", ".join(parts)
 
 
 class Engine:
@@ -80,9 +110,9 @@ class Engine:
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+            bad = [t for t in ids if not 0 <= t < self.model.spec.vocab_size]
             if bad:
-                raise ConfigError(f"token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
+                raise ConfigError(f"token id {bad[0]} is outside the vocabulary [0, {self.model.spec.vocab_size})")
         else:
             raise ConfigError("prompt must be a string, a list of token ids, or a list of chat messages")
         if not ids:
@@ -177,7 +207,7 @@ class Engine:
         if stops:
             self._need_tokenizer("stop strings cannot be matched; stop on max_new_tokens or the EOS token")
         ids = self.encode(prompt)
-        limit = self.spec.max_position
+        limit = self.model.spec.max_position
         if len(ids) + max_new_tokens > limit:
             raise ContextLengthError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "

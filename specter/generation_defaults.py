@@ -8,7 +8,7 @@ silent (top_k 50: what `model.generate()` would use). A setting that changes tok
 Specter does not implement (typical_p, beams, n-gram bans, ...) is named in one warning, never
 dropped silently. Lengths and token ids are not sampling settings and are not applied here.
 
-When they apply: a caller who passes no sampling keyword (a seed alone is not a choice of
+When they apply (engine.choose): a caller who passes no sampling keyword (a seed alone is not a choice of
 settings) gets the model's defaults; a caller who passes any gets exactly their own, the rest at
 SamplingParams' neutral values (temperature 0 = greedy, filters and penalties off).
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import fields
 from pathlib import Path
 
 from .errors import CheckpointError, ConfigError
@@ -70,25 +69,3 @@ def read_generation_defaults(path: str | os.PathLike) -> dict:
     except ConfigError as e:
         raise CheckpointError(f"{file}: {e}") from None
     return out
-
-
-def choose(sampling: dict, defaults: dict) -> tuple[dict, str]:
-    """(SamplingParams keywords, where they came from): the caller's keywords ("caller") when they set
-    any sampling value (None counts as unset, a seed alone as no choice), else the model's defaults
-    plus the seed ("model"; "none" when the model has none: greedy)."""
-    known = {f.name for f in fields(SamplingParams)}
-    given = {k: v for k, v in sampling.items() if v is not None or k not in known}  # unknown: from_kwargs says so
-    if any(k != "seed" for k in given):
-        return given, "caller"
-    return {**defaults, **given}, "model" if defaults else "none"
-
-
-def describe(params: SamplingParams) -> str:
-    """A short human summary: "greedy" or "temperature 0.7, top-p 0.95, top-k 50, repetition 1.1"."""
-    p = params
-    shown = [("top-p", p.top_p, p.top_p < 1), ("top-k", p.top_k, p.top_k > 0), ("min-p", p.min_p, p.min_p > 0)]
-    parts = ["greedy"] if p.greedy else [f"temperature {p.temperature:g}"] + [f"{n} {v:g}" for n, v, on in shown if on]
-    penalties = [("repetition", p.repetition_penalty, p.repetition_penalty != 1),
-                 ("presence", p.presence_penalty, p.presence_penalty != 0),
-                 ("frequency", p.frequency_penalty, p.frequency_penalty != 0)]
-    return ", ".join(parts + [f"{n} {v:g}" for n, v, on in penalties if on])

@@ -68,16 +68,19 @@ class Rope(nn.Module):
             freqs = torch.cat((freqs, freqs), dim=-1)  # [T, dim]
         return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, dim]; cos/sin: [T, dim] (halves) or [T, dim/2] (interleaved)
+    def apply(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Both rotated: q [T, heads, dim], k [T, kv_heads, dim]; cos/sin: [T, dim] (halves) or [T, dim/2]
+        (interleaved)."""
         cos, sin = cos[:, None], sin[:, None]
         if self.interleaved:  # (x0 + i x1) * (cos + i sin), computed in fp32 as the reference does
-            xf = x.float().unflatten(-1, (-1, 2))
-            a, b = xf[..., 0], xf[..., 1]
             cf, sf = cos.float(), sin.float()
-            return torch.stack((a * cf - b * sf, a * sf + b * cf), dim=-1).flatten(-2).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+            qf, kf = q.float().unflatten(-1, (-1, 2)), k.float().unflatten(-1, (-1, 2))
+            a, b, c, d = qf[..., 0], qf[..., 1], kf[..., 0], kf[..., 1]
+            return (torch.stack((a * cf - b * sf, a * sf + b * cf), dim=-1).flatten(-2).to(q.dtype),
+                    torch.stack((c * cf - d * sf, c * sf + d * cf), dim=-1).flatten(-2).to(k.dtype))
+        q1, q2 = q.chunk(2, dim=-1)
+        k1, k2 = k.chunk(2, dim=-1)
+        return q * cos + torch.cat((-q2, q1), dim=-1) * sin, k * cos + torch.cat((-k2, k1), dim=-1) * sin
 
 
 # ------------------------------------------------------------------------------------ KV cache
@@ -183,10 +186,15 @@ class Attention(nn.Module):
         q, k, v = q.view(T, self.nh, self.d), k.view(T, self.nkv, self.d), v.view(T, self.nkv, self.d)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-        k_all, v_all = cache.update(self.layer, start, k, v)
-        mask = attention_mask(start, T, self.window, x.device, k_all.shape[1])
-        return self.o_proj(sdpa(q, k_all, v_all, mask, self.scale))
+        q, k = rope.apply(q, k, cos, sin)
+        k_all, v_all = cache.update(self.layer, start, k, v)  # [n_kv, L, d]
+        if T == 1 and self.window is None and not isinstance(start, torch.Tensor):
+            mask = None  # one token at the end of the cache attends to all of it
+        else:
+            mask = attention_mask(start, T, self.window, x.device, k_all.shape[1])
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_all[None], v_all[None], attn_mask=mask,
+                                           scale=self.scale, enable_gqa=self.nkv != self.nh)  # [1, nh, T, d]
+        return self.o_proj(o[0].transpose(0, 1).flatten(1))
 
 
 class MLAttention(nn.Module):
@@ -228,7 +236,7 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.view(T, nh, -1).split([self.nope, self.rope_dim], dim=-1)
         kv_lat, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
         c = self.kv_a_layernorm(kv_lat)                                               # [T, r]
-        q_pe, k_pe = rope.apply(q_pe, cos, sin), rope.apply(k_pe[:, None], cos, sin)  # [T, nh, rope], [T, 1, rope]
+        q_pe, k_pe = rope.apply(q_pe, k_pe[:, None], cos, sin)  # [T, nh, rope], [T, 1, rope]
         ckv, c_all = cache.update(self.layer, start, torch.cat((c[:, None], k_pe), dim=-1), None)  # [1, end, r+rope]
         w = self.kv_b_proj.weight.view(nh, self.nope + self.dv, self.rank)
         q_lat = torch.einsum("tnd,ndr->tnr", q_nope, w[:, :self.nope])                # [T, nh, r]

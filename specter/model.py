@@ -156,14 +156,15 @@ class MoETransformer(nn.Module):
             pieces=None, rows: int | None = None):
         """The layer loop: `forward` without its check and its inference mode. `start`: an int, or a 0-d
         device tensor (the compiled steps). `pieces`: an object with this module's four piece methods
-        and `layers(cache)` (the verifier's compiled ones); `rows`: the real rows of a padded width,
+        (the verifier's compiled ones) and `layers(cache)`, the (layer, its K/V) pairs; `rows`: the real rows of a padded width,
         the only ones the provider sees."""
         p = self if pieces is None else pieces
         x, cos, sin = p.enter(tokens, start)
         out = empty = None if pieces is None else pieces.zeros[:x.shape[0]]  # the last MLP's output, not yet added
         named = not torch.compiler.is_compiling() and profiling.ON  # the flag read after: no guard on it
-        for layer, kv in p.layers(cache):
-            with profiling.span(self.model.span_names[layer.index]) if named else _NULL:
+        layers = zip(self.model.layers, repeat(cache)) if pieces is None else pieces.layers(cache)
+        for layer, kv in layers:  # (layer, the cache its attention writes)
+            with profiling.span(self.model.span_names[layer.index]) if named else profiling.NULL:
                 if layer.moe_index is None:
                     x, out = p.dense(layer, x, out, cos, sin, kv, start), empty
                     continue
@@ -177,10 +178,6 @@ class MoETransformer(nn.Module):
         return p.head(x, out, logits_for)
 
     # ------------------------------------------------------------------ the pieces run calls
-    def layers(self, cache: KVCache):
-        """(layer, the cache its attention writes) for each layer in order."""
-        return zip(self.model.layers, repeat(cache))
-
     def enter(self, tokens, start):
         """tokens [T] -> embeddings x [T, H], and cos/sin of positions start .. start+T-1."""
         x = self.model.embed_tokens(tokens)  # [T, H]
@@ -227,21 +224,14 @@ class MoETransformer(nn.Module):
         ties that a batched verification and a one-token step break differently. The weight is
         upcast a vocabulary chunk at a time (no fp32 copy of lm_head is kept; on CPU at fp32 this is
         one plain linear)."""
-        h = fp32_norm(self.model.norm, x)  # [T, H] fp32
+        norm, x = self.model.norm, x.float()  # the final norm in fp32, its weights upcast
+        if isinstance(norm, nn.LayerNorm):
+            h = F.layer_norm(x, norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
+        else:
+            h = norm.weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))  # [T, H]
         w, b = self.lm_head.weight, self.lm_head.bias
         if w.dtype == torch.float32 or w.shape[0] <= chunk:
             return F.linear(h, w.float(), None if b is None else b.float())
         parts = [F.linear(h, w[i:i + chunk].float(), None if b is None else b[i:i + chunk].float())
                  for i in range(0, w.shape[0], chunk)]
         return torch.cat(parts, dim=-1)
-
-
-_NULL = profiling._NULL
-
-
-def fp32_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The module's normalisation of x computed in fp32 (its weights upcast), whatever their dtype."""
-    x = x.float()
-    if isinstance(norm, nn.LayerNorm):
-        return F.layer_norm(x, norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
-    return norm.weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-_NULL = contextlib.nullcontext()
+NULL = _NULL = contextlib.nullcontext()  # what a span site uses when ON is False: `span(n) if ON else NULL`
 _on = {"nvtx": os.environ.get("SPECTER_NVTX", "") not in ("", "0"), "record": False}
 ON = _on["nvtx"]  # any range on: read (not called) by the layer loop
 

@@ -97,7 +97,8 @@ class Turns:
     def turn(self):
         with self._cv:
             ticket = self._take()
-            self._cv.wait_for(lambda: self._serving == ticket)
+            while self._serving != ticket:
+                self._cv.wait()
             self._owner = (threading.get_ident(), None)
         try:
             yield
@@ -131,7 +132,7 @@ class Decoding:
 
     def __init__(self, engine, ids: list[int], max_new_tokens: int, stops: list[str]):
         self.engine, self.prompt_tokens, self.max_new, self.stops = engine, len(ids), max_new_tokens, stops
-        self.eos = set(engine.spec.eos_token_ids)
+        self.eos = set(engine.model.spec.eos_token_ids)
         self.longest = max(map(len, stops), default=0)
         engine.decoder.reset_stats()
         self.new: list[int] = []

@@ -32,13 +32,15 @@ An expert whose copy has not landed is still -1 in the remap, so it computes not
 """
 from __future__ import annotations
 
+from functools import partial
 
 import torch
 
 from specter.triton_ops import combine_rows, expert_rows, merge_rows
 
 from ..moe import ExpertWeights
-from ..profiling import span
+from .. import profiling
+from ..profiling import NULL, span
 from .link import Link, Transfer
 from .slots import SlotCache
 from .staging import staged_nbytes
@@ -90,6 +92,7 @@ class OffloadedExperts:
         # where compute is synchronous): a copy into the slot waits for that, not for all compute. A slot
         # never read waits only for the pool's allocation (queued before this point), nothing later.
         allocated = link.read_event()
+        self._ordered = allocated is not None  # the link orders copies after reads (CUDA): note each read
         self.last_read: list = [allocated] * S  # per pool slot, whichever layer read it
         link.prepare([t for ew in store for t in (ew.w13, ew.w2)], staged_nbytes([w13[0], w2[0]]))
         self._routed: dict[int, tuple[list[int], int]] = {}  # layer -> (the last verification's routing [T * k], k)
@@ -106,7 +109,7 @@ class OffloadedExperts:
         src, dst = self.store[layer], self.pool[layer]
         last = self.last_read[slot]  # CUDA: the slot's last reader (or its allocation), not all compute
         order = {} if last is None else {"after": last}  # None: CPU, where compute has finished
-        with span("copy issue"):
+        with span("copy issue") if profiling.ON else NULL:
             t = None if self.tier is None else self.tier.copy(layer, e, [dst.w13[slot], dst.w2[slot]], urgent=urgent)
             if t is None:  # not held coded on the device: over the link
                 t = self.link.copy([dst.w13[slot], dst.w2[slot]], [src.w13[e], src.w2[e]],
@@ -131,12 +134,17 @@ class OffloadedExperts:
             self.slots.mark_ready(layer, e)
             if self.tier is not None:  # a copy over the link leaves its coded bytes in the tier
                 self.tier.landed(layer, e, t)
-            self._read_done(layer, [e])  # CUDA: compute now waits for the copy; a later one waits for that
+            if self._ordered:
+                self._read_done(layer, [e])  # CUDA: compute now waits for the copy; a later one waits for that
 
     def poll(self) -> None:
         """Mark every completed copy ready (cheap; called between layers; nothing waits)."""
-        for key in [k for k, t in self.inflight.items() if t.done()]:
-            self._land(*key)
+        done = []
+        for key, t in self.inflight.items():
+            if t.done():
+                done.append(key)
+        for layer, e in done:
+            self._land(layer, e)
 
     def prefetch(self, layer: int, experts, *, protect=(), urgent: bool = False) -> int:
         """Start copies for those of `experts` not resident or in flight, in the given order, never
@@ -177,8 +185,11 @@ class OffloadedExperts:
         issued for is over, so the steps after it do not queue behind its wrong guesses. Each one's
         reservation is undone, the expert it evicted ready again in its untouched slot. Returns how
         many; always 0 on CUDA, where a copy on the stream cannot be withdrawn (Link.cancel)."""
-        n = 0
-        for layer, e in [k for k in self.inflight if k in self.prefetched]:
+        n, guesses = 0, []
+        for key in self.inflight:
+            if key in self.prefetched:
+                guesses.append(key)
+        for layer, e in guesses:
             if self.slots.is_pinned(layer, e) or not self.link.cancel(self.inflight[(layer, e)]):
                 continue
             self._stats["h2d_bytes"] -= self.inflight.pop((layer, e)).nbytes  # never crossed the link
@@ -247,7 +258,7 @@ class OffloadedExperts:
             elif slots.is_ready(layer, e):
                 ready.append(e)
         if self.keep_rank is not None and len(need) > slots.n_slots:  # more than fit: choose who stays
-            missing.sort(key=lambda e: self.keep_rank(layer, e))
+            missing.sort(key=partial(self.keep_rank, layer))
         job = None
         if missing and self.host_choice is not None:  # both lanes: some misses computed on the host
             tier = self.tier  # a miss held coded on the device is a decode, never the host lane's
@@ -263,7 +274,8 @@ class OffloadedExperts:
             guess(layer, x)
         if ready:  # every resident expert, in one call through the remap row (-1 rows left for later)
             rows = expert_rows(x, ids, weights, pool.w13, pool.w2, remap=slots.remap[layer])
-            self._read_done(layer, ready)  # queued: a copy into these slots now waits for this call
+            if self._ordered:  # queued: a copy into these slots now waits for this call
+                self._read_done(layer, ready)
         else:
             rows = x.new_zeros(ids.shape + x.shape[1:])
         todo = flying + missing
@@ -273,7 +285,8 @@ class OffloadedExperts:
             for e in batch:
                 late[e] = slots.row(layer, e)
             rows = merge_rows(rows, expert_rows(x, ids, weights, pool.w13, pool.w2, remap=late), ids, late)
-            self._read_done(layer, batch)
+            if self._ordered:
+                self._read_done(layer, batch)
             todo = todo[len(batch):]
         if job is not None:  # the host lane's rows, merged by (token, position) like late ones
             waited = job.wait()
@@ -297,7 +310,11 @@ class OffloadedExperts:
         self._stats["host_experts"] += len(hosted)
         self._stats["host_bytes"] += len(hosted) * self.host_expert_bytes
         job = self.host_lane.submit(layer, x, ids, weights, remap, experts=list(hosted))
-        return job, [e for e in missing if e not in hosted]
+        left = []
+        for e in missing:
+            if e not in hosted:
+                left.append(e)
+        return job, left
 
     def demote_rejected(self, kept_rows: int) -> None:
         """The last verification's rows from `kept_rows` on ran on rejected drafted tokens: the experts
@@ -305,9 +322,15 @@ class OffloadedExperts:
         experts the accepted text used. Without it, every rejected draft's experts landed as the most
         recently used and pushed out what the next plain steps needed (traced on a DeepSeek-V2 shape
         at 1/2 residency: spec-lru's plain steps slowed from 15 to 26 ms, on-demand's stayed at 18)."""
+        slots = self.slots
         for layer, (routed, k) in self._routed.items():
-            kept = set(routed[:kept_rows * k])
-            self.slots.demote(layer, [e for e in set(routed[kept_rows * k:]) - kept if self.slots.is_ready(layer, e)])
+            rejected = set(routed[kept_rows * k:]).difference(routed[:kept_rows * k])
+            ready = []
+            for e in rejected:
+                if slots.is_ready(layer, e):
+                    ready.append(e)
+            if ready:
+                slots.demote(layer, ready)
         self._routed.clear()
 
     def _land_batch(self, layer: int, todo: list[int]) -> list[int]:

@@ -29,7 +29,8 @@ from specter.compiled.capture import GraphRecordings
 from ..layers import KVCache
 from ..model import MoETransformer
 from ..offload.manager import OffloadedExperts
-from ..profiling import span
+from .. import profiling
+from ..profiling import NULL, span
 from ..sampling import SamplingParams, penalize, probs, sample
 from .draft import DraftExperts, accept_greedy, accept_on_device, accept_sampling
 from .governor import Governor
@@ -86,7 +87,9 @@ class SpeculativeDecoder:
         self.governor, self.planner, self.fallback = governor, planner, fallback
         self.draft_step, self.verify_step = draft_step, verify_step
         self._guessing = None                   # the offload manager with next-layer guesses (set by run)
-        self.plan_backlog = 1                   # plan again when at most this many copies are queued
+        self.plan_backlog = 1                   # plan after the first drafted row at once (copies should start
+                                                # early), later at chunk boundaries only when at most this many
+                                                # copies are queued (planning into a backlog costs draft time)
         self.cancel_leftovers = True            # withdraw a cycle's prefetches still queued when it ends
         self._last_plain = None                 # (token, its [1] tensor) from the last plain step
         self.times = CycleTimes(clock_for(device))  # draft and verify times: CUDA events on CUDA, else wall clock
@@ -101,7 +104,8 @@ class SpeculativeDecoder:
         headroom = self.verify_step.headroom if self.verify_step is not None else 0  # it pads to a width bucket
         cache = self._kv_cache(len(prompt) + max_new + headroom)
         self._guessing = None if self.fallback is None else partial(self.experts, guess=self.fallback)
-        self.graphs.record(self._steps(), cache, self._caches)
+        if self.draft_step is not None or self.verify_step is not None:
+            self.graphs.record((self.draft_step, self.verify_step), cache, self._caches)
         gen = params.generator(self.device)
         hist = params.history(prompt, self.device)  # what penalties look at
         logits = self.model(torch.tensor(prompt, device=self.device), 0, cache, self.experts, logits_for="last")
@@ -121,9 +125,6 @@ class SpeculativeDecoder:
             produced += len(new)
             yield new
 
-    def _steps(self) -> list:
-        return [s for s in (self.draft_step, self.verify_step) if s is not None]
-
     def _kv_cache(self, need: int) -> KVCache:
         """The KV cache, kept across generations (one generation runs at a time) and grown only when
         a generation needs more: a captured draft step then replays on the same buffer addresses
@@ -133,7 +134,7 @@ class SpeculativeDecoder:
         if cache is None or cache.max_len < need:  # grow geometrically, within the model's context
             max_pos = self.model.spec.max_position
             size = need if cache is None else max(need, min(2 * cache.max_len, max_pos))
-            if self.graphs.needed(self._steps()):  # each new cache is a new set of recordings: a useful size
+            if self.graphs.needed((self.draft_step, self.verify_step)):  # each new cache is a new set of recordings: a useful size
                 size = max(size, min(self.graphs.CACHE_MIN, max_pos))
             cache = self._cache = KVCache(self.model.spec, size, self.device, self.dtype)
             self._caches += 1
@@ -143,8 +144,9 @@ class SpeculativeDecoder:
         """Record the CUDA graphs now, on the calling thread, for a KV cache of at least `tokens`
         positions (the one generations will use): for a thread that will generate (a server's engine
         thread) to call before its first request. Generations do it themselves when needed."""
-        if self.graphs.needed(self._steps()):
-            self.graphs.record(self._steps(), self._kv_cache(max(tokens, 1)), self._caches)
+        steps = (self.draft_step, self.verify_step)
+        if self.graphs.needed(steps):
+            self.graphs.record(steps, self._kv_cache(max(tokens, 1)), self._caches)
 
     def _cycle(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen, hist) -> list[int]:
         """One speculative cycle (K >= 1) -> the committed tokens (m accepted drafts + the target's own)."""
@@ -161,14 +163,14 @@ class SpeculativeDecoder:
             tokens = torch.tensor([t] + drafted, device=self.device)
         m1 = self.times.mark()
         stall0, hits0, misses0 = mgr._stats["stall_s"], mgr._stats["expert_hits"], mgr._stats["expert_misses"]
-        with span("verify"):
+        with span("verify") if profiling.ON else NULL:
             logits = self._verify(tokens, n, cache, mgr)  # [K+1, V]
         if self.cancel_leftovers:  # what verification did not wait for, it did not need:
             mgr.cancel_prefetches()  # the next cycle must not queue behind it nor be billed for it
         if self.planner is not None:
             self.planner.end_cycle()
         # row i of the target sees the history plus drafted[:i], exactly as the draft's step i did
-        with span("accept"):
+        with span("accept") if profiling.ON else NULL:
             if sync_free:  # no penalties: nothing depends on the history
                 m, nxt, drafted = accept_on_device(tokens, logits, q, params, gen)  # one host read
             elif params.greedy:
@@ -186,7 +188,10 @@ class SpeculativeDecoder:
         st["drafted_tokens"] += k
         st["accepted_tokens"] += m
         st["rejections"] += m < k
-        self.times.submit((m0, m1, m2), partial(self._observe_cycle, k, m, stall))
+        if self.times.wall:  # CPU: wall-clock readings, known now
+            self._observe_cycle(k, m, stall, m1 - m0, m2 - m1)
+        else:  # CUDA: events, read once they have completed (timing.py)
+            self.times.submit((m0, m1, m2), partial(self._observe_cycle, k, m, stall))
         return drafted[:m] + [nxt]
 
     def _observe_cycle(self, k: int, m: int, stall: float, draft_s: float, verify_s: float) -> None:
@@ -209,18 +214,22 @@ class SpeculativeDecoder:
         m1 = self.times.mark()
         last = self._last_plain  # the token the previous plain step sampled, still a tensor: no new one
         x = last[1] if last is not None and last[0] == t else torch.tensor([t], device=self.device)
-        with span("verify"):
+        with span("verify") if profiling.ON else NULL:
             logits = self._verify(x, n, cache, self._guessing if guessing else mgr)  # [1, V]
         if guessing and self.cancel_leftovers:  # only next-layer prefetches: misses are never withdrawn
             mgr.cancel_prefetches()
-        with span("accept"):  # a plain step's "acceptance" is its sample
+        with span("accept") if profiling.ON else NULL:  # a plain step's "acceptance" is its sample
             tok = sample(logits, params, gen, hist)  # [1]
             nxt = int(tok)
         self._last_plain = (nxt, tok)
         m2 = self.times.mark()
         observed = not (arms and self.governor.plain_arms.probing)  # as in _cycle: a probe is not what K = 0 costs
         copied = max(0, mgr.offloaded_bytes - copied0)
-        self.times.submit((m1, m2), partial(self._observe_plain, observed, copied, guessing if arms else None))
+        arm = guessing if arms else None
+        if self.times.wall:
+            self._observe_plain(observed, copied, arm, m2 - m1)
+        else:
+            self.times.submit((m1, m2), partial(self._observe_plain, observed, copied, arm))
         return [nxt]
 
     def _observe_plain(self, observed: bool, copied: int, arm: bool | None, verify_s: float) -> None:
@@ -244,32 +253,32 @@ class SpeculativeDecoder:
         """K draft steps without a host sync (compiled/draft_step.py) -> tokens [K+1] (the pending token,
         then the drafted ones) and q [K, V] (sampling) or None, all on the device. The planner reads
         only lookahead rows whose copies to the host have landed."""
-        ds, planner = self.draft_step, self.planner
+        ds, planner, link = self.draft_step, self.planner, self.experts.link
         ds.begin(t, n, params)
         if planner is not None:
             planner.begin_cycle(k)
             chunk = planner.chunk_size(self.governor.draft_s or 0.0, k)
         for i in range(k):
-            with span("draft step"):
+            with span("draft step") if profiling.ON else NULL:
                 ds.step(cache, gen)
-            if planner is not None and self._plan_now(i, chunk):
-                with span("plan"):
+            if planner is not None and (i == 0 or ((i + 1) % chunk == 0 and link.pending() <= self.plan_backlog)):
+                with span("plan") if profiling.ON else NULL:
                     planner.plan(ds.lookahead.ready(), host=True)
         if planner is not None:
-            with span("plan"):
+            with span("plan") if profiling.ON else NULL:
                 planner.plan(ds.lookahead.ready(), host=True)
         return ds.tokens[:k + 1], (None if params.greedy else ds.q[:k])
 
     def _draft(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen, hist):
         """K eager draft steps -> drafted tokens, their draft probabilities (sampling)."""
         drafted, q_rows = [], []
-        planner = self.planner
+        planner, link = self.planner, self.experts.link
         if planner is not None:
             planner.begin_cycle(k)
             chunk = planner.chunk_size(self.governor.draft_s or 0.0, k)
         draft, greedy, tok = self.draft, params.greedy, t
         for i in range(k):
-            with span("draft step"):
+            with span("draft step") if profiling.ON else NULL:
                 draft.row = i
                 logits = self.model(torch.tensor([tok], device=self.device), n + i, cache, draft)  # [1, V]
                 if greedy:
@@ -279,23 +288,19 @@ class SpeculativeDecoder:
                     tok = int(torch.multinomial(q, 1, generator=gen))
                     q_rows.append(q)
             drafted.append(tok)
-            if planner is not None and self._plan_now(i, chunk):
-                with span("plan"):
+            if planner is not None and (i == 0 or ((i + 1) % chunk == 0 and link.pending() <= self.plan_backlog)):
+                with span("plan") if profiling.ON else NULL:
                     planner.plan(i + 1)
         draft.row = None
         if planner is not None:
-            with span("plan"):
+            with span("plan") if profiling.ON else NULL:
                 planner.plan(k)
         return drafted, q_rows
 
-    def _plan_now(self, i: int, chunk: int) -> bool:
-        """After draft step i: the first row at once (copies should start as early as possible); later
-        chunks only when the link is about to run dry: planning into a backlog costs draft time, buys nothing."""
-        return i == 0 or ((i + 1) % chunk == 0 and self.experts.link.pending() <= self.plan_backlog)
-
     # ------------------------------------------------------------------------------ stats
     def reset_stats(self) -> None:
-        self.times.poll()  # what earlier cycles measured still reaches the governor, not the new stats
+        if self.times.pending:
+            self.times.poll()  # what earlier cycles measured still reaches the governor, not the new stats
         self.experts.reset_stats()
         if self.planner is not None:
             self.planner.reset_stats()
@@ -305,20 +310,23 @@ class SpeculativeDecoder:
         self._step_verified = 0  # verifications verify_step ran
 
     def stats(self) -> dict:
-        self.times.poll()  # cycles whose events completed since they were submitted
+        if self.times.pending:
+            self.times.poll()  # cycles whose events completed since they were submitted
         s = {**self.experts.stats(), **self._stats}
         if self.planner is not None:
             s["cover_hits"], s["cover_total"] = self.planner.cover_hits, self.planner.cover_total
             s["route_coverage"] = s["cover_hits"] / s["cover_total"] if s["cover_total"] else None
-        s["k_histogram"] = {int(k): v for k, v in sorted(s["k_histogram"].items())}
-        spec_cycles = sum(v for k, v in s["k_histogram"].items() if k > 0)
+        s["k_histogram"] = dict(sorted(s["k_histogram"].items()))
+        spec_cycles = s["cycles"] - s["k_histogram"].get(0, 0)
         s.update(acceptance_stats(s["accepted_tokens"], s["drafted_tokens"], s["rejections"], spec_cycles))
         prefetched = self.planner is not None and s.get("prefetch_issued")  # spec-lru never prefetches
         s["prefetch_recall"] = s["recall_hits"] / s["recall_total"] if prefetched and s["recall_total"] else None
-        s["cuda_graphs"] = self.graphs.summary()
-        s["compiled"] = [name for name, ran, step in (("draft", self._step_drafted, self.draft_step),
-                                                      ("verify", self._step_verified, self.verify_step))
-                         if ran and getattr(step, "compiled", False)]
+        s["cuda_graphs"] = self.graphs.summary() if self.graphs.warmups else None
+        s["compiled"] = []
+        for name, ran, step in (("draft", self._step_drafted, self.draft_step),
+                                ("verify", self._step_verified, self.verify_step)):
+            if ran and getattr(step, "compiled", False):
+                s["compiled"].append(name)
         return s
 
     def close(self) -> None:
