@@ -45,7 +45,7 @@ SCRATCH=$(mktemp -d)
 trap 'rm -rf "$SCRATCH"' EXIT
 SITE=${SITE:-/tmp/site}
 [[ $DRY_RUN == 1 ]] && SITE=$SCRATCH/site
-SUITE=(tests/test_triton_ops.py tests/test_lossless.py tests/test_link.py tests/test_profiling.py tests/test_slots.py tests/test_speculative.py
+SUITE=(tests/test_triton_ops.py tests/test_lossless.py tests/test_link.py tests/test_profiling.py tests/test_slots.py tests/test_spec_lossless.py tests/test_spec_acceptance.py tests/test_spec_cycles.py tests/test_spec_planner.py
        tests/test_cuda.py)  # in this order: the quick ones first, the captured graphs (compiles) last
 mkdir -p "$OUT"
 STEPS=$SCRATCH/steps.tsv

@@ -1,0 +1,150 @@
+"""Governor-driven cycles, end to end (the governor alone: tests/test_governor.py): an engine whose
+draft returns garbage decodes with K = 0 almost always (and is still lossless); K_max = 0 is plain
+decoding and a bad K_max a ConfigError; an exact draft's routers cover verification's experts; a
+cycle withdraws the prefetches it did not need.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+import specter
+import specter.builder as builder
+import specter.speculative.decoder as decoder_mod
+from specter.layers import KVCache
+from specter.moe import ExpertWeights, ResidentExperts
+from specter.offload.link import EmulatedLink
+from specter.offload.manager import OffloadedExperts
+from specter.sampling import SamplingParams, probs
+from specter.speculative.draft import DraftExperts, Lookahead, accept_greedy, accept_on_device, accept_sampling
+from specter.speculative.governor import Governor
+from specter.speculative.planner import PrefetchPlanner
+
+from speculative_common import *  # noqa: F401,F403 -- constants, helpers and fixtures of these tests
+from speculative_common import fast_link, resident_tokens  # noqa: F401 -- fixtures
+
+
+# ---------------------------------------------------------------------------------------------- 4. governor
+# (the governor alone, against simulated cycle costs: tests/test_governor.py)
+def settled(decisions, last: int = 50) -> Counter:
+    return Counter(k for k, probe in decisions[-last:] if not probe)
+
+
+def test_engine_with_garbage_draft_settles_on_plain_decoding(tiny, fast_link, resident_tokens, monkeypatch):
+    """The draft's experts return large noise: its tokens are garbage, so the governor must decode
+    with K = 0 almost all the time (probes aside) -- and the output is still the resident one."""
+    path, _ = tiny("qwen3_moe", eos_token_id=None)
+    engine = load(path, "specter", residency=0.5, k_max=6)
+    try:
+        g = torch.Generator().manual_seed(0)
+        real_call = DraftExperts.__call__
+
+        def garbage(self, layer, x, ids, weights):
+            out = real_call(self, layer, x, ids, weights)  # keeps recording the lookahead
+            return torch.randn(out.shape, generator=g, dtype=out.dtype) * 100.0
+
+        monkeypatch.setattr(DraftExperts, "__call__", garbage)
+        decisions = []
+        next_k = engine.decoder.governor.next_k
+
+        def recording_next_k(remaining):
+            k = next_k(remaining)
+            decisions.append((k, engine.decoder.governor.probe))
+            return k
+
+        engine.decoder.governor.next_k = recording_next_k
+        prompt, n = [1, 5, 9, 33, 2], 96
+        out = engine.generate(prompt, max_new_tokens=n)
+    finally:
+        engine.close()
+    ref = load(path, "resident")
+    try:
+        assert out.token_ids == ref.generate(prompt, max_new_tokens=n).token_ids
+    finally:
+        ref.close()
+    hist = out.stats["k_histogram"]
+    assert out.stats["acceptance_rate"] < 0.2 and sum(v for k, v in hist.items() if k > 0) > 0, out.stats
+    assert hist.get(0, 0) >= 0.7 * out.stats["cycles"], hist
+    got = settled(decisions, 40)
+    assert got[0] >= 0.8 * sum(got.values()), (got, hist)
+
+
+# ------------------------------------------------------------------------------------------ configuration
+@pytest.mark.parametrize("bad", [-1, "3", 2.5, True])
+def test_bad_k_max_is_a_config_error(tiny, fast_link, bad):
+    path, _ = tiny("qwen3_moe", eos_token_id=None)
+    with pytest.raises(specter.ConfigError, match="k_max"):
+        load(path, "specter", residency=0.5, k_max=bad)
+
+
+def test_k_max_zero_is_plain_decoding(tiny, fast_link, resident_tokens):
+    """K_max = 0: the speculative engine never drafts, and is still exact."""
+    path, _ = tiny("qwen3_moe", eos_token_id=None)
+    engine = load(path, "specter", residency=0.5, k_max=0)
+    try:
+        out = engine.generate(PROMPTS[0], max_new_tokens=NEW)
+    finally:
+        engine.close()
+    assert out.token_ids == resident_tokens("qwen3_moe")[0]
+    assert out.stats["drafted_tokens"] == 0 and set(out.stats["k_histogram"]) == {0}
+
+
+def test_route_coverage_of_an_exact_draft(tiny, fast_link):
+    """A draft whose experts are the target's own full-precision weights routes exactly like the
+    target: every expert verification uses for t, d1 .. d_{K-1} was predicted; only d_K (never drafted)
+    can surprise. So coverage >= K / (K + 1) with a fixed K, and every drafted token is accepted."""
+    path, _ = tiny("qwen3_moe", eos_token_id=None)
+    engine = load(path, "specter", residency=0.5, k_max=4)
+    try:
+        dec = engine.decoder
+        dec.governor = Governor(4, fixed=4)
+        dec.draft.layers = [ExpertWeights(w.w13.clone(), w.w2.clone()) for w in dec.experts.store]
+        out = engine.generate([1, 5, 9, 33, 2], max_new_tokens=41)
+        # penalties too: the draft's step i must see the drafted prefix exactly as target row i does
+        pen = engine.generate([1, 5, 9, 33, 2], max_new_tokens=41, repetition_penalty=1.5, frequency_penalty=0.7)
+    finally:
+        engine.close()
+    s = out.stats
+    assert s["acceptance_rate"] == 1.0 and s["draft_efficiency"] == 1.0, s
+    assert s["route_coverage"] >= 4 / 5 and s["route_coverage"] <= 1.0, s
+    assert pen.stats["acceptance_rate"] == 1.0 and pen.token_ids != out.token_ids, pen.stats
+
+
+def test_a_cycle_leaves_no_queued_prefetch_behind(tiny, resident_tokens, monkeypatch):
+    """Prefetches still queued when verification ends were guesses it did not need (it waits for
+    every copy it needs): the cycle withdraws them, so the steps after it queue behind nothing.
+    A wrong guess is forced: after the draft's last plan, the last layer prefetches experts the draft
+    did not predict, on a link slow enough (~5 ms a copy) that some are still queued. After every
+    cycle, each copy in flight has started, the slots' bookkeeping holds, and the tokens are exact."""
+    monkeypatch.setattr(builder, "make_link", lambda device, profile=None, **kw: EmulatedLink(5e6, 1e-3, name="slow"))
+    path, _ = tiny("qwen3_moe", eos_token_id=None)
+    engine = load(path, "specter", residency=0.5, k_max=2)
+    try:
+        dec = engine.decoder
+        dec.governor = Governor(2, fixed=2)
+        mgr, planner, cycle, queued = dec.experts, dec.planner, dec._cycle, []
+        plan, last = planner.plan, mgr.slots.n_layers - 1
+
+        def plan_and_guess(upto, host=False):
+            n = plan(upto, host)
+            if upto == planner.k:  # the draft is over: guess wrong on the layer verification reaches last
+                unpredicted = [e for e in reversed(range(mgr.slots.n_experts)) if e not in planner.demand[last]]
+                n += mgr.prefetch(last, unpredicted, protect=set(planner.demand[last]))
+            return n
+
+        def checked(*a, **kw):
+            out = cycle(*a, **kw)
+            queued.append(sum(t.t_started is None for t in mgr.inflight.values()))
+            mgr.slots.check()
+            return out
+
+        planner.plan, dec._cycle = plan_and_guess, checked
+        outs = [engine.generate(p, max_new_tokens=NEW, temperature=0.0) for p in PROMPTS[:2]]
+    finally:
+        engine.close()
+    assert [o.token_ids for o in outs] == resident_tokens("qwen3_moe")[:2]
+    assert queued and max(queued) == 0, queued
+    assert total(outs, "prefetch_cancelled") > 0

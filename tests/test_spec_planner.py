@@ -1,0 +1,196 @@
+"""The prefetch planner: never more experts than slots, copies in layer order and most-demanded first,
+predicted experts never evicted by the same cycle's later chunks, scores decaying per cycle, and
+what it prefetches is what verification then hits.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+import specter
+import specter.builder as builder
+import specter.speculative.decoder as decoder_mod
+from specter.layers import KVCache
+from specter.moe import ExpertWeights, ResidentExperts
+from specter.offload.link import EmulatedLink
+from specter.offload.manager import OffloadedExperts
+from specter.sampling import SamplingParams, probs
+from specter.speculative.draft import DraftExperts, Lookahead, accept_greedy, accept_on_device, accept_sampling
+from specter.speculative.governor import Governor
+from specter.speculative.planner import PrefetchPlanner
+
+from speculative_common import *  # noqa: F401,F403 -- constants, helpers and fixtures of these tests
+from speculative_common import fast_link, resident_tokens  # noqa: F401 -- fixtures
+
+
+# --------------------------------------------------------------------------------------- 5. prefetch planner
+L_, E_, S_, TOPK = 3, 8, 3, 2
+
+
+class RecordingLink(EmulatedLink):
+    """A slow emulated link (copies stay in flight while the test looks) that records each copy's tag."""
+
+    def __init__(self):
+        super().__init__(bandwidth=20e6, latency=5e-3, name="recording")
+        self.tags = []
+
+    def copy(self, dst, src, *, urgent=False, tag=None):
+        self.tags.append(tag)
+        return super().copy(dst, src, urgent=urgent, tag=tag)
+
+
+@pytest.fixture
+def planner_setup():
+    g = torch.Generator().manual_seed(0)
+    H, I = 16, 8
+    store = [ExpertWeights(torch.randn(E_, 2 * I, H, generator=g), torch.randn(E_, H, I, generator=g))
+             for _ in range(L_)]
+    link = RecordingLink()
+    mgr = OffloadedExperts(store, S_, torch.device("cpu"), link)
+    mgr.warm()                      # experts 0, 1, 2 resident in every layer
+    mgr.reset_stats()
+    link.tags.clear()
+    la = Lookahead(6, L_, TOPK, "cpu")
+    yield store, mgr, la, PrefetchPlanner(mgr, la), link
+    link.close()
+
+
+def fill(la: Lookahead, rows: list[list[tuple[int, int]]], start: int = 0):
+    """rows[r][layer] = the two experts the draft's router picked for drafted token start + r."""
+    for r, row in enumerate(rows):
+        for layer, ids in enumerate(row):
+            la.record(start + r, layer, torch.tensor([ids]), torch.tensor([[0.6, 0.4]]))
+
+
+def residents(mgr, layer):
+    return {e for e in range(E_) if mgr.is_resident(layer, e)}
+
+
+def test_planner_layer_order_demand_order_and_slots(planner_setup):
+    store, mgr, la, planner, link = planner_setup
+    # layer 0: 6 x expert 5, 4 x 7, 2 x 1 (resident); layer 1: 6 x 4, 4 x 3, 2 x 6; layer 2: 6 x 0 (resident),
+    # 3 x 6, 2 x 5, 1 x 7 -- four experts predicted for three slots
+    rows = [[(5, 7), (4, 3), (0, 6)], [(5, 7), (4, 3), (0, 6)], [(5, 7), (4, 3), (0, 6)], [(5, 7), (4, 3), (0, 5)],
+            [(5, 1), (4, 6), (0, 5)], [(5, 1), (4, 6), (0, 7)]]
+    fill(la, rows)
+    planner.begin_cycle()
+    issued = planner.plan(6)
+    # layer by layer, most demanded first; resident experts are not copied; at most S_ per layer
+    assert link.tags == [(0, 5), (0, 7), (1, 4), (1, 3), (1, 6), (2, 6), (2, 5)], link.tags
+    assert issued == 7 and mgr.stats()["prefetch_issued"] == 7
+    mgr.slots.check()                             # invariants hold with copies in flight
+    assert all((l, e) in mgr.inflight for l, e in link.tags)  # tracked until landed (polled)
+    assert residents(mgr, 0) == {5, 7, 1}         # 1 was predicted: it stayed; 0 and 2 were evicted
+    assert residents(mgr, 1) == {4, 3, 6}
+    assert residents(mgr, 2) == {0, 6, 5}         # the least demanded (7) got no slot
+    for layer in range(L_):
+        assert len(residents(mgr, layer)) <= S_
+    # planning again with nothing new issues nothing (in flight and resident are not re-copied)
+    assert planner.plan(6) == 0 and len(link.tags) == 7
+    link.synchronize()
+    mgr.poll()
+    mgr.slots.check()
+
+
+def test_planner_never_evicts_what_this_cycle_predicted(planner_setup):
+    """Chunk 1 predicts experts; chunk 2 predicts others. The first chunk's experts keep their slots
+    (the verification of this cycle needs them), an expert pinned by a running computation too."""
+    store, mgr, la, planner, link = planner_setup
+    planner.begin_cycle()
+    fill(la, [[(5, 6)] * L_, [(5, 6)] * L_])                    # chunk 1: 5 and 6, twice each
+    planner.plan(2)
+    link.synchronize()
+    mgr.poll()
+    (busy,) = residents(mgr, 2) - {5, 6}                        # layer 2's third slot: a warm expert
+    mgr.slots.pin(2, [busy])                                    # ... being computed right now
+    fill(la, [[(3, 4)] * L_], start=2)                          # chunk 2: 3 and 4, once each
+    planner.plan(3)
+    mgr.slots.check()
+    for layer in range(L_):
+        assert {5, 6} <= residents(mgr, layer), (layer, residents(mgr, layer))
+        assert len(residents(mgr, layer)) <= S_
+    assert busy in residents(mgr, 2)                            # pinned: not evicted
+    assert (2, 3) not in link.tags and (2, 4) not in link.tags  # no slot left in layer 2 for chunk 2
+    assert (0, 3) in link.tags and (1, 3) in link.tags          # one evictable slot: the first of the tie
+    assert (0, 4) not in link.tags and (1, 4) not in link.tags
+    mgr.slots.unpin(2, [busy])
+    link.synchronize()
+
+
+def test_planner_keeps_a_predicted_resident_outside_the_top_slots(planner_setup):
+    """Layer 0 predicts 7 (3x), 5 and 6 (2x) and resident 0 (once): more experts than its 3 slots. Evicting
+    0 for 6 would only swap two copies (verification needs both), so 0 stays and 6 waits for verification."""
+    store, mgr, la, planner, link = planner_setup
+    planner.begin_cycle()
+    fill(la, [[(5, 6), (5, 6), (5, 6)], [(7, 5), (5, 6), (5, 6)], [(6, 7), (5, 6), (5, 6)], [(7, 0), (5, 6), (5, 6)]])
+    planner.plan(4)
+    assert [t for t in link.tags if t[0] == 0] == [(0, 7), (0, 5)], link.tags  # into 1's and 2's slots
+    assert residents(mgr, 0) == {7, 5, 0}
+    link.synchronize()
+
+
+def test_planner_scores_decay_once_a_plain_step_as_once_a_cycle(planner_setup):
+    """A plain step's use decays its layer's scores (a verification's does not: its cycle did at
+    its start), so a score counts recent uses whether the governor drafts or not."""
+    store, mgr, la, planner, link = planner_setup
+    planner.observe_use(0, [5])
+    planner.observe_use(0, [5])
+    assert planner.score[0][5] == 3.0 * 0.8 + 3.0 and planner.score[1][5] == 0.0
+    planner.begin_cycle(2)  # a speculative cycle: decayed at its start, not again at verification
+    fill(la, [[(6, 7)] * L_])
+    planner.plan(1)
+    planner.observe_use(0, [5])
+    assert planner.score[0][5] == (3.0 * 0.8 + 3.0) * 0.8 + 3.0
+    planner.end_cycle()
+    link.synchronize()
+
+
+def test_late_experts_leave_the_highest_ranked_resident(planner_setup):
+    """A layer needing more experts than its slots computes them in batches; with keep_rank the
+    ones loaded last, and so left resident for the next cycle, are the highest ranked. The output
+    is the resident experts' either way."""
+    store, mgr, la, planner, link = planner_setup
+    rank = {3: 0.0, 4: 5.0, 5: 1.0, 6: 4.0, 7: 3.0}
+    mgr.keep_rank = lambda layer, e: rank.get(e, -1.0)
+    ids = torch.tensor([[3, 4], [5, 6], [7, 3], [4, 6]])               # [4 tokens, top_k]: 5 experts
+    g = torch.Generator().manual_seed(3)
+    w = torch.softmax(torch.randn(4, TOPK, generator=g), -1)
+    x = torch.randn(4, 16, generator=g)
+    torch.testing.assert_close(mgr(0, x, ids, w), ResidentExperts(store)(0, x, ids, w), rtol=0, atol=0)
+    assert residents(mgr, 0) == {4, 6, 7}, residents(mgr, 0)
+    mgr.slots.check()
+
+
+def test_planner_prefetch_is_what_verification_hits(planner_setup):
+    """After planning and the copies landing, running each layer on the predicted routing is all hits,
+    and the outputs equal the resident experts' (the bytes landed in the right slots)."""
+    store, mgr, la, planner, link = planner_setup
+    predicted = [[(5, 6), (2, 7), (4, 3)], [(5, 6), (7, 2), (3, 4)]]
+    planner.begin_cycle()
+    fill(la, predicted)
+    assert planner.plan(2) == 5                 # layer 1's expert 2 is already resident (warm)
+    link.synchronize()
+    before = mgr.stats()
+    resident = ResidentExperts(store)
+    g = torch.Generator().manual_seed(1)
+    for layer in range(L_):
+        ids = torch.tensor([list(row[layer]) for row in predicted])          # [2 tokens, top_k]
+        w = torch.softmax(torch.randn(2, TOPK, generator=g), -1)
+        x = torch.randn(2, 16, generator=g)
+        torch.testing.assert_close(mgr(layer, x, ids, w), resident(layer, x, ids, w), rtol=0, atol=0)
+    st = {k: v - before[k] for k, v in mgr.stats().items() if isinstance(v, (int, float))}
+    assert st["expert_misses"] == 0 and st["expert_hits"] == 2 * L_ and st["prefetch_used"] == 5, st
+    mgr.slots.check()
+
+
+def test_planner_chunk_size_follows_link_and_draft_speed(planner_setup):
+    store, mgr, la, planner, link = planner_setup
+    copy_s = mgr.expert_bytes / link.bandwidth + link.latency
+    planner.new_per_token = 1.0
+    assert planner.chunk_size(draft_step_s=copy_s / 10, k=6) == 1   # slow link: plan after every step
+    assert planner.chunk_size(draft_step_s=copy_s * 3, k=6) == 3
+    assert planner.chunk_size(draft_step_s=copy_s * 100, k=6) == 6  # fast link: one read per cycle
+    assert planner.chunk_size(draft_step_s=0.0, k=4) == 1
