@@ -231,6 +231,21 @@ def test_cli_under_torchrun_prints_once_with_pipeline_stats(ckpts):
     assert got["stats"]["pipeline"]["ranks"] == 2 and got["stats"]["pipeline"]["layers"] == [[0, 2], [2, 3]]
 
 
+def test_bench_under_torchrun_reports_each_rank(ckpts, tmp_path):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([PROMPT, [3, 4, 5]]))
+    argv = ["-m", "specter", "bench", "--model", str(ckpts["deepseek_v2"]), "--prompts", str(prompts),
+            "--policies", "resident,on-demand", "--residency", "0.5", "--max-new-tokens", "6", "--json"]
+    ranks = _launch([argv, argv], timeout=120)
+    assert [r[0] for r in ranks] == [0, 0], [r[2][-2000:] for r in ranks]
+    assert ranks[1][1] == ""
+    got = json.loads(ranks[0][1])
+    assert got["ranks"] == 2 and list(got["policies"]) == ["resident", "on-demand"]
+    od = got["policies"]["on-demand"]
+    assert od["lossless_vs_resident"] is True and len(od["per_rank"]) == 2
+    assert sum(r["expert_hits"] + r["expert_misses"] for r in od["per_rank"]) == od["expert_hits"] + od["expert_misses"] > 0
+
+
 # ---------------------------------------------------------------------------------------- faults
 def test_a_config_mismatch_fails_every_rank(ckpts, tmp_path):
     other = tmp_path / "other"

@@ -47,8 +47,9 @@ def _policies() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if pipeline.launched() and args.command != "generate":
-            raise SpecterError(f"under torchrun only `generate` runs as a pipeline today, not `{args.command}`; "
+        if pipeline.launched() and args.command not in ("generate", "bench"):
+            raise SpecterError(f"under torchrun only `generate` and `bench` run as a pipeline today, not "
+                               f"`{args.command}`; "
                                "run it as one process")
         return args.func(args)
     except SpecterError as e:

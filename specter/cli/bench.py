@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from .. import pipeline
 from ..bench import format_table, read_prompts, run_bench
 from ..errors import ConfigError
 from ..plot import residency_sweep
@@ -32,6 +33,8 @@ def add_parsers(sub) -> None:
 
 
 def cmd_bench(args) -> int:
+    if pipeline.launched():  # one rank of several (torchrun): specter/pipeline/bench.py
+        return pipeline.bench(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise ConfigError("--policies is empty")

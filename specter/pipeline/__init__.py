@@ -9,6 +9,7 @@
     decoder.py  plain decoding across the stages: rank 0's decoder (an Engine decoder) and every
                 other rank's loop
     launch.py   `torchrun ... -m specter generate`: the whole run on one rank, errors included
+    bench.py    `torchrun ... -m specter bench`: the pipelined policies, per-rank stats
     plan.py     `specter plan --ranks N`: what each rank holds, and whether it fits
 
 This module stays light (no torch): the CLI asks `launched()` before anything loads.
@@ -30,3 +31,10 @@ def run(args, body) -> int:
     from .launch import run as launch_run
 
     return launch_run(args, body)
+
+
+def bench(args) -> int:
+    """The CLI's pipelined `bench` (see bench.py)."""
+    from .bench import run as bench_run
+
+    return bench_run(args)

@@ -1,0 +1,131 @@
+"""`torchrun --nproc-per-node N -m specter bench ...`: the pipelined policies on the same prompts.
+
+Each policy is loaded as a pipeline in turn (its stages on every rank), warmed with one short
+generation, then run over the prompts (`--repeat` passes); policies run one after the other, not
+alternated as the single-process bench does (each rank would need every policy's stage at once).
+Rank 0 prints TPOT, the hit rate, bytes copied and stall summed over the ranks, and each rank's own,
+and whether every policy produced the first one's tokens (greedy)."""
+from __future__ import annotations
+
+import json
+
+from ..bench import read_prompts
+from ..errors import ConfigError
+from ..policy import BENCH_POLICIES, get as get_policy
+from ..sampling import SamplingParams
+from .decoder import SUMMED, serve_stage
+from .launch import PIPELINED_POLICIES, open_pipeline
+
+PER_RANK = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s")
+
+
+def _policies(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if text == ",".join(BENCH_POLICIES):  # the default (every policy): the ones a pipeline runs
+        return list(PIPELINED_POLICIES)
+    for p in names:
+        get_policy(p)
+        if p not in PIPELINED_POLICIES:
+            raise ConfigError(f"policy {p!r} is not pipelined yet; under torchrun bench "
+                              f"{', '.join(PIPELINED_POLICIES)}")
+    if not names:
+        raise ConfigError("--policies is empty")
+    return names
+
+
+def run(args) -> int:
+    policies = _policies(args.policies)
+    if args.repeat < 1 or args.max_new_tokens < 1:
+        raise ConfigError("--repeat and --max-new-tokens must be >= 1")
+    if args.plot:
+        raise ConfigError("--plot does not run under torchrun yet")
+    prompts = read_prompts(args.prompts, args.workload)
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    greedy = SamplingParams(**sampling).greedy
+    residency = args.residency
+    if residency is None and args.expert_memory is None:
+        residency = 0.25
+    results, owner, ranks = {}, None, None
+    try:
+        for p in policies:
+            budget = dict(residency=residency, expert_memory=args.expert_memory, link=args.link) \
+                if get_policy(p).offloads else {}
+            group, engine, stage = open_pipeline(args.model, device=args.device, policy=p, dtype=args.dtype,
+                                                 backend=getattr(args, "pipeline_backend", None),
+                                                 timeout_s=getattr(args, "pipeline_timeout", None), **budget)
+            owner = owner or group
+            ranks = group.world
+            if engine is None:
+                serve_stage(stage, group)
+                continue
+            try:
+                results[p] = _measure(engine, prompts, args.max_new_tokens, args.repeat, sampling)
+            except BaseException:
+                engine.decoder.finish(abort=True)
+                raise
+            engine.decoder.finish()
+    except BaseException:
+        if owner is not None:
+            owner.close_on_error()
+        raise
+    if owner is not None:
+        owner.close()
+    if owner is None or owner.rank != 0:
+        return 0
+    first = policies[0]
+    base = "on-demand" if "on-demand" in results else first
+    ref = results[first]["outputs"]
+    for p, r in results.items():
+        r["speedup_vs_" + base] = results[base]["tpot_s"] / r["tpot_s"]
+        r["lossless_vs_" + first] = (r.pop("outputs") == ref) if greedy else None
+    out = {"policies": results, "ranks": ranks, "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
+           "repeat": args.repeat, "speedup_baseline": base, "sampling": "greedy" if greedy else sampling}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    budget = f"expert_memory {args.expert_memory}" if args.expert_memory else f"residency {residency:g}"
+    print(f"pipeline of {ranks} ranks, {budget}: {len(prompts)} prompts x {args.repeat}, "
+          f"{args.max_new_tokens} new tokens, {'greedy' if greedy else 'sampled'} (policies run in turn)")
+    print(f"| policy | TPOT ms | vs {base} | hit rate | H2D MB | stall s | per rank (hit rate, H2D MB, stall s) "
+          f"| same tokens as {first} |")
+    print("|---|---|---|---|---|---|---|---|")
+    for p, r in results.items():
+        each = "; ".join(f"r{i}: {_rate(s)}, {s.get('h2d_bytes', 0) / 1e6:.0f}, {s.get('stall_s', 0):.2f}"
+                         for i, s in enumerate(r["per_rank"]))
+        same = "" if r["lossless_vs_" + first] is None else ("yes" if r["lossless_vs_" + first] else "NO")
+        print(f"| {p} | {r['tpot_s'] * 1e3:.1f} | {r['speedup_vs_' + base]:.2f}x | {_rate(r)} | "
+              f"{r.get('h2d_bytes', 0) / 1e6:.0f} | {r.get('stall_s', 0):.2f} | {each} | {same} |")
+    return 0
+
+
+def _rate(s: dict) -> str:
+    n = s.get("expert_hits", 0) + s.get("expert_misses", 0)
+    return f"{s.get('expert_hits', 0) / n:.2f}" if n else "-"
+
+
+def _measure(engine, prompts, max_new: int, repeat: int, sampling: dict) -> dict:
+    engine.generate(prompts[0], max_new_tokens=4, **sampling)  # first-call costs out of the measurement
+    a = {"decode_s": 0.0, "decode_tokens": 0, "ttft_s": 0.0, "runs": 0, "outputs": [], "per_rank": None}
+    for _ in range(repeat):
+        for prompt in prompts:
+            out = engine.generate(prompt, max_new_tokens=max_new, **sampling)
+            s = out.stats
+            n = max(s["new_tokens"] - 1, 1)
+            a["decode_s"] += s["tpot_s"] * n
+            a["decode_tokens"] += n
+            a["ttft_s"] += s["ttft_s"]
+            a["runs"] += 1
+            a["outputs"].append(out.token_ids)
+            for k in SUMMED:
+                if k in s:
+                    a[k] = a.get(k, 0) + s[k]
+            per = s["pipeline"]["per_rank"] or []
+            if a["per_rank"] is None:
+                a["per_rank"] = [{} for _ in per]
+            for acc, r in zip(a["per_rank"], per):
+                for k in PER_RANK:
+                    acc[k] = acc.get(k, 0) + r.get(k, 0)
+    r = {"tpot_s": a["decode_s"] / a["decode_tokens"], "ttft_s": a["ttft_s"] / a["runs"],
+         "new_tokens": sum(len(o) for o in a["outputs"]), "outputs": a["outputs"], "per_rank": a["per_rank"]}
+    r.update({k: a[k] for k in SUMMED if k in a})
+    return r
