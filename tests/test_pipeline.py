@@ -126,6 +126,17 @@ def test_split_layers_is_the_balanced_contiguous_cover():
         split_layers([1, 1, 1], 4)
 
 
+def test_options_a_pipeline_would_ignore_are_refused():
+    from specter.errors import ConfigError
+    from specter.pipeline.launch import check_options
+
+    check_options("on-demand", {})
+    with pytest.raises(ConfigError, match="--k-max does not apply"):
+        check_options("on-demand", {"k_max": 3})
+    with pytest.raises(ConfigError, match="not pipelined yet"):
+        check_options("specter", {})
+
+
 def test_stages_number_moe_layers_as_the_provider_does(ckpts):
     spec = open_checkpoint(ckpts["deepseek_v2"]).spec  # layer 0 dense, 1 and 2 MoE
     stages = make_stages(spec, 3, 4)

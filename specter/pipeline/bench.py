@@ -14,7 +14,7 @@ from ..errors import ConfigError
 from ..policy import BENCH_POLICIES, get as get_policy
 from ..sampling import SamplingParams
 from .decoder import SUMMED, serve_stage
-from .launch import PIPELINED_POLICIES, open_pipeline
+from .launch import PIPELINED_POLICIES, UNSUPPORTED, check_options, open_pipeline
 
 PER_RANK = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s")
 
@@ -35,6 +35,9 @@ def _policies(text: str) -> list[str]:
 
 def run(args) -> int:
     policies = _policies(args.policies)
+    opts = {k: v for k, v in vars(args).items() if k in UNSUPPORTED and v not in (None, False)}
+    for p in policies:
+        check_options(p, opts)  # a flag a pipeline would ignore is refused, as for generate
     if args.repeat < 1 or args.max_new_tokens < 1:
         raise ConfigError("--repeat and --max-new-tokens must be >= 1")
     if args.plot:

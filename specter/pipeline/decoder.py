@@ -36,9 +36,9 @@ SUMMED = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "prefetch_issu
 class Wire:
     """This rank's sends and receives, on the group's wire device, with errors that say what failed."""
 
-    def __init__(self, group: Group, hidden: int, dtype: torch.dtype, vocab: int):
-        self.group, self.hidden, self.dtype, self.vocab = group, hidden, dtype, vocab
-        self.broken = False
+    def __init__(self, group: Group):
+        self.group = group
+        self.broken = False  # an exchange failed: nothing more is sent
 
     def _do(self, what: str, fn):
         try:
@@ -82,7 +82,7 @@ class PipelineDecoder:
     def __init__(self, stage: StageModel, group: Group, stages: list[Stage]):
         spec = stage.model.spec
         self.stage, self.group, self.stages = stage, group, stages
-        self.wire = Wire(group, spec.hidden, stage.dtype, spec.vocab_size)
+        self.wire = Wire(group)
         self.device, self.dtype = stage.device, stage.dtype
         self.model = stage.model
         self._per_rank: list[dict] | None = None
@@ -156,7 +156,7 @@ class PipelineDecoder:
 def serve_stage(stage: StageModel, group: Group) -> None:
     """Every rank but 0: runs its stage for each message from the previous rank until STOP."""
     spec, r = stage.model.spec, group.rank
-    wire = Wire(group, spec.hidden, stage.dtype, spec.vocab_size)
+    wire = Wire(group)
     prev, nxt, last = r - 1, r + 1, r == group.world - 1
     try:
         while True:

@@ -28,8 +28,9 @@ def check_options(policy: str, options: dict) -> None:
                           f"{' or '.join(PIPELINED_POLICIES)}")
     extra = sorted(k for k in options if k in UNSUPPORTED)
     if extra:
-        raise ConfigError(f"{', '.join('--' + k.replace('_', '-') for k in extra)} do(es) not apply to a pipeline of "
-                          f"{policy!r}; drop it")
+        flags = ", ".join("--" + k.replace("_", "-") for k in extra)
+        raise ConfigError(f"{flags} {'does' if len(extra) == 1 else 'do'} not apply to a pipeline of {policy!r} "
+                          "(yet); drop it")
 
 
 def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residency=None, expert_memory=None,
