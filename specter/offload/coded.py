@@ -21,6 +21,8 @@ What reads the store, and what it gets (the decision per reader):
   store beside the coded one (the PCIe saving stays, the host memory saving is lost).
 - the CPU aliased pool (plan.alias_pool, big models on CPU): not used with compress_experts:
   compute cannot read coded rows, so the pool is a real one that copies decode into.
+- the compressed device tier (offload/coded_tier.py, CPU): part of the expert budget holds coded
+  experts on the device; a miss among them is decoded into its slot instead of copied over PCIe.
 
 Encoding happens once per checkpoint and is cached on disk beside the INT4 draft (its machinery:
 draft_cache's root, content fingerprint, safetensors writer and CRCs):
