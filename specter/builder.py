@@ -169,7 +169,8 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
                          device_memory=device_memory, draft=pol.drafts, device=device, store_dtype=ckpt.dtype,
                          compressed=compress_experts, pool=slot_pool,
-                         coded_tier=PLAN_RATIO if compress_experts and device.type == "cpu" else None)
+                         coded_tier=PLAN_RATIO if compress_experts and device.type == "cpu" and pol.host_lane != "misses"
+                         else None)  # the host policy copies nothing after warm-up: a tier would stay empty
         pdt = getattr(torch, plan.pool_dtype)
         # calibrating allocates a working set of experts: before the store exists, not beside it
         lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,

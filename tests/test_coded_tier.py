@@ -79,6 +79,16 @@ def test_tier_decoding_the_coded_store_gives_the_same_tokens(tiny, plain_link, f
     assert got == want and sum(o.stats["tier_hits"] for o in outs) > 0
 
 
+def test_no_tier_where_nothing_would_fill_it(tiny, plain_link):  # noqa: F811
+    """The host policy computes every miss on the host lane: the whole budget stays raw slots."""
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    engine = _engine(path, "host", True)
+    try:
+        assert engine.plan.tier_bytes == 0 and engine.plan.pool_slots == 12
+    finally:
+        engine.close()
+
+
 def test_tier_hits_move_no_pcie_bytes(tiny, plain_link):  # noqa: F811
     """A tier hit is charged to the decode link and counted as no H2D byte; every other miss crosses the link."""
     path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)

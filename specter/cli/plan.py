@@ -90,7 +90,7 @@ def cmd_plan(args) -> int:
         return 0
     plan = make_plan(spec, numel, dtype, residency=args.residency, expert_memory=args.expert_memory,
                      context=args.context, draft=pol.drafts, device=device, store_dtype=store_dtype,
-                     compressed=args.compress_experts, coded_tier=tier_ratio(coded, host, device))
+                     compressed=args.compress_experts, coded_tier=tier_ratio(coded, host, device, pol))
     lanes = _lane_split(spec, store_dtype, plan.residency, pol.host_lane) if pol.host_lane else None
     if lanes is not None and pol.host_lane == "misses":
         copies += f"\nhost lane (policy {args.policy}): ~{format_size(lanes['host_bytes_per_token'])} of expert weights a " \
@@ -120,10 +120,10 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def tier_ratio(coded: int | None, host, device) -> float | None:
+def tier_ratio(coded: int | None, host, device, pol) -> float | None:
     """--compress-experts: the coded store's measured ratio, which sizes the compressed device tier
-    where the engine builds one (the emulated device; offload/coded_tier.py), else None."""
-    return coded / host.raw_store_bytes if coded and device.type == "cpu" else None
+    where the engine builds one (the emulated device, a policy that copies: offload/coded_tier.py), else None."""
+    return coded / host.raw_store_bytes if coded and device.type == "cpu" and pol.host_lane != "misses" else None
 
 
 def _coded_store(path, weights: bool, host) -> int:
