@@ -17,7 +17,7 @@ from .loader import Checkpoint, load_checkpoint, load_tokenizer, open_checkpoint
 from .model import MoETransformer
 from .moe import ExpertWeights, ResidentExperts
 from .offload.coded import DecodedStore, cache_entry, coded_store, read_cached
-from .offload.coded_tier import PLAN_RATIO, attach as attach_tier
+from .offload.coded_tier import PLAN_RATIO, attach as attach_tier, emulation_rows
 from .offload.host_experts import HostExperts
 from .offload.host_lane import LaneChoice, host_params, make_host_lane
 from .offload.cuda_link import make_link
@@ -189,7 +189,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         mgr = OffloadedExperts(store, plan.slots_per_layer, device, lk, eviction=eviction or pol.eviction, dtype=pdt,
                                alias=plan.aliased, rows=rows, pool=plan.pool_slots)
         if plan.tier_bytes:  # the compressed device tier (CPU: emulated; its decode charged from the profile)
-            attach_tier(mgr, plan.tier_bytes, lk, rows=shared.host_rows())
+            attach_tier(mgr, plan.tier_bytes, lk, rows=emulation_rows(shared))
         mgr.warm()
         if uses_host_lane(pol, device, host_threads, every_expert=every):  # misses may compute where the store holds them
             lane = make_host_lane(shared.host_rows(), device, lk, threads=host_threads, dtype=dt, charged_dtype=pdt)

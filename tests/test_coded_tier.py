@@ -89,6 +89,18 @@ def test_no_tier_where_nothing_would_fill_it(tiny, plain_link):  # noqa: F811
         engine.close()
 
 
+def test_a_big_store_decodes_on_each_hit_instead_of_a_decoded_copy(tiny, plain_link, monkeypatch):  # noqa: F811
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    for limit, decoded in ((1, False), (1 << 30, True)):
+        monkeypatch.setattr(coded_tier, "ROWS_MAX_BYTES", limit)
+        engine = _engine(path, "on-demand", True)
+        try:
+            assert (engine.decoder.experts.tier.rows is not None) == decoded
+            assert (engine.shared.raw is not None) == decoded  # no decoded copy of the store made
+        finally:
+            engine.close()
+
+
 def test_tier_hits_move_no_pcie_bytes(tiny, plain_link):  # noqa: F811
     """A tier hit is charged to the decode link and counted as no H2D byte; every other miss crosses the link."""
     path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)

@@ -177,6 +177,18 @@ class CodedTier:
         assert sum(self.cost[m][e] for m, e in held) == self.used <= self.capacity, (self.used, self.capacity)
 
 
+ROWS_MAX_BYTES = 256 << 20  # the largest raw store a tier copies decoded (CPU) rather than decoding per hit
+
+
+def emulation_rows(loaded):
+    """What tier hits copy on CPU (`rows`): the decoded store a host lane already keeps, or one made for
+    the tier when the raw store is at most ROWS_MAX_BYTES; None past that (each hit then decodes the
+    coded store: slower here, the same bits, no second copy of a big model's experts in host memory)."""
+    if loaded.raw is None and sum(layer.w13.raw_nbytes + layer.w2.raw_nbytes for layer in loaded.store) > ROWS_MAX_BYTES:
+        return None
+    return loaded.host_rows()
+
+
 def attach(mgr, capacity: int, link, *, rows=None, width: float | None = None, decode_link=None) -> CodedTier:
     """Give the offload manager `mgr` (its store coded) a tier of `capacity` device bytes."""
     from .coded import is_coded
