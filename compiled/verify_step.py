@@ -3,7 +3,9 @@
 A verification runs the target over T = K+1 tokens at positions n .. n+K. Everything but the routed
 experts is static work, so it is compiled (torch.compile, fullgraph; CUDA graphs on CUDA) in
 segments; each MoE layer's routed experts run eagerly between two segments, through the offload
-manager (its one small routing read, its waits for late copies) and the fused MoE op:
+manager (its one small routing read, its waits for late copies) and the fused MoE op. The loop is
+the model's own (`MoETransformer.run(..., pieces=step, rows=T)`); the segments are the model's piece
+methods (enter, dense, pre_experts, head), compiled:
 
     tokens [T] -> padded to a width bucket W (1, 2, 4, 8, 16, ..., K_max+1)     rows T..W-1: scratch
     enter         embed [W, H]; cos/sin of positions base + arange(W)           (base: 0-d, on the device)
