@@ -168,7 +168,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
             device_memory = int(free * 0.9)
         plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
                          device_memory=device_memory, draft=pol.drafts, device=device, store_dtype=ckpt.dtype,
-                         compressed=compress_experts, pool=slot_pool,
+                         compressed=compress_experts, pool=slot_pool, draft_bits=draft_bits,
                          coded_tier=PLAN_RATIO if compress_experts and device.type == "cpu" and pol.host_lane != "misses"
                          else None)  # the host policy copies nothing after warm-up: a tier would stay empty
         pdt = getattr(torch, plan.pool_dtype)

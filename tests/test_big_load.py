@@ -349,12 +349,15 @@ def test_cpu_plan_counts_the_emulated_device_in_host_memory(tmp_path, bf16):
 def test_plan_says_what_to_change(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
     spec, dtype, numel, _ = describe(tmp_path)
-    f = fit(spec, numel, dtype, "24GiB")
+    f = fit(spec, numel, dtype, "12GiB")  # even the INT2 draft (11.8 GiB) leaves no room
     assert not f.fits and "draft alone" in f.suggestions[0] and "on-demand" in f.suggestions[0]
-    assert fit(spec, numel, dtype, "80GiB").plan.pool_slots == 154  # one pool: 4 a layer would leave 26 unused
+    assert not fit(spec, numel, dtype, "24GiB", draft_bits=4).fits  # the INT4 draft alone is 22.3 GiB
+    assert fit(spec, numel, dtype, "80GiB", draft_bits=4).plan.pool_slots == 154  # one pool: 4 a layer leaves 26
     text = subprocess.run([sys.executable, "-m", "specter.cli", "plan", "--model", str(tmp_path),
-                           "--device-memory", "24GiB"], capture_output=True, text=True, check=True).stdout
+                           "--device-memory", "12GiB"], capture_output=True, text=True, check=True).stdout
     assert "does NOT fit" in text and "draft cache" in text and "expert store 84.0 GiB" in text
+    rows = [line for line in text.split("ways to run in 12.0 GiB")[1].splitlines() if line[:2].strip().isdigit()]
+    assert rows and not any("spec" in row for row in rows)  # no draft fits: only the draft-free policies are listed
 
 
 # ------------------------------------------------------------------------------- peak RSS bound

@@ -10,12 +10,15 @@ refused below one layer's top-k) are checked after them.
 """
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 import specter
+import specter.sizes
 from specter.layers import KVCache
 from specter.loader import open_checkpoint
 from specter.offload.plan import MemoryPlan
@@ -46,7 +49,8 @@ def by_hand(ref) -> dict:
     total = sum(p.numel() for p in ref.parameters())
     routed = sum(p.numel() for n, p in ref.named_parameters() if ".mlp.experts." in n)
     assert routed == moe_layers * E * expert_numel, "the hand geometry disagrees with the checkpoint"
-    return dict(E=E, k=c.num_experts_per_tok, L=moe_layers, expert_numel=expert_numel, expert_fp32=expert_numel * 4,
+    return dict(E=E, k=c.num_experts_per_tok, L=moe_layers, H=c.hidden_size, I=inter, expert_numel=expert_numel,
+                expert_fp32=expert_numel * 4,
                 total_numel=total, non_expert_numel=total - routed)
 
 
@@ -130,8 +134,11 @@ def test_device_memory_to_slots(case):
     spec, numel, h, _ = case
     ctx = 64
     # fixed device bytes, by hand: non-expert weights + INT4 draft of every routed expert + KV cache
-    n = h["expert_numel"]
-    draft_expert = n // 2 + math.ceil(n / 128) * 2 * 2  # 4 bits a weight + bf16 scale and shift per 128
+    # 4 bits a weight + a bf16 scale and shift per group of 128 along a row (the largest power of two
+    # dividing a shorter row: the tiny models' 64- and 32-wide rows are one group each)
+    group = lambda K: next(g for g in (128, 64, 32, 16, 8, 4, 2, 1) if K % g == 0)  # noqa: E731
+    H, I = h["H"], h["I"]
+    draft_expert = h["expert_numel"] // 2 + 2 * 2 * (2 * I * (H // group(H)) + H * (I // group(I)))
     kv = KVCache(spec, ctx, "cpu", torch.float32).nbytes()  # what the engine really allocates
     per_slot = h["L"] * h["expert_fp32"]
     for draft in (True, False):
@@ -318,3 +325,81 @@ def test_shared_pool_slots_by_hand(case):
     assert f"shared: {k + 1} slots" in text and f"{k + 1} of {L * E}" in text
     with pytest.raises(specter.ConfigError, match="pool"):
         plan_of(spec, numel, torch.float32, pool="layers")
+
+
+# ------------------------------------------------------------------------------ `specter plan` finds a way to run
+CONFIGS = Path(__file__).resolve().parents[1] / "bench" / "configs"
+
+
+def described(name: str):
+    from specter.loader import describe
+
+    spec, dtype, numel, _ = describe(CONFIGS / name)
+    return spec, dtype, numel
+
+
+@pytest.mark.parametrize("name,size", [("Mixtral-8x7B", "24GiB"), ("Qwen3-30B-A3B", "16GiB"), ("Qwen3-30B-A3B", "24GiB"),
+                                       ("Phi-3.5-MoE", "24GiB"), ("DeepSeek-V2-Lite", "12GiB")])
+def test_search_lists_only_what_fits_fastest_first(name, size):
+    from specter.offload.plan import Option, fit, search
+
+    spec, dtype, numel = described(name)
+    budget = specter.sizes.parse_size(size)
+    ways = search(spec, numel, dtype, size)
+    assert ways and all(isinstance(o, Option) for o in ways)
+    assert all(o.plan.total_bytes <= budget for o in ways)  # never a way that does not fit
+    assert [o.tpot_s for o in ways] == sorted(o.tpot_s for o in ways)
+    assert all(o.plan.pool_slots >= spec.top_k for o in ways if o.policy != "resident")
+    drafted = [o for o in ways if o.draft_bits]
+    assert drafted and all(o.plan.draft_bits == o.draft_bits for o in drafted)
+    assert all(o.plan.draft_bytes == spec.n_moe_layers * spec.n_experts * plan_of(
+        spec, numel, dtype, residency=1.0, draft_bits=o.draft_bits).draft_bytes // (spec.n_moe_layers * spec.n_experts)
+        for o in drafted)
+    ctx = max(o.plan.context for o in ways if o.policy == "specter")  # the model's own, or shorter: Phi-3.5's 128K
+    f = fit(spec, numel, dtype, size, policy="specter", context=ctx)
+    assert f.fits and f.draft_bits in (4, 3, 2) and f.plan.total_bytes <= budget  # specter runs it
+
+
+def test_specter_fits_mixtral_on_24gib_and_qwen3_on_16gib_only_with_a_narrower_draft():
+    from specter.offload.plan import fit
+
+    for name, size in (("Mixtral-8x7B", "24GiB"), ("Qwen3-30B-A3B", "16GiB")):
+        spec, dtype, numel = described(name)
+        assert not fit(spec, numel, dtype, size, draft_bits=4).fits, name  # the INT4 draft alone is too big
+        assert fit(spec, numel, dtype, size).fits, name
+    spec, dtype, numel = described("Mixtral-8x7B")  # by hand: (H4's packing) 4 / 3 / 2 bits
+    sizes = [plan_of(spec, numel, dtype, residency=1.0, draft_bits=b).draft_bytes for b in (4, 3, 2)]
+    assert [round(s / 2**30, 2) for s in sizes] == [22.31, 17.06, 11.81]
+    with pytest.raises(specter.ConfigError, match="draft_bits"):
+        plan_of(spec, numel, dtype, residency=1.0, draft_bits=8)
+
+
+def test_predicted_speed_follows_the_bytes():
+    """More slots never predict slower plain offloading; a device that holds everything predicts
+    resident's step; without a draft the K chosen is 0."""
+    from specter.offload.calibrate import load_profile
+    from specter.offload.plan import predict_tpot
+
+    spec, dtype, numel = described("Mixtral-8x7B")
+    prof = load_profile("RTX4090-PCIe4")
+    times = [predict_tpot(spec, plan_of(spec, numel, dtype, residency=r, draft=False), "on-demand", None, prof)
+             for r in (0.1, 0.25, 0.5, 1.0)]
+    assert [t for t, _ in times] == sorted((t for t, _ in times), reverse=True) and all(k == 0 for _, k in times)
+    full = plan_of(spec, numel, dtype, residency=1.0, draft=False)
+    assert predict_tpot(spec, full, "on-demand", None, prof)[0] == pytest.approx(
+        predict_tpot(spec, full, "resident", None, prof)[0])
+
+
+def test_plan_cli_ranks_the_ways_and_says_specter_runs(capsys):
+    from specter.cli import main
+
+    assert main(["plan", "--model", str(CONFIGS / "Qwen3-30B-A3B"), "--device-memory", "16GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "specter runs in 16.0 GiB" in out and "ways to run in 16.0 GiB, fastest predicted first" in out
+    assert main(["plan", "--model", str(CONFIGS / "Mixtral-8x7B"), "--device-memory", "24GiB", "--context", "4096",
+                 "--link", "RTX4090-PCIe4", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["fits"] and res["draft_bits"] in (3, 2) and res["profile"] == "RTX4090-PCIe4"
+    assert res["options"] and all(o["total_bytes"] <= 24 * 2**30 and o["context"] == 4096 for o in res["options"])
+    assert main(["plan", "--model", str(CONFIGS / "Mixtral-8x7B"), "--device-memory", "24GiB", "--draft-bits", "4"]) == 0
+    assert "specter does NOT fit" in capsys.readouterr().out

@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from ..loader import describe
 from ..offload.calibrate import emulated_host_params, load_profile
 from ..offload.coded import coded_store_bytes
-from ..offload.plan import compute_dtype, emulated_device_bytes, fit, host_needs, make_plan
+from ..offload.plan import DRAFT_BITS, compute_dtype, emulated_device_bytes, fit, host_needs, make_plan, options_table, search
 from ..offload.staging import describe as describe_staging
 from ..pipeline.plan import cmd_plan_ranks
 from ..policy import DEFAULT as DEFAULT_POLICY, get as get_policy, names as policy_names
@@ -34,6 +34,11 @@ def add_parsers(sub) -> None:
     p.add_argument("--policy", default=DEFAULT_POLICY,
                    help=policy_help(f"the policy to plan for, default {DEFAULT_POLICY}; a draft only with "
                                     f"{'/'.join(policy_names('drafts'))}", bench=True))
+    p.add_argument("--draft-bits", type=int, choices=DRAFT_BITS, default=None,
+                   help="the draft experts' width (default: with --device-memory the fastest that fits, else 4)")
+    p.add_argument("--link", default=None, metavar="PROFILE",
+                   help="with --device-memory: the machine (link profile, see `specter profile`) whose bandwidths "
+                        "rank the ways to run (default: the default profile)")
     p.add_argument("--compress-experts", action="store_true",
                    help="the host store losslessly coded (bf16 checkpoints): its size, measured from the weights")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
@@ -70,27 +75,41 @@ def cmd_plan(args) -> int:
                   f"widths x ({spec.n_layers} layers + 2), draft 2); one pool per thread, " \
                   f"~{format_size(graphs['pool_bytes'])} (estimate; measured: stats cuda_graphs)"
     if args.device_memory is not None:
-        f = fit(spec, numel, dtype, args.device_memory, policy=args.policy, context=args.context)
+        profile = load_profile(args.link)
+        f = fit(spec, numel, dtype, args.device_memory, policy=args.policy, context=args.context,
+                draft_bits=args.draft_bits, profile=profile)
+        ways = search(spec, numel, dtype, args.device_memory, context=args.context, profile=profile)
         if args.json:
-            print(json.dumps({**f.as_dict(), "host": vars(host), "dtype": str(dtype)[6:], "cuda_graphs": graphs}))
+            print(json.dumps({**f.as_dict(), "host": vars(host), "dtype": str(dtype)[6:], "cuda_graphs": graphs,
+                              "options": [o.as_dict() for o in ways], "profile": profile.name}))
             return 0
         print(head)
         if f.fits:
             print(f.plan.table())
+            draft = f", draft INT{f.draft_bits}" if f.draft_bits else ""
             print(f"{args.policy} runs in {format_size(f.device_memory)}: residency {f.plan.residency:.1%} "
                   f"({f.plan.pool_slots} of {spec.n_moe_layers * spec.n_experts} routed experts on the device, "
-                  f"one pool for all layers)")
+                  f"one pool for all layers{draft})")
         else:
+            shorter = [o.plan.context for o in ways if o.policy == args.policy]
             print(f"{args.policy} does NOT fit in {format_size(f.device_memory)}: it needs at least "
-                  f"{format_size(f.minimum)} at {f.context} tokens of context")
+                  f"{format_size(f.minimum)} at {f.context} tokens of context"
+                  + (f" (it runs at {max(shorter)}: see the ways to run below)" if shorter else ""))
         print(hosts)
         print(copies)
         for tip in f.suggestions:
             print(f"  - {tip}")
+        if ways:
+            print(f"ways to run in {format_size(f.device_memory)}, fastest predicted first (the longest context "
+                  f"that fits, up to {f.context}):")
+            print(options_table(ways, profile.name))
+        else:
+            print(f"nothing runs in {format_size(f.device_memory)}, at any context down to the shortest tried")
         return 0
     plan = make_plan(spec, numel, dtype, residency=args.residency, expert_memory=args.expert_memory,
                      context=args.context, draft=pol.drafts, device=device, store_dtype=store_dtype,
-                     compressed=args.compress_experts, coded_tier=tier_ratio(coded, host, device, pol))
+                     compressed=args.compress_experts, coded_tier=tier_ratio(coded, host, device, pol),
+                     draft_bits=args.draft_bits or 4)
     lanes = _lane_split(spec, store_dtype, plan.residency, pol.host_lane) if pol.host_lane else None
     if lanes is not None and pol.host_lane == "misses":
         copies += f"\nhost lane (policy {args.policy}): ~{format_size(lanes['host_bytes_per_token'])} of expert weights a " \

@@ -27,6 +27,7 @@ from .staging import aligned, describe as describe_staging
 from .store import pin_wanted, store_bytes
 
 INT4_GROUP = 128
+DRAFT_BITS = (4, 3, 2)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -79,10 +80,12 @@ def alias_pool(device, compute: torch.dtype, slots: int, expert_numel: int, ever
     return _is_cpu(device) and (every_expert or slots * expert_numel * compute.itemsize > POOL_UPCAST_MIN_BYTES)
 
 
-def draft_expert_bytes(spec: ModelSpec) -> int:
-    """One routed expert in INT4, group size 128: 4 bits a weight + a bf16 scale and shift per group."""
-    numel = spec.expert_numel()
-    return numel // 2 + math.ceil(numel / INT4_GROUP) * 2 * 2
+def draft_expert_bytes(spec: ModelSpec, bits: int = 4) -> int:
+    """One routed draft expert at `bits` (4, 3 or 2), group size 128: b/8 bytes a weight + a bf16 scale
+    and shift per group (speculative.draft_cache.draft_expert_nbytes: the draft's own packing)."""
+    from ..speculative.draft_cache import draft_expert_nbytes
+
+    return draft_expert_nbytes(spec, bits, scale_bytes=2)
 
 
 @dataclass
@@ -90,7 +93,7 @@ class MemoryPlan:
     dtype: str
     non_expert_bytes: int
     expert_bytes: int            # one routed expert in the compute dtype
-    draft_bytes: int             # every routed expert, INT4
+    draft_bytes: int             # every routed expert of the draft, at draft_bits
     kv_bytes: int
     context: int
     n_moe_layers: int
@@ -107,6 +110,7 @@ class MemoryPlan:
     tier_bytes: int = 0          # the compressed device tier (offload/coded_tier.py): experts kept coded
     tier_experts: int = 0        # ... about this many, at coded_ratio of a slot each
     coded_ratio: float = 0.0     # a coded expert's bytes over a slot's (0: no tier)
+    draft_bits: int = 4          # the draft's experts' width (every one on the device)
 
     @property
     def aliased(self) -> bool:
@@ -123,7 +127,7 @@ class MemoryPlan:
     def table(self) -> str:
         rows = [
             ("non-expert weights (always on device)", self.non_expert_bytes),
-            (f"draft experts (INT4, g{INT4_GROUP})", self.draft_bytes),
+            (f"draft experts (INT{self.draft_bits}, g{INT4_GROUP})", self.draft_bytes),
             (f"KV cache ({self.context} tokens)", self.kv_bytes),
             (self._pool_row(), self.slot_pool_bytes),
             ("total on device", self.total_bytes),
@@ -171,7 +175,7 @@ POOLS = ("shared", "layer")
 def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residency: float | None = None,
               expert_memory=None, device_memory=None, context: int | None = None, draft: bool = True,
               device=None, store_dtype: torch.dtype | None = None, compressed: bool = False,
-              pool: str = "shared", coded_tier: float | None = None) -> MemoryPlan:
+              pool: str = "shared", coded_tier: float | None = None, draft_bits: int = 4) -> MemoryPlan:
     """`total_numel`: parameters in the checkpoint. At most one of the three budgets; none = all resident.
     `device`, `store_dtype`, `compressed` (the store losslessly coded): what the pool decisions depend
     on. On CPU a big pool holds the store's narrower dtype (pool_dtype: a byte budget then buys more
@@ -179,9 +183,12 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
     own copies in the compute dtype. `pool`: "shared" (one pool, floor top-k slots) or "layer" (the
     per-layer rule: the same slots in every layer, floor top-k in each). `coded_tier`: a coded expert's
     bytes over a bf16 one's (the store's measured ratio, or an estimate): the budget is split between
-    raw slots and a compressed device tier (tier_split), shared pool only."""
+    raw slots and a compressed device tier (tier_split), shared pool only. `draft_bits`: the width of
+    the draft's experts (4, 3 or 2)."""
     if pool not in POOLS:
         raise ConfigError(f"pool must be one of {POOLS}, got {pool!r}")
+    if draft_bits not in DRAFT_BITS:
+        raise ConfigError(f"draft_bits must be one of {DRAFT_BITS}, got {draft_bits!r}")
     given = [b for b in (residency, expert_memory, device_memory) if b is not None]
     if len(given) > 1:
         raise ConfigError("give one budget: residency, expert_memory or device_memory")
@@ -189,7 +196,7 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
     E, k, L, numel = spec.n_experts, spec.top_k, spec.n_moe_layers, spec.expert_numel()
     context = min(context or spec.max_position, spec.max_position)
     fixed = dict(non=non_expert_numel(spec, total_numel) * item,
-                 draft=L * E * draft_expert_bytes(spec) if draft else 0,
+                 draft=L * E * draft_expert_bytes(spec, draft_bits) if draft else 0,
                  kv=kv_bytes_per_token(spec, item) * context)
     per = max(L, 1) if pool == "layer" else 1  # a slot is counted in every layer (the per-layer rule) or once
     most = E * (L // per)                       # slots in a layer (the rule), or in the pool, for every expert
@@ -224,7 +231,8 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
                       n_experts=E, top_k=k, slots_per_layer=slots if pool == "layer" else min(E, slots),
                       slot_pool_bytes=n_pool * expert, total_bytes=n_pool * expert + tier_bytes + sum(fixed.values()),
                       pool_dtype=_name(pdt), pool_rows=rows, pool_slots=n_pool, pool=pool,
-                      tier_bytes=tier_bytes, tier_experts=tier_n, coded_ratio=round(ratio, 4) if tier_bytes else 0.0)
+                      tier_bytes=tier_bytes, tier_experts=tier_n, coded_ratio=round(ratio, 4) if tier_bytes else 0.0,
+                      draft_bits=draft_bits)
 
 
 def tier_split(slots: int, k: int, E: int, L: int, ratio: float) -> int:
@@ -322,6 +330,7 @@ class Fit:
     minimum: int                  # device bytes the policy needs at this context (one layer's top-k slots)
     full: int                     # device bytes for every expert resident
     suggestions: list[str]
+    draft_bits: int | None = None  # the draft's width chosen (the drafting policies)
 
     @property
     def fits(self) -> bool:
@@ -329,30 +338,40 @@ class Fit:
 
     def as_dict(self) -> dict:
         return dict(policy=self.policy, device_memory=self.device_memory, context=self.context, fits=self.fits,
-                    minimum_bytes=self.minimum, all_resident_bytes=self.full, suggestions=self.suggestions,
+                    draft_bits=self.draft_bits, minimum_bytes=self.minimum, all_resident_bytes=self.full, suggestions=self.suggestions,
                     plan=self.plan.as_dict() if self.plan else None)
 
 
 def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *, policy: str = "specter",
-        context: int | None = None) -> Fit:
+        context: int | None = None, draft_bits: int | None = None, profile=None) -> Fit:
+    """`draft_bits` None: of the draft widths that fit (the drafting policies), the one predicted
+    fastest (predict_tpot on `profile`, a LinkProfile or its name; None: the default profile)."""
     draft = get_policy(policy).drafts
     budget = parse_budget(device_memory, "device_memory")
     item = torch.empty((), dtype=dtype).element_size()
     L, E, k, expert = spec.n_moe_layers, spec.n_experts, spec.top_k, spec.expert_numel() * item
     context = min(context or spec.max_position, spec.max_position)
     non = non_expert_numel(spec, total_numel) * item
-    draft_b = L * E * draft_expert_bytes(spec) if draft else 0
+    widths = (draft_bits,) if draft_bits is not None else DRAFT_BITS if draft else (4,)
+    narrow = min(widths)
+    draft_b = L * E * draft_expert_bytes(spec, narrow) if draft else 0
     kv_tok = kv_bytes_per_token(spec, item)
     minimum = lambda d, c: non + d + kv_tok * c + k * expert  # noqa: E731  (one layer's top-k slots)
     full = non + draft_b + kv_tok * context + L * E * expert
-    try:
-        plan = make_plan(spec, total_numel, dtype, device_memory=budget, context=context, draft=draft)
-    except BudgetError:
-        plan = None
+    profile = _profile(profile)
+    fitting = []
+    for b in widths:
+        try:
+            plan = make_plan(spec, total_numel, dtype, device_memory=budget, context=context, draft=draft, draft_bits=b)
+        except BudgetError:
+            continue
+        fitting.append((predict_tpot(spec, plan, policy, b if draft else None, profile)[0], -b, plan))
+    plan = min(fitting, key=lambda f: f[:2])[2] if fitting else None
+    width = f"INT{narrow} " if draft else ""
     tips = []
     if plan is None:
         if draft and non + draft_b >= budget:
-            tips.append(f"the INT4 draft alone takes {format_size(draft_b)}, leaving too little of "
+            tips.append(f"the {width}draft alone takes {format_size(draft_b)}, leaving too little of "
                         f"{format_size(budget)}: run without a draft (--policy on-demand or next-layer), which "
                         f"needs {format_size(minimum(0, context))}")
         elif draft and minimum(0, context) <= budget:
@@ -361,7 +380,175 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
         if 512 <= c < context:  # a context too short to be useful is no advice
             tips.append(f"a shorter context fits: --context {int(c)} (KV cache {format_size(kv_tok * int(c))})")
         tips.append(f"a device with at least {format_size(minimum(draft_b, context))} runs {policy} at "
-                    f"{context} tokens of context (one layer's top-{k} slots)")
-    elif plan.pool_slots < L * E:
-        tips.append(f"every expert resident needs {format_size(full)}")
-    return Fit(policy, budget, context, plan, minimum(draft_b, context), full, tips)
+                    f"{context} tokens of context ({'an ' + width + 'draft, ' if draft else ''}"
+                    f"one layer's top-{k} slots)")
+    else:
+        if draft and plan.draft_bits != max(widths):
+            wider = sorted(-f[1] for f in fitting if -f[1] > plan.draft_bits)
+            tips.append(f"the draft at INT{plan.draft_bits}: " + (
+                "no wider one fits" if not wider else
+                f"predicted faster than INT{wider[-1]} (more slots for the target; acceptance assumed)"))
+        if plan.pool_slots < L * E:
+            tips.append(f"every expert resident needs {format_size(full)}")
+    return Fit(policy, budget, context, plan, minimum(draft_b, context), full, tips,
+               draft_bits=plan.draft_bits if plan is not None and draft else None)
+# ------------------------------------------------------------------------------ a way to run (specter plan)
+# Ranking inputs that are assumptions, not measurements on these models: the share of drafted tokens
+# the target accepts at each draft width, and the share of a verification's misses the draft's
+# lookahead predicts early enough to copy while it drafts (specter's planner).
+ASSUMED_ACCEPTANCE = {4: 0.80, 3: 0.75, 2: 0.65}
+ASSUMED_COVERAGE = 0.8
+MIN_CONTEXT = 2048
+
+
+def _profile(profile):
+    """A LinkProfile from one, its name, or None (the default profile)."""
+    from .calibrate import load_profile
+
+    return profile if profile is not None and not isinstance(profile, str) else load_profile(profile)
+
+
+@dataclass
+class Option:
+    """One way to run: a policy (and its draft's width), the plan it gets, and its predicted speed."""
+
+    policy: str
+    draft_bits: int | None
+    plan: MemoryPlan
+    tpot_s: float               # predicted seconds a token (see predict_tpot)
+    k: int                      # the draft length the prediction chose (0: plain steps pay more)
+    acceptance: float | None    # assumed (ASSUMED_ACCEPTANCE)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1.0 / self.tpot_s if self.tpot_s > 0 else math.inf
+
+    def as_dict(self) -> dict:
+        return dict(policy=self.policy, draft_bits=self.draft_bits, context=self.plan.context,
+                    pool_slots=self.plan.pool_slots, residency=self.plan.residency, draft_bytes=self.plan.draft_bytes,
+                    slot_pool_bytes=self.plan.slot_pool_bytes, total_bytes=self.plan.total_bytes,
+                    predicted_tpot_s=self.tpot_s, predicted_tokens_per_s=self.tokens_per_s, k=self.k,
+                    assumed_acceptance=self.acceptance)
+
+
+def predict_tpot(spec: ModelSpec, plan: MemoryPlan, policy: str, bits: int | None, profile) -> tuple[float, int]:
+    """(seconds a token, K) on `profile`'s machine (a LinkProfile), if routing were uniform. A step is
+    memory-bound: it reads the non-expert weights and each expert its tokens route to once,
+    (non_expert + L x u(T) x expert bytes) / device bandwidth, u(T) = E (1 - (1 - k/E)^T) the
+    distinct experts a layer's T tokens route to. A share `residency` of them is on the device; the
+    m others of a layer are copies in series with compute, latency + expert bytes / PCIe each, or
+    with a host lane computed on the host at its roofline (host_lane "misses": all of them; "split":
+    c copied and m - c hosted so that both lanes finish together, as LaneChoice splits them).
+    Speculative (draft at `bits`, acceptance a assumed): a cycle drafts K tokens (K draft steps over
+    the draft's expert bytes), then verifies K + 1 tokens; it yields (1 - a^(K+1)) / (1 - a) tokens;
+    with the planner ASSUMED_COVERAGE of the verification's miss time is spent while the draft runs
+    (hidden up to the draft's time). K in 1..16 or plain steps (K = 0), whichever is faster, as the
+    governor would."""
+    pol = get_policy(policy)
+    L, E, k = spec.n_moe_layers, spec.n_experts, spec.top_k
+    hbm, pcie, lat = profile.device_memory_bandwidth, profile.pcie_bandwidth, profile.latency
+    eb, ne, miss = plan.expert_bytes, plan.non_expert_bytes, 1.0 - plan.residency
+
+    def u(T: int) -> float:
+        return E * (1.0 - (1.0 - k / E) ** T) if E else 0.0
+
+    def read(T: int, b: float) -> float:
+        return (ne + L * u(T) * b) / hbm
+
+    if not pol.offloads or not L:
+        return read(1, eb), 0
+    copy = lat + eb / pcie
+    host = None
+    if pol.host_lane:
+        from .calibrate import emulated_host_params
+
+        try:
+            host = emulated_host_params(profile, 1.0)
+        except ConfigError:  # a profile that describes no host: the lane's misses are copied instead
+            host = None
+    h = eb / host.bandwidth if host is not None else 0.0  # an expert read on the host (memory-bound)
+
+    def misses(m: float) -> float:
+        """Seconds a layer's m missing experts take (one call)."""
+        if m <= 0:
+            return 0.0
+        if host is None:
+            return m * copy
+        if pol.host_lane == "misses":
+            return host.latency + m * h
+        c = min(m, (host.latency + m * h) / (copy + h))  # copies = host: both lanes finish together
+        return c * copy
+
+    plain = read(1, eb * (1.0 - miss) if pol.host_lane == "misses" else eb) + L * misses(k * miss)
+    if not pol.drafts:
+        return plain, 0
+    a = ASSUMED_ACCEPTANCE[bits]
+    db = plan.draft_bytes / max(1, L * E)
+    best, best_k = plain, 0
+    for K in range(1, 17):
+        drafting = K * read(1, db)
+        wait = L * misses(u(K + 1) * miss)
+        hidden = min(ASSUMED_COVERAGE * wait, drafting) if pol.prefetch == "planner" else 0.0
+        t = (drafting + read(K + 1, eb) + wait - hidden) / ((1.0 - a ** (K + 1)) / (1.0 - a))
+        if t < best:
+            best, best_k = t, K
+    return best, best_k
+
+
+def contexts_to_try(spec: ModelSpec, context: int | None) -> list[int]:
+    """The context asked for (or the model's), then halved down to MIN_CONTEXT when none was asked for."""
+    top = min(context or spec.max_position, spec.max_position)
+    out = [top]
+    while context is None and out[-1] // 2 >= min(MIN_CONTEXT, top) and out[-1] > MIN_CONTEXT:
+        out.append(max(out[-1] // 2, MIN_CONTEXT))
+    return out
+
+
+def search(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *, context: int | None = None,
+           profile=None, policies=None) -> list[Option]:
+    """Every way to run in `device_memory` bytes: each policy (the drafted ones at each draft width)
+    at the longest context that fits (the one asked for, or the model's halved down to MIN_CONTEXT),
+    with the shared pool taking what is left; fastest predicted first. Nothing that does not fit."""
+    from ..policy import POLICIES
+
+    profile = _profile(profile)
+    budget = parse_budget(device_memory, "device_memory")
+    out = []
+    for policy in policies or POLICIES:
+        for bits in (DRAFT_BITS if get_policy(policy).drafts else (None,)):
+            for ctx in contexts_to_try(spec, context):
+                try:
+                    if not get_policy(policy).offloads:
+                        plan = make_plan(spec, total_numel, dtype, context=ctx, draft=False)
+                        if plan.total_bytes > budget:
+                            continue
+                    else:
+                        plan = make_plan(spec, total_numel, dtype, device_memory=budget, context=ctx,
+                                         draft=bits is not None, draft_bits=bits or 4)
+                except BudgetError:
+                    continue
+                t, K = predict_tpot(spec, plan, policy, bits, profile)
+                out.append(Option(policy, bits, plan, t, K, ASSUMED_ACCEPTANCE.get(bits)))
+                break
+    out.sort(key=lambda o: (o.tpot_s, -o.plan.context))
+    return out
+
+
+def options_table(options: list[Option], profile_name: str) -> str:
+    """The ranked options as text: one row each, fastest predicted first."""
+    head = (f"{'#':>2}  {'policy':<10} {'draft':>6} {'context':>8} {'draft experts':>13} {'slot pool':>11} "
+            f"{'slots':>6} {'resident':>8} {'tok/s':>7} {'K':>3}")
+    rows = [head]
+    for i, o in enumerate(options, 1):
+        p = o.plan
+        draft = f"INT{o.draft_bits}" if o.draft_bits else "-"
+        rows.append(f"{i:>2}  {o.policy:<10} {draft:>6} {p.context:>8} {format_size(p.draft_bytes):>13} "
+                    f"{format_size(p.slot_pool_bytes):>11} {p.pool_slots:>6} {p.residency:>8.1%} "
+                    f"{o.tokens_per_s:>7.2f} {o.k:>3}")
+    rows.append(f"predicted on {profile_name}'s device, link and host bandwidths, routing uniform (tok/s: a model "
+                f"to rank by, not a measurement); drafted policies at assumed acceptance "
+                f"{', '.join(f'INT{b} {a:.2f}' for b, a in ASSUMED_ACCEPTANCE.items())}, specter with "
+                f"{ASSUMED_COVERAGE:.0%} of a verification's misses fetched while it drafts; K 0: plain steps predicted "
+                f"faster than any draft length. host and specter compute misses on the host too (specter on CUDA: "
+                f"with --host-threads)")
+    return "\n".join(rows)
