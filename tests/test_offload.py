@@ -40,7 +40,7 @@ NEW = 24
 # lfu budgets also switch the slot cache to LFU eviction.
 BUDGETS = [({"residency": 0.25}, 2), ({"residency": 0.5}, 4), ({"residency": 1.0}, 8), ({"expert_memory": 3}, 3),
            ({"residency": 0.375, "eviction": "lfu"}, 3), ({"residency": 0.25, "slot_pool": "layer"}, 2),
-           ({"pool_slots": 2}, None), ({"pool_slots": 3, "eviction": "lfu"}, None)]
+           ({"pool_slots": 2}, None), ({"pool_slots": 3, "eviction": "lfu", "slot_pool": "open"}, None)]
 POLICIES = ["on-demand", "next-layer"]
 LOSSLESS_POLICIES = POLICIES + ["host"]  # host: the experts not resident computed on the host lane
 
@@ -163,6 +163,33 @@ def test_default_model_offloaded_greedy_equals_resident(emulated_link):
                 assert out.token_ids == w, f"{policy} residency={residency}, prompt {p!r}"
                 assert out.text == engine.decode(w)
             assert sum(o.stats["expert_misses"] for o in outs) > 0
+
+
+@pytest.mark.skipif(not (specter.default_model_path() / "model.safetensors").exists(),
+                    reason="the bundled default model is not built")
+def test_default_model_below_the_per_layer_floor_equals_resident(emulated_link):
+    """2 MiB of expert memory is 3 fp32 experts of 576 KiB for 4 layers of top-2: below the per-layer
+    rule's floor (4.5 MiB, 2 a layer), a plan only the shared pool has. on-demand and specter decode
+    the resident tokens through it."""
+    prompts = ["def fibonacci(n):", "import os\n\ndef read_lines(path):"]
+    engine = specter.load(None, device="cpu", policy="resident")
+    try:
+        want = [engine.generate(p, max_new_tokens=NEW, temperature=0.0).token_ids for p in prompts]
+    finally:
+        engine.close()
+    with pytest.raises(specter.BudgetError, match="4.50 MiB"):
+        specter.load(None, device="cpu", policy="on-demand", expert_memory="2MiB", slot_pool="layer")
+    emulated_link()
+    for policy in ("on-demand", "specter"):
+        engine = specter.load(None, device="cpu", policy=policy, expert_memory="2MiB")
+        try:
+            assert engine.plan.pool_slots == 3 and engine.plan.pool == "shared"
+            outs = [engine.generate(p, max_new_tokens=NEW, temperature=0.0) for p in prompts]
+        finally:
+            engine.close()
+        for p, out, w in zip(prompts, outs, want):
+            assert out.token_ids == w, f"{policy} at 2 MiB, prompt {p!r}"
+        assert sum(o.stats["expert_misses"] for o in outs) > 0
 
 
 # ------------------------------------------------------------------------------------- invariant watcher

@@ -315,7 +315,9 @@ def test_shared_pool_slots_by_hand(case):
     for slots in (k, k + 1, L * k - 1, L * E):
         plan = plan_of(spec, numel, torch.float32, expert_memory=slots * eb + eb - 1)
         assert (plan.pool_slots, plan.pool, plan.slot_pool_bytes) == (slots, "shared", slots * eb)
-        assert plan.slots_per_layer == min(E, slots) and plan.residency == slots / (L * E)
+        assert plan.slots_per_layer == min(E, slots, max(k, -(-slots // L)))  # a layer's share, top-k at least
+        assert plan.residency == slots / (L * E)
+        assert plan_of(spec, numel, torch.float32, expert_memory=slots * eb, pool="open").slots_per_layer == min(E, slots)
     assert plan_of(spec, numel, torch.float32, residency=0.3).pool_slots == math.ceil(0.3 * L * E - 1e-9)
     assert plan_of(spec, numel, torch.float32, expert_memory="1TiB").pool_slots == L * E
     assert plan_of(spec, numel, torch.float32).pool_slots == L * E

@@ -452,10 +452,9 @@ def test_random_sequences_shared_pool(device, policy, seed):
             if cache.slot_of(l, e) is not None:
                 continue
             protect = set(rng.sample(range(E), rng.randrange(3)))
-            own, reach = len(cache.residents(l)) >= Q, rng.random() < 0.5
+            own = len(cache.residents(l)) >= Q
             cands = []
-            # at its quota a layer evicts its own; a running call of l leaves later layers alone unless reach
-            for m in ([l] if own else range(l + 1) if held[0] == l and not reach else range(L)):
+            for m in ([l] if own else range(L)):  # at its quota a layer evicts its own
                 order = cache.recency(m)
                 for pos, x in enumerate(order):
                     if not cache.is_ready(m, x) or x in pins[m] or (m == l and x in protect):
@@ -468,7 +467,7 @@ def test_random_sequences_shared_pool(device, policy, seed):
                                    pos), (m, x)))
             free = min(S - cache.used_slots, Q - len(cache.residents(l)))
             want = None if free > 0 or not cands else min(cands)[1]
-            slot = cache.reserve(l, e, protect=protect, reach=reach)
+            slot = cache.reserve(l, e, protect=protect)
             if free <= 0 and not cands:
                 assert slot is None
                 continue

@@ -99,11 +99,9 @@ class OffloadedExperts:
         self.reset_stats()
 
     # ------------------------------------------------------------------------------- copies
-    def _issue(self, layer: int, e: int, *, urgent: bool, protect=(), reach: bool = False) -> bool:
-        """Reserve a slot for (layer, e) and start its copy. False when no slot can be freed. `reach`:
-        a running call of `layer` that cannot progress otherwise may evict the layers after it
-        (SlotCache.victim)."""
-        slot = self.slots.reserve(layer, e, protect=protect, reach=reach)
+    def _issue(self, layer: int, e: int, *, urgent: bool, protect=()) -> bool:
+        """Reserve a slot for (layer, e) and start its copy. False when no slot can be freed."""
+        slot = self.slots.reserve(layer, e, protect=protect)
         if slot is None:
             return False
         src, dst = self.store[layer], self.pool[layer]
@@ -358,14 +356,13 @@ class OffloadedExperts:
 
     def _issue_blocking(self, layer: int, e: int, protect) -> None:
         """Issue (layer, e) now; if no slot can be freed, wait for this layer's copies to land first, then
-        (a shared pool: other layers' prefetches may hold every other slot) for every copy. It may evict
-        the experts of the layers after this one (reach: the call cannot progress otherwise)."""
-        if self._issue(layer, e, urgent=True, protect=protect, reach=True):
+        (a shared pool: other layers' prefetches may hold every other slot) for every copy."""
+        if self._issue(layer, e, urgent=True, protect=protect):
             return
         for mine in (True, False):
             for key in [k for k in self.inflight if (k[0] == layer) == mine]:
                 self._land(*key)
-            if self._issue(layer, e, urgent=True, protect=protect, reach=True):
+            if self._issue(layer, e, urgent=True, protect=protect):
                 return
         raise RuntimeError(f"no evictable slot for layer {layer}: every slot of the pool is pinned or in use")
 

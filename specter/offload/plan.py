@@ -106,7 +106,7 @@ class MemoryPlan:
     pool_rows: str               # what compute reads: "own" (the pool's copies) | "store" (the store's rows in
     #                              place, alias_pool) | "resident" (every expert, in place in the resident copy)
     pool_slots: int = 0          # slots in the pool all layers share
-    pool: str = "shared"         # "shared" | "layer" (the per-layer rule)
+    pool: str = "shared"         # "shared" | "open" (no per-layer share) | "layer" (the per-layer rule)
     tier_bytes: int = 0          # the compressed device tier (offload/coded_tier.py): experts kept coded
     tier_experts: int = 0        # ... about this many, at coded_ratio of a slot each
     coded_ratio: float = 0.0     # a coded expert's bytes over a slot's (0: no tier)
@@ -169,7 +169,7 @@ def non_expert_numel(spec: ModelSpec, total_numel: int) -> int:
     return total_numel - spec.n_moe_layers * spec.n_experts * spec.expert_numel()
 
 
-POOLS = ("shared", "layer")
+POOLS = ("shared", "open", "layer")
 
 
 def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residency: float | None = None,
@@ -180,11 +180,12 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
     `device`, `store_dtype`, `compressed` (the store losslessly coded): what the pool decisions depend
     on. On CPU a big pool holds the store's narrower dtype (pool_dtype: a byte budget then buys more
     slots) and aliases the store (alias_pool); elsewhere, or with `device` None, the pool holds its
-    own copies in the compute dtype. `pool`: "shared" (one pool, floor top-k slots) or "layer" (the
-    per-layer rule: the same slots in every layer, floor top-k in each). `coded_tier`: a coded expert's
-    bytes over a bf16 one's (the store's measured ratio, or an estimate): the budget is split between
-    raw slots and a compressed device tier (tier_split), shared pool only. `draft_bits`: the width of
-    the draft's experts (4, 3 or 2)."""
+    own copies in the compute dtype. `pool`: "shared" (one pool, floor top-k slots; a layer holds at
+    most its share, ceil(slots / layers), or top-k if more), "open" (the same pool, no share: a layer
+    holds what eviction lets it) or "layer" (the per-layer rule: the same slots in every layer, floor
+    top-k in each). `coded_tier`: a coded expert's bytes over a bf16 one's (the store's measured ratio,
+    or an estimate): the budget is split between raw slots and a compressed device tier (tier_split),
+    shared pool only. `draft_bits`: the width of the draft's experts (4, 3 or 2)."""
     if pool not in POOLS:
         raise ConfigError(f"pool must be one of {POOLS}, got {pool!r}")
     if draft_bits not in DRAFT_BITS:
@@ -228,7 +229,7 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
         "resident" if every and pdt != store else "store"
     return MemoryPlan(dtype=_name(dtype), non_expert_bytes=fixed["non"], expert_bytes=expert,
                       draft_bytes=fixed["draft"], kv_bytes=fixed["kv"], context=context, n_moe_layers=L,
-                      n_experts=E, top_k=k, slots_per_layer=slots if pool == "layer" else min(E, slots),
+                      n_experts=E, top_k=k, slots_per_layer=_quota(pool, slots, L, E, k),
                       slot_pool_bytes=n_pool * expert, total_bytes=n_pool * expert + tier_bytes + sum(fixed.values()),
                       pool_dtype=_name(pdt), pool_rows=rows, pool_slots=n_pool, pool=pool,
                       tier_bytes=tier_bytes, tier_experts=tier_n, coded_ratio=round(ratio, 4) if tier_bytes else 0.0,
@@ -250,6 +251,16 @@ def tier_split(slots: int, k: int, E: int, L: int, ratio: float) -> int:
     if slots >= L * E or slots <= raw or (slots - raw) / ratio <= slots:
         return slots
     return raw
+
+
+def _quota(pool: str, slots: int, L: int, E: int, k: int) -> int:
+    """The most experts one layer may hold: the per-layer rule's slots; in the shared pool its share of
+    the pool (at least one layer's top-k); in the open pool all it can get."""
+    if pool == "layer":
+        return slots
+    if pool == "open" or not L:
+        return min(E, slots)
+    return min(E, slots, max(k, -(-slots // L)))
 
 
 def _name(dtype: torch.dtype) -> str:

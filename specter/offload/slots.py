@@ -18,9 +18,11 @@ their slots stay valid while in use.
 
 The pool: `pool` slots (default n_layers x n_slots), any layer's expert in any slot; `n_slots` is the
 most one layer may hold (its quota). The per-layer pool of old is the rule pool = n_layers x quota:
-a layer at its quota evicts one of its own, and no layer can then take another's slot. With a quota
-of n_experts (`SlotCache.shared`) a layer takes as many slots as it needs, down to a pool of one
-layer's top-k.
+a layer at its quota evicts one of its own, and no layer can then take another's slot. The memory
+plan's shared pool sets the quota to a layer's share, ceil(pool / n_layers) or top-k if more (a
+pool below every layer's top-k then still runs, each layer's top-k taking turns in it); with a quota
+of n_experts (`SlotCache.shared`, the plan's "open" pool) a layer takes as many slots as eviction
+gives it.
 
 Eviction ranks the residents of every layer by predicted next use. Within a layer that is recency
 (the least recently used first, LRU), or use counts (LFU). Across layers it is the distance to the
@@ -195,17 +197,17 @@ class SlotCache:
 
     # ---- slot lifecycle ----
 
-    def reserve(self, layer: int, expert: int, *, protect: Collection[int] = (), reach: bool = False) -> int | None:
+    def reserve(self, layer: int, expert: int, *, protect: Collection[int] = ()) -> int | None:
         """A slot for `expert` to be copied into (it becomes loading), evicting a victim if no slot is
-        free. `protect`: experts of `layer` not to evict; `reach`: see victim(). Returns None, changing
-        nothing, when every candidate is pinned, protected, held or loading."""
+        free. `protect`: experts of `layer` not to evict. Returns None, changing nothing, when every
+        candidate is pinned, protected, held or loading."""
         if self._state[layer][expert] != ABSENT:
             raise ValueError(f"expert {expert} of layer {layer} already has slot {self._slot[layer][expert]}")
         victim = -1
         if self.free_slots(layer):
             slot = self._free.pop()
         else:
-            found = self.victim(layer, protect, reach=reach)
+            found = self.victim(layer, protect)
             if found is None:
                 return None
             victim = found[0] * self.n_experts + found[1]
@@ -266,23 +268,15 @@ class SlotCache:
         L = self.n_layers
         return (layer - self._now - 1) % L + L * (self._reads[layer] - self._stamp[layer][expert])
 
-    def victim(self, layer: int, protect: Collection[int] = (), *, reach: bool = False) -> tuple[int, int] | None:
+    def victim(self, layer: int, protect: Collection[int] = ()) -> tuple[int, int] | None:
         """(layer, expert) a reservation for `layer` would evict now, or None. Evictable = ready, unpinned,
         not in `protect` (experts of `layer`), not held by a running call of another layer; only
         `layer`'s own when it is at its quota. Lowest (planner rank, LFU count) first, then the farthest
         predicted next use; within a layer the least recently used among equals. A planner's rank
-        (set_planner) is taken within two groups: while a call of layer c runs, layers <= c first.
-
-        While a call of `layer` itself runs (hold), its reservations leave the layers still to run after
-        it alone unless `reach`: their experts are read before anything this call computes is read
-        again, so the call runs its misses in more batches through its own and earlier layers' slots
-        (each batch's computed experts freeing slots for the next) instead of costing them a copy.
-        `reach=True` (the call cannot progress otherwise) takes them too, farthest next use first."""
+        (set_planner) is taken within two groups: while a call of layer c runs, layers <= c first."""
         running, held = self._held
         if len(self._order[layer]) >= self.n_slots:
             layers = (layer,)
-        elif running == layer and not reach:
-            layers = [m for m in range(layer + 1) if self._order[m]]
         else:
             layers = [m for m in range(self.n_layers) if self._order[m]]
         rank, lfu = self._planner, self.policy == "lfu"
