@@ -49,7 +49,8 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = DE
 
     policy: one of POLICIES, the table in specter/policy.py (resident | on-demand | next-layer | host |
     spec-lru | specter).
-    residency: fraction of each layer's routed experts kept on the device (0 < F <= 1), or
+    residency: share of the routed experts kept on the device (0 < F <= 1; one slot pool for all
+    layers, each holding at most its share: slot_pool="layer" gives every layer the same slots), or
     expert_memory: a byte budget for the device slot pool ("6GiB"). Neither: all resident.
     (policy "resident" takes no budget: one given to it is refused, not ignored.)
     dtype: compute dtype, "float32" | "bfloat16" | "float16" (default: fp32 on CPU, the

@@ -47,7 +47,8 @@ def model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
     if policy:
         p.add_argument("--policy", default=DEFAULT_POLICY, help=policy_help(f"default: {DEFAULT_POLICY}"))
     p.add_argument("--residency", type=float, default=None,
-                   help="fraction of each layer's experts kept on the device, in (0, 1] (offloading policies)")
+                   help="share of the routed experts kept on the device (one pool for all layers), in (0, 1] "
+                        "(offloading policies)")
     p.add_argument("--expert-memory", default=None,
                    help="device bytes for the expert slot pool, e.g. 6GiB (offloading policies)")
     p.add_argument("--link", default=None, help="CPU only: link profile of the emulated PCIe link (see `specter profile`)")

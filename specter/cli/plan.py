@@ -27,7 +27,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--model", default=None, help="local Hugging Face model directory (default: the bundled model)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]: the device to plan for (default: auto)")
     b = p.add_mutually_exclusive_group()
-    b.add_argument("--residency", type=float, default=None, help="fraction of each layer's experts on device")
+    b.add_argument("--residency", type=float, default=None, help="share of the routed experts on the device (one pool for all layers)")
     b.add_argument("--expert-memory", default=None, help="slot pool budget, e.g. 6GiB")
     b.add_argument("--device-memory", default=None, help="whole-device budget, e.g. 16GiB")
     p.add_argument("--context", type=positive_int, default=None, help="KV cache tokens (default: the model's context)")
