@@ -101,8 +101,8 @@ def describe(path: str | os.PathLike) -> tuple[ModelSpec, torch.dtype, int, bool
         dtype = getattr(torch, dtype.replace("torch.", ""), None)
     if dtype not in _DTYPES.values():
         raise CheckpointError(f"{path / 'config.json'}: dtype {dtype!r} is not one of float32, float16, bfloat16")
-    with init_empty_weights(include_buffers=True):
-        model = MoETransformer(spec, 1)
+    with init_empty_weights(include_buffers=False):  # rope's tables (1 position) are computed for real:
+        model = MoETransformer(spec, 1)                # YaRN's scaling reads values a meta tensor lacks
     numel = sum(p.numel() for p in model.parameters()) + spec.n_moe_layers * spec.n_experts * spec.expert_numel()
     return spec, dtype, numel, False
 

@@ -340,6 +340,12 @@ def described(name: str):
     return spec, dtype, numel
 
 
+def test_describe_plans_a_yarn_config_from_config_alone():
+    """DeepSeek-V2-Lite's config has YaRN rope scaling, whose tables cannot be built on the meta device."""
+    spec, _, numel = described("DeepSeek-V2-Lite")
+    assert spec.n_experts == 64 and numel > 15e9
+
+
 @pytest.mark.parametrize("name,size", [("Mixtral-8x7B", "24GiB"), ("Qwen3-30B-A3B", "16GiB"), ("Qwen3-30B-A3B", "24GiB"),
                                        ("Phi-3.5-MoE", "24GiB"), ("DeepSeek-V2-Lite", "12GiB")])
 def test_search_lists_only_what_fits_fastest_first(name, size):
