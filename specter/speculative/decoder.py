@@ -162,7 +162,7 @@ class SpeculativeDecoder:
             drafted, q_rows = self._draft(t, n, k, cache, params, gen, hist)
             tokens = torch.tensor([t] + drafted, device=self.device)
         m1 = self.times.mark()
-        stall0, hits0, misses0 = mgr._stats["stall_s"], mgr._stats["expert_hits"], mgr._stats["expert_misses"]
+        before = mgr.stats()  # stall_s drains the link's measured waits (CUDA: stream waits timed by events)
         with span("verify") if profiling.ON else NULL:
             logits = self._verify(tokens, n, cache, mgr)  # [K+1, V]
         if self.cancel_leftovers:  # what verification did not wait for, it did not need:
@@ -181,10 +181,11 @@ class SpeculativeDecoder:
         mgr.demote_rejected(m + 1)  # rows 0..m ran on committed tokens, the rest on rejected drafts
         m2 = self.times.mark()
         # recall: the share of verification's experts resident or in flight when it reached them
-        stall = mgr._stats["stall_s"] - stall0
-        hits = mgr._stats["expert_hits"] - hits0
+        after = mgr.stats()
+        stall = after["stall_s"] - before["stall_s"]
+        hits = after["expert_hits"] - before["expert_hits"]
         st["recall_hits"] += hits
-        st["recall_total"] += hits + mgr._stats["expert_misses"] - misses0
+        st["recall_total"] += hits + after["expert_misses"] - before["expert_misses"]
         st["drafted_tokens"] += k
         st["accepted_tokens"] += m
         st["rejections"] += m < k
