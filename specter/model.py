@@ -172,7 +172,9 @@ class MoETransformer(nn.Module):
                 if rows is None:
                     out = experts(layer.moe_index, h, ids, w)  # [T, H]
                 else:  # the real rows only; the padding's output is zeros
-                    out = F.pad(experts(layer.moe_index, h[:rows], ids[:rows], w[:rows]), (0, 0, 0, x.shape[0] - rows))
+                    out = experts(layer.moe_index, h[:rows], ids[:rows], w[:rows])
+                    if x.shape[0] > rows:
+                        out = F.pad(out, (0, 0, 0, x.shape[0] - rows))
                 if shared is not None:
                     out = out + shared
         return p.head(x, out, logits_for)
