@@ -66,8 +66,8 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = DE
     same bits): copies move the coded bytes and decode into the slot as they land (offload/coded.py).
     draft_bits: the draft experts' code width, 4 (default), 3 or 2: fewer bits, a smaller draft,
     fewer tokens accepted a cycle; the output is the same tokens either way.
-    driver: "async" (the generation runs on an event loop: astream on the caller's, the blocking API
-    on one of its thread's own) or "sync" (blocking waits). None (default): async on CUDA, sync on CPU.
+    driver: "sync", "async" or None: accepted and no longer used (every generation runs the decoder's
+    one body; astream runs it on a thread of its own: docs/ARCHITECTURE.md).
     """
     import torch
 

@@ -73,9 +73,8 @@ def model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
                         "torch.compile (default: on CUDA, with CUDA graphs; off on CPU, where the compile at "
                         "every load costs more than a short generation gains; docs/RESULTS.md)")
     p.add_argument("--driver", choices=("sync", "async"), default=None,
-                   help="how a generation is driven: blocking waits, or an asyncio event loop that awaits "
-                        "copies and plans in a task while the draft runs (default: async on CUDA, sync on CPU, "
-                        "where the loop has nothing to overlap; docs/RESULTS.md)")
+                   help="accepted for compatibility, no effect: every generation runs one body "
+                        "(docs/ARCHITECTURE.md)")
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:
