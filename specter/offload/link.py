@@ -10,11 +10,10 @@ or through two pinned staging buffers of its own when the store is not pinned: s
 thread that really copies the bytes and then sleeps until `start + latency + nbytes / bandwidth`,
 so a CPU run sees the same copy : compute ratio as the real GPU (see calibrate.py).
 
-A copy converts into the destination's dtype: the host store keeps the checkpoint's dtype (bf16 / fp16)
-and the slot pool holds the compute dtype (on CPU, a big model's pool keeps the store's dtype and
-the compute upcasts at use: see offload/plan.py pool_dtype). CUDA stages a converting copy through the device
-(the bus carries the stored bytes); the emulated link converts as it copies and times the copy by the
-bytes it writes, the width its compute was calibrated at, so the copy : compute ratio stays the GPU's.
+A copy converts into the destination's dtype (the store keeps the checkpoint's, the pool the compute
+dtype or the store's: offload/plan.py pool_dtype). CUDA stages a converting copy through the device
+(the bus carries the stored bytes); the emulated link times a copy by the bytes it writes, the width
+its compute was calibrated at, so the copy : compute ratio stays the GPU's.
 """
 
 from __future__ import annotations
@@ -174,7 +173,6 @@ class Transfer:
 
 
 def _check(dst, src) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(dst, src) as lists of equal length and matching shapes: a tensor alone is a list of one."""
     dst = [dst] if isinstance(dst, torch.Tensor) else list(dst)
     src = [src] if isinstance(src, torch.Tensor) else list(src)
     if len(dst) != len(src):
