@@ -113,13 +113,26 @@ def test_route_coverage_of_an_exact_draft(tiny, fast_link):
     assert pen.stats["acceptance_rate"] == 1.0 and pen.token_ids != out.token_ids, pen.stats
 
 
+class GuessLink(EmulatedLink):
+    """An emulated link on which a copy issued while `guessing` takes GUESS_S more."""
+
+    guessing = False
+    GUESS_S = 0.1
+
+    def seconds(self, dst, src):
+        return super().seconds(dst, src) + (self.GUESS_S if self.guessing else 0.0)
+
+
 def test_a_cycle_leaves_no_queued_prefetch_behind(tiny, resident_tokens, monkeypatch):
     """Prefetches still queued when verification ends were guesses it did not need (it waits for
     every copy it needs): the cycle withdraws them, so the steps after it queue behind nothing.
     A wrong guess is forced: after the draft's last plan, the last layer prefetches experts the draft
-    did not predict, on a link slow enough (~5 ms a copy) that some are still queued. After every
-    cycle, each copy in flight has started, the slots' bookkeeping holds, and the tokens are exact."""
-    monkeypatch.setattr(builder, "make_link", lambda device, profile=None, **kw: EmulatedLink(5e6, 1e-3, name="slow"))
+    did not predict, each guess taking 0.1 s on the link, so that whatever the machine's load all but
+    the first are still queued when verification ends (its own copies go before any not started).
+    After every cycle, each copy in flight has started, the slots' bookkeeping holds, and the tokens
+    are exact."""
+    link = GuessLink(5e6, 1e-3, name="slow")
+    monkeypatch.setattr(builder, "make_link", lambda device, profile=None, **kw: link)
     path, _ = tiny("qwen3_moe", eos_token_id=None)
     engine = load(path, "specter", residency=0.5, k_max=2)
     try:
@@ -132,7 +145,11 @@ def test_a_cycle_leaves_no_queued_prefetch_behind(tiny, resident_tokens, monkeyp
             n = plan(upto, host)
             if upto == planner.k:  # the draft is over: guess wrong on the layer verification reaches last
                 unpredicted = [e for e in reversed(range(mgr.slots.n_experts)) if e not in planner.demand[last]]
-                n += mgr.prefetch(last, unpredicted, protect=set(planner.demand[last]))
+                link.guessing = True
+                try:
+                    n += mgr.prefetch(last, unpredicted, protect=set(planner.demand[last]))
+                finally:
+                    link.guessing = False
             return n
 
         def checked(*a, **kw):
