@@ -66,8 +66,6 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = DE
     same bits): copies move the coded bytes and decode into the slot as they land (offload/coded.py).
     draft_bits: the draft experts' code width, 4 (default), 3 or 2: fewer bits, a smaller draft,
     fewer tokens accepted a cycle; the output is the same tokens either way.
-    driver: "sync", "async" or None: accepted and no longer used (every generation runs the decoder's
-    one body; astream runs it on a thread of its own: docs/ARCHITECTURE.md).
     """
     import torch
 

@@ -125,7 +125,7 @@ def check_compressible(ckpt: Checkpoint, compress_experts) -> None:
 def build_engine(path: Path, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                  link=None, dtype=None, threads: int | None = None, eviction: str | None = None,
                  device_memory=None, k_max: int = 32, compile: bool | None = None, shared: Loaded | None = None,
-                 draft_cache=None, driver: str | None = None, host_threads: int | None = None,
+                 draft_cache=None, host_threads: int | None = None,
                  compress_experts: bool = False, draft_bits: int = 4, slot_pool: str = "shared",
                  **options) -> Engine:
     """An engine for `policy` (a name in specter/policy.py's table). `shared`: a checkpoint already
@@ -144,8 +144,6 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
                           f"drop it, or use policy {' or '.join(map(repr, policy_names('host_lane')))}")
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
         raise ConfigError(f"k_max must be an integer >= 0 (0 = no speculation), got {k_max!r}")
-    if driver not in (None, "sync", "async"):
-        raise ConfigError(f"driver must be 'sync', 'async' or None (auto), got {driver!r}")
     if compile is not None and not isinstance(compile, bool):
         raise ConfigError(f"compile must be True, False or None (auto: on CUDA), got {compile!r}")
     if shared is not None and Path(path).resolve() != shared.path.resolve():
@@ -199,9 +197,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
                 mgr.host_lane = lane
         decoder = _decoder(pol, shared, mgr, k_max, compile)
     engine = Engine(model, experts, shared.tokenizer, path=path, device=device, dtype=dt, policy=policy,
-                    decoder=decoder, generation_defaults=defaults)
-    engine.plan, engine.shared = plan, shared
-    engine.driver = driver or default_driver(device)
+                    decoder=decoder, generation_defaults=defaults, plan=plan, shared=shared)
     return engine
 
 
@@ -217,12 +213,6 @@ def uses_host_lane(policy: Policy | str, device: torch.device, host_threads: int
     if lane == "misses":
         return True
     return lane == "split" and not every_expert and (device.type == "cpu" or host_threads is not None)
-
-
-def default_driver(device: torch.device) -> str:
-    """engine.driver's default. Kept for load(driver=...): every driver now runs the decoder's one body
-    (docs/ARCHITECTURE.md, "One body per generation"), so the value changes nothing."""
-    return "async" if device.type == "cuda" else "sync"
 
 
 def _compiled_steps(model, draft, compile: bool | None, device: torch.device, k_max: int):

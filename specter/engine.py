@@ -68,11 +68,11 @@ def describe(params: SamplingParams) -> str:
 
 class Engine:
     def __init__(self, model: MoETransformer, experts: list[ExpertWeights], tokenizer, *, path: Path,
-                 device: torch.device, dtype: torch.dtype, policy: str, decoder, generation_defaults: dict | None = None):
+                 device: torch.device, dtype: torch.dtype, policy: str, decoder, generation_defaults: dict | None = None, plan=None, shared=None):
         self.model, self.expert_weights, self.tokenizer = model, experts, tokenizer
         self.path, self.device, self.dtype, self.policy = path, device, dtype, policy
         self.decoder = decoder
-        self.driver = "sync"  # load(driver=...) still sets it; every driver now runs the one body (module docstring)
+        self.plan, self.shared = plan, shared  # the memory plan it was built to; the loaded checkpoint (builder.Loaded)
         self.turns = Turns()
         self._generation_defaults = dict(generation_defaults or {})
         SamplingParams(**self._generation_defaults)  # valid, or a ConfigError now rather than at each call

@@ -10,7 +10,7 @@ timer (test_profiling.py) and the `[cuda]` cases of conftest's `device` fixture.
    the batch's size T and wherever the token sits in it).
 2. One lossless greedy run per policy on a tiny bf16 checkpoint (eager steps): the tokens of plain
    resident decoding, or parted from them only at a near-tie (tests/test_bf16.py's criterion).
-3. The asyncio driver against the blocking one, K fixed: the very same tokens.
+3. astream against generate, K fixed: the very same text.
 4. The captured draft step and verifier (compile=True, CUDA graphs): both ran compiled, no host
    sync inside them (bench/graph_check.py's checks), and the tokens lossless as in 2.
 5. The pinned host store (bench/pinned_check.py): exact-size pinning and its fallback.
@@ -183,19 +183,25 @@ def test_each_policy_is_lossless_on_cuda(checkpoint, shared, plain, policy):
         engine.close()
 
 
-def test_async_driver_gives_the_sync_drivers_tokens_on_cuda(checkpoint, shared, plain):
+def test_astream_gives_generates_text_on_cuda(checkpoint, shared, plain):
+    """astream runs the decoder on a thread of its own (docs/ARCHITECTURE.md): generate's text, K fixed."""
+    import asyncio
+
     import specter
 
-    tokens = {}
-    for driver in ("sync", "async"):
-        engine = specter.load(checkpoint, device="cuda", policy="specter", shared=shared, compile=False,
-                              driver=driver, **POLICY_KW["specter"])
-        try:
-            assert _fix_k(engine)
-            tokens[driver] = [o.token_ids for o in _lossless(plain, engine, f"specter, driver {driver}")]
-        finally:
-            engine.close()
-    assert tokens["async"] == tokens["sync"]
+    engine = specter.load(checkpoint, device="cuda", policy="specter", shared=shared, compile=False,
+                          **POLICY_KW["specter"])
+
+    async def collect(prompt):
+        return "".join([piece async for piece in engine.astream(prompt, max_new_tokens=NEW, temperature=0.0)])
+
+    try:
+        assert _fix_k(engine)
+        outs = _lossless(plain, engine, "specter, generate")
+        texts = [asyncio.run(collect(p)) for p in PROMPTS]
+    finally:
+        engine.close()
+    assert texts == [o.text for o in outs]
 
 
 # -------------------------------------------------------------------------------- 5. pinned store

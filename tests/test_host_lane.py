@@ -151,19 +151,18 @@ def test_host_policy_copies_nothing_and_decodes_residents_tokens(tiny):
         want = [ref.generate(p, max_new_tokens=12).token_ids for p in prompts]
     finally:
         ref.close()
-    for driver in ("sync", "async"):
-        engine = specter.load(path, device="cpu", policy="host", residency=0.25, host_threads=2, driver=driver)
-        try:
-            mgr = engine.decoder.experts
-            assert isinstance(mgr, HostExperts) and mgr.lane.threads == 2
-            outs = [engine.generate(p, max_new_tokens=12) for p in prompts]
-        finally:
-            engine.close()
-        assert [o.token_ids for o in outs] == want, driver
-        for o in outs:
-            s = o.stats
-            assert s["h2d_bytes"] == 0 and s["host_experts"] == s["expert_misses"] > 0 and s["expert_hits"] > 0
-            assert s["host_bytes"] > 0 and s["host_stall_s"] <= s["stall_s"] + 1e-12
+    engine = specter.load(path, device="cpu", policy="host", residency=0.25, host_threads=2)
+    try:
+        mgr = engine.decoder.experts
+        assert isinstance(mgr, HostExperts) and mgr.lane.threads == 2
+        outs = [engine.generate(p, max_new_tokens=12) for p in prompts]
+    finally:
+        engine.close()
+    assert [o.token_ids for o in outs] == want
+    for o in outs:
+        s = o.stats
+        assert s["h2d_bytes"] == 0 and s["host_experts"] == s["expert_misses"] > 0 and s["expert_hits"] > 0
+        assert s["host_bytes"] > 0 and s["host_stall_s"] <= s["stall_s"] + 1e-12
 
 
 def test_host_threads_is_refused_where_it_would_be_ignored(tiny, capsys):
@@ -235,11 +234,10 @@ def test_specter_greedy_equals_resident_on_both_lanes(tiny, monkeypatch, arch, k
     finally:
         ref.close()
     monkeypatch.setattr(builder, "LaneChoice", _HalfToHost)
-    for residency, k_max, fixed, driver in ((0.25, 4, None, "sync"), (0.5, 8, None, "async"), (0.375, 0, None, "sync"),
-                                            (0.25, 8, 0, "sync"), (0.25, 8, 1, "sync"), (0.375, 8, 3, "async"),
-                                            (0.25, 8, 7, "sync")):
+    for residency, k_max, fixed in ((0.25, 4, None), (0.5, 8, None), (0.375, 0, None), (0.25, 8, 0), (0.25, 8, 1),
+                                    (0.375, 8, 3), (0.25, 8, 7)):
         engine = specter.load(path, device="cpu", policy="specter", residency=residency, k_max=k_max,
-                              driver=driver, host_threads=2)
+                              host_threads=2)
         if fixed is not None:
             engine.decoder.governor = Governor(k_max, fixed=fixed)
         try:
@@ -247,7 +245,7 @@ def test_specter_greedy_equals_resident_on_both_lanes(tiny, monkeypatch, arch, k
             assert engine.decoder.experts.host_choice.calls > 0
         finally:
             engine.close()
-        assert [o.token_ids for o in outs] == want, (residency, k_max, fixed, driver)
+        assert [o.token_ids for o in outs] == want, (residency, k_max, fixed)
         assert sum(o.stats["host_experts"] for o in outs) > 0 and sum(o.stats["h2d_bytes"] for o in outs) > 0
         if fixed:
             assert sum(o.stats["drafted_tokens"] for o in outs) > 0

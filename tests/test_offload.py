@@ -595,17 +595,17 @@ def test_full_residency_computes_on_the_residents_tensors(tiny, dtype):
     resident.close()
 
 
-@pytest.mark.parametrize("policy,driver", [(p, "sync") for p in POLICIES] + [("next-layer", "async")])
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("case", CASES[:2], ids=IDS[:2])
 @pytest.mark.parametrize("budget", [{"residency": 0.25}, {"pool_slots": 3}], ids=["quarter", "3slots"])
 @ALIAS
-def test_engine_invariants_on_a_slow_link(tiny, resident_tokens, emulated_link, watch, monkeypatch, case, policy, driver,
-                                          alias, budget):
+def test_engine_invariants_on_a_slow_link(tiny, resident_tokens, emulated_link, watch, monkeypatch, case, policy, alias,
+                                          budget):
     arch, kw = case
     path, ref = tiny(arch, **kw)
     monkeypatch.setattr(plan, "alias_pool", lambda *a, **k: alias)
     emulated_link(bandwidth=20e6, latency=1e-3)  # 24 KiB experts: ~2 ms a copy, in flight across layers
-    engine = specter.load(path, device="cpu", policy=policy, driver=driver, **budget_kwargs(ref, budget))
+    engine = specter.load(path, device="cpu", policy=policy, **budget_kwargs(ref, budget))
     try:
         mgr = engine.decoder.experts
         want_slots = pool_slots(ref, budget, 2 if "residency" in budget else None)

@@ -72,9 +72,6 @@ def model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
                    help="compile the draft's one-token step and the verifier's non-expert pieces with "
                         "torch.compile (default: on CUDA, with CUDA graphs; off on CPU, where the compile at "
                         "every load costs more than a short generation gains; docs/RESULTS.md)")
-    p.add_argument("--driver", choices=("sync", "async"), default=None,
-                   help="accepted for compatibility, no effect: every generation runs one body "
-                        "(docs/ARCHITECTURE.md)")
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:
@@ -114,8 +111,6 @@ def engine_options(args) -> dict:
     opts = {} if args.k_max is None else {"k_max": args.k_max}
     if args.compile is not None:
         opts["compile"] = args.compile
-    if getattr(args, "driver", None):
-        opts["driver"] = args.driver
     if getattr(args, "dtype", None):
         opts["dtype"] = args.dtype
     if getattr(args, "draft_cache", None) is not None:

@@ -71,8 +71,8 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
         return group, None, stage
     decoder = PipelineDecoder(stage, group, stages)
     engine = Engine(stage.model, [], stage.tokenizer, path=path, device=group.device, dtype=stage.dtype,
-                    policy=policy, decoder=decoder, generation_defaults=read_generation_defaults(path))
-    engine.plan, engine.shared, engine.driver = stage.plan, None, "sync"
+                    policy=policy, decoder=decoder, generation_defaults=read_generation_defaults(path),
+                    plan=stage.plan)
     return group, engine, stage
 
 
