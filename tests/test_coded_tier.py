@@ -13,6 +13,7 @@ from specter.offload import coded_tier
 from specter.offload.coded import CodedLayer, encode_store
 from specter.offload.coded_tier import CodedTier, DecodeLink, make_decode_link
 from specter.offload.link import EmulatedLink
+from specter.offload import plan as plan_mod
 from specter.offload.plan import make_plan, tier_split
 from specter.moe import ExpertWeights
 from specter.triton_ops.lossless import encode
@@ -40,8 +41,15 @@ def real_decode(monkeypatch):
     monkeypatch.setattr(builder, "attach_tier", lambda mgr, cap, link, rows=None: attach(mgr, cap, link))
 
 
+@pytest.fixture
+def small_verify(monkeypatch):
+    """Drafting policies get a tier on the tiny model too: their raw slots sized for one token (the
+    plan's rule gives a verification's working set, which leaves this model no room for a tier)."""
+    monkeypatch.setattr(plan_mod, "VERIFY_TOKENS", 1)
+
+
 @pytest.mark.parametrize("policy", ["on-demand", "spec-lru", "specter", "next-layer"])
-def test_tier_gives_the_resident_greedy_tokens(tiny, plain_link, fixed_k, policy):  # noqa: F811
+def test_tier_gives_the_resident_greedy_tokens(tiny, plain_link, fixed_k, small_verify, policy):  # noqa: F811
     path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
     resident = specter.load(path, device="cpu", policy="resident")
     try:
@@ -63,7 +71,8 @@ def test_tier_gives_the_resident_greedy_tokens(tiny, plain_link, fixed_k, policy
 
 
 @pytest.mark.parametrize("policy", ["on-demand", "specter"])
-def test_tier_decoding_the_coded_store_gives_the_same_tokens(tiny, plain_link, fixed_k, real_decode, policy):  # noqa: F811
+def test_tier_decoding_the_coded_store_gives_the_same_tokens(tiny, plain_link, fixed_k, real_decode, small_verify,
+                                                             policy):  # noqa: F811
     path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
     raw = _engine(path, policy, False)
     try:
@@ -204,6 +213,13 @@ def test_plan_splits_the_budget_between_raw_slots_and_the_tier():
     assert tier_split(3, 2, 16, 4, 0.7) == 3 and tier_split(64, 2, 16, 4, 0.7) == 64
     assert tier_split(16, 2, 16, 4, 0.7) == 2 and tier_split(16, 2, 16, 4, 0.9) == 16
     assert tier_split(4, 2, 16, 4, 0.7) == 4  # 2 raw + 2 / 0.7 = 2.86 coded: not more than 4
+    # a drafting policy's raw slots hold a verification's working set (top-2 x 5 tokens): at 16 slots
+    # the tier would hold 6 / 0.7 < 16, so none; at 48 slots 10 raw + 54 coded
+    drafting = make_plan(spec, total, torch.float32, expert_memory=16 * slot, draft=True, device="cpu", coded_tier=0.7)
+    assert drafting.tier_bytes == 0 and drafting.pool_slots == 16
+    big = make_plan(spec, total, torch.float32, expert_memory=48 * slot, draft=True, device="cpu", coded_tier=0.7)
+    assert big.pool_slots == 10 and big.tier_bytes == 38 * slot and big.tier_experts == 54
+    assert tier_split(48, 2, 16, 4, 0.7, verify=5) == 10 and tier_split(16, 2, 16, 4, 0.7, verify=5) == 16
     every = make_plan(spec, total, torch.float32, residency=1.0, draft=False, device="cpu", coded_tier=0.7)
     assert every.tier_bytes == 0 and every.pool_slots == 64
 

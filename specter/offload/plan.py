@@ -216,7 +216,7 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
     tier_bytes = tier_n = 0
     ratio = 0.0
     if coded_tier and pool == "shared":
-        raw = tier_split(slots, k, E, L, coded_tier)
+        raw = tier_split(slots, k, E, L, coded_tier, verify=VERIFY_TOKENS if draft else 1)
         if raw < slots:
             # a member is charged its coded bytes x the slot dtype's width over bf16 (coded_tier.py), so
             # the split is the GPU's at any pool dtype: `ratio` of a slot each
@@ -236,18 +236,23 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
                       draft_bits=draft_bits)
 
 
-def tier_split(slots: int, k: int, E: int, L: int, ratio: float) -> int:
+# Tokens of a verification whose working set a drafting policy's raw slots hold (K = 4 drafted + 1).
+VERIFY_TOKENS = 5
+
+
+def tier_split(slots: int, k: int, E: int, L: int, ratio: float, verify: int = 1) -> int:
     """The raw slots of a budget of `slots` when the rest may hold coded experts at `ratio` of a slot.
 
     The tier is inclusive (a raw slot's expert stays coded in the tier, offload/coded_tier.py), so the
-    device holds about max(raw, tier) distinct experts: each raw slot beyond the floor costs 1 / ratio
-    coded experts, i.e. PCIe copies, and buys only hits that would otherwise be decodes, each a launch
-    plus (1 + ratio) x an expert's bytes at device memory bandwidth, tens of times cheaper than the
-    copy on every profile. So the raw slots are the floor, one layer's top-k (a verification's larger
-    working set runs in batches through them, each batch decoded from the tier), and the rest is the
-    tier. No tier (all raw) when it would hold no more experts than the raw slots it replaces, or when
-    every expert fits raw."""
-    raw = min(E, k)
+    device holds about max(raw, tier) distinct experts: each raw slot beyond what a layer reads at
+    once costs 1 / ratio coded experts, i.e. PCIe copies, and buys only hits that would otherwise be
+    decodes, each a launch plus (1 + ratio) x an expert's bytes at device memory bandwidth, tens of
+    times cheaper than the copy on every profile. So the raw slots are one layer's working set: top-k
+    for plain decoding, min(E, top-k x `verify`) for a drafting policy's verification of `verify`
+    tokens (run through fewer slots, it waits for a decode per batch: specter measured slower so,
+    docs/RESULTS.md), and the rest is the tier. No tier (all raw) when it would hold no more experts
+    than the raw slots it replaces, or when every expert fits raw."""
+    raw = min(E, k * verify)
     if slots >= L * E or slots <= raw or (slots - raw) / ratio <= slots:
         return slots
     return raw
