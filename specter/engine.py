@@ -88,12 +88,6 @@ class Engine:
         generate(..., **{**engine.generation_defaults, "temperature": 0.5})."""
         return dict(self._generation_defaults)
 
-    def sampling_params(self, sampling: dict) -> tuple[SamplingParams, str]:
-        """(params, source) for a call's sampling keywords: the caller's own when they give any (a seed
-        alone does not count), else the model's defaults. source: "caller", "model" or "none"."""
-        chosen, source = choose(sampling, self._generation_defaults)
-        return SamplingParams.from_kwargs(chosen), source
-
     # ------------------------------------------------------------------------------- prompts
     def encode(self, prompt) -> list[int]:
         """A string, a list of token ids, or a chat (list of {"role", "content"} dicts)."""
@@ -199,7 +193,9 @@ class Engine:
 
     def _prepare(self, prompt, max_new_tokens, stop, sampling, stats: dict) -> tuple[list[int], SamplingParams, list]:
         """Validated (prompt ids, sampling params, stop strings); `stats` gets the sampling settings."""
-        params, source = self.sampling_params(sampling)
+        # the caller's sampling keywords when they give any (a seed alone does not count), else the model's
+        chosen, source = choose(sampling, self._generation_defaults)
+        params = SamplingParams.from_kwargs(chosen)
         stats.update(sampling=describe(params), sampling_from=source)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")

@@ -71,7 +71,10 @@ class SamplingParams:
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> "SamplingParams":
         """generate()'s sampling keywords -> params; an unknown keyword is a ConfigError naming it."""
-        names = [f.name for f in fields(cls) if f.init]
+        names = []
+        for f in fields(cls):
+            if f.init:
+                names.append(f.name)
         for key in kwargs:
             if key not in names:
                 others = [n for n in names + ["max_new_tokens", "stop"] if n != key]

@@ -167,27 +167,42 @@ class Governor:
                 seconds -= excess
         self._spec_fresh = self.window_tokens(k) / seconds if drafted > 0 and seconds > 0 else None
         if self._arm_probe and self._arm_probe_left == 0 and seconds > 0:
-            self._follow_up(drafted, self.window_tokens(k) / seconds)
+            # an arm probe just ended: if it alone beats the running arm, probe again right away
+            probed_plain, rate = drafted == 0, self.window_tokens(k) / seconds
+            if probed_plain != (self.arm == "plain"):
+                running = (self.plain if self.arm == "plain" else self.spec).rate()
+                need = self.margin if probed_plain else self.burden()
+                if running is not None and not probed_plain:
+                    running = self._plain_bar()
+                if running is not None and rate > running * (1 + need):
+                    self._arm_next = self.cycles
         (self.plain if drafted == 0 else self.spec).add(k, seconds)
         if drafted == 0:
             self.plain_copied.append(copied is None or copied > 0)
             return
-        self.draft_s = self._ema(self.draft_s, draft_s / drafted)
-        self.stall[drafted] = self._ema(self.stall.get(drafted), stall_s)  # what drafting K costs, as verified
+        a = self.alpha  # moving averages (None: no value yet, so the first is taken as it is)
+        old, new = self.draft_s, draft_s / drafted
+        self.draft_s = new if old is None else (1 - a) * old + a * new
+        old = self.stall.get(drafted)  # what drafting K costs, as verified
+        self.stall[drafted] = stall_s if old is None else (1 - a) * old + a * stall_s
+        old, new = self._v.get(k), verify_s - stall_s
+        self._v[k] = new if old is None else (1 - a) * old + a * new
         self.stall_n[drafted] = min(self.stall_n.get(drafted, 0) + 1, 16)
-        self._v[k] = self._ema(self._v.get(k), verify_s - stall_s)
-        self._fit()
-
-    def _follow_up(self, k: int, rate: float) -> None:
-        """An arm probe just ended: if it alone beats the running arm, probe again right away."""
-        probed_plain = k == 0
-        if probed_plain != (self.arm == "plain"):
-            running = (self.plain if self.arm == "plain" else self.spec).rate()
-            need = self.margin if probed_plain else self.burden()
-            if running is not None and not probed_plain:
-                running = self._plain_bar()
-            if running is not None and rate > running * (1 + need):
-                self._arm_next = self.cycles
+        # the verify compute fit v0 + v1 (K + 1): least squares over the K tried, or from one K a prior
+        pts = sorted(self._v.items())
+        if len(pts) == 1:
+            k, v = pts[0]
+            self.v0, self.v1 = v * 0.7, v * 0.3 / (k + 1)  # a prior: verify mostly fixed cost
+            return
+        n, sx, sy = len(pts), 0, 0.0
+        for k, v in pts:
+            sx, sy = sx + k + 1, sy + v
+        mx, my, var, cov = sx / n, sy / n, 0.0, 0.0
+        for k, v in pts:
+            var += (k + 1 - mx) ** 2
+            cov += (k + 1 - mx) * (v - my)
+        self.v1 = max(0.0, cov / var) if var else 0.0
+        self.v0 = max(0.0, my - self.v1 * mx)
 
     @property
     def plain_copies_nothing(self) -> bool:
@@ -208,25 +223,6 @@ class Governor:
             if e is not None:
                 var += e * e
         return self.margin + min(self.proof * math.sqrt(var), self.proof_cap) + self.free_margin
-
-    def _ema(self, old, new):  # a moving average; None: no value yet
-        return new if old is None else (1 - self.alpha) * old + self.alpha * new
-
-    def _fit(self) -> None:
-        pts = sorted(self._v.items())
-        if len(pts) == 1:
-            k, v = pts[0]
-            self.v0, self.v1 = v * 0.7, v * 0.3 / (k + 1)  # a prior: verify mostly fixed cost
-            return
-        n, sx, sy = len(pts), 0, 0.0
-        for k, v in pts:
-            sx, sy = sx + k + 1, sy + v
-        mx, my, var, cov = sx / n, sy / n, 0.0, 0.0
-        for k, v in pts:
-            var += (k + 1 - mx) ** 2
-            cov += (k + 1 - mx) * (v - my)
-        self.v1 = max(0.0, cov / var) if var else 0.0
-        self.v0 = max(0.0, my - self.v1 * mx)
 
     # ------------------------------------------------------------------------- estimates
     @property
@@ -351,7 +347,10 @@ class Governor:
             self._k_next = self.cycles + self._k_interval
             self._k_interval = min(2 * self._k_interval, self.probe_max)
             self._side += 1
-            around = [k for k in (best + 1, best - 1) if 1 <= k <= self.k_max]  # (a K probe: rare)
+            around = ()  # the neighbours inside 1..K_max, in turn (a K probe: rare)
+            for k in (best + 1, best - 1):
+                if 1 <= k <= self.k_max:
+                    around += (k,)
             if around:
                 self.probe = True
                 return around[self._side % len(around)]
