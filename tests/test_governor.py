@@ -160,7 +160,7 @@ def test_slower_speculation_converges_to_plain_and_stays_within_3_percent():
 def test_comes_back_when_speculation_pays_again_and_leaves_when_it_stops():
     gov = Governor(32)
     drive(gov, SLOWER, 300, seed=2)            # settled on plain decoding, probes backed off to probe_max
-    lengths = gov.spec.seconds() / gov.plain.seconds()  # probe_max probe-lengths of time apart at most
+    lengths = gov.spec.seconds / gov.plain.seconds  # probe_max probe-lengths of time apart at most
     d = drive(gov, PAYS, 300, seed=3)          # the text/cache changed: plain steps now stall on copies
     back = next(i for i in range(len(d)) if all(k > 0 for k, *_ in d[i:i + 8]))
     assert back <= round(gov.probe_max * lengths) + 16, [k for k, *_ in d[:back + 8]]
@@ -231,7 +231,7 @@ def test_a_burst_of_load_does_not_flip_the_arms():
     for _ in range(3):
         k = gov.next_k(1000)
         gov.observe_cycle(k, 0, 0.0, 20 * SLOWER.plain, 0.0) if k == 0 else gov.observe_cycle(k, 0, 1e-2, 1e-2, 0.0)
-    assert gov.arm == "plain" and gov.plain.rate() > 0.9 / SLOWER.plain
+    assert gov.arm == "plain" and gov.plain.rate > 0.9 / SLOWER.plain
 
 
 def test_a_slower_stretch_of_text_does_not_switch_to_stale_speculation():
@@ -242,7 +242,7 @@ def test_a_slower_stretch_of_text_does_not_switch_to_stale_speculation():
     gov = Governor(32)
     drive(gov, SLOWER, 200, seed=7, copied=1)
     assert gov.arm == "plain"
-    assert gov.spec.rate() > 0.75 / SLOWER.plain  # the premise: the stale window beats the slowed plain steps
+    assert gov.spec.rate > 0.75 / SLOWER.plain  # the premise: the stale window beats the slowed plain steps
     hard = World(plain=1.4 * SLOWER.plain, draft=2 * SLOWER.draft, verify=lambda k: 2 * SLOWER.verify(k),
                  stall=lambda k: 2 * SLOWER.stall(k), accepted=SLOWER.accepted)
     d = drive(gov, hard, 120, seed=8, copied=1)

@@ -58,50 +58,34 @@ from collections import deque
 
 class _Window:
     """The latest cycles of one arm, as (K verified, seconds); its rate is the median of
-    worth(K) / seconds (a median: a burst of load slows a cycle or two many times over)."""
+    worth(K) / seconds (a median: a burst of load slows a cycle or two many times over). The
+    summaries are computed at each add (worth changes only with a speculative cycle, which is added
+    to the speculative window): rates, rate and seconds (the median duration of a cycle; None
+    before the first), error (the relative standard error of rate, sqrt(pi/2) 1.4826 MAD / median
+    / sqrt(n); None before two cycles)."""
 
     def __init__(self, size: int, worth):
         self.ks: deque = deque(maxlen=size)
         self.secs: deque = deque(maxlen=size)
         self.worth = worth
-        self._memo: dict = {}  # rates / rate / error / seconds until the next add (worth changes only
-                               # with a speculative cycle, which is added to the speculative window)
+        self.rates: list[float] = []
+        self.rate = self.seconds = self.error = None
 
     def add(self, k: int, seconds: float) -> None:
         self.ks.append(k)
         self.secs.append(seconds)
-        self._memo.clear()
-
-    def rates(self) -> list[float]:
-        if "rates" not in self._memo:
-            out = self._memo["rates"] = []
-            for k, s in zip(self.ks, self.secs):  # worth None: every cycle is one token
-                out.append((1.0 if self.worth is None else self.worth(k)) / s if s > 0 else math.inf)
-        return self._memo["rates"]
-
-    def seconds(self) -> float | None:  # the median duration of one of its cycles
-        if "seconds" not in self._memo:
-            self._memo["seconds"] = statistics.median(self.secs) if self.secs else None
-        return self._memo["seconds"]
-
-    def rate(self) -> float | None:
-        if "rate" not in self._memo:
-            self._memo["rate"] = statistics.median(self.rates()) if self.secs else None
-        return self._memo["rate"]
+        self.rates = []
+        for k, s in zip(self.ks, self.secs):  # worth None: every cycle is one token
+            self.rates.append((1.0 if self.worth is None else self.worth(k)) / s if s > 0 else math.inf)
+        self.rate, self.seconds = statistics.median(self.rates), statistics.median(self.secs)
+        med, self.error, dev = self.rate, None, []
+        if len(self.secs) >= 2 and math.isfinite(med) and med > 0:
+            for x in self.rates:
+                dev.append(abs(x - med))
+            self.error = 1.858 * statistics.median(dev) / med / math.sqrt(len(self.secs))
 
     def recent(self, n: int = 3) -> float | None:  # the median rate of its newest n cycles
-        return statistics.median(self.rates()[-n:]) if self.secs else None
-
-    def error(self) -> float | None:
-        """The relative standard error of `rate`, sqrt(pi/2) 1.4826 MAD / median / sqrt(n)."""
-        if "error" not in self._memo:
-            med, err, dev = self.rate(), None, []
-            if len(self.secs) >= 2 and math.isfinite(med) and med > 0:
-                for x in self.rates():
-                    dev.append(abs(x - med))
-                err = 1.858 * statistics.median(dev) / med / math.sqrt(len(self.secs))
-            self._memo["error"] = err
-        return self._memo["error"]
+        return statistics.median(self.rates[-n:]) if self.secs else None
 
 
 class Governor:
@@ -160,17 +144,16 @@ class Governor:
         self._bounds.clear()
         after_spec, self._after_spec = self._after_spec, drafted > 0
         if after_spec and drafted == 0 and copied != 0 and len(self.plain.secs) >= self.plain_probe:
-            excess = seconds - self.plain.seconds()  # what the last cycle's evictions cost this step
+            excess = seconds - self.plain.seconds  # what the last cycle's evictions cost this step
             if excess > 0:
-                self.spec.secs[-1] += excess
-                self.spec._memo.clear()
+                self.spec.add(self.spec.ks.pop(), self.spec.secs.pop() + excess)
                 seconds -= excess
         self._spec_fresh = self.window_tokens(k) / seconds if drafted > 0 and seconds > 0 else None
         if self._arm_probe and self._arm_probe_left == 0 and seconds > 0:
             # an arm probe just ended: if it alone beats the running arm, probe again right away
             probed_plain, rate = drafted == 0, self.window_tokens(k) / seconds
             if probed_plain != (self.arm == "plain"):
-                running = (self.plain if self.arm == "plain" else self.spec).rate()
+                running = (self.plain if self.arm == "plain" else self.spec).rate
                 need = self.margin if probed_plain else self.burden()
                 if running is not None and not probed_plain:
                     running = self._plain_bar()
@@ -212,14 +195,14 @@ class Governor:
     def _plain_bar(self) -> float:
         """Plain decoding's rate as speculation must beat it: the window's, and when plain steps copy
         nothing also its newest steps' (R_plain_3), whichever is faster."""
-        return max(self.plain.rate(), self.plain.recent()) if self.plain_copies_nothing else self.plain.rate()
+        return max(self.plain.rate, self.plain.recent()) if self.plain_copies_nothing else self.plain.rate
 
     def burden(self) -> float:
         """How much faster speculation must be before it runs: margin (+ extra when plain copies nothing)."""
         if not self.plain_copies_nothing:
             return self.margin
         var = 0.0
-        for e in (self.spec.error(), self.plain.error()):
+        for e in (self.spec.error, self.plain.error):
             if e is not None:
                 var += e * e
         return self.margin + min(self.proof * math.sqrt(var), self.proof_cap) + self.free_margin
@@ -312,12 +295,12 @@ class Governor:
         if len(self.plain.secs) < self.plain_probe:
             return "plain"
         if self.arm is None:  # both measured once: speculation runs only if it proves faster
-            self.arm = "spec" if self.spec.rate() > self.plain.rate() * (1 + self.burden()) else "plain"
+            self.arm = "spec" if self.spec.rate > self.plain.rate * (1 + self.burden()) else "plain"
         running, other = (self.spec, self.plain) if self.arm == "spec" else (self.plain, self.spec)
-        faster = other.rate() > running.rate() * (1 + self.margin)  # the burden is at least the margin
+        faster = other.rate > running.rate * (1 + self.margin)  # the burden is at least the margin
         if faster and self.arm == "plain":  # the burden of proof, on evidence as fresh as the plain window's
             bar = self._plain_bar() * (1 + self.burden())
-            faster = self._spec_fresh is not None and min(other.rate(), self._spec_fresh) > bar
+            faster = self._spec_fresh is not None and min(other.rate, self._spec_fresh) > bar
         if faster:  # the landscape moved: look at the loser again soon
             self.arm = "plain" if self.arm == "spec" else "spec"
             self._arm_interval = self.probe_every
@@ -326,8 +309,8 @@ class Governor:
             self._arm_next = self.cycles + self._arm_interval
             # probes that keep losing back off, and never cost more than `budget` of the time
             n = self.plain_probe if self.arm == "spec" else 1
-            weight = max(other.seconds(), 1e-12) / max(running.seconds(), 1e-12)  # t_o / t_r
-            loss = n * weight * max(0.0, 1.0 - other.rate() / max(running.rate(), 1e-12))
+            weight = max(other.seconds, 1e-12) / max(running.seconds, 1e-12)  # t_o / t_r
+            loss = n * weight * max(0.0, 1.0 - other.rate / max(running.rate, 1e-12))
             cap = self.probe_max if self.arm == "spec" else round(self.probe_max * max(1.0, weight))
             budget, free = self.budget, self.arm == "plain" and self.plain_copies_nothing
             if free:
