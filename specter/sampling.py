@@ -10,6 +10,9 @@ Greedy parameters take the argmax of the penalised logits. Penalties read a `His
 and every committed token, plus, for row i of a multi-row call, the drafted tokens before it.
 As OpenAI and vLLM define them, `presence_penalty` / `frequency_penalty` count generated tokens
 only and `repetition_penalty` (the CTRL / Hugging Face one) covers the prompt too.
+
+Which keywords a generation samples with (`choose`: the caller's or the model's defaults) and their
+short human summary (`describe`) are here too.
 """
 from __future__ import annotations
 
@@ -196,3 +199,34 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None,
     if p.greedy:
         return (logits if history is None or not history.track else penalize(logits, p, history, pending)).argmax(-1)
     return torch.multinomial(probs(logits, p, history, pending), 1, generator=gen)[:, 0]
+
+
+_FIELDS = frozenset(f.name for f in fields(SamplingParams))  # SamplingParams' keywords
+
+
+def choose(sampling: dict, defaults: dict) -> tuple[dict, str]:
+    """(SamplingParams keywords, where they came from): the caller's keywords ("caller") when they set
+    any sampling value (None counts as unset, a seed alone as no choice), else the model's defaults
+    plus the seed ("model"; "none" when the model has none: greedy)."""
+    given, chosen = {}, False
+    for k, v in sampling.items():
+        if v is not None or k not in _FIELDS:  # unknown: from_kwargs says so
+            given[k] = v
+            chosen = chosen or k != "seed"
+    if chosen:
+        return given, "caller"
+    return {**defaults, **given}, "model" if defaults else "none"
+
+
+def describe(params: SamplingParams) -> str:
+    """A short human summary: "greedy" or "temperature 0.7, top-p 0.95, top-k 50, repetition 1.1"."""
+    p = params
+    parts = ["greedy"] if p.greedy else [f"temperature {p.temperature:g}"]
+    for name, v, on in (("top-p", p.top_p, not p.greedy and p.top_p < 1), ("top-k", p.top_k, not p.greedy and p.top_k > 0),
+                        ("min-p", p.min_p, not p.greedy and p.min_p > 0),
+                        ("repetition", p.repetition_penalty, p.repetition_penalty != 1),
+                        ("presence", p.presence_penalty, p.presence_penalty != 0),
+                        ("frequency", p.frequency_penalty, p.frequency_penalty != 0)):
+        if on:
+            parts.append(f"{name} {v:g}")
+    return ", ".join(parts)

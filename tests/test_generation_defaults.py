@@ -8,7 +8,7 @@ import pytest
 
 import specter
 from specter.cli import main
-from specter.engine import choose
+from specter.sampling import choose
 from specter.generation_defaults import HF_UNSET, read_generation_defaults
 
 SAMPLED = dict(do_sample=True, temperature=0.8, top_p=0.9, repetition_penalty=1.2)  # top_k unset: 50

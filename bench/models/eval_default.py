@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import train_default as recipe  # noqa: E402
 
-from specter.engine import describe  # noqa: E402
+from specter.sampling import describe  # noqa: E402
 from specter.generation_defaults import read_generation_defaults  # noqa: E402
 from specter.sampling import SamplingParams  # noqa: E402
 
