@@ -3,32 +3,21 @@ MoE layer, a slot cache deciding residency, and a link moving the bytes. It is a
 (see moe.py), so the model runs on it exactly as on resident weights.
 
     store  [host]    ExpertWeights per MoE layer, pinned on CUDA
-    pool   [device]  w13 [S, 2I, H], w2 [S, H, I], one pair for all layers, allocated once
-    slots            SlotCache(n_moe_layers, E, quota, pool=S): (layer, expert) -> slot, eviction, remap
+    pool   [device]  w13 [S, 2I, H], w2 [S, H, I], one pair for all layers; each layer's remap row
+                     maps its expert ids into it (the per-layer pool: S = n_moe_layers x quota)
+    slots            SlotCache: (layer, expert) -> slot; eviction ranks every layer's residents together
     link             EmulatedLink (CPU) | CudaLink: transfers are awaitables
+A layer's call holds the experts it reads (SlotCache.hold): no other layer's copy evicts them meanwhile.
 
-Each layer's remap row maps its expert ids into the shared pool; a slot holds any layer's expert,
-and eviction ranks the residents of every layer together (offload/slots.py). The per-layer pool is
-the rule S = n_moe_layers x quota. A layer's call holds the experts it reads (SlotCache.hold), so a
-copy issued for another layer meanwhile (a next-layer guess, a planner prefetch) never evicts them.
+A layer's call computes its resident experts in one grouped call through its remap row
+(`specter.triton_ops.expert_rows`); missing ones are requested at the front of the link's queue and
+compute in a second call as they land. Rows combine by (token, top-k position): the bits of one call
+over resident weights, whatever was resident. The call reads its routing on the host once and waits
+only for copies it needs still in flight (CUDA: a stream wait, no host sync; CPU: the emulated
+link's sleep). `prefetch` is the hook of every smarter policy (next-layer, the speculative planner).
 
-When a layer runs, every expert already resident computes in one grouped call over the slot
-pool through the layer's remap row (`specter.triton_ops.expert_rows`); missing ones are requested
-at the front of the link's queue and compute in a second call as they land (more calls only when
-a layer needs more experts than the pool can give it). Rows combine by (token, top-k position), so the
-result is the bits of one call over resident weights, whatever was resident. `prefetch` is the hook for every smarter policy: next-layer
-routing and the speculative planner issue copies through it ahead of need.
-
-A layer's call reads its routing on the host once and waits only for the copies it needs that are
-still in flight: on CUDA a stream wait (compute is ordered after the copy's event, the host never
-blocks); on the emulated link a sleep of the link's thread's making.
-
-`alias=True` (CPU, big models: plan.alias_pool): on CPU the "device" is host memory, so a pool
-would be a second copy of experts the store already holds. The pool is then shapes without storage
-(meta tensors): the slot cache decides residency and eviction as before, the emulated link charges
-every copy's time by the bytes it would write (so copy : compute stays the GPU's) and moves none,
-and compute reads a ready expert's own store row (the remap holds expert ids: SlotCache(alias=True)).
-An expert whose copy has not landed is still -1 in the remap, so it computes nothing until it has.
+`alias=True` (CPU, big models: plan.alias_pool): the pool is meta tensors and compute reads a ready
+expert's own store row; copies are timed, not made (docs/ARCHITECTURE.md, "aliases the store").
 """
 from __future__ import annotations
 
@@ -50,11 +39,9 @@ class OffloadedExperts:
     def __init__(self, store: list[ExpertWeights], n_slots: int | None, device: torch.device, link: Link,
                  eviction: str = "lru", dtype: torch.dtype | None = None, alias: bool = False,
                  rows: list[ExpertWeights] | None = None, *, pool: int | None = None):
-        """`n_slots`: the most experts one layer may hold (None: all of them); `pool`: the slots every
-        layer shares (default len(store) x n_slots: the per-layer pool, each layer at most n_slots).
-        `dtype`: the compute dtype of the slot pool (default the store's); copies convert into it.
-        `alias`: the pool is the store itself (CPU only; see the module docstring), or `rows`, a host
-        copy of it in the compute dtype (a budget that holds every expert: the resident policy's)."""
+        """`n_slots`: the most experts one layer may hold (None: all); `pool`: the slots all layers share
+        (default len(store) x n_slots: the per-layer pool). `dtype`: the pool's compute dtype (default
+        the store's). `alias`: the pool is the store (CPU only), or `rows`, its copy in the compute dtype."""
         if alias and device.type != "cpu":
             raise ValueError(f"an aliased slot pool reads the host store: CPU only, not {device}")
         self.store, self.link, self.device, self.alias = store, link, device, alias
@@ -80,17 +67,14 @@ class OffloadedExperts:
         self.inflight: dict[tuple[int, int], Transfer] = {}
         self.prefetched: set[tuple[int, int]] = set()   # copies issued ahead of need, not yet used
         self.use_hook = None                            # use_hook(layer, experts) after each layer computes
-        self.keep_rank = None                           # keep_rank(layer, e): late experts load lowest first,
-                                                        # so the highest ranked are the ones left resident
+        self.keep_rank = None                           # keep_rank(layer, e): late experts load lowest ranked first
         self.host_lane = None                           # both lanes (host_experts.LaneChoice): a HostLane, and
         self.host_choice = None                         # host_choice(layer, missing, routed) -> those computed there
-        self.tier = None                                # a CodedTier (offload/coded_tier.py): experts kept coded
-                                                        # on the device, a miss among them decoded into its slot
+        self.tier = None                                # a CodedTier (offload/coded_tier.py): coded on the device
         self.all_resident = False                       # set by warm() when the budget holds everything
         self._in_order = False                          # ... and compute reads expert e from row e
-        # per slot, the event recorded after its last reader's compute was queued (CUDA; None on CPU,
-        # where compute is synchronous): a copy into the slot waits for that, not for all compute. A slot
-        # never read waits only for the pool's allocation (queued before this point), nothing later.
+        # per slot, the event recorded after its last reader's compute was queued (CUDA; None on CPU): a
+        # copy into the slot waits for that, not all compute; a slot never read, for its allocation only.
         allocated = link.read_event()
         self._ordered = allocated is not None  # the link orders copies after reads (CUDA): note each read
         self.last_read: list = [allocated] * S  # per pool slot, whichever layer read it
@@ -159,18 +143,11 @@ class OffloadedExperts:
         return n
 
     def withdraw(self, layer: int, experts) -> int:
-        """Prefetches of `layer` no longer wanted: each copy the link has not started is withdrawn (its
-        reservation undone, the expert it evicted ready again in its untouched slot); one that has
-        started lands first in line for eviction. Returns how many were withdrawn."""
+        """Prefetches of `layer` no longer wanted: each copy the link has not started is withdrawn
+        (`_unissue`); one that has started lands first in line for eviction. Returns how many were withdrawn."""
         n, late = 0, []
         for e in experts:
-            key = (layer, e)
-            t = self.inflight.get(key)
-            if key in self.prefetched and t is not None and not self.slots.is_pinned(layer, e) and self.link.cancel(t):
-                del self.inflight[key]
-                self.prefetched.discard(key)
-                self.slots.cancel(layer, e, restore=True)
-                self._stats["h2d_bytes"] -= t.nbytes  # never crossed the link
+            if self._unissue((layer, e)):
                 n += 1
             elif self.slots.slot_of(layer, e) is not None:
                 late.append(e)
@@ -179,23 +156,26 @@ class OffloadedExperts:
         return n
 
     def cancel_prefetches(self) -> int:
-        """Withdraw the prefetch copies the link has not started: called when the cycle they were
-        issued for is over, so the steps after it do not queue behind its wrong guesses. Each one's
-        reservation is undone, the expert it evicted ready again in its untouched slot. Returns how
-        many; always 0 on CUDA, where a copy on the stream cannot be withdrawn (Link.cancel)."""
-        n, guesses = 0, []
-        for key in self.inflight:
-            if key in self.prefetched:
-                guesses.append(key)
-        for layer, e in guesses:
-            if self.slots.is_pinned(layer, e) or not self.link.cancel(self.inflight[(layer, e)]):
-                continue
-            self._stats["h2d_bytes"] -= self.inflight.pop((layer, e)).nbytes  # never crossed the link
-            self.prefetched.discard((layer, e))
-            self.slots.cancel(layer, e, restore=True)
-            n += 1
+        """Withdraw every prefetch copy the link has not started: called when the cycle they were issued
+        for is over, so the steps after it do not queue behind its wrong guesses. Returns how many;
+        always 0 on CUDA, where a copy on the stream cannot be withdrawn (Link.cancel)."""
+        n = 0
+        for key in [k for k in self.inflight if k in self.prefetched]:
+            n += self._unissue(key)
         self._stats["prefetch_cancelled"] += n
         return n
+
+    def _unissue(self, key: tuple[int, int]) -> bool:
+        """Withdraw prefetch `key` if the link has not started its copy: its reservation undone, the
+        expert it evicted ready again in its untouched slot."""
+        t = self.inflight.get(key)
+        if key not in self.prefetched or t is None or self.slots.is_pinned(*key) or not self.link.cancel(t):
+            return False
+        del self.inflight[key]
+        self.prefetched.discard(key)
+        self.slots.cancel(*key, restore=True)
+        self._stats["h2d_bytes"] -= t.nbytes  # never crossed the link
+        return True
 
     @property
     def copied_bytes(self) -> int:
@@ -317,9 +297,7 @@ class OffloadedExperts:
     def demote_rejected(self, kept_rows: int) -> None:
         """The last verification's rows from `kept_rows` on ran on rejected drafted tokens: the experts
         only they needed are demoted (SlotCache.demote), so the next misses evict them before the
-        experts the accepted text used. Without it, every rejected draft's experts landed as the most
-        recently used and pushed out what the next plain steps needed (traced on a DeepSeek-V2 shape
-        at 1/2 residency: spec-lru's plain steps slowed from 15 to 26 ms, on-demand's stayed at 18)."""
+        experts the accepted text used, not as the most recently used (docs/ARCHITECTURE.md)."""
         slots = self.slots
         for layer, (routed, k) in self._routed.items():
             rejected = set(routed[kept_rows * k:]).difference(routed[:kept_rows * k])
@@ -383,9 +361,7 @@ class OffloadedExperts:
             self._stats["expert_hits"] += int(self._resident_hits)
             self._resident_hits.zero_()
             self._hits_on_device = False
-        if self.tier is not None:
-            return dict(self._stats, **self.tier.stats, h2d_path=self.link.h2d_path)
-        return dict(self._stats, h2d_path=self.link.h2d_path)
+        return dict(self._stats, **(self.tier.stats if self.tier is not None else {}), h2d_path=self.link.h2d_path)
 
     def reset(self) -> None:
         """Forget every resident expert (a cold cache)."""
