@@ -30,10 +30,6 @@ from .errors import ConfigError
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as vLLM's _SAMPLING_EPS)
 
 
-def _number(v) -> bool:
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0          # 0 = greedy
@@ -51,21 +47,26 @@ class SamplingParams:
 
     def __post_init__(self):
         t, p, k, s = self.temperature, self.top_p, self.top_k, self.seed
-        if not _number(t) or t < 0:
+        bad = set()  # the float fields that are not a finite number
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad.add(name)
+        if "temperature" in bad or t < 0:
             raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        if not _number(p) or not (0 < p <= 1):
+        if "top_p" in bad or not (0 < p <= 1):
             raise ConfigError(f"top_p must be in (0, 1], got {p!r}")
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
         if s is not None and (isinstance(s, bool) or not isinstance(s, int)):
             raise ConfigError(f"seed must be an integer or None, got {s!r}")
-        if not _number(self.min_p) or not (0 <= self.min_p <= 1):
+        if "min_p" in bad or not (0 <= self.min_p <= 1):
             raise ConfigError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
-        if not _number(self.repetition_penalty) or self.repetition_penalty <= 0:
+        if "repetition_penalty" in bad or self.repetition_penalty <= 0:
             raise ConfigError(f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not _number(v) or not (-2 <= v <= 2):
+            if name in bad or not (-2 <= v <= 2):
                 raise ConfigError(f"{name} must be in [-2, 2] (0 = off), got {v!r}")
         object.__setattr__(self, "greedy", t < GREEDY_BELOW or k == 1)
         object.__setattr__(self, "penalized", self.repetition_penalty != 1 or self.presence_penalty != 0
@@ -95,9 +96,6 @@ class SamplingParams:
         else:
             g.manual_seed(self.seed)
         return g
-
-    def history(self, prompt: Sequence[int], device) -> "History":
-        return History(prompt, device, track=self.penalized)
 
 
 class History:

@@ -186,11 +186,11 @@ def test_planner_prefetch_is_what_verification_hits(planner_setup):
     mgr.slots.check()
 
 
-def test_planner_chunk_size_follows_link_and_draft_speed(planner_setup):
+def test_a_cycle_plans_every_chunk_of_drafts_that_link_and_draft_speed_allow(planner_setup):
     store, mgr, la, planner, link = planner_setup
     copy_s = mgr.expert_bytes / link.bandwidth + link.latency
     planner.new_per_token = 1.0
-    assert planner.chunk_size(draft_step_s=copy_s / 10, k=6) == 1   # slow link: plan after every step
-    assert planner.chunk_size(draft_step_s=copy_s * 3, k=6) == 3
-    assert planner.chunk_size(draft_step_s=copy_s * 100, k=6) == 6  # fast link: one read per cycle
-    assert planner.chunk_size(draft_step_s=0.0, k=4) == 1
+    assert planner.begin_cycle(6, draft_step_s=copy_s / 10) == 1   # slow link: plan after every step
+    assert planner.begin_cycle(6, draft_step_s=copy_s * 3) == 3
+    assert planner.begin_cycle(6, draft_step_s=copy_s * 100) == 6  # fast link: one read per cycle
+    assert planner.begin_cycle(4, draft_step_s=0.0) == 1

@@ -11,13 +11,13 @@ import time
 
 import torch
 
-from specter.sampling import SamplingParams, probs
+from specter.sampling import History, SamplingParams, probs
 
 PENALTIES = dict(repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.3)
 
 
 def cycle_ms(V: int, params: SamplingParams, reps: int = 10) -> float:
-    hist = params.history(list(range(50)), "cpu")     # a 50-token prompt
+    hist = History(list(range(50)), "cpu", track=params.penalized)     # a 50-token prompt
     hist.commit(list(range(100, 164)))               # 64 generated tokens
     verify, step, drafted = torch.randn(33, V), torch.randn(1, V), list(range(200, 232))
     t0 = time.perf_counter()

@@ -210,8 +210,11 @@ class SlotCache:
             found = self.victim(layer, protect)
             if found is None:
                 return None
-            victim = found[0] * self.n_experts + found[1]
-            slot = self._evict(*found)
+            vl, v = found  # evicted
+            victim = vl * self.n_experts + v
+            slot = self._release(vl, v)
+            self.remap[vl, v] = -1
+            self.stats["evictions"] += 1
         self._displaced[layer][expert] = victim
         self._slot[layer][expert] = slot
         self._owner[slot] = layer * self.n_experts + expert
@@ -255,12 +258,6 @@ class SlotCache:
         self._state[layer][expert] = ABSENT
         self._owner[slot] = -1
         del self._order[layer][expert]
-        return slot
-
-    def _evict(self, layer: int, victim: int) -> int:
-        slot = self._release(layer, victim)
-        self.remap[layer, victim] = -1
-        self.stats["evictions"] += 1
         return slot
 
     def next_use(self, layer: int, expert: int) -> int:

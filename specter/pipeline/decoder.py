@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ..sampling import SamplingParams, sample
+from ..sampling import History, SamplingParams, sample
 from .group import Group, PipelineError, comm
 from .stage import StageModel
 from .stages import Stage
@@ -98,7 +98,7 @@ class PipelineDecoder:
         self.wire.send_header(1, BEGIN, max_len=max_len)
         try:
             gen = params.generator(self.device)
-            hist = params.history(prompt, self.device)  # what penalties look at
+            hist = History(prompt, self.device, track=params.penalized)  # what penalties look at
             logits = self._forward(torch.tensor(prompt, device=self.device), 0)  # [1, V]
             pos = len(prompt)
             for _ in range(max_new):

@@ -31,7 +31,7 @@ from ..model import MoETransformer
 from ..offload.manager import OffloadedExperts
 from .. import profiling
 from ..profiling import NULL, span
-from ..sampling import SamplingParams, penalize, probs, sample
+from ..sampling import History, SamplingParams, penalize, probs, sample
 from .draft import DraftExperts, accept_greedy, accept_on_device, accept_sampling
 from .governor import Governor
 from .planner import PrefetchPlanner
@@ -50,7 +50,7 @@ class PlainDecoder:
         experts = self.experts if self.guess is None else partial(self.experts, guess=self.guess)
         cache = KVCache(self.model.spec, len(prompt) + max_new, self.device, self.dtype)
         gen = params.generator(self.device)
-        hist = params.history(prompt, self.device)  # what penalties look at
+        hist = History(prompt, self.device, track=params.penalized)  # what penalties look at
         tokens = torch.tensor(prompt, device=self.device)
         logits = self.model(tokens, 0, cache, experts, logits_for="last")  # [1, V]
         pos = len(prompt)
@@ -107,7 +107,7 @@ class SpeculativeDecoder:
         if self.draft_step is not None or self.verify_step is not None:
             self.graphs.record((self.draft_step, self.verify_step), cache, self._caches)
         gen = params.generator(self.device)
-        hist = params.history(prompt, self.device)  # what penalties look at
+        hist = History(prompt, self.device, track=params.penalized)  # what penalties look at
         logits = self.model(torch.tensor(prompt, device=self.device), 0, cache, self.experts, logits_for="last")
         t = int(sample(logits, params, gen, hist))
         hist.commit([t])
@@ -257,8 +257,7 @@ class SpeculativeDecoder:
         ds, planner, link = self.draft_step, self.planner, self.experts.link
         ds.begin(t, n, params)
         if planner is not None:
-            planner.begin_cycle(k)
-            chunk = planner.chunk_size(self.governor.draft_s or 0.0, k)
+            chunk = planner.begin_cycle(k, self.governor.draft_s or 0.0)
         for i in range(k):
             with span("draft step") if profiling.ON else NULL:
                 ds.step(cache, gen)
@@ -275,8 +274,7 @@ class SpeculativeDecoder:
         drafted, q_rows = [], []
         planner, link = self.planner, self.experts.link
         if planner is not None:
-            planner.begin_cycle(k)
-            chunk = planner.chunk_size(self.governor.draft_s or 0.0, k)
+            chunk = planner.begin_cycle(k, self.governor.draft_s or 0.0)
         draft, greedy, tok = self.draft, params.greedy, t
         for i in range(k):
             with span("draft step") if profiling.ON else NULL:

@@ -278,10 +278,24 @@ class Governor:
         self.probe = self._arm_probe = False
         arm = self._arm()
         self._arm_probe = self.probe
-        if arm == "plain":
-            self.k = 0
-        else:  # an arm probe of speculation runs its best K; only running speculation explores K
-            self.k = self._argmax_k() if self.probe else self._spec_k()
+        self.k = 0 if arm == "plain" else self._argmax_k()
+        if arm == "plain" or self.probe:  # an arm probe of speculation runs its best K
+            return min(self.k, cap)
+        best = self.k  # running speculation explores K around its best
+        if best != self._best:  # the best K moved: look around it again soon
+            self._best, self._k_interval = best, self.probe_every
+            self._k_next = min(self._k_next, self.cycles + self.probe_every)
+        if self.cycles >= self._k_next:
+            self._k_next = self.cycles + self._k_interval
+            self._k_interval = min(2 * self._k_interval, self.probe_max)
+            self._side += 1
+            around = ()  # the neighbours inside 1..K_max, in turn (a K probe: rare)
+            for k in (best + 1, best - 1):
+                if 1 <= k <= self.k_max:
+                    around += (k,)
+            if around:
+                self.probe = True
+                self.k = around[self._side % len(around)]
         return min(self.k, cap)
 
     def _arm(self) -> str:
@@ -320,24 +334,6 @@ class Governor:
             self.probe = True
             return "plain" if self.arm == "spec" else "spec"
         return self.arm
-
-    def _spec_k(self) -> int:
-        best = self._argmax_k()
-        if best != self._best:  # the best K moved: look around it again soon
-            self._best, self._k_interval = best, self.probe_every
-            self._k_next = min(self._k_next, self.cycles + self.probe_every)
-        if self.cycles >= self._k_next:
-            self._k_next = self.cycles + self._k_interval
-            self._k_interval = min(2 * self._k_interval, self.probe_max)
-            self._side += 1
-            around = ()  # the neighbours inside 1..K_max, in turn (a K probe: rare)
-            for k in (best + 1, best - 1):
-                if 1 <= k <= self.k_max:
-                    around += (k,)
-            if around:
-                self.probe = True
-                return around[self._side % len(around)]
-        return best
 
 
 class PlainArms:

@@ -105,7 +105,9 @@ class PrefetchPlanner:
     def reset_stats(self) -> None:
         self.cover_hits = self.cover_total = 0
 
-    def begin_cycle(self, k: int = 0) -> None:
+    def begin_cycle(self, k: int = 0, draft_step_s: float = 0.0) -> int:
+        """A cycle drafting K tokens begins -> how many draft steps to run between plans: about one
+        step's time of copies at a time (draft_step_s: the governor's draft time a token)."""
         self.k, decay = k, self.decay
         self.demand = []
         for row in self.score:
@@ -114,12 +116,8 @@ class PrefetchPlanner:
             self.demand.append(Counter())
         self.rows = []
         self.read_upto = 0
-
-    def chunk_size(self, draft_step_s: float, k: int) -> int:
         copy_s = self.new_per_token * self.mgr.link.copy_seconds(self.mgr.expert_bytes)
-        if copy_s <= 0:
-            return k
-        return max(1, min(k, round(draft_step_s / copy_s)))
+        return k if copy_s <= 0 else max(1, min(k, round(draft_step_s / copy_s)))
 
     def plan(self, upto: int, host: bool = False) -> int:
         """Read lookahead rows [read_upto, upto) and issue what they newly predict. Returns copies issued.
