@@ -48,6 +48,16 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=cmd_plan)
 
 
+def _host_line(host, coded: int | None) -> str:
+    """What the host holds: the expert store (`coded`: its losslessly coded size) and the draft cache."""
+    line = f"host memory: expert store {format_size(host.store_bytes)} (pinned {format_size(host.pinned_bytes)}), " \
+           f"draft cache {format_size(host.draft_cache_bytes)} on disk"
+    if coded is None:
+        return line
+    return line.replace("expert store", "expert store (losslessly coded: "
+                        f"{coded / host.raw_store_bytes:.2f}x of bf16's {format_size(host.raw_store_bytes)})", 1)
+
+
 def cmd_plan(args) -> int:
     pol = get_policy(args.policy)
     if args.ranks > 1:  # a layer pipeline: per-rank table (specter/pipeline/plan.py)
@@ -56,15 +66,11 @@ def cmd_plan(args) -> int:
     spec, store_dtype, numel, weights = describe(path)
     device = _plan_device(args.device, args.device_memory is not None)
     dtype = compute_dtype(device, store_dtype)
-    host = host_needs(spec, store_dtype, device.type, draft=pol.drafts)
+    host = host_needs(spec, store_dtype, device.type, draft=pol.drafts, draft_bits=args.draft_bits or 4)
     coded = _coded_store(path, weights, host) if args.compress_experts else None
     head = f"model {path} ({spec.arch}), stored {str(store_dtype)[6:]} " \
            f"({'weights' if weights else 'config.json only'}), computed {str(dtype)[6:]} on {device.type}"
-    hosts = f"host memory: expert store {format_size(host.store_bytes)} (pinned {format_size(host.pinned_bytes)}), " \
-            f"draft cache {format_size(host.draft_cache_bytes)} on disk"
-    if coded is not None:  # the store's size above is the coded one
-        hosts = hosts.replace("expert store", "expert store (losslessly coded: "
-                              f"{coded / host.raw_store_bytes:.2f}x of bf16's {format_size(host.raw_store_bytes)})", 1)
+    hosts = _host_line(host, coded)
     copies = f"host->device copies: {host.h2d_path}"
     if host.h2d_path == "pinned store":
         copies += f" (if the host cannot pin it: {describe_staging(host.staging_bytes)})"
@@ -78,6 +84,9 @@ def cmd_plan(args) -> int:
         profile = load_profile(args.link)
         f = fit(spec, numel, dtype, args.device_memory, policy=args.policy, context=args.context,
                 draft_bits=args.draft_bits, profile=profile)
+        if f.draft_bits and f.draft_bits != (args.draft_bits or 4):  # the width the fit chose: its cache's size
+            host = host_needs(spec, store_dtype, device.type, draft=pol.drafts, draft_bits=f.draft_bits)
+            hosts = _host_line(host, coded)
         ways = search(spec, numel, dtype, args.device_memory, context=args.context, profile=profile)
         if args.json:
             print(json.dumps({**f.as_dict(), "host": vars(host), "dtype": str(dtype)[6:], "cuda_graphs": graphs,

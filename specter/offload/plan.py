@@ -321,11 +321,12 @@ def emulated_device_bytes(plan: MemoryPlan, spec: ModelSpec, store_dtype: torch.
 
 
 def host_needs(spec: ModelSpec, store_dtype: torch.dtype, device_type: str, draft: bool = True,
-               pin: bool | None = None) -> HostNeeds:
+               pin: bool | None = None, draft_bits: int = 4) -> HostNeeds:
     """`pin`: whether a CUDA load pins the store (default: unless SPECTER_PIN_STORE=0); if not, copies go
-    through CudaLink's two staging buffers, each one expert of the store."""
+    through CudaLink's two staging buffers, each one expert of the store. `draft_bits`: the cached
+    draft's width."""
     store = store_bytes(spec, store_dtype)
-    drafts = spec.n_moe_layers * spec.n_experts * draft_expert_bytes(spec) if draft else 0
+    drafts = spec.n_moe_layers * spec.n_experts * draft_expert_bytes(spec, draft_bits) if draft else 0
     if device_type != "cuda":
         return HostNeeds(store, 0, drafts, h2d_path="emulated (host memory)")
     item = store_dtype.itemsize
