@@ -44,9 +44,29 @@ def read_prompts(path: str | None, workload: str | None = None) -> list:
 
 SUM_KEYS = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "decode_stall_s", "prefetch_issued",
             "prefetch_used", "prefetch_cancelled", "cycles", "draft_s", "verify_s", "accepted_tokens",
-            "drafted_tokens", "truncated_tokens", "rejections", "recall_hits", "recall_total", "cover_hits",
+            "drafted_tokens", "rejections", "recall_hits", "recall_total", "cover_hits",
             "cover_total", "host_experts", "host_bytes", "host_stall_s", "host_busy_s",
             "tier_hits", "tier_fills", "tier_evictions", "tier_decoded_bytes")
+
+
+def new_totals() -> dict:
+    """A policy's running totals over the bench's generations (add_run)."""
+    return {"decode_s": 0.0, "decode_tokens": 0, "ttft_s": 0.0, "runs": 0, "outputs": []}
+
+
+def add_run(a: dict, out, keys) -> None:
+    """One generation into the totals `a`: decode time and tokens after the first, TTFT, its token
+    ids, and the stats `keys` summed."""
+    s = out.stats
+    n = max(s["new_tokens"] - 1, 1)
+    a["decode_s"] += s["tpot_s"] * n
+    a["decode_tokens"] += n
+    a["ttft_s"] += s["ttft_s"]
+    a["runs"] += 1
+    a["outputs"].append(out.token_ids)
+    for k in keys:
+        if k in s:
+            a[k] = a.get(k, 0) + s[k]
 
 
 def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int = 64, repeat: int = 1,
@@ -73,20 +93,13 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
         if warmup:  # first-call costs (allocator, lazy init) out of the measurement
             for e in engines.values():
                 e.generate(prompts[0], max_new_tokens=4, **sampling)
-        agg = {p: {"decode_s": 0.0, "decode_tokens": 0, "ttft_s": 0.0, "runs": 0, "outputs": []} for p in policies}
+        agg = {p: new_totals() for p in policies}
         for _ in range(repeat):
             for prompt in prompts:
                 for p in policies:
                     out = engines[p].generate(prompt, max_new_tokens=max_new_tokens, **sampling)
                     a, s = agg[p], out.stats
-                    a["decode_s"] += s["tpot_s"] * max(s["new_tokens"] - 1, 1)
-                    a["decode_tokens"] += max(s["new_tokens"] - 1, 1)
-                    a["ttft_s"] += s["ttft_s"]
-                    a["runs"] += 1
-                    a["outputs"].append(out.token_ids)
-                    for k in SUM_KEYS:
-                        if k in s:
-                            a[k] = a.get(k, 0) + s[k]
+                    add_run(a, out, SUM_KEYS)
                     a["cuda_graphs"] = s.get("cuda_graphs")  # recorded so far (the engine's own count)
                     for k, v in s.items():
                         if k == "k_histogram":

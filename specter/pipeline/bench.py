@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from ..bench import read_prompts
+from ..bench import add_run, new_totals, read_prompts
 from ..errors import ConfigError
 from ..policy import BENCH_POLICIES, get as get_policy
 from ..sampling import SamplingParams
@@ -108,20 +108,12 @@ def _rate(s: dict) -> str:
 
 def _measure(engine, prompts, max_new: int, repeat: int, sampling: dict) -> dict:
     engine.generate(prompts[0], max_new_tokens=4, **sampling)  # first-call costs out of the measurement
-    a = {"decode_s": 0.0, "decode_tokens": 0, "ttft_s": 0.0, "runs": 0, "outputs": [], "per_rank": None}
+    a = dict(new_totals(), per_rank=None)
     for _ in range(repeat):
         for prompt in prompts:
             out = engine.generate(prompt, max_new_tokens=max_new, **sampling)
             s = out.stats
-            n = max(s["new_tokens"] - 1, 1)
-            a["decode_s"] += s["tpot_s"] * n
-            a["decode_tokens"] += n
-            a["ttft_s"] += s["ttft_s"]
-            a["runs"] += 1
-            a["outputs"].append(out.token_ids)
-            for k in SUMMED:
-                if k in s:
-                    a[k] = a.get(k, 0) + s[k]
+            add_run(a, out, SUMMED)
             per = s["pipeline"]["per_rank"] or []
             if a["per_rank"] is None:
                 a["per_rank"] = [{} for _ in per]
