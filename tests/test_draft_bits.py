@@ -7,28 +7,13 @@ import pytest
 import torch
 
 import specter
-from specter import builder
 from specter.errors import ConfigError
 from specter.loader import load_checkpoint
-from specter.offload.link import EmulatedLink
 from specter.speculative import draft_cache
 
+from speculative_common import fast_link  # noqa: F401 -- a fixture
+
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def fast_link(monkeypatch):
-    made = []
-
-    def make_link(device, profile=None, **kw):
-        link = EmulatedLink(100e6, 2e-4, name="test")
-        made.append(link)
-        return link
-
-    monkeypatch.setattr(builder, "make_link", make_link)
-    yield made
-    for link in made:
-        link.close()
 
 
 @pytest.fixture(scope="module")

@@ -219,6 +219,14 @@ class _HalfToHost:
         return missing[::2]
 
 
+class _AllToHost(_HalfToHost):
+    """Every missing expert to the host: nothing is copied after warm-up."""
+
+    def __call__(self, layer, missing, routed):
+        self.calls += 1
+        return list(missing)
+
+
 @pytest.mark.parametrize("arch,kw", [("deepseek_v2", {}), ("qwen2_moe", {"mlp_only_layers": [0]}), ("mixtral", {})])
 def test_specter_greedy_equals_resident_on_both_lanes(tiny, monkeypatch, arch, kw):
     """specter's misses split between copies and the host lane, at fixed K (0 = plain steps on both
@@ -281,11 +289,6 @@ def test_a_plain_step_on_the_host_lane_is_not_a_resident_step(tiny, monkeypatch)
     must not apply when plain steps send their misses to the host lane instead of the link."""
     import specter.builder as builder
     from specter.speculative.governor import Governor
-
-    class _AllToHost(_HalfToHost):
-        def __call__(self, layer, missing, routed):
-            self.calls += 1
-            return list(missing)
 
     path, _ = tiny("mixtral")
     monkeypatch.setattr(builder, "LaneChoice", _AllToHost)
@@ -440,11 +443,6 @@ def test_the_governor_is_charged_the_host_lanes_wait(tiny, monkeypatch):
     speculative cycle's stall is within its verification time, and the lane's waits are in them."""
     import specter.builder as builder
     from specter.speculative.governor import Governor
-
-    class _AllToHost(_HalfToHost):
-        def __call__(self, layer, missing, routed):
-            self.calls += 1
-            return list(missing)
 
     path, _ = tiny("mixtral")
     monkeypatch.setattr(builder, "LaneChoice", _AllToHost)

@@ -141,15 +141,24 @@ def test_offloaded_greedy_equals_resident(tiny, resident_tokens, emulated_link, 
             assert misses == 0 and sum(o.stats["h2d_bytes"] for o in outs) == 0
 
 
-@pytest.mark.skipif(not (specter.default_model_path() / "model.safetensors").exists(),
-                    reason="the bundled default model is not built")
-def test_default_model_offloaded_greedy_equals_resident(emulated_link):
-    prompts = ["def fibonacci(n):", "import os\n\ndef read_lines(path):"]
+DEFAULT_PROMPTS = ["def fibonacci(n):", "import os\n\ndef read_lines(path):"]
+
+
+@pytest.fixture(scope="module")
+def default_resident():
+    """The bundled model's resident greedy tokens for DEFAULT_PROMPTS (the reference of the tests below)."""
     engine = specter.load(None, device="cpu", policy="resident")
     try:
-        want = [engine.generate(p, max_new_tokens=NEW, temperature=0.0).token_ids for p in prompts]
+        want = [engine.generate(p, max_new_tokens=NEW, temperature=0.0).token_ids for p in DEFAULT_PROMPTS]
     finally:
         engine.close()
+    return want
+
+
+@pytest.mark.skipif(not (specter.default_model_path() / "model.safetensors").exists(),
+                    reason="the bundled default model is not built")
+def test_default_model_offloaded_greedy_equals_resident(emulated_link, default_resident):
+    prompts, want = DEFAULT_PROMPTS, default_resident
     assert all(len(w) > 0 for w in want)
     emulated_link()
     for policy in LOSSLESS_POLICIES:
@@ -167,16 +176,11 @@ def test_default_model_offloaded_greedy_equals_resident(emulated_link):
 
 @pytest.mark.skipif(not (specter.default_model_path() / "model.safetensors").exists(),
                     reason="the bundled default model is not built")
-def test_default_model_below_the_per_layer_floor_equals_resident(emulated_link):
+def test_default_model_below_the_per_layer_floor_equals_resident(emulated_link, default_resident):
     """2 MiB of expert memory is 3 fp32 experts of 576 KiB for 4 layers of top-2: below the per-layer
     rule's floor (4.5 MiB, 2 a layer), a plan only the shared pool has. on-demand and specter decode
     the resident tokens through it."""
-    prompts = ["def fibonacci(n):", "import os\n\ndef read_lines(path):"]
-    engine = specter.load(None, device="cpu", policy="resident")
-    try:
-        want = [engine.generate(p, max_new_tokens=NEW, temperature=0.0).token_ids for p in prompts]
-    finally:
-        engine.close()
+    prompts, want = DEFAULT_PROMPTS, default_resident
     with pytest.raises(specter.BudgetError, match="4.50 MiB"):
         specter.load(None, device="cpu", policy="on-demand", expert_memory="2MiB", slot_pool="layer")
     emulated_link()
