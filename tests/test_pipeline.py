@@ -19,6 +19,7 @@ import specter
 from specter.loader import open_checkpoint
 from specter.pipeline.group import PipelineError
 from specter.pipeline.stages import make_stages, split_layers
+from specter.speculative.governor import Governor
 from specter.testing import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +27,10 @@ ARCHS = ("qwen3_moe", "deepseek_v2")  # GQA + every layer MoE; MLA + a dense fir
 GREEDY, SEEDED = dict(temperature=0.0), dict(temperature=0.9, top_k=20, seed=7)
 RUNS = (("resident", None, GREEDY), ("resident", None, SEEDED), ("on-demand", 0.5, GREEDY),
         ("on-demand", 0.5, SEEDED), ("next-layer", 0.5, GREEDY), ("host", 0.5, GREEDY))
+# the drafting policies: (policy, residency, sampling, K fixed on both sides or None for the adaptive governor)
+SPEC_RUNS = (("spec-lru", 0.5, GREEDY, 3), ("specter", 0.5, GREEDY, 3), ("specter", 0.5, SEEDED, 2),
+             ("specter", 0.5, GREEDY, None))
+SPEC_STATS = ("drafted_tokens", "accepted_tokens", "cycles")
 PROMPT, NEW = [1, 5, 9, 17, 33], 10
 
 RANKS = r"""
@@ -33,6 +38,7 @@ import json, sys
 from specter.pipeline.decoder import serve_stage
 from specter.pipeline.group import join
 from specter.pipeline.launch import open_pipeline
+from specter.speculative.governor import Governor
 
 cases, out = json.loads(sys.argv[1]), sys.argv[2]
 group = join("cpu", None, 60.0)  # an initialised group: open_pipeline joins it
@@ -43,10 +49,12 @@ for c in cases:
     if engine is None:
         serve_stage(stage, g)
         continue
+    if c.get("k") is not None:  # rank 0's governor decides every cycle's K for all the ranks
+        engine.decoder.governor = Governor(32, fixed=c["k"])
     r = engine.generate(c["prompt"], c["new"], **c["sampling"])
     engine.decoder.finish()
     results.append(dict(tokens=r.token_ids, pipeline=r.stats["pipeline"], hits=r.stats["expert_hits"],
-                        misses=r.stats["expert_misses"]))
+                        misses=r.stats["expert_misses"], stats=r.stats))
 if group.rank == 0:
     json.dump(results, open(out, "w"))
 group.close()
@@ -133,8 +141,9 @@ def test_options_a_pipeline_would_ignore_are_refused():
     check_options("on-demand", {})
     with pytest.raises(ConfigError, match="--k-max does not apply"):
         check_options("on-demand", {"k_max": 3})
-    with pytest.raises(ConfigError, match="not pipelined yet"):
-        check_options("specter", {})
+    check_options("specter", {"k_max": 3})  # the drafting policies read --k-max
+    with pytest.raises(ConfigError, match="not pipelined"):
+        check_options("oracle", {})
 
 
 def test_stages_number_moe_layers_as_the_provider_does(ckpts):
@@ -202,14 +211,24 @@ def test_plan_ranks_says_what_each_rank_holds_as_the_ranks_load_it(ckpts, capsys
     assert main(["plan", "--model", str(path), "--ranks", "2", "--policy", "on-demand", "--device", "cpu",
                  "--device-memory", "1KiB"]) == 0
     assert capsys.readouterr().out.count("does NOT fit") == 2
-    assert main(["plan", "--model", str(path), "--ranks", "2", "--policy", "specter"]) == 2  # not pipelined
+    assert main(["plan", "--model", str(path), "--ranks", "2", "--policy", "oracle"]) == 2  # not pipelined
+    assert main(["plan", "--model", str(path), "--ranks", "2", "--policy", "specter", "--device", "cpu", "--json",
+                 "--expert-memory", "120KiB"]) == 0  # each rank's device also holds its layers' draft
+    rows = json.loads(capsys.readouterr().out)["ranks"]
+    assert all(r["draft_bytes"] > 0 and r["total_bytes"] == r["non_expert_bytes"] + r["kv_bytes"] + r["draft_bytes"]
+               + r["pool_bytes"] for r in rows)
 
 
 # ------------------------------------------------------------------------------- token identity
 @pytest.mark.parametrize("world", [2, 3])
 def test_pipelines_give_one_process_tokens(ckpts, tmp_path, world):
+    """Every policy: the tokens of one process. The drafting ones with K fixed also draft and accept
+    exactly what one process does, and verify the same experts (their uses summed over the ranks);
+    with the adaptive governor (K = 0 steps with next-layer guesses among them) the greedy tokens."""
     cases = [dict(model=str(ckpts[a]), policy=p, residency=res, prompt=PROMPT, new=NEW, sampling=s)
              for a in ARCHS for p, res, s in RUNS]
+    cases += [dict(model=str(ckpts[a]), policy=p, residency=res, prompt=PROMPT, new=NEW, sampling=s, k=k)
+              for a in ARCHS for p, res, s, k in SPEC_RUNS]
     out = tmp_path / "results.json"
     ranks = _launch([["-c", RANKS, json.dumps(cases), str(out)]] * world, timeout=240)
     assert all(r[0] == 0 for r in ranks), [r[2][-2000:] for r in ranks]
@@ -217,6 +236,8 @@ def test_pipelines_give_one_process_tokens(ckpts, tmp_path, world):
     assert len(got) == len(cases)
     for c, g in zip(cases, got):
         engine = specter.load(c["model"], device="cpu", policy=c["policy"], residency=c["residency"], threads=1)
+        if c.get("k") is not None:
+            engine.decoder.governor = Governor(32, fixed=c["k"])
         ref = engine.generate(PROMPT, NEW, **c["sampling"])  # a fresh engine, as each case's pipeline is
         engine.close()
         assert g["tokens"] == ref.token_ids, c
@@ -224,14 +245,20 @@ def test_pipelines_give_one_process_tokens(ckpts, tmp_path, world):
         assert g["pipeline"]["ranks"] == world and len(layers) == world
         assert layers[0][0] == 0 and layers[-1][1] == 3 and all(layers[i][1] == layers[i + 1][0]
                                                                for i in range(world - 1))
-        if c["policy"] != "resident":  # every rank's expert uses counted once: one process's total
-            assert g["hits"] + g["misses"] == ref.stats["expert_hits"] + ref.stats["expert_misses"] > 0
+        if c["policy"] != "resident" and c.get("k", 0) is not None:  # every rank's expert uses counted once:
+            assert g["hits"] + g["misses"] == ref.stats["expert_hits"] + ref.stats["expert_misses"] > 0  # one process's
+        if c.get("k"):  # the same cycles: drafted (so speculation ran across the stages) and accepted alike
+            assert [g["stats"][s] for s in SPEC_STATS] == [ref.stats[s] for s in SPEC_STATS], c
+            assert g["stats"]["drafted_tokens"] > 0 and g["stats"]["k_histogram"] == {str(k): v for k, v in ref.stats["k_histogram"].items()}
+            per = g["pipeline"]["per_rank"]
+            if c["policy"] == "specter":  # each rank with MoE layers planned from its own lookahead rows
+                assert all(r.get("cover_total", 0) > 0 for r in per if "expert_hits" in r), per
 
 
 def test_cli_under_torchrun_prints_once_with_pipeline_stats(ckpts):
+    """No --policy: specter, the default as in one process, speculating across the two ranks."""
     argv = ["-m", "specter", "generate", "--model", str(ckpts["qwen3_moe"]), "--prompt-ids", "1,5,9,17,33",
-            "--max-new-tokens", str(NEW), "--greedy", "--policy", "on-demand", "--residency", "0.5", "--json",
-            "--pipeline-timeout", "60"]
+            "--max-new-tokens", str(NEW), "--greedy", "--residency", "0.5", "--json", "--pipeline-timeout", "60"]
     ranks = _launch([argv, argv], timeout=120)
     assert [r[0] for r in ranks] == [0, 0], [r[2][-2000:] for r in ranks]
     assert ranks[1][1] == ""  # printed once, by rank 0
@@ -240,6 +267,7 @@ def test_cli_under_torchrun_prints_once_with_pipeline_stats(ckpts):
     assert got["token_ids"] == ref.generate(PROMPT, NEW, temperature=0.0).token_ids
     ref.close()
     assert got["stats"]["pipeline"]["ranks"] == 2 and got["stats"]["pipeline"]["layers"] == [[0, 2], [2, 3]]
+    assert got["stats"]["policy"] == "specter" and got["stats"]["drafted_tokens"] > 0
 
 
 def test_bench_under_torchrun_reports_each_rank(ckpts, tmp_path):

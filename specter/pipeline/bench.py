@@ -37,7 +37,8 @@ def run(args) -> int:
     policies = _policies(args.policies)
     opts = {k: v for k, v in vars(args).items() if k in UNSUPPORTED and v not in (None, False)}
     for p in policies:
-        check_options(p, opts)  # a flag a pipeline would ignore is refused, as for generate
+        check_options(p, {k: v for k, v in opts.items() if k != "k_max" or get_policy(p).drafts})  # a flag a
+        # pipeline would ignore is refused, as for generate (--k-max: read by the drafting policies)
     if args.repeat < 1 or args.max_new_tokens < 1:
         raise ConfigError("--repeat and --max-new-tokens must be >= 1")
     if args.plot:
@@ -55,7 +56,8 @@ def run(args) -> int:
                 if get_policy(p).offloads else {}
             group, engine, stage = open_pipeline(args.model, device=args.device, policy=p, dtype=args.dtype,
                                                  backend=getattr(args, "pipeline_backend", None),
-                                                 timeout_s=getattr(args, "pipeline_timeout", None), **budget)
+                                                 timeout_s=getattr(args, "pipeline_timeout", None),
+                                                 k_max=args.k_max if get_policy(p).drafts else None, **budget)
             owner = owner or group
             ranks = group.world
             if engine is None:

@@ -1,16 +1,34 @@
-"""Plain decoding across the stages.
+"""Decoding across the stages.
 
-Rank 0 runs the Engine (tokenizer, sampling, stop strings, stats) with `PipelineDecoder` as its
-decoder; every other rank runs `serve_stage`. Messages go down the chain 0 -> 1 -> ... -> N-1, each
-a header [command, T, start, max_len] (int64) and, for a step, the hidden state [T, H]:
+Rank 0 runs the Engine (tokenizer, sampling, stop strings, stats) with `PipelineDecoder` (plain
+policies) or speculative.PipelineSpeculativeDecoder (spec-lru, specter) as its decoder; every other
+rank runs `serve_stage`. Messages go down the chain 0 -> 1 -> ... -> N-1, each a header [command,
+T, start, max_len, flags, row, k, draft_us, demote] (int64) and, for a step, the hidden state [T, H]:
 
     BEGIN   a generation of at most max_len positions: each rank makes its stage's KV cache
     STEP    T positions from `start`: each rank runs its layers on the hidden state it receives and
-            sends the result on; the last stage sends the fp32 logits of the last position [1, V]
-            back to rank 0, which samples exactly as one process does (same generator, history)
+            sends the result on; the last stage sends the fp32 logits back to rank 0 ([1, V] of the
+            last position, or [T, V] with ALL), which samples exactly as one process does (same
+            generator, history). `flags` say which experts run and what follows (below)
     END     the generation is over: every rank's expert stats are gathered on rank 0
     STOP    no more generations: every rank leaves its loop
     ABORT   rank 0 failed (its error says why): the other ranks leave with an error
+
+Flags of a step (the speculative decoder's; 0 for plain decoding):
+    DRAFT   one draft step: the stage's INT4 draft experts run, its routers' choices go into the
+            stage's own lookahead row `row` of a cycle drafting `k` tokens; row 0 begins the cycle on
+            the stage's planner (`draft_us`: the governor's draft time a token, for its chunk size),
+            and after forwarding the step the planner reads its new rows and prefetches, as the
+            single-process cycle plans (after row 0, at chunk boundaries, after row k-1)
+    GUESS   a K = 0 step with next-layer guesses within each stage; leftovers withdrawn after it
+    CYCLE   a cycle's verification: after it each stage withdraws its leftover prefetches and ends
+            its planner's cycle
+    STATS   each rank adds its expert counters since BEGIN (stall_s, hits, misses, bytes off the
+            device) to a float64 [4] that follows the hidden state; the last rank returns the sums
+            with the logits: what the governor and the recall stats read each cycle
+`demote` (> 0): rank 0's acceptance kept that many verified rows; each rank demotes the experts
+only the rejected rows used (OffloadedExperts.demote_rejected) before anything else. KV caches
+roll back by position: the next step writes from its smaller `start`.
 
 Every receive is bounded by the group's timeout, and a peer that dies closes its connections; the
 exchange then raises a PipelineError on the rank that saw it (group.comm).
@@ -28,6 +46,9 @@ from .stage import StageModel
 from .stages import Stage
 
 BEGIN, STEP, END, STOP, ABORT = 1, 2, 3, 4, 5
+ALL, DRAFT, GUESS, CYCLE, STATS = 1, 2, 4, 8, 16
+HEADER = 9
+SIDE = ("stall_s", "expert_hits", "expert_misses", "offloaded_bytes")  # a STATS step's counters
 NAMES = {BEGIN: "begin", STEP: "step", END: "end", STOP: "stop", ABORT: "abort"}
 SUMMED = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "prefetch_issued", "prefetch_used",
           "prefetch_cancelled", "host_experts", "host_bytes", "host_stall_s")
@@ -48,12 +69,16 @@ class Wire:
             self.broken = True
             raise
 
-    def send_header(self, dst: int, cmd: int, T: int = 0, start: int = 0, max_len: int = 0) -> None:
-        h = torch.tensor([cmd, T, start, max_len], dtype=torch.int64, device=self.group.wire)
-        self._do(f"sending '{NAMES[cmd]}' to rank {dst}", lambda: dist.send(h, dst))
+    def send_header(self, dst: int, cmd: int, T: int = 0, start: int = 0, max_len: int = 0, flags: int = 0,
+                    row: int = 0, k: int = 0, draft_us: int = 0, demote: int = 0) -> None:
+        self.forward_header(dst, [cmd, T, start, max_len, flags, row, k, draft_us, demote])
+
+    def forward_header(self, dst: int, header: list[int]) -> None:
+        h = torch.tensor(header, dtype=torch.int64, device=self.group.wire)
+        self._do(f"sending '{NAMES[header[0]]}' to rank {dst}", lambda: dist.send(h, dst))
 
     def recv_header(self, src: int) -> list[int]:
-        h = torch.empty(4, dtype=torch.int64, device=self.group.wire)
+        h = torch.empty(HEADER, dtype=torch.int64, device=self.group.wire)
         self._do(f"waiting for rank {src}'s next message", lambda: dist.recv(h, src))
         return [int(v) for v in h.tolist()]
 
@@ -123,15 +148,8 @@ class PipelineDecoder:
     def stats(self) -> dict:
         """Rank 0's expert stats until the generation ends; then the sum over the ranks, each rank's own
         under pipeline.per_rank."""
-        per = self._per_rank or [self.stage.stats()]
-        out = dict(per[0])
-        for s in per[1:]:
-            for k in SUMMED:
-                if k in s:
-                    out[k] = out.get(k, 0) + s[k]
-            if out.get("h2d_path") is None and s.get("h2d_path") is not None:
-                out["h2d_path"] = s["h2d_path"]
-        out["pipeline"] = dict(pipeline_info(self.group, self.stages), per_rank=per if self._per_rank else None)
+        out = summed(self._per_rank or [self.stage.stats()])
+        out["pipeline"] = dict(pipeline_info(self.group, self.stages), per_rank=self._per_rank)
         return out
 
     def reset_stats(self) -> None:
@@ -143,14 +161,31 @@ class PipelineDecoder:
     def finish(self, abort: bool = False) -> None:
         """Ends every rank's loop (abort: with an error there). Idempotent; nothing is sent on a
         broken pipeline."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if not self.wire.broken:
-                self.wire.send_header(1, ABORT if abort else STOP)
-        finally:
-            self.stage.close()
+        finish(self, abort)
+
+
+def finish(dec, abort: bool) -> None:
+    """Rank 0's decoder `dec` (wire, stage, _closed) ends every rank's loop, then closes its stage."""
+    if dec._closed:
+        return
+    dec._closed = True
+    try:
+        if not dec.wire.broken:
+            dec.wire.send_header(1, ABORT if abort else STOP)
+    finally:
+        dec.stage.close()
+
+
+def summed(per: list[dict]) -> dict:
+    """Rank 0's stats with the SUMMED counters (and cover_hits/cover_total) added over every rank's."""
+    out = dict(per[0])
+    for s in per[1:]:
+        for k in SUMMED + ("cover_hits", "cover_total"):
+            if k in s:
+                out[k] = out.get(k, 0) + s[k]
+        if out.get("h2d_path") is None and s.get("h2d_path") is not None:
+            out["h2d_path"] = s["h2d_path"]
+    return out
 
 
 def serve_stage(stage: StageModel, group: Group) -> None:
@@ -158,20 +193,53 @@ def serve_stage(stage: StageModel, group: Group) -> None:
     spec, r = stage.model.spec, group.rank
     wire = Wire(group)
     prev, nxt, last = r - 1, r + 1, r == group.world - 1
+    mgr, planner = stage.mgr, stage.planner
+    chunk, cpu = 1, torch.device("cpu")
     try:
         while True:
-            cmd, T, start, max_len = wire.recv_header(prev)
+            h = wire.recv_header(prev)
+            cmd, T, start, max_len, flags, row, k, draft_us, demote = h
+            if demote and mgr is not None:
+                mgr.demote_rejected(demote)
             if cmd == STEP:
                 x = wire.recv(prev, (T, spec.hidden), stage.dtype, "the hidden state", stage.device)
-                y = stage.forward(x, start)
+                side = None
+                if flags & STATS:
+                    side = (wire.recv(prev, (len(SIDE),), torch.float64, "the expert stats", cpu) if r > 1
+                            else torch.zeros(len(SIDE), dtype=torch.float64))
+                experts = None  # the target's
+                if flags & DRAFT:
+                    if row == 0 and planner is not None:
+                        chunk = planner.begin_cycle(k, draft_us / 1e6)
+                    if stage.draft is not None:
+                        stage.draft.inner.row = row
+                    experts = stage.draft
+                elif flags & GUESS:
+                    experts = stage.guessing
+                y = stage.forward(x, start, experts, "all" if flags & ALL else "last")
+                if side is not None and mgr is not None:
+                    s = mgr.stats()
+                    side += torch.tensor([s["stall_s"], s["expert_hits"], s["expert_misses"], mgr.offloaded_bytes],
+                                         dtype=torch.float64)
                 if last:
                     wire.send(0, y, "the logits")
                 else:
-                    wire.send_header(nxt, STEP, T, start)
+                    wire.forward_header(nxt, h)
                     wire.send(nxt, y, "the hidden state")
+                if side is not None:
+                    wire.send(0 if last else nxt, side, "the expert stats")
+                if planner is not None and flags & DRAFT:  # as SpeculativeDecoder._draft plans
+                    if row == 0 or ((row + 1) % chunk == 0 and mgr.link.pending() <= 1):
+                        planner.plan(row + 1)
+                    if row == k - 1:
+                        planner.plan(k)
+                if mgr is not None and (flags & CYCLE or (flags & GUESS and stage.guessing is not None)):
+                    mgr.cancel_prefetches()  # what the step did not wait for, it did not need
+                if planner is not None and flags & CYCLE:
+                    planner.end_cycle()
                 continue
             if not last:
-                wire.send_header(nxt, cmd, T, start, max_len)
+                wire.forward_header(nxt, h)
             if cmd == BEGIN:
                 stage.reset_stats()
                 stage.begin(max_len)

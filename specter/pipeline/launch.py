@@ -17,16 +17,16 @@ from ..policy import get as get_policy
 from .group import Group, PipelineError, join
 from .stages import agree, fingerprint, make_stages
 
-PIPELINED_POLICIES = ("resident", "on-demand", "next-layer", "host")  # plain decoding across stages; speculation is not yet
+PIPELINED_POLICIES = ("resident", "on-demand", "next-layer", "host", "spec-lru", "specter")
 UNSUPPORTED = ("k_max", "compile", "driver", "draft_cache", "compress_experts", "draft_bits", "host_threads")
 
 
 def check_options(policy: str, options: dict) -> None:
-    get_policy(policy)
+    pol = get_policy(policy)
     if policy not in PIPELINED_POLICIES:
-        raise ConfigError(f"policy {policy!r} is not pipelined yet; under torchrun use --policy "
+        raise ConfigError(f"policy {policy!r} is not pipelined; under torchrun use --policy "
                           f"{' or '.join(PIPELINED_POLICIES)}")
-    extra = sorted(k for k in options if k in UNSUPPORTED)
+    extra = sorted(k for k in options if k in UNSUPPORTED and not (k == "k_max" and pol.drafts))
     if extra:
         flags = ", ".join("--" + k.replace("_", "-") for k in extra)
         raise ConfigError(f"{flags} {'does' if len(extra) == 1 else 'do'} not apply to a pipeline of {policy!r} "
@@ -35,20 +35,30 @@ def check_options(policy: str, options: dict) -> None:
 
 def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residency=None, expert_memory=None,
                   link=None, dtype=None, backend: str | None = None, timeout_s: float | None = None,
-                  threads: int | None = None):
+                  threads: int | None = None, k_max: int | None = None):
     """(group, rank 0's Engine or None, this rank's stage): joins the group (torchrun's environment, or
     the one torch.distributed already has) and loads this rank's stage. Every rank calls it with the
     same arguments. Rank 0 generates with the Engine, then calls engine.decoder.finish(); the others
     call decoder.serve_stage(stage, group), which returns when rank 0 finishes. `threads` (CPU): torch
-    threads per rank (default: the cores less one, shared among this machine's ranks)."""
+    threads per rank (default: the cores less one, shared among this machine's ranks). `k_max`: the
+    longest draft (drafting policies; default 32)."""
     from ..engine import Engine
     from ..generation_defaults import read_generation_defaults
     from .. import default_model_path
     from ..loader import open_checkpoint
     from ..offload.plan import compute_dtype
+    import torch.distributed as dist
+
     from .decoder import PipelineDecoder
+    from .group import comm
+    from .speculative import PipelineSpeculativeDecoder
     from .stage import load_stage
 
+    pol = get_policy(policy)
+    if k_max is None:
+        k_max = 32
+    if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
+        raise ConfigError(f"k_max must be an integer >= 0 (0 = no speculation), got {k_max!r}")
     group = join(device, backend, timeout_s)
     try:
         path = Path(model) if model is not None else default_model_path()
@@ -56,20 +66,29 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
         stages = make_stages(ckpt.spec, group.world, ckpt.dtype.itemsize)
         options = dict(policy=policy, residency=residency, expert_memory=expert_memory, link=link,
                        dtype=str(compute_dtype(group.device, ckpt.dtype, dtype)), world=group.world,
-                       backend=group.backend, device_type=group.device.type)
+                       backend=group.backend, device_type=group.device.type,
+                       k_max=k_max if pol.drafts else None)
         agree(group, {"fingerprint": fingerprint(ckpt, options), "options": options,
                       "layers": [[s.first, s.last] for s in stages]})
         local = int(os.environ.get("LOCAL_WORLD_SIZE", group.world))
         if threads is None and group.device.type == "cpu":
             threads = max(1, ((os.cpu_count() or 2) - 1) // max(local, 1))
         stage = load_stage(path, stages[group.rank], group.device, policy=policy, residency=residency,
-                           expert_memory=expert_memory, link=link, dtype=dtype, threads=threads)
+                           expert_memory=expert_memory, link=link, dtype=dtype, threads=threads, k_max=k_max)
+        resident = [True] * group.world
+        if pol.drafts:  # whether any rank ever copies: the decoder's K = 0 steps guess only then
+            with comm(group, "sharing which ranks hold every expert"):
+                dist.all_gather_object(resident, stage.all_resident)
     except BaseException:
         group.close_on_error()
         raise
     if group.rank != 0:
         return group, None, stage
-    decoder = PipelineDecoder(stage, group, stages)
+    if pol.drafts:
+        decoder = PipelineSpeculativeDecoder(stage, group, stages, planner=pol.prefetch == "planner", k_max=k_max,
+                                             all_resident=all(resident))
+    else:
+        decoder = PipelineDecoder(stage, group, stages)
     engine = Engine(stage.model, [], stage.tokenizer, path=path, device=group.device, dtype=stage.dtype,
                     policy=policy, decoder=decoder, generation_defaults=read_generation_defaults(path),
                     plan=stage.plan)
@@ -86,7 +105,7 @@ def run(args, body) -> int:
     group, engine, stage = open_pipeline(args.model, device=args.device, policy=args.policy,
                                          residency=args.residency, expert_memory=args.expert_memory,
                                          link=args.link, dtype=args.dtype, backend=args.pipeline_backend,
-                                         timeout_s=args.pipeline_timeout)
+                                         timeout_s=args.pipeline_timeout, k_max=args.k_max)
     ok = False
     try:
         if engine is None:

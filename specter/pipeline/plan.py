@@ -5,37 +5,41 @@ the final norm and lm_head on the last), its layers' KV cache at the context, an
 pool; its host holds its MoE layers' expert store. The pool is sized as the ranks size it when they
 load (stage.load_stage): a residency gives each stage its layers' share of the whole model's pool;
 --expert-memory is each rank's own; --device-memory is each rank's own device, the pool taking
-what the stage's weights and KV cache leave (it fits when that is at least one layer's top-k)."""
+what the stage's weights, KV cache and (drafting policies) its layers' draft experts leave (it fits
+when that is at least one layer's top-k)."""
 from __future__ import annotations
 
 import json
 
 from ..errors import BudgetError, ConfigError
-from ..offload.plan import make_plan, parse_budget
+from ..offload.plan import draft_expert_bytes, make_plan, parse_budget
+from ..policy import get as get_policy
 from ..sizes import format_size
 from .stages import make_stages, stage_fixed_bytes, stage_pool
 
-PLAIN = ("resident", "on-demand", "next-layer", "host")
+PIPELINED = ("resident", "on-demand", "next-layer", "host", "spec-lru", "specter")  # launch.PIPELINED_POLICIES
 
 
 def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str, residency=None,
                expert_memory=None, device_memory=None, context: int | None = None, device=None) -> list[dict]:
-    """One dict per rank: layers, moe_layers, non_expert_bytes, kv_bytes, pool_slots, pool_bytes,
-    total_bytes, store_bytes, fits."""
-    if policy not in PLAIN:
-        raise ConfigError(f"policy {policy!r} is not pipelined yet; plan --ranks for {', '.join(PLAIN)}")
+    """One dict per rank: layers, moe_layers, non_expert_bytes, kv_bytes, draft_bytes, pool_slots,
+    pool_bytes, total_bytes, store_bytes, fits."""
+    if policy not in PIPELINED:
+        raise ConfigError(f"policy {policy!r} is not pipelined; plan --ranks for {', '.join(PIPELINED)}")
+    drafts = get_policy(policy).drafts
     stages = make_stages(spec, ranks, store_dtype.itemsize)
     item, E, k = dtype.itemsize, spec.n_experts, spec.top_k
     out = []
     for st in stages:
         mine = st.moe_last - st.moe_first
         non, kv = stage_fixed_bytes(spec, st, item, context)
+        draft = mine * E * draft_expert_bytes(spec) if drafts else 0
         if policy == "resident":
             slots, expert = mine * E, spec.expert_numel() * item
         else:
             budget = expert_memory
             if device_memory is not None:
-                budget = max(0, parse_budget(device_memory, "device_memory") - non - kv)
+                budget = max(0, parse_budget(device_memory, "device_memory") - non - kv - draft)
             try:
                 plan = make_plan(spec, numel, dtype, residency=residency, expert_memory=budget, draft=False,
                                  device=device, store_dtype=store_dtype, context=context)
@@ -43,8 +47,8 @@ def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str,
             except BudgetError:  # less than one layer's top-k left
                 slots, expert = 0, spec.expert_numel() * item
         out.append(dict(rank=st.rank, layers=[st.first, st.last], moe_layers=mine, non_expert_bytes=non,
-                        kv_bytes=kv, pool_slots=slots, experts=mine * E, pool_bytes=slots * expert,
-                        total_bytes=non + kv + slots * expert,
+                        kv_bytes=kv, draft_bytes=draft, pool_slots=slots, experts=mine * E, pool_bytes=slots * expert,
+                        total_bytes=non + kv + draft + slots * expert,
                         store_bytes=0 if policy == "resident" else mine * E * spec.expert_numel() * store_dtype.itemsize,
                         fits=mine == 0 or slots >= k))
     return out
@@ -57,7 +61,8 @@ def print_rank_plans(rows: list[dict], as_json: bool, device_memory=None) -> Non
     for r in rows:
         a, b = r["layers"]
         line = (f"rank {r['rank']}: layers [{a}, {b}) ({r['moe_layers']} MoE): non-expert "
-                f"{format_size(r['non_expert_bytes'])}, KV {format_size(r['kv_bytes'])}, slot pool "
+                f"{format_size(r['non_expert_bytes'])}, KV {format_size(r['kv_bytes'])}, "
+                + (f"draft {format_size(r['draft_bytes'])}, " if r["draft_bytes"] else "") + "slot pool "
                 f"{r['pool_slots']} of {r['experts']} experts ({format_size(r['pool_bytes'])}), device total "
                 f"{format_size(r['total_bytes'])}; host store {format_size(r['store_bytes'])}")
         if device_memory is not None:

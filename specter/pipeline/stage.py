@@ -113,31 +113,49 @@ def drop_others(model, stage: Stage, dtype: torch.dtype) -> None:
 
 
 class StageModel:
-    """This rank's loaded stage: the model's loop over its layers with its own provider."""
+    """This rank's loaded stage: the model's loop over its layers with its own provider. A drafting
+    policy's stage also holds its layers' part of the speculation: `draft` (the INT4 experts of its
+    layers, recording their routers into its own `lookahead` rows), `planner` (specter: prefetching
+    its own layers' experts from those rows), `guessing` (specter's K = 0 steps: next-layer guesses
+    within the stage) and `mgr`, the offload manager under them (None where the stage has no MoE
+    layer)."""
 
     def __init__(self, model, provider, stage: Stage, device, dtype, plan=None, tokenizer=None, path=None):
         self.model, self.provider, self.stage = model, provider, stage
         self.device, self.dtype, self.plan, self.tokenizer, self.path = device, dtype, plan, tokenizer, path
         self.pieces = StagePieces(model, stage)
         self.cache: KVCache | None = None
+        self.mgr = self.draft = self.planner = self.guessing = self.lookahead = None
+
+    @property
+    def all_resident(self) -> bool:
+        """Nothing of this stage is ever copied (no MoE layer, every expert resident, or no offloading)."""
+        return self.mgr is None or self.mgr.all_resident
 
     def begin(self, max_len: int) -> None:
         self.cache = stage_cache(self.model.spec, self.stage, max_len, self.device, self.dtype)
 
     @torch.inference_mode()
-    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int, experts=None, logits_for: str = "last") -> torch.Tensor:
         """Token ids [T] (first stage) or the hidden state [T, H] -> the hidden state [T, H], or fp32
-        logits [1, V] of the last position on the last stage."""
+        logits ([1, V] for "last", [T, V] for "all") on the last stage. `experts`: the provider to run
+        (default the target's)."""
         if start + x.shape[0] > self.cache.max_len:
             raise IndexError(f"positions up to {start + x.shape[0]} exceed the KV cache ({self.cache.max_len})")
-        return self.model.run(x, start, self.cache, self.provider, "last", pieces=self.pieces)
+        return self.model.run(x, start, self.cache, self.provider if experts is None else experts, logits_for,
+                              pieces=self.pieces)
 
     def stats(self) -> dict:
-        return self.provider.stats() if self.provider is not None else {}
+        s = self.provider.stats() if self.provider is not None else {}
+        if self.planner is not None:
+            s["cover_hits"], s["cover_total"] = self.planner.cover_hits, self.planner.cover_total
+        return s
 
     def reset_stats(self) -> None:
         if self.provider is not None:
             self.provider.reset_stats()
+        if self.planner is not None:
+            self.planner.reset_stats()
 
     def close(self) -> None:
         if self.provider is not None:
@@ -145,11 +163,15 @@ class StageModel:
 
 
 def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residency=None, expert_memory=None,
-               link=None, dtype=None, threads: int | None = None) -> StageModel:
+               link=None, dtype=None, threads: int | None = None, k_max: int = 32) -> StageModel:
     """Loads the checkpoint at `path` and keeps `stage` of it, with `policy`'s provider over its MoE
     layers: resident weights; or its own offload manager (on-demand), with next-layer guesses made
     within the stage (the last layer of a stage guesses nothing: the next layer is another rank's), or
-    with the host lane computing every miss (host; `threads` also sizes the lane)."""
+    with the host lane computing every miss (host; `threads` also sizes the lane). The drafting
+    policies add the stage's draft (its layers' experts quantised as the single-process draft's),
+    a lookahead of `k_max` rows over its own MoE layers and, for specter, its planner, its host lane
+    (LaneChoice over the planner's scores, on CPU as builder.uses_host_lane says) and its next-layer
+    guesses for K = 0 steps."""
     from ..builder import configure_threads
     from ..loader import load_checkpoint, load_tokenizer, open_checkpoint
     from ..offload.cuda_link import make_link
@@ -186,7 +208,7 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
                                      layers=(stage.first, stage.last))  # this stage's tensors only
     drop_others(model, stage, dt)
     tokenizer = load_tokenizer(path) if stage.is_first else None
-    provider = None
+    provider = stage_layers = pdt = None
     if mine:
         resident = None
         if not pol.offloads or plan.pool_rows == "resident":
@@ -199,12 +221,43 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
                                      pool=stage_pool(plan, spec, len(mine), own))
             inner.warm()
         guess = None
+        stage_layers = SimpleNamespace(model=SimpleNamespace(layers=model.model.layers[stage.first:stage.last]))
         if pol.host_lane == "misses" and not inner.all_resident:  # policy host: every miss computed on the host
             inner = HostExperts(inner, make_host_lane(mine, device, lk, threads=threads, dtype=dt, charged_dtype=pdt))
         elif pol.prefetch == "next-layer" and not inner.all_resident:  # guesses within the stage's own layers
-            guess = NextLayerPrefetch(SimpleNamespace(model=SimpleNamespace(layers=model.model.layers[
-                stage.first:stage.last])), inner)
+            guess = NextLayerPrefetch(stage_layers, inner)
         provider = ShiftedExperts(inner, stage.moe_first, guess)
     elif lk is not None:
         lk.close()
-    return StageModel(model, provider, stage, device, dt, plan=plan, tokenizer=tokenizer, path=path)
+    st = StageModel(model, provider, stage, device, dt, plan=plan, tokenizer=tokenizer, path=path)
+    if pol.drafts and mine:
+        _speculate(st, pol, mine, stage_layers, k_max, threads, lk, pdt)
+    return st
+
+
+def _speculate(st: StageModel, pol, mine: list, stage_layers, k_max: int, threads, lk, pdt) -> None:
+    """A drafting policy's part on this stage (see load_stage), built as builder._decoder builds it
+    for the whole model."""
+    from ..builder import uses_host_lane
+    from ..offload.host_lane import LaneChoice, host_params, make_host_lane
+    from ..offload.policies import NextLayerPrefetch
+    from ..speculative.draft import DraftExperts, Lookahead, keep_packed
+    from ..speculative.draft_cache import draft_int4
+    from ..speculative.planner import PrefetchPlanner
+
+    spec, device, dt, stage = st.model.spec, st.device, st.dtype, st.stage
+    mgr = st.mgr = st.provider.inner
+    st.lookahead = Lookahead(max(k_max, 1), len(mine), spec.top_k, device)
+    int4 = list(draft_int4(mine, [], device, cache="off"))  # the draft cache keys whole models' layers
+    n = len(mine) * spec.n_experts * spec.expert_numel()
+    st.draft = ShiftedExperts(DraftExperts(int4, st.lookahead, device, dt, packed=keep_packed(device, n, dt)),
+                              stage.moe_first)
+    if pol.prefetch != "planner":  # spec-lru: verification fetches on miss
+        return
+    st.planner = PrefetchPlanner(mgr, st.lookahead)
+    every = mgr.all_resident
+    if uses_host_lane(pol, device, None, every_expert=every):  # both lanes: the misses ranked low go to the host
+        mgr.host_lane = make_host_lane(mine, device, lk, threads=threads, dtype=dt, charged_dtype=pdt)
+        mgr.host_choice = LaneChoice(mgr, host_params(mgr.host_lane), planner=st.planner)
+    if not mgr.all_resident:
+        st.guessing = ShiftedExperts(mgr, stage.moe_first, NextLayerPrefetch(stage_layers, mgr))

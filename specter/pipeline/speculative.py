@@ -1,0 +1,199 @@
+"""Speculation across the stages: rank 0's decoder is the single-process SpeculativeDecoder itself,
+given stand-ins for the model and the offload manager that reach every rank.
+
+    PipeModel    what the decoder calls its model: rank 0's stage, then a STEP down the chain with
+                 flags saying which experts run (the draft's with its lookahead row, the target's,
+                 the target's with next-layer guesses) and what follows it (decoder.py), and the last
+                 stage's logits back
+    PipeExperts  what it calls its offload manager: rank 0's own (None without an MoE layer), plus
+                 the other ranks' counters that come back with each target step (stall, hits,
+                 misses, bytes), so the governor and the recall stats see the whole pipeline;
+                 `demote_rejected` also rides on the next header to every rank
+
+The governor, acceptance and sampling run on rank 0 only, exactly as in one process (same
+generator, history and K choices' rules); each rank's planner prefetches its own layers' experts
+from its own lookahead rows while later draft steps flow, and cancels and demotes as the
+single-process cycle does. The draft is always the eager one (no compiled steps under a pipeline).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from ..speculative.decoder import SpeculativeDecoder
+from ..speculative.governor import Governor
+from .decoder import (ALL, BEGIN, CYCLE, DRAFT, END, GUESS, SIDE, STATS, STEP, Wire, finish, pipeline_info,
+                      summed)
+from .group import Group
+from .stage import StageModel
+from .stages import Stage
+
+
+class _NoLink:
+    """Rank 0's link when its stage copies nothing."""
+
+    @staticmethod
+    def pending() -> int:
+        return 0
+
+
+class _NoPlanner:
+    """Rank 0's planner when its stage has no MoE layer (specter): the other ranks plan their own."""
+
+    cover_hits = cover_total = 0
+
+    def begin_cycle(self, k: int = 0, draft_step_s: float = 0.0) -> int:
+        return max(k, 1)
+
+    def plan(self, upto: int, host: bool = False) -> int:
+        return 0
+
+    def end_cycle(self) -> None:
+        pass
+
+    def reset_stats(self) -> None:
+        pass
+
+
+class _Draft:
+    """What the decoder calls its draft: it sets `row` on it; PipeModel reads it."""
+
+    row = None
+
+
+class PipeExperts:
+    """The decoder's offload manager on rank 0 (see the module docstring)."""
+
+    def __init__(self, stage: StageModel, all_resident: bool):
+        self.local, self.all_resident = stage.mgr, all_resident
+        self.link = stage.mgr.link if stage.mgr is not None else _NoLink()
+        self.remote = [0.0] * len(SIDE)     # the other ranks' counters since BEGIN, summed
+        self.per_rank: list[dict] | None = None  # every rank's stats, once the generation has ended
+        self.demote = 0                     # rows kept by the last acceptance, for the next header
+
+    def __call__(self, layer, x, ids, weights, guess=None):
+        raise RuntimeError("PipeModel runs each stage's own experts; PipeExperts only names them")
+
+    def stats(self) -> dict:
+        if self.per_rank is not None:
+            return summed(self.per_rank)
+        s = self.local.stats() if self.local is not None else {}
+        for k, v in zip(SIDE[:3], self.remote):
+            s[k] = s.get(k, 0) + (int(v) if k != "stall_s" else v)
+        return s
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return (self.local.offloaded_bytes if self.local is not None else 0) + int(self.remote[3])
+
+    def reset_stats(self) -> None:
+        if self.local is not None:
+            self.local.reset_stats()
+        self.remote = [0.0] * len(SIDE)
+        self.per_rank = None
+
+    def cancel_prefetches(self) -> int:
+        return self.local.cancel_prefetches() if self.local is not None else 0
+
+    def demote_rejected(self, kept_rows: int) -> None:
+        if self.local is not None:
+            self.local.demote_rejected(kept_rows)
+        self.demote = kept_rows
+
+    def take_demote(self) -> int:
+        d, self.demote = self.demote, 0
+        return d
+
+    def close(self) -> None:
+        """The stage closes it (finish)."""
+
+
+class PipeModel:
+    """The decoder's model on rank 0 (see the module docstring)."""
+
+    def __init__(self, dec: "PipelineSpeculativeDecoder"):
+        self.dec, self.spec = dec, dec.stage.model.spec
+
+    def __call__(self, tokens: torch.Tensor, start: int, cache, experts, logits_for: str = "all") -> torch.Tensor:
+        d, st = self.dec, self.dec.stage
+        T = tokens.shape[0]
+        flags, row, k, draft_us = (ALL if logits_for == "all" else 0), 0, 0, 0
+        if experts is d.draft:
+            flags |= DRAFT
+            row, k, draft_us = d.draft.row, d.k, int((d.governor.draft_s or 0.0) * 1e6)
+            local = st.draft
+            if local is not None:
+                local.inner.row = row
+        else:
+            flags |= STATS
+            local = None
+            if isinstance(experts, partial):  # the decoder's next-layer fallback (K = 0 steps)
+                flags |= GUESS
+                local = st.guessing
+            elif flags & ALL and T > 1:
+                flags |= CYCLE
+        x = st.forward(tokens, start, local, logits_for)
+        w = d.wire
+        w.send_header(1, STEP, T, start, flags=flags, row=row, k=k, draft_us=draft_us, demote=d.experts.take_demote())
+        w.send(1, x, "the hidden state")
+        last = d.group.world - 1
+        logits = w.recv(last, (T if flags & ALL else 1, self.spec.vocab_size), torch.float32, "the logits", d.device)
+        if flags & STATS:
+            d.experts.remote = w.recv(last, (len(SIDE),), torch.float64, "the expert stats",
+                                      torch.device("cpu")).tolist()
+        return logits
+
+
+class PipelineSpeculativeDecoder(SpeculativeDecoder):
+    """Rank 0's decoder for spec-lru and specter: SpeculativeDecoder's run and cycle over PipeModel and
+    PipeExperts; BEGIN before and END after each generation, as PipelineDecoder does."""
+
+    def __init__(self, stage: StageModel, group: Group, stages: list[Stage], *, planner: bool, k_max: int,
+                 all_resident: bool):
+        self.stage, self.group, self.stages = stage, group, stages
+        self.wire = Wire(group)
+        self._closed = False
+        self.k = 0  # the running cycle's K (the remote planners begin their cycles with it)
+        plan = (stage.planner or _NoPlanner()) if planner else None
+        fallback = object() if planner else None  # a K = 0 step guesses: each stage its own (GUESS)
+        super().__init__(PipeModel(self), PipeExperts(stage, all_resident), _Draft(), stage.device, stage.dtype,
+                         governor=Governor(k_max), planner=plan, fallback=fallback)
+
+    def run(self, prompt, params, max_new):
+        return self._generation(prompt, params, max_new)
+
+    def _generation(self, prompt, params, max_new):
+        need = len(prompt) + max_new
+        self.experts.per_rank = None
+        self.stage.begin(need)
+        self.wire.send_header(1, BEGIN, max_len=need)
+        try:
+            yield from super().run(prompt, params, max_new)
+        finally:
+            if not self.wire.broken:
+                self.wire.send_header(1, END, demote=self.experts.take_demote())
+                self.experts.per_rank = self.wire.gather_stats(self.stage.stats())
+
+    def _kv_cache(self, need: int):
+        return self.stage.cache  # each rank's own stage cache, made at BEGIN
+
+    def _cycle(self, t, n, k, *rest):
+        self.k = k
+        return super()._cycle(t, n, k, *rest)
+
+    def stats(self) -> dict:
+        s = super().stats()
+        per = self.experts.per_rank
+        if per and self.planner is not None:  # coverage over every rank's planner
+            s["cover_hits"] = sum(r.get("cover_hits", 0) for r in per)
+            s["cover_total"] = sum(r.get("cover_total", 0) for r in per)
+            s["route_coverage"] = s["cover_hits"] / s["cover_total"] if s["cover_total"] else None
+        s["pipeline"] = dict(pipeline_info(self.group, self.stages), per_rank=per)
+        return s
+
+    def close(self) -> None:
+        """The Engine's close: nothing here; the launcher ends the pipeline (`finish`)."""
+
+    def finish(self, abort: bool = False) -> None:
+        finish(self, abort)
