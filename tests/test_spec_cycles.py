@@ -92,6 +92,46 @@ def test_k_max_zero_is_plain_decoding(tiny, fast_link, resident_tokens):
     assert out.stats["drafted_tokens"] == 0 and set(out.stats["k_histogram"]) == {0}
 
 
+
+@pytest.mark.parametrize("residency", [0.5, 1.0])
+def test_k_zero_is_plain_decodings_loop_in_runs(tiny, fast_link, resident_tokens, monkeypatch, residency):
+    """K = 0 runs plain decoding's own loop (decoder.plain_steps) for the governor's `steps` in a row,
+    reported to it once a run (steps=n); a generation stopped early still reports the steps that
+    ran. With every expert resident, a new engine decodes a short first generation plainly (the
+    governor's start_plain prior), without a speculative cycle."""
+    path, _ = tiny("qwen3_moe", eos_token_id=None)
+    engine = load(path, "specter", residency=residency, k_max=4)
+    calls, runs = [], []
+    real = decoder_mod.plain_steps
+
+    def counting(*a):
+        runs.append(a[-1])
+        return real(*a)
+
+    monkeypatch.setattr(decoder_mod, "plain_steps", counting)
+    try:
+        if residency < 1:  # plain decoding forced, without next-layer's arms (their probes cut runs)
+            engine.decoder.governor, engine.decoder.fallback = Governor(4, fixed=0), None
+        gov = engine.decoder.governor
+        observe = gov.observe_cycle
+        gov.observe_cycle = lambda *a, **k: calls.append((a[0], k.get("steps", 1))) or observe(*a, **k)
+        n = 16
+        out = engine.generate(PROMPTS[0], max_new_tokens=n)
+        assert out.token_ids == resident_tokens("qwen3_moe")[0][:n]
+        assert out.stats["drafted_tokens"] == 0 and out.stats["k_histogram"] == {0: n - 1}
+        assert sum(runs) == n - 1 and len(runs) == 1 and calls == [(0, n - 1)], (runs, calls)
+        if residency < 1:
+            calls.clear()
+            ids = []
+            for piece in engine.stream_ids(PROMPTS[0], max_new_tokens=n):  # stopped after 4 tokens
+                ids += piece
+                if len(ids) >= 4:
+                    break
+            assert calls == [(0, 3)], calls
+    finally:
+        engine.close()
+
+
 def test_route_coverage_of_an_exact_draft(tiny, fast_link):
     """A draft whose experts are the target's own full-precision weights routes exactly like the
     target: every expert verification uses for t, d1 .. d_{K-1} was predicted; only d_K (never drafted)

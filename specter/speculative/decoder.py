@@ -18,6 +18,7 @@ thread), overlapping the draft. asyncio callers get it through `streaming.in_thr
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 from functools import partial
 from typing import Iterator
@@ -38,6 +39,19 @@ from .planner import PrefetchPlanner
 from .timing import CycleTimes, clock_for
 
 
+def plain_steps(model: MoETransformer, experts, tok: torch.Tensor, pos: int, cache: KVCache, params: SamplingParams,
+                gen, hist, n: int) -> Iterator[list[int]]:
+    """n target steps, the first on `tok` (the last sampled token, [1]) at position `pos`: yields
+    each step's sampled token as a one-id list, committed to `hist`. The plain decoder's loop, and
+    the speculative decoder's K = 0 steps: the same code, so that K = 0 is plain decoding's work."""
+    for pos in range(pos, pos + n):
+        logits = model(tok, pos, cache, experts)  # [1, V]
+        tok = sample(logits, params, gen, hist)  # [1]
+        t = int(tok)
+        hist.commit([t])
+        yield [t]
+
+
 class PlainDecoder:
     """Prefill, then one target step per token. `experts` decides where expert bytes come from;
     `guess`: the next-layer policy (offload/policies.py) the offload manager runs with every step."""
@@ -53,14 +67,11 @@ class PlainDecoder:
         hist = History(prompt, self.device, track=params.penalized)  # what penalties look at
         tokens = torch.tensor(prompt, device=self.device)
         logits = self.model(tokens, 0, cache, experts, logits_for="last")  # [1, V]
-        pos = len(prompt)
-        for _ in range(max_new):
-            tok = sample(logits, params, gen, hist)  # [1]
-            t = int(tok)
-            hist.commit([t])
-            yield [t]
-            logits = self.model(tok, pos, cache, experts)
-            pos += 1
+        tok = sample(logits, params, gen, hist)  # [1]
+        t = int(tok)
+        hist.commit([t])
+        yield [t]
+        yield from plain_steps(self.model, experts, tok, len(prompt), cache, params, gen, hist, max_new - 1)
 
     def stats(self) -> dict:
         return dict(getattr(self.experts, "stats", lambda: {})())
@@ -91,7 +102,6 @@ class SpeculativeDecoder:
                                                 # early), later at chunk boundaries only when at most this many
                                                 # copies are queued (planning into a backlog costs draft time)
         self.cancel_leftovers = True            # withdraw a cycle's prefetches still queued when it ends
-        self._last_plain = None                 # (token, its [1] tensor) from the last plain step
         self.times = CycleTimes(clock_for(device))  # draft and verify times: CUDA events on CUDA, else wall clock
         self.graphs = GraphRecordings(device)   # CUDA graphs recorded before generating
         self._cache, self._caches = None, 0     # the KV cache kept across generations; how many made so far
@@ -113,17 +123,43 @@ class SpeculativeDecoder:
         hist.commit([t])
         n, produced = len(prompt), 1
         yield [t]
+        gov, mgr = self.governor, self.experts
+        if gov.arm is None and mgr.all_resident:  # a prior: nothing to copy, so nothing for a draft to hide
+            gov.start_plain()
+        # K = 0 runs plain decoding's own loop (plain_steps) for as many steps as the governor will not
+        # reconsider, timed around it (each step reads its token on the host: a sync, so wall time)
+        step = self.model if self.verify_step is None else self.verify_step.step
+        clock = time.perf_counter
         while produced < max_new:
-            k = self.governor.next_k(max_new - produced)
-            if k == 0:
-                new = self._plain_step(t, n, cache, params, gen, hist)
-            else:
+            k = gov.next_k(max_new - produced)
+            if k:
                 new = self._cycle(t, n, k, cache, params, gen, hist)
-            hist.commit(new)
-            n += len(new)
-            t = new[-1]
-            produced += len(new)
-            yield new
+                hist.commit(new)
+                n += len(new)
+                t = new[-1]
+                produced += len(new)
+                yield new
+                continue
+            steps = gov.steps
+            arm = None  # with or without next-layer guesses, when there is something to prefetch
+            if self._guessing is not None and not mgr.all_resident:
+                arms = gov.plain_arms
+                arm = arms.pick()
+                steps = 1 if arms.probing else max(1, min(steps, arms.next - arms.n))  # up to its next probe
+            done, spent, copied0 = 0, 0.0, mgr.offloaded_bytes  # copies and host-lane reads
+            x = torch.tensor([t], device=self.device)
+            t0 = clock()
+            try:
+                for new in plain_steps(step, self._guessing if arm else mgr, x, n, cache, params, gen, hist, steps):
+                    spent += clock() - t0
+                    done += 1
+                    yield new
+                    t0 = clock()
+            finally:  # also when the caller stops early: the steps that ran are measured
+                self._observe_plain(done, spent, copied0, arm)
+            n += done
+            t = new[0]
+            produced += done
 
     def _kv_cache(self, need: int) -> KVCache:
         """The KV cache, kept across generations (one generation runs at a time) and grown only when
@@ -189,8 +225,10 @@ class SpeculativeDecoder:
         st["drafted_tokens"] += k
         st["accepted_tokens"] += m
         st["rejections"] += m < k
-        if self.times.wall:  # CPU: wall-clock readings, known now
-            self._observe_cycle(k, m, stall, m1 - m0, m2 - m1)
+        if self.times.wall:  # CPU: wall-clock readings, known now (as _observe_cycle)
+            st["draft_s"] += m1 - m0
+            st["verify_s"] += m2 - m1
+            self.governor.observe_cycle(k, m, m1 - m0, m2 - m1, stall)
         else:  # CUDA: events, read once they have completed (timing.py)
             self.times.submit((m0, m1, m2), partial(self._observe_cycle, k, m, stall))
         return drafted[:m] + [nxt]
@@ -202,45 +240,26 @@ class SpeculativeDecoder:
         st["verify_s"] += verify_s
         self.governor.observe_cycle(k, m, draft_s, verify_s, stall)
 
-    def _plain_step(self, t: int, n: int, cache: KVCache, params: SamplingParams, gen, hist) -> list[int]:
-        """K = 0: one target step, with next-layer guesses when the plain arms pick them, plus what the
-        governor and the arms learn from it. At full residency a step is a millisecond or two on a CPU,
-        so it keeps none of the cycle's bookkeeping for drafts, acceptance and recall."""
-        st, mgr = self._stats, self.experts
-        st["k_histogram"][0] += 1
-        st["cycles"] += 1
-        arms = self._guessing is not None and not mgr.all_resident  # nothing to prefetch when all resident
-        guessing = arms and self.governor.plain_arms.pick()
-        copied0 = mgr.offloaded_bytes  # copies and host-lane reads: either way not all resident
-        m1 = self.times.mark()
-        last = self._last_plain  # the token the previous plain step sampled, still a tensor: no new one
-        x = last[1] if last is not None and last[0] == t else torch.tensor([t], device=self.device)
-        with span("verify") if profiling.ON else NULL:
-            logits = self._verify(x, n, cache, self._guessing if guessing else mgr)  # [1, V]
-        if guessing and self.cancel_leftovers:  # only next-layer prefetches: misses are never withdrawn
+    def _observe_plain(self, steps: int, seconds: float, copied0: int, arm: bool | None) -> None:
+        """A run of `steps` plain steps took `seconds`: into the stats, the governor (unless the run
+        probed a plain arm) and the plain arms (`arm`: the one it ran, None without arms)."""
+        st, mgr, gov = self._stats, self.experts, self.governor
+        st["k_histogram"][0] += steps
+        st["cycles"] += steps
+        st["verify_s"] += seconds
+        if self.verify_step is not None:
+            self._step_verified += steps
+        if arm and self.cancel_leftovers:  # only next-layer prefetches: misses are never withdrawn
             mgr.cancel_prefetches()
-        with span("accept") if profiling.ON else NULL:  # a plain step's "acceptance" is its sample
-            tok = sample(logits, params, gen, hist)  # [1]
-            nxt = int(tok)
-        self._last_plain = (nxt, tok)
-        m2 = self.times.mark()
-        observed = not (arms and self.governor.plain_arms.probing)  # as in _cycle: a probe is not what K = 0 costs
-        copied = max(0, mgr.offloaded_bytes - copied0)
-        arm = guessing if arms else None
-        if self.times.wall:
-            self._observe_plain(observed, copied, arm, m2 - m1)
-        else:
-            self.times.submit((m1, m2), partial(self._observe_plain, observed, copied, arm))
-        return [nxt]
-
-    def _observe_plain(self, observed: bool, copied: int, arm: bool | None, verify_s: float) -> None:
-        """A plain step's time, once readable (timing.py): into the stats, the governor (unless the
-        step probed a plain arm) and the plain arms (`arm`: the one it ran, None without arms)."""
-        self._stats["verify_s"] += verify_s
-        if observed:
-            self.governor.observe_cycle(0, 0, 0.0, verify_s, 0.0, copied=copied)
+        if not steps:
+            return
+        if arm is None or not gov.plain_arms.probing:  # as in _cycle: a probe is not what K = 0 costs
+            gov.observe_cycle(0, 0, 0.0, seconds / steps, 0.0, copied=max(0, mgr.offloaded_bytes - copied0),
+                              steps=steps)
         if arm is not None:
-            self.governor.plain_arms.observe(arm, verify_s)
+            gov.plain_arms.observe(arm, seconds / steps, steps)
+        if self.times.pending:  # CUDA: speculative cycles whose events completed meanwhile
+            self.times.poll()
 
     def _verify(self, tokens: torch.Tensor, n: int, cache: KVCache, experts) -> torch.Tensor:
         """The target over tokens [T] at positions n .. n+T-1 -> logits [T, V], through the compiled

@@ -121,16 +121,18 @@ class Governor:
         self._best: int | None = None        # speculation's argmax K at the last decision
         self._k_interval, self._k_next, self._side = probe_every, probe_every, 0
         self.k = k_init if fixed is None else fixed
+        self.steps = 1                       # when next_k returns 0: plain steps to run before the next call
         self._kernel = [math.exp(-d / bandwidth) for d in range(k_max + 1)]  # s(K)'s weights by |K' - t|
 
     # ---------------------------------------------------------------------------- observe
     def observe_cycle(self, k: int, accepted: int, draft_s: float, verify_s: float, stall_s: float,
-                      verified: int | None = None, copied: int | None = None) -> None:
+                      verified: int | None = None, copied: int | None = None, steps: int = 1) -> None:
         """A cycle drafted K tokens (in draft_s), verified the first `verified` of them (default all),
         accepted `accepted` of those, and verification took verify_s, stall_s of it waiting on copies
         or the host lane. `copied`: expert bytes a plain step (K = 0) found off the device, copied
-        over the link or read on the host lane (None: unknown)."""
-        self.cycles += 1
+        over the link or read on the host lane (None: unknown). `steps`: K = 0 only, a run of that
+        many plain steps (next_k's `steps`), verify_s their mean and `copied` their sum."""
+        self.cycles += steps
         seconds = draft_s + verify_s
         drafted, k = k, (k if verified is None else verified)
         for i in range(1, min(accepted + 1, k) + 1):  # positions 1..accepted were accepted, accepted+1 rejected
@@ -186,6 +188,15 @@ class Governor:
             cov += (k + 1 - mx) * (v - my)
         self.v1 = max(0.0, cov / var) if var else 0.0
         self.v0 = max(0.0, my - self.v1 * mx)
+
+    def start_plain(self) -> None:
+        """A prior for a new engine whose budget holds every expert: nothing is ever copied, so a draft
+        has nothing to hide and speculation can only win on compute. Plain decoding runs from the
+        first token, and speculation is first probed 2 `probe_every` steps later (a short first
+        generation is not spent measuring it), then like any losing arm."""
+        if self.arm is None and self.fixed is None and self.k_max > 0:
+            self.arm = "plain"
+            self._arm_next = self.cycles + 2 * self.probe_every
 
     @property
     def plain_copies_nothing(self) -> bool:
@@ -269,17 +280,26 @@ class Governor:
 
     # ----------------------------------------------------------------------------- decide
     def next_k(self, remaining: int) -> int:
-        """K for the next cycle; `remaining` tokens are still wanted (no point drafting past them)."""
+        """K for the next cycle; `remaining` tokens are still wanted (no point drafting past them).
+        When it is 0, `steps` says how many plain steps to run before asking again (the decoder runs
+        them as plain decoding's loop and reports them as one observe_cycle(steps=n)): one while the
+        arms are measured or probed and right after a speculative cycle (that step may pay for the
+        cycle's copies), else up to the next probe of speculation, since nothing else can move plain
+        decoding's arm before it (a switch needs a fresh speculative cycle)."""
         cap = max(0, min(self.k_max, remaining - 1))
-        if self.fixed is not None:
-            return min(self.fixed, cap)
-        if self.k_max == 0:
-            return 0
+        self.steps = 1
+        if self.fixed is not None or self.k_max == 0:
+            self.steps = max(1, remaining)
+            return min(self.fixed or 0, cap)
         self.probe = self._arm_probe = False
         arm = self._arm()
         self._arm_probe = self.probe
         self.k = 0 if arm == "plain" else self._argmax_k()
-        if arm == "plain" or self.probe:  # an arm probe of speculation runs its best K
+        if arm == "plain":
+            if not (self.probe or self.arm != "plain" or self._after_spec):
+                self.steps = max(1, min(remaining, self._arm_next - self.cycles))
+            return 0
+        if self.probe:  # an arm probe of speculation runs its best K
             return min(self.k, cap)
         best = self.k  # running speculation explores K around its best
         if best != self._best:  # the best K moved: look around it again soon
@@ -304,14 +324,18 @@ class Governor:
             self._arm_probe_left -= 1
             self.probe = True
             return "spec" if self.arm == "plain" else "plain"
-        if len(self.spec.secs) < 2:
-            return "spec"
-        if len(self.plain.secs) < self.plain_probe:
-            return "plain"
-        if self.arm is None:  # both measured once: speculation runs only if it proves faster
+        if self.arm is None:
+            if len(self.spec.secs) < 2:
+                return "spec"
+            if len(self.plain.secs) < self.plain_probe:
+                return "plain"
+            # both measured: speculation runs only if it proves faster
             self.arm = "spec" if self.spec.rate > self.plain.rate * (1 + self.burden()) else "plain"
         running, other = (self.spec, self.plain) if self.arm == "spec" else (self.plain, self.spec)
-        faster = other.rate > running.rate * (1 + self.margin)  # the burden is at least the margin
+        if running.rate is None:  # start_plain: plain decoding measures itself first
+            return self.arm
+        # the burden is at least the margin (start_plain: speculation unmeasured until its first probe)
+        faster = other.rate is not None and other.rate > running.rate * (1 + self.margin)
         if faster and self.arm == "plain":  # the burden of proof, on evidence as fresh as the plain window's
             bar = self._plain_bar() * (1 + self.burden())
             faster = self._spec_fresh is not None and min(other.rate, self._spec_fresh) > bar
@@ -323,8 +347,8 @@ class Governor:
             self._arm_next = self.cycles + self._arm_interval
             # probes that keep losing back off, and never cost more than `budget` of the time
             n = self.plain_probe if self.arm == "spec" else 1
-            weight = max(other.seconds, 1e-12) / max(running.seconds, 1e-12)  # t_o / t_r
-            loss = n * weight * max(0.0, 1.0 - other.rate / max(running.rate, 1e-12))
+            weight = max(other.seconds or 0.0, 1e-12) / max(running.seconds, 1e-12)  # t_o / t_r
+            loss = 0.0 if other.rate is None else n * weight * max(0.0, 1.0 - other.rate / max(running.rate, 1e-12))
             cap = self.probe_max if self.arm == "spec" else round(self.probe_max * max(1.0, weight))
             budget, free = self.budget, self.arm == "plain" and self.plain_copies_nothing
             if free:
@@ -348,7 +372,7 @@ class PlainArms:
         self.t = {True: None, False: None}
         self.probe_every, self.probe_max, self.budget = probe_every, probe_max, budget
         self.alpha, self.margin = alpha, margin
-        self.n, self.best, self.interval, self.next = 0, None, probe_every, probe_every
+        self.n, self.best, self.interval, self.next = 0, None, probe_every, probe_every  # n: steps so far
         self.probing = False  # the last pick measures an arm other than the best one
         self.last: bool | None = None  # the arm observed last
 
@@ -371,7 +395,9 @@ class PlainArms:
         self.next = self.n + self.interval
         return not best
 
-    def observe(self, arm: bool, step_s: float) -> None:
+    def observe(self, arm: bool, step_s: float, steps: int = 1) -> None:
+        """`steps` steps of `arm` took step_s each on average (pick counted the first)."""
+        self.n += steps - 1
         self.last = arm
         old = self.t[arm]
         self.t[arm] = step_s if old is None else (1 - self.alpha) * old + self.alpha * step_s
