@@ -4,7 +4,7 @@ budgets and links, each cell side by side in one process.
     nice python bench/governor_matrix.py [--out matrix.json]
         [--models concentrated,few-slots,uniform,disagree,bundled,shared,top8]
         [--residencies 0.25 1 0.125 0.5] [--links A100-40GB-PCIe4 H100-PCIe5] [--max-new-tokens 16 64]
-        [--prompts 2] [--repeat 6] [--temperature 0 | --temperature 1.0 --top-p 0.95]
+        [--prompts 2] [--repeat 3] [--pairs 32] [--no-twin] [--temperature 0 | --temperature 1.0 --top-p 0.95]
 
 Models (random-init checkpoints built here with transformers' config classes, plus the bundled one):
   concentrated  Mixtral-shaped (hidden 256), 16 experts top-2, embeddings sharing one large common direction so the
@@ -25,15 +25,19 @@ Generation lengths: every cell runs at each --max-new-tokens (16 and 64: a short
 governor no time to learn).
 
 Each cell prints TPOT(policy) / TPOT(best baseline) for specter and spec-lru, where the best baseline is
-the faster (median round) of on-demand, next-layer and host (and resident at full residency), and
+the faster (median generation) of on-demand, next-layer and host (and resident at full residency), and
 TPOT(next-layer) / TPOT(on-demand): a cell is over when either speculative policy, or next-layer
 against on-demand, is more than 3% slower. How a cell is measured, so that a reader can tell noise
-from a loss:
-  - every policy warms up on the first prompt, then `repeat` rounds over the same prompts, the
-    policies' order reversed every round, so that each round's policies ran side by side in time;
-  - a round's ratio is the policy's TPOT over the best baseline's in that round; the cell's ratio is
-    the median of its rounds' ratios, printed with their range [min, max] -- a burst of load on the
-    shared machine moves one round, a real loss moves them all;
+from a loss on a small shared machine:
+  - every policy warms up on the first prompt, then rounds over the same prompts: each prompt runs
+    on every engine back to back, the engines' order reversed at every prompt (ABBA), so that a
+    policy and the baseline it is judged against generate the same text within a second or so of
+    each other, in turn first and last;
+  - a sample is one such pair: the policy's TPOT over the best baseline's on the same prompt in the
+    same round; the cell's ratio is the median of its samples, printed with a distribution-free 95%
+    confidence interval of that median (order statistics) -- a burst of load on the shared machine
+    moves a few samples, a real loss moves them all; `--pairs` sets how many samples a cell takes
+    at least (rounds = max(repeat, pairs / prompts)), so short cells get more rounds;
   - greedy by default: every policy then decodes the same text (speculation is lossless), so the
     ratio is the policies' time alone. Sampled (--temperature > 0), each policy draws its own text
     (a draft consumes random numbers), and on these random-init models the text alone moves TPOT by
@@ -44,15 +48,17 @@ from a loss:
   - every engine of a cell builds on one load of the checkpoint (as `specter bench` does), so the
     policies compute on the same weights at the same addresses (loaded apart, two identical engines
     differ by more than the 3% a cell is judged by: docs/ARCHITECTURE.md);
-  - --twin adds a second on-demand engine, reported like the speculative policies (on-demand#2):
-    identical work, so its ratio is the noise floor of the cell (its slot pool is its own);
-  - a cell whose median is over 1.03 gets `repeat` more rounds and is judged on all of them pooled
+  - a second on-demand engine (on-demand#2; --no-twin drops it) is reported like the speculative
+    policies: identical work, so its ratio and interval are the noise floor of the cell (its slot
+    pool is its own), and a speculative policy's ratio reads against it;
+  - a cell whose median is over 1.03 gets as many rounds again and is judged on all of them pooled
     (not on the better of two runs).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -67,7 +73,7 @@ from specter.workloads import DIVERSE
 LIMIT = 1.03
 BASELINES = ("on-demand", "next-layer", "host")
 SPECULATIVE = policy_names("drafts")  # spec-lru, specter (specter/policy.py)
-TWIN = "on-demand#2"  # --twin: a second on-demand engine, judged like a speculative policy: the noise floor
+TWIN = "on-demand#2"  # a second on-demand engine, judged like a speculative policy: the noise floor
 DISAGREE_EXPERTS = 6.0  # `disagree`: routed expert weights scaled up
 NEXT = "next-layer/on-demand"  # next-layer judged against on-demand, not the best baseline
 
@@ -137,8 +143,9 @@ def add_histogram(into: dict, hist: dict | None) -> None:
 
 def alternate(engines: dict, prompts: list, repeat: int, max_new_tokens: int, sampling: dict, count=None,
               first_round: int = 0) -> dict:
-    """Every engine warmed up on the first prompt, then `repeat` rounds over the prompts with the
-    engines' order reversed every round -> {name: [seconds a token, one per round]} (TPOT weighted by
+    """(Other benches' rounds; the matrix pairs generations: `interleave`.) Every engine warmed up on
+    the first prompt, then `repeat` rounds over the prompts with the engines' order reversed every
+    round -> {name: [seconds a token, one per round]} (TPOT weighted by
     tokens). `count(name, stats)` sees every generation's stats. Sampled, round r draws with seed
     sampling["seed"] + r (rounds numbered from `first_round`): the same for every engine in a round."""
     for e in engines.values():
@@ -160,12 +167,44 @@ def alternate(engines: dict, prompts: list, repeat: int, max_new_tokens: int, sa
     return rounds
 
 
+def interleave(engines: dict, prompts: list, rounds: int, max_new_tokens: int, sampling: dict, count=None,
+               first_round: int = 0) -> dict:
+    """Every engine warmed up on the first prompt, then `rounds` rounds over the prompts; each prompt
+    runs on every engine back to back, the engines' order reversed at every prompt (ABBA) ->
+    {name: [seconds a token, one per (round, prompt)]}: index i of every engine is the same prompt,
+    generated side by side in time (a pair). `count(name, stats)` sees every generation's stats.
+    Sampled, round r draws with seed sampling["seed"] + r (rounds numbered from `first_round`)."""
+    for e in engines.values():
+        e.generate(prompts[0], max_new_tokens=max_new_tokens, **sampling)
+    names, out = list(engines), {p: [] for p in engines}
+    flip = first_round * len(prompts)
+    for r in range(first_round, first_round + rounds):
+        kw = dict(sampling, seed=sampling["seed"] + r) if sampling.get("temperature") and "seed" in sampling else sampling
+        for prompt in prompts:
+            for p in (names if flip % 2 == 0 else names[::-1]):
+                s = engines[p].generate(prompt, max_new_tokens=max_new_tokens, **kw).stats
+                out[p].append(s["tpot_s"])
+                if count is not None:
+                    count(p, s)
+            flip += 1
+    return out
+
+
+def median_ci(values: list) -> tuple[float, float]:
+    """A distribution-free ~95% confidence interval of the median: the order statistics of ranks
+    floor(n/2 - 0.98 sqrt(n)) and ceil(1 + n/2 + 0.98 sqrt(n)) (the binomial's normal approximation;
+    clamped to the range for few values)."""
+    v, n = sorted(values), len(values)
+    half = 0.98 * n ** 0.5
+    return v[max(0, math.floor(n / 2 - half) - 1)], v[min(n - 1, math.ceil(n / 2 + half))]
+
+
 def cell(model, kind, residency, link, length, args, first_round: int = 0) -> dict:
-    """All policies side by side: warmed up, then `repeat` rounds over the prompts, the order of the
-    policies reversed every round -> the rounds (ms a token) and counters; `judge` reads them."""
+    """All policies side by side (`interleave`): warmed up, then at least `repeat` rounds and `pairs`
+    samples -> each generation's TPOT (ms), paired by index, and counters; `judge` reads them."""
     import specter
 
-    policies = list(BASELINES) + list(SPECULATIVE) + (["resident"] if residency >= 1 else []) + ([TWIN] if args.twin else [])
+    policies = list(BASELINES) + list(SPECULATIVE) + (["resident"] if residency >= 1 else []) + ([] if args.no_twin else [TWIN])
     sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=0)
     # a full-residency step takes ~1.5 ms on a CPU: four times the prompts, so that a round outlasts
     # the scheduler's noise on a shared machine
@@ -184,12 +223,13 @@ def cell(model, kind, residency, link, length, args, first_round: int = 0) -> di
         stats[p]["accepted"] += s.get("accepted_tokens") or 0
         stats[p]["tried"] += (s.get("accepted_tokens") or 0) + (s.get("rejections") or 0)
 
+    rounds = max(args.repeat, -(-args.pairs // len(prompts)))
     try:
-        rounds = alternate(engines, prompts, args.repeat, length, sampling, count, first_round)
+        samples = interleave(engines, prompts, rounds, length, sampling, count, first_round)
     finally:
         for e in engines.values():
             e.close()
-    return dict(rounds_ms={p: [t * 1e3 for t in v] for p, v in rounds.items()},
+    return dict(rounds=rounds, tpot_ms={p: [t * 1e3 for t in v] for p, v in samples.items()},
                 k_histogram={p: stats[p]["k_histogram"] for p in SPECULATIVE},
                 acceptance={p: stats[p]["accepted"] / stats[p]["tried"] if stats[p]["tried"] else None
                             for p in SPECULATIVE},
@@ -197,19 +237,20 @@ def cell(model, kind, residency, link, length, args, first_round: int = 0) -> di
 
 
 def judge(runs: list) -> dict:
-    """The cell's verdict over every round of its runs, pooled: the best baseline is the one with the
-    smallest median round; a policy's ratio is the median over rounds of its round's TPOT / the best
-    baseline's in the same round, with the range of those per-round ratios as its spread."""
-    rounds = {p: [t for r in runs for t in r["rounds_ms"][p]] for p in runs[0]["rounds_ms"]}
-    tpot = {p: statistics.median(v) for p, v in rounds.items()}
+    """The cell's verdict over every sample of its runs, pooled: the best baseline is the one with the
+    smallest median TPOT; a policy's ratio is the median over samples of its TPOT / the best
+    baseline's on the same prompt in the same round (a pair), with a 95% confidence interval of that
+    median; next-layer is judged against on-demand the same way."""
+    samples = {p: [t for r in runs for t in r["tpot_ms"][p]] for p in runs[0]["tpot_ms"]}
+    tpot = {p: statistics.median(v) for p, v in samples.items()}
     best = min((p for p in tpot if p not in SPECULATIVE and p != TWIN), key=tpot.get)
-    judged = [p for p in SPECULATIVE + (TWIN,) if p in rounds]
-    per_round = {p: [a / b for a, b in zip(rounds[p], rounds[best])] for p in judged}
-    per_round[NEXT] = [a / b for a, b in zip(rounds["next-layer"], rounds["on-demand"])]  # a baseline at its best
-    ratio = {p: statistics.median(v) for p, v in per_round.items()}
-    return dict(best_baseline=best, tpot_ms=tpot, ratio=ratio, rounds=len(rounds[best]),
-                spread={p: [min(v), max(v)] for p, v in per_round.items()},
-                baseline_spread=max(rounds[best]) / min(rounds[best]),  # the best baseline's own round-to-round noise
+    judged = [p for p in SPECULATIVE + (TWIN,) if p in samples]
+    pairs = {p: [a / b for a, b in zip(samples[p], samples[best])] for p in judged}
+    pairs[NEXT] = [a / b for a, b in zip(samples["next-layer"], samples["on-demand"])]  # a baseline at its best
+    ratio = {p: statistics.median(v) for p, v in pairs.items()}
+    return dict(best_baseline=best, tpot_ms=tpot, ratio=ratio, samples=len(samples[best]),
+                rounds=sum(r["rounds"] for r in runs), ci={p: list(median_ci(v)) for p, v in pairs.items()},
+                spread={p: [min(v), max(v)] for p, v in pairs.items()},
                 ok=max(ratio[p] for p in SPECULATIVE + (NEXT,)) <= LIMIT)
 
 
@@ -221,13 +262,15 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, nargs="+", default=[16, 64],
                     help="generation lengths: every cell runs at each")
     ap.add_argument("--prompts", type=int, default=2, help="prompts per cell")
-    ap.add_argument("--repeat", type=int, default=6, help="rounds over the prompts (policies alternate each time)")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds over the prompts, at least")
+    ap.add_argument("--pairs", type=int, default=32,
+                    help="samples (prompt x round) a cell takes at least: short cells run more rounds")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy, every policy decodes the same text")
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--out", default="governor_matrix.json")
-    ap.add_argument("--twin", action="store_true",
-                    help="add a second on-demand engine, reported like the speculative ones: the ratio that "
-                         "identical work measures (the cell's noise floor), never a baseline")
+    ap.add_argument("--no-twin", action="store_true",
+                    help="drop the second on-demand engine that is reported like the speculative ones: the "
+                         "ratio that identical work measures (the cell's noise floor), never a baseline")
     args = ap.parse_args()
 
     rows, fails = [], 0
@@ -248,7 +291,7 @@ def main() -> int:
                             print(f"{kind:<13} {link:<16} residency {residency:<6g} skipped: {e}", flush=True)
                             continue
                         if not judge(runs)["ok"]:  # over: as many rounds again, judged on all of them
-                            runs.append(cell(model, kind, residency, link, length, args, first_round=args.repeat))
+                            runs.append(cell(model, kind, residency, link, length, args, first_round=runs[0]["rounds"]))
                         verdict = judge(runs)
                         fails += not verdict["ok"]
                         rows.append(dict(model=kind, link=link, residency=residency, max_new_tokens=length, **verdict,
@@ -262,11 +305,10 @@ def main() -> int:
 
 def report(kind: str, link: str, residency: float, length: int, verdict: dict) -> None:
     shown = "  ".join(f"{p} {verdict['ratio'][p]:.3f} [{lo:.2f}-{hi:.2f}]"
-                      for p in verdict["ratio"] for lo, hi in [verdict["spread"][p]])
+                      for p in verdict["ratio"] for lo, hi in [verdict["ci"][p]])
     print(f"{kind:<13} {link:<16} residency {residency:<6g} {length:>3} tokens best {verdict['best_baseline']:<10} "
-          f"{shown}  ({verdict['rounds']} rounds, baseline rounds spread "
-          f"{verdict['baseline_spread']:.2f}x){'' if verdict['ok'] else '  <-- over ' + format(LIMIT, '.2f')}",
-          flush=True)
+          f"{shown}  ({verdict['samples']} pairs in {verdict['rounds']} rounds; [95% CI of the median])"
+          f"{'' if verdict['ok'] else '  <-- over ' + format(LIMIT, '.2f')}", flush=True)
 
 
 if __name__ == "__main__":
