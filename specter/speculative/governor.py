@@ -8,9 +8,12 @@ and what was measured: docs/ARCHITECTURE.md ("The governor ...").
        R = median(worth(K) / seconds)
 
    seconds the cycle's measured wall time (stalls included), worth(K) = E^-[tokens | K] by the
-   acceptance's lower bounds a_i^- of now. The burden of proof is on speculation: both arms are
-   measured first; then, and whenever plain decoding runs, speculation takes over only right after
-   one of its own cycles (a probe), when that cycle's rate and its window's both clear
+   acceptance's lower bounds a_i^- of now. The burden of proof is on speculation: plain decoding is
+   measured first (`plain_probe` steps); if those steps copied nothing, or the budget holds every
+   expert (`start_plain`), plain decoding runs on and speculation is first probed 2 `probe_every`
+   steps in, else speculation is measured next (two cycles) and the faster arm runs. Then, and
+   whenever plain decoding runs, speculation takes over only right after one of its own cycles (a
+   probe), when that cycle's rate and its window's both clear
 
        R_spec > R_plain (1 + margin)                                  while plain steps copy
        R_spec > max(R_plain, R_plain_3) (1 + margin + extra)           when they copy nothing
@@ -93,7 +96,7 @@ class Governor:
                  probe_max: int = 64, plain_probe: int = 2, windows: tuple[int, int] = (8, 4), z: float = 0.5,
                  prior_weight: float = 4.0, bandwidth: float = 3.0, margin: float = 0.03, budget: float = 0.01,
                  proof: float = 1.0, proof_cap: float = 0.25, free_margin: float = 0.10, fixed: int | None = None):
-        self.k_max, self.alpha, self.fixed = k_max, alpha, fixed
+        self.k_max, self.alpha, self.fixed, self.k_init = k_max, alpha, fixed, max(1, min(k_init, k_max))
         self.probe_every, self.probe_max, self.plain_probe = probe_every, probe_max, plain_probe
         self.z, self.m, self.bandwidth, self.margin, self.budget = z, prior_weight, bandwidth, margin, budget
         self.proof, self.proof_cap, self.free_margin = proof, proof_cap, free_margin
@@ -263,7 +266,7 @@ class Governor:
     def _argmax_k(self) -> int:
         """argmax_{K >= 1} E^-[tokens | K] / cycle(K), in one pass over K."""
         if self.draft_s is None or self.v0 is None:
-            return max(1, self.k)
+            return self.k_init
         best_k, best_r, tokens, run = 1, -1.0, 1.0, 1.0
         lo, hi = min(self.stall), max(self.stall)
         a, stall = self.bounds(self.z), {}  # s(K), clamped outside the tried range: computed once
@@ -324,11 +327,14 @@ class Governor:
             self._arm_probe_left -= 1
             self.probe = True
             return "spec" if self.arm == "plain" else "plain"
-        if self.arm is None:
-            if len(self.spec.secs) < 2:
-                return "spec"
+        if self.arm is None:  # plain decoding measured first: if its steps copy nothing, as start_plain
             if len(self.plain.secs) < self.plain_probe:
                 return "plain"
+            if not self.spec.secs and self.plain_copies_nothing:
+                self.start_plain()
+                return "plain"
+            if len(self.spec.secs) < 2:
+                return "spec"
             # both measured: speculation runs only if it proves faster
             self.arm = "spec" if self.spec.rate > self.plain.rate * (1 + self.burden()) else "plain"
         running, other = (self.spec, self.plain) if self.arm == "spec" else (self.plain, self.spec)
