@@ -81,16 +81,23 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(argvs: list[list[str]], timeout: float = 120) -> list[tuple[int | None, str, str]]:
-    """Runs one process per rank (argvs[r] after `python`); (returncode, stdout, stderr) per rank. A
-    rank still running at `timeout` (a hang) is killed and reported with returncode None."""
+def _start(argvs: list[list[str]]) -> list[subprocess.Popen]:
+    """One process per rank (argvs[r] after `python`), given torchrun's environment."""
     n, port = len(argvs), _port()
-    procs, t0 = [], time.monotonic()
+    procs = []
     for r, argv in enumerate(argvs):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, *argv], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _launch(argvs: list[list[str]], timeout: float = 120) -> list[tuple[int | None, str, str]]:
+    """Runs one process per rank (argvs[r] after `python`); (returncode, stdout, stderr) per rank. A
+    rank still running at `timeout` (a hang) is killed and reported with returncode None."""
+    t0 = time.monotonic()
+    procs = _start(argvs)
     out = []
     for p in procs:
         try:
@@ -316,3 +323,99 @@ def test_a_dead_or_stuck_rank_fails_the_others_within_the_timeout(ckpts, how):
     assert ("timed out" if how == "hang" else "closed its connection") in ranks[2][2]
     if how == "exit":
         assert ranks[1][0] == 3
+
+
+# ----------------------------------------------------------------------------------------- serve
+def _serving(url: str, procs, httpx, within: float = 180) -> None:
+    """Until rank 0's server answers /health (or a rank has exited: then fail with its error)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within:
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"a rank exited ({p.returncode}): {p.communicate()[1][-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("the pipelined server did not come up")
+
+
+@pytest.mark.skipif(not (specter.default_model_path() / "model.safetensors").exists(),
+                    reason="the bundled default model is not built")
+def test_serve_under_torchrun_answers_then_503_once_a_rank_is_gone():
+    """`torchrun -m specter serve` (2 ranks, specter): rank 0 serves one process's greedy text; idle for
+    longer than the pipeline timeout it still answers (rank 0 keeps the other ranks' waits alive);
+    once rank 1 is killed every request and /health get 503 (pipeline_broken), and rank 0 exits
+    non-zero after SIGTERM, saying why."""
+    import signal
+
+    httpx = pytest.importorskip("httpx")
+    for name in ("fastapi", "sse_starlette", "uvicorn", "prometheus_client"):
+        pytest.importorskip(name)
+    port, timeout = _port(), 3
+    argv = ["-m", "specter", "serve", "--port", str(port), "--device", "cpu", "--residency", "0.5", "--k-max", "8",
+            "--pipeline-timeout", str(timeout), "--model-name", "tiny"]
+    url = f"http://127.0.0.1:{port}"
+    procs = _start([argv, argv])
+    try:
+        _serving(url, procs, httpx)
+        body = dict(model="tiny", prompt="def add(a, b):", max_tokens=12, temperature=0)
+        first = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert first.status_code == 200, first.text
+        engine = specter.load(None, device="cpu", policy="specter", residency=0.5, k_max=8)
+        want = engine.generate("def add(a, b):", 12, temperature=0.0).text
+        engine.close()
+        assert first.json()["choices"][0]["text"] == want
+        assert first.json()["specter"]["pipeline"]["ranks"] == 2
+        time.sleep(2 * timeout)  # idle past the timeout: pings keep rank 1 waiting
+        again = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert again.status_code == 200 and again.json()["choices"][0]["text"] == want, again.text
+        procs[1].kill()
+        procs[1].wait()
+        t0, health = time.monotonic(), None
+        while time.monotonic() - t0 < 4 * timeout:  # the next ping (or request) finds rank 1 gone
+            health = httpx.get(url + "/health", timeout=10)
+            if health.status_code == 503:
+                break
+            time.sleep(0.2)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "pipeline_broken", health.text
+        down = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert down.status_code == 503 and down.json()["error"]["code"] == "pipeline_broken", down.text
+        assert "rank 0 of 2" in down.json()["error"]["message"]
+        procs[0].send_signal(signal.SIGTERM)
+        code = procs[0].wait(timeout=60)
+        err = procs[0].communicate()[1]
+        assert code == 2 and "the pipeline is broken" in err, err[-2000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+
+
+@pytest.mark.skipif(not (specter.default_model_path() / "model.safetensors").exists(),
+                    reason="the bundled default model is not built")
+def test_serve_under_torchrun_stops_cleanly_on_sigterm_to_every_rank():
+    """torchrun (or Ctrl-C) signals every rank: rank 0's server drains and stops the others; all exit 0."""
+    import signal
+
+    httpx = pytest.importorskip("httpx")
+    for name in ("fastapi", "sse_starlette", "uvicorn", "prometheus_client"):
+        pytest.importorskip(name)
+    port = _port()
+    argv = ["-m", "specter", "serve", "--port", str(port), "--device", "cpu", "--policy", "resident",
+            "--pipeline-timeout", "30"]
+    procs = _start([argv, argv])
+    try:
+        _serving(f"http://127.0.0.1:{port}", procs, httpx)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=60) for p in procs]
+        assert codes == [0, 0], [p.communicate()[1][-2000:] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()

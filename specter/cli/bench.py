@@ -8,7 +8,7 @@ from ..bench import format_table, read_prompts, run_bench
 from ..errors import ConfigError
 from ..plot import residency_sweep
 from ..policy import BENCH_POLICIES
-from .options import engine_options, model_args, policy_help
+from .options import engine_options, model_args, pipeline_args, policy_help
 
 
 def add_parsers(sub) -> None:
@@ -17,6 +17,7 @@ def add_parsers(sub) -> None:
                     help="comma-separated policies to compare; the first is the reference for token equality "
                          f"(default: all {len(BENCH_POLICIES)}: {policy_help(bench=True)})")
     model_args(bn, policy=False)
+    pipeline_args(bn)
     bn.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (default 64)")
     bn.add_argument("--prompts", default=None, help="file: one prompt a line, or a .json list")
     bn.add_argument("--workload", default=None,
@@ -35,6 +36,9 @@ def add_parsers(sub) -> None:
 def cmd_bench(args) -> int:
     if pipeline.launched():  # one rank of several (torchrun): specter/pipeline/bench.py
         return pipeline.bench(args)
+    if args.pipeline_backend is not None or args.pipeline_timeout is not None:
+        raise ConfigError("--pipeline-backend and --pipeline-timeout apply under torchrun only "
+                          "(torchrun --nproc-per-node N -m specter bench ...)")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise ConfigError("--policies is empty")

@@ -6,7 +6,7 @@ import sys
 
 from .. import pipeline
 from ..errors import ConfigError, SpecterError
-from .options import load_engine, model_args, sampling_args, sampling_kwargs, token_ids
+from .options import load_engine, model_args, pipeline_args, sampling_args, sampling_kwargs, token_ids
 
 
 def add_parsers(sub) -> None:
@@ -21,10 +21,7 @@ def add_parsers(sub) -> None:
     model_args(g)
     sampling_args(g)
     g.add_argument("--json", action="store_true", help='print one JSON object {"text", "token_ids", "stats"}')
-    g.add_argument("--pipeline-backend", choices=("gloo", "nccl"), default=None,
-                   help="under torchrun: the backend between ranks (default: nccl between GPUs, else gloo)")
-    g.add_argument("--pipeline-timeout", type=float, default=None, metavar="SECONDS",
-                   help="under torchrun: how long a rank waits for another before the pipeline fails (default 600)")
+    pipeline_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="an interactive chat through the checkpoint's chat template")

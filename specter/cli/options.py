@@ -74,6 +74,14 @@ def model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
                         "every load costs more than a short generation gains; docs/RESULTS.md)")
 
 
+def pipeline_args(p: argparse.ArgumentParser) -> None:
+    """The flags of a command that runs as a layer pipeline under torchrun (generate, bench, serve)."""
+    p.add_argument("--pipeline-backend", choices=("gloo", "nccl"), default=None,
+                   help="under torchrun: the backend between ranks (default: nccl between GPUs, else gloo)")
+    p.add_argument("--pipeline-timeout", type=float, default=None, metavar="SECONDS",
+                   help="under torchrun: how long a rank waits for another before the pipeline fails (default 600)")
+
+
 def sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     s = p.add_argument_group("sampling", "With none of these (--seed aside), the model's own settings apply: its "

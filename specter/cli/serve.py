@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import os
 
+from .. import pipeline
 from ..errors import ConfigError
-from .options import load_engine, model_args, positive_int
+from .options import load_engine, model_args, pipeline_args, positive_int
 
 
 def add_parsers(sub) -> None:
@@ -40,6 +41,7 @@ def add_parsers(sub) -> None:
                          "(default 60)")
     sv.add_argument("--limit-concurrency", type=positive_int, default=None, metavar="N",
                     help="most open connections and tasks; more get 503 (default: no limit)")
+    pipeline_args(sv)
     sv.set_defaults(func=cmd_serve)
 
 
@@ -69,10 +71,20 @@ def cmd_serve(args) -> int:
     # every other command works without them (tests/test_device_check.py's bare environment)
     from ..server import serve
 
+    if pipeline.launched():  # rank 0 serves HTTP over the pipeline's engine, the other ranks follow it
+        return pipeline.run(args, lambda engine: _serve(serve, engine, args, options), serving=True)
+    if args.pipeline_backend is not None or args.pipeline_timeout is not None:
+        raise ConfigError("--pipeline-backend and --pipeline-timeout apply under torchrun only "
+                          "(torchrun --nproc-per-node N -m specter serve ...)")
     engine = load_engine(args)
     try:
         serve(engine, host=args.host, port=args.port, model_name=args.model_name, max_queue=args.max_queue,
               **options)
     finally:
         engine.close()
+    return 0
+
+
+def _serve(serve, engine, args, options) -> int:
+    serve(engine, host=args.host, port=args.port, model_name=args.model_name, max_queue=args.max_queue, **options)
     return 0

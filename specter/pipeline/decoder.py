@@ -13,6 +13,8 @@ T, start, max_len, flags, row, k, draft_us, demote] (int64) and, for a step, the
     END     the generation is over: every rank's expert stats are gathered on rank 0
     STOP    no more generations: every rank leaves its loop
     ABORT   rank 0 failed (its error says why): the other ranks leave with an error
+    PING    nothing (passed on): an idle server's rank 0 sends it every quarter of the timeout, so
+            the other ranks' waits between generations never time out (`keep_alive`)
 
 Flags of a step (the speculative decoder's; 0 for plain decoding):
     DRAFT   one draft step: the stage's INT4 draft experts run, its routers' choices go into the
@@ -35,6 +37,8 @@ exchange then raises a PipelineError on the rank that saw it (group.comm).
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from typing import Iterator
 
 import torch
@@ -45,11 +49,11 @@ from .group import Group, PipelineError, comm
 from .stage import StageModel
 from .stages import Stage
 
-BEGIN, STEP, END, STOP, ABORT = 1, 2, 3, 4, 5
+BEGIN, STEP, END, STOP, ABORT, PING = 1, 2, 3, 4, 5, 6
 ALL, DRAFT, GUESS, CYCLE, STATS = 1, 2, 4, 8, 16
 HEADER = 9
 SIDE = ("stall_s", "expert_hits", "expert_misses", "offloaded_bytes")  # a STATS step's counters
-NAMES = {BEGIN: "begin", STEP: "step", END: "end", STOP: "stop", ABORT: "abort"}
+NAMES = {BEGIN: "begin", STEP: "step", END: "end", STOP: "stop", ABORT: "abort", PING: "ping"}
 SUMMED = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "prefetch_issued", "prefetch_used",
           "prefetch_cancelled", "host_experts", "host_bytes", "host_stall_s")
 
@@ -59,14 +63,14 @@ class Wire:
 
     def __init__(self, group: Group):
         self.group = group
-        self.broken = False  # an exchange failed: nothing more is sent
+        self.broken: str | None = None  # an exchange failed (its error): nothing more is sent
 
     def _do(self, what: str, fn):
         try:
             with comm(self.group, what):
                 return fn()
-        except PipelineError:
-            self.broken = True
+        except PipelineError as e:
+            self.broken = str(e)
             raise
 
     def send_header(self, dst: int, cmd: int, T: int = 0, start: int = 0, max_len: int = 0, flags: int = 0,
@@ -112,11 +116,21 @@ class PipelineDecoder:
         self.model = stage.model
         self._per_rank: list[dict] | None = None
         self._closed = False
+        self.lock = threading.Lock()  # held by a generation, from BEGIN to END (keep_alive's pings wait)
+
+    @property
+    def broken(self) -> str | None:
+        """Why the pipeline cannot go on (a failed exchange), or None."""
+        return self.wire.broken
 
     def run(self, prompt: list[int], params: SamplingParams, max_new: int) -> Iterator[list[int]]:
         return self._steps(prompt, params, max_new)
 
     def _steps(self, prompt, params, max_new):
+        with self.lock:
+            yield from self._locked(prompt, params, max_new)
+
+    def _locked(self, prompt, params, max_new):
         self._per_rank = None
         max_len = len(prompt) + max_new
         self.stage.begin(max_len)
@@ -165,15 +179,47 @@ class PipelineDecoder:
 
 
 def finish(dec, abort: bool) -> None:
-    """Rank 0's decoder `dec` (wire, stage, _closed) ends every rank's loop, then closes its stage."""
+    """Rank 0's decoder `dec` (wire, stage, lock, _closed) ends every rank's loop, then closes its stage;
+    it waits (at most the group's timeout) for a generation still running on another thread."""
     if dec._closed:
         return
     dec._closed = True
+    held = dec.lock.acquire(timeout=dec.group.timeout_s)
     try:
         if not dec.wire.broken:
             dec.wire.send_header(1, ABORT if abort else STOP)
     finally:
+        if held:
+            dec.lock.release()
         dec.stage.close()
+
+
+@contextmanager
+def keep_alive(dec, every: float | None = None):
+    """While the body runs (a server waiting for requests), rank 0's decoder `dec` sends PING down the
+    chain every `every` seconds (default a quarter of the group's timeout) when no generation holds
+    its lock, so the other ranks' waits never time out; a PING that fails marks the pipeline broken
+    (`dec.broken`), which a server answers with 503."""
+    every = dec.group.timeout_s / 4 if every is None else every
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(every) and not dec.wire.broken and not dec._closed:
+            if dec.lock.acquire(blocking=False):
+                try:
+                    dec.wire.send_header(1, PING)
+                except PipelineError:
+                    return  # dec.wire.broken says why
+                finally:
+                    dec.lock.release()
+
+    t = threading.Thread(target=beat, name="specter-pipeline-ping", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
 
 
 def summed(per: list[dict]) -> dict:
@@ -240,6 +286,8 @@ def serve_stage(stage: StageModel, group: Group) -> None:
                 continue
             if not last:
                 wire.forward_header(nxt, h)
+            if cmd == PING:
+                continue
             if cmd == BEGIN:
                 stage.reset_stats()
                 stage.begin(max_len)

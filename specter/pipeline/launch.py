@@ -95,10 +95,14 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
     return group, engine, stage
 
 
-def run(args, body) -> int:
+def run(args, body, serving: bool = False) -> int:
     """The CLI's pipelined command: rank 0 runs body(engine) (which closes the engine); the others serve.
-    A failure on any rank raises a PipelineError (or the user's error on rank 0) on every rank."""
-    from .decoder import serve_stage
+    A failure on any rank raises a PipelineError (or the user's error on rank 0) on every rank.
+    `serving`: body waits for requests (`specter serve`): rank 0 keeps the other ranks' waits alive
+    meanwhile (decoder.keep_alive), and a pipeline that broke while it served ends it with that error."""
+    from contextlib import nullcontext
+
+    from .decoder import keep_alive, serve_stage
 
     opts = {k: v for k, v in vars(args).items() if k in UNSUPPORTED and v not in (None, False)}
     check_options(args.policy, opts)
@@ -109,15 +113,23 @@ def run(args, body) -> int:
     ok = False
     try:
         if engine is None:
+            if serving:  # a signal to the whole group (Ctrl-C, torchrun's SIGTERM) drains rank 0's server,
+                import signal  # which then stops this rank: not stopped here under a running generation
+
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    signal.signal(sig, signal.SIG_IGN)
             serve_stage(stage, group)
             ok = True
             return 0
         try:
-            code = body(engine)
+            with keep_alive(engine.decoder) if serving else nullcontext():
+                code = body(engine)
         except BaseException:
             engine.decoder.finish(abort=True)  # the other ranks stop with an error too
             raise
         engine.decoder.finish()
+        if engine.decoder.broken:  # a server answered 503 since; its exit says why
+            raise PipelineError(engine.decoder.broken)
         ok = True
         return code
     except SpecterError as e:

@@ -17,6 +17,7 @@ single-process cycle does. The draft is always the eager one (no compiled steps 
 """
 from __future__ import annotations
 
+import threading
 from functools import partial
 
 import torch
@@ -154,6 +155,7 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
         self.stage, self.group, self.stages = stage, group, stages
         self.wire = Wire(group)
         self._closed = False
+        self.lock = threading.Lock()  # held by a generation, from BEGIN to END (decoder.keep_alive)
         self.k = 0  # the running cycle's K (the remote planners begin their cycles with it)
         plan = (stage.planner or _NoPlanner()) if planner else None
         fallback = object() if planner else None  # a K = 0 step guesses: each stage its own (GUESS)
@@ -163,17 +165,23 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
     def run(self, prompt, params, max_new):
         return self._generation(prompt, params, max_new)
 
+    @property
+    def broken(self) -> str | None:
+        """Why the pipeline cannot go on (a failed exchange), or None."""
+        return self.wire.broken
+
     def _generation(self, prompt, params, max_new):
         need = len(prompt) + max_new
-        self.experts.per_rank = None
-        self.stage.begin(need)
-        self.wire.send_header(1, BEGIN, max_len=need)
-        try:
-            yield from super().run(prompt, params, max_new)
-        finally:
-            if not self.wire.broken:
-                self.wire.send_header(1, END, demote=self.experts.take_demote())
-                self.experts.per_rank = self.wire.gather_stats(self.stage.stats())
+        with self.lock:
+            self.experts.per_rank = None
+            self.stage.begin(need)
+            self.wire.send_header(1, BEGIN, max_len=need)
+            try:
+                yield from super().run(prompt, params, max_new)
+            finally:
+                if not self.wire.broken:
+                    self.wire.send_header(1, END, demote=self.experts.take_demote())
+                    self.experts.per_rank = self.wire.gather_stats(self.stage.stats())
 
     def _kv_cache(self, need: int):
         return self.stage.cache  # each rank's own stage cache, made at BEGIN

@@ -100,8 +100,16 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
     async def _api_error(request, e: APIError):
         return JSONResponse(e.body(), e.status, headers=e.headers)
 
+    def broken() -> APIError | None:
+        """A layer pipeline (torchrun) that cannot go on: 503 for every request until it is restarted."""
+        why = getattr(engine.decoder, "broken", None)
+        return None if not why else APIError(503, f"the pipeline is broken ({why}); restart the server",
+                                             type="server_error", code="pipeline_broken")
+
     @app.exception_handler(SpecterError)
     async def _specter_error(request, e: SpecterError):
+        if (down := broken()) is not None:  # the generation failed because a rank did
+            return JSONResponse(down.body(), 503)
         code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
         return JSONResponse(APIError(400, str(e), code=code).body(), 400)
 
@@ -139,6 +147,8 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
     # ------------------------------------------------------------------------------- routes
     @app.get("/health")
     async def health():
+        if (down := broken()) is not None:
+            return JSONResponse({"status": "pipeline broken", "model": name, "error": down.body()["error"]}, 503)
         return {"status": "ok", "model": name, "queue_depth": scheduler.waiting, "running": scheduler.running}
 
     @app.get("/metrics")
@@ -238,6 +248,8 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
 
     async def answer(request: Request, req, ids: list[int], max_tokens: int, chat: bool):
         kw = sampling(req, ids, max_tokens)
+        if (down := broken()) is not None:
+            raise down
         try:
             job = scheduler.submit(ids, kw)
         except QueueFull:
