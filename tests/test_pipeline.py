@@ -214,6 +214,9 @@ def test_plan_ranks_says_what_each_rank_holds_as_the_ranks_load_it(ckpts, capsys
         for r, s in zip(rows, make_stages(spec, 2, 4)):
             st = load_stage(path, s, torch.device("cpu"), policy="on-demand", **kw)
             assert st.provider.inner.slots.pool_slots == r["pool_slots"] and r["fits"]
+            # each layer may hold its share of the rank's own pool (not of one device's pool over every layer)
+            pool, n = r["pool_slots"], r["moe_layers"]
+            assert st.provider.inner.slots.n_slots == min(spec.n_experts, pool, max(spec.top_k, -(-pool // n)))
             st.close()
     assert main(["plan", "--model", str(path), "--ranks", "2", "--policy", "on-demand", "--device", "cpu",
                  "--device-memory", "1KiB"]) == 0

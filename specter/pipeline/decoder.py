@@ -22,14 +22,16 @@ Flags of a step (the speculative decoder's; 0 for plain decoding):
             the stage's planner (`draft_us`: the governor's draft time a token, for its chunk size),
             and after forwarding the step the planner reads its new rows and prefetches, as the
             single-process cycle plans (after row 0, at chunk boundaries, after row k-1)
-    GUESS   a K = 0 step with next-layer guesses within each stage; leftovers withdrawn after it
+    GUESS   a K = 0 step with next-layer guesses within each stage
     CYCLE   a cycle's verification: after it each stage withdraws its leftover prefetches and ends
             its planner's cycle
     STATS   each rank adds its expert counters since BEGIN (stall_s, hits, misses, bytes off the
             device) to a float64 [4] that follows the hidden state; the last rank returns the sums
             with the logits: what the governor and the recall stats read each cycle
 `demote` (> 0): rank 0's acceptance kept that many verified rows; each rank demotes the experts
-only the rejected rows used (OffloadedExperts.demote_rejected) before anything else. KV caches
+only the rejected rows used (OffloadedExperts.demote_rejected) before anything else. CANCEL (on
+any header): rank 0's decoder withdrew its leftover prefetches since the last message (after a run
+of K = 0 steps with guesses); each rank withdraws its own first. KV caches
 roll back by position: the next step writes from its smaller `start`.
 
 Every receive is bounded by the group's timeout, and a peer that dies closes its connections; the
@@ -50,7 +52,7 @@ from .stage import StageModel
 from .stages import Stage
 
 BEGIN, STEP, END, STOP, ABORT, PING = 1, 2, 3, 4, 5, 6
-ALL, DRAFT, GUESS, CYCLE, STATS = 1, 2, 4, 8, 16
+ALL, DRAFT, GUESS, CYCLE, STATS, CANCEL = 1, 2, 4, 8, 16, 32
 HEADER = 9
 SIDE = ("stall_s", "expert_hits", "expert_misses", "offloaded_bytes")  # a STATS step's counters
 NAMES = {BEGIN: "begin", STEP: "step", END: "end", STOP: "stop", ABORT: "abort", PING: "ping"}
@@ -247,6 +249,8 @@ def serve_stage(stage: StageModel, group: Group) -> None:
             cmd, T, start, max_len, flags, row, k, draft_us, demote = h
             if demote and mgr is not None:
                 mgr.demote_rejected(demote)
+            if flags & CANCEL and mgr is not None:
+                mgr.cancel_prefetches()
             if cmd == STEP:
                 x = wire.recv(prev, (T, spec.hidden), stage.dtype, "the hidden state", stage.device)
                 side = None
@@ -279,8 +283,8 @@ def serve_stage(stage: StageModel, group: Group) -> None:
                         planner.plan(row + 1)
                     if row == k - 1:
                         planner.plan(k)
-                if mgr is not None and (flags & CYCLE or (flags & GUESS and stage.guessing is not None)):
-                    mgr.cancel_prefetches()  # what the step did not wait for, it did not need
+                if mgr is not None and flags & CYCLE:
+                    mgr.cancel_prefetches()  # what verification did not wait for, it did not need
                 if planner is not None and flags & CYCLE:
                     planner.end_cycle()
                 continue

@@ -24,8 +24,8 @@ import torch
 
 from ..speculative.decoder import SpeculativeDecoder
 from ..speculative.governor import Governor
-from .decoder import (ALL, BEGIN, CYCLE, DRAFT, END, GUESS, SIDE, STATS, STEP, Wire, finish, pipeline_info,
-                      summed)
+from .decoder import (ALL, BEGIN, CANCEL, CYCLE, DRAFT, END, GUESS, SIDE, STATS, STEP, Wire, finish,
+                      pipeline_info, summed)
 from .group import Group
 from .stage import StageModel
 from .stages import Stage
@@ -72,6 +72,7 @@ class PipeExperts:
         self.remote = [0.0] * len(SIDE)     # the other ranks' counters since BEGIN, summed
         self.per_rank: list[dict] | None = None  # every rank's stats, once the generation has ended
         self.demote = 0                     # rows kept by the last acceptance, for the next header
+        self.cancel = False                 # leftovers withdrawn here since the last header: the others too
 
     def __call__(self, layer, x, ids, weights, guess=None):
         raise RuntimeError("PipeModel runs each stage's own experts; PipeExperts only names them")
@@ -95,6 +96,7 @@ class PipeExperts:
         self.per_rank = None
 
     def cancel_prefetches(self) -> int:
+        self.cancel = True
         return self.local.cancel_prefetches() if self.local is not None else 0
 
     def demote_rejected(self, kept_rows: int) -> None:
@@ -102,9 +104,11 @@ class PipeExperts:
             self.local.demote_rejected(kept_rows)
         self.demote = kept_rows
 
-    def take_demote(self) -> int:
-        d, self.demote = self.demote, 0
-        return d
+    def pending(self) -> tuple[int, int]:
+        """(CANCEL or 0, demote) for the next header, then cleared."""
+        out = (CANCEL if self.cancel else 0, self.demote)
+        self.cancel, self.demote = False, 0
+        return out
 
     def close(self) -> None:
         """The stage closes it (finish)."""
@@ -136,7 +140,8 @@ class PipeModel:
                 flags |= CYCLE
         x = st.forward(tokens, start, local, logits_for)
         w = d.wire
-        w.send_header(1, STEP, T, start, flags=flags, row=row, k=k, draft_us=draft_us, demote=d.experts.take_demote())
+        cancel, demote = d.experts.pending()
+        w.send_header(1, STEP, T, start, flags=flags | cancel, row=row, k=k, draft_us=draft_us, demote=demote)
         w.send(1, x, "the hidden state")
         last = d.group.world - 1
         logits = w.recv(last, (T if flags & ALL else 1, self.spec.vocab_size), torch.float32, "the logits", d.device)
@@ -180,7 +185,8 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
                 yield from super().run(prompt, params, max_new)
             finally:
                 if not self.wire.broken:
-                    self.wire.send_header(1, END, demote=self.experts.take_demote())
+                    cancel, demote = self.experts.pending()
+                    self.wire.send_header(1, END, flags=cancel, demote=demote)
                     self.experts.per_rank = self.wire.gather_stats(self.stage.stats())
 
     def _kv_cache(self, need: int):

@@ -23,7 +23,7 @@ from ..errors import ConfigError
 from ..layers import KVCache
 from ..moe import ExpertWeights, ResidentExperts
 from ..policy import get as get_policy
-from .stages import Stage, stage_fixed_bytes, stage_pool
+from .stages import Stage, stage_fixed_bytes, stage_pool, stage_quota
 
 
 class _NoZeros:
@@ -216,9 +216,9 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
         if not pol.offloads:
             inner = ResidentExperts(resident)
         else:
-            inner = OffloadedExperts(mine, plan.slots_per_layer, device, lk, eviction=pol.eviction, dtype=pdt,
-                                     alias=plan.aliased, rows=resident,
-                                     pool=stage_pool(plan, spec, len(mine), own))
+            pool = stage_pool(plan, spec, len(mine), own)
+            inner = OffloadedExperts(mine, stage_quota(plan, spec, len(mine), pool), device, lk, eviction=pol.eviction,
+                                     dtype=pdt, alias=plan.aliased, rows=resident, pool=pool)
             inner.warm()
         guess = None
         stage_layers = SimpleNamespace(model=SimpleNamespace(layers=model.model.layers[stage.first:stage.last]))

@@ -110,6 +110,17 @@ def stage_pool(plan, spec: ModelSpec, n_mine: int, own_budget: bool) -> int:
     return min(n_mine * spec.n_experts, max(spec.top_k, plan.pool_slots * n_mine // max(spec.n_moe_layers, 1)))
 
 
+def stage_quota(plan, spec: ModelSpec, n_mine: int, pool: int) -> int:
+    """The most experts one of a stage's layers may hold in its `pool` slots: the per-layer rule's
+    slots, or (shared pool) the quota rule of offload/plan.py over the stage's own layers, so two
+    ranks each given one device's pool let each layer hold twice what one device's layers may."""
+    from ..offload.plan import _quota
+
+    if plan.pool == "layer":
+        return plan.slots_per_layer
+    return _quota(plan.pool, pool, n_mine, spec.n_experts, spec.top_k)
+
+
 def make_stages(spec: ModelSpec, world: int, itemsize: int) -> list[Stage]:
     per, embed, head = layer_bytes(spec, itemsize)
     ranges = split_layers(per, world, embed, head)
