@@ -49,7 +49,7 @@ def test_lane_rows_are_the_devices_bits(threads, T, storage):
     remap[cold] = torch.tensor(cold, dtype=torch.int32)
     lane = HostLane([store], "cpu", threads=threads, dtype=torch.float32)
     try:
-        job = lane.submit(0, x, ids, w, remap, experts=cold)
+        job = lane.submit(0, x, ids, w, cold)
         assert job.wait() >= 0.0 and job.done() and not job.failed()
     finally:
         lane.close()
@@ -63,11 +63,10 @@ def test_a_job_completes_no_earlier_than_its_charge_and_jobs_queue():
     """Injected costs: each job takes at least its charge after the previous one's completion."""
     store = _store()
     x, ids, w = _routing(1)
-    remap = torch.arange(E, dtype=torch.int32)
     lane = HostLane([store], "cpu", threads=1, dtype=torch.float32, charge=lambda job: 0.03)
     try:
-        a = lane.submit(0, x, ids, w, remap)
-        b = lane.submit(0, x, ids, w, remap)
+        a = lane.submit(0, x, ids, w, list(range(E)))
+        b = lane.submit(0, x, ids, w, list(range(E)))
         b.wait()
         assert a.done() and b.deadline >= a.deadline + 0.03 - 1e-9
         assert a.t_finished - a.t_enqueued >= 0.03 and b.t_finished - a.t_enqueued >= 0.06
@@ -80,13 +79,13 @@ def test_errors_reach_the_waiter_and_await_works():
     x, ids, w = _routing(2)
     lane = HostLane([store], "cpu", threads=1, dtype=torch.float32)
     try:
-        bad = lane.submit(0, x[:, :3], ids, w, torch.arange(E, dtype=torch.int32))  # wrong hidden size
+        bad = lane.submit(0, x[:, :3], ids, w, list(range(E)))  # wrong hidden size
         with pytest.raises(specter.SpecterError):
             bad.wait()
         assert bad.failed()
 
         async def run():
-            job = lane.submit(0, x, ids, w, torch.arange(E, dtype=torch.int32))
+            job = lane.submit(0, x, ids, w, list(range(E)))
             stalled = await job.landed()
             assert await job is job
             return stalled, job
@@ -96,7 +95,7 @@ def test_errors_reach_the_waiter_and_await_works():
     finally:
         lane.close()
     with pytest.raises(RuntimeError, match="closed"):
-        lane.submit(0, x, ids, w, torch.arange(E, dtype=torch.int32))
+        lane.submit(0, x, ids, w, list(range(E)))
 
 
 def test_every_profile_describes_its_host_with_sources():
@@ -131,7 +130,7 @@ def test_make_host_lane_charges_only_a_profiled_cpu_link():
         plain.profile, plain.time_scale = load_profile(None), 50.0
         lane = make_host_lane(store, "cpu", plain, threads=1, dtype=torch.float32)
         x, ids, w = _routing(1)
-        job = lane.submit(0, x, ids, w, torch.arange(E, dtype=torch.int32))
+        job = lane.submit(0, x, ids, w, list(range(E)))
         job.wait()
         p = emulated_host_params(plain.profile, 50.0)
         want = p.seconds(weight_bytes=2 * 3 * H * I * 4, flops=2 * 6 * H * I, act_bytes=(H + 2 * H) * 4)
@@ -320,7 +319,7 @@ class _Mgr:
     def __init__(self, n_slots, held, copy_s):
         from types import SimpleNamespace
 
-        self.slots = SimpleNamespace(n_slots=n_slots, slot_of=lambda layer, e: 0 if e in held else None)
+        self.slots = SimpleNamespace(n_slots=n_slots, slot=[[0 if e in held else -1 for e in range(16)]])
         self.store = [_store(torch.float32)]
         self.pool = self.store
         self.expert_bytes = 3 * H * I * 4
@@ -362,7 +361,7 @@ def test_lane_choice_copies_only_when_the_exchange_pays():
 
     def choose(score_3, score_11, free=0, reuse=1.0):  # layer 0: expert 3 missing, 10 resident and used, 11 too
         mgr = _Mgr(n_slots=2, held={10}, copy_s=7e-3)
-        mgr.slots.free_slots, mgr.slots.residents = (lambda layer: free), (lambda layer: [10, 11])
+        mgr.slots.room = lambda layer, using: (free, [e for e in (10, 11) if e not in using])
         scores = [[0.0] * 16]
         scores[0][3], scores[0][10], scores[0][11] = score_3, 15.0, score_11
         return LaneChoice(mgr, params, planner=_planner(scores, reuse=reuse))(0, [3], [3, 10])
@@ -375,7 +374,7 @@ def test_lane_choice_copies_only_when_the_exchange_pays():
     assert choose(score_3=0.0, score_11=0.0) == []        # ... against a cold one: the use now pays the copy
     assert choose(score_3=0.0, score_11=0.0, reuse=0.05) == [3]  # ... unless this layer's experts rarely recur
     mgr = _Mgr(n_slots=2, held={10}, copy_s=7e-3)
-    mgr.slots.free_slots, mgr.slots.residents = (lambda layer: 0), (lambda layer: [10, 11])
+    mgr.slots.room = lambda layer, using: (0, [e for e in (10, 11) if e not in using])
     verifying = _planner([[0.0] * 3 + [12.0] + [0.0] * 12], read_upto=3)  # inside a speculative cycle:
     assert LaneChoice(mgr, params, planner=verifying)(0, [3], [3, 10]) == [3]  # this call's time alone
 

@@ -31,6 +31,19 @@ def reserve_ready(cache, layer, expert, **kw):
 
 # ---- construction and basic lifecycle ----
 
+def test_the_slot_table_and_room_agree_with_the_queries():
+    """`slot[layer][e]` (what hot loops read) is slot_of's table, and room() is free_slots() with the
+    residents a call does not use, least recently used first."""
+    cache = SlotCache(2, 8, 3, pool=5)
+    fill(cache, 0, [4, 1])
+    assert cache.reserve(0, 6) is not None  # loading: resident too
+    cache.touch(0, [4])
+    for l in range(2):
+        assert [cache.slot_of(l, e) for e in range(8)] == [s if s >= 0 else None for s in cache.slot[l]]
+    assert cache.room(0, {1}) == (cache.free_slots(0), [6, 4]) == (0, [6, 4])  # at its quota of 3
+    assert cache.room(1, ()) == (cache.free_slots(1), []) == (2, [])             # 2 of the 5 are free
+
+
 def test_construct_and_validate(device):
     cache = SlotCache(3, 8, 4, device=device)
     assert cache.remap.shape == (3, 8) and cache.remap.dtype == torch.int32

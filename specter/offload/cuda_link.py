@@ -15,7 +15,7 @@ import torch
 
 from specter.offload.calibrate import (emulated_link_params, load_profile, measure_expert_throughput,
                                        profile_for_gpu)
-from specter.offload.link import EmulatedLink, Link, Transfer, _check
+from specter.offload.link import EmulatedLink, Link, Transfer
 from specter.offload.staging import StagedCopies, pinned_buffer
 
 
@@ -110,8 +110,8 @@ class CudaLink(Link):
         return "pinned store" if self._staged.buffers is None else self._staged.buffers.describe()
 
     def copy(self, dst, src, *, urgent: bool = False, tag=None, after="all") -> Transfer:
-        dst, src = _check(dst, src)
-        t = Transfer(dst, src, tag)
+        t = Transfer(dst, src, tag)  # checks the pairs
+        src = t._src
         t._device, t._waits, t._cuda = self.device, self._waits, self._cuda
         if self._closed:
             raise RuntimeError(f"{self.name}: copy() on a closed link")

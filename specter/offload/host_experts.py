@@ -24,7 +24,6 @@ class HostExperts:
     def __init__(self, mgr: OffloadedExperts, lane: HostLane):
         self.mgr, self.lane = mgr, lane
         self.slots, self.link, self.store = mgr.slots, mgr.link, mgr.store
-        self._remap = torch.full((mgr.slots.n_experts,), -1, dtype=torch.int32)  # host: cold expert -> store row
         self.reset_stats()
 
     @property
@@ -44,9 +43,7 @@ class HostExperts:
         st["expert_misses"] += len(cold)
         job = None
         if cold:
-            remap = self._remap.clone()  # the job keeps its own: the next layer's call must not rewrite it
-            remap[cold] = torch.tensor(cold, dtype=remap.dtype)
-            job = self.lane.submit(layer, x, ids, weights, remap, experts=cold)
+            job = self.lane.submit(layer, x, ids, weights, cold)
             st["host_experts"] += len(cold)
             st["host_bytes"] += len(cold) * mgr.host_expert_bytes
         if len(cold) < len(need):  # the resident ones, meanwhile, in one call through the remap row

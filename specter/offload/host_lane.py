@@ -1,7 +1,7 @@
 """The host lane: routed experts computed on the host, where the store already holds their weights.
 
     lane = make_host_lane(store, device, link, threads=None)   # HostLane; calibrated on CPU like the link
-    job = lane.submit(layer, x, ids, weights, remap)           # remap [E]: expert -> store row, -1 = not here
+    job = lane.submit(layer, x, ids, weights, experts)         # the experts (store rows) it computes
     ...                                                        # the device computes its resident experts
     job.wait()  /  await job.landed()                          # seconds stalled; then job.rows [T, k, H]
 
@@ -25,7 +25,6 @@ the lane's own stream, and `wait()` makes the compute stream wait for that copy'
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
 import os
@@ -40,85 +39,30 @@ from specter.triton_ops import expert_rows, merge_rows
 from ..moe import ExpertWeights
 from ..profiling import span
 from .calibrate import HostParams, emulated_host_params
+from .cuda_link import CudaApi
+from .link import Transfer
 
 
-class HostJob:
-    """One layer's cold experts on the host. Awaitable, like a Transfer; `wait()` blocks for it."""
+class HostJob(Transfer):
+    """One layer's cold experts on the host: a Transfer whose bytes are the rows [T, k, H] the lane
+    computes (`rows`, once waited for). Awaitable; `wait()` blocks for it and returns the seconds
+    stalled (CUDA: once the rows' copy to the device is queued, a stream wait on its event)."""
 
     def __init__(self, layer: int, x, ids, weights, remap: torch.Tensor, experts: list[int], device):
+        super().__init__((), (), tag=(layer, tuple(experts)))
         self.layer, self.experts = layer, experts   # experts: the store rows computed, in order
         self.x, self.ids, self.weights = x, ids, weights  # host tensors (CPU: the caller's own)
         self.remap = remap                          # [E] host int32: expert -> store row, -1 elsewhere
-        self.device = device
+        self._device = device
         self.rows: torch.Tensor | None = None       # [T, k, H] on the device once complete
         self.remap_device = remap                   # what merge_rows reads (a device copy on CUDA)
-        self.t_enqueued = time.perf_counter()
-        self.t_started: float | None = None
-        self.t_finished: float | None = None
         self.deadline = 0.0                         # emulated completion (CPU), perf_counter s
-        self._future: concurrent.futures.Future = concurrent.futures.Future()
-        self._event = None                          # CUDA: recorded after the rows' copy to the device
-        self._issued: threading.Event | None = None  # CUDA: set once that copy is queued
 
     def work(self) -> tuple[int, int]:
         """(distinct experts, (token, position) rows) this job computes."""
         rows = self.remap[self.ids]
         rows = rows[rows >= 0]
         return int(rows.unique().numel()), int(rows.numel())
-
-    def done(self) -> bool:
-        if self._event is not None:
-            return self._event.query()
-        return self._future.done()
-
-    def ready(self) -> bool:
-        """`wait()` would not block the host now."""
-        return self._event is not None or self._future.done()
-
-    def failed(self) -> bool:
-        f = self._future
-        return f.done() and f.exception() is not None
-
-    def wait(self) -> float:
-        """Block until the rows are in place; seconds spent waiting. CUDA: once the rows' copy is queued
-        (waited for on the host, timed), a stream wait on its event."""
-        t0 = time.perf_counter()
-        if self._issued is not None:
-            self._issued.wait()
-            if self._event is not None:
-                stream = torch.cuda.current_stream(self.device)
-                stream.wait_event(self._event)
-                self.rows.record_stream(stream)
-        self._future.result()  # re-raises a failed job
-        return time.perf_counter() - t0
-
-    async def landed(self) -> float:
-        """`wait` for asyncio code: the loop stays free until the job completes."""
-        if self.ready():
-            return self.wait()
-        t0 = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def settle() -> None:
-            if not fut.done():
-                fut.set_result(None)
-
-        def done(_) -> None:  # on the lane's thread
-            try:
-                loop.call_soon_threadsafe(settle)
-            except RuntimeError:  # the loop has closed: nobody is waiting
-                pass
-
-        self._future.add_done_callback(done)
-        await fut
-        return self.wait() + time.perf_counter() - t0
-
-    def __await__(self):
-        async def _landed():
-            await self.landed()
-            return self
-        return _landed().__await__()
 
     def __repr__(self) -> str:
         return f"HostJob(layer={self.layer}, experts={self.experts}, {'done' if self._future.done() else 'pending'})"
@@ -137,6 +81,7 @@ class HostLane:
         self.store, self.device, self.threads, self.charge, self.name = store, torch.device(device), threads, charge, name
         self.cuda = self.device.type == "cuda"
         self.dtype = dtype or store[0].w13.dtype  # the host computes in this dtype
+        self.n_experts = store[0].w13.shape[0]
         self.stats = {"jobs": 0, "experts": 0, "busy_s": 0.0}
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
@@ -151,18 +96,19 @@ class HostLane:
         self._worker.start()
 
     def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-               remap: torch.Tensor, experts: list[int] | None = None) -> HostJob:
-        """Compute the rows of x [T, H] whose expert remap [E] (host int32) maps to a store row, on the
-        host; the other rows of the result are zero. `experts`: those store rows (default: read remap)."""
-        if experts is None:
-            experts = [r for r in remap.tolist() if r >= 0]
+               experts: list[int]) -> HostJob:
+        """Compute the rows of x [T, H] routed to `experts` on the host; the other rows of the result are
+        zero (job.remap_device maps exactly those experts, for merge_rows)."""
+        remap = torch.full((self.n_experts,), -1, dtype=torch.int32)  # expert -> its store row
+        remap[experts] = torch.tensor(experts, dtype=torch.int32)
         if self.cuda:  # to pinned host memory on the compute stream; the dispatcher waits for the event
             hx, hids, hw = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (x, ids, weights))
             for h, t in ((hx, x), (hids, ids), (hw, weights)):
                 h.copy_(t, non_blocking=True)
             job = HostJob(layer, hx, hids, hw, remap, experts, self.device)
-            job._inputs = torch.cuda.Event()
-            job._inputs.record(torch.cuda.current_stream(self.device))
+            job._cuda, job._consumer = CudaApi(), torch.cuda.current_stream(self.device)  # Transfer.wait's
+            job._inputs = job._cuda.event()
+            job._inputs.record(job._consumer)
             job._issued = threading.Event()
             job.remap_device = remap.to(self.device, non_blocking=True)
         else:
@@ -217,18 +163,14 @@ class HostLane:
                 job.deadline = deadline = max(job.t_enqueued, deadline) + self.charge(job)
                 while (left := deadline - time.perf_counter()) > 0 and not self._closed:
                     time.sleep(left)
-            end = job.t_finished = time.perf_counter()
             with self._lock:
                 self.stats["jobs"] += 1
                 self.stats["experts"] += len(job.experts)
-                self.stats["busy_s"] += end - job.t_started
+                self.stats["busy_s"] += time.perf_counter() - job.t_started
                 self._pending -= 1
             if job._issued is not None:
                 job._issued.set()
-            if error is None:
-                job._future.set_result(None)
-            else:
-                job._future.set_exception(error)
+            job._finish(error)
 
     def _compute(self, job: HostJob) -> torch.Tensor:
         """[T, k, H]: the job's rows, its experts split over the lane's threads (merged by row)."""
@@ -250,6 +192,7 @@ class HostLane:
         with torch.cuda.stream(self._stream):
             out = torch.empty(rows.shape, dtype=rows.dtype, device=self.device)
             out.copy_(host, non_blocking=True)
+            out.record_stream(job._consumer)  # read there after its wait: its memory outlives that
             job._event = torch.cuda.Event()
             job._event.record(self._stream)
         job._host_rows = host  # alive until the copy has run (the job outlives its wait)
@@ -352,9 +295,9 @@ class LaneChoice:
         counts: dict = {}
         for e in routed:
             counts[e] = counts.get(e, 0) + 1
-        held = 0
+        held, where = 0, slots.slot[layer]
         for e in counts:
-            held += slots.slot_of(layer, e) is not None
+            held += where[e] >= 0
         room = max(0, min(len(missing), slots.n_slots - held))
         order = list(missing)
         pl = self.planner
@@ -366,12 +309,11 @@ class LaneChoice:
         p, H, I, item = self.params, self.H, self.I, self.item
         worth = pl is not None and not pl.read_upto  # a plain step's (a verification's copies serve its cycle)
         if worth:  # the uses each copy gains: its own, less its victim's (free slots first, then coldest)
-            score, victims = pl.score[layer], [0.0] * slots.free_slots(layer)
+            score, (free, others) = pl.score[layer], slots.room(layer, counts)
             cold = []
-            for e in slots.residents(layer):
-                if e not in counts:
-                    cold.append(score[e])
-            victims += sorted(cold)
+            for e in others:
+                cold.append(score[e])
+            victims = [0.0] * free + sorted(cold)
             t_host1 = p.latency + 2 * H * item / p.pcie_bandwidth + max(
                 3 * H * I * item / p.bandwidth, 6 * H * I / p.flops_per_s if p.flops_per_s else 0.0)
         rows = 0  # the (token, position) rows of order[c:]

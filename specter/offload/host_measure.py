@@ -64,9 +64,8 @@ def lane_throughput(hidden: int, intermediate: int, tokens: int, *, dtype=torch.
                 e = (e + k) % n
                 ids = torch.tensor([experts] * tokens)                    # [T, k]
                 w = torch.full((tokens, k), 1.0 / k, dtype=dtype)          # [T, k]
-                remap = torch.arange(n, dtype=torch.int32)
                 t0 = time.perf_counter()
-                lane.submit(0, x, ids, w, remap, experts=experts).wait()
+                lane.submit(0, x, ids, w, experts).wait()
                 if not first:
                     rates.append(k * expert_bytes / (time.perf_counter() - t0))
                 if first or (time.perf_counter() > stop and len(rates) * k >= n):

@@ -43,11 +43,17 @@ _CHUNK = 32768  # elements per emulated copy_: below ATen's parallel grain, so t
 
 
 class Transfer:
-    """One host-to-device copy of one or more tensors. Awaitable."""
+    """One host-to-device copy of one or more tensors (dst[i] <- src[i]; a tensor or a list each). Awaitable."""
 
-    def __init__(self, dst: list[torch.Tensor], src: list[torch.Tensor], tag=None):
+    def __init__(self, dst, src, tag=None):
+        dst = [dst] if isinstance(dst, torch.Tensor) else list(dst)
+        src = [src] if isinstance(src, torch.Tensor) else list(src)
+        if len(dst) != len(src):
+            raise ValueError(f"copy: {len(dst)} destinations for {len(src)} sources")
         self.nbytes = self.dst_nbytes = 0      # bytes read from the host (a CodedExpert's: coded), written
         for d, s in zip(dst, src):
+            if d.shape != s.shape:
+                raise ValueError(f"copy: shape mismatch, dst {tuple(d.shape)} vs src {tuple(s.shape)}")
             self.nbytes += s.nbytes
             self.dst_nbytes += d.numel() * d.element_size()
         self.tag = tag
@@ -59,7 +65,7 @@ class Transfer:
         self._future: concurrent.futures.Future = concurrent.futures.Future()
         self._event = None                     # CUDA only: recorded on the copy stream after the copies
         self._device = None
-        self._waits = None                     # CUDA only: the link's (compute reached, copy done) pairs
+        self._waits = None                     # CUDA only: the link's (compute reached, copy done) pairs, if timed
         self._cuda = None                      # CUDA only: the link's CudaApi (streams and events)
         self._issued = None                    # CUDA, staged: a threading.Event set once it is on a stream
 
@@ -82,9 +88,10 @@ class Transfer:
             return self.wait() + time.perf_counter() - t0
         if self._event is not None:
             stream = self._cuda.current_stream(self._device)
-            reached = self._cuda.event(timing=True)
-            reached.record(stream)  # compute got here; it stalls until the copy's event
-            self._waits.append((reached, self._event))
+            if self._waits is not None:  # timed: compute got here; it stalls until the copy's event
+                reached = self._cuda.event(timing=True)
+                reached.record(stream)
+                self._waits.append((reached, self._event))
             stream.wait_event(self._event)
             return 0.0
         if self._future.done():
@@ -99,12 +106,13 @@ class Transfer:
         meanwhile. CUDA: `wait`'s stream wait (compute is ordered after the copy on the device; nothing
         blocks, so 0 here, the stall measured by events as in `wait`). Emulated: the link's thread
         completes an asyncio future (call_soon_threadsafe) and the stall is the time until this
-        coroutine resumes, as `wait`'s is the time until its thread does."""
+        coroutine resumes, as `wait`'s is the time until its thread does (then `wait`, which no longer
+        blocks: a host job's rows are on the device only after its stream wait)."""
         if self.ready():
             return self.wait()
         t0 = time.perf_counter()
         await self._loop_future()
-        return time.perf_counter() - t0
+        return self.wait() + time.perf_counter() - t0
 
     def __await__(self):
         """`await t` -> t, once the copy has completed on the host's view: the emulated link's future;
@@ -170,17 +178,6 @@ class Transfer:
     def __repr__(self) -> str:
         state = "cancelled" if self.cancelled() else "done" if self._future.done() else "pending"
         return f"Transfer(tag={self.tag!r}, nbytes={self.nbytes}, {state})"
-
-
-def _check(dst, src) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    dst = [dst] if isinstance(dst, torch.Tensor) else list(dst)
-    src = [src] if isinstance(src, torch.Tensor) else list(src)
-    if len(dst) != len(src):
-        raise ValueError(f"copy: {len(dst)} destinations for {len(src)} sources")
-    for d, s in zip(dst, src):
-        if d.shape != s.shape:
-            raise ValueError(f"copy: shape mismatch, dst {tuple(d.shape)} vs src {tuple(s.shape)}")
-    return dst, src
 
 
 class Link(abc.ABC):
@@ -303,10 +300,9 @@ class EmulatedLink(Link):
         self._worker.start()
 
     def copy(self, dst, src, *, urgent: bool = False, tag=None, after="all") -> Transfer:
-        dst, src = _check(dst, src)
         t = Transfer(dst, src, tag)
         t.t_enqueued = self._now()
-        t.seconds = self.seconds(dst, src)
+        t.seconds = self.seconds(t._dst, t._src)
         with self._lock:
             self._admit()
             (self._urgent if urgent else self._normal).append(t)

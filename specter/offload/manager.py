@@ -131,9 +131,9 @@ class OffloadedExperts:
     def prefetch(self, layer: int, experts, *, protect=(), urgent: bool = False) -> int:
         """Start copies for those of `experts` not resident or in flight, in the given order, never
         evicting `protect`. Returns how many were issued (it stops when no slot can be freed)."""
-        n = 0
+        n, where = 0, self.slots.slot[layer]
         for e in experts:
-            if self.slots.slot_of(layer, e) is not None:
+            if where[e] >= 0:  # resident or in flight
                 continue
             if not self._issue(layer, e, urgent=urgent, protect=protect):
                 break
@@ -149,7 +149,7 @@ class OffloadedExperts:
         for e in experts:
             if self._unissue((layer, e)):
                 n += 1
-            elif self.slots.slot_of(layer, e) is not None:
+            elif self.slots.slot[layer][e] >= 0:
                 late.append(e)
         self.slots.demote(layer, late)
         self._stats["prefetch_cancelled"] += n
@@ -159,8 +159,11 @@ class OffloadedExperts:
         """Withdraw every prefetch copy the link has not started: called when the cycle they were issued
         for is over, so the steps after it do not queue behind its wrong guesses. Returns how many;
         always 0 on CUDA, where a copy on the stream cannot be withdrawn (Link.cancel)."""
-        n = 0
-        for key in [k for k in self.inflight if k in self.prefetched]:
+        n, queued = 0, []
+        for key in self.inflight:
+            if key in self.prefetched:
+                queued.append(key)
+        for key in queued:
             n += self._unissue(key)
         self._stats["prefetch_cancelled"] += n
         return n
@@ -188,7 +191,7 @@ class OffloadedExperts:
         return self._stats["h2d_bytes"] + self._stats["host_bytes"]
 
     def is_resident(self, layer: int, e: int) -> bool:
-        return self.slots.slot_of(layer, e) is not None
+        return self.slots.slot[layer][e] >= 0
 
     # ------------------------------------------------------------------------------ compute
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -219,10 +222,10 @@ class OffloadedExperts:
         if guess is not None:  # its guesses for this layer that the routing did not ask for go now
             guess.settle(layer, need)
         ready, flying, missing = [], [], []
-        st, prefetched, inflight = self._stats, self.prefetched, self.inflight
+        st, prefetched, inflight, where = self._stats, self.prefetched, self.inflight, slots.slot[layer]
         for e in need:  # sort by state, and count hits, misses and prefetches used
             key = (layer, e)
-            resident = slots.slot_of(layer, e) is not None
+            resident = where[e] >= 0  # ready, or loading (then its copy is in `inflight`)
             if key in prefetched:
                 prefetched.discard(key)
                 st["prefetch_used"] += resident  # evicted unused before it served: not a use
@@ -233,17 +236,24 @@ class OffloadedExperts:
             st["expert_hits"] += 1
             if key in inflight:
                 flying.append(e)
-            elif slots.is_ready(layer, e):
+            else:
                 ready.append(e)
         if self.keep_rank is not None and len(need) > slots.n_slots:  # more than fit: choose who stays
             missing.sort(key=partial(self.keep_rank, layer))
         job = None
-        if missing and self.host_choice is not None:  # both lanes: some misses computed on the host
+        if missing and self.host_choice is not None:  # both lanes: the misses it picks compute on the host
             tier = self.tier  # a miss held coded on the device is a decode, never the host lane's
             held = [] if tier is None else [e for e in missing if tier.has(layer, e)]
-            job, missing = self._host_job(layer, x, ids, weights, [e for e in missing if e not in held] if held
-                                          else missing, routed)
-            missing = held + missing
+            hosted = self.host_choice(layer, [e for e in missing if e not in held] if held else missing, routed)
+            if hosted:  # the host starts now, the device computes meanwhile; the rows merge at the end
+                job = self.host_lane.submit(layer, x, ids, weights, hosted)
+                st["host_experts"] += len(hosted)
+                st["host_bytes"] += len(hosted) * self.host_expert_bytes
+            rest = list(held)  # the misses left to copy, those held coded on the device first
+            for e in missing:
+                if e not in hosted and e not in held:
+                    rest.append(e)
+            missing = rest
         protect = set(need)
         for e in missing:  # fetched at the queue's front, never evicting each other
             if not self._issue(layer, e, urgent=True, protect=protect):
@@ -261,7 +271,7 @@ class OffloadedExperts:
             batch = self._land_batch(layer, todo)
             late = self._late.fill_(-1)  # this batch's remap, written in place: no host-to-device sync
             for e in batch:
-                late[e] = slots.row(layer, e)
+                late[e] = e if self.alias else where[e]  # the row compute reads (SlotCache.row)
             rows = merge_rows(rows, expert_rows(x, ids, weights, pool.w13, pool.w2, remap=late), ids, late)
             if self._ordered:
                 self._read_done(layer, batch)
@@ -278,32 +288,16 @@ class OffloadedExperts:
             self.use_hook(layer, need)
         return combine_rows(rows)
 
-    def _host_job(self, layer: int, x, ids, weights, missing: list[int], routed: list[int]):
-        """(HostJob or None, the misses left to copy): `host_choice` picks which misses the host lane computes."""
-        hosted = self.host_choice(layer, missing, routed)
-        if not hosted:
-            return None, missing
-        remap = torch.full((self.slots.n_experts,), -1, dtype=torch.int32)  # host: expert -> store row
-        remap[hosted] = torch.tensor(hosted, dtype=torch.int32)
-        self._stats["host_experts"] += len(hosted)
-        self._stats["host_bytes"] += len(hosted) * self.host_expert_bytes
-        job = self.host_lane.submit(layer, x, ids, weights, remap, experts=list(hosted))
-        left = []
-        for e in missing:
-            if e not in hosted:
-                left.append(e)
-        return job, left
-
     def demote_rejected(self, kept_rows: int) -> None:
         """The last verification's rows from `kept_rows` on ran on rejected drafted tokens: the experts
         only they needed are demoted (SlotCache.demote), so the next misses evict them before the
         experts the accepted text used, not as the most recently used (docs/ARCHITECTURE.md)."""
-        slots = self.slots
+        slots, inflight = self.slots, self.inflight
         for layer, (routed, k) in self._routed.items():
             rejected = set(routed[kept_rows * k:]).difference(routed[:kept_rows * k])
-            ready = []
+            ready, where = [], slots.slot[layer]
             for e in rejected:
-                if slots.is_ready(layer, e):
+                if where[e] >= 0 and (layer, e) not in inflight:  # ready: resident, its copy landed
                     ready.append(e)
             if ready:
                 slots.demote(layer, ready)
@@ -313,8 +307,9 @@ class OffloadedExperts:
         """The longest prefix of `todo` that holds slots (issuing copies for those without, never
         evicting another of `todo`), landed. At least one expert, waiting for copies if it must."""
         protect, batch = set(todo), []
+        where = self.slots.slot[layer]
         for e in todo:
-            if self.slots.slot_of(layer, e) is None and not self._issue(layer, e, urgent=True, protect=protect):
+            if where[e] < 0 and not self._issue(layer, e, urgent=True, protect=protect):
                 break
             batch.append(e)
         if not batch:
@@ -328,7 +323,7 @@ class OffloadedExperts:
         """Compute reading these experts' slots has been queued: note the point a copy must wait for."""
         ev = self.link.read_event()
         if ev is not None:
-            slot = self.slots._slot[layer]
+            slot = self.slots.slot[layer]
             for e in experts:
                 self.last_read[slot[e]] = ev
 

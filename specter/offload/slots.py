@@ -2,7 +2,9 @@
 expert pool every MoE layer shares, and which one to evict when a new expert needs a slot.
 
 All state lives on the host except `remap` ([n_layers, n_experts] int32 on the device, expert -> slot,
--1 = absent), which kernels read: a layer's row maps its expert ids into the shared pool. It is
+-1 = absent), which kernels read: a layer's row maps its expert ids into the shared pool. Its host
+mirror `slot[layer][expert]` (-1 = absent, else the slot of a loading or ready expert) is the one
+table callers read directly, in their per-expert loops; every other query is a method. `remap` is
 allocated once and only written in place, one entry at a time, never read back in a hot path (graph
 safety: see docs/ARCHITECTURE.md). An expert moves through three states:
 
@@ -77,7 +79,7 @@ class SlotCache:
 
     def _clear_host(self) -> None:
         L, E, S = self.n_layers, self.n_experts, self.pool_slots
-        self._slot = [[-1] * E for _ in range(L)]         # expert -> slot (ready or loading), host mirror
+        self.slot = [[-1] * E for _ in range(L)]          # expert -> slot (ready or loading), -1 = absent
         self._state = [[ABSENT] * E for _ in range(L)]    # expert -> ABSENT | LOADING | READY
         self._owner = [-1] * S                            # slot -> layer * E + expert, -1 = free
         self._free = list(range(S - 1, -1, -1))           # stack, slot 0 handed out first
@@ -101,10 +103,10 @@ class SlotCache:
 
     def row(self, layer: int, expert: int) -> int:
         """The row compute reads for a ready expert: its slot, or with `alias` its own id."""
-        return expert if self.alias else self._slot[layer][expert]
+        return expert if self.alias else self.slot[layer][expert]
 
     def slot_of(self, layer: int, expert: int) -> int | None:
-        slot = self._slot[layer][expert]
+        slot = self.slot[layer][expert]
         return None if slot < 0 else slot
 
     def is_ready(self, layer: int, expert: int) -> bool:
@@ -127,6 +129,15 @@ class SlotCache:
     def free_slots(self, layer: int) -> int:
         """Slots `layer` can take without evicting: free ones, up to its quota."""
         return max(0, min(len(self._free), self.n_slots - len(self._order[layer])))
+
+    def room(self, layer: int, using: Collection[int]) -> tuple[int, list[int]]:
+        """Where copies for `layer` can go while a call uses `using`: (free_slots(layer), its residents
+        not in `using`, least recently used first: those the copies may displace)."""
+        order, others = self._order[layer], []
+        for e in order:
+            if e not in using:
+                others.append(e)
+        return max(0, min(len(self._free), self.n_slots - len(order))), others
 
     @property
     def used_slots(self) -> int:
@@ -202,21 +213,23 @@ class SlotCache:
         free. `protect`: experts of `layer` not to evict. Returns None, changing nothing, when every
         candidate is pinned, protected, held or loading."""
         if self._state[layer][expert] != ABSENT:
-            raise ValueError(f"expert {expert} of layer {layer} already has slot {self._slot[layer][expert]}")
+            raise ValueError(f"expert {expert} of layer {layer} already has slot {self.slot[layer][expert]}")
         victim = -1
-        if self.free_slots(layer):
+        if self._free and len(self._order[layer]) < self.n_slots:  # a free slot within the layer's quota
             slot = self._free.pop()
         else:
             found = self.victim(layer, protect)
             if found is None:
                 return None
-            vl, v = found  # evicted
-            victim = vl * self.n_experts + v
-            slot = self._release(vl, v)
+            vl, v = found  # evicted: absent now, its slot passes to `expert`
+            victim, slot = vl * self.n_experts + v, self.slot[vl][v]
+            self.slot[vl][v] = -1
+            self._state[vl][v] = ABSENT
+            del self._order[vl][v]
             self.remap[vl, v] = -1
             self.stats["evictions"] += 1
         self._displaced[layer][expert] = victim
-        self._slot[layer][expert] = slot
+        self.slot[layer][expert] = slot
         self._owner[slot] = layer * self.n_experts + expert
         self._state[layer][expert] = LOADING
         self._order[layer][expert] = None  # most recently used
@@ -229,7 +242,7 @@ class SlotCache:
         if self._state[layer][expert] != LOADING:
             raise ValueError(f"expert {expert} of layer {layer} is not loading")
         self._state[layer][expert] = READY
-        self.remap[layer, expert] = self.row(layer, expert)
+        self.remap[layer, expert] = expert if self.alias else self.slot[layer][expert]  # row(layer, expert)
 
     def cancel(self, layer: int, expert: int, *, restore: bool = False) -> None:
         """Abandon a loading reservation; its slot becomes free. restore=True (only when its copy never
@@ -239,26 +252,22 @@ class SlotCache:
             raise ValueError(f"expert {expert} of layer {layer} is not loading")
         if expert in self._pins[layer]:
             raise ValueError(f"cannot cancel expert {expert} of layer {layer}: it is pinned")
-        slot, displaced = self._release(layer, expert), self._displaced[layer][expert]
+        slot, displaced = self.slot[layer][expert], self._displaced[layer][expert]
+        self.slot[layer][expert] = -1
+        self._state[layer][expert] = ABSENT
+        self._owner[slot] = -1
+        del self._order[layer][expert]
         vl, v = divmod(displaced, self.n_experts) if displaced >= 0 else (-1, -1)
         if not restore or v < 0 or self._state[vl][v] != ABSENT or len(self._order[vl]) >= self.n_slots:
             self._free.append(slot)
             return
-        self._slot[vl][v] = slot
+        self.slot[vl][v] = slot
         self._owner[slot] = displaced
         self._state[vl][v] = READY
         self._order[vl][v] = None
         self._order[vl].move_to_end(v, last=False)  # first in line to be evicted again
         self._stamp[vl][v] = _DEMOTED
         self.remap[vl, v] = self.row(vl, v)
-
-    def _release(self, layer: int, expert: int) -> int:
-        slot = self._slot[layer][expert]
-        self._slot[layer][expert] = -1
-        self._state[layer][expert] = ABSENT
-        self._owner[slot] = -1
-        del self._order[layer][expert]
-        return slot
 
     def next_use(self, layer: int, expert: int) -> int:
         """The predicted distance, in layer calls, to the next use of a resident (see the module doc)."""
@@ -311,7 +320,7 @@ class SlotCache:
         owner, free = self._owner, self._free
         total = 0
         for l in range(self.n_layers):
-            slot, state = self._slot[l], self._state[l]
+            slot, state = self.slot[l], self._state[l]
             residents = [e for e in range(E) if state[e] != ABSENT]
             total += len(residents)
             assert len(residents) <= self.n_slots, f"layer {l}: {len(residents)} residents > quota {self.n_slots}"
@@ -333,7 +342,7 @@ class SlotCache:
         for s, key in enumerate(owner):
             if key >= 0:
                 l, e = divmod(key, E)
-                assert self._state[l][e] != ABSENT and self._slot[l][e] == s, f"slot {s} owner {(l, e)}"
+                assert self._state[l][e] != ABSENT and self.slot[l][e] == s, f"slot {s} owner {(l, e)}"
 
 
 def belady_victim(candidates: Iterable[int], future: Sequence[int]) -> int:

@@ -59,14 +59,14 @@ class PrefetchPlanner:
         skipped. A prefetch that evicts something more likely to be needed costs two copies instead
         of saving one; one that evicts an expert this cycle predicts only swaps two copies."""
         slots, score = self.mgr.slots, self.score[layer]
+        free, others = slots.room(layer, counts)
         victims = []  # scores of the residents a prefetch may displace, lowest first
-        for e in slots.residents(layer):
-            if e not in counts:
-                victims.append(score[e])
+        for e in others:
+            victims.append(score[e])
         victims.sort()
-        free, out = slots.free_slots(layer), []
+        where, out = slots.slot[layer], []
         for e, _ in counts.most_common(slots.n_slots):
-            if slots.slot_of(layer, e) is not None:
+            if where[e] >= 0:  # resident or in flight
                 continue
             if free > 0:
                 free -= 1
