@@ -70,24 +70,6 @@ def _check_backend(backend: str, x: torch.Tensor) -> None:
                           "is imported for CPU tensors; use backend='torch' on CPU")
 
 
-def _check(x, ids, weights, w13, w2, remap, backend: str) -> None:
-    if backend != "torch":
-        _check_backend(backend, x)
-    T, H = x.shape
-    R, two_i, h13 = w13.shape
-    if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != T:
-        raise ConfigError(f"fused_moe: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be "
-                          f"[T={T}, k]")
-    if h13 != H or tuple(w2.shape) != (R, H, two_i // 2):
-        raise ConfigError(f"fused_moe: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x [T, {H}]: "
-                          f"expected [R, 2I, {H}] and [R, {H}, I]")
-    if type(w13) is not type(w2):
-        raise ConfigError("fused_moe: w13 and w2 must both be dense or both Int4Experts")
-    if remap is not None and (remap.dim() != 1 or remap.dtype not in (torch.int32, torch.int64)):
-        raise ConfigError(f"fused_moe: remap must be a 1-D int32 table expert -> row; got {remap.dtype} "
-                          f"{tuple(remap.shape)}")
-
-
 # --------------------------------------------------------------------------------- custom ops
 def _expert_rows_impl(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                       w2: torch.Tensor, s13: Optional[torch.Tensor], z13: Optional[torch.Tensor],
@@ -113,7 +95,7 @@ def _combine_rows_impl(rows: torch.Tensor, backend: str) -> torch.Tensor:
     if backend == "triton":
         from .kernels import combine_triton
         return combine_triton(rows)
-    return combine_torch(rows)
+    return combine_rows(rows, backend="torch")
 
 
 _combine_rows_op = torch.library.custom_op("specter::combine_rows", _combine_rows_impl, mutates_args=())
@@ -129,7 +111,21 @@ def expert_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13, 
                 remap: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
     """[T, k, H]: weights[t, j] * expert(x[t]) per (token, position); zero where remap gives -1."""
     backend = backend or ("triton" if x.is_cuda else "torch")
-    _check(x, ids, weights, w13, w2, remap, backend)
+    if backend != "torch":
+        _check_backend(backend, x)
+    T, H = x.shape
+    R, two_i, h13 = w13.shape
+    if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != T:
+        raise ConfigError(f"fused_moe: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be "
+                          f"[T={T}, k]")
+    if h13 != H or tuple(w2.shape) != (R, H, two_i // 2):
+        raise ConfigError(f"fused_moe: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x [T, {H}]: "
+                          f"expected [R, 2I, {H}] and [R, {H}, I]")
+    if type(w13) is not type(w2):
+        raise ConfigError("fused_moe: w13 and w2 must both be dense or both Int4Experts")
+    if remap is not None and (remap.dim() != 1 or remap.dtype not in (torch.int32, torch.int64)):
+        raise ConfigError(f"fused_moe: remap must be a 1-D int32 table expert -> row; got {remap.dtype} "
+                          f"{tuple(remap.shape)}")
     if not torch.compiler.is_compiling():  # eager: skip the dispatcher
         if backend == "torch":
             return moe_rows_torch(x, ids, weights, w13, w2, remap)
@@ -142,14 +138,21 @@ def expert_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13, 
 
 
 def combine_rows(rows: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
-    """[T, k, H] -> [T, H], positions added left to right in fp32 and rounded once."""
+    """[T, k, H] -> [T, H], positions added left to right in fp32 and rounded once. The torch backend
+    is this function's own body (the reference combine_triton is tested against)."""
     backend = backend or ("triton" if rows.is_cuda else "torch")
     if torch.compiler.is_compiling():
         return _combine_rows_op(rows, backend)
-    if backend == "torch":
-        return combine_torch(rows)
-    _check_backend(backend, rows)
-    return _combine_rows_impl(rows, backend)
+    if backend != "torch":
+        _check_backend(backend, rows)
+        return _combine_rows_impl(rows, backend)
+    if rows.shape[1] == 1:
+        return rows[:, 0].clone()
+    fp32 = rows.dtype == torch.float32
+    acc = rows[:, 0] + rows[:, 1] if fp32 else rows[:, 0].float() + rows[:, 1].float()
+    for j in range(2, rows.shape[1]):
+        acc += rows[:, j] if fp32 else rows[:, j].float()
+    return acc if fp32 else acc.to(rows.dtype)
 
 
 def merge_rows(rows: torch.Tensor, late: torch.Tensor, ids: torch.Tensor, late_remap: torch.Tensor) -> torch.Tensor:
@@ -163,10 +166,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13, w2
               remap: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
     """y [T, H]: the routed experts of every token, combined (see the module docstring)."""
     backend = backend or ("triton" if x.is_cuda else "torch")
-    rows = expert_rows(x, ids, weights, w13, w2, remap=remap, backend=backend)
-    if backend == "torch" and not torch.compiler.is_compiling():
-        return combine_torch(rows)
-    return combine_rows(rows, backend=backend)
+    return combine_rows(expert_rows(x, ids, weights, w13, w2, remap=remap, backend=backend), backend=backend)
 
 
 # ------------------------------------------------------------------------------ torch backend
@@ -265,13 +265,3 @@ def moe_rows_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     out = x.new_empty(T * k, H) if n == T * k else x.new_zeros(T * k, H)
     return out.index_copy_(0, slot, ys).view(T, k, H)
 
-
-def combine_torch(rows: torch.Tensor) -> torch.Tensor:
-    """[T, k, H] -> [T, H]: positions added left to right in fp32, rounded once."""
-    if rows.shape[1] == 1:
-        return rows[:, 0].clone()
-    fp32 = rows.dtype == torch.float32
-    acc = rows[:, 0] + rows[:, 1] if fp32 else rows[:, 0].float() + rows[:, 1].float()
-    for j in range(2, rows.shape[1]):
-        acc += rows[:, j] if fp32 else rows[:, j].float()
-    return acc if fp32 else acc.to(rows.dtype)
