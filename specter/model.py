@@ -206,26 +206,16 @@ class MoETransformer(nn.Module):
         ids, w = moe.route(h)
         return x, h, ids, w, shared
 
-    def head(self, x, out, logits_for: str = "all"):
-        """x + the last MLP's output -> fp32 logits [T, V] ("all") or [1, V] ("last")."""
+    def head(self, x, out=None, logits_for: str = "all", chunk: int = 32768):
+        """x [T, H] + the last MLP's output `out` -> fp32 logits [T, V] ("all") or [1, V] ("last"): the
+        final norm and lm_head computed in fp32 whatever the compute dtype. bf16 logits keep 8
+        significant bits, so a 16-bit head turns near-ties into exact ties that a batched verification
+        and a one-token step break differently. The weight is upcast a vocabulary chunk at a time (no
+        fp32 copy of lm_head is kept; on CPU at fp32 this is one plain linear)."""
         if out is not None:
             x = x + out
         if logits_for == "last":
             x = x[-1:]
-        return self.logits(x)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The compute dtype: the layers' (on CPU the input embedding may keep a 16-bit checkpoint's
-        table, so its parameter does not say it)."""
-        return self.lm_head.weight.dtype
-
-    def logits(self, x: torch.Tensor, chunk: int = 32768) -> torch.Tensor:
-        """x [T, H] -> fp32 logits [T, V]: the final norm and lm_head computed in fp32 whatever the
-        compute dtype. bf16 logits keep 8 significant bits, so a 16-bit head turns near-ties into exact
-        ties that a batched verification and a one-token step break differently. The weight is
-        upcast a vocabulary chunk at a time (no fp32 copy of lm_head is kept; on CPU at fp32 this is
-        one plain linear)."""
         norm, x = self.model.norm, x.float()  # the final norm in fp32, its weights upcast
         if isinstance(norm, nn.LayerNorm):
             h = F.layer_norm(x, norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
@@ -237,3 +227,9 @@ class MoETransformer(nn.Module):
         parts = [F.linear(h, w[i:i + chunk].float(), None if b is None else b[i:i + chunk].float())
                  for i in range(0, w.shape[0], chunk)]
         return torch.cat(parts, dim=-1)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype: the layers' (on CPU the input embedding may keep a 16-bit checkpoint's
+        table, so its parameter does not say it)."""
+        return self.lm_head.weight.dtype

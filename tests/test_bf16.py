@@ -29,13 +29,13 @@ def test_head_is_fp32_and_chunking_changes_nothing(tiny):
     engine = specter.load(path, device="cpu", policy="resident", dtype="bf16")
     model = engine.decoder.model
     x = torch.randn(3, model.spec.hidden).bfloat16()
-    got = model.logits(x)
+    got = model.head(x)
     norm, head = model.model.norm, model.lm_head
     h = F.layer_norm(x.double(), norm.normalized_shape, norm.weight.double(), norm.bias.double(), norm.eps)
     want = F.linear(h, head.weight.double(), head.bias.double())
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(model.logits(x, chunk=40), got, rtol=0, atol=1e-6)  # 128 = 40+40+40+8
+    torch.testing.assert_close(model.head(x, chunk=40), got, rtol=0, atol=1e-6)  # 128 = 40+40+40+8
 
 
 def test_speculation_at_bf16_differs_only_at_ties():

@@ -561,8 +561,8 @@ def test_aliased_pool_decodes_like_the_copying_pool(tiny, emulated_link, monkeyp
         if hasattr(engine.decoder, "governor"):  # the same drafted widths both times, whatever the timing
             from specter.speculative.governor import Governor
             engine.decoder.governor = Governor(6, fixed=4)
-        logits, real = [], engine.model.logits
-        engine.model.logits = lambda x, *a, **k: logits.append(real(x, *a, **k)) or logits[-1]
+        logits, real = [], engine.model.head
+        engine.model.head = lambda *a, **k: logits.append(real(*a, **k)) or logits[-1]
         try:
             outs = [engine.generate(p, max_new_tokens=12) for p in PROMPTS[:2]]
         finally:
