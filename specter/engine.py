@@ -130,18 +130,6 @@ class Turns:
                 self._release()
 
 
-def stop_list(stop) -> list[str]:
-    """None, a string or a list of strings -> a list of non-empty stop strings (else a ConfigError)."""
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
-        raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}")
-    if any(s == "" for s in stops):
-        raise ConfigError("an empty stop string matches at once; remove it")
-    return list(stops)
-
-
 class Decoding:
     """One generation's bookkeeping, whichever driver runs it: committed chunks in, (new ids so far,
     their text or None without a tokenizer) out, both cut at EOS, max_new_tokens or a stop string;
@@ -265,7 +253,8 @@ class Engine:
         text ends before the first one, and token_ids end with the token that completes that text."""
         stats: dict = {}
         new, text = [], ""
-        for new, text in self._generation(prompt, max_new_tokens, stop, sampling, stats, None):
+        ids, params, stops = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
+        for new, text in self._generation(ids, params, max_new_tokens, stops, stats, None):
             pass
         return GenerationOutput(text=text or "", token_ids=list(new), stats=stats)
 
@@ -314,23 +303,29 @@ class Engine:
 
     def _pieces(self, prompt, max_new_tokens, stop, sampling, stats, cancel) -> Iterator[tuple[list[int], str]]:
         """(new token ids, new text) as they become final: nothing that a stop string could still cut."""
-        printer = Printer(self, stop_list(stop))
-        for new, text in self._generation(prompt, max_new_tokens, stop, sampling, {} if stats is None else stats,
-                                          cancel):
+        stats = {} if stats is None else stats
+        ids, params, stops = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
+        printer = Printer(self, stops)
+        for new, text in self._generation(ids, params, max_new_tokens, stops, stats, cancel):
             if (piece := printer.feed(new, text)) is not None:
                 yield piece
         if (piece := printer.end()) is not None:  # the end: nothing is held back any more
             yield piece
 
     def _prepare(self, prompt, max_new_tokens, stop, sampling, stats: dict) -> tuple[list[int], SamplingParams, list]:
-        """Validated (prompt ids, sampling params, stop strings); `stats` gets the sampling settings."""
+        """Validated (prompt ids, sampling params, stop strings: `stop` is None, a string or a list of
+        non-empty strings); `stats` gets the sampling settings."""
         # the caller's sampling keywords when they give any (a seed alone does not count), else the model's
-        chosen, source = choose(sampling, self._generation_defaults)
-        params = SamplingParams.from_kwargs(chosen)
+        params, source = choose(sampling, self._generation_defaults)
         stats.update(sampling=describe(params), sampling_from=source)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        stops = stop_list(stop)
+        stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if stop is not None:
+            if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+                raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}")
+            if "" in stops:
+                raise ConfigError("an empty stop string matches at once; remove it")
         if stops:
             self._need_tokenizer("stop strings cannot be matched; stop on max_new_tokens or the EOS token")
         ids = self.encode(prompt)
@@ -340,13 +335,13 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "
                 f"exceeds the model's context of {limit} tokens; shorten the prompt or lower max_new_tokens"
             )
-        return ids, params, stops
+        return ids, params, list(stops)
 
-    def _generation(self, prompt, max_new_tokens, stop, sampling, stats: dict, cancel
-                    ) -> Iterator[tuple[list[int], str | None]]:
-        """Validates, waits for the engine's turn, decodes. Yields (new ids so far, their text or None
-        without a tokenizer) after each committed chunk, both cut at a stop string; fills `stats`."""
-        ids, params, stops = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
+    def _generation(self, ids: list[int], params: SamplingParams, max_new_tokens: int, stops: list[str],
+                    stats: dict, cancel) -> Iterator[tuple[list[int], str | None]]:
+        """A prepared generation (`_prepare`): waits for the engine's turn, decodes. Yields (new ids so
+        far, their text or None without a tokenizer) after each committed chunk, both cut at a stop
+        string; fills `stats`."""
         with self.turns.turn():
             if cancel is not None and cancel.is_set():  # cancelled while waiting for the turn
                 stats.update(STATS_DEFAULTS, finish_reason="cancelled", prompt_tokens=len(ids), policy=self.policy)

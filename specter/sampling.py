@@ -72,21 +72,6 @@ class SamplingParams:
         object.__setattr__(self, "penalized", self.repetition_penalty != 1 or self.presence_penalty != 0
                            or self.frequency_penalty != 0)
 
-    @classmethod
-    def from_kwargs(cls, kwargs: dict) -> "SamplingParams":
-        """generate()'s sampling keywords -> params; an unknown keyword is a ConfigError naming it."""
-        names = []
-        for f in fields(cls):
-            if f.init:
-                names.append(f.name)
-        for key in kwargs:
-            if key not in names:
-                others = [n for n in names + ["max_new_tokens", "stop"] if n != key]
-                close = difflib.get_close_matches(key, others, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ConfigError(f"unknown argument {key!r}{hint}; sampling arguments are {', '.join(names)}")
-        return cls(**kwargs)
-
     def generator(self, device) -> torch.Generator | None:
         if self.greedy:
             return None
@@ -199,21 +184,27 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None,
     return torch.multinomial(probs(logits, p, history, pending), 1, generator=gen)[:, 0]
 
 
-_FIELDS = frozenset(f.name for f in fields(SamplingParams))  # SamplingParams' keywords
+_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.init)  # SamplingParams' keywords
 
 
-def choose(sampling: dict, defaults: dict) -> tuple[dict, str]:
-    """(SamplingParams keywords, where they came from): the caller's keywords ("caller") when they set
-    any sampling value (None counts as unset, a seed alone as no choice), else the model's defaults
-    plus the seed ("model"; "none" when the model has none: greedy)."""
+def choose(sampling: dict, defaults: dict) -> tuple[SamplingParams, str]:
+    """generate()'s sampling keywords -> (params, where they came from): the caller's keywords ("caller")
+    when they set any sampling value (None counts as unset, a seed alone as no choice), else the model's
+    defaults plus the seed ("model"; "none" when the model has none: greedy). An unknown keyword is a
+    ConfigError naming it."""
     given, chosen = {}, False
     for k, v in sampling.items():
-        if v is not None or k not in _FIELDS:  # unknown: from_kwargs says so
+        if k not in _FIELDS:
+            others = [n for n in _FIELDS + ("max_new_tokens", "stop") if n != k]
+            close = difflib.get_close_matches(k, others, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"unknown argument {k!r}{hint}; sampling arguments are {', '.join(_FIELDS)}")
+        if v is not None:
             given[k] = v
             chosen = chosen or k != "seed"
     if chosen:
-        return given, "caller"
-    return {**defaults, **given}, "model" if defaults else "none"
+        return SamplingParams(**given), "caller"
+    return SamplingParams(**{**defaults, **given}), "model" if defaults else "none"
 
 
 def describe(params: SamplingParams) -> str:

@@ -8,7 +8,7 @@ import pytest
 
 import specter
 from specter.cli import main
-from specter.sampling import choose
+from specter.sampling import SamplingParams, choose
 from specter.generation_defaults import HF_UNSET, read_generation_defaults
 
 SAMPLED = dict(do_sample=True, temperature=0.8, top_p=0.9, repetition_penalty=1.2)  # top_k unset: 50
@@ -81,12 +81,12 @@ def test_a_broken_file_is_a_checkpoint_error_naming_it(tiny, tmp_path, capsys, c
 
 
 def test_choose():
-    model = dict(temperature=0.8, top_k=50)
-    assert choose({}, model) == (model, "model")
-    assert choose(dict(seed=3, temperature=None), model) == (dict(model, seed=3), "model")  # a seed is no choice
-    assert choose(dict(top_p=0.5, seed=3), model) == (dict(top_p=0.5, seed=3), "caller")    # the rest: neutral
-    assert choose(dict(temperature=0.0), model) == (dict(temperature=0.0), "caller")
-    assert choose({}, {}) == ({}, "none")
+    model, P = dict(temperature=0.8, top_k=50), SamplingParams
+    assert choose({}, model) == (P(**model), "model")
+    assert choose(dict(seed=3, temperature=None), model) == (P(**model, seed=3), "model")  # a seed is no choice
+    assert choose(dict(top_p=0.5, seed=3), model) == (P(top_p=0.5, seed=3), "caller")      # the rest: neutral
+    assert choose(dict(temperature=0.0), model) == (P(temperature=0.0), "caller")
+    assert choose({}, {}) == (P(), "none")
 
 
 def test_generate_uses_the_model_defaults_unless_told_otherwise(sampled):
