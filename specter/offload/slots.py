@@ -2,9 +2,9 @@
 expert pool every MoE layer shares, and which one to evict when a new expert needs a slot.
 
 All state lives on the host except `remap` ([n_layers, n_experts] int32 on the device, expert -> slot,
--1 = absent), which kernels read: a layer's row maps its expert ids into the shared pool. Its host
-mirror `slot[layer][expert]` (-1 = absent, else the slot of a loading or ready expert) is the one
-table callers read directly, in their per-expert loops; every other query is a method. `remap` is
+-1 = absent), which kernels read: a layer's row maps its expert ids into the shared pool. The host
+table `slot[layer][expert]` (-1 = absent, else the slot of a loading or ready expert) is the one
+callers read directly, in their per-expert loops; every other query is a method. `remap` is
 allocated once and only written in place, one entry at a time, never read back in a hot path (graph
 safety: see docs/ARCHITECTURE.md). An expert moves through three states:
 
