@@ -16,7 +16,7 @@ from .generation_defaults import read_generation_defaults
 from .loader import Checkpoint, load_checkpoint, load_tokenizer, open_checkpoint
 from .model import MoETransformer
 from .moe import ExpertWeights, ResidentExperts
-from .offload.coded import DecodedStore, cache_entry, coded_store, read_cached
+from .offload.coded import DecodedStore, cache_entry, coded_store, emulate_from, read_cached
 from .offload.coded_tier import PLAN_RATIO, attach as attach_tier, emulation_rows
 from .offload.host_experts import HostExperts
 from .offload.host_lane import LaneChoice, host_params, make_host_lane
@@ -177,6 +177,8 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         shared = load_shared(path, device, dtype=dt, threads=threads, draft_cache=draft_cache,
                              compress_experts=compress_experts, draft_bits=draft_bits)
     model, store = shared.model, shared.store
+    if compress_experts and device.type == "cpu" and pol.offloads:  # coded copies: from a decoded copy if kept
+        emulate_from(store, emulation_rows(shared))
     if not pol.offloads:
         experts = shared.resident_experts()
         decoder = PlainDecoder(model, ResidentExperts(experts), device, dt)

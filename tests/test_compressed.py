@@ -288,3 +288,45 @@ def test_host_lane_bytes_are_the_raw_experts_it_reads(tiny, plain_link):
         assert out.stats["host_experts"] > 0 and out.stats["host_bytes"] == out.stats["host_experts"] * raw
     finally:
         engine.close()
+
+
+def test_coded_copies_write_the_decoded_rows_or_decode(tiny, plain_link, monkeypatch):
+    """CPU: where the store's decoded copy is kept (or small), coded copies write their slot from it
+    (offload/coded.py, emulate_from); past ROWS_MAX_BYTES without a host lane they decode on the link.
+    The same tokens either way."""
+    from specter.offload import coded_tier
+
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    raw, _, _ = _run(path, "on-demand", False, 0.25)
+    for limit, from_rows in ((1 << 30, True), (0, False)):
+        monkeypatch.setattr(coded_tier, "ROWS_MAX_BYTES", limit)
+        engine = specter.load(path, device="cpu", policy="on-demand", residency=0.25, compress_experts=True)
+        try:
+            assert all((layer.w13.rows is not None) == (layer.w2.rows is not None) == from_rows
+                       for layer in engine.shared.store)
+            outs = [engine.generate(p, max_new_tokens=NEW, temperature=0.0) for p in PROMPTS]
+            tokens = [o.token_ids for o in outs]
+            assert sum(o.stats["h2d_bytes"] for o in outs) > 0  # coded copies crossed the link
+        finally:
+            engine.close()
+        assert tokens == raw, limit
+
+
+def test_a_coded_expert_from_rows_writes_its_decoded_bits():
+    from specter.offload.coded import emulate_from
+
+    torch.manual_seed(1)
+    w13, w2 = (torch.randn(4, 48, 32) * 0.03).bfloat16(), (torch.randn(4, 32, 24) * 0.03).bfloat16()
+    store = [CodedLayer(encode(w13), encode(w2))]
+    rows = [store[0].decoded()]
+    emulate_from(store, rows)
+    for e in range(4):
+        src = store[0].w13[e]
+        assert src.rows is rows[0].w13 and src.nbytes < src.raw_nbytes  # still charged as coded
+        out = torch.zeros(48, 32, dtype=torch.float32)
+        src.decode_into(out)
+        assert torch.equal(out, w13[e].float())
+    emulate_from(store, None)
+    assert store[0].w13[0].rows is None
+    out = torch.zeros(32, 24, dtype=torch.bfloat16)
+    assert torch.equal(store[0].w2[3].decode_into(out).view(torch.int16), w2[3].view(torch.int16))

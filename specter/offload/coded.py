@@ -23,6 +23,12 @@ What reads the store, and what it gets (the decision per reader):
   compute cannot read coded rows, so the pool is a real one that copies decode into.
 - the compressed device tier (offload/coded_tier.py, CPU): part of the expert budget holds coded
   experts on the device; a miss among them is decoded into its slot instead of copied over PCIe.
+- the emulated link's decode (CPU): where a decoded copy of the store is kept anyway or is small
+  (coded_tier.emulation_rows: the host lane's rows, or a raw store up to ROWS_MAX_BYTES), a coded
+  copy writes the slot from it (`emulate_from`: the same bits, tests/test_lossless.py) instead of
+  running the torch decode on the link's thread. The decode is charged from the profile either way;
+  this keeps this CPU's own decode (tens of times slower than a GPU's, and on a core compute shares)
+  out of the emulated device's time, as the tier's hits do. Without such a copy the link decodes.
 
 Encoding happens once per checkpoint and is cached on disk beside the INT4 draft (its machinery:
 draft_cache's root, content fingerprint, safetensors writer and CRCs):
@@ -59,15 +65,20 @@ class CodedExpert:
     dtype = torch.bfloat16
     is_cuda = False
 
-    def __init__(self, packed: LosslessExperts, e: int):
-        self.packed, self.e = packed, e
+    def __init__(self, packed: LosslessExperts, e: int, rows: torch.Tensor | None = None):
+        self.packed, self.e, self.rows = packed, e, rows
         self.shape = torch.Size(packed.shape[1:])
         self.nbytes = packed.expert_nbytes(e)
         self.raw_nbytes = self.shape.numel() * 2
 
     def decode_into(self, out: torch.Tensor) -> torch.Tensor:
         """The expert's bf16 bits into `out` (any dtype: converted exactly from bf16 when it is wider),
-        on the coded tensors' device."""
+        on the coded tensors' device; from the decoded rows when the store keeps them (`emulate_from`)."""
+        if self.rows is not None:
+            from .link import _copy_serial  # chunked, on the calling (link) thread only
+
+            _copy_serial(out, self.rows[self.e])
+            return out
         if out.dtype == torch.bfloat16 and out.is_contiguous():
             return self.packed.decode_into(out, self.e)
         tmp = torch.empty(self.shape, dtype=torch.bfloat16, device=out.device)
@@ -95,9 +106,10 @@ class CodedTensor:
     def __init__(self, packed: LosslessExperts):
         self.packed = packed
         self.shape = torch.Size(packed.shape)
+        self.rows: torch.Tensor | None = None  # its decoded bf16 [E, N, K] (emulate_from), or None
 
     def __getitem__(self, e) -> CodedExpert:
-        return CodedExpert(self.packed, int(e))
+        return CodedExpert(self.packed, int(e), self.rows)
 
     @property
     def nbytes(self) -> int:
@@ -165,6 +177,13 @@ class DecodedStore(list):
 
     def __init__(self, coded: list[CodedLayer]):
         super().__init__(DecodedLayer(c) for c in coded)
+
+
+def emulate_from(store: list[CodedLayer], rows: list[ExpertWeights] | None) -> None:
+    """CPU: coded copies write their slot from `rows`, the store decoded (each layer's w13 and w2 equal
+    to its decode, bf16), instead of decoding on the link's thread; None: they decode (see the module doc)."""
+    for i, layer in enumerate(store):
+        layer.w13.rows, layer.w2.rows = (None, None) if rows is None else (rows[i].w13, rows[i].w2)
 
 
 def is_coded(store) -> bool:

@@ -177,13 +177,14 @@ class CodedTier:
         assert sum(self.cost[m][e] for m, e in held) == self.used <= self.capacity, (self.used, self.capacity)
 
 
-ROWS_MAX_BYTES = 256 << 20  # the largest raw store a tier copies decoded (CPU) rather than decoding per hit
+ROWS_MAX_BYTES = 1 << 30  # the largest raw store kept decoded (CPU) for tier hits and coded copies to write from
 
 
 def emulation_rows(loaded):
-    """What tier hits copy on CPU (`rows`): the decoded store a host lane already keeps, or one made for
-    the tier when the raw store is at most ROWS_MAX_BYTES; None past that (each hit then decodes the
-    coded store: slower here, the same bits, no second copy of a big model's experts in host memory)."""
+    """What tier hits and coded copies write from on CPU (`rows`; coded.emulate_from): the decoded store a
+    host lane already keeps, or one made for them when the raw store is at most ROWS_MAX_BYTES; None
+    past that (each then decodes the coded store: slower here, the same bits, no second copy of a big
+    model's experts in host memory)."""
     if loaded.raw is None and sum(layer.w13.raw_nbytes + layer.w2.raw_nbytes for layer in loaded.store) > ROWS_MAX_BYTES:
         return None
     return loaded.host_rows()
