@@ -255,10 +255,14 @@ def test_pipelines_give_one_process_tokens(ckpts, tmp_path, world):
         assert g["pipeline"]["ranks"] == world and len(layers) == world
         assert layers[0][0] == 0 and layers[-1][1] == 3 and all(layers[i][1] == layers[i + 1][0]
                                                                for i in range(world - 1))
+        if "k" not in c:  # plain decoding: the prefill, then one step a token after the first
+            assert g["pipeline"]["round_trips"] == NEW
         if c["policy"] != "resident" and c.get("k", 0) is not None:  # every rank's expert uses counted once:
             assert g["hits"] + g["misses"] == ref.stats["expert_hits"] + ref.stats["expert_misses"] > 0  # one process's
         if c.get("k"):  # the same cycles: drafted (so speculation ran across the stages) and accepted alike
             assert [g["stats"][s] for s in SPEC_STATS] == [ref.stats[s] for s in SPEC_STATS], c
+            # a round trip through every stage: the prefill, each draft step, each verification or plain step
+            assert g["pipeline"]["round_trips"] == 1 + g["stats"]["drafted_tokens"] + g["stats"]["cycles"]
             assert g["stats"]["drafted_tokens"] > 0 and g["stats"]["k_histogram"] == {str(k): v for k, v in ref.stats["k_histogram"].items()}
             per = g["pipeline"]["per_rank"]
             if c["policy"] == "specter":  # each rank with MoE layers planned from its own lookahead rows

@@ -116,6 +116,7 @@ def _measure(engine, prompts, max_new: int, repeat: int, sampling: dict) -> dict
             out = engine.generate(prompt, max_new_tokens=max_new, **sampling)
             s = out.stats
             add_run(a, out, SUMMED)
+            a["round_trips"] = a.get("round_trips", 0) + s["pipeline"]["round_trips"]
             per = s["pipeline"]["per_rank"] or []
             if a["per_rank"] is None:
                 a["per_rank"] = [{} for _ in per]
@@ -123,6 +124,7 @@ def _measure(engine, prompts, max_new: int, repeat: int, sampling: dict) -> dict
                 for k in PER_RANK:
                     acc[k] = acc.get(k, 0) + r.get(k, 0)
     r = {"tpot_s": a["decode_s"] / a["decode_tokens"], "ttft_s": a["ttft_s"] / a["runs"],
-         "new_tokens": sum(len(o) for o in a["outputs"]), "outputs": a["outputs"], "per_rank": a["per_rank"]}
+         "new_tokens": sum(len(o) for o in a["outputs"]), "outputs": a["outputs"], "per_rank": a["per_rank"],
+         "round_trips": a["round_trips"]}
     r.update({k: a[k] for k in SUMMED if k in a})
     return r

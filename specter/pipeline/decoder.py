@@ -61,11 +61,20 @@ SUMMED = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "prefetch_issu
 
 
 class Wire:
-    """This rank's sends and receives, on the group's wire device, with errors that say what failed."""
+    """This rank's sends and receives, on the group's wire device, with errors that say what failed.
 
-    def __init__(self, group: Group):
-        self.group = group
+    A message is one send: the header, a STATS step's counters (float64 [4]) and, for a step of one
+    position, its hidden state row [1, H], as bytes; a wider hidden state [T, H] follows as a second
+    send. The result a last stage returns to rank 0 is one send too: the logits and the counters.
+    Each send is a hand-off the receiving process must wake up for, and on a loaded machine a
+    wake-up can cost more than the send (docs/RESULTS.md), so a token's step crosses each boundary
+    once."""
+
+    def __init__(self, group: Group, hidden: int, dtype: torch.dtype):
+        self.group, self.hidden, self.dtype = group, hidden, dtype
         self.broken: str | None = None  # an exchange failed (its error): nothing more is sent
+        self.size = (HEADER + len(SIDE)) * 8 + hidden * dtype.itemsize  # bytes of a message
+        self.trips = 0  # rank 0: results received (round trips through every stage) since BEGIN
 
     def _do(self, what: str, fn):
         try:
@@ -76,26 +85,60 @@ class Wire:
             raise
 
     def send_header(self, dst: int, cmd: int, T: int = 0, start: int = 0, max_len: int = 0, flags: int = 0,
-                    row: int = 0, k: int = 0, draft_us: int = 0, demote: int = 0) -> None:
-        self.forward_header(dst, [cmd, T, start, max_len, flags, row, k, draft_us, demote])
+                    row: int = 0, k: int = 0, draft_us: int = 0, demote: int = 0, x: torch.Tensor | None = None,
+                    side: torch.Tensor | None = None) -> None:
+        self.forward(dst, [cmd, T, start, max_len, flags, row, k, draft_us, demote], x, side)
 
-    def forward_header(self, dst: int, header: list[int]) -> None:
-        h = torch.tensor(header, dtype=torch.int64, device=self.group.wire)
-        self._do(f"sending '{NAMES[header[0]]}' to rank {dst}", lambda: dist.send(h, dst))
+    def forward(self, dst: int, header: list[int], x: torch.Tensor | None = None,
+                side: torch.Tensor | None = None) -> None:
+        """Sends a message (`x`: a step's hidden state [T, H], `side`: its counters)."""
+        wire = self.group.wire
+        parts = [torch.tensor(header, dtype=torch.int64, device=wire).view(torch.uint8),
+                 (side.to(wire, torch.float64) if side is not None
+                  else torch.zeros(len(SIDE), dtype=torch.float64, device=wire)).view(torch.uint8)]
+        one = x is not None and x.shape[0] == 1
+        parts.append(x.to(wire, self.dtype).reshape(-1).view(torch.uint8) if one
+                     else torch.zeros(self.hidden * self.dtype.itemsize, dtype=torch.uint8, device=wire))
+        buf = torch.cat(parts)
+        self._do(f"sending '{NAMES[header[0]]}' to rank {dst}", lambda: dist.send(buf, dst))
+        if x is not None and not one:
+            x = x.to(wire, self.dtype).contiguous()
+            self._do(f"sending the hidden state to rank {dst}", lambda: dist.send(x, dst))
 
-    def recv_header(self, src: int) -> list[int]:
-        h = torch.empty(HEADER, dtype=torch.int64, device=self.group.wire)
-        self._do(f"waiting for rank {src}'s next message", lambda: dist.recv(h, src))
-        return [int(v) for v in h.tolist()]
+    def receive(self, src: int, device) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+        """The next message: (header, counters float64 [4] on the CPU, a step's hidden state [T, H] on
+        `device` or None)."""
+        buf = torch.empty(self.size, dtype=torch.uint8, device=self.group.wire)
+        self._do(f"waiting for rank {src}'s next message", lambda: dist.recv(buf, src))
+        a, b = HEADER * 8, (HEADER + len(SIDE)) * 8
+        header = buf[:a].view(torch.int64).tolist()
+        side = buf[a:b].view(torch.float64).cpu().clone()
+        x = None
+        if header[0] == STEP:
+            if header[1] == 1:
+                x = buf[b:].view(self.dtype).reshape(1, self.hidden).to(device).clone()
+            else:
+                x = torch.empty((header[1], self.hidden), dtype=self.dtype, device=self.group.wire)
+                self._do(f"receiving the hidden state from rank {src}", lambda: dist.recv(x, src))
+                x = x.to(device)
+        return header, side, x
 
-    def send(self, dst: int, x: torch.Tensor, what: str) -> None:
-        x = x.to(self.group.wire).contiguous()
-        self._do(f"sending {what} to rank {dst}", lambda: dist.send(x, dst))
+    def send_result(self, logits: torch.Tensor, side: torch.Tensor | None) -> None:
+        """The last stage's fp32 logits [rows, V] (and a STATS step's counters) to rank 0, in one send."""
+        wire = self.group.wire
+        parts = [logits.to(wire, torch.float32).reshape(-1).view(torch.uint8)]
+        if side is not None:
+            parts.append(side.to(wire, torch.float64).view(torch.uint8))
+        buf = torch.cat(parts)
+        self._do("sending the logits to rank 0", lambda: dist.send(buf, 0))
 
-    def recv(self, src: int, shape, dtype, what: str, device) -> torch.Tensor:
-        x = torch.empty(shape, dtype=dtype, device=self.group.wire)
-        self._do(f"receiving {what} from rank {src}", lambda: dist.recv(x, src))
-        return x.to(device)
+    def recv_result(self, src: int, rows: int, vocab: int, stats: bool, device) -> tuple[torch.Tensor, list | None]:
+        n = rows * vocab * 4
+        buf = torch.empty(n + (len(SIDE) * 8 if stats else 0), dtype=torch.uint8, device=self.group.wire)
+        self._do(f"receiving the logits from rank {src}", lambda: dist.recv(buf, src))
+        self.trips += 1
+        logits = buf[:n].view(torch.float32).reshape(rows, vocab).to(device).clone()
+        return logits, (buf[n:].view(torch.float64).tolist() if stats else None)
 
     def gather_stats(self, mine: dict) -> list[dict] | None:
         out = [None] * self.group.world if self.group.rank == 0 else None
@@ -103,8 +146,11 @@ class Wire:
         return out
 
 
-def pipeline_info(group: Group, stages: list[Stage]) -> dict:
-    return {"ranks": group.world, "layers": [[s.first, s.last] for s in stages], "backend": group.backend}
+def pipeline_info(group: Group, stages: list[Stage], wire: Wire) -> dict:
+    """stats["pipeline"] less per_rank; round_trips: the steps that went through every stage and back
+    (prefill, each draft step, each verification or plain step)."""
+    return {"ranks": group.world, "layers": [[s.first, s.last] for s in stages], "backend": group.backend,
+            "round_trips": wire.trips}
 
 
 class PipelineDecoder:
@@ -113,7 +159,7 @@ class PipelineDecoder:
     def __init__(self, stage: StageModel, group: Group, stages: list[Stage]):
         spec = stage.model.spec
         self.stage, self.group, self.stages = stage, group, stages
-        self.wire = Wire(group)
+        self.wire = Wire(group, spec.hidden, stage.dtype)
         self.device, self.dtype = stage.device, stage.dtype
         self.model = stage.model
         self._per_rank: list[dict] | None = None
@@ -136,6 +182,7 @@ class PipelineDecoder:
         self._per_rank = None
         max_len = len(prompt) + max_new
         self.stage.begin(max_len)
+        self.wire.trips = 0
         self.wire.send_header(1, BEGIN, max_len=max_len)
         try:
             gen = params.generator(self.device)
@@ -156,16 +203,15 @@ class PipelineDecoder:
     def _forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         x = self.stage.forward(tokens, start)  # [T, H]
         T = tokens.shape[0]
-        self.wire.send_header(1, STEP, T, start)
-        self.wire.send(1, x, "the hidden state")
+        self.wire.send_header(1, STEP, T, start, x=x)
         last = self.group.world - 1
-        return self.wire.recv(last, (1, self.model.spec.vocab_size), torch.float32, "the logits", self.device)
+        return self.wire.recv_result(last, 1, self.model.spec.vocab_size, False, self.device)[0]
 
     def stats(self) -> dict:
         """Rank 0's expert stats until the generation ends; then the sum over the ranks, each rank's own
         under pipeline.per_rank."""
         out = summed(self._per_rank or [self.stage.stats()])
-        out["pipeline"] = dict(pipeline_info(self.group, self.stages), per_rank=self._per_rank)
+        out["pipeline"] = dict(pipeline_info(self.group, self.stages, self.wire), per_rank=self._per_rank)
         return out
 
     def reset_stats(self) -> None:
@@ -239,24 +285,19 @@ def summed(per: list[dict]) -> dict:
 def serve_stage(stage: StageModel, group: Group) -> None:
     """Every rank but 0: runs its stage for each message from the previous rank until STOP."""
     spec, r = stage.model.spec, group.rank
-    wire = Wire(group)
+    wire = Wire(group, spec.hidden, stage.dtype)
     prev, nxt, last = r - 1, r + 1, r == group.world - 1
     mgr, planner = stage.mgr, stage.planner
-    chunk, cpu = 1, torch.device("cpu")
+    chunk = 1
     try:
         while True:
-            h = wire.recv_header(prev)
+            h, side, x = wire.receive(prev, stage.device)
             cmd, T, start, max_len, flags, row, k, draft_us, demote = h
             if demote and mgr is not None:
                 mgr.demote_rejected(demote)
             if flags & CANCEL and mgr is not None:
                 mgr.cancel_prefetches()
             if cmd == STEP:
-                x = wire.recv(prev, (T, spec.hidden), stage.dtype, "the hidden state", stage.device)
-                side = None
-                if flags & STATS:
-                    side = (wire.recv(prev, (len(SIDE),), torch.float64, "the expert stats", cpu) if r > 1
-                            else torch.zeros(len(SIDE), dtype=torch.float64))
                 experts = None  # the target's
                 if flags & DRAFT:
                     if row == 0 and planner is not None:
@@ -267,17 +308,14 @@ def serve_stage(stage: StageModel, group: Group) -> None:
                 elif flags & GUESS:
                     experts = stage.guessing
                 y = stage.forward(x, start, experts, "all" if flags & ALL else "last")
-                if side is not None and mgr is not None:
+                if flags & STATS and mgr is not None:  # this rank's counters since BEGIN, added on
                     s = mgr.stats()
                     side += torch.tensor([s["stall_s"], s["expert_hits"], s["expert_misses"], mgr.offloaded_bytes],
                                          dtype=torch.float64)
                 if last:
-                    wire.send(0, y, "the logits")
+                    wire.send_result(y, side if flags & STATS else None)
                 else:
-                    wire.forward_header(nxt, h)
-                    wire.send(nxt, y, "the hidden state")
-                if side is not None:
-                    wire.send(0 if last else nxt, side, "the expert stats")
+                    wire.forward(nxt, h, y, side)
                 if planner is not None and flags & DRAFT:  # as SpeculativeDecoder._draft plans
                     if row == 0 or ((row + 1) % chunk == 0 and mgr.link.pending() <= 1):
                         planner.plan(row + 1)
@@ -289,7 +327,7 @@ def serve_stage(stage: StageModel, group: Group) -> None:
                     planner.end_cycle()
                 continue
             if not last:
-                wire.forward_header(nxt, h)
+                wire.forward(nxt, h)
             if cmd == PING:
                 continue
             if cmd == BEGIN:

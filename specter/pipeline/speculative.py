@@ -141,13 +141,11 @@ class PipeModel:
         x = st.forward(tokens, start, local, logits_for)
         w = d.wire
         cancel, demote = d.experts.pending()
-        w.send_header(1, STEP, T, start, flags=flags | cancel, row=row, k=k, draft_us=draft_us, demote=demote)
-        w.send(1, x, "the hidden state")
-        last = d.group.world - 1
-        logits = w.recv(last, (T if flags & ALL else 1, self.spec.vocab_size), torch.float32, "the logits", d.device)
-        if flags & STATS:
-            d.experts.remote = w.recv(last, (len(SIDE),), torch.float64, "the expert stats",
-                                      torch.device("cpu")).tolist()
+        w.send_header(1, STEP, T, start, flags=flags | cancel, row=row, k=k, draft_us=draft_us, demote=demote, x=x)
+        logits, remote = w.recv_result(d.group.world - 1, T if flags & ALL else 1, self.spec.vocab_size,
+                                       bool(flags & STATS), d.device)
+        if remote is not None:
+            d.experts.remote = remote
         return logits
 
 
@@ -158,7 +156,7 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
     def __init__(self, stage: StageModel, group: Group, stages: list[Stage], *, planner: bool, k_max: int,
                  all_resident: bool):
         self.stage, self.group, self.stages = stage, group, stages
-        self.wire = Wire(group)
+        self.wire = Wire(group, stage.model.spec.hidden, stage.dtype)
         self._closed = False
         self.lock = threading.Lock()  # held by a generation, from BEGIN to END (decoder.keep_alive)
         self.k = 0  # the running cycle's K (the remote planners begin their cycles with it)
@@ -180,6 +178,7 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
         with self.lock:
             self.experts.per_rank = None
             self.stage.begin(need)
+            self.wire.trips = 0
             self.wire.send_header(1, BEGIN, max_len=need)
             try:
                 yield from super().run(prompt, params, max_new)
@@ -203,7 +202,7 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
             s["cover_hits"] = sum(r.get("cover_hits", 0) for r in per)
             s["cover_total"] = sum(r.get("cover_total", 0) for r in per)
             s["route_coverage"] = s["cover_hits"] / s["cover_total"] if s["cover_total"] else None
-        s["pipeline"] = dict(pipeline_info(self.group, self.stages), per_rank=per)
+        s["pipeline"] = dict(pipeline_info(self.group, self.stages, self.wire), per_rank=per)
         return s
 
     def close(self) -> None:
