@@ -30,9 +30,11 @@ TPOT(next-layer) / TPOT(on-demand): a cell is over when either speculative polic
 against on-demand, is more than 3% slower. How a cell is measured, so that a reader can tell noise
 from a loss on a small shared machine:
   - every policy warms up on the first prompt, then rounds over the same prompts: each prompt runs
-    on every engine back to back, the engines' order reversed at every prompt (ABBA), so that a
-    policy and the baseline it is judged against generate the same text within a second or so of
-    each other, in turn first and last;
+    on every engine back to back, so that a policy and the baseline it is judged against generate
+    the same text within a second or so of each other; the engines' order is a seeded shuffle for
+    one prompt and its reverse for the next (ABBA), so every policy takes every place and follows
+    every other (a fixed order left the engine after `host` ~5% slower), with the garbage collected
+    between generations (untimed);
   - a sample is one such pair: the policy's TPOT over the best baseline's on the same prompt in the
     same round; the cell's ratio is the median of its samples, printed with a distribution-free 95%
     confidence interval of that median (order statistics) -- a burst of load on the shared machine
@@ -57,8 +59,10 @@ from a loss on a small shared machine:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
+import random
 import statistics
 import sys
 import tempfile
@@ -170,18 +174,26 @@ def alternate(engines: dict, prompts: list, repeat: int, max_new_tokens: int, sa
 def interleave(engines: dict, prompts: list, rounds: int, max_new_tokens: int, sampling: dict, count=None,
                first_round: int = 0) -> dict:
     """Every engine warmed up on the first prompt, then `rounds` rounds over the prompts; each prompt
-    runs on every engine back to back, the engines' order reversed at every prompt (ABBA) ->
-    {name: [seconds a token, one per (round, prompt)]}: index i of every engine is the same prompt,
-    generated side by side in time (a pair). `count(name, stats)` sees every generation's stats.
-    Sampled, round r draws with seed sampling["seed"] + r (rounds numbered from `first_round`)."""
+    runs on every engine back to back -> {name: [seconds a token, one per (round, prompt)]}: index i
+    of every engine is the same prompt, generated side by side in time (a pair). The engines' order
+    is a seeded shuffle for one prompt and its reverse for the next (ABBA): every engine takes every
+    place equally often and follows every other, so no policy always runs right after the same one
+    (an engine with a host lane left the next engine ~5% slower, measured 2026-12-01: docs/RESULTS.md);
+    the garbage of one generation is collected before the next, untimed, so no engine pays another's.
+    `count(name, stats)` sees every generation's stats. Sampled, round r draws with seed
+    sampling["seed"] + r (rounds numbered from `first_round`)."""
     for e in engines.values():
         e.generate(prompts[0], max_new_tokens=max_new_tokens, **sampling)
-    names, out = list(engines), {p: [] for p in engines}
-    flip = first_round * len(prompts)
+    out = {p: [] for p in engines}
+    flip, order = first_round * len(prompts), list(engines)
+    shuffle = random.Random(flip).shuffle
     for r in range(first_round, first_round + rounds):
         kw = dict(sampling, seed=sampling["seed"] + r) if sampling.get("temperature") and "seed" in sampling else sampling
         for prompt in prompts:
-            for p in (names if flip % 2 == 0 else names[::-1]):
+            if flip % 2 == 0:
+                shuffle(order)
+            for p in (order if flip % 2 == 0 else order[::-1]):
+                gc.collect()
                 s = engines[p].generate(prompt, max_new_tokens=max_new_tokens, **kw).stats
                 out[p].append(s["tpot_s"])
                 if count is not None:
