@@ -33,8 +33,8 @@ from a loss on a small shared machine:
     on every engine back to back, so that a policy and the baseline it is judged against generate
     the same text within a second or so of each other; the engines' order is a seeded shuffle for
     one prompt and its reverse for the next (ABBA), so every policy takes every place and follows
-    every other (a fixed order left the engine after `host` ~5% slower), with the garbage collected
-    between generations (untimed);
+    every other (a fixed order left the engine after `host` ~5% slower), with the young garbage
+    collected between generations (untimed);
   - a sample is one such pair: the policy's TPOT over the best baseline's on the same prompt in the
     same round; the cell's ratio is the median of its samples, printed with a distribution-free 95%
     confidence interval of that median (order statistics) -- a burst of load on the shared machine
@@ -179,7 +179,7 @@ def interleave(engines: dict, prompts: list, rounds: int, max_new_tokens: int, s
     is a seeded shuffle for one prompt and its reverse for the next (ABBA): every engine takes every
     place equally often and follows every other, so no policy always runs right after the same one
     (an engine with a host lane left the next engine ~5% slower, measured 2026-12-01: docs/RESULTS.md);
-    the garbage of one generation is collected before the next, untimed, so no engine pays another's.
+    the young garbage of one generation is collected before the next, untimed, so no engine pays another's.
     `count(name, stats)` sees every generation's stats. Sampled, round r draws with seed
     sampling["seed"] + r (rounds numbered from `first_round`)."""
     for e in engines.values():
@@ -193,7 +193,7 @@ def interleave(engines: dict, prompts: list, rounds: int, max_new_tokens: int, s
             if flip % 2 == 0:
                 shuffle(order)
             for p in (order if flip % 2 == 0 else order[::-1]):
-                gc.collect()
+                gc.collect(1)  # the young generations: what the last generations left (a full collection: ~1 s)
                 s = engines[p].generate(prompt, max_new_tokens=max_new_tokens, **kw).stats
                 out[p].append(s["tpot_s"])
                 if count is not None:
