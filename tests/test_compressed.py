@@ -330,3 +330,35 @@ def test_a_coded_expert_from_rows_writes_its_decoded_bits():
     assert store[0].w13[0].rows is None
     out = torch.zeros(32, 24, dtype=torch.bfloat16)
     assert torch.equal(store[0].w2[3].decode_into(out).view(torch.int16), w2[3].view(torch.int16))
+
+
+def test_wide_experts_model_is_the_bundled_function(tmp_path):
+    """bench/wide_experts.py (issue 24's realistic-size check): the widened model gives the bundled
+    model's greedy tokens, and its experts code at the bundled experts' ratio."""
+    import importlib.util
+    from pathlib import Path
+
+    from specter import default_model_path
+    from specter.offload.coded import coded_store_bytes
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "wide_experts.py"
+    spec = importlib.util.spec_from_file_location("wide_experts", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.widen(default_model_path(), tmp_path, 4)
+    prompts = ["The quick brown fox", "Once upon a time"]
+    tokens = []
+    for path in (default_model_path(), tmp_path):
+        engine = specter.load(path, device="cpu", policy="resident")
+        try:
+            tokens.append([engine.generate(p, max_new_tokens=12, temperature=0.0).token_ids for p in prompts])
+        finally:
+            engine.close()
+    assert tokens[0] == tokens[1] and len({t for ts in tokens[0] for t in ts}) > 3
+    from specter.loader import open_checkpoint
+
+    assert open_checkpoint(tmp_path).spec.expert_inter == 4 * open_checkpoint(default_model_path()).spec.expert_inter
+    (c0, r0), (c1, r1) = coded_store_bytes(default_model_path()), coded_store_bytes(tmp_path)
+    assert r1 == 4 * r0 and abs(c1 / r1 - c0 / r0) < 0.005, (c0 / r0, c1 / r1)
+    with pytest.raises(SystemExit):
+        mod.widen(default_model_path(), tmp_path / "x", 3)  # not a power of two
