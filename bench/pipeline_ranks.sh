@@ -1,17 +1,74 @@
 #!/usr/bin/env bash
-# One rank against two (torchrun) on the bundled model, on-demand: each rank given the one rank's
-# expert budget (--expert-memory 9MiB = residency 0.25 of one device), and two ranks sharing that
-# residency. Prints TPOT, hit rate, bytes copied and summed stall per run; tok= is a hash of the tokens.
-# Usage: bash bench/pipeline_ranks.sh   (figures: docs/RESULTS.md)
-run() { # n policy budget...
-  n=$1; shift
-  if [ $n = 1 ]; then cmd="python -m specter"; else cmd="python -m torch.distributed.run --nproc-per-node $n -m specter"; fi
-  $cmd generate "def add(a, b):" --greedy --max-new-tokens 64 --json "$@" 2>/dev/null | python -c "
-import json,sys; d=json.load(sys.stdin); s=d['stats']; u=s['expert_hits']+s['expert_misses']
-print('$n', '$*', 'tpot_ms=%.1f' % (1e3*s['tpot_s']), 'hit=%.2f' % (s['expert_hits']/u), 'h2dMB=%.0f' % (s['h2d_bytes']/1e6), 'stall_s=%.2f' % s['stall_s'], 'tok=%d' % hash(tuple(d['token_ids'])))"
-}
-for rep in 1 2 3; do
-  run 1 --policy on-demand --expert-memory 9MiB
-  run 2 --policy on-demand --expert-memory 9MiB
-  run 2 --policy on-demand --residency 0.25
+# One rank against two (torchrun, gloo on the CPU) on the bundled model, every pipelined policy, the
+# emulated link: `specter bench` in one process, then under `torchrun --nproc-per-node 2`, each rank
+# given the one rank's per-device expert budget (--expert-memory 9MiB = residency 0.25 of one
+# device; resident takes no budget), ROUNDS rounds alternated. Then the contention probe: the one
+# rank's bench again beside a busy process (one core taken, as a second rank's would be). Last, the
+# hand-off probe: two gloo processes pass a [256] fp32 vector back and forth, each computing 0.7 ms
+# before it sends (about a stage's step on this model), and with no compute (the bare round trip).
+# Prints one table: TPOT per policy and round, the median speedup of two ranks, hit rates, round
+# trips a token (each crosses every boundary and back), per token of the last round: draft, verify
+# and stall time (stall summed over the ranks), greedy tokens equal within each run; then the probe.
+# Usage: ROUNDS=3 bash bench/pipeline_ranks.sh [extra bench flags]   (figures: docs/RESULTS.md)
+set -euo pipefail
+ROUNDS=${ROUNDS:-3}
+POLICIES=${POLICIES:-resident,on-demand,next-layer,host,spec-lru,specter}
+OUT=${OUT:-$(mktemp -d)}
+args=(bench --policies "$POLICIES" --expert-memory 9MiB --device cpu --json "$@")
+for rep in $(seq "$ROUNDS"); do
+  python -m specter "${args[@]}" > "$OUT/one-$rep.json"
+  python -m torch.distributed.run --nproc-per-node 2 -m specter "${args[@]}" > "$OUT/two-$rep.json"
 done
+python -c "while True: pass" & burner=$!
+trap 'kill $burner 2>/dev/null || true' EXIT
+python -m specter "${args[@]}" > "$OUT/one-busy.json"
+kill $burner
+cat > "$OUT/handoff.py" <<'PY'
+import time, torch, torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+r, x, a = dist.get_rank(), torch.zeros(256), torch.randn(512, 512)
+def work(s):
+    t = time.perf_counter()
+    while time.perf_counter() - t < s:
+        a @ a[:, :8]
+for s in (0.0, 0.0007):
+    for it in range(2):  # the first pass warms up
+        t = time.perf_counter()
+        for _ in range(300):
+            if r == 0:
+                work(s); dist.send(x, 1); dist.recv(x, 1)
+            else:
+                dist.recv(x, 0); work(s); dist.send(x, 0)
+        if r == 0 and it:
+            ms = (time.perf_counter() - t) / 300 * 1e3
+            print(f"hand-off probe: compute {2 * s * 1e3:.1f} ms a round trip, measured {ms:.2f} ms: "
+                  f"{ms - 2 * s * 1e3:.2f} ms for its two hand-offs")
+dist.destroy_process_group()
+PY
+python -m torch.distributed.run --nproc-per-node 2 "$OUT/handoff.py" 2>/dev/null > "$OUT/handoff.txt"
+python - "$OUT" "$ROUNDS" <<'PY'
+import json, statistics, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+load = lambda name: json.load(open(f"{out}/{name}.json"))["policies"]
+one = [load(f"one-{r}") for r in range(1, rounds + 1)]
+two = [load(f"two-{r}") for r in range(1, rounds + 1)]
+busy = load("one-busy")
+ms = lambda r: r["tpot_s"] * 1e3
+hit = lambda r: r.get("expert_hits", 0) / max(1, r.get("expert_hits", 0) + r.get("expert_misses", 0))
+per = lambda r: " / ".join(f"{r.get(k, 0) / r['new_tokens'] * 1e3:.1f}" for k in ("draft_s", "verify_s", "stall_s"))
+print(f"results in {out}")
+print("| policy | 1 rank TPOT ms (rounds) | 2 ranks TPOT ms (rounds) | speedup (median of rounds) | hit rate 1 / 2 "
+      "| round trips a token (2 ranks) | draft / verify / stall ms a token, 1 rank; 2 ranks (last round) "
+      "| 1 rank beside a busy process, ms |")
+print("|---|---|---|---|---|---|---|---|")
+for p in one[0]:
+    a, b = [ms(r[p]) for r in one], [ms(r[p]) for r in two]
+    trips = two[0][p]["round_trips"] / two[0][p]["new_tokens"]
+    print(f"| {p} | {', '.join(f'{x:.1f}' for x in a)} | {', '.join(f'{x:.1f}' for x in b)} | "
+          f"{statistics.median(x / y for x, y in zip(a, b)):.2f}x | {hit(one[0][p]):.2f} / {hit(two[0][p]):.2f} | "
+          f"{trips:.2f} | {per(one[-1][p])}; {per(two[-1][p])} | {ms(busy[p]):.1f} |")
+same = all(r[p].get("lossless_vs_" + next(iter(r))) is not False for r in one + two + [busy] for p in r)
+print("greedy tokens equal to the first policy's within every run:", same)
+print(open(f"{out}/handoff.txt").read().strip())
+PY

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 
-from ..bench import add_run, new_totals, read_prompts
+from ..bench import SUM_KEYS, add_run, new_totals, read_prompts
 from ..errors import ConfigError
 from ..policy import BENCH_POLICIES, get as get_policy
 from ..sampling import SamplingParams
-from .decoder import SUMMED, serve_stage
+from .decoder import serve_stage
 from .launch import PIPELINED_POLICIES, UNSUPPORTED, check_options, open_pipeline
 
 PER_RANK = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s")
@@ -115,7 +115,10 @@ def _measure(engine, prompts, max_new: int, repeat: int, sampling: dict) -> dict
         for prompt in prompts:
             out = engine.generate(prompt, max_new_tokens=max_new, **sampling)
             s = out.stats
-            add_run(a, out, SUMMED)
+            add_run(a, out, SUM_KEYS)  # the single-process bench's totals, speculation's included
+            h = a.setdefault("k_histogram", {})
+            for k, n in (s.get("k_histogram") or {}).items():
+                h[k] = h.get(k, 0) + n
             a["round_trips"] = a.get("round_trips", 0) + s["pipeline"]["round_trips"]
             per = s["pipeline"]["per_rank"] or []
             if a["per_rank"] is None:
@@ -126,5 +129,7 @@ def _measure(engine, prompts, max_new: int, repeat: int, sampling: dict) -> dict
     r = {"tpot_s": a["decode_s"] / a["decode_tokens"], "ttft_s": a["ttft_s"] / a["runs"],
          "new_tokens": sum(len(o) for o in a["outputs"]), "outputs": a["outputs"], "per_rank": a["per_rank"],
          "round_trips": a["round_trips"]}
-    r.update({k: a[k] for k in SUMMED if k in a})
+    r.update({k: a[k] for k in SUM_KEYS if k in a})
+    if a["k_histogram"]:
+        r["k_histogram"] = a["k_histogram"]
     return r
