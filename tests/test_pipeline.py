@@ -65,13 +65,27 @@ import os, sys, time
 import specter.pipeline.stage as stage
 from specter.cli import main
 
-def forward(*a, **k):  # this rank's first step: it dies, or hangs (for 2 timeouts, then dies)
+run = stage.StageModel.forward
+
+def forward(self, x, start, experts=None, logits_for="last"):  # this rank's first step (or first draft
+    if sys.argv[1] == "draft" and (experts is None or experts is not self.draft):  # step): it dies, or
+        return run(self, x, start, experts, logits_for)  # hangs (for 2 timeouts, then dies)
     if sys.argv[1] == "hang":
         time.sleep(2 * float(sys.argv[sys.argv.index("--pipeline-timeout") + 1]))
     os._exit(3)
 
 stage.StageModel.forward = forward
 sys.exit(main(sys.argv[2:]))
+"""
+
+FIXED_K = r"""
+import sys
+import specter.speculative.governor as governor
+from specter.cli import main
+
+init = governor.Governor.__init__
+governor.Governor.__init__ = lambda self, k_max, **kw: init(self, k_max, fixed=2)  # rank 0 drafts at once
+sys.exit(main(sys.argv[1:]))
 """
 
 
@@ -314,21 +328,24 @@ def test_a_config_mismatch_fails_every_rank(ckpts, tmp_path):
         assert f"rank {r} of 2: rank(s) 1 differ from rank 0 in fingerprint" in se and so == ""
 
 
-@pytest.mark.parametrize("how", ["exit", "hang"])
+@pytest.mark.parametrize("how", ["exit", "hang", "draft"])
 def test_a_dead_or_stuck_rank_fails_the_others_within_the_timeout(ckpts, how):
     """Rank 1 of 3 dies (or stops answering) at its first step: ranks 0 and 2 exit with an error naming
     the broken pipeline, at once for a death (the connection closes), after the timeout for a hang
-    (rank 2, waiting on rank 1, times out; rank 0 then sees rank 2 leave, or times out itself)."""
+    (rank 2, waiting on rank 1, times out; rank 0 then sees rank 2 leave, or times out itself).
+    "draft": specter, rank 1 dies at its first draft step (mid-cycle)."""
     timeout = 5
-    args = ["generate", "--model", str(ckpts["qwen3_moe"]), "--prompt-ids", "1,2,3", "--max-new-tokens", "3",
-            "--greedy", "--policy", "resident", "--pipeline-timeout", str(timeout)]
-    ranks = _launch([["-m", "specter", *args], ["-c", DIES, how, *args], ["-m", "specter", *args]], timeout=90)
+    policy = ["--policy", "specter", "--residency", "0.5"] if how == "draft" else ["--policy", "resident"]
+    args = ["generate", "--model", str(ckpts["qwen3_moe"]), "--prompt-ids", "1,2,3", "--max-new-tokens", "6",
+            "--greedy", *policy, "--pipeline-timeout", str(timeout)]
+    first = ["-c", FIXED_K, *args] if how == "draft" else ["-m", "specter", *args]
+    ranks = _launch([first, ["-c", DIES, how, *args], ["-m", "specter", *args]], timeout=90)
     for r in (0, 2):
         code, so, se = ranks[r]
         assert code == 2, (r, se[-2000:])
         assert f"rank {r} of 3:" in se and "the pipeline is broken" in se
     assert ("timed out" if how == "hang" else "closed its connection") in ranks[2][2]
-    if how == "exit":
+    if how != "hang":
         assert ranks[1][0] == 3
 
 
