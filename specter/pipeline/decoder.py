@@ -124,21 +124,21 @@ class Wire:
         return header, side, x
 
     def send_result(self, logits: torch.Tensor, side: torch.Tensor | None) -> None:
-        """The last stage's fp32 logits [rows, V] (and a STATS step's counters) to rank 0, in one send."""
+        """The last stage's fp32 logits [rows, V] (after a STATS step's counters) to rank 0, in one send."""
         wire = self.group.wire
         parts = [logits.to(wire, torch.float32).reshape(-1).view(torch.uint8)]
-        if side is not None:
-            parts.append(side.to(wire, torch.float64).view(torch.uint8))
+        if side is not None:  # first: its float64 stays 8-byte aligned whatever the vocabulary's size
+            parts.insert(0, side.to(wire, torch.float64).view(torch.uint8))
         buf = torch.cat(parts)
         self._do("sending the logits to rank 0", lambda: dist.send(buf, 0))
 
     def recv_result(self, src: int, rows: int, vocab: int, stats: bool, device) -> tuple[torch.Tensor, list | None]:
-        n = rows * vocab * 4
-        buf = torch.empty(n + (len(SIDE) * 8 if stats else 0), dtype=torch.uint8, device=self.group.wire)
+        a = len(SIDE) * 8 if stats else 0
+        buf = torch.empty(a + rows * vocab * 4, dtype=torch.uint8, device=self.group.wire)
         self._do(f"receiving the logits from rank {src}", lambda: dist.recv(buf, src))
         self.trips += 1
-        logits = buf[:n].view(torch.float32).reshape(rows, vocab).to(device).clone()
-        return logits, (buf[n:].view(torch.float64).tolist() if stats else None)
+        logits = buf[a:].view(torch.float32).reshape(rows, vocab).to(device).clone()
+        return logits, (buf[:a].view(torch.float64).tolist() if stats else None)
 
     def gather_stats(self, mine: dict) -> list[dict] | None:
         out = [None] * self.group.world if self.group.rank == 0 else None
