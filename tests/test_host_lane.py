@@ -6,6 +6,7 @@ The greedy-equality loops over policies live in tests/test_offload.py (LOSSLESS_
 from __future__ import annotations
 
 import asyncio
+import types
 
 import pytest
 import torch
@@ -294,6 +295,8 @@ def test_a_plain_step_on_the_host_lane_is_not_a_resident_step(tiny, monkeypatch)
     engine = specter.load(path, device="cpu", policy="specter", residency=0.25, k_max=4)
     gov = engine.decoder.governor = Governor(4, fixed=0)
     engine.decoder.fallback = None  # no next-layer guesses on K = 0 steps: nothing at all is copied
+    gov.lane_arms = types.SimpleNamespace(pick=lambda: False, probing=False, next=10 ** 9, n=0,  # ... and the host
+                                          observe=lambda *a: None)  # lane's arm throughout (no copy-only probe)
     seen = []
     real = gov.observe_cycle
     gov.observe_cycle = lambda *a, **k: seen.append(k.get("copied")) or real(*a, **k)

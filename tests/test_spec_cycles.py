@@ -100,6 +100,7 @@ def test_k_zero_is_plain_decodings_loop_in_runs(tiny, fast_link, resident_tokens
     ran. With every expert resident, a new engine decodes a short first generation plainly (the
     governor's start_plain prior), without a speculative cycle."""
     path, _ = tiny("qwen3_moe", eos_token_id=None)
+    want = resident_tokens("qwen3_moe")[0]
     engine = load(path, "specter", residency=residency, k_max=4)
     calls, runs = [], []
     real = decoder_mod.plain_steps
@@ -112,12 +113,13 @@ def test_k_zero_is_plain_decodings_loop_in_runs(tiny, fast_link, resident_tokens
     try:
         if residency < 1:  # plain decoding forced, without next-layer's arms (their probes cut runs)
             engine.decoder.governor, engine.decoder.fallback = Governor(4, fixed=0), None
+            engine.decoder.governor.lane_arms = one_lane_arm(False)  # ... and the host lane's arm throughout
         gov = engine.decoder.governor
         observe = gov.observe_cycle
         gov.observe_cycle = lambda *a, **k: calls.append((a[0], k.get("steps", 1))) or observe(*a, **k)
         n = 16
         out = engine.generate(PROMPTS[0], max_new_tokens=n)
-        assert out.token_ids == resident_tokens("qwen3_moe")[0][:n]
+        assert out.token_ids == want[:n]
         assert out.stats["drafted_tokens"] == 0 and out.stats["k_histogram"] == {0: n - 1}
         assert sum(runs) == n - 1 and len(runs) == 1 and calls == [(0, n - 1)], (runs, calls)
         if residency < 1:
@@ -205,3 +207,57 @@ def test_a_cycle_leaves_no_queued_prefetch_behind(tiny, resident_tokens, monkeyp
     assert [o.token_ids for o in outs] == resident_tokens("qwen3_moe")[:2]
     assert queued and max(queued) == 0, queued
     assert total(outs, "prefetch_cancelled") > 0
+
+
+def one_lane_arm(copy_only: bool, seen: list | None = None):
+    """A stand-in for the governor's lane_arms that always picks `copy_only` (observations into `seen`)."""
+    import types
+
+    def observe(arm, step_s, steps=1):
+        if seen is not None:
+            seen.append((arm, steps))
+    return types.SimpleNamespace(pick=lambda: copy_only, probing=False, next=10 ** 9, n=0, observe=observe)
+
+
+class _AllToHost:
+    """An injected lane choice: every missing expert to the host lane."""
+
+    def __init__(self, mgr, params, planner=None):
+        pass
+
+    def __call__(self, layer, missing, routed):
+        return list(missing)
+
+
+def test_plain_steps_measure_the_host_lane_against_copying(tiny, monkeypatch):
+    """specter's K = 0 runs pick the host lane for their misses or copy every one (the governor's
+    lane_arms, copying the arm that must prove faster): copying, plain steps send nothing to the
+    host; with the lane, the injected choice sends every miss there; the choice is back for
+    verification and prefill after every run, and the tokens are resident's."""
+    path, _ = tiny("mixtral", eos_token_id=None)
+    ref = load(path, "resident")
+    try:
+        want = ref.generate(PROMPTS[0], max_new_tokens=12).token_ids
+    finally:
+        ref.close()
+    monkeypatch.setattr(builder, "LaneChoice", _AllToHost)
+    stats = {}
+    for copy_only in (True, False):
+        engine = load(path, "specter", residency=0.25, k_max=4)
+        gov = engine.decoder.governor = Governor(4, fixed=0)
+        engine.decoder.fallback = None
+        choice = engine.decoder.experts.host_choice
+        seen = []
+        gov.lane_arms = one_lane_arm(copy_only, seen)
+        try:
+            engine.generate(PROMPTS[1], max_new_tokens=8)  # warm-up: the slots hold the prompt's experts
+            out = engine.generate(PROMPTS[0], max_new_tokens=12)
+            assert engine.decoder.experts.host_choice is choice  # restored after every run
+        finally:
+            engine.close()
+        assert out.token_ids == want
+        assert seen and all(arm == copy_only for arm, _ in seen) and sum(n for _, n in seen) == 7 + 11
+        stats[copy_only] = out.stats
+    # the prefill sends its misses to the host either way; the plain steps only with the lane
+    assert stats[True]["h2d_bytes"] > 0 == stats[False]["h2d_bytes"], stats
+    assert stats[True]["host_experts"] < stats[False]["host_experts"], stats

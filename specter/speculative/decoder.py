@@ -130,6 +130,7 @@ class SpeculativeDecoder:
         # reconsider, timed around it (each step reads its token on the host: a sync, so wall time)
         step = self.model if self.verify_step is None else self.verify_step.step
         clock = time.perf_counter
+        choice = getattr(mgr, "host_choice", None)  # both lanes (LaneChoice): plain steps measure it against copying
         while produced < max_new:
             k = gov.next_k(max_new - produced)
             if k:
@@ -141,11 +142,16 @@ class SpeculativeDecoder:
                 yield new
                 continue
             steps = gov.steps
-            arm = None  # with or without next-layer guesses, when there is something to prefetch
+            arm = lane = None  # with or without next-layer guesses, when there is something to prefetch
             if self._guessing is not None and not mgr.all_resident:
                 arms = gov.plain_arms
                 arm = arms.pick()
                 steps = 1 if arms.probing else max(1, min(steps, arms.next - arms.n))  # up to its next probe
+            if choice is not None:  # with the host lane for misses, or every miss copied (lane True)
+                lanes = gov.lane_arms
+                lane = lanes.pick()
+                steps = 1 if lanes.probing else max(1, min(steps, lanes.next - lanes.n))
+                mgr.host_choice = None if lane else choice
             done, spent, copied0 = 0, 0.0, mgr.offloaded_bytes  # copies and host-lane reads
             x = torch.tensor([t], device=self.device)
             t0 = clock()
@@ -156,7 +162,8 @@ class SpeculativeDecoder:
                     yield new
                     t0 = clock()
             finally:  # also when the caller stops early: the steps that ran are measured
-                self._observe_plain(done, spent, copied0, arm)
+                mgr.host_choice = choice  # verification keeps both lanes
+                self._observe_plain(done, spent, copied0, arm, lane)
             n += done
             t = new[0]
             produced += done
@@ -240,9 +247,11 @@ class SpeculativeDecoder:
         st["verify_s"] += verify_s
         self.governor.observe_cycle(k, m, draft_s, verify_s, stall)
 
-    def _observe_plain(self, steps: int, seconds: float, copied0: int, arm: bool | None) -> None:
+    def _observe_plain(self, steps: int, seconds: float, copied0: int, arm: bool | None,
+                       lane: bool | None = None) -> None:
         """A run of `steps` plain steps took `seconds`: into the stats, the governor (unless the run
-        probed a plain arm) and the plain arms (`arm`: the one it ran, None without arms)."""
+        probed a plain arm) and the plain arms (`arm`: the next-layer arm it ran, `lane`: True when it
+        copied every miss, False when the host lane took some; None: no such arms)."""
         st, mgr, gov = self._stats, self.experts, self.governor
         st["k_histogram"][0] += steps
         st["cycles"] += steps
@@ -253,11 +262,14 @@ class SpeculativeDecoder:
             mgr.cancel_prefetches()
         if not steps:
             return
-        if arm is None or not gov.plain_arms.probing:  # as in _cycle: a probe is not what K = 0 costs
+        probing = (arm is not None and gov.plain_arms.probing) or (lane is not None and gov.lane_arms.probing)
+        if not probing:  # as in _cycle: a probe is not what K = 0 costs
             gov.observe_cycle(0, 0, 0.0, seconds / steps, 0.0, copied=max(0, mgr.offloaded_bytes - copied0),
                               steps=steps)
         if arm is not None:
             gov.plain_arms.observe(arm, seconds / steps, steps)
+        if lane is not None:
+            gov.lane_arms.observe(lane, seconds / steps, steps)
         if self.times.pending:  # CUDA: speculative cycles whose events completed meanwhile
             self.times.poll()
 

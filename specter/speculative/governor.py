@@ -113,6 +113,7 @@ class Governor:
         self._worth: dict[int, float] = {}   # window_tokens, valid until the next observation
         self._bounds: dict[float, list[float]] = {}  # z -> [a_0 = 1, a_1^-, .., a_Kmax^-], until the next one
         self.plain_arms = PlainArms()        # K = 0's arm: with or without next-layer prefetch
+        self.lane_arms = PlainArms()         # ... and with the host lane for its misses, or copying every one (True)
         self.plain_copied: deque = deque(maxlen=windows[0])  # did each of the latest plain steps copy anything
         self.cycles = 0
         self.arm: str | None = None          # the running arm: "spec" or "plain" (None: both still measured)
@@ -368,7 +369,9 @@ class Governor:
 
 class PlainArms:
     """K = 0 is plain decoding with or without next-layer prefetch, whichever measures faster (moving
-    averages of the step time); the other is tried after `probe_every` plain steps, then at doubling
+    averages of the step time; a second instance: with the host lane computing some of its misses,
+    or, the arm True that must prove faster, copying every miss as on-demand does); the other is
+    tried after `probe_every` plain steps, then at doubling
     intervals while it keeps losing, never more often than keeps its excess under `budget` (up to
     `probe_max`). Next-layer must be faster by `margin`, and the arms change places only right after
     the one taking over was measured (the other's average dates from its last probe)."""
