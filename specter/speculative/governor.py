@@ -8,12 +8,11 @@ and what was measured: docs/ARCHITECTURE.md ("The governor ...").
        R = median(worth(K) / seconds)
 
    seconds the cycle's measured wall time (stalls included), worth(K) = E^-[tokens | K] by the
-   acceptance's lower bounds a_i^- of now. The burden of proof is on speculation: plain decoding is
-   measured first (`plain_probe` steps); if those steps copied nothing, or the budget holds every
-   expert (`start_plain`), plain decoding runs on and speculation is first probed 2 `probe_every`
-   steps in, else speculation is measured next (two cycles) and the faster arm runs. Then, and
-   whenever plain decoding runs, speculation takes over only right after one of its own cycles (a
-   probe), when that cycle's rate and its window's both clear
+   acceptance's lower bounds a_i^- of now. The burden of proof is on speculation: both arms are
+   measured first (when the budget holds every expert, `start_plain`: plain decoding runs and
+   speculation is first probed 2 `probe_every` steps in); then, and whenever plain decoding runs,
+   speculation takes over only right after one of its own cycles (a probe), when that cycle's rate
+   and its window's both clear
 
        R_spec > R_plain (1 + margin)                                  while plain steps copy
        R_spec > max(R_plain, R_plain_3) (1 + margin + extra)           when they copy nothing
@@ -328,14 +327,11 @@ class Governor:
             self._arm_probe_left -= 1
             self.probe = True
             return "spec" if self.arm == "plain" else "plain"
-        if self.arm is None:  # plain decoding measured first: if its steps copy nothing, as start_plain
-            if len(self.plain.secs) < self.plain_probe:
-                return "plain"
-            if not self.spec.secs and self.plain_copies_nothing:
-                self.start_plain()
-                return "plain"
+        if self.arm is None:  # both arms measured first (start_plain: plain decoding runs)
             if len(self.spec.secs) < 2:
                 return "spec"
+            if len(self.plain.secs) < self.plain_probe:
+                return "plain"
             # both measured: speculation runs only if it proves faster
             self.arm = "spec" if self.spec.rate > self.plain.rate * (1 + self.burden()) else "plain"
         running, other = (self.spec, self.plain) if self.arm == "spec" else (self.plain, self.spec)
