@@ -481,3 +481,21 @@ def test_with_every_expert_resident_plain_decoding_runs_from_the_first_token():
         gov = Governor(6, fixed=fixed)
         gov.start_plain()
         assert gov.arm is None and gov.next_k(10) == min(fixed, 9) and (fixed or gov.steps == 10)
+
+
+def test_a_cold_first_reading_does_not_keep_an_arm_losing():
+    """An arm's first step ran on a cold cache (3x its real cost): its later probes replace that
+    figure rather than average into it, so where it is really faster it takes over at its first
+    probe instead of after hundreds of steps."""
+    from specter.speculative.governor import PlainArms
+
+    arms, rng, seen = PlainArms(), random.Random(0), [0]
+
+    def cost(arm: bool) -> float:
+        if arm:
+            seen[0] += 1
+            return 30e-3 if seen[0] == 1 else 8e-3
+        return 10e-3
+    d = run_plain_arms(arms, cost, 120, rng)
+    first = next(i for i, (arm, probe) in enumerate(d) if arm and not probe)
+    assert first <= 60 and arms.best is True, (first, d)

@@ -39,6 +39,9 @@ from .planner import PrefetchPlanner
 from .timing import CycleTimes, clock_for
 
 
+LANE_PROBE = 4  # plain steps a probe of the other host-lane arm runs (one step sees only what a copy costs)
+
+
 def plain_steps(model: MoETransformer, experts, tok: torch.Tensor, pos: int, cache: KVCache, params: SamplingParams,
                 gen, hist, n: int) -> Iterator[list[int]]:
     """n target steps, the first on `tok` (the last sampled token, [1]) at position `pos`: yields
@@ -150,7 +153,8 @@ class SpeculativeDecoder:
             if choice is not None:  # with the host lane for misses, or every miss copied (lane True)
                 lanes = gov.lane_arms
                 lane = lanes.pick()
-                steps = 1 if lanes.probing else max(1, min(steps, lanes.next - lanes.n))
+                # a probe runs LANE_PROBE steps: copying pays back over the steps after its copies
+                steps = min(steps, LANE_PROBE) if lanes.probing else max(1, min(steps, lanes.next - lanes.n))
                 mgr.host_choice = None if lane else choice
             done, spent, copied0 = 0, 0.0, mgr.offloaded_bytes  # copies and host-lane reads
             x = torch.tensor([t], device=self.device)

@@ -401,8 +401,11 @@ class PlainArms:
         return not best
 
     def observe(self, arm: bool, step_s: float, steps: int = 1) -> None:
-        """`steps` steps of `arm` took step_s each on average (pick counted the first)."""
+        """`steps` steps of `arm` took step_s each on average (pick counted the first). A probe of the
+        losing arm replaces its time: averaged into a figure from many steps ago, one stale reading
+        (the first, on a cold cache) kept it losing for hundreds of steps."""
         self.n += steps - 1
         self.last = arm
         old = self.t[arm]
-        self.t[arm] = step_s if old is None else (1 - self.alpha) * old + self.alpha * step_s
+        fresh = old is None or (self.probing and arm != self.best)
+        self.t[arm] = step_s if fresh else (1 - self.alpha) * old + self.alpha * step_s
