@@ -31,7 +31,7 @@ from .speculative.decoder import PlainDecoder, SpeculativeDecoder
 from .speculative.draft import DraftExperts, Lookahead, keep_packed
 from .speculative.draft_cache import draft_int4
 from .speculative.governor import Governor
-from .speculative.planner import PrefetchPlanner
+from .speculative.draft import PrefetchPlanner
 
 def configure_threads(device: torch.device, threads: int | None) -> None:
     """CPU: leave one core to the emulated link's copy worker (and the OS); small decode matmuls gain

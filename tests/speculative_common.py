@@ -19,9 +19,9 @@ from specter.moe import ExpertWeights, ResidentExperts
 from specter.offload.link import EmulatedLink
 from specter.offload.manager import OffloadedExperts
 from specter.sampling import SamplingParams, probs
-from specter.speculative.draft import DraftExperts, Lookahead, accept_greedy, accept_on_device, accept_sampling
+from specter.sampling import accept_greedy, accept_on_device, accept_sampling
+from specter.speculative.draft import DraftExperts, Lookahead, PrefetchPlanner
 from specter.speculative.governor import Governor
-from specter.speculative.planner import PrefetchPlanner
 
 ARCHS = ["qwen3_moe", "deepseek_v2", "mixtral"]
 PROMPTS = [[1, 5, 9, 33, 2], [7, 7, 7], [100, 3, 64, 12, 90, 45, 8]]

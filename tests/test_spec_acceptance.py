@@ -23,9 +23,9 @@ from specter.moe import ExpertWeights, ResidentExperts
 from specter.offload.link import EmulatedLink
 from specter.offload.manager import OffloadedExperts
 from specter.sampling import SamplingParams, probs
-from specter.speculative.draft import DraftExperts, Lookahead, accept_greedy, accept_on_device, accept_sampling
+from specter.sampling import accept_greedy, accept_on_device, accept_sampling
+from specter.speculative.draft import DraftExperts, Lookahead, PrefetchPlanner
 from specter.speculative.governor import Governor
-from specter.speculative.planner import PrefetchPlanner
 
 from speculative_common import *  # noqa: F401,F403 -- constants, helpers and fixtures of these tests
 from speculative_common import fast_link, resident_tokens  # noqa: F401 -- fixtures

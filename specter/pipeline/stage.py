@@ -243,7 +243,7 @@ def _speculate(st: StageModel, pol, mine: list, stage_layers, k_max: int, thread
     from ..offload.policies import NextLayerPrefetch
     from ..speculative.draft import DraftExperts, Lookahead, keep_packed
     from ..speculative.draft_cache import draft_int4
-    from ..speculative.planner import PrefetchPlanner
+    from ..speculative.draft import PrefetchPlanner
 
     spec, device, dt, stage = st.model.spec, st.device, st.dtype, st.stage
     mgr = st.mgr = st.provider.inner

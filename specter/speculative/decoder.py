@@ -32,10 +32,10 @@ from ..model import MoETransformer
 from ..offload.manager import OffloadedExperts
 from .. import profiling
 from ..profiling import NULL, span
-from ..sampling import History, SamplingParams, penalize, probs, sample
-from .draft import DraftExperts, accept_greedy, accept_on_device, accept_sampling
+from ..sampling import (History, SamplingParams, accept_greedy, accept_on_device, accept_sampling, penalize, probs,
+                        sample)
+from .draft import DraftExperts, PrefetchPlanner
 from .governor import Governor
-from .planner import PrefetchPlanner
 from .timing import CycleTimes, clock_for
 
 
