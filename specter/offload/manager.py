@@ -271,7 +271,7 @@ class OffloadedExperts:
             batch = self._land_batch(layer, todo)
             late = self._late.fill_(-1)  # this batch's remap, written in place: no host-to-device sync
             for e in batch:
-                late[e] = e if self.alias else where[e]  # the row compute reads (SlotCache.row)
+                late[e] = slots.row(layer, e)
             rows = merge_rows(rows, expert_rows(x, ids, weights, pool.w13, pool.w2, remap=late), ids, late)
             if self._ordered:
                 self._read_done(layer, batch)
@@ -292,12 +292,12 @@ class OffloadedExperts:
         """The last verification's rows from `kept_rows` on ran on rejected drafted tokens: the experts
         only they needed are demoted (SlotCache.demote), so the next misses evict them before the
         experts the accepted text used, not as the most recently used (docs/ARCHITECTURE.md)."""
-        slots, inflight = self.slots, self.inflight
+        slots = self.slots
         for layer, (routed, k) in self._routed.items():
             rejected = set(routed[kept_rows * k:]).difference(routed[:kept_rows * k])
-            ready, where = [], slots.slot[layer]
+            ready = []
             for e in rejected:
-                if where[e] >= 0 and (layer, e) not in inflight:  # ready: resident, its copy landed
+                if slots.is_ready(layer, e):
                     ready.append(e)
             if ready:
                 slots.demote(layer, ready)

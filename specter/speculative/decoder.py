@@ -236,10 +236,8 @@ class SpeculativeDecoder:
         st["drafted_tokens"] += k
         st["accepted_tokens"] += m
         st["rejections"] += m < k
-        if self.times.wall:  # CPU: wall-clock readings, known now (as _observe_cycle)
-            st["draft_s"] += m1 - m0
-            st["verify_s"] += m2 - m1
-            self.governor.observe_cycle(k, m, m1 - m0, m2 - m1, stall)
+        if self.times.wall:  # CPU: wall-clock readings, known now
+            self._observe_cycle(k, m, stall, m1 - m0, m2 - m1)
         else:  # CUDA: events, read once they have completed (timing.py)
             self.times.submit((m0, m1, m2), partial(self._observe_cycle, k, m, stall))
         return drafted[:m] + [nxt]
