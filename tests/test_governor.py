@@ -65,12 +65,17 @@ def drive(gov: Governor, world: World, cycles: int, seed: int = 0, jitter: float
             gov.observe_cycle(0, 0, 0.0, t, 0.0, copied=copied)
             out.append((0, gov.probe, 1, t))
             continue
-        m = world.accepted(k, rng)
-        stall = jit(world.stall(k))
-        draft, verify = jit(k * world.draft), jit(world.verify(k)) + stall
-        gov.observe_cycle(k, m, draft, verify, stall)
-        out.append((k, gov.probe, m + 1, draft + verify))
+        out.append(spec_cycle(gov, world, k, rng, jit))
     return out
+
+
+def spec_cycle(gov: Governor, world: World, k: int, rng: random.Random, jit) -> tuple:
+    """One speculative cycle of K drafted tokens in `world`, observed by gov: (K, was_probe, tokens, seconds)."""
+    m = world.accepted(k, rng)
+    stall = jit(world.stall(k))
+    draft, verify = jit(k * world.draft), jit(world.verify(k)) + stall
+    gov.observe_cycle(k, m, draft, verify, stall)
+    return k, gov.probe, m + 1, draft + verify
 
 
 def settled(decisions, last: int = 50) -> Counter:
@@ -430,12 +435,8 @@ def drive_runs(gov: Governor, world: World, tokens: int, seed: int = 0, jitter: 
             out.append((0, gov.probe, n, secs))
             made += n
             continue
-        m = world.accepted(k, rng)
-        stall = jit(world.stall(k))
-        draft, verify = jit(k * world.draft), jit(world.verify(k)) + stall
-        gov.observe_cycle(k, m, draft, verify, stall)
-        out.append((k, gov.probe, m + 1, draft + verify))
-        made += m + 1
+        out.append(spec_cycle(gov, world, k, rng, jit))
+        made += out[-1][2]
     return out
 
 
