@@ -3,53 +3,45 @@ and K = 0's own arm (with or without next-layer prefetch, `PlainArms`). Why each
 and what was measured: docs/ARCHITECTURE.md ("The governor ...").
 
 1. Arms, judged by realised throughput. Plain decoding (K = 0) and speculation (K >= 1) each keep
-   a window of their latest cycles (W_plain steps, W_spec cycles); an arm's rate is
-
-       R = median(worth(K) / seconds)
-
-   seconds the cycle's measured wall time (stalls included), worth(K) = E^-[tokens | K] by the
-   acceptance's lower bounds a_i^- of now. The burden of proof is on speculation: both arms are
-   measured first (when the budget holds every expert, `start_plain`: plain decoding runs and
-   speculation is first probed 2 `probe_every` steps in); then, and whenever plain decoding runs,
-   speculation takes over only right after one of its own cycles (a probe), when that cycle's rate
-   and its window's both clear
+   a window of their latest cycles (W_plain steps, W_spec cycles); an arm's rate R is the median of
+   worth(K) / seconds over its window, worth(K) = E^-[tokens | K] by the bounds a_i^- of 2 and
+   seconds the cycle's wall time, stalls included. Both arms are measured first (`start_plain`,
+   when the budget holds every expert: plain decoding runs, speculation is probed 2 `probe_every`
+   steps in). Speculation takes over only right after one of its own cycles, when that cycle's
+   rate and its window's both clear
 
        R_spec > R_plain (1 + margin)                                  while plain steps copy
        R_spec > max(R_plain, R_plain_3) (1 + margin + extra)           when they copy nothing
        extra = min(proof sqrt(e_spec^2 + e_plain^2), proof_cap) + free_margin
 
-   e = sqrt(pi/2) 1.4826 MAD(rates) / R / sqrt(n) a window's relative standard error, R_plain_3
-   the median of the newest 3 plain steps. Leaving speculation takes only the margin. A plain step
-   that copied, right after a speculative cycle, charges that cycle what it took over the plain
-   window's median step (the experts its verification evicted, re-copied). The other arm is probed
-   (`plain_probe` plain steps, or one speculative cycle at its best K) `probe_every` cycles after
-   it lost, then at doubling intervals while it keeps losing; a probe that alone beats the running
-   arm by the same burden is followed up at once. A probe of n cycles of t_o seconds at rate R_o
-   loses n t_o (1 - R_o / R_r) over the interval's cycles of t_r seconds, so
+   e a window's relative standard error (`_Window`), R_plain_3 the median of the newest 3 plain
+   steps; leaving speculation takes only the margin. A plain step that copied, right after a
+   speculative cycle, charges that cycle its excess over the plain window's median step (the
+   experts its verification evicted, re-copied). The losing arm is probed (`plain_probe` plain
+   steps, or one speculative cycle at its best K) `probe_every` cycles after it lost, then at
+   doubling intervals that keep the probes' loss under `budget` (a probe that alone beats the
+   running arm by the same burden is followed up at once); with n cycles of t_o seconds at rate R_o
+   against the running arm's t_r seconds and R_r (t an arm's median cycle seconds):
 
-       interval >= n (t_o / t_r) (1 - R_o / R_r) / budget      (t = an arm's median cycle seconds)
+       interval >= n (t_o / t_r) (1 - R_o / R_r) / budget
 
    capped at probe_max cycles while speculating and probe_max (t_o / t_r) while decoding plainly
    (twice that, at half the budget, when plain steps copy nothing).
 
-2. Inside speculation, K from the model of the cycle. A cycle with K drafted tokens commits
+2. Inside speculation, K is the argmax of E^-[tokens | K] / cycle(K) over 1 <= K <= min(K_max, 2 K_hi):
 
        E[tokens | K] = 1 + sum_{j=1..K} prod_{i=1..j} a_i
        a_i = (h_i + m p) / (n_i + m),     a_i^- = a_i - z sqrt(a_i (1 - a_i) / (N_i + m))
-
-   a_i the probability that drafted position i is accepted given that position i-1 was; h_i, n_i
-   its decayed accepted / tried counts, N_i its count of observations (capped at 64), p the pooled
-   acceptance (a prior worth m observations). The cycle takes
-
        cycle(K) = K d + v0 + v1 (K + 1) + s(K)
        s(K) = sum_t w_t sbar_t / sum_t w_t,     w_t = n_t exp(-|K' - t| / h),   K' = clamp(K, K_lo, K_hi)
 
-   d the draft step time, v0 + v1 (K + 1) a running fit of verify compute, sbar_t the moving
-   average of the stall verification waited on (copies, the host lane) at tried K = t, n_t its
-   count (capped at 16), h = `bandwidth`, K_lo..K_hi the tried range (a cycle's copies are a union
-   of experts, which saturates with K). K is the argmax of E^-[tokens | K] / cycle(K) over
-   1 <= K <= min(K_max, 2 K_hi); every `probe_every` cycles (doubling up to `probe_max` while the
-   best K holds) it tries a K next to the best one, alternately above and below.
+   a_i the probability that drafted position i is accepted given that i-1 was; h_i, n_i its decayed
+   accepted / tried counts, N_i its observations (capped at 64), p the pooled acceptance (a prior
+   worth m observations); d the draft step time, v0 + v1 (K + 1) a running fit of verify compute,
+   sbar_t the moving average of the stall verification waited on (copies, the host lane) at tried
+   K = t, n_t its count (capped at 16), h = `bandwidth`, K_lo..K_hi the tried range (a cycle's
+   copies are a union of experts, which saturates with K). Every `probe_every` cycles (doubling up
+   to `probe_max` while the best K holds) it tries a K next to the best one, above and below in turn.
 """
 from __future__ import annotations
 
@@ -59,12 +51,9 @@ from collections import deque
 
 
 class _Window:
-    """The latest cycles of one arm, as (K verified, seconds); its rate is the median of
-    worth(K) / seconds (a median: a burst of load slows a cycle or two many times over). The
-    summaries are computed at each add (worth changes only with a speculative cycle, which is added
-    to the speculative window): rates, rate and seconds (the median duration of a cycle; None
-    before the first), error (the relative standard error of rate, sqrt(pi/2) 1.4826 MAD / median
-    / sqrt(n); None before two cycles)."""
+    """The latest cycles of one arm, as (K verified, seconds). Recomputed at each add: rates, rate
+    (their median: a burst of load slows a cycle or two many times over), seconds (the median cycle;
+    None before the first), error (sqrt(pi/2) 1.4826 MAD / median / sqrt(n); None before two)."""
 
     def __init__(self, size: int, worth):
         self.ks: deque = deque(maxlen=size)
@@ -103,10 +92,9 @@ class Governor:
         self.hits, self.tries = [0.0] * (k_max + 1), [0.0] * (k_max + 1)
         self.seen = [0] * (k_max + 1)        # observations of each position (capped): its confidence
         self.pool_hits, self.pool_tries = 0.8, 1.0
-        self.draft_s: float | None = None    # d
+        self.draft_s = self.v0 = self.v1 = None  # d; the verify compute fit v0 + v1 (K + 1)
         self.stall: dict[int, float] = {}    # sbar_K
         self.stall_n: dict[int, int] = {}    # n_K (capped)
-        self.v0, self.v1 = None, None        # verify compute fit
         self._v: dict[int, float] = {}       # per-K verify compute EMA
         self.plain, self.spec = _Window(windows[0], None), _Window(windows[1], self.window_tokens)
         self._worth: dict[int, float] = {}   # window_tokens, valid until the next observation
@@ -366,11 +354,10 @@ class Governor:
 class PlainArms:
     """K = 0 is plain decoding with or without next-layer prefetch, whichever measures faster (moving
     averages of the step time; a second instance: with the host lane computing some of its misses,
-    or, the arm True that must prove faster, copying every miss as on-demand does); the other is
-    tried after `probe_every` plain steps, then at doubling
-    intervals while it keeps losing, never more often than keeps its excess under `budget` (up to
-    `probe_max`). Next-layer must be faster by `margin`, and the arms change places only right after
-    the one taking over was measured (the other's average dates from its last probe)."""
+    or, the arm True that must prove faster, copying every miss as on-demand does). The other is
+    tried after `probe_every` plain steps, then at doubling intervals while it keeps losing, never
+    more often than keeps its excess under `budget` (up to `probe_max`). Next-layer must be faster
+    by `margin`, and the arms change places only right after the one taking over was measured."""
 
     def __init__(self, probe_every: int = 8, probe_max: int = 1024, budget: float = 0.01, alpha: float = 0.25,
                  margin: float = 0.03):
