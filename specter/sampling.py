@@ -7,7 +7,8 @@ and the target's distributions processed identically:
                   -> temperature -> top-k -> top-p -> min-p -> probabilities [N, V]
 
 Greedy parameters take the argmax of the penalised logits. Penalties read a `History`: the prompt
-and every committed token, plus, for row i of a multi-row call, the drafted tokens before it.
+and every committed token, plus, for row i of a multi-row call, the drafted tokens before it. A
+generation with no penalty set keeps none (history None).
 As OpenAI and vLLM define them, `presence_penalty` / `frequency_penalty` count generated tokens
 only and `repetition_penalty` (the CTRL / Hugging Face one) covers the prompt too.
 
@@ -97,17 +98,16 @@ class SamplingParams:
 class History:
     """The tokens penalties look at: the prompt's (a set) and the generated tokens' counts, on the host
     (commits are a few ints a cycle, never a device read). Penalties touch only these U columns of
-    the logits, never all V: U is the prompt plus the output, V may be 150k. Tracks nothing when no
-    penalty is set."""
+    the logits, never all V: U is the prompt plus the output, V may be 150k."""
 
-    def __init__(self, prompt: Sequence[int], device, track: bool = True):
-        self.track, self.device = track, device
-        self.prompt = set(prompt) if track else set()
+    def __init__(self, prompt: Sequence[int], device):
+        self.device = device
+        self.prompt = set(prompt)
         self.counts: Counter = Counter()
         self._base = None  # (token ids, column of each id, seen [U], counts [U]) of the committed history
 
     def commit(self, tokens: Sequence[int]) -> None:
-        if self.track and tokens:
+        if tokens:
             self.counts.update(tokens)
             self._base = None
 
@@ -142,8 +142,9 @@ class History:
 
 def penalize(logits: torch.Tensor, p: SamplingParams, history: History | None,
              pending: Sequence[int] = ()) -> torch.Tensor:
-    """logits [N, V] -> logits [N, V] with repetition, frequency and presence penalties applied."""
-    if history is None or not history.track:
+    """logits [N, V] -> logits [N, V] with repetition, frequency and presence penalties applied
+    (history None: no penalty is set)."""
+    if history is None:
         return logits
     ids, seen, counts = history.rows(logits.shape[0], pending)   # [U], [N, U], [N, U]
     if not len(ids):
@@ -191,7 +192,7 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None,
            pending: Sequence[int] = ()) -> torch.Tensor:
     """logits [N, V] -> token ids [N] (int64)."""
     if p.greedy:
-        return (logits if history is None or not history.track else penalize(logits, p, history, pending)).argmax(-1)
+        return (logits if history is None else penalize(logits, p, history, pending)).argmax(-1)
     return torch.multinomial(probs(logits, p, history, pending), 1, generator=gen)[:, 0]
 
 

@@ -186,12 +186,13 @@ class PipelineDecoder:
         self.wire.send_header(1, BEGIN, max_len=max_len)
         try:
             gen = params.generator(self.device)
-            hist = History(prompt, self.device, track=params.penalized)  # what penalties look at
+            hist = History(prompt, self.device) if params.penalized else None  # what penalties look at
             logits = self._forward(torch.tensor(prompt, device=self.device), 0)  # [1, V]
             pos = len(prompt)
             for _ in range(max_new):
                 tok = sample(logits, params, gen, hist)  # [1]
-                hist.commit([int(tok)])
+                if hist is not None:
+                    hist.commit([int(tok)])
                 yield [int(tok)]
                 logits = self._forward(tok.reshape(1), pos)
                 pos += 1

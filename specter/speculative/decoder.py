@@ -45,13 +45,14 @@ LANE_PROBE = 4  # plain steps a probe of the other host-lane arm runs (one step 
 def plain_steps(model: MoETransformer, experts, tok: torch.Tensor, pos: int, cache: KVCache, params: SamplingParams,
                 gen, hist, n: int) -> Iterator[list[int]]:
     """n target steps, the first on `tok` (the last sampled token, [1]) at position `pos`: yields
-    each step's sampled token as a one-id list, committed to `hist`. The plain decoder's loop, and
+    each step's sampled token as a one-id list, committed to `hist` (None: no penalty). The plain decoder's loop, and
     the speculative decoder's K = 0 steps: the same code, so that K = 0 is plain decoding's work."""
     for pos in range(pos, pos + n):
         logits = model(tok, pos, cache, experts)  # [1, V]
         tok = sample(logits, params, gen, hist)  # [1]
         t = int(tok)
-        hist.commit([t])
+        if hist is not None:
+            hist.commit([t])
         yield [t]
 
 
@@ -67,12 +68,13 @@ class PlainDecoder:
         experts = self.experts if self.guess is None else partial(self.experts, guess=self.guess)
         cache = KVCache(self.model.spec, len(prompt) + max_new, self.device, self.dtype)
         gen = params.generator(self.device)
-        hist = History(prompt, self.device, track=params.penalized)  # what penalties look at
+        hist = History(prompt, self.device) if params.penalized else None  # what penalties look at
         tokens = torch.tensor(prompt, device=self.device)
         logits = self.model(tokens, 0, cache, experts, logits_for="last")  # [1, V]
         tok = sample(logits, params, gen, hist)  # [1]
         t = int(tok)
-        hist.commit([t])
+        if hist is not None:
+            hist.commit([t])
         yield [t]
         yield from plain_steps(self.model, experts, tok, len(prompt), cache, params, gen, hist, max_new - 1)
 
@@ -120,10 +122,11 @@ class SpeculativeDecoder:
         if self.draft_step is not None or self.verify_step is not None:
             self.graphs.record((self.draft_step, self.verify_step), cache, self._caches)
         gen = params.generator(self.device)
-        hist = History(prompt, self.device, track=params.penalized)  # what penalties look at
+        hist = History(prompt, self.device) if params.penalized else None  # what penalties look at
         logits = self.model(torch.tensor(prompt, device=self.device), 0, cache, self.experts, logits_for="last")
         t = int(sample(logits, params, gen, hist))
-        hist.commit([t])
+        if hist is not None:
+            hist.commit([t])
         n, produced = len(prompt), 1
         yield [t]
         gov, mgr = self.governor, self.experts
@@ -138,7 +141,8 @@ class SpeculativeDecoder:
             k = gov.next_k(max_new - produced)
             if k:
                 new = self._cycle(t, n, k, cache, params, gen, hist)
-                hist.commit(new)
+                if hist is not None:
+                    hist.commit(new)
                 n += len(new)
                 t = new[-1]
                 produced += len(new)
@@ -221,7 +225,7 @@ class SpeculativeDecoder:
             if sync_free:  # no penalties: nothing depends on the history
                 m, nxt, drafted = accept_on_device(tokens, logits, q, params, gen)  # one host read
             elif params.greedy:
-                m, nxt = accept_greedy(drafted, penalize(logits, params, hist, drafted))
+                m, nxt = accept_greedy(drafted, logits if hist is None else penalize(logits, params, hist, drafted))
             else:
                 p = probs(logits, params, hist, drafted)
                 m, nxt = accept_sampling(drafted, torch.stack(q_rows) if q_rows else None, p, gen)
