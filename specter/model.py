@@ -139,25 +139,16 @@ class MoETransformer(nn.Module):
         rope_dim = spec.qk_rope_dim if spec.attention == "mla" else spec.head_dim
         self.rope = Rope(spec, rope_dim, max_len)
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        tokens: torch.Tensor,         # [T] int64, at positions start .. start+T-1
-        start: int,
-        cache: KVCache,
-        experts: ExpertProvider,
-        logits_for: str = "all",      # "all" -> [T, V]; "last" -> [1, V]
-    ) -> torch.Tensor:
-        if start + tokens.shape[0] > cache.max_len:
-            raise IndexError(f"positions up to {start + tokens.shape[0]} exceed the KV cache ({cache.max_len})")
-        return self.run(tokens, start, cache, experts, logits_for)
-
     def run(self, tokens, start, cache: KVCache, experts: ExpertProvider, logits_for: str = "all",
             pieces=None, rows: int | None = None):
-        """The layer loop: `forward` without its check and its inference mode. `start`: an int, or a 0-d
-        device tensor (the compiled steps). `pieces`: an object with this module's four piece methods
-        (the verifier's compiled ones) and `layers(cache)`, the (layer, its K/V) pairs; `rows`: the real rows of a padded width,
-        the only ones the provider sees."""
+        """The layer loop: tokens [T] (int64) at positions start .. start+T-1 -> logits [T, V] ("all")
+        or [1, V] ("last"). `forward` is this under inference mode; the compiled steps call it
+        directly. `start`: an int, or a 0-d device tensor (the compiled steps). `pieces`: an object
+        with this module's four piece methods (the verifier's compiled ones) and `layers(cache)`, the
+        (layer, its K/V) pairs; `rows`: the real rows of a padded width, the only ones the provider
+        sees (the verifier checks its own padding against the cache)."""
+        if pieces is None and not isinstance(start, torch.Tensor) and start + tokens.shape[0] > cache.max_len:
+            raise IndexError(f"positions up to {start + tokens.shape[0]} exceed the KV cache ({cache.max_len})")
         p = self if pieces is None else pieces
         x, cos, sin = p.enter(tokens, start)
         out = empty = None if pieces is None else pieces.zeros[:x.shape[0]]  # the last MLP's output, not yet added
@@ -178,6 +169,8 @@ class MoETransformer(nn.Module):
                 if shared is not None:
                     out = out + shared
         return p.head(x, out, logits_for)
+
+    forward = torch.inference_mode()(run)  # model(tokens, start, cache, experts, logits_for="all")
 
     # ------------------------------------------------------------------ the pieces run calls
     def enter(self, tokens, start):
