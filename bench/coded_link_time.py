@@ -11,9 +11,10 @@ issued it, and charges them in the profile's own figures (GPU seconds, not this 
     coded copy   latency + coded bytes / pcie_bandwidth + (coded + bf16 bytes) / device_memory_bandwidth
     tier decode  DECODE_LAUNCH_S + (coded + bf16 bytes) / device_memory_bandwidth
 
-under two latency rules: "per copy" (what the emulated link charges: every transfer pays the latency)
-and "per layer call" (a layer call's copies coalesced into one transfer, one latency, and its tier
-decodes into one launch; the engine does not do this, it is the bound of candidate (a)). The counts
+under two latency rules: "per copy" (what the emulated link charges: every transfer pays the latency;
+the engine coalesces a layer call's misses into one transfer, so a logged transfer may carry several
+experts) and "per layer call" (every transfer of a layer call, prefetches too, coalesced into one, one
+latency, and its tier decodes into one launch: a bound). The counts
 are exact for copy-only policies (on-demand's are the same every run); a drafting policy's depend on
 the governor's timed choices, so its figures vary run to run.
 """

@@ -210,7 +210,9 @@ class Watch:
 
         def recording_copy(dst, src, *, urgent=False, tag=None):
             t = copy(dst, src, urgent=urgent, tag=tag)
-            self.transfers[tag] = t
+            layer, which = tag
+            for e in which if isinstance(which, tuple) else (which,):  # a coalesced copy: (layer, experts)
+                self.transfers[(layer, e)] = t
             return t
 
         mgr.link.copy = recording_copy
@@ -657,13 +659,16 @@ class OrderLink(EmulatedLink):
         mgr = self.mgr_ref()
         if mgr is not None and tag is not None:
             layer = tag[0]
-            slot = (dst[0].data_ptr() - mgr.pool[layer].w13.data_ptr()) // dst[0][0].nbytes // dst[0].shape[0]
-            need = self.last_reader.get(slot)  # whichever layer's compute read the pool slot last
-            if need is not None:
-                assert after != "all", "the manager must name the slot's last reader, not wait for all compute"
-                assert after is not None and after >= need, \
-                    f"copy for layer {layer} into slot {slot} ordered after {after}, but compute {need} reads it"
-                self.checked += 1
+            afters = after if isinstance(after, list) else [after]  # a coalesced copy: one per slot (w13, w2 pairs)
+            assert len(afters) == len(dst) // 2
+            for d, aft in zip(dst[::2], afters):
+                slot = (d.data_ptr() - mgr.pool[layer].w13.data_ptr()) // d[0].nbytes // d.shape[0]
+                need = self.last_reader.get(slot)  # whichever layer's compute read the pool slot last
+                if need is not None:
+                    assert aft != "all", "the manager must name the slot's last reader, not wait for all compute"
+                    assert aft is not None and aft >= need, \
+                        f"copy for layer {layer} into slot {slot} ordered after {aft}, but compute {need} reads it"
+                    self.checked += 1
         return super().copy(dst, src, urgent=urgent, tag=tag, after=after)
 
 

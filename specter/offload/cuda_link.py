@@ -106,6 +106,11 @@ class CudaLink(Link):
             self._staged.reserve(nbytes)
 
     @property
+    def coalesces(self) -> bool:
+        """Several experts in one transfer (one event) from a pinned store; a staged copy holds one expert."""
+        return self._staged.buffers is None
+
+    @property
     def h2d_path(self) -> str:
         return "pinned store" if self._staged.buffers is None else self._staged.buffers.describe()
 
@@ -139,12 +144,13 @@ class CudaLink(Link):
         return t
 
     def _issue(self, t: Transfer, stream, after, src: list[torch.Tensor]) -> None:
-        """Enqueue t's copies from `src` (pinned) on `stream`, after the event `after` (None: at once)."""
+        """Enqueue t's copies from `src` (pinned) on `stream`, after the event `after` (None: at once; a
+        list: each, the last readers of a coalesced copy's slots)."""
         begin = self._cuda.event(timing=True)
         done = self._cuda.event(timing=True, blocking=True)  # blocking: the watcher sleeps
         with torch.no_grad(), self._cuda.use(stream):
-            if after is not None:
-                stream.wait_event(after)
+            for ev in after if isinstance(after, list) else () if after is None else (after,):
+                stream.wait_event(ev)
             begin.record(stream)
             for d, s in zip(t._dst, src):
                 if not isinstance(s, torch.Tensor):  # coded (offload/coded.py): its bytes cross the bus into

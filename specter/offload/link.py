@@ -207,6 +207,7 @@ class Link(abc.ABC):
         None where compute is synchronous (CPU)."""
         return None
 
+    coalesces = False  # one transfer may carry several experts' tensors (the manager coalesces a call's misses)
     h2d_path = "emulated (host memory)"  # how bytes reach the device: CudaLink says pinned store or staging
 
     def prepare(self, srcs: list[torch.Tensor], nbytes: int) -> None:
@@ -220,11 +221,12 @@ class Link(abc.ABC):
         return False
 
     def copy_seconds(self, nbytes: int) -> float:
-        """Seconds one copy of `nbytes` takes: the measured busy time per transfer once there is any
-        (the engine's transfers are one expert each), else the nominal latency + nbytes / bandwidth."""
+        """Seconds one copy of `nbytes` takes: the measured busy time per byte once there is any, times
+        nbytes (a transfer of one expert: its time; of several, coalesced: each its share of one fixed
+        cost), else the nominal latency + nbytes / bandwidth."""
         st = self.stats
-        if st["transfers"] and st["busy_s"] > 0:
-            return st["busy_s"] / st["transfers"]
+        if st["bytes"] and st["busy_s"] > 0:
+            return st["busy_s"] * nbytes / st["bytes"]
         return nbytes / self.bandwidth + self.latency
 
     def pending(self) -> int:
@@ -289,6 +291,7 @@ class EmulatedLink(Link):
         if not bandwidth > 0 or not latency >= 0:
             raise ValueError(f"EmulatedLink needs bandwidth > 0 and latency >= 0, got {bandwidth}, {latency}")
         super().__init__(name, bandwidth, latency)
+        self.coalesces = True  # a transfer of many tensors is charged one latency
         self.decode_bandwidth = decode_bandwidth  # bytes/s a coded expert's decode moves (None: free)
         self._now = clock.now if clock is not None else time.perf_counter
         self._sleep = clock.sleep if clock is not None else (lambda seconds, wake: wake.wait(seconds))

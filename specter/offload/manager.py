@@ -10,8 +10,9 @@ MoE layer, a slot cache deciding residency, and a link moving the bytes. It is a
 A layer's call holds the experts it reads (SlotCache.hold): no other layer's copy evicts them meanwhile.
 
 A layer's call computes its resident experts in one grouped call through its remap row
-(`specter.triton_ops.expert_rows`); missing ones are requested at the front of the link's queue and
-compute in a second call as they land. Rows combine by (token, top-k position): the bits of one call
+(`specter.triton_ops.expert_rows`); missing ones are requested at the front of the link's queue (in
+one coalesced transfer, one fixed cost, where the link allows: `coalesce`) and compute in a second
+call as they land. Rows combine by (token, top-k position): the bits of one call
 over resident weights, whatever was resident. The call reads its routing on the host once and waits
 only for copies it needs still in flight (CUDA: a stream wait, no host sync; CPU: the emulated
 link's sleep). `prefetch` is the hook of every smarter policy (next-layer, the speculative planner).
@@ -79,6 +80,7 @@ class OffloadedExperts:
         self._ordered = allocated is not None  # the link orders copies after reads (CUDA): note each read
         self.last_read: list = [allocated] * S  # per pool slot, whichever layer read it
         link.prepare([t for ew in store for t in (ew.w13, ew.w2)], staged_nbytes([w13[0], w2[0]]))
+        self.coalesce = link.coalesces  # a call's misses cross in one transfer (not through one-expert staging)
         self._routed: dict[int, tuple[list[int], int]] = {}  # layer -> (the last verification's routing [T * k], k)
         self.reset_stats()
 
@@ -100,6 +102,32 @@ class OffloadedExperts:
         self.inflight[(layer, e)] = t
         return True
 
+    def _issue_together(self, layer: int, experts: list[int], protect) -> None:
+        """A layer call's misses at the link's front in one coalesced transfer (one latency, the bytes at
+        bandwidth), each expert in its own slot, never evicting `protect`; a tier member decodes on its
+        own link. Stops at the first expert no slot can be freed for, as `_issue` does."""
+        slots, tier, src, dst = self.slots, self.tier, self.store[layer], self.pool[layer]
+        keys, dsts, srcs, after = [], [], [], []
+        for e in experts:
+            if tier is not None and tier.has(layer, e):
+                if not self._issue(layer, e, urgent=True, protect=protect):
+                    break
+                continue
+            slot = slots.reserve(layer, e, protect=protect)
+            if slot is None:
+                break
+            keys.append(e)
+            dsts += (dst.w13[slot], dst.w2[slot])
+            srcs += (src.w13[e], src.w2[e])
+            after.append(self.last_read[slot])  # CUDA: each slot's last reader (None on CPU)
+        if not keys:
+            return
+        order = {"after": after if len(after) > 1 else after[0]} if self._ordered else {}
+        t = self.link.copy(dsts, srcs, urgent=True, tag=(layer, keys[0] if len(keys) == 1 else tuple(keys)), **order)
+        self._stats["h2d_bytes"] += t.nbytes
+        for e in keys:
+            self.inflight[(layer, e)] = t
+
     def _land(self, layer: int, e: int) -> None:
         """Wait (if needed) for (layer, e)'s copy and mark it ready."""
         t = self.inflight.pop((layer, e), None)
@@ -107,9 +135,11 @@ class OffloadedExperts:
             try:
                 self._stats["stall_s"] += t.wait()
             except BaseException:
-                if t.failed():  # its bytes never arrived: the slot is free again, a later need copies anew
-                    self.slots.cancel(layer, e)
-                    self.prefetched.discard((layer, e))
+                if t.failed():  # its bytes never arrived: the slots are free again, a later need copies anew
+                    for key in [(layer, e)] + [k for k, other in self.inflight.items() if other is t]:
+                        self.inflight.pop(key, None)  # a coalesced copy's other experts failed with it
+                        self.slots.cancel(*key)
+                        self.prefetched.discard(key)
                 else:  # the waiter went away (cancelled): the copy still lands, poll() marks it
                     self.inflight[(layer, e)] = t
                 raise
@@ -255,9 +285,12 @@ class OffloadedExperts:
                     rest.append(e)
             missing = rest
         protect = set(need)
-        for e in missing:  # fetched at the queue's front, never evicting each other
-            if not self._issue(layer, e, urgent=True, protect=protect):
-                break  # more experts than slots: the rest are fetched as computed ones free theirs
+        if len(missing) > 1 and self.coalesce:  # one transfer, one fixed cost (a tier member: a decode)
+            self._issue_together(layer, missing, protect)
+        else:
+            for e in missing:  # fetched at the queue's front, never evicting each other
+                if not self._issue(layer, e, urgent=True, protect=protect):
+                    break  # more experts than slots: the rest are fetched as computed ones free theirs
         if guess is not None:  # the next layer's guesses, queued behind this layer's misses
             guess(layer, x)
         if ready:  # every resident expert, in one call through the remap row (-1 rows left for later)
