@@ -71,25 +71,39 @@ def add_run(a: dict, out, keys) -> None:
 
 def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int = 64, repeat: int = 1,
               device: str = "auto", residency=None, expert_memory=None, link=None, warmup: bool = True,
-              sampling: dict | None = None, shared=None, **load_kw) -> dict:
+              sampling: dict | None = None, shared=None, compare_compressed: bool = False, **load_kw) -> dict:
     """`shared`: a checkpoint already loaded (`load_once`) for every policy to build on; default: the
     first policy's load, which the others share (one store, one model, one draft).
     `sampling`: generate()'s temperature / top_p / top_k / seed (default greedy: a benchmark never
     takes the model's generation_config.json, so its runs compare across models). Under sampling,
     speculative policies draw their random numbers differently (exactly the target's distribution,
-    not the same tokens), so token equality is only checked for greedy runs."""
+    not the same tokens), so token equality is only checked for greedy runs.
+    `compare_compressed`: each policy twice, on the raw store and on a losslessly coded one ("POLICY
+    +coded", compress_experts), alternating prompt by prompt in this one process (one link calibration
+    for all), so `coded_vs_raw` (bytes a token and TPOT, coded against raw) compares like with like."""
     sampling = {"temperature": 0.0, **(sampling or {})}
     greedy = SamplingParams(**sampling).greedy  # and a bad value fails here, before any engine loads
 
     unknown = [p for p in policies if p not in BENCH_POLICIES]
     if unknown:
         raise ConfigError(f"unknown policy {unknown[0]!r}; choose from {', '.join(BENCH_POLICIES)}")
-    engines = {}
+    if compare_compressed and (load_kw.get("compress_experts") or shared is not None):
+        raise ConfigError("compare_compressed runs each policy on the raw store and on the coded one: "
+                          "give neither compress_experts nor shared")
+    engines, runs, coded_shared = {}, [], None
     try:
         for p in policies:
             budget = dict(residency=residency, expert_memory=expert_memory) if get_policy(p).offloads else {}
             engines[p] = specter.load(model, device=device, policy=p, link=link, shared=shared, **budget, **load_kw)
             shared = engines[p].shared
+            runs.append(p)
+            if compare_compressed:  # the same policy on the coded store, right after it
+                name = p + CODED
+                engines[name] = specter.load(model, device=device, policy=p, link=link, shared=coded_shared,
+                                             compress_experts=True, **budget, **load_kw)
+                coded_shared = engines[name].shared
+                runs.append(name)
+        policies = runs
         if warmup:  # first-call costs (allocator, lazy init) out of the measurement
             for e in engines.values():
                 e.generate(prompts[0], max_new_tokens=4, **sampling)
@@ -141,11 +155,32 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
         base = speedup_baseline(policies)
         for p in policies:
             result[p]["speedup_vs_" + base] = result[base]["tpot_s"] / result[p]["tpot_s"]
-        return {"policies": result, "max_new_tokens": max_new_tokens, "prompts": len(prompts), "repeat": repeat,
-                "link": _link_name(engines), "speedup_baseline": base, "sampling": "greedy" if greedy else sampling}
+        out = {"policies": result, "max_new_tokens": max_new_tokens, "prompts": len(prompts), "repeat": repeat,
+               "link": _link_name(engines), "speedup_baseline": base, "sampling": "greedy" if greedy else sampling}
+        if compare_compressed:
+            out["coded_vs_raw"] = coded_vs_raw(result, agg, greedy)
+        return out
     finally:
         for e in engines.values():
             e.close()
+
+
+CODED = "+coded"  # compare_compressed: the name of a policy's run on the coded store
+
+
+def coded_vs_raw(result: dict, agg: dict, greedy: bool) -> dict:
+    """Per policy run both ways: the coded run's H2D bytes a token over the raw run's, the raw run's
+    TPOT over the coded run's (> 1: coded is faster), and whether their greedy tokens are equal."""
+    out = {}
+    for name, r in result.items():
+        if not name.endswith(CODED):
+            continue
+        p = name[: -len(CODED)]
+        raw, b = result[p], r.get("h2d_bytes_per_token", 0)
+        out[p] = {"h2d_bytes_ratio": b / raw["h2d_bytes_per_token"] if raw.get("h2d_bytes_per_token") else None,
+                  "tpot_speedup": raw["tpot_s"] / r["tpot_s"],
+                  "same_tokens": agg[p]["outputs"] == agg[name]["outputs"] if greedy else None}
+    return out
 
 
 def load_once(model, device: str = "auto", **load_kw):
@@ -174,22 +209,31 @@ def speedup_baseline(policies) -> str:
 def format_table(res: dict) -> str:
     pols = res["policies"]
     first, base = next(iter(pols)), speedup_baseline(list(pols))
-    head = f"{'policy':<11} {'TPOT ms':>8} {'speedup':>8} {'TTFT ms':>8} {'hit rate':>8} {'misses':>7} " \
+    w = max(11, *map(len, pols))  # the policy column (a compare_compressed run's names are longer)
+    head = f"{'policy':<{w}} {'TPOT ms':>8} {'speedup':>8} {'TTFT ms':>8} {'hit rate':>8} {'misses':>7} " \
            f"{'H2D MB':>8} {'H2D KB/tok':>10} {'host MB':>8} {'stall s':>8} {'accept':>7} {'effic':>6} {'tok/cyc':>7} {'recall':>7} {'cover':>7} " \
            f"{'lossless':>8}"
     lines = [head, "-" * len(head)]
     for p, r in pols.items():
         f = lambda k, fmt: (fmt.format(r[k]) if k in r else "-")  # noqa: E731
         lines.append(
-            f"{p:<11} {r['tpot_s'] * 1e3:>8.2f} {r['speedup_vs_' + base]:>7.2f}x {r['ttft_s'] * 1e3:>8.1f} "
+            f"{p:<{w}} {r['tpot_s'] * 1e3:>8.2f} {r['speedup_vs_' + base]:>7.2f}x {r['ttft_s'] * 1e3:>8.1f} "
             f"{f('hit_rate', '{:.1%}'):>8} {f('expert_misses', '{}'):>7} "
             f"{(r.get('h2d_bytes', 0) / 1e6):>8.1f} {(r.get('h2d_bytes_per_token', 0) / 1e3):>10.1f} "
             f"{(r.get('host_bytes', 0) / 1e6):>8.1f} {f('stall_s', '{:.3f}'):>8} "
             f"{f('acceptance_rate', '{:.2f}'):>7} {f('draft_efficiency', '{:.2f}'):>6} "
             f"{f('accepted_per_cycle', '{:.2f}'):>7} {f('prefetch_recall', '{:.1%}'):>7} "
             f"{f('route_coverage', '{:.1%}'):>7} {_same_tokens(r['lossless_vs_' + first]):>8}")
-    return "\n".join(lines + ["", LEGEND.format(base=base), "", "where decode time goes (after the first token):"]
-                     + [f"  {p:<11} {time_split(r)}" for p, r in pols.items() if "decode_stall_s" in r])
+    lines += ["", LEGEND.format(base=base), "", "where decode time goes (after the first token):"]
+    lines += [f"  {p:<{w}} {time_split(r)}" for p, r in pols.items() if "decode_stall_s" in r]
+    if res.get("coded_vs_raw"):
+        lines += ["", "coded (--compress-experts) against raw, same process: H2D bytes a token (coded / raw), "
+                      "TPOT speed-up (raw / coded), tokens"]
+        for p, c in res["coded_vs_raw"].items():
+            ratio = "-" if c["h2d_bytes_ratio"] is None else f"{c['h2d_bytes_ratio']:.3f}x"
+            same = "n/a" if c["same_tokens"] is None else "same" if c["same_tokens"] else "DIFFERENT"
+            lines.append(f"  {p:<11} bytes {ratio:>7}  speed-up {c['tpot_speedup']:.3f}x  tokens {same}")
+    return "\n".join(lines)
 
 
 def _same_tokens(v) -> str:

@@ -30,10 +30,17 @@ def add_parsers(sub) -> None:
     bn.add_argument("--seed", type=int, default=0, help="sampling seed of every generation (default 0)")
     bn.add_argument("--plot", default=None, help="PNG: TPOT per policy across residencies 1/8, 1/4, 1/2, 1")
     bn.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    bn.add_argument("--compare-compressed", action="store_true",
+                    help="run each policy twice in this process, on the raw store and on the losslessly coded "
+                         "one (POLICY+coded), alternating prompt by prompt; report coded against raw "
+                         "(bytes a token, TPOT, tokens). Not with --compress-experts or --plot")
     bn.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args) -> int:
+    if args.compare_compressed and (args.compress_experts or args.plot or pipeline.launched()):
+        raise ConfigError("--compare-compressed runs both stores itself, in one process: "
+                          "not with --compress-experts, --plot or under torchrun")
     if pipeline.launched():  # one rank of several (torchrun): specter/pipeline/bench.py
         return pipeline.bench(args)
     if args.pipeline_backend is not None or args.pipeline_timeout is not None:
@@ -57,6 +64,8 @@ def cmd_bench(args) -> int:
     residency = args.residency
     if residency is None and args.expert_memory is None:
         residency = 0.25  # a budget where offloading matters; everything resident would tie every policy
+    if args.compare_compressed:
+        kw["compare_compressed"] = True
     res = run_bench(args.model, policies, residency=residency, expert_memory=args.expert_memory, **kw)
     if args.json:
         print(json.dumps(res))
