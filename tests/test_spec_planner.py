@@ -62,7 +62,8 @@ def fill(la: Lookahead, rows: list[list[tuple[int, int]]], start: int = 0):
     """rows[r][layer] = the two experts the draft's router picked for drafted token start + r."""
     for r, row in enumerate(rows):
         for layer, ids in enumerate(row):
-            la.record(start + r, layer, torch.tensor([ids]), torch.tensor([[0.6, 0.4]]))
+            la.ids[start + r, layer] = torch.tensor(ids)  # as DraftExperts writes a drafted token's row
+            la.weights[start + r, layer] = torch.tensor([0.6, 0.4])
 
 
 def residents(mgr, layer):

@@ -118,6 +118,10 @@ class DraftExperts:
 
 # ------------------------------------------------------------------------------- lookahead buffer
 class Lookahead:
+    """ids / weights [K_max, L, k]: row r, layer l holds the router's choice for drafted token r, written
+    in place on the device by the draft's provider (DraftExperts; compiled/draft_step.py), read back
+    by the planner (`read`, or `read_host` from the mirror the sync-free draft publishes to)."""
+
     def __init__(self, k_max: int, n_layers: int, top_k: int, device):
         self.ids = torch.full((k_max, n_layers, top_k), -1, dtype=torch.int32, device=device)  # [K_max, L, k]
         self.weights = torch.zeros((k_max, n_layers, top_k), dtype=torch.float32, device=device)
@@ -126,11 +130,6 @@ class Lookahead:
         self.host = torch.full_like(self.ids, -1, device="cpu", pin_memory=cuda)  # [K_max, L, k]
         self._events: list = [None] * k_max  # CUDA: one per published row
         self._published = 0
-
-    def record(self, row: int, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        # ids, weights: [1, k] -- the router's choice for the token being drafted
-        self.ids[row, layer].copy_(ids[0])
-        self.weights[row, layer].copy_(weights[0])
 
     def read(self, start: int, end: int) -> list[list[list[int]]]:
         """Rows [start, end) on the host: [rows][layer][k]. One device-to-host transfer."""
