@@ -43,7 +43,7 @@ def test_a_calls_misses_are_one_transfer_charged_one_latency():
         (tag, t), = log
         assert tag == (0, (1, 5, 6)) and t.done()
         nbytes = 3 * store[0].expert_nbytes()
-        assert t.nbytes == nbytes and mgr.copied_bytes == nbytes
+        assert t.nbytes == nbytes and mgr.stats()["h2d_bytes"] == nbytes
         assert t.seconds == pytest.approx(lat + nbytes / bw)        # one latency, not three
         assert clock.now() == pytest.approx(lat + nbytes / bw)
         # the measured cost a copy (LaneChoice, the draft's planner): one expert's share of the transfer

@@ -7,15 +7,14 @@ MoE layer, a slot cache deciding residency, and a link moving the bytes. It is a
                      maps its expert ids into it (the per-layer pool: S = n_moe_layers x quota)
     slots            SlotCache: (layer, expert) -> slot; eviction ranks every layer's residents together
     link             EmulatedLink (CPU) | CudaLink: transfers are awaitables
-A layer's call holds the experts it reads (SlotCache.hold): no other layer's copy evicts them meanwhile.
 
-A layer's call computes its resident experts in one grouped call through its remap row
-(`specter.triton_ops.expert_rows`); missing ones are requested at the front of the link's queue (in
-one coalesced transfer, one fixed cost, where the link allows: `coalesce`) and compute in a second
-call as they land. Rows combine by (token, top-k position): the bits of one call
-over resident weights, whatever was resident. The call reads its routing on the host once and waits
-only for copies it needs still in flight (CUDA: a stream wait, no host sync; CPU: the emulated
-link's sleep). `prefetch` is the hook of every smarter policy (next-layer, the speculative planner).
+A layer's call holds the experts it reads (SlotCache.hold: no other layer's copy evicts them) and
+computes its resident ones in one grouped call through its remap row (`triton_ops.expert_rows`);
+missing ones are requested at the front of the link's queue (in one transfer, one fixed cost, where
+the link coalesces) and compute in a second call as they land. Rows combine by (token, top-k
+position): the bits of one call over resident weights, whatever was resident. The call reads its
+routing on the host once and waits only for copies it needs still in flight (CUDA: a stream wait,
+no host sync; CPU: the emulated link's sleep). `prefetch` is the hook of every smarter policy.
 
 `alias=True` (CPU, big models: plan.alias_pool): the pool is meta tensors and compute reads a ready
 expert's own store row; copies are timed, not made (docs/ARCHITECTURE.md, "aliases the store").
@@ -46,8 +45,7 @@ class OffloadedExperts:
         if alias and device.type != "cpu":
             raise ValueError(f"an aliased slot pool reads the host store: CPU only, not {device}")
         self.store, self.link, self.device, self.alias = store, link, device, alias
-        L, E = len(store), store[0].n_experts
-        w13, w2 = store[0].w13, store[0].w2
+        L, E, w13, w2 = len(store), store[0].n_experts, store[0].w13, store[0].w2
         shapes = {(ew.n_experts, tuple(ew.w13.shape[1:]), tuple(ew.w2.shape[1:])) for ew in store}
         if len(shapes) > 1:  # one pool of one row shape: per-shape pools are not built yet
             raise ValueError(f"the shared expert pool needs routed experts of one shape in every layer; "
@@ -74,59 +72,47 @@ class OffloadedExperts:
         self.tier = None                                # a CodedTier (offload/coded_tier.py): coded on the device
         self.all_resident = False                       # set by warm() when the budget holds everything
         self._in_order = False                          # ... and compute reads expert e from row e
-        # per slot, the event recorded after its last reader's compute was queued (CUDA; None on CPU): a
-        # copy into the slot waits for that, not all compute; a slot never read, for its allocation only.
-        allocated = link.read_event()
+        allocated = link.read_event()  # CUDA: copies into a slot wait for its last reader only (or its allocation)
         self._ordered = allocated is not None  # the link orders copies after reads (CUDA): note each read
-        self.last_read: list = [allocated] * S  # per pool slot, whichever layer read it
+        self.last_read: list = [allocated] * S  # per pool slot, the event after its last reader (None on CPU)
         link.prepare([t for ew in store for t in (ew.w13, ew.w2)], staged_nbytes([w13[0], w2[0]]))
         self.coalesce = link.coalesces  # a call's misses cross in one transfer (not through one-expert staging)
         self._routed: dict[int, tuple[list[int], int]] = {}  # layer -> (the last verification's routing [T * k], k)
         self.reset_stats()
 
     # ------------------------------------------------------------------------------- copies
-    def _issue(self, layer: int, e: int, *, urgent: bool, protect=()) -> bool:
-        """Reserve a slot for (layer, e) and start its copy. False when no slot can be freed."""
-        slot = self.slots.reserve(layer, e, protect=protect)
-        if slot is None:
-            return False
-        src, dst = self.store[layer], self.pool[layer]
-        last = self.last_read[slot]  # CUDA: the slot's last reader (or its allocation), not all compute
-        order = {} if last is None else {"after": last}  # None: CPU, where compute has finished
+    def _issue(self, layer: int, experts, *, urgent: bool, protect=()) -> int:
+        """Reserve a slot for each of `experts`, in order, never evicting `protect`, and start their
+        copies: a tier member decodes on the tier's own link (offload/coded_tier.py); the others cross
+        the link in one transfer when it coalesces (one fixed cost), else one each. Stops at the first
+        expert no slot can be freed for; returns how many were issued."""
+        src, dst, tier, n, batch = self.store[layer], self.pool[layer], self.tier, 0, []  # batch: (expert, slot)
         with span("copy issue") if profiling.ON else NULL:
-            t = None if self.tier is None else self.tier.copy(layer, e, [dst.w13[slot], dst.w2[slot]], urgent=urgent)
-            if t is None:  # not held coded on the device: over the link
-                t = self.link.copy([dst.w13[slot], dst.w2[slot]], [src.w13[e], src.w2[e]],
-                                   urgent=urgent, tag=(layer, e), **order)
-                self._stats["h2d_bytes"] += t.nbytes  # a coded store's (offload/coded.py): the expert's coded bytes
-        self.inflight[(layer, e)] = t
-        return True
-
-    def _issue_together(self, layer: int, experts: list[int], protect) -> None:
-        """A layer call's misses at the link's front in one coalesced transfer (one latency, the bytes at
-        bandwidth), each expert in its own slot, never evicting `protect`; a tier member decodes on its
-        own link. Stops at the first expert no slot can be freed for, as `_issue` does."""
-        slots, tier, src, dst = self.slots, self.tier, self.store[layer], self.pool[layer]
-        keys, dsts, srcs, after = [], [], [], []
-        for e in experts:
-            if tier is not None and tier.has(layer, e):
-                if not self._issue(layer, e, urgent=True, protect=protect):
+            for e in experts:
+                slot = self.slots.reserve(layer, e, protect=protect)
+                if slot is None:
                     break
-                continue
-            slot = slots.reserve(layer, e, protect=protect)
-            if slot is None:
-                break
-            keys.append(e)
-            dsts += (dst.w13[slot], dst.w2[slot])
-            srcs += (src.w13[e], src.w2[e])
-            after.append(self.last_read[slot])  # CUDA: each slot's last reader (None on CPU)
-        if not keys:
-            return
-        order = {"after": after if len(after) > 1 else after[0]} if self._ordered else {}
-        t = self.link.copy(dsts, srcs, urgent=True, tag=(layer, keys[0] if len(keys) == 1 else tuple(keys)), **order)
-        self._stats["h2d_bytes"] += t.nbytes
-        for e in keys:
-            self.inflight[(layer, e)] = t
+                n += 1
+                t = None if tier is None else tier.copy(layer, e, [dst.w13[slot], dst.w2[slot]], urgent=urgent)
+                if t is None:  # not held coded on the device: over the link
+                    batch.append((e, slot))
+                else:
+                    self.inflight[(layer, e)] = t
+            step = max(1, len(batch)) if self.coalesce else 1
+            for i in range(0, len(batch), step):
+                keys, dsts, srcs, after = [], [], [], []
+                for e, slot in batch[i:i + step]:
+                    keys.append(e)
+                    dsts += (dst.w13[slot], dst.w2[slot])
+                    srcs += (src.w13[e], src.w2[e])
+                    after.append(self.last_read[slot])  # CUDA: the slot's last reader, not all compute
+                order = {"after": after[0] if len(after) == 1 else after} if self._ordered else {}  # CPU: none
+                t = self.link.copy(dsts, srcs, urgent=urgent, tag=(layer, keys[0] if len(keys) == 1 else tuple(keys)),
+                                   **order)
+                self._stats["h2d_bytes"] += t.nbytes  # a coded store's (offload/coded.py): its coded bytes
+                for e in keys:
+                    self.inflight[(layer, e)] = t
+        return n
 
     def _land(self, layer: int, e: int) -> None:
         """Wait (if needed) for (layer, e)'s copy and mark it ready."""
@@ -165,7 +151,7 @@ class OffloadedExperts:
         for e in experts:
             if where[e] >= 0:  # resident or in flight
                 continue
-            if not self._issue(layer, e, urgent=urgent, protect=protect):
+            if not self._issue(layer, (e,), urgent=urgent, protect=protect):
                 break
             self.prefetched.add((layer, e))
             n += 1
@@ -209,11 +195,6 @@ class OffloadedExperts:
         self.slots.cancel(*key, restore=True)
         self._stats["h2d_bytes"] -= t.nbytes  # never crossed the link
         return True
-
-    @property
-    def copied_bytes(self) -> int:
-        """Bytes sent over the link so far (since reset_stats): a host-side count, no sync."""
-        return self._stats["h2d_bytes"]
 
     @property
     def offloaded_bytes(self) -> int:
@@ -284,13 +265,8 @@ class OffloadedExperts:
                 if e not in hosted and e not in held:
                     rest.append(e)
             missing = rest
-        protect = set(need)
-        if len(missing) > 1 and self.coalesce:  # one transfer, one fixed cost (a tier member: a decode)
-            self._issue_together(layer, missing, protect)
-        else:
-            for e in missing:  # fetched at the queue's front, never evicting each other
-                if not self._issue(layer, e, urgent=True, protect=protect):
-                    break  # more experts than slots: the rest are fetched as computed ones free theirs
+        if missing:  # at the link's front, never evicting each other (more than the slots hold: the rest
+            self._issue(layer, missing, urgent=True, protect=set(need))  # are fetched as others free theirs)
         if guess is not None:  # the next layer's guesses, queued behind this layer's misses
             guess(layer, x)
         if ready:  # every resident expert, in one call through the remap row (-1 rows left for later)
@@ -338,16 +314,23 @@ class OffloadedExperts:
 
     def _land_batch(self, layer: int, todo: list[int]) -> list[int]:
         """The longest prefix of `todo` that holds slots (issuing copies for those without, never
-        evicting another of `todo`), landed. At least one expert, waiting for copies if it must."""
-        protect, batch = set(todo), []
-        where = self.slots.slot[layer]
+        evicting another of `todo`), landed. At least one expert: with no slot for the first, this
+        layer's copies land first, then (a shared pool: other layers' prefetches may hold every slot)
+        every copy, until one is freed."""
+        protect, batch, where = set(todo), [], self.slots.slot[layer]
         for e in todo:
-            if where[e] < 0 and not self._issue(layer, e, urgent=True, protect=protect):
+            if where[e] < 0 and not self._issue(layer, (e,), urgent=True, protect=protect):
                 break
             batch.append(e)
+        for mine in (True, False):
+            if batch:
+                break
+            for key in [k for k in self.inflight if (k[0] == layer) == mine]:
+                self._land(*key)
+            if self._issue(layer, todo[:1], urgent=True, protect=protect):
+                batch = todo[:1]
         if not batch:
-            self._issue_blocking(layer, todo[0], protect=protect)
-            batch = todo[:1]
+            raise RuntimeError(f"no evictable slot for layer {layer}: every slot of the pool is pinned or in use")
         for e in batch:
             self._land(layer, e)
         return batch
@@ -359,18 +342,6 @@ class OffloadedExperts:
             slot = self.slots.slot[layer]
             for e in experts:
                 self.last_read[slot[e]] = ev
-
-    def _issue_blocking(self, layer: int, e: int, protect) -> None:
-        """Issue (layer, e) now; if no slot can be freed, wait for this layer's copies to land first, then
-        (a shared pool: other layers' prefetches may hold every other slot) for every copy."""
-        if self._issue(layer, e, urgent=True, protect=protect):
-            return
-        for mine in (True, False):
-            for key in [k for k in self.inflight if (k[0] == layer) == mine]:
-                self._land(*key)
-            if self._issue(layer, e, urgent=True, protect=protect):
-                return
-        raise RuntimeError(f"no evictable slot for layer {layer}: every slot of the pool is pinned or in use")
 
     # -------------------------------------------------------------------------------- stats
     def reset_stats(self) -> None:
