@@ -149,6 +149,45 @@ def test_planner_scores_decay_once_a_plain_step_as_once_a_cycle(planner_setup):
     link.synchronize()
 
 
+def test_a_prompt_decays_scores_as_its_tokens_and_measures_no_reuse(planner_setup):
+    """A prefill of T tokens is one call a layer but T steps of text: the scores decay by decay^T
+    over it (begin_prefill, then the call's own decay), and its union of experts is no step-to-step
+    reuse; the first plain step after it measures reuse again."""
+    store, mgr, la, planner, link = planner_setup
+    for _ in range(3):
+        planner.observe_use(0, [0, 1])
+    score, reuse = planner.score[0][0], planner.reuse[0]
+    planner.begin_prefill(12)
+    for layer in range(L_):  # the prompt's calls, layer by layer
+        planner.observe_use(layer, [3, 4, 5, 6, 7])
+    assert math.isclose(planner.score[0][0], score * 0.8 ** 12) and planner.score[0][3] == 3.0
+    assert planner.reuse[0] == reuse
+    planner.observe_use(0, [3, 4])  # a plain step: measured against the prompt's experts
+    assert planner.reuse[0] == 0.9 * reuse + 0.1
+
+
+def test_a_new_prompt_copies_over_the_last_texts_residents(planner_setup):
+    """Both lanes: the residents the previous generation used every step keep no claim on the slots
+    once a new prompt runs (begin_prefill), so its misses are copied where the exchange pays; without
+    it their old uses price every copy out and the prompt's experts stay on the host, each of them
+    a miss again in the first steps after it."""
+    from specter.offload.calibrate import HostParams
+    from specter.offload.host_lane import LaneChoice
+
+    store, mgr, la, planner, link = planner_setup
+    mgr.link.copy_seconds = lambda nbytes: 7e-3
+    # host: 5 ms a job + 1 ms an expert; a copy: 7 ms
+    params = HostParams(bandwidth=mgr.expert_bytes / 1e-3, flops_per_s=0.0, latency=5e-3,
+                        pcie_bandwidth=float("inf"))
+    choose = LaneChoice(mgr, params, planner=planner)
+    for _ in range(5):  # the last text used the residents 0, 1, 2 every step
+        planner.observe_use(0, [0, 1, 2])
+    routed = [3, 4, 5, 3, 4, 5]  # the new prompt's tokens need 3, 4, 5 (none resident)
+    assert choose(0, [3, 4, 5], routed) == [3, 4, 5]  # as one more step of the old text: all hosted
+    planner.begin_prefill(12)
+    assert choose(0, [3, 4, 5], routed) == [4, 5]  # a new text: one copied (7 ms, beside 7 on the host)
+
+
 def test_late_experts_leave_the_highest_ranked_resident(planner_setup):
     """A layer needing more experts than its slots computes them in batches; with keep_rank the
     ones loaded last, and so left resident for the next cycle, are the highest ranked. The output

@@ -123,6 +123,8 @@ class SpeculativeDecoder:
             self.graphs.record((self.draft_step, self.verify_step), cache, self._caches)
         gen = params.generator(self.device)
         hist = History(prompt, self.device) if params.penalized else None  # what penalties look at
+        if self.planner is not None:  # a new context: what earlier text used predicts it as little as T steps ago
+            self.planner.begin_prefill(len(prompt))
         logits = self.model(torch.tensor(prompt, device=self.device), 0, cache, self.experts, logits_for="last")
         t = int(sample(logits, params, gen, hist))
         if hist is not None:

@@ -183,6 +183,7 @@ class PrefetchPlanner:
         self.cover_hits = self.cover_total = 0  # route coverage: verified uses the lookahead predicted
         self.reuse = [0.5] * lookahead.n_layers  # per layer, EMA: share of a plain step's experts the one before used
         self._last: list = [()] * lookahead.n_layers  # per layer, the experts the last plain step used
+        self._prefill = False      # a prompt is running (begin_prefill): its calls measure no reuse
 
     def rank(self, layer: int, e: int) -> float:
         """The slot cache evicts the lowest rank first."""
@@ -223,9 +224,12 @@ class PrefetchPlanner:
             decay, last, again = self.decay, self._last[layer], 0
             for e in range(len(row)):
                 row[e] *= decay
-            for e in experts:
-                again += e in last
-            self.reuse[layer] = 0.9 * self.reuse[layer] + 0.1 * again / max(1, len(experts))
+            if self._prefill:  # many tokens' union: not a step-to-step reuse (its last layer ends it)
+                self._prefill = layer < len(self.score) - 1
+            else:
+                for e in experts:
+                    again += e in last
+                self.reuse[layer] = 0.9 * self.reuse[layer] + 0.1 * again / max(1, len(experts))
             self._last[layer] = set(experts)
         predicted = self.demand[layer] if self.read_upto else ()
         for e in experts:
@@ -233,6 +237,18 @@ class PrefetchPlanner:
             self.cover_hits += e in predicted
         if self.read_upto:
             self.cover_total += len(experts)
+
+    def begin_prefill(self, tokens: int) -> None:
+        """A prompt of `tokens` tokens is about to run as one call a layer: its scores decay as over
+        that many plain steps (observe_use decays the last one), not one. The experts the earlier
+        text used are no likelier to serve this prompt's tokens than any others, so neither a copy
+        (LaneChoice) nor eviction may keep them on their old uses; the call does not measure step
+        to step `reuse` either."""
+        decay = self.decay ** max(0, tokens - 1)
+        for row in self.score:
+            for e in range(len(row)):
+                row[e] *= decay
+        self._prefill = True
 
     def end_cycle(self) -> None:
         """Verification is over: uses from now on (plain steps, prefill) are not predictions' to cover."""
