@@ -64,17 +64,19 @@ DIES = r"""
 import os, sys, time
 import specter.pipeline.stage as stage
 from specter.cli import main
+from specter.speculative.draft import PrefetchPlanner
 
 run = stage.StageModel.forward
 
-def forward(self, x, start, experts=None, logits_for="last"):  # this rank's first step (or first draft
-    if sys.argv[1] == "draft" and (experts is None or experts is not self.draft):  # step): it dies, or
-        return run(self, x, start, experts, logits_for)  # hangs (for 2 timeouts, then dies)
-    if sys.argv[1] == "hang":
+def forward(self, x, start, experts=None, logits_for="last"):  # this rank's first step: it dies, or
+    if sys.argv[1] == "hang":                                  # hangs (for 2 timeouts, then dies)
         time.sleep(2 * float(sys.argv[sys.argv.index("--pipeline-timeout") + 1]))
     os._exit(3)
 
-stage.StageModel.forward = forward
+if sys.argv[1] == "draft":  # at its first lookahead row from rank 0's draft (mid-cycle)
+    PrefetchPlanner.begin_cycle = lambda *a, **k: os._exit(3)
+else:
+    stage.StageModel.forward = forward
 sys.exit(main(sys.argv[2:]))
 """
 
@@ -238,10 +240,15 @@ def test_plan_ranks_says_what_each_rank_holds_as_the_ranks_load_it(ckpts, capsys
     assert capsys.readouterr().out.count("does NOT fit") == 2
     assert main(["plan", "--model", str(path), "--ranks", "2", "--policy", "oracle"]) == 2  # not pipelined
     assert main(["plan", "--model", str(path), "--ranks", "2", "--policy", "specter", "--device", "cpu", "--json",
-                 "--expert-memory", "120KiB"]) == 0  # each rank's device also holds its layers' draft
+                 "--expert-memory", "120KiB"]) == 0  # rank 0's device also holds the whole draft
     rows = json.loads(capsys.readouterr().out)["ranks"]
-    assert all(r["draft_bytes"] > 0 and r["total_bytes"] == r["non_expert_bytes"] + r["kv_bytes"] + r["draft_bytes"]
-               + r["pool_bytes"] for r in rows)
+    assert all(r["total_bytes"] == r["non_expert_bytes"] + r["kv_bytes"] + r["draft_bytes"] + r["pool_bytes"]
+               for r in rows)
+    plain = json.loads((main(["plan", "--model", str(path), "--ranks", "2", "--policy", "on-demand", "--device",
+                              "cpu", "--json", "--expert-memory", "120KiB"]), capsys.readouterr().out)[1])["ranks"]
+    assert rows[0]["draft_bytes"] > 0 and rows[1]["draft_bytes"] == 0 and rows[1] == plain[1]
+    assert rows[0]["non_expert_bytes"] == sum(r["non_expert_bytes"] for r in plain)  # every layer's
+    assert rows[0]["kv_bytes"] == sum(r["kv_bytes"] for r in plain)
 
 
 # ------------------------------------------------------------------------------- token identity
@@ -276,8 +283,8 @@ def test_pipelines_give_one_process_tokens(ckpts, tmp_path, world):
             assert g["hits"] + g["misses"] == ref.stats["expert_hits"] + ref.stats["expert_misses"] > 0  # one process's
         if c.get("k"):  # the same cycles: drafted (so speculation ran across the stages) and accepted alike
             assert [g["stats"][s] for s in SPEC_STATS] == [ref.stats[s] for s in SPEC_STATS], c
-            # a round trip through every stage: the prefill, each draft step, each verification or plain step
-            assert g["pipeline"]["round_trips"] == 1 + g["stats"]["drafted_tokens"] + g["stats"]["cycles"]
+            # a round trip through every stage: the prefill, each verification or plain step (rank 0 drafts)
+            assert g["pipeline"]["round_trips"] == 1 + g["stats"]["cycles"]
             assert g["stats"]["drafted_tokens"] > 0 and g["stats"]["k_histogram"] == {str(k): v for k, v in ref.stats["k_histogram"].items()}
             per = g["pipeline"]["per_rank"]
             if c["policy"] == "specter":  # each rank with MoE layers planned from its own lookahead rows
@@ -334,7 +341,7 @@ def test_a_dead_or_stuck_rank_fails_the_others_within_the_timeout(ckpts, how):
     """Rank 1 of 3 dies (or stops answering) at its first step: ranks 0 and 2 exit with an error naming
     the broken pipeline, at once for a death (the connection closes), after the timeout for a hang
     (rank 2, waiting on rank 1, times out; rank 0 then sees rank 2 leave, or times out itself).
-    "draft": specter, rank 1 dies at its first draft step (mid-cycle)."""
+    "draft": specter, rank 1 dies at the first lookahead row rank 0's draft sends it (mid-cycle)."""
     timeout = 5
     policy = ["--policy", "specter", "--residency", "0.5"] if how == "draft" else ["--policy", "resident"]
     args = ["generate", "--model", str(ckpts["qwen3_moe"]), "--prompt-ids", "1,2,3", "--max-new-tokens", "6",

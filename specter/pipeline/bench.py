@@ -16,7 +16,7 @@ from ..sampling import SamplingParams
 from .decoder import serve_stage
 from .launch import PIPELINED_POLICIES, UNSUPPORTED, check_options, open_pipeline
 
-PER_RANK = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s")
+PER_RANK = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "host_stall_s", "step_s", "wire_s")
 
 
 def _policies(text: str) -> list[str]:

@@ -16,23 +16,30 @@ T, start, max_len, flags, row, k, draft_us, demote] (int64) and, for a step, the
     PING    nothing (passed on): an idle server's rank 0 sends it every quarter of the timeout, so
             the other ranks' waits between generations never time out (`keep_alive`)
 
+    ROWS    (drafting policies) one draft step's lookahead row: rank 0 runs the whole draft itself
+            (stage.StageModel.whole) and, after each draft step, sends the router choices it
+            recorded for every MoE layer ([L_moe, top_k] int32, `T` bytes) down the chain without
+            waiting; each rank copies its own layers' columns into row `row` of its lookahead. Row 0
+            begins the cycle (of `k` drafted tokens) on the rank's planner (`draft_us`: the
+            governor's draft time a token, for its chunk size), and the planner then reads the new
+            rows and prefetches, as the single-process cycle plans (after row 0, at chunk
+            boundaries, after row k-1)
+
 Flags of a step (the speculative decoder's; 0 for plain decoding):
-    DRAFT   one draft step: the stage's INT4 draft experts run, its routers' choices go into the
-            stage's own lookahead row `row` of a cycle drafting `k` tokens; row 0 begins the cycle on
-            the stage's planner (`draft_us`: the governor's draft time a token, for its chunk size),
-            and after forwarding the step the planner reads its new rows and prefetches, as the
-            single-process cycle plans (after row 0, at chunk boundaries, after row k-1)
     GUESS   a K = 0 step with next-layer guesses within each stage
     CYCLE   a cycle's verification: after it each stage withdraws its leftover prefetches and ends
             its planner's cycle
     STATS   each rank adds its expert counters since BEGIN (stall_s, hits, misses, bytes off the
             device) to a float64 [4] that follows the hidden state; the last rank returns the sums
             with the logits: what the governor and the recall stats read each cycle
+    KV      (every target step of a drafting policy) each rank after the first returns its layers'
+            K/V at the step's positions to rank 0, whose whole draft reads them as the single-process
+            draft reads the target's: the last rank after its logits, the others in a send of their own
 `demote` (> 0): rank 0's acceptance kept that many verified rows; each rank demotes the experts
 only the rejected rows used (OffloadedExperts.demote_rejected) before anything else. CANCEL (on
 any header): rank 0's decoder withdrew its leftover prefetches since the last message (after a run
-of K = 0 steps with guesses); each rank withdraws its own first. KV caches
-roll back by position: the next step writes from its smaller `start`.
+of K = 0 steps with guesses); each rank withdraws its own first. KV caches roll back by position:
+the next step writes from its smaller `start`.
 
 Every receive is bounded by the group's timeout, and a peer that dies closes its connections; the
 exchange then raises a PipelineError on the rank that saw it (group.comm).
@@ -40,6 +47,7 @@ exchange then raises a PipelineError on the rank that saw it (group.comm).
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -51,11 +59,12 @@ from .group import Group, PipelineError, comm
 from .stage import StageModel
 from .stages import Stage
 
-BEGIN, STEP, END, STOP, ABORT, PING = 1, 2, 3, 4, 5, 6
-ALL, DRAFT, GUESS, CYCLE, STATS, CANCEL = 1, 2, 4, 8, 16, 32
+BEGIN, STEP, END, STOP, ABORT, PING, ROWS = 1, 2, 3, 4, 5, 6, 7
+ALL, GUESS, CYCLE, STATS, CANCEL, KV = 1, 4, 8, 16, 32, 64
 HEADER = 9
 SIDE = ("stall_s", "expert_hits", "expert_misses", "offloaded_bytes")  # a STATS step's counters
-NAMES = {BEGIN: "begin", STEP: "step", END: "end", STOP: "stop", ABORT: "abort", PING: "ping"}
+PER_RANK_ONLY = ("step_s", "wire_s")  # each rank's own: its stage's target steps, its blocked exchanges
+NAMES = {BEGIN: "begin", STEP: "step", END: "end", STOP: "stop", ABORT: "abort", PING: "ping", ROWS: "rows"}
 SUMMED = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "prefetch_issued", "prefetch_used",
           "prefetch_cancelled", "host_experts", "host_bytes", "host_stall_s")
 
@@ -63,47 +72,87 @@ SUMMED = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "prefetch_issu
 class Wire:
     """This rank's sends and receives, on the group's wire device, with errors that say what failed.
 
-    A message is one send: the header, a STATS step's counters (float64 [4]) and, for a step of one
-    position, its hidden state row [1, H], as bytes; a wider hidden state [T, H] follows as a second
-    send. The result a last stage returns to rank 0 is one send too: the logits and the counters.
-    Each send is a hand-off the receiving process must wake up for, and on a loaded machine a
-    wake-up can cost more than the send (docs/RESULTS.md), so a token's step crosses each boundary
-    once."""
+    A message is one send: the header, a STATS step's counters (float64 [4]) and, for a step of up
+    to `rows` positions (1; a drafting policy's verification width, `inline_rows`), its hidden state
+    [T, H] (for ROWS, its rows when they fit there), as bytes; a wider hidden state (or payload)
+    follows as a second send. The result a last stage returns to
+    rank 0 is one send too: the counters, the logits and (KV) its K/V rows. Each send is a hand-off
+    the receiving process must wake up for, and on a loaded machine a wake-up can cost more than
+    the send (docs/RESULTS.md), so a token's step crosses each boundary once. Sends made with
+    `wait=False` (ROWS, a middle rank's K/V) return at once; they complete in order before this
+    rank's next blocking send (`drain`)."""
 
-    def __init__(self, group: Group, hidden: int, dtype: torch.dtype):
-        self.group, self.hidden, self.dtype = group, hidden, dtype
+    def __init__(self, group: Group, hidden: int, dtype: torch.dtype, rows: int = 1):
+        self.group, self.hidden, self.dtype, self.rows = group, hidden, dtype, rows
         self.broken: str | None = None  # an exchange failed (its error): nothing more is sent
-        self.size = (HEADER + len(SIDE)) * 8 + hidden * dtype.itemsize  # bytes of a message
+        self.slot = rows * hidden * dtype.itemsize  # a message's bytes after its header and counters:
+        self.size = (HEADER + len(SIDE)) * 8 + self.slot  # up to `rows` positions' hidden state inline
         self.trips = 0  # rank 0: results received (round trips through every stage) since BEGIN
+        self.inflight: list = []  # (work, buffer, what) of the sends not waited for
+        self.wait_s = 0.0  # seconds blocked in this rank's exchanges since BEGIN (stats: wire_s)
+
+    def drain(self) -> None:
+        """Waits for the sends made with wait=False (each completes once its receiver took it)."""
+        while self.inflight:
+            work, _, what = self.inflight.pop(0)
+            self._do(what, work.wait)
+
+    def _send(self, buf: torch.Tensor, dst: int, what: str, wait: bool = True) -> None:
+        if wait:
+            self.drain()
+            self._do(what, lambda: dist.send(buf, dst))
+        else:
+            self.inflight.append((self._do(what, lambda: dist.isend(buf, dst)), buf, what))
 
     def _do(self, what: str, fn):
+        t = time.perf_counter()
         try:
             with comm(self.group, what):
                 return fn()
         except PipelineError as e:
             self.broken = str(e)
             raise
+        finally:
+            self.wait_s += time.perf_counter() - t
 
     def send_header(self, dst: int, cmd: int, T: int = 0, start: int = 0, max_len: int = 0, flags: int = 0,
                     row: int = 0, k: int = 0, draft_us: int = 0, demote: int = 0, x: torch.Tensor | None = None,
-                    side: torch.Tensor | None = None) -> None:
-        self.forward(dst, [cmd, T, start, max_len, flags, row, k, draft_us, demote], x, side)
+                    side: torch.Tensor | None = None, payload: torch.Tensor | None = None, wait: bool = True) -> None:
+        self.forward(dst, [cmd, T, start, max_len, flags, row, k, draft_us, demote], x, side, payload, wait)
 
     def forward(self, dst: int, header: list[int], x: torch.Tensor | None = None,
-                side: torch.Tensor | None = None) -> None:
-        """Sends a message (`x`: a step's hidden state [T, H], `side`: its counters)."""
+                side: torch.Tensor | None = None, payload: torch.Tensor | None = None, wait: bool = True) -> None:
+        """Sends a message (`x`: a step's hidden state [T, H], `side`: its counters; `payload`: ROWS'
+        bytes, header[1] of them)."""
         wire = self.group.wire
         parts = [torch.tensor(header, dtype=torch.int64, device=wire).view(torch.uint8),
                  (side.to(wire, torch.float64) if side is not None
                   else torch.zeros(len(SIDE), dtype=torch.float64, device=wire)).view(torch.uint8)]
-        one = x is not None and x.shape[0] == 1
-        parts.append(x.to(wire, self.dtype).reshape(-1).view(torch.uint8) if one
-                     else torch.zeros(self.hidden * self.dtype.itemsize, dtype=torch.uint8, device=wire))
-        buf = torch.cat(parts)
-        self._do(f"sending '{NAMES[header[0]]}' to rank {dst}", lambda: dist.send(buf, dst))
-        if x is not None and not one:
-            x = x.to(wire, self.dtype).contiguous()
-            self._do(f"sending the hidden state to rank {dst}", lambda: dist.send(x, dst))
+        more = None  # what follows in a second send
+        if x is not None:
+            x = x.to(wire, self.dtype).reshape(-1).view(torch.uint8)
+            more = x if header[1] > self.rows else None
+        elif payload is not None:
+            x = payload.to(wire).reshape(-1).view(torch.uint8)
+            more = x if x.numel() > self.slot else None
+        if x is None or more is not None:
+            parts.append(torch.zeros(self.slot, dtype=torch.uint8, device=wire))
+        else:
+            parts.append(x)
+            if x.numel() < self.slot:
+                parts.append(torch.zeros(self.slot - x.numel(), dtype=torch.uint8, device=wire))
+        name = NAMES[header[0]]
+        self._send(torch.cat(parts), dst, f"sending '{name}' to rank {dst}", wait)
+        if more is not None:
+            self._send(more.contiguous(), dst, f"sending the {name}'s data to rank {dst}", wait)
+
+    def send_bytes(self, dst: int, data: torch.Tensor, wait: bool = True) -> None:
+        self._send(data.to(self.group.wire).contiguous(), dst, f"sending K/V rows to rank {dst}", wait)
+
+    def recv_bytes(self, src: int, n: int) -> torch.Tensor:
+        buf = torch.empty(n, dtype=torch.uint8, device=self.group.wire)
+        self._do(f"receiving K/V rows from rank {src}", lambda: dist.recv(buf, src))
+        return buf
 
     def receive(self, src: int, device) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
         """The next message: (header, counters float64 [4] on the CPU, a step's hidden state [T, H] on
@@ -115,35 +164,53 @@ class Wire:
         side = buf[a:b].view(torch.float64).cpu().clone()
         x = None
         if header[0] == STEP:
-            if header[1] == 1:
-                x = buf[b:].view(self.dtype).reshape(1, self.hidden).to(device).clone()
+            if header[1] <= self.rows:
+                n = header[1] * self.hidden * self.dtype.itemsize
+                x = buf[b:b + n].view(self.dtype).reshape(header[1], self.hidden).to(device).clone()
             else:
                 x = torch.empty((header[1], self.hidden), dtype=self.dtype, device=self.group.wire)
                 self._do(f"receiving the hidden state from rank {src}", lambda: dist.recv(x, src))
                 x = x.to(device)
+        elif header[0] == ROWS:  # bytes: on the wire's device, as received
+            n = header[1]
+            if n <= self.slot:
+                x = buf[b:b + n].clone()
+            else:
+                x = torch.empty(n, dtype=torch.uint8, device=self.group.wire)
+                self._do(f"receiving the rows from rank {src}", lambda: dist.recv(x, src))
         return header, side, x
 
-    def send_result(self, logits: torch.Tensor, side: torch.Tensor | None) -> None:
-        """The last stage's fp32 logits [rows, V] (after a STATS step's counters) to rank 0, in one send."""
+    def send_result(self, logits: torch.Tensor, side: torch.Tensor | None, kv: torch.Tensor | None = None) -> None:
+        """The last stage's fp32 logits [rows, V] (after a STATS step's counters; then a KV step's K/V
+        rows, as bytes) to rank 0, in one send."""
         wire = self.group.wire
         parts = [logits.to(wire, torch.float32).reshape(-1).view(torch.uint8)]
         if side is not None:  # first: its float64 stays 8-byte aligned whatever the vocabulary's size
             parts.insert(0, side.to(wire, torch.float64).view(torch.uint8))
-        buf = torch.cat(parts)
-        self._do("sending the logits to rank 0", lambda: dist.send(buf, 0))
+        if kv is not None:
+            parts.append(kv.to(wire))
+        self._send(torch.cat(parts), 0, "sending the logits to rank 0")
 
-    def recv_result(self, src: int, rows: int, vocab: int, stats: bool, device) -> tuple[torch.Tensor, list | None]:
+    def recv_result(self, src: int, rows: int, vocab: int, stats: bool, device,
+                    kv: int = 0) -> tuple[torch.Tensor, list | None, torch.Tensor | None]:
+        """(logits [rows, V] on `device`, the counters or None, `kv` bytes of K/V rows or None)."""
         a = len(SIDE) * 8 if stats else 0
-        buf = torch.empty(a + rows * vocab * 4, dtype=torch.uint8, device=self.group.wire)
+        b = a + rows * vocab * 4
+        buf = torch.empty(b + kv, dtype=torch.uint8, device=self.group.wire)
         self._do(f"receiving the logits from rank {src}", lambda: dist.recv(buf, src))
         self.trips += 1
-        logits = buf[a:].view(torch.float32).reshape(rows, vocab).to(device).clone()
-        return logits, (buf[:a].view(torch.float64).tolist() if stats else None)
+        logits = buf[a:b].view(torch.float32).reshape(rows, vocab).to(device).clone()
+        return logits, (buf[:a].view(torch.float64).tolist() if stats else None), (buf[b:] if kv else None)
 
     def gather_stats(self, mine: dict) -> list[dict] | None:
         out = [None] * self.group.world if self.group.rank == 0 else None
         self._do("gathering every rank's stats", lambda: dist.gather_object(mine, out, dst=0))
         return out
+
+
+def inline_rows(k_max: int) -> int:
+    """The positions a message carries inline: a verification of up to 16 (K <= 15) in one send."""
+    return min(k_max, 15) + 1
 
 
 def pipeline_info(group: Group, stages: list[Stage], wire: Wire) -> dict:
@@ -182,7 +249,7 @@ class PipelineDecoder:
         self._per_rank = None
         max_len = len(prompt) + max_new
         self.stage.begin(max_len)
-        self.wire.trips = 0
+        self.wire.trips, self.wire.wait_s, self.stage.step_s = 0, 0.0, 0.0
         self.wire.send_header(1, BEGIN, max_len=max_len)
         try:
             gen = params.generator(self.device)
@@ -199,7 +266,7 @@ class PipelineDecoder:
         finally:
             if not self.wire.broken:
                 self.wire.send_header(1, END)
-                self._per_rank = self.wire.gather_stats(self.stage.stats())
+                self._per_rank = self.wire.gather_stats(dict(self.stage.stats(), wire_s=self.wire.wait_s))
 
     def _forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         x = self.stage.forward(tokens, start)  # [T, H]
@@ -273,7 +340,7 @@ def keep_alive(dec, every: float | None = None):
 
 def summed(per: list[dict]) -> dict:
     """Rank 0's stats with the SUMMED counters (and cover_hits/cover_total) added over every rank's."""
-    out = dict(per[0])
+    out = {k: v for k, v in per[0].items() if k not in PER_RANK_ONLY}
     for s in per[1:]:
         for k in SUMMED + ("cover_hits", "cover_total"):
             if k in s:
@@ -285,8 +352,10 @@ def summed(per: list[dict]) -> dict:
 
 def serve_stage(stage: StageModel, group: Group) -> None:
     """Every rank but 0: runs its stage for each message from the previous rank until STOP."""
+    from .stage import kv_rows
+
     spec, r = stage.model.spec, group.rank
-    wire = Wire(group, spec.hidden, stage.dtype)
+    wire = Wire(group, spec.hidden, stage.dtype, inline_rows(stage.k_max))
     prev, nxt, last = r - 1, r + 1, r == group.world - 1
     mgr, planner = stage.mgr, stage.planner
     chunk = 1
@@ -298,30 +367,33 @@ def serve_stage(stage: StageModel, group: Group) -> None:
                 mgr.demote_rejected(demote)
             if flags & CANCEL and mgr is not None:
                 mgr.cancel_prefetches()
-            if cmd == STEP:
-                experts = None  # the target's
-                if flags & DRAFT:
-                    if row == 0 and planner is not None:
+            if cmd == ROWS:
+                if not last:
+                    wire.forward(nxt, h, payload=x)
+                if planner is not None:  # as SpeculativeDecoder._draft plans, from this rank's columns
+                    if row == 0:
                         chunk = planner.begin_cycle(k, draft_us / 1e6)
-                    if stage.draft is not None:
-                        stage.draft.inner.row = row
-                    experts = stage.draft
-                elif flags & GUESS:
-                    experts = stage.guessing
+                    ids = x.view(torch.int32).view(-1, spec.top_k)[stage.stage.moe_first:stage.stage.moe_last]
+                    stage.lookahead.ids[row].copy_(ids)
+                    if row == 0 or ((row + 1) % chunk == 0 and mgr.link.pending() <= 1):
+                        planner.plan(row + 1)
+                    if row == k - 1:
+                        planner.plan(k)
+                continue
+            if cmd == STEP:
+                experts = stage.guessing if flags & GUESS else None  # None: the target's
                 y = stage.forward(x, start, experts, "all" if flags & ALL else "last")
                 if flags & STATS and mgr is not None:  # this rank's counters since BEGIN, added on
                     s = mgr.stats()
                     side += torch.tensor([s["stall_s"], s["expert_hits"], s["expert_misses"], mgr.offloaded_bytes],
                                          dtype=torch.float64)
+                kv = kv_rows(stage.cache, spec, stage.stage.first, stage.stage.last, start, T) if flags & KV else None
                 if last:
-                    wire.send_result(y, side if flags & STATS else None)
+                    wire.send_result(y, side if flags & STATS else None, kv)
                 else:
                     wire.forward(nxt, h, y, side)
-                if planner is not None and flags & DRAFT:  # as SpeculativeDecoder._draft plans
-                    if row == 0 or ((row + 1) % chunk == 0 and mgr.link.pending() <= 1):
-                        planner.plan(row + 1)
-                    if row == k - 1:
-                        planner.plan(k)
+                    if kv is not None:  # straight to rank 0, which takes it after the logits
+                        wire.send_bytes(0, kv, wait=False)
                 if mgr is not None and flags & CYCLE:
                     mgr.cancel_prefetches()  # what verification did not wait for, it did not need
                 if planner is not None and flags & CYCLE:
@@ -334,9 +406,12 @@ def serve_stage(stage: StageModel, group: Group) -> None:
             if cmd == BEGIN:
                 stage.reset_stats()
                 stage.begin(max_len)
+                wire.wait_s = 0.0
             elif cmd == END:
-                wire.gather_stats(stage.stats())
+                wire.drain()
+                wire.gather_stats(dict(stage.stats(), wire_s=wire.wait_s))
             elif cmd == STOP:
+                wire.drain()
                 return
             elif cmd == ABORT:
                 raise PipelineError(f"rank {r} of {group.world}: rank 0 stopped the pipeline after an error "

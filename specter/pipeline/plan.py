@@ -5,8 +5,10 @@ the final norm and lm_head on the last), its layers' KV cache at the context, an
 pool; its host holds its MoE layers' expert store. The pool is sized as the ranks size it when they
 load (stage.load_stage): a residency gives each stage its layers' share of the whole model's pool;
 --expert-memory is each rank's own; --device-memory is each rank's own device, the pool taking
-what the stage's weights, KV cache and (drafting policies) its layers' draft experts leave (it fits
-when that is at least one layer's top-k)."""
+what the stage's weights, KV cache and draft leave (it fits when that is at least one layer's
+top-k). Drafting policies: the first rank runs the whole draft (stage.StageModel.whole), so it
+holds every layer's non-expert weights, every MoE layer's draft experts and a KV cache of every
+layer; the others hold no draft."""
 from __future__ import annotations
 
 import json
@@ -15,7 +17,7 @@ from ..errors import BudgetError, ConfigError
 from ..offload.plan import draft_expert_bytes, make_plan, parse_budget
 from ..policy import get as get_policy
 from ..sizes import format_size
-from .stages import make_stages, stage_fixed_bytes, stage_pool
+from .stages import Stage, make_stages, stage_fixed_bytes, stage_pool
 
 PIPELINED = ("resident", "on-demand", "next-layer", "host", "spec-lru", "specter")  # launch.PIPELINED_POLICIES
 
@@ -30,10 +32,12 @@ def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str,
     stages = make_stages(spec, ranks, store_dtype.itemsize)
     item, E, k = dtype.itemsize, spec.n_experts, spec.top_k
     out = []
+    n_moe = len(spec.moe_layer_ids)
     for st in stages:
         mine = st.moe_last - st.moe_first
-        non, kv = stage_fixed_bytes(spec, st, item, context)
-        draft = mine * E * draft_expert_bytes(spec) if drafts else 0
+        whole = drafts and st.is_first  # the whole draft: every layer, as one process holds it
+        non, kv = stage_fixed_bytes(spec, Stage(0, 1, 0, spec.n_layers, 0, n_moe) if whole else st, item, context)
+        draft = n_moe * E * draft_expert_bytes(spec) if whole else 0
         if policy == "resident":
             slots, expert = mine * E, spec.expert_numel() * item
         else:

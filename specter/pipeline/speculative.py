@@ -1,10 +1,14 @@
 """Speculation across the stages: rank 0's decoder is the single-process SpeculativeDecoder itself,
 given stand-ins for the model and the offload manager that reach every rank.
 
-    PipeModel    what the decoder calls its model: rank 0's stage, then a STEP down the chain with
-                 flags saying which experts run (the draft's with its lookahead row, the target's,
-                 the target's with next-layer guesses) and what follows it (decoder.py), and the last
-                 stage's logits back
+    PipeModel    what the decoder calls its model. A draft step runs on rank 0 alone: its stage holds
+                 the whole draft (every layer, stage.StageModel.whole), so the K draft steps of a
+                 cycle cross no boundary; each step's lookahead row then goes down the chain (ROWS,
+                 not waited for), so every rank's planner starts its own layers' copies while the
+                 draft goes on. A target step is rank 0's stage, then a STEP down the chain with flags
+                 saying which experts run (the target's, or with next-layer guesses) and what follows
+                 it (decoder.py), and the last stage's logits back with the other ranks' K/V rows
+                 (the draft reads the target's K/V of every layer, as in one process)
     PipeExperts  what it calls its offload manager: rank 0's own (None without an MoE layer), plus
                  the other ranks' counters that come back with each target step (stall, hits,
                  misses, bytes), so the governor and the recall stats see the whole pipeline;
@@ -24,10 +28,10 @@ import torch
 
 from ..speculative.decoder import SpeculativeDecoder
 from ..speculative.governor import Governor
-from .decoder import (ALL, BEGIN, CANCEL, CYCLE, DRAFT, END, GUESS, SIDE, STATS, STEP, Wire, finish,
-                      pipeline_info, summed)
+from .decoder import (ALL, BEGIN, CANCEL, CYCLE, END, GUESS, KV, ROWS, SIDE, STATS, STEP, Wire, finish,
+                      inline_rows, pipeline_info, summed)
 from .group import Group
-from .stage import StageModel
+from .stage import StageModel, kv_row_bytes, put_kv_rows
 from .stages import Stage
 
 
@@ -119,33 +123,40 @@ class PipeModel:
 
     def __init__(self, dec: "PipelineSpeculativeDecoder"):
         self.dec, self.spec = dec, dec.stage.model.spec
+        stages = dec.stages
+        row = kv_row_bytes(self.spec, dec.stage.dtype)
+        self.kv = [(s.first, s.last, (s.last - s.first) * row) for s in stages[1:]]  # what each rank returns
 
     def __call__(self, tokens: torch.Tensor, start: int, cache, experts, logits_for: str = "all") -> torch.Tensor:
         d, st = self.dec, self.dec.stage
+        if experts is d.draft:  # the whole draft, here; its lookahead row to the other ranks' planners
+            row = st.draft.row = d.draft.row
+            logits = st.draft_forward(tokens, start, logits_for)
+            if d.remote_plans and row is not None:
+                cancel, demote = d.experts.pending()
+                ids = st.whole_lookahead.ids[row].reshape(-1).view(torch.uint8)
+                d.wire.send_header(1, ROWS, ids.numel(), flags=cancel, row=row, k=d.k,
+                                   draft_us=int((d.governor.draft_s or 0.0) * 1e6), demote=demote, payload=ids,
+                                   wait=False)
+            return logits
         T = tokens.shape[0]
-        flags, row, k, draft_us = (ALL if logits_for == "all" else 0), 0, 0, 0
-        if experts is d.draft:
-            flags |= DRAFT
-            row, k, draft_us = d.draft.row, d.k, int((d.governor.draft_s or 0.0) * 1e6)
-            local = st.draft
-            if local is not None:
-                local.inner.row = row
-        else:
-            flags |= STATS
-            local = None
-            if isinstance(experts, partial):  # the decoder's next-layer fallback (K = 0 steps)
-                flags |= GUESS
-                local = st.guessing
-            elif flags & ALL and T > 1:
-                flags |= CYCLE
+        flags, local = (ALL if logits_for == "all" else 0) | STATS | KV, None
+        if isinstance(experts, partial):  # the decoder's next-layer fallback (K = 0 steps)
+            flags |= GUESS
+            local = st.guessing
+        elif flags & ALL and T > 1:
+            flags |= CYCLE
         x = st.forward(tokens, start, local, logits_for)
         w = d.wire
         cancel, demote = d.experts.pending()
-        w.send_header(1, STEP, T, start, flags=flags | cancel, row=row, k=k, draft_us=draft_us, demote=demote, x=x)
-        logits, remote = w.recv_result(d.group.world - 1, T if flags & ALL else 1, self.spec.vocab_size,
-                                       bool(flags & STATS), d.device)
-        if remote is not None:
-            d.experts.remote = remote
+        w.send_header(1, STEP, T, start, flags=flags | cancel, demote=demote, x=x)
+        last = self.kv[-1]
+        logits, remote, kv = w.recv_result(d.group.world - 1, T if flags & ALL else 1, self.spec.vocab_size, True,
+                                           d.device, kv=T * last[2])
+        d.experts.remote = remote
+        for r, (first, end, n) in enumerate(self.kv[:-1], 1):  # the middle ranks' own sends
+            put_kv_rows(st.cache, self.spec, first, end, start, T, w.recv_bytes(r, T * n))
+        put_kv_rows(st.cache, self.spec, last[0], last[1], start, T, kv)
         return logits
 
 
@@ -156,10 +167,11 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
     def __init__(self, stage: StageModel, group: Group, stages: list[Stage], *, planner: bool, k_max: int,
                  all_resident: bool):
         self.stage, self.group, self.stages = stage, group, stages
-        self.wire = Wire(group, stage.model.spec.hidden, stage.dtype)
+        self.wire = Wire(group, stage.model.spec.hidden, stage.dtype, inline_rows(k_max))
         self._closed = False
         self.lock = threading.Lock()  # held by a generation, from BEGIN to END (decoder.keep_alive)
         self.k = 0  # the running cycle's K (the remote planners begin their cycles with it)
+        self.remote_plans = planner and group.world > 1  # the other ranks' planners read ROWS
         plan = (stage.planner or _NoPlanner()) if planner else None
         fallback = object() if planner else None  # a K = 0 step guesses: each stage its own (GUESS)
         super().__init__(PipeModel(self), PipeExperts(stage, all_resident), _Draft(), stage.device, stage.dtype,
@@ -178,7 +190,7 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
         with self.lock:
             self.experts.per_rank = None
             self.stage.begin(need)
-            self.wire.trips = 0
+            self.wire.trips, self.wire.wait_s, self.stage.step_s = 0, 0.0, 0.0
             self.wire.send_header(1, BEGIN, max_len=need)
             try:
                 yield from super().run(prompt, params, max_new)
@@ -186,7 +198,7 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
                 if not self.wire.broken:
                     cancel, demote = self.experts.pending()
                     self.wire.send_header(1, END, flags=cancel, demote=demote)
-                    self.experts.per_rank = self.wire.gather_stats(self.stage.stats())
+                    self.experts.per_rank = self.wire.gather_stats(dict(self.stage.stats(), wire_s=self.wire.wait_s))
 
     def _kv_cache(self, need: int):
         return self.stage.cache  # each rank's own stage cache, made at BEGIN

@@ -13,6 +13,7 @@ single-process loop does.
 """
 from __future__ import annotations
 
+import time
 from itertools import repeat
 from types import SimpleNamespace
 
@@ -114,18 +115,23 @@ def drop_others(model, stage: Stage, dtype: torch.dtype) -> None:
 
 class StageModel:
     """This rank's loaded stage: the model's loop over its layers with its own provider. A drafting
-    policy's stage also holds its layers' part of the speculation: `draft` (the INT4 experts of its
-    layers, recording their routers into its own `lookahead` rows), `planner` (specter: prefetching
-    its own layers' experts from those rows), `guessing` (specter's K = 0 steps: next-layer guesses
-    within the stage) and `mgr`, the offload manager under them (None where the stage has no MoE
-    layer)."""
+    policy's stage also holds its layers' part of the speculation: `lookahead` (rows over its own MoE
+    layers), `planner` (specter: prefetching its own layers' experts from those rows), `guessing`
+    (specter's K = 0 steps: next-layer guesses within the stage) and `mgr`, the offload manager under
+    them (None where the stage has no MoE layer). The first stage of a drafting policy also holds the
+    whole draft (`whole`): every layer's non-expert weights, every MoE layer's INT4 experts (`draft`,
+    recording into `whole_lookahead`, whose first rows' columns are its own `lookahead`) and a KV
+    cache of every layer, so the K draft steps of a cycle cross no boundary (speculative.py)."""
 
     def __init__(self, model, provider, stage: Stage, device, dtype, plan=None, tokenizer=None, path=None):
         self.model, self.provider, self.stage = model, provider, stage
         self.device, self.dtype, self.plan, self.tokenizer, self.path = device, dtype, plan, tokenizer, path
         self.pieces = StagePieces(model, stage)
         self.cache: KVCache | None = None
-        self.mgr = self.draft = self.planner = self.guessing = self.lookahead = None
+        self.mgr = self.draft = self.planner = self.guessing = self.lookahead = self.whole_lookahead = None
+        self.whole = False  # this stage holds the whole draft and a KV cache of every layer
+        self.k_max = 0  # a drafting policy's longest draft (the wire's inline rows follow it)
+        self.step_s = 0.0  # wall seconds in `forward` since reset_stats (stats: step_s)
 
     @property
     def all_resident(self) -> bool:
@@ -133,7 +139,9 @@ class StageModel:
         return self.mgr is None or self.mgr.all_resident
 
     def begin(self, max_len: int) -> None:
-        self.cache = stage_cache(self.model.spec, self.stage, max_len, self.device, self.dtype)
+        spec = self.model.spec
+        self.cache = (KVCache(spec, max_len, self.device, self.dtype) if self.whole
+                      else stage_cache(spec, self.stage, max_len, self.device, self.dtype))
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, start: int, experts=None, logits_for: str = "last") -> torch.Tensor:
@@ -142,16 +150,30 @@ class StageModel:
         (default the target's)."""
         if start + x.shape[0] > self.cache.max_len:
             raise IndexError(f"positions up to {start + x.shape[0]} exceed the KV cache ({self.cache.max_len})")
-        return self.model.run(x, start, self.cache, self.provider if experts is None else experts, logits_for,
-                              pieces=self.pieces)
+        t = time.perf_counter()
+        try:
+            return self.model.run(x, start, self.cache, self.provider if experts is None else experts, logits_for,
+                                  pieces=self.pieces)
+        finally:
+            self.step_s += time.perf_counter() - t
+
+    @torch.inference_mode()
+    def draft_forward(self, tokens: torch.Tensor, start: int, logits_for: str = "last") -> torch.Tensor:
+        """One step of the whole draft (`whole` only): token ids [T] -> fp32 logits, every layer run here
+        with the INT4 experts, as the single-process draft runs."""
+        if start + tokens.shape[0] > self.cache.max_len:
+            raise IndexError(f"positions up to {start + tokens.shape[0]} exceed the KV cache ({self.cache.max_len})")
+        return self.model.run(tokens, start, self.cache, self.draft, logits_for)
 
     def stats(self) -> dict:
         s = self.provider.stats() if self.provider is not None else {}
+        s["step_s"] = self.step_s
         if self.planner is not None:
             s["cover_hits"], s["cover_total"] = self.planner.cover_hits, self.planner.cover_total
         return s
 
     def reset_stats(self) -> None:
+        self.step_s = 0.0
         if self.provider is not None:
             self.provider.reset_stats()
         if self.planner is not None:
@@ -162,16 +184,55 @@ class StageModel:
             self.provider.close()
 
 
+def kv_row_bytes(spec, dtype: torch.dtype) -> int:
+    """Bytes of one layer's K/V at one position (MLA: the latent and its rotary key)."""
+    n = spec.kv_lora_rank + spec.qk_rope_dim if spec.attention == "mla" else 2 * spec.n_kv_heads * spec.head_dim
+    return n * dtype.itemsize
+
+
+def kv_rows(cache: KVCache, spec, first: int, last: int, start: int, T: int) -> torch.Tensor:
+    """Layers [first, last)'s K/V at positions [start, start+T), as bytes (layer by layer, k then v)."""
+    parts = []
+    for l in range(first, last):
+        parts.append(cache.k[l][:, start:start + T].reshape(-1).view(torch.uint8))
+        if spec.attention != "mla":  # MLA's v is a view of k
+            parts.append(cache.v[l][:, start:start + T].reshape(-1).view(torch.uint8))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+
+
+def put_kv_rows(cache: KVCache, spec, first: int, last: int, start: int, T: int, data: torch.Tensor) -> None:
+    """Writes kv_rows' bytes `data` into `cache`."""
+    o = 0
+    for l in range(first, last):
+        for t in (cache.k[l],) if spec.attention == "mla" else (cache.k[l], cache.v[l]):
+            dst = t[:, start:start + T]
+            n = dst.numel() * dst.element_size()
+            dst.copy_(data[o:o + n].view(dst.dtype).view(dst.shape))
+            o += n
+
+
+def lookahead_columns(whole, n: int):
+    """A Lookahead over the first `n` MoE layers of `whole`'s, sharing its rows (views)."""
+    from ..speculative.draft import Lookahead
+
+    la = Lookahead.__new__(Lookahead)
+    la.__dict__.update(whole.__dict__)
+    la.ids, la.weights, la.host = whole.ids[:, :n], whole.weights[:, :n], whole.host[:, :n]
+    la.n_layers, la._events = n, [None] * whole.k_max
+    return la
+
+
 def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                link=None, dtype=None, threads: int | None = None, k_max: int = 32) -> StageModel:
     """Loads the checkpoint at `path` and keeps `stage` of it, with `policy`'s provider over its MoE
     layers: resident weights; or its own offload manager (on-demand), with next-layer guesses made
     within the stage (the last layer of a stage guesses nothing: the next layer is another rank's), or
     with the host lane computing every miss (host; `threads` also sizes the lane). The drafting
-    policies add the stage's draft (its layers' experts quantised as the single-process draft's),
-    a lookahead of `k_max` rows over its own MoE layers and, for specter, its planner, its host lane
-    (LaneChoice over the planner's scores, on CPU as builder.uses_host_lane says) and its next-layer
-    guesses for K = 0 steps."""
+    policies add a lookahead of `k_max` rows over the stage's own MoE layers and, for specter, its
+    planner, its host lane (LaneChoice over the planner's scores, on CPU as builder.uses_host_lane
+    says) and its next-layer guesses for K = 0 steps; their first stage also reads every layer and
+    holds the whole draft (every MoE layer's experts quantised as the single-process draft's; the
+    other layers' routed experts are read only to be quantised)."""
     from ..builder import configure_threads
     from ..loader import load_checkpoint, load_tokenizer, open_checkpoint
     from ..offload.cuda_link import make_link
@@ -204,9 +265,14 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
         lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,
                                                       storage=pdt))
     configure_threads(device, threads)
+    whole = pol.drafts and stage.is_first and any(l in spec.moe_layer_ids for l in range(spec.n_layers))
     model, mine, _ = load_checkpoint(path, device, dt, pin_experts=device.type == "cuda" and pin_wanted(),
-                                     layers=(stage.first, stage.last))  # this stage's tensors only
-    drop_others(model, stage, dt)
+                                     layers=None if whole else (stage.first, stage.last))  # this stage's only
+    every = None
+    if whole:  # the whole draft's: every layer (run by draft_forward); the target's experts are this stage's
+        every, mine = mine, mine[:stage.moe_last - stage.moe_first]
+    else:
+        drop_others(model, stage, dt)
     tokenizer = load_tokenizer(path) if stage.is_first else None
     provider = stage_layers = pdt = None
     if mine:
@@ -230,14 +296,16 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     elif lk is not None:
         lk.close()
     st = StageModel(model, provider, stage, device, dt, plan=plan, tokenizer=tokenizer, path=path)
-    if pol.drafts and mine:
-        _speculate(st, pol, mine, stage_layers, k_max, threads, lk, pdt)
+    st.k_max = k_max if pol.drafts else 0
+    if pol.drafts and (mine or every):
+        _speculate(st, pol, mine, every, stage_layers, k_max, threads, lk, pdt)
     return st
 
 
-def _speculate(st: StageModel, pol, mine: list, stage_layers, k_max: int, threads, lk, pdt) -> None:
+def _speculate(st: StageModel, pol, mine: list, every: list | None, stage_layers, k_max: int, threads, lk,
+               pdt) -> None:
     """A drafting policy's part on this stage (see load_stage), built as builder._decoder builds it
-    for the whole model."""
+    for the whole model; `every`: all MoE layers' experts (the first stage: the whole draft)."""
     from ..builder import uses_host_lane
     from ..offload.host_lane import LaneChoice, host_params, make_host_lane
     from ..offload.policies import NextLayerPrefetch
@@ -246,17 +314,22 @@ def _speculate(st: StageModel, pol, mine: list, stage_layers, k_max: int, thread
     from ..speculative.draft import PrefetchPlanner
 
     spec, device, dt, stage = st.model.spec, st.device, st.dtype, st.stage
+    if every is not None:
+        st.whole = True
+        whole = st.whole_lookahead = Lookahead(max(k_max, 1), len(every), spec.top_k, device)
+        int4 = list(draft_int4(every, [], device, cache="off"))  # the draft cache is not read under a pipeline
+        n = len(every) * spec.n_experts * spec.expert_numel()
+        st.draft = DraftExperts(int4, whole, device, dt, packed=keep_packed(device, n, dt))
+        st.lookahead = lookahead_columns(whole, len(mine))  # stage 0's MoE layers come first
+    else:
+        st.lookahead = Lookahead(max(k_max, 1), len(mine), spec.top_k, device)
+    if not mine:
+        return
     mgr = st.mgr = st.provider.inner
-    st.lookahead = Lookahead(max(k_max, 1), len(mine), spec.top_k, device)
-    int4 = list(draft_int4(mine, [], device, cache="off"))  # the draft cache keys whole models' layers
-    n = len(mine) * spec.n_experts * spec.expert_numel()
-    st.draft = ShiftedExperts(DraftExperts(int4, st.lookahead, device, dt, packed=keep_packed(device, n, dt)),
-                              stage.moe_first)
     if pol.prefetch != "planner":  # spec-lru: verification fetches on miss
         return
     st.planner = PrefetchPlanner(mgr, st.lookahead)
-    every = mgr.all_resident
-    if uses_host_lane(pol, device, None, every_expert=every):  # both lanes: the misses ranked low go to the host
+    if uses_host_lane(pol, device, None, every_expert=mgr.all_resident):  # both lanes: the misses ranked low go to the host
         mgr.host_lane = make_host_lane(mine, device, lk, threads=threads, dtype=dt, charged_dtype=pdt)
         mgr.host_choice = LaneChoice(mgr, host_params(mgr.host_lane), planner=st.planner)
     if not mgr.all_resident:
