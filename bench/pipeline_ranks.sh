@@ -6,15 +6,36 @@
 # rank's bench again beside a busy process (one core taken, as a second rank's would be). Last, the
 # hand-off probe: two gloo processes pass a [256] fp32 vector back and forth, each computing 0.7 ms
 # before it sends (about a stage's step on this model), and with no compute (the bare round trip).
+# Every process is given one calibration of the emulated link (SPECTER_EXPERT_THROUGHPUT, measured once
+# here unless set), so the link and host lane emulated are the same in every run.
 # Prints one table: TPOT per policy and round, the median speedup of two ranks, hit rates, round
 # trips a token (each crosses every boundary and back), per token of the last round: draft, verify
-# and stall time (stall summed over the ranks), greedy tokens equal within each run; then the probe.
+# and stall time (stall summed over the ranks), greedy tokens equal within each run; then, per
+# token of the last two-rank round, each rank's target steps, time blocked on the wire, stall and
+# host-lane stall, and rank 0's draft; then the probe.
 # Usage: ROUNDS=3 bash bench/pipeline_ranks.sh [extra bench flags]   (figures: docs/RESULTS.md)
 set -euo pipefail
 ROUNDS=${ROUNDS:-3}
 POLICIES=${POLICIES:-resident,on-demand,next-layer,host,spec-lru,specter}
 OUT=${OUT:-$(mktemp -d)}
 args=(bench --policies "$POLICIES" --expert-memory 9MiB --device cpu --json "$@")
+if [ -z "${SPECTER_EXPERT_THROUGHPUT:-}" ]; then  # as a stage measures it (one thread), once
+  SPECTER_EXPERT_THROUGHPUT=$(python - <<'PY'
+import torch
+from specter import default_model_path
+from specter.loader import open_checkpoint
+from specter.offload.calibrate import measure_expert_throughput
+from specter.offload.plan import compute_dtype, make_plan
+torch.set_num_threads(1)
+ck, dev = open_checkpoint(default_model_path()), torch.device("cpu")
+dt = compute_dtype(dev, ck.dtype, None)
+plan = make_plan(ck.spec, ck.numel(), dt, expert_memory="9MiB", draft=False, device=dev, store_dtype=ck.dtype)
+print(measure_expert_throughput(ck.spec.hidden, ck.spec.expert_inter, dt, storage=getattr(torch, plan.pool_dtype)))
+PY
+)
+fi
+export SPECTER_EXPERT_THROUGHPUT
+echo "emulated link calibrated once: expert throughput $SPECTER_EXPERT_THROUGHPUT B/s; load: $(cut -d' ' -f1-3 /proc/loadavg)"
 for rep in $(seq "$ROUNDS"); do
   python -m specter "${args[@]}" > "$OUT/one-$rep.json"
   python -m torch.distributed.run --nproc-per-node 2 -m specter "${args[@]}" > "$OUT/two-$rep.json"
@@ -69,6 +90,15 @@ for p in one[0]:
           f"{statistics.median(x / y for x, y in zip(a, b)):.2f}x | {hit(one[0][p]):.2f} / {hit(two[0][p]):.2f} | "
           f"{trips:.2f} | {per(one[-1][p])}; {per(two[-1][p])} | {ms(busy[p]):.1f} |")
 same = all(r[p].get("lossless_vs_" + next(iter(r))) is not False for r in one + two + [busy] for p in r)
+print("\nper token, last two-rank round, ms: rank 0's draft; then each rank's target steps (its stage's "
+      "share of prefill, verifications and plain steps), blocked on the wire (receives, sends), stall, host-lane stall")
+print("| policy | rank 0 draft | " + " | ".join(f"rank {i}: step / wire / stall / host" for i in range(2)) + " |")
+print("|---|---|---|---|")
+for p, r in two[-1].items():
+    n = r["new_tokens"]
+    each = " | ".join(" / ".join(f"{q.get(k, 0) / n * 1e3:.1f}" for k in ("step_s", "wire_s", "stall_s", "host_stall_s"))
+                      for q in r["per_rank"])
+    print(f"| {p} | {r.get('draft_s', 0) / n * 1e3:.1f} | {each} |")
 print("greedy tokens equal to the first policy's within every run:", same)
 print(open(f"{out}/handoff.txt").read().strip())
 PY

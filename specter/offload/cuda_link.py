@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import queue
 import threading
 import time
@@ -240,6 +241,8 @@ def make_link(device, profile: str | None = None, *, expert_bytes: int | None = 
 def _expert_throughput(calibration, expert_bytes: int | None) -> float:
     if isinstance(calibration, (int, float)):
         return float(calibration)
+    if os.environ.get("SPECTER_EXPERT_THROUGHPUT"):  # one measurement for every process a bench starts
+        return float(os.environ["SPECTER_EXPERT_THROUGHPUT"])
     if isinstance(calibration, dict):
         return measure_expert_throughput(**calibration)
     if isinstance(calibration, (tuple, list)):
