@@ -35,6 +35,8 @@ Flags of a step (the speculative decoder's; 0 for plain decoding):
     KV      (every target step of a drafting policy) each rank after the first returns its layers'
             K/V at the step's positions to rank 0, whose whole draft reads them as the single-process
             draft reads the target's: the last rank after its logits, the others in a send of their own
+    PREFILL (specter) the prompt: each rank's planner begins it first (PrefetchPlanner.begin_prefill),
+            as rank 0's decoder does
 `demote` (> 0): rank 0's acceptance kept that many verified rows; each rank demotes the experts
 only the rejected rows used (OffloadedExperts.demote_rejected) before anything else. CANCEL (on
 any header): rank 0's decoder withdrew its leftover prefetches since the last message (after a run
@@ -60,7 +62,7 @@ from .stage import StageModel
 from .stages import Stage
 
 BEGIN, STEP, END, STOP, ABORT, PING, ROWS = 1, 2, 3, 4, 5, 6, 7
-ALL, GUESS, CYCLE, STATS, CANCEL, KV = 1, 4, 8, 16, 32, 64
+ALL, GUESS, CYCLE, STATS, CANCEL, KV, PREFILL = 1, 4, 8, 16, 32, 64, 128
 HEADER = 9
 SIDE = ("stall_s", "expert_hits", "expert_misses", "offloaded_bytes")  # a STATS step's counters
 PER_RANK_ONLY = ("step_s", "wire_s")  # each rank's own: its stage's target steps, its blocked exchanges
@@ -381,6 +383,8 @@ def serve_stage(stage: StageModel, group: Group) -> None:
                         planner.plan(k)
                 continue
             if cmd == STEP:
+                if flags & PREFILL and planner is not None:
+                    planner.begin_prefill(T)
                 experts = stage.guessing if flags & GUESS else None  # None: the target's
                 y = stage.forward(x, start, experts, "all" if flags & ALL else "last")
                 if flags & STATS and mgr is not None:  # this rank's counters since BEGIN, added on

@@ -28,8 +28,8 @@ import torch
 
 from ..speculative.decoder import SpeculativeDecoder
 from ..speculative.governor import Governor
-from .decoder import (ALL, BEGIN, CANCEL, CYCLE, END, GUESS, KV, ROWS, SIDE, STATS, STEP, Wire, finish,
-                      inline_rows, pipeline_info, summed)
+from .decoder import (ALL, BEGIN, CANCEL, CYCLE, END, GUESS, KV, PREFILL, ROWS, SIDE, STATS, STEP, Wire,
+                      finish, inline_rows, pipeline_info, summed)
 from .group import Group
 from .stage import StageModel, kv_row_bytes, put_kv_rows
 from .stages import Stage
@@ -50,6 +50,9 @@ class _NoPlanner:
 
     def begin_cycle(self, k: int = 0, draft_step_s: float = 0.0) -> int:
         return max(k, 1)
+
+    def begin_prefill(self, tokens: int) -> None:
+        pass
 
     def plan(self, upto: int, host: bool = False) -> int:
         return 0
@@ -146,6 +149,8 @@ class PipeModel:
             local = st.guessing
         elif flags & ALL and T > 1:
             flags |= CYCLE
+        if d.prompt:  # the generation's first step: each rank's planner begins it as the decoder's does
+            flags, d.prompt = flags | PREFILL, False
         x = st.forward(tokens, start, local, logits_for)
         w = d.wire
         cancel, demote = d.experts.pending()
@@ -172,6 +177,7 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
         self.lock = threading.Lock()  # held by a generation, from BEGIN to END (decoder.keep_alive)
         self.k = 0  # the running cycle's K (the remote planners begin their cycles with it)
         self.remote_plans = planner and group.world > 1  # the other ranks' planners read ROWS
+        self.prompt = False  # the next target step is a generation's prompt (PREFILL)
         plan = (stage.planner or _NoPlanner()) if planner else None
         fallback = object() if planner else None  # a K = 0 step guesses: each stage its own (GUESS)
         super().__init__(PipeModel(self), PipeExperts(stage, all_resident), _Draft(), stage.device, stage.dtype,
@@ -191,6 +197,7 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
             self.experts.per_rank = None
             self.stage.begin(need)
             self.wire.trips, self.wire.wait_s, self.stage.step_s = 0, 0.0, 0.0
+            self.prompt = True
             self.wire.send_header(1, BEGIN, max_len=need)
             try:
                 yield from super().run(prompt, params, max_new)
