@@ -16,14 +16,13 @@ T, start, max_len, flags, row, k, draft_us, demote] (int64) and, for a step, the
     PING    nothing (passed on): an idle server's rank 0 sends it every quarter of the timeout, so
             the other ranks' waits between generations never time out (`keep_alive`)
 
-    ROWS    (drafting policies) one draft step's lookahead row: rank 0 runs the whole draft itself
-            (stage.StageModel.whole) and, after each draft step, sends the router choices it
-            recorded for every MoE layer ([L_moe, top_k] int32, `T` bytes) down the chain without
-            waiting; each rank copies its own layers' columns into row `row` of its lookahead. Row 0
-            begins the cycle (of `k` drafted tokens) on the rank's planner (`draft_us`: the
-            governor's draft time a token, for its chunk size), and the planner then reads the new
-            rows and prefetches, as the single-process cycle plans (after row 0, at chunk
-            boundaries, after row k-1)
+    ROWS    (specter) lookahead rows from `row` on: rank 0 runs the whole draft itself
+            (stage.StageModel.whole) and, wherever its decoder plans (after row 0, at chunk
+            boundaries while rank 0's link is not backlogged, after row k-1), sends the router
+            choices drafted since for every MoE layer ([rows, L_moe, top_k] int32, `T` bytes) down
+            the chain without waiting; each rank copies its own layers' columns into its lookahead
+            and its planner reads them and prefetches. Row 0 begins the cycle (of `k` drafted
+            tokens) on the rank's planner (`draft_us`: the governor's draft time a token)
 
 Flags of a step (the speculative decoder's; 0 for plain decoding):
     GUESS   a K = 0 step with next-layer guesses within each stage
@@ -360,7 +359,6 @@ def serve_stage(stage: StageModel, group: Group) -> None:
     wire = Wire(group, spec.hidden, stage.dtype, inline_rows(stage.k_max))
     prev, nxt, last = r - 1, r + 1, r == group.world - 1
     mgr, planner = stage.mgr, stage.planner
-    chunk = 1
     try:
         while True:
             h, side, x = wire.receive(prev, stage.device)
@@ -372,15 +370,13 @@ def serve_stage(stage: StageModel, group: Group) -> None:
             if cmd == ROWS:
                 if not last:
                     wire.forward(nxt, h, payload=x)
-                if planner is not None:  # as SpeculativeDecoder._draft plans, from this rank's columns
+                if planner is not None:  # rank 0 planned here: this rank plans from its own columns
                     if row == 0:
-                        chunk = planner.begin_cycle(k, draft_us / 1e6)
-                    ids = x.view(torch.int32).view(-1, spec.top_k)[stage.stage.moe_first:stage.stage.moe_last]
-                    stage.lookahead.ids[row].copy_(ids)
-                    if row == 0 or ((row + 1) % chunk == 0 and mgr.link.pending() <= 1):
-                        planner.plan(row + 1)
-                    if row == k - 1:
-                        planner.plan(k)
+                        planner.begin_cycle(k, draft_us / 1e6)
+                    ids = x.view(torch.int32).view(-1, spec.n_moe_layers, spec.top_k)
+                    end = row + ids.shape[0]
+                    stage.lookahead.ids[row:end].copy_(ids[:, stage.stage.moe_first:stage.stage.moe_last])
+                    planner.plan(end)
                 continue
             if cmd == STEP:
                 if flags & PREFILL and planner is not None:

@@ -64,6 +64,24 @@ class _NoPlanner:
         pass
 
 
+class _PlanRelay:
+    """Rank 0's planner as the decoder sees it: each `plan(upto)` (the decoder's planning points: row 0,
+    chunk boundaries while rank 0's link is not backlogged, the last row) also sends the lookahead
+    rows drafted since the last one down the chain (ROWS), so the other ranks' planners read rows
+    where one process's planner would, and no rank wakes for a row it would not plan from."""
+
+    def __init__(self, inner, dec: "PipelineSpeculativeDecoder"):
+        self.inner, self.dec = inner, dec
+
+    def plan(self, upto: int, host: bool = False) -> int:
+        issued = self.inner.plan(upto, host)
+        self.dec.send_rows(upto)
+        return issued
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 class _Draft:
     """What the decoder calls its draft: it sets `row` on it; PipeModel reads it."""
 
@@ -132,16 +150,9 @@ class PipeModel:
 
     def __call__(self, tokens: torch.Tensor, start: int, cache, experts, logits_for: str = "all") -> torch.Tensor:
         d, st = self.dec, self.dec.stage
-        if experts is d.draft:  # the whole draft, here; its lookahead row to the other ranks' planners
-            row = st.draft.row = d.draft.row
-            logits = st.draft_forward(tokens, start, logits_for)
-            if d.remote_plans and row is not None:
-                cancel, demote = d.experts.pending()
-                ids = st.whole_lookahead.ids[row].reshape(-1).view(torch.uint8)
-                d.wire.send_header(1, ROWS, ids.numel(), flags=cancel, row=row, k=d.k,
-                                   draft_us=int((d.governor.draft_s or 0.0) * 1e6), demote=demote, payload=ids,
-                                   wait=False)
-            return logits
+        if experts is d.draft:  # the whole draft, here (its rows go down the chain as rank 0 plans)
+            st.draft.row = d.draft.row
+            return st.draft_forward(tokens, start, logits_for)
         T = tokens.shape[0]
         flags, local = (ALL if logits_for == "all" else 0) | STATS | KV, None
         if isinstance(experts, partial):  # the decoder's next-layer fallback (K = 0 steps)
@@ -177,8 +188,9 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
         self.lock = threading.Lock()  # held by a generation, from BEGIN to END (decoder.keep_alive)
         self.k = 0  # the running cycle's K (the remote planners begin their cycles with it)
         self.remote_plans = planner and group.world > 1  # the other ranks' planners read ROWS
+        self.rows_sent = 0  # the running cycle's lookahead rows sent down the chain so far
         self.prompt = False  # the next target step is a generation's prompt (PREFILL)
-        plan = (stage.planner or _NoPlanner()) if planner else None
+        plan = _PlanRelay(stage.planner or _NoPlanner(), self) if planner else None
         fallback = object() if planner else None  # a K = 0 step guesses: each stage its own (GUESS)
         super().__init__(PipeModel(self), PipeExperts(stage, all_resident), _Draft(), stage.device, stage.dtype,
                          governor=Governor(k_max), planner=plan, fallback=fallback)
@@ -210,8 +222,20 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
     def _kv_cache(self, need: int):
         return self.stage.cache  # each rank's own stage cache, made at BEGIN
 
+    def send_rows(self, upto: int) -> None:
+        """Lookahead rows [rows_sent, upto) of the running cycle down the chain (ROWS, not waited for)."""
+        first = self.rows_sent
+        if not self.remote_plans or upto <= first:
+            return
+        cancel, demote = self.experts.pending()
+        ids = self.stage.whole_lookahead.ids[first:upto].reshape(-1).view(torch.uint8)
+        self.wire.send_header(1, ROWS, ids.numel(), flags=cancel, row=first, k=self.k,
+                              draft_us=int((self.governor.draft_s or 0.0) * 1e6), demote=demote, payload=ids,
+                              wait=False)
+        self.rows_sent = upto
+
     def _cycle(self, t, n, k, *rest):
-        self.k = k
+        self.k, self.rows_sent = k, 0
         return super()._cycle(t, n, k, *rest)
 
     def stats(self) -> dict:
