@@ -3,21 +3,24 @@ given stand-ins for the model and the offload manager that reach every rank.
 
     PipeModel    what the decoder calls its model. A draft step runs on rank 0 alone: its stage holds
                  the whole draft (every layer, stage.StageModel.whole), so the K draft steps of a
-                 cycle cross no boundary; each step's lookahead row then goes down the chain (ROWS,
-                 not waited for), so every rank's planner starts its own layers' copies while the
-                 draft goes on. A target step is rank 0's stage, then a STEP down the chain with flags
-                 saying which experts run (the target's, or with next-layer guesses) and what follows
-                 it (decoder.py), and the last stage's logits back with the other ranks' K/V rows
-                 (the draft reads the target's K/V of every layer, as in one process)
+                 cycle cross no boundary. A target step is rank 0's stage, then a STEP down the chain
+                 with flags saying which experts run (the target's, or with next-layer guesses) and
+                 what follows it (decoder.py), and the last stage's logits back with the other
+                 ranks' K/V rows (the draft reads the target's K/V of every layer, as in one process)
     PipeExperts  what it calls its offload manager: rank 0's own (None without an MoE layer), plus
                  the other ranks' counters that come back with each target step (stall, hits,
                  misses, bytes), so the governor and the recall stats see the whole pipeline;
                  `demote_rejected` also rides on the next header to every rank
+    _PlanRelay   what it calls its planner: rank 0's own (or `_NoPlanner`); each `plan(upto)` also
+                 sends the lookahead rows drafted since down the chain (ROWS, not waited for), so
+                 every rank's planner reads rows where one process's planner would and starts its
+                 own layers' copies while the draft goes on
 
 The governor, acceptance and sampling run on rank 0 only, exactly as in one process (same
 generator, history and K choices' rules); each rank's planner prefetches its own layers' experts
-from its own lookahead rows while later draft steps flow, and cancels and demotes as the
-single-process cycle does. The draft is always the eager one (no compiled steps under a pipeline).
+from its own columns of the draft's lookahead rows while later draft steps run, and cancels and
+demotes as the single-process cycle does. The draft is always the eager one (no compiled steps
+under a pipeline).
 """
 from __future__ import annotations
 

@@ -329,7 +329,7 @@ def _speculate(st: StageModel, pol, mine: list, every: list | None, stage_layers
     if pol.prefetch != "planner":  # spec-lru: verification fetches on miss
         return
     st.planner = PrefetchPlanner(mgr, st.lookahead)
-    if uses_host_lane(pol, device, None, every_expert=mgr.all_resident):  # both lanes: the misses ranked low go to the host
+    if uses_host_lane(pol, device, None, every_expert=mgr.all_resident):  # both lanes: misses ranked low: host
         mgr.host_lane = make_host_lane(mine, device, lk, threads=threads, dtype=dt, charged_dtype=pdt)
         mgr.host_choice = LaneChoice(mgr, host_params(mgr.host_lane), planner=st.planner)
     if not mgr.all_resident:
