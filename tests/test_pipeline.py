@@ -306,6 +306,64 @@ def test_cli_under_torchrun_prints_once_with_pipeline_stats(ckpts):
     assert got["stats"]["policy"] == "specter" and got["stats"]["drafted_tokens"] > 0
 
 
+def _entry(cache: Path) -> dict[str, tuple[int, int, bytes]]:
+    """The draft cache's layer files: name -> (inode, mtime_ns, bytes). A rewrite (temporary file
+    renamed into place) gives a new inode."""
+    out = {}
+    for f in sorted(cache.glob("*/layer-*.safetensors")):
+        st = f.stat()
+        out[f"{f.parent.name}/{f.name}"] = (st.st_ino, st.st_mtime_ns, f.read_bytes())
+    return out
+
+
+def test_rank_0_shares_one_processs_draft_cache(ckpts, tmp_path):
+    """--draft-cache under torchrun: rank 0 hits the entry one process wrote (same key, no file
+    rewritten), rebuilds a corrupt or missing layer, and writes an entry one process then hits; the
+    other rank never touches the cache; the tokens are one process's."""
+    path = str(ckpts["deepseek_v2"])  # a dense first layer: rank 0's stage holds one MoE layer of two
+    one, pipe = tmp_path / "one", tmp_path / "pipe"
+
+    def single(cache: Path) -> list[int]:
+        engine = specter.load(path, device="cpu", policy="specter", residency=0.5, threads=1,
+                              draft_cache=str(cache))
+        try:
+            return engine.generate(PROMPT, NEW, temperature=0.0).token_ids
+        finally:
+            engine.close()
+
+    def pipeline(cache: Path) -> list[int]:
+        argv = ["-m", "specter", "generate", "--model", path, "--prompt-ids", ",".join(map(str, PROMPT)),
+                "--max-new-tokens", str(NEW), "--greedy", "--residency", "0.5", "--json",
+                "--pipeline-timeout", "60", "--draft-cache"]
+        ranks = _launch([argv + [str(cache)], argv + [str(tmp_path / "rank1")]], timeout=120)
+        assert [r[0] for r in ranks] == [0, 0], [r[2][-2000:] for r in ranks]
+        assert not (tmp_path / "rank1").exists()  # rank 1 holds no draft: its --draft-cache is never made
+        got = json.loads(ranks[0][1])
+        assert got["stats"]["pipeline"]["ranks"] == 2 and got["stats"]["drafted_tokens"] > 0
+        return got["token_ids"]
+
+    ref = single(one)
+    written = _entry(one)
+    assert len(written) == 2  # one entry, both MoE layers
+    assert pipeline(one) == ref
+    assert _entry(one) == written  # a hit: every file read, none rewritten
+
+    layers = sorted(one.glob("*/layer-*.safetensors"))
+    data = bytearray(layers[0].read_bytes())
+    data[-1] ^= 0xFF  # fails its CRC
+    layers[0].write_bytes(bytes(data))
+    layers[1].unlink()
+    assert pipeline(one) == ref
+    again = _entry(one)
+    assert {k: v[2] for k, v in again.items()} == {k: v[2] for k, v in written.items()}  # rebuilt alike
+    assert all(again[k][0] != written[k][0] or again[k][1] != written[k][1] for k in written)
+
+    assert pipeline(pipe) == ref  # a miss: rank 0 writes one process's entry, under its key
+    made = _entry(pipe)
+    assert {k: v[2] for k, v in made.items()} == {k: v[2] for k, v in written.items()}
+    assert single(pipe) == ref and _entry(pipe) == made  # which one process then hits
+
+
 def test_bench_under_torchrun_reports_each_rank(ckpts, tmp_path):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([PROMPT, [3, 4, 5]]))

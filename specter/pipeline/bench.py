@@ -57,7 +57,8 @@ def run(args) -> int:
             group, engine, stage = open_pipeline(args.model, device=args.device, policy=p, dtype=args.dtype,
                                                  backend=getattr(args, "pipeline_backend", None),
                                                  timeout_s=getattr(args, "pipeline_timeout", None),
-                                                 k_max=args.k_max if get_policy(p).drafts else None, **budget)
+                                                 k_max=args.k_max if get_policy(p).drafts else None,
+                                                 draft_cache=getattr(args, "draft_cache", None), **budget)
             owner = owner or group
             ranks = group.world
             if engine is None:

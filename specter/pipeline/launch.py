@@ -18,7 +18,8 @@ from .group import Group, PipelineError, join
 from .stages import agree, fingerprint, make_stages
 
 PIPELINED_POLICIES = ("resident", "on-demand", "next-layer", "host", "spec-lru", "specter")
-UNSUPPORTED = ("k_max", "compile", "driver", "draft_cache", "compress_experts", "draft_bits", "host_threads")
+UNSUPPORTED = ("k_max", "compile", "driver", "compress_experts", "draft_bits", "host_threads")
+# --draft-cache is read by rank 0 alone, as one process reads it (load_stage); the other ranks hold no draft
 
 
 def check_options(policy: str, options: dict) -> None:
@@ -35,13 +36,14 @@ def check_options(policy: str, options: dict) -> None:
 
 def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residency=None, expert_memory=None,
                   link=None, dtype=None, backend: str | None = None, timeout_s: float | None = None,
-                  threads: int | None = None, k_max: int | None = None):
+                  threads: int | None = None, k_max: int | None = None, draft_cache=None):
     """(group, rank 0's Engine or None, this rank's stage): joins the group (torchrun's environment, or
     the one torch.distributed already has) and loads this rank's stage. Every rank calls it with the
     same arguments. Rank 0 generates with the Engine, then calls engine.decoder.finish(); the others
     call decoder.serve_stage(stage, group), which returns when rank 0 finishes. `threads` (CPU): torch
     threads per rank (default: the cores less one, shared among this machine's ranks). `k_max`: the
-    longest draft (drafting policies; default 32)."""
+    longest draft (drafting policies; default 32). `draft_cache`: rank 0's INT4 draft cache, as one
+    process's (None: $SPECTER_DRAFT_CACHE or the user cache; "off": none); the other ranks never use it."""
     from ..engine import Engine
     from ..generation_defaults import read_generation_defaults
     from .. import default_model_path
@@ -74,7 +76,8 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
         if threads is None and group.device.type == "cpu":
             threads = max(1, ((os.cpu_count() or 2) - 1) // max(local, 1))
         stage = load_stage(path, stages[group.rank], group.device, policy=policy, residency=residency,
-                           expert_memory=expert_memory, link=link, dtype=dtype, threads=threads, k_max=k_max)
+                           expert_memory=expert_memory, link=link, dtype=dtype, threads=threads, k_max=k_max,
+                           draft_cache=draft_cache)
         resident = [True] * group.world
         if pol.drafts:  # whether any rank ever copies: the decoder's K = 0 steps guess only then
             with comm(group, "sharing which ranks hold every expert"):
@@ -109,7 +112,8 @@ def run(args, body, serving: bool = False) -> int:
     group, engine, stage = open_pipeline(args.model, device=args.device, policy=args.policy,
                                          residency=args.residency, expert_memory=args.expert_memory,
                                          link=args.link, dtype=args.dtype, backend=args.pipeline_backend,
-                                         timeout_s=args.pipeline_timeout, k_max=args.k_max)
+                                         timeout_s=args.pipeline_timeout, k_max=args.k_max,
+                                         draft_cache=getattr(args, "draft_cache", None))
     ok = False
     try:
         if engine is None:

@@ -223,7 +223,7 @@ def lookahead_columns(whole, n: int):
 
 
 def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residency=None, expert_memory=None,
-               link=None, dtype=None, threads: int | None = None, k_max: int = 32) -> StageModel:
+               link=None, dtype=None, threads: int | None = None, k_max: int = 32, draft_cache=None) -> StageModel:
     """Loads the checkpoint at `path` and keeps `stage` of it, with `policy`'s provider over its MoE
     layers: resident weights; or its own offload manager (on-demand), with next-layer guesses made
     within the stage (the last layer of a stage guesses nothing: the next layer is another rank's), or
@@ -232,7 +232,9 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     planner, its host lane (LaneChoice over the planner's scores, on CPU as builder.uses_host_lane
     says) and its next-layer guesses for K = 0 steps; their first stage also reads every layer and
     holds the whole draft (every MoE layer's experts quantised as the single-process draft's; the
-    other layers' routed experts are read only to be quantised)."""
+    other layers' routed experts are read only to be quantised), read from and written to the draft
+    cache `draft_cache` under one process's key (speculative/draft_cache.py), so either run's entry
+    serves the other; the other stages never touch the cache."""
     from ..builder import configure_threads
     from ..loader import load_checkpoint, load_tokenizer, open_checkpoint
     from ..offload.cuda_link import make_link
@@ -298,14 +300,15 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     st = StageModel(model, provider, stage, device, dt, plan=plan, tokenizer=tokenizer, path=path)
     st.k_max = k_max if pol.drafts else 0
     if pol.drafts and (mine or every):
-        _speculate(st, pol, mine, every, stage_layers, k_max, threads, lk, pdt)
+        _speculate(st, pol, mine, every, stage_layers, k_max, threads, lk, pdt, (ckpt.files.values(), draft_cache))
     return st
 
 
 def _speculate(st: StageModel, pol, mine: list, every: list | None, stage_layers, k_max: int, threads, lk,
-               pdt) -> None:
+               pdt, cache=((), "off")) -> None:
     """A drafting policy's part on this stage (see load_stage), built as builder._decoder builds it
-    for the whole model; `every`: all MoE layers' experts (the first stage: the whole draft)."""
+    for the whole model; `every`: all MoE layers' experts (the first stage: the whole draft); `cache`:
+    (the checkpoint's files, the draft cache) of the whole draft's quantised experts."""
     from ..builder import uses_host_lane
     from ..offload.host_lane import LaneChoice, host_params, make_host_lane
     from ..offload.policies import NextLayerPrefetch
@@ -317,7 +320,8 @@ def _speculate(st: StageModel, pol, mine: list, every: list | None, stage_layers
     if every is not None:
         st.whole = True
         whole = st.whole_lookahead = Lookahead(max(k_max, 1), len(every), spec.top_k, device)
-        int4 = list(draft_int4(every, [], device, cache="off"))  # the draft cache is not read under a pipeline
+        files, where = cache
+        int4 = list(draft_int4(every, files, device, cache=where))  # one process's cache entry
         n = len(every) * spec.n_experts * spec.expert_numel()
         st.draft = DraftExperts(int4, whole, device, dt, packed=keep_packed(device, n, dt))
         st.lookahead = lookahead_columns(whole, len(mine))  # stage 0's MoE layers come first
