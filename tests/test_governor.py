@@ -500,3 +500,36 @@ def test_a_cold_first_reading_does_not_keep_an_arm_losing():
     d = run_plain_arms(arms, cost, 120, rng)
     first = next(i for i, (arm, probe) in enumerate(d) if arm and not probe)
     assert first <= 60 and arms.best is True, (first, d)
+
+
+def run_lane_arms(arms, per_miss: float, seed: int, per_step: bool = False, steps: int = 800) -> list[bool]:
+    """K = 0 steps of 16-token texts for the lane arms: a step costs its misses times the arm's
+    seconds a miss (per_miss[arm]), and the first 2 steps of a text miss 6 experts, the rest 2-5
+    -> the arm of each step. per_step: observe step times alone (as before misses were passed)."""
+    rng, out = random.Random(seed), []
+    for i in range(steps):
+        arm = arms.pick()
+        m = 6 if i % 16 < 2 else rng.choice((2, 3, 4, 5))
+        arms.observe(arm, m * per_miss[arm] * rng.uniform(0.97, 1.03), 1, None if per_step else m)
+        out.append(arm)
+    return out
+
+
+def test_lane_arms_compare_seconds_a_miss():
+    """The lane arms (host lane or copy every miss) act on misses only, and a step's time follows its
+    misses: rated per step, a probe that happened to miss little beat the other arm's average, and
+    the host lane, 25% slower a miss, ran up to 700 of 800 steps. Rated per miss, it runs only as
+    probes; where it is the faster a miss, it runs; a run that missed nothing moves neither arm."""
+    from specter.speculative.governor import PlainArms
+
+    slow_host = {True: 4.4e-3, False: 5.5e-3}
+    per_step = [run_lane_arms(PlainArms(), slow_host, s, per_step=True).count(False) for s in range(6)]
+    assert max(per_step) > 100, per_step  # the world this guards against
+    for s in range(6):
+        assert run_lane_arms(PlainArms(), slow_host, s).count(False) <= 12
+        assert run_lane_arms(PlainArms(), {True: 5.5e-3, False: 4.4e-3}, s).count(False) >= 750
+    arms = PlainArms()
+    run_lane_arms(arms, slow_host, 0, steps=50)
+    before = dict(arms.t)
+    arms.observe(arms.pick(), 1.0, 3, 0)
+    assert arms.t == before

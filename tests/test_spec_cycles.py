@@ -213,7 +213,7 @@ def one_lane_arm(copy_only: bool, seen: list | None = None):
     """A stand-in for the governor's lane_arms that always picks `copy_only` (observations into `seen`)."""
     import types
 
-    def observe(arm, step_s, steps=1):
+    def observe(arm, step_s, steps=1, misses=None):
         if seen is not None:
             seen.append((arm, steps))
     return types.SimpleNamespace(pick=lambda: copy_only, probing=False, next=10 ** 9, n=0, observe=observe)

@@ -35,7 +35,7 @@ def hook_arms(engine, arms: Counter) -> None:
         st = mgr._stats
         last.update(misses=st["expert_misses"], copied=st["h2d_bytes"], host=st["host_experts"])
 
-    def observe(steps, seconds, copied0, arm, lane=None):
+    def observe(steps, seconds, copied0, arm, lane=None, *rest):
         st = mgr._stats
         names = ["plain"]
         if arm is not None:
@@ -48,7 +48,7 @@ def hook_arms(engine, arms: Counter) -> None:
             arms[n + " misses"] += st["expert_misses"] - last.get("misses", st["expert_misses"])
             arms[n + " copies"] += (st["h2d_bytes"] - last.get("copied", st["h2d_bytes"])) / mgr.expert_bytes
             arms[n + " hosted"] += st["host_experts"] - last.get("host", st["host_experts"])
-        out = orig(steps, seconds, copied0, arm, lane)
+        out = orig(steps, seconds, copied0, arm, lane, *rest)
         mark()
         return out
 

@@ -163,6 +163,7 @@ class SpeculativeDecoder:
                 steps = min(steps, LANE_PROBE) if lanes.probing else max(1, min(steps, lanes.next - lanes.n))
                 mgr.host_choice = None if lane else choice
             done, spent, copied0 = 0, 0.0, mgr.offloaded_bytes  # copies and host-lane reads
+            missed0 = mgr._stats["expert_misses"] if lane is not None else 0  # the lane arms are rated per miss
             x = torch.tensor([t], device=self.device)
             t0 = clock()
             try:
@@ -173,7 +174,7 @@ class SpeculativeDecoder:
                     t0 = clock()
             finally:  # also when the caller stops early: the steps that ran are measured
                 mgr.host_choice = choice  # verification keeps both lanes
-                self._observe_plain(done, spent, copied0, arm, lane)
+                self._observe_plain(done, spent, copied0, arm, lane, missed0)
             n += done
             t = new[0]
             produced += done
@@ -256,10 +257,11 @@ class SpeculativeDecoder:
         self.governor.observe_cycle(k, m, draft_s, verify_s, stall)
 
     def _observe_plain(self, steps: int, seconds: float, copied0: int, arm: bool | None,
-                       lane: bool | None = None) -> None:
+                       lane: bool | None = None, missed0: int = 0) -> None:
         """A run of `steps` plain steps took `seconds`: into the stats, the governor (unless the run
         probed a plain arm) and the plain arms (`arm`: the next-layer arm it ran, `lane`: True when it
-        copied every miss, False when the host lane took some; None: no such arms)."""
+        copied every miss, False when the host lane took some, rated per miss since the manager's
+        count of misses stood at `missed0`; None: no such arms)."""
         st, mgr, gov = self._stats, self.experts, self.governor
         st["k_histogram"][0] += steps
         st["cycles"] += steps
@@ -277,7 +279,7 @@ class SpeculativeDecoder:
         if arm is not None:
             gov.plain_arms.observe(arm, seconds / steps, steps)
         if lane is not None:
-            gov.lane_arms.observe(lane, seconds / steps, steps)
+            gov.lane_arms.observe(lane, seconds / steps, steps, mgr._stats["expert_misses"] - missed0)
         if self.times.pending:  # CUDA: speculative cycles whose events completed meanwhile
             self.times.poll()
 

@@ -353,11 +353,10 @@ class Governor:
 
 class PlainArms:
     """K = 0 is plain decoding with or without next-layer prefetch, whichever measures faster (moving
-    averages of the step time; a second instance: with the host lane computing some of its misses,
-    or, the arm True that must prove faster, copying every miss as on-demand does). The other is
-    tried after `probe_every` plain steps, then at doubling intervals while it keeps losing, never
-    more often than keeps its excess under `budget` (up to `probe_max`). Next-layer must be faster
-    by `margin`, and the arms change places only right after the one taking over was measured."""
+    averages of the step time; a second instance, rated per miss: the host lane computing some misses,
+    or, the arm True that must prove faster by `margin`, copying every one). The other is tried after
+    `probe_every` steps, then at doubling intervals keeping its excess under `budget` (up to
+    `probe_max`); the arms change places only right after the one taking over was measured."""
 
     def __init__(self, probe_every: int = 8, probe_max: int = 1024, budget: float = 0.01, alpha: float = 0.25,
                  margin: float = 0.03):
@@ -387,12 +386,15 @@ class PlainArms:
         self.next = self.n + self.interval
         return not best
 
-    def observe(self, arm: bool, step_s: float, steps: int = 1) -> None:
+    def observe(self, arm: bool, step_s: float, steps: int = 1, misses: int | None = None) -> None:
         """`steps` steps of `arm` took step_s each on average (pick counted the first). A probe of the
-        losing arm replaces its time: averaged into a figure from many steps ago, one stale reading
-        (the first, on a cold cache) kept it losing for hundreds of steps."""
+        losing arm replaces its time (one stale reading, on a cold cache, kept it losing for hundreds
+        of steps). `misses`: the steps' misses (lane arms act on misses only), rated as seconds a miss."""
         self.n += steps - 1
+        if misses is not None:  # a step's time follows its misses; a run without any says nothing
+            if misses <= 0:
+                return
+            step_s *= steps / misses
         self.last = arm
-        old = self.t[arm]
-        fresh = old is None or (self.probing and arm != self.best)
-        self.t[arm] = step_s if fresh else (1 - self.alpha) * old + self.alpha * step_s
+        fresh = self.t[arm] is None or (self.probing and arm != self.best)
+        self.t[arm] = step_s if fresh else (1 - self.alpha) * self.t[arm] + self.alpha * step_s
