@@ -260,6 +260,7 @@ def load_checkpoint(
     progress: bool | None = None,
     experts: bool = True,
     layers: tuple[int, int] | None = None,
+    expert_layers: tuple[int, int] | None = None,
 ) -> tuple[MoETransformer, list[ExpertWeights], Checkpoint]:
     """Build the model with its non-expert weights on `device` in `dtype`, and return the routed experts
     as the host store: one `ExpertWeights` per MoE layer, in the checkpoint's own dtype (pinned in
@@ -269,7 +270,9 @@ def load_checkpoint(
     `experts=False`: the routed experts are not read (the store is []: a coded store came from its cache).
     `layers` (first, last): only decoder layers [first, last) are read, with the embedding when first
     is 0 and the final norm and lm_head when last is the last layer (a pipeline stage); every other
-    parameter stays on the meta device, and the store holds those layers' MoE layers only."""
+    parameter stays on the meta device, and the store holds those layers' MoE layers only.
+    `expert_layers` (first, last): the store holds only these decoder layers' MoE layers (default:
+    `layers`'), whatever non-expert weights are read."""
     ckpt = open_checkpoint(path)
     spec = ckpt.spec
     with init_empty_weights(include_buffers=False):
@@ -279,8 +282,9 @@ def load_checkpoint(
         params = [(n, _source(n, spec, reader)) for n, _ in model.named_parameters()
                   if layers is None or _in_stage(n, layers, spec.n_layers)]
         names = _expert_names(reader, spec) if experts else []
-        if layers is not None:
-            names = [n for l, n in zip(spec.moe_layer_ids, names) if layers[0] <= l < layers[1]]
+        span = expert_layers if expert_layers is not None else layers
+        if span is not None:
+            names = [n for l, n in zip(spec.moe_layer_ids, names) if span[0] <= l < span[1]]
         total = sum(reader.entries[src][4] for _, src in params if src in reader.entries)
         total += sum(reader.entries[n][4] for layer in names for n in layer if n in reader.entries)
         if progress is None:

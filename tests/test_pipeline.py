@@ -364,6 +364,40 @@ def test_rank_0_shares_one_processs_draft_cache(ckpts, tmp_path):
     assert single(pipe) == ref and _entry(pipe) == made  # which one process then hits
 
 
+def test_rank_0_reads_no_other_stages_experts_when_the_draft_cache_holds_every_layer(ckpts, tmp_path, monkeypatch):
+    """Rank 0's stage under specter: a draft cache miss reads every layer's routed experts (to quantise
+    them) and writes the entry; a hit reads only its own stage's, yet every layer's other weights, and
+    drafts the same logits."""
+    import torch
+
+    from specter.loader import _Reader
+    from specter.pipeline.stage import load_stage
+
+    path = ckpts["deepseek_v2"]
+    first = make_stages(open_checkpoint(path).spec, 2, 4)[0]
+    assert (first.first, first.last) == (0, 2)  # layer 1 MoE here; layer 2 MoE on rank 1
+    read, read_into = [], _Reader.read_into
+    monkeypatch.setattr(_Reader, "read_into", lambda self, name, dst: (read.append(name), read_into(self, name, dst))[1])
+
+    def load(cache):
+        read.clear()
+        st = load_stage(path, first, torch.device("cpu"), policy="specter", residency=0.5, draft_cache=str(cache))
+        st.begin(16)
+        logits = st.draft_forward(torch.tensor(PROMPT), 0, logits_for="all")
+        st.close()
+        return logits, {n.split(".mlp.experts.")[0] for n in read if ".mlp.experts." in n}, set(read)
+
+    miss, experts, names = load(tmp_path / "c")
+    assert experts == {"model.layers.1", "model.layers.2"} and len(list((tmp_path / "c").glob("*/layer-*"))) == 2
+    hit, experts, hit_names = load(tmp_path / "c")
+    assert experts == {"model.layers.1"}  # its own stage's only
+    assert {n for n in names if ".mlp.experts." not in n} == {n for n in hit_names if ".mlp.experts." not in n}
+    assert any(n.startswith("model.layers.2.self_attn") for n in hit_names)
+    assert torch.equal(miss, hit)
+    _, experts, _ = load("off")  # no cache: every layer's, quantised
+    assert experts == {"model.layers.1", "model.layers.2"}
+
+
 def test_bench_under_torchrun_reports_each_rank(ckpts, tmp_path):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([PROMPT, [3, 4, 5]]))

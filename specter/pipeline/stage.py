@@ -234,7 +234,8 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     holds the whole draft (every MoE layer's experts quantised as the single-process draft's; the
     other layers' routed experts are read only to be quantised), read from and written to the draft
     cache `draft_cache` under one process's key (speculative/draft_cache.py), so either run's entry
-    serves the other; the other stages never touch the cache."""
+    serves the other. When that entry holds every layer, the other layers' routed experts are not
+    read at all. The other stages never touch the cache."""
     from ..builder import configure_threads
     from ..loader import load_checkpoint, load_tokenizer, open_checkpoint
     from ..offload.cuda_link import make_link
@@ -268,11 +269,23 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
                                                       storage=pdt))
     configure_threads(device, threads)
     whole = pol.drafts and stage.is_first and any(l in spec.moe_layer_ids for l in range(spec.n_layers))
+    cached = None
+    if whole:  # the draft cache holds every layer's draft experts: the other stages' experts are not read
+        from ..speculative.draft_cache import cached_draft
+
+        cached = cached_draft(ckpt.files.values(), spec.n_moe_layers, draft_cache)
     model, mine, _ = load_checkpoint(path, device, dt, pin_experts=device.type == "cuda" and pin_wanted(),
-                                     layers=None if whole else (stage.first, stage.last))  # this stage's only
+                                     layers=None if whole else (stage.first, stage.last),  # this stage's only
+                                     expert_layers=(stage.first, stage.last) if cached is not None else None)
     every = None
     if whole:  # the whole draft's: every layer (run by draft_forward); the target's experts are this stage's
-        every, mine = mine, mine[:stage.moe_last - stage.moe_first]
+        if cached is None:
+            from ..speculative.draft_cache import draft_int4
+
+            every = draft_int4(mine, ckpt.files.values(), device, cache=draft_cache)  # one process's entry
+            mine = mine[:stage.moe_last - stage.moe_first]
+        else:
+            every = cached
     else:
         drop_others(model, stage, dt)
     tokenizer = load_tokenizer(path) if stage.is_first else None
@@ -299,30 +312,27 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
         lk.close()
     st = StageModel(model, provider, stage, device, dt, plan=plan, tokenizer=tokenizer, path=path)
     st.k_max = k_max if pol.drafts else 0
-    if pol.drafts and (mine or every):
-        _speculate(st, pol, mine, every, stage_layers, k_max, threads, lk, pdt, (ckpt.files.values(), draft_cache))
+    if pol.drafts and (mine or whole):
+        _speculate(st, pol, mine, every, stage_layers, k_max, threads, lk, pdt)
     return st
 
 
-def _speculate(st: StageModel, pol, mine: list, every: list | None, stage_layers, k_max: int, threads, lk,
-               pdt, cache=((), "off")) -> None:
+def _speculate(st: StageModel, pol, mine: list, every, stage_layers, k_max: int, threads, lk, pdt) -> None:
     """A drafting policy's part on this stage (see load_stage), built as builder._decoder builds it
-    for the whole model; `every`: all MoE layers' experts (the first stage: the whole draft); `cache`:
-    (the checkpoint's files, the draft cache) of the whole draft's quantised experts."""
+    for the whole model; `every` (the first stage: the whole draft): every MoE layer's INT4 draft
+    experts, as draft_int4 yields them (from the draft cache or quantised), else None."""
     from ..builder import uses_host_lane
     from ..offload.host_lane import LaneChoice, host_params, make_host_lane
     from ..offload.policies import NextLayerPrefetch
     from ..speculative.draft import DraftExperts, Lookahead, keep_packed
-    from ..speculative.draft_cache import draft_int4
     from ..speculative.draft import PrefetchPlanner
 
     spec, device, dt, stage = st.model.spec, st.device, st.dtype, st.stage
     if every is not None:
         st.whole = True
-        whole = st.whole_lookahead = Lookahead(max(k_max, 1), len(every), spec.top_k, device)
-        files, where = cache
-        int4 = list(draft_int4(every, files, device, cache=where))  # one process's cache entry
-        n = len(every) * spec.n_experts * spec.expert_numel()
+        whole = st.whole_lookahead = Lookahead(max(k_max, 1), spec.n_moe_layers, spec.top_k, device)
+        int4 = list(every)
+        n = spec.n_moe_layers * spec.n_experts * spec.expert_numel()
         st.draft = DraftExperts(int4, whole, device, dt, packed=keep_packed(device, n, dt))
         st.lookahead = lookahead_columns(whole, len(mine))  # stage 0's MoE layers come first
     else:

@@ -140,6 +140,23 @@ def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache
     bar.close()
 
 
+def cached_draft(files, n_layers: int, cache=None, bits: int = 4) -> list[tuple[Int4Experts, Int4Experts]] | None:
+    """Every one of the `n_layers` MoE layers' draft experts from the cache, as draft_int4 would yield
+    them on a hit, or None when the cache is off or any layer is missing, corrupt or stale (then
+    draft_int4 rebuilds what is not there). Creates and writes nothing."""
+    root = cache_root(cache)
+    if root is None:
+        return None
+    entry = root / cache_key(files, bits)
+    layers = []
+    for i in range(n_layers):
+        layer = _read(entry / f"layer-{i}.safetensors", entry.name, i, bits)
+        if layer is None:
+            return None
+        layers.append(layer)
+    return layers
+
+
 def _tensors(layer: tuple[Int4Experts, Int4Experts]) -> dict[str, torch.Tensor]:
     return {f"{m}.{k}": t.contiguous() for m, q in zip(("w13", "w2"), layer) for k, t in q.tensors().items()}
 
