@@ -97,15 +97,16 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _start(argvs: list[list[str]]) -> list[subprocess.Popen]:
-    """One process per rank (argvs[r] after `python`), given torchrun's environment."""
+def _start(argvs: list[list[str]], stdin=None) -> list[subprocess.Popen]:
+    """One process per rank (argvs[r] after `python`), given torchrun's environment; `stdin`: each
+    rank's (default: this process's)."""
     n, port = len(argvs), _port()
     procs = []
     for r, argv in enumerate(argvs):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, *argv], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+                                      stderr=subprocess.PIPE, text=True, stdin=None if stdin is None else stdin[r]))
     return procs
 
 
@@ -538,6 +539,78 @@ def test_serve_under_torchrun_stops_cleanly_on_sigterm_to_every_rank():
             p.send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=60) for p in procs]
         assert codes == [0, 0], [p.communicate()[1][-2000:] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+
+
+def _chat_model(tmp_path: Path) -> Path:
+    """A copy of the bundled model with a chat template added (as tests/test_cli.py's)."""
+    import shutil
+
+    model = tmp_path / "chat-model"
+    shutil.copytree(specter.default_model_path(), model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                            "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return model
+
+
+@pytest.mark.skipif(not (specter.default_model_path() / "model.safetensors").exists(),
+                    reason="the bundled default model is not built")
+def test_chat_under_torchrun_reads_rank_0s_input_and_outlives_the_timeout(tmp_path):
+    """`torchrun -m specter chat` (2 ranks, specter): rank 0 reads the turns and prints one process's
+    replies, once; idle at the prompt past the pipeline timeout it still answers (its waits are kept
+    alive, as a server's); /reset and /exit work; every rank exits 0."""
+    model = _chat_model(tmp_path)
+    engine = specter.load(model, device="cpu", policy="specter", residency=0.5, k_max=8)
+    sys_msg, kw = [{"role": "system", "content": "be brief"}], dict(max_new_tokens=6, temperature=0.0)
+    r1 = engine.generate(sys_msg + [{"role": "user", "content": "def add(a, b):"}], **kw).text
+    r2 = engine.generate(sys_msg + [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": r1},
+                                    {"role": "user", "content": "class Stack:"}], **kw).text
+    r3 = engine.generate(sys_msg + [{"role": "user", "content": "class Stack:"}], **kw).text
+    engine.close()
+    timeout = 3
+    argv = ["-m", "specter", "chat", "--model", str(model), "--device", "cpu", "--residency", "0.5", "--k-max", "8",
+            "--max-new-tokens", "6", "--greedy", "--system", "be brief", "--pipeline-timeout", str(timeout)]
+    procs = _start([argv, argv], stdin=[subprocess.PIPE, subprocess.DEVNULL])
+    try:
+        procs[0].stdin.write("def add(a, b):\n")
+        procs[0].stdin.flush()
+        assert procs[0].stdout.read(len(r1) + 1) == r1 + "\n"  # the first reply (the load came first)
+        time.sleep(2 * timeout)  # idle at the prompt past the timeout: rank 1 still waits
+        out, err = procs[0].communicate("class Stack:\n/reset\nclass Stack:\n/exit\n", timeout=180)
+        assert procs[0].returncode == 0, err[-2000:]
+        assert out == f"{r2}\n{r3}\n"
+        out1, err1 = procs[1].communicate(timeout=60)
+        assert procs[1].returncode == 0 and out1 == "", err1[-2000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+
+
+@pytest.mark.skipif(not (specter.default_model_path() / "model.safetensors").exists(),
+                    reason="the bundled default model is not built")
+def test_chat_under_torchrun_ends_when_a_rank_is_gone(tmp_path):
+    """Rank 1 killed while rank 0 waits at the prompt: the next turn ends the chat with the pipeline's
+    error and exit status 2 (a turn's other errors are reported and the chat goes on)."""
+    model = _chat_model(tmp_path)
+    argv = ["-m", "specter", "chat", "--model", str(model), "--device", "cpu", "--residency", "0.5",
+            "--max-new-tokens", "4", "--greedy", "--pipeline-timeout", "3"]
+    procs = _start([argv, argv], stdin=[subprocess.PIPE, subprocess.DEVNULL])
+    try:
+        procs[0].stdin.write("def add(a, b):\n")
+        procs[0].stdin.flush()
+        assert procs[0].stdout.readline()  # the first reply: the pipeline ran
+        procs[1].kill()
+        procs[1].wait()
+        out, err = procs[0].communicate("class Stack:\nclass Queue:\n", timeout=120)
+        assert procs[0].returncode == 2 and "rank 0 of 2" in err and "/reset starts over" not in err, err[-2000:]
     finally:
         for p in procs:
             if p.poll() is None:

@@ -47,8 +47,8 @@ def _policies() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if pipeline.launched() and args.command not in ("generate", "bench", "serve"):
-            raise SpecterError(f"under torchrun only `generate`, `bench` and `serve` run as a pipeline today, not "
+        if pipeline.launched() and args.command not in ("generate", "chat", "bench", "serve"):
+            raise SpecterError(f"under torchrun only `generate`, `chat`, `bench` and `serve` run as a pipeline today, not "
                                f"`{args.command}`; "
                                "run it as one process")
         return args.func(args)

@@ -28,6 +28,7 @@ def add_parsers(sub) -> None:
     c.add_argument("--system", default=None, help="a system message at the start of the conversation")
     model_args(c)
     sampling_args(c)
+    pipeline_args(c)
     c.set_defaults(func=cmd_chat)
 
 
@@ -103,8 +104,18 @@ def _generate(args, prompt, engine) -> int:
 
 def cmd_chat(args) -> int:
     """One line from standard input is one user turn; the reply streams to standard output. `/reset`
-    starts over, `/exit` (or end of input) ends. An error in one turn is reported and the chat goes on."""
-    engine = load_engine(args)
+    starts over, `/exit` (or end of input) ends. An error in one turn is reported and the chat goes on
+    (a broken pipeline ends it). Under torchrun rank 0 reads the terminal and prints; the other ranks
+    follow it, as under `serve`."""
+    if pipeline.launched():
+        return pipeline.run(args, lambda engine: _chat(args, engine), waits=True)
+    if args.pipeline_backend is not None or args.pipeline_timeout is not None:
+        raise ConfigError("--pipeline-backend and --pipeline-timeout apply under torchrun only "
+                          "(torchrun --nproc-per-node N -m specter chat ...)")
+    return _chat(args, load_engine(args))
+
+
+def _chat(args, engine) -> int:
     try:
         if not getattr(engine.tokenizer, "chat_template", None):
             engine.encode([{"role": "user", "content": ""}])  # raises the engine's own clear error
@@ -129,6 +140,11 @@ def cmd_chat(args) -> int:
                     sys.stdout.write(piece)
                     sys.stdout.flush()
             except SpecterError as e:  # e.g. the conversation outgrew the context: say so, keep chatting
+                if pipeline.launched():
+                    from ..pipeline.group import PipelineError
+
+                    if isinstance(e, PipelineError) or engine.decoder.broken:
+                        raise  # a rank is gone or stuck: no turn can run
                 print(f"specter: error: {e} (/reset starts over)", file=sys.stderr)
                 continue
             sys.stdout.write("\n")

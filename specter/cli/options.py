@@ -75,7 +75,7 @@ def model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
 
 
 def pipeline_args(p: argparse.ArgumentParser) -> None:
-    """The flags of a command that runs as a layer pipeline under torchrun (generate, bench, serve)."""
+    """The flags of a command that runs as a layer pipeline under torchrun (generate, chat, bench, serve)."""
     p.add_argument("--pipeline-backend", choices=("gloo", "nccl"), default=None,
                    help="under torchrun: the backend between ranks (default: nccl between GPUs, else gloo)")
     p.add_argument("--pipeline-timeout", type=float, default=None, metavar="SECONDS",

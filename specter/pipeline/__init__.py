@@ -10,7 +10,7 @@
                 decoder) and every other rank's loop
     speculative.py  rank 0's decoder for spec-lru and specter: SpeculativeDecoder over stand-ins
                 for the model and the offload manager that reach every stage
-    launch.py   `torchrun ... -m specter generate|serve`: the whole run on one rank, errors included
+    launch.py   `torchrun ... -m specter generate|chat|serve`: the whole run on one rank, errors included
     bench.py    `torchrun ... -m specter bench`: the pipelined policies, per-rank stats
     plan.py     `specter plan --ranks N`: what each rank holds, and whether it fits
 
@@ -28,11 +28,11 @@ def launched() -> bool:
         return False
 
 
-def run(args, body, serving: bool = False) -> int:
-    """The CLI's pipelined `generate` and `serve` (see launch.py)."""
+def run(args, body, serving: bool = False, waits: bool = False) -> int:
+    """The CLI's pipelined `generate`, `chat` and `serve` (see launch.py)."""
     from .launch import run as launch_run
 
-    return launch_run(args, body, serving)
+    return launch_run(args, body, serving, waits)
 
 
 def bench(args) -> int:

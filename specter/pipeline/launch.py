@@ -98,11 +98,13 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
     return group, engine, stage
 
 
-def run(args, body, serving: bool = False) -> int:
+def run(args, body, serving: bool = False, waits: bool = False) -> int:
     """The CLI's pipelined command: rank 0 runs body(engine) (which closes the engine); the others serve.
     A failure on any rank raises a PipelineError (or the user's error on rank 0) on every rank.
     `serving`: body waits for requests (`specter serve`): rank 0 keeps the other ranks' waits alive
-    meanwhile (decoder.keep_alive), and a pipeline that broke while it served ends it with that error."""
+    meanwhile (decoder.keep_alive), and a pipeline that broke while it served ends it with that error;
+    the other ranks leave a signal to rank 0's server. `waits`: body waits for its user (`specter
+    chat`), with the waits kept alive as a server's; a signal ends each rank as usual."""
     from contextlib import nullcontext
 
     from .decoder import keep_alive, serve_stage
@@ -126,7 +128,7 @@ def run(args, body, serving: bool = False) -> int:
             ok = True
             return 0
         try:
-            with keep_alive(engine.decoder) if serving else nullcontext():
+            with keep_alive(engine.decoder) if serving or waits else nullcontext():
                 code = body(engine)
         except BaseException:
             engine.decoder.finish(abort=True)  # the other ranks stop with an error too
