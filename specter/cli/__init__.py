@@ -54,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except SpecterError as e:
         print(f"specter: error: {e}", file=sys.stderr)
+        if pipeline.launched():  # a failed rank leaves its process group as it is (a peer may be gone),
+            try:                 # and tearing that down at interpreter exit can abort the process (SIGABRT,
+                sys.stdout.flush()  # "terminate called without an active exception") instead of exiting 2
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+            os._exit(2)
         return 2
     except KeyboardInterrupt:
         return 130
