@@ -41,7 +41,7 @@ from specter.pipeline.launch import open_pipeline
 from specter.speculative.governor import Governor
 
 cases, out = json.loads(sys.argv[1]), sys.argv[2]
-group = join("cpu", None, 60.0)  # an initialised group: open_pipeline joins it
+group = join("cpu", None, 120.0)  # an initialised group: open_pipeline joins it (a loaded machine: slow loads)
 results = []
 for c in cases:
     g, engine, stage = open_pipeline(c["model"], device="cpu", policy=c["policy"], residency=c["residency"],
