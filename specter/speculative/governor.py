@@ -1,6 +1,5 @@
-"""The governor: picks each cycle's K (0..K_max) so that speculation never loses to plain decoding,
-and K = 0's own arm (with or without next-layer prefetch, `PlainArms`). Why each rule is as it is,
-and what was measured: docs/ARCHITECTURE.md ("The governor ...").
+"""The governor: picks each cycle's K (0..K_max) so that speculation never loses to plain decoding, and K = 0's
+own arm (with or without next-layer prefetch, `PlainArms`). Why: docs/ARCHITECTURE.md ("The governor ...").
 
 1. Arms, judged by realised throughput. Plain decoding (K = 0) and speculation (K >= 1) each keep
    a window of their latest cycles (W_plain steps, W_spec cycles); an arm's rate R is the median of
@@ -25,8 +24,8 @@ and what was measured: docs/ARCHITECTURE.md ("The governor ...").
 
        interval >= n (t_o / t_r) (1 - R_o / R_r) / budget
 
-   capped at probe_max cycles while speculating and probe_max (t_o / t_r) while decoding plainly
-   (twice that, at half the budget, when plain steps copy nothing).
+   capped at probe_max cycles while speculating and probe_max (t_o / t_r) while decoding plainly (twice
+   that, at half the budget, when plain steps copy nothing).
 
 2. Inside speculation, K is the argmax of E^-[tokens | K] / cycle(K) over 1 <= K <= min(K_max, 2 K_hi):
 
@@ -56,8 +55,7 @@ class _Window:
     None before the first), error (sqrt(pi/2) 1.4826 MAD / median / sqrt(n); None before two)."""
 
     def __init__(self, size: int, worth):
-        self.ks: deque = deque(maxlen=size)
-        self.secs: deque = deque(maxlen=size)
+        self.ks, self.secs = deque(maxlen=size), deque(maxlen=size)  # each cycle's K and its seconds
         self.worth = worth
         self.rates: list[float] = []
         self.rate = self.seconds = self.error = None
@@ -89,8 +87,7 @@ class Governor:
         self.z, self.m, self.bandwidth, self.margin, self.budget = z, prior_weight, bandwidth, margin, budget
         self.proof, self.proof_cap, self.free_margin = proof, proof_cap, free_margin
         # acceptance: decayed accepted / tried counts per drafted position (1..K_max) and pooled
-        self.hits, self.tries = [0.0] * (k_max + 1), [0.0] * (k_max + 1)
-        self.seen = [0] * (k_max + 1)        # observations of each position (capped): its confidence
+        self.hits, self.tries, self.seen = [0.0] * (k_max + 1), [0.0] * (k_max + 1), [0] * (k_max + 1)  # seen: capped
         self.pool_hits, self.pool_tries = 0.8, 1.0
         self.draft_s = self.v0 = self.v1 = None  # d; the verify compute fit v0 + v1 (K + 1)
         self.stall: dict[int, float] = {}    # sbar_K
@@ -355,8 +352,8 @@ class PlainArms:
     """K = 0 is plain decoding with or without next-layer prefetch, whichever measures faster (moving
     averages of the step time; a second instance, rated per miss: the host lane computing some misses,
     or, the arm True that must prove faster by `margin`, copying every one). The other is tried after
-    `probe_every` steps, then at doubling intervals keeping its excess under `budget` (up to
-    `probe_max`); the arms change places only right after the one taking over was measured."""
+    `probe_every` steps, then at doubling intervals stretched so that the excess each probe measures stays
+    under `budget` (up to `probe_max`); the arms change places only right after the taker was measured."""
 
     def __init__(self, probe_every: int = 8, probe_max: int = 1024, budget: float = 0.01, alpha: float = 0.25,
                  margin: float = 0.03):
@@ -381,20 +378,23 @@ class PlainArms:
         if self.n < self.next:
             self.probing = False
             return best
-        excess = self.t[not best] / max(self.t[best], 1e-12) - 1.0
-        self.interval = min(max(2 * self.interval, round(excess / self.budget)), self.probe_max)
+        self.interval = min(2 * self.interval, self.probe_max)  # observe stretches it by what the probe measures
         self.next = self.n + self.interval
         return not best
 
     def observe(self, arm: bool, step_s: float, steps: int = 1, misses: int | None = None) -> None:
-        """`steps` steps of `arm` took step_s each on average (pick counted the first). A probe of the
-        losing arm replaces its time (one stale reading, on a cold cache, kept it losing for hundreds
-        of steps). `misses`: the steps' misses (lane arms act on misses only), rated as seconds a miss."""
+        """`steps` steps of `arm` took step_s each on average (pick counted the first). A probe of the losing arm
+        replaces its time (a cold reading kept it losing for hundreds of steps). `misses`: the steps' misses
+        (lane arms act on misses only), rated as seconds a miss."""
         self.n += steps - 1
         if misses is not None:  # a step's time follows its misses; a run without any says nothing
             if misses <= 0:
                 return
             step_s *= steps / misses
         self.last = arm
-        fresh = self.t[arm] is None or (self.probing and arm != self.best)
-        self.t[arm] = step_s if fresh else (1 - self.alpha) * self.t[arm] + self.alpha * step_s
+        probe = self.probing and self.best is not None and arm != self.best
+        self.t[arm] = step_s if probe or self.t[arm] is None else (1 - self.alpha) * self.t[arm] + self.alpha * step_s
+        if probe:  # the next probe as far off as the excess this probe measured (not the figure it replaced)
+            excess = step_s / max(self.t[self.best], 1e-12) - 1.0  # the probe's reading: self.t[arm]
+            self.interval = min(max(self.interval, round(excess / self.budget)), self.probe_max)
+            self.next = self.n + self.interval
