@@ -615,6 +615,32 @@ def test_cuda_copies_land_bit_exact(pinned, monkeypatch):
 
 
 @cuda
+def test_cuda_coalesced_copy_waits_for_each_reader_and_lands_bit_exact():
+    """A coalesced transfer (a layer call's misses: several experts' tensors in one copy, `after` the
+    list of their slots' last readers) starts only once every reader's event has completed, and every
+    tensor lands bit for bit."""
+    with CudaLink("cuda") as link:
+        assert link.coalesces  # nothing staged: a pinned store coalesces
+        srcs = [torch.randn(512, 256).pin_memory() for _ in range(3)]
+        srcs += [torch.randn(256, 512).to(torch.bfloat16).pin_memory() for _ in range(3)]
+        dsts = [torch.zeros(s.shape, dtype=s.dtype, device="cuda") for s in srcs]
+        idle = torch.cuda.Event()
+        idle.record()
+        reader = torch.cuda.Stream()
+        with torch.cuda.stream(reader):
+            torch.cuda._sleep(1_000_000_000)  # one slot's last reader, still running
+            busy = torch.cuda.Event()
+            busy.record(reader)
+        t = link.copy(dsts, srcs, urgent=True, tag=(0, (1, 2, 3)), after=[idle, busy])
+        time.sleep(0.05)
+        assert not t.done(), "the coalesced copy did not wait for its second reader"
+        torch.cuda.synchronize()
+        link.synchronize()
+        assert t.done() and all(torch.equal(d.cpu(), s) for d, s in zip(dsts, srcs))
+        assert link.stats["transfers"] == 1 and link.stats["bytes"] == sum(s.nbytes for s in srcs)
+
+
+@cuda
 def test_cuda_unread_slot_copy_does_not_wait_for_queued_compute():
     """A copy into a slot nothing has read lands while a long kernel queued before it still runs on
     the compute stream (it used to wait for all queued compute)."""
