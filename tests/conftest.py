@@ -1,8 +1,11 @@
+import json
 import os
+import shutil
 
 import pytest
 import torch
 
+import specter
 from specter.testing import ARCHS, make_tiny_checkpoint
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -51,3 +54,15 @@ def fixed_k(monkeypatch):
 @pytest.fixture(scope="session")
 def all_archs():
     return ARCHS
+
+
+@pytest.fixture
+def chat_model(tmp_path):
+    """A copy of the bundled model with a chat template added."""
+    model = tmp_path / "chat-model"
+    shutil.copytree(specter.default_model_path(), model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                            "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return model

@@ -2,7 +2,6 @@
 token-id prompts for tokenizer-less checkpoints, chat, --dtype, penalties, argument checks, and
 a closed pipe (`| head`) ending quietly."""
 import json
-import shutil
 import subprocess
 import sys
 
@@ -53,18 +52,6 @@ def test_prompt_ids_on_a_checkpoint_without_tokenizer(tiny, capsys):
     assert e.value.code == 2 and "expected token ids" in capsys.readouterr().err
     assert main(["generate", "hi", "--prompt-ids", "1", "--model", str(path), "--policy", "resident"]) == 2
     assert "not both" in capsys.readouterr().err
-
-
-@pytest.fixture
-def chat_model(tmp_path):
-    """A copy of the bundled model with a chat template added."""
-    model = tmp_path / "chat-model"
-    shutil.copytree(DEFAULT, model)
-    cfg = json.loads((model / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                            "{% if add_generation_prompt %}<assistant>{% endif %}")
-    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return model
 
 
 @needs_default

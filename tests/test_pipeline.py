@@ -5,6 +5,7 @@ Ranks are subprocesses given torchrun's environment (RANK, WORLD_SIZE, MASTER_AD
 free port; each launch runs several generations, so the whole file starts few processes."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -91,6 +92,10 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+needs_default = pytest.mark.skipif(not (specter.default_model_path() / "model.safetensors").exists(),
+                                   reason="the bundled default model is not built")
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -108,6 +113,19 @@ def _start(argvs: list[list[str]], stdin=None) -> list[subprocess.Popen]:
         procs.append(subprocess.Popen([sys.executable, *argv], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, stdin=None if stdin is None else stdin[r]))
     return procs
+
+
+@contextlib.contextmanager
+def _ranks(argvs: list[list[str]], stdin=None):
+    """`_start`'s processes; any still running on the way out is killed, and every one reaped."""
+    procs = _start(argvs, stdin)
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
 
 
 def _launch(argvs: list[list[str]], timeout: float = 120) -> list[tuple[int | None, str, str]]:
@@ -467,8 +485,7 @@ def _serving(url: str, procs, httpx, within: float = 180) -> None:
     raise AssertionError("the pipelined server did not come up")
 
 
-@pytest.mark.skipif(not (specter.default_model_path() / "model.safetensors").exists(),
-                    reason="the bundled default model is not built")
+@needs_default
 def test_serve_under_torchrun_answers_then_503_once_a_rank_is_gone():
     """`torchrun -m specter serve` (2 ranks, specter): rank 0 serves one process's greedy text; idle for
     longer than the pipeline timeout it still answers (rank 0 keeps the other ranks' waits alive);
@@ -483,8 +500,7 @@ def test_serve_under_torchrun_answers_then_503_once_a_rank_is_gone():
     argv = ["-m", "specter", "serve", "--port", str(port), "--device", "cpu", "--residency", "0.5", "--k-max", "8",
             "--pipeline-timeout", str(timeout), "--model-name", "tiny"]
     url = f"http://127.0.0.1:{port}"
-    procs = _start([argv, argv])
-    try:
+    with _ranks([argv, argv]) as procs:
         _serving(url, procs, httpx)
         body = dict(model="tiny", prompt="def add(a, b):", max_tokens=12, temperature=0)
         first = httpx.post(url + "/v1/completions", json=body, timeout=120)
@@ -513,15 +529,9 @@ def test_serve_under_torchrun_answers_then_503_once_a_rank_is_gone():
         code = procs[0].wait(timeout=60)
         err = procs[0].communicate()[1]
         assert code == 2 and "the pipeline is broken" in err, err[-2000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
 
 
-@pytest.mark.skipif(not (specter.default_model_path() / "model.safetensors").exists(),
-                    reason="the bundled default model is not built")
+@needs_default
 def test_serve_under_torchrun_stops_cleanly_on_sigterm_to_every_rank():
     """torchrun (or Ctrl-C) signals every rank: rank 0's server drains and stops the others; all exit 0."""
     import signal
@@ -532,40 +542,20 @@ def test_serve_under_torchrun_stops_cleanly_on_sigterm_to_every_rank():
     port = _port()
     argv = ["-m", "specter", "serve", "--port", str(port), "--device", "cpu", "--policy", "resident",
             "--pipeline-timeout", "30"]
-    procs = _start([argv, argv])
-    try:
+    with _ranks([argv, argv]) as procs:
         _serving(f"http://127.0.0.1:{port}", procs, httpx)
         for p in procs:
             p.send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=60) for p in procs]
         assert codes == [0, 0], [p.communicate()[1][-2000:] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
 
 
-def _chat_model(tmp_path: Path) -> Path:
-    """A copy of the bundled model with a chat template added (as tests/test_cli.py's)."""
-    import shutil
-
-    model = tmp_path / "chat-model"
-    shutil.copytree(specter.default_model_path(), model)
-    cfg = json.loads((model / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                            "{% if add_generation_prompt %}<assistant>{% endif %}")
-    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return model
-
-
-@pytest.mark.skipif(not (specter.default_model_path() / "model.safetensors").exists(),
-                    reason="the bundled default model is not built")
-def test_chat_under_torchrun_reads_rank_0s_input_and_outlives_the_timeout(tmp_path):
+@needs_default
+def test_chat_under_torchrun_reads_rank_0s_input_and_outlives_the_timeout(chat_model):
     """`torchrun -m specter chat` (2 ranks, specter): rank 0 reads the turns and prints one process's
     replies, once; idle at the prompt past the pipeline timeout it still answers (its waits are kept
     alive, as a server's); /reset and /exit work; every rank exits 0."""
-    model = _chat_model(tmp_path)
+    model = chat_model
     engine = specter.load(model, device="cpu", policy="specter", residency=0.5, k_max=8)
     sys_msg, kw = [{"role": "system", "content": "be brief"}], dict(max_new_tokens=6, temperature=0.0)
     r1 = engine.generate(sys_msg + [{"role": "user", "content": "def add(a, b):"}], **kw).text
@@ -576,8 +566,7 @@ def test_chat_under_torchrun_reads_rank_0s_input_and_outlives_the_timeout(tmp_pa
     timeout = 3
     argv = ["-m", "specter", "chat", "--model", str(model), "--device", "cpu", "--residency", "0.5", "--k-max", "8",
             "--max-new-tokens", "6", "--greedy", "--system", "be brief", "--pipeline-timeout", str(timeout)]
-    procs = _start([argv, argv], stdin=[subprocess.PIPE, subprocess.DEVNULL])
-    try:
+    with _ranks([argv, argv], stdin=[subprocess.PIPE, subprocess.DEVNULL]) as procs:
         procs[0].stdin.write("def add(a, b):\n")
         procs[0].stdin.flush()
         assert procs[0].stdout.read(len(r1) + 1) == r1 + "\n"  # the first reply (the load came first)
@@ -587,23 +576,16 @@ def test_chat_under_torchrun_reads_rank_0s_input_and_outlives_the_timeout(tmp_pa
         assert out == f"{r2}\n{r3}\n"
         out1, err1 = procs[1].communicate(timeout=60)
         assert procs[1].returncode == 0 and out1 == "", err1[-2000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
 
 
-@pytest.mark.skipif(not (specter.default_model_path() / "model.safetensors").exists(),
-                    reason="the bundled default model is not built")
-def test_chat_under_torchrun_ends_when_a_rank_is_gone(tmp_path):
+@needs_default
+def test_chat_under_torchrun_ends_when_a_rank_is_gone(chat_model):
     """Rank 1 killed while rank 0 waits at the prompt: the next turn ends the chat with the pipeline's
     error and exit status 2 (a turn's other errors are reported and the chat goes on)."""
-    model = _chat_model(tmp_path)
+    model = chat_model
     argv = ["-m", "specter", "chat", "--model", str(model), "--device", "cpu", "--residency", "0.5",
             "--max-new-tokens", "4", "--greedy", "--pipeline-timeout", "3"]
-    procs = _start([argv, argv], stdin=[subprocess.PIPE, subprocess.DEVNULL])
-    try:
+    with _ranks([argv, argv], stdin=[subprocess.PIPE, subprocess.DEVNULL]) as procs:
         procs[0].stdin.write("def add(a, b):\n")
         procs[0].stdin.flush()
         assert procs[0].stdout.readline()  # the first reply: the pipeline ran
@@ -611,8 +593,3 @@ def test_chat_under_torchrun_ends_when_a_rank_is_gone(tmp_path):
         procs[1].wait()
         out, err = procs[0].communicate("class Stack:\nclass Queue:\n", timeout=120)
         assert procs[0].returncode == 2 and "rank 0 of 2" in err and "/reset starts over" not in err, err[-2000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
