@@ -550,3 +550,41 @@ def test_lane_arms_compare_seconds_a_miss():
     before = dict(arms.t)
     arms.observe(arms.pick(), 1.0, 3, 0)
     assert arms.t == before
+
+
+def test_plain_runs_that_miss_nothing_are_no_lane_probes():
+    """The lane arms are rated per miss, so a run that missed nothing measures neither, and the copy-all
+    arm stays unmeasured where plain steps never miss (1/4 residency with the hot experts resident):
+    every lane pick is then a probe of it. Such a run ran as either lane would, so it is K = 0's cost:
+    the governor observes it (with each run counted a probe, it never saw K = 0, stayed in its first
+    measurements and ran one plain step a decision). A run that missed is still a probe."""
+    from types import SimpleNamespace
+
+    from specter.speculative.decoder import LANE_PROBE, SpeculativeDecoder
+
+    misses = [0]
+    mgr = SimpleNamespace(offloaded_bytes=0, stats=lambda: {"expert_misses": misses[0]}, cancel_prefetches=int)
+    dec = SimpleNamespace(experts=mgr, governor=Governor(4), verify_step=None, cancel_leftovers=True,
+                          times=SimpleNamespace(pending=False),
+                          _stats=dict(k_histogram=Counter(), cycles=0, verify_s=0.0))
+    gov, runs = dec.governor, []
+    gov.lane_arms.pick()  # the first plain step after a prompt misses: the host lane (False) is measured
+    misses[0] = 2
+    SpeculativeDecoder._observe_plain(dec, 1, 12e-3, 0, None, False, 0)
+    for _ in range(40):  # speculation slower than plain steps; plain steps that miss nothing
+        k = gov.next_k(1000)
+        if k:
+            gov.observe_cycle(k, 0, k * 5e-3, 10e-3, 0.0)
+            continue
+        lane = gov.lane_arms.pick()
+        steps = min(gov.steps, LANE_PROBE) if gov.lane_arms.probing else gov.steps
+        SpeculativeDecoder._observe_plain(dec, steps, steps * 3e-3, 0, None, lane, misses[0])
+        runs.append(steps)
+    assert gov.lane_arms.t[True] is None and gov.lane_arms.probing  # the arm no run could measure
+    assert gov.arm == "plain" and len(gov.plain.secs) == gov.plain.secs.maxlen, (gov.arm, gov.plain.secs)
+    assert max(runs[-10:]) == LANE_PROBE, runs
+    seen = len(gov.plain.secs), gov.cycles
+    lane = gov.lane_arms.pick()  # a run that missed: the lane probe it is, not K = 0's cost
+    misses[0] += 3
+    SpeculativeDecoder._observe_plain(dec, 1, 9e-3, 0, None, lane, misses[0] - 3)
+    assert lane and (len(gov.plain.secs), gov.cycles) == seen and abs(gov.lane_arms.t[lane] - 3e-3) < 1e-12

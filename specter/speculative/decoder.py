@@ -163,7 +163,7 @@ class SpeculativeDecoder:
                 steps = min(steps, LANE_PROBE) if lanes.probing else max(1, min(steps, lanes.next - lanes.n))
                 mgr.host_choice = None if lane else choice
             done, spent, copied0 = 0, 0.0, mgr.offloaded_bytes  # copies and host-lane reads
-            missed0 = mgr._stats["expert_misses"] if lane is not None else 0  # the lane arms are rated per miss
+            missed0 = mgr.stats()["expert_misses"] if lane is not None else 0  # the lane arms are rated per miss
             x = torch.tensor([t], device=self.device)
             t0 = clock()
             try:
@@ -272,14 +272,18 @@ class SpeculativeDecoder:
             mgr.cancel_prefetches()
         if not steps:
             return
-        probing = (arm is not None and gov.plain_arms.probing) or (lane is not None and gov.lane_arms.probing)
-        if not probing:  # as in _cycle: a probe is not what K = 0 costs
+        missed = mgr.stats()["expert_misses"] - missed0 if lane is not None else 0
+        # a probe is not what K = 0 costs (as in _cycle); the lanes act on misses only, so a run that
+        # missed nothing ran as either lane arm would: no lane probe (else, where plain steps never
+        # miss, every run probes an arm it cannot measure and the governor never sees K = 0)
+        probing = (arm is not None and gov.plain_arms.probing) or (missed > 0 and gov.lane_arms.probing)
+        if not probing:
             gov.observe_cycle(0, 0, 0.0, seconds / steps, 0.0, copied=max(0, mgr.offloaded_bytes - copied0),
                               steps=steps)
         if arm is not None:
             gov.plain_arms.observe(arm, seconds / steps, steps)
         if lane is not None:
-            gov.lane_arms.observe(lane, seconds / steps, steps, mgr._stats["expert_misses"] - missed0)
+            gov.lane_arms.observe(lane, seconds / steps, steps, missed)
         if self.times.pending:  # CUDA: speculative cycles whose events completed meanwhile
             self.times.poll()
 
