@@ -169,7 +169,7 @@ class Lookahead:
 class PrefetchPlanner:
     def __init__(self, mgr: OffloadedExperts, lookahead: Lookahead, decay: float = 0.8, use_weight: float = 3.0,
                  keep: bool = True):
-        self.mgr, self.lookahead, self.decay, self.use_weight = mgr, lookahead, decay, use_weight
+        self.mgr, self.lookahead, self.decay, self.use_weight = mgr, lookahead, float(decay), use_weight
         E = mgr.slots.n_experts
         self.score = [[0.0] * E for _ in range(lookahead.n_layers)]
         self.k = 0                 # this cycle's K: verification takes K + 1 rows
@@ -221,22 +221,23 @@ class PrefetchPlanner:
         coverage: the draft's accuracy as a predictor, whatever the slot budget let us prefetch)."""
         row, w = self.score[layer], self.use_weight
         if not self.read_upto:  # a plain step or prefill: decay once a step, as begin_cycle does a cycle
-            decay, last, again = self.decay, self._last[layer], 0
-            for e in range(len(row)):
-                row[e] *= decay
+            row[:] = map(self.decay.__mul__, row)  # decay * s for every s, in C (no Python loop a step)
             if self._prefill:  # many tokens' union: not a step-to-step reuse (its last layer ends it)
                 self._prefill = layer < len(self.score) - 1
             else:
+                last, again = self._last[layer], 0
                 for e in experts:
                     again += e in last
                 self.reuse[layer] = 0.9 * self.reuse[layer] + 0.1 * again / max(1, len(experts))
             self._last[layer] = set(experts)
-        predicted = self.demand[layer] if self.read_upto else ()
+            for e in experts:  # no prediction to cover
+                row[e] += w
+            return
+        predicted = self.demand[layer]
         for e in experts:
             row[e] += w
             self.cover_hits += e in predicted
-        if self.read_upto:
-            self.cover_total += len(experts)
+        self.cover_total += len(experts)
 
     def begin_prefill(self, tokens: int) -> None:
         """A prompt of `tokens` tokens is about to run as one call a layer: its scores decay as over
@@ -244,10 +245,9 @@ class PrefetchPlanner:
         text used are no likelier to serve this prompt's tokens than any others, so neither a copy
         (LaneChoice) nor eviction may keep them on their old uses; the call does not measure step
         to step `reuse` either."""
-        decay = self.decay ** max(0, tokens - 1)
+        decay = (self.decay ** max(0, tokens - 1)).__mul__
         for row in self.score:
-            for e in range(len(row)):
-                row[e] *= decay
+            row[:] = map(decay, row)
         self._prefill = True
 
     def end_cycle(self) -> None:
@@ -263,8 +263,7 @@ class PrefetchPlanner:
         self.k, decay = k, self.decay
         self.demand = []
         for row in self.score:
-            for e in range(len(row)):
-                row[e] *= decay
+            row[:] = map(decay.__mul__, row)
             self.demand.append(Counter())
         self.rows = []
         self.read_upto = 0
