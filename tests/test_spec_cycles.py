@@ -261,3 +261,31 @@ def test_plain_steps_measure_the_host_lane_against_copying(tiny, monkeypatch):
     # the prefill sends its misses to the host either way; the plain steps only with the lane
     assert stats[True]["h2d_bytes"] > 0 == stats[False]["h2d_bytes"], stats
     assert stats[True]["host_experts"] < stats[False]["host_experts"], stats
+
+
+def test_no_next_layer_arm_while_plain_steps_copy_nothing(tiny):
+    """A next-layer guess only saves a copy that a plain step would make: while the governor's window of
+    plain runs copied nothing (plain_copies_nothing), K = 0 runs neither guesses nor picks between
+    the next-layer arms (whose timing races then cost the router for nothing); once a plain run has
+    copied, they pick again. The tokens are resident's either way."""
+    path, _ = tiny("mixtral", eos_token_id=None)
+    ref = load(path, "resident")
+    try:
+        want = [ref.generate(p, max_new_tokens=10).token_ids for p in PROMPTS[:2]]
+    finally:
+        ref.close()
+    engine = load(path, "specter", residency=0.25, k_max=4)
+    gov = engine.decoder.governor = Governor(4, fixed=0)
+    gov.lane_arms = one_lane_arm(True)  # every miss copied, no lane probes
+    picks, real = [], gov.plain_arms.pick
+    gov.plain_arms.pick = lambda: picks.append(1) or real()
+    try:
+        gov.plain_copied.extend([False] * 8)  # the latest plain runs copied nothing
+        assert gov.plain_copies_nothing
+        out = engine.generate(PROMPTS[0], max_new_tokens=10)
+        assert out.token_ids == want[0] and picks == [] and out.stats["prefetch_issued"] == 0
+        gov.plain_copied.append(True)  # a plain run copied: there may be something to prefetch
+        out = engine.generate(PROMPTS[1], max_new_tokens=10)
+        assert out.token_ids == want[1] and picks
+    finally:
+        engine.close()

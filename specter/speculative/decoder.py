@@ -151,8 +151,9 @@ class SpeculativeDecoder:
                 yield new
                 continue
             steps = gov.steps
-            arm = lane = None  # with or without next-layer guesses, when there is something to prefetch
-            if self._guessing is not None and not mgr.all_resident:
+            arm = lane = None  # with or without next-layer guesses, when there is something to prefetch:
+            # a guess only saves a copy a step would make, so while plain steps copy nothing none is made
+            if self._guessing is not None and not mgr.all_resident and not gov.plain_copies_nothing:
                 arms = gov.plain_arms
                 arm = arms.pick()
                 steps = 1 if arms.probing else max(1, min(steps, arms.next - arms.n))  # up to its next probe
