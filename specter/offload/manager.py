@@ -301,15 +301,8 @@ class OffloadedExperts:
         """The last verification's rows from `kept_rows` on ran on rejected drafted tokens: the experts
         only they needed are demoted (SlotCache.demote), so the next misses evict them before the
         experts the accepted text used, not as the most recently used (docs/ARCHITECTURE.md)."""
-        slots = self.slots
         for layer, (routed, k) in self._routed.items():
-            rejected = set(routed[kept_rows * k:]).difference(routed[:kept_rows * k])
-            ready = []
-            for e in rejected:
-                if slots.is_ready(layer, e):
-                    ready.append(e)
-            if ready:
-                slots.demote(layer, ready)
+            self.slots.demote(layer, set(routed[kept_rows * k:]).difference(routed[:kept_rows * k]))
         self._routed.clear()
 
     def _land_batch(self, layer: int, todo: list[int]) -> list[int]:

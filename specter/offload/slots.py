@@ -162,8 +162,8 @@ class SlotCache:
                 stamp[e] = now
 
     def demote(self, layer: int, experts: Iterable[int]) -> None:
-        """Take back a use of each resident expert: first in line for eviction under LRU (ahead of
-        every expert used since, in any layer), one use fewer under LFU. For experts only rejected
+        """Take back a use of each expert: one use fewer under LFU, and a resident one first in line for
+        eviction under LRU (ahead of every expert used since, in any layer). For experts only rejected
         drafted tokens needed: the text will not come back to them any sooner than to anything else."""
         order, count, stamp = self._order[layer], self._count[layer], self._stamp[layer]
         for e in experts:
