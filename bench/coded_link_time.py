@@ -47,12 +47,12 @@ def record(model, policy, expert_memory, max_new_tokens, link, compress):
     mgr = _manager(eng)
     prompts = workload_prompts("default")
     eng.generate(prompts[0], max_new_tokens=4, temperature=0.0)  # the bench's warm-up
-    log, call = [], [0]
-    hold = mgr.slots.hold
+    log, call = [], [0]  # call: layer calls completed so far, so a call's copies share one number
+    touch = mgr.slots.touch
 
-    def counted_hold(layer, experts):
+    def counted_touch(layer, experts):
         call[0] += 1
-        return hold(layer, experts)
+        return touch(layer, experts)
 
     def wrap(lk, kind):
         copy = lk.copy
@@ -64,7 +64,7 @@ def record(model, policy, expert_memory, max_new_tokens, link, compress):
             return copy(dst, src, **kw)
         lk.copy = logged
 
-    mgr.slots.hold = counted_hold
+    mgr.slots.touch = counted_touch
     wrap(mgr.link, "link")
     if mgr.tier is not None:
         wrap(mgr.tier.link, "tier")

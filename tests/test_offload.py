@@ -722,7 +722,7 @@ class GreedyGuess:
 @ALIAS
 def test_a_running_call_s_experts_are_held_against_other_layers_copies(watch, alias):
     """Shared pool of 6 slots, 2 layers: a layer's residents must survive the copies a guess issues for
-    the other layer between the call's routing read and its grouped call (SlotCache.hold); evicting
+    the other layer between the call's routing read and its grouped call (SlotCache.held); evicting
     one would drop its rows, or compute them from another expert's bytes."""
     store = make_store()
     resident = ResidentExperts(store)

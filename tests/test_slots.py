@@ -419,9 +419,9 @@ def test_hold_keeps_a_running_call_s_experts_from_other_layers(device):
     fill(cache, 0, [0, 1])
     fill(cache, 1, [4])
     cache.touch(0, [0, 1])
-    cache.hold(1, {4})                        # layer 1 is computing with 4
+    cache.held = (1, {4})                     # layer 1 is computing with 4
     cache.touch(1, [])                        # (another call's touch does not end the hold) ...
-    cache.hold(1, {4})
+    cache.held = (1, {4})
     assert cache.victim(0) == (0, 0)          # layer 0's own experts, never the held one
     cache.pin(0, [0, 1])
     assert cache.reserve(0, 2) is None        # nothing else evictable
@@ -526,7 +526,7 @@ def test_random_sequences_shared_pool(device, policy, seed):
                 del pins[l][x]
         elif op < 0.95:
             held = (l, set(rng.sample(range(E), 2)))
-            cache.hold(*held)
+            cache.held = held
         else:
             planner = not planner
             cache.set_planner((lambda layer, x: ranks[layer][x]) if planner else None)

@@ -8,7 +8,7 @@ MoE layer, a slot cache deciding residency, and a link moving the bytes. It is a
     slots            SlotCache: (layer, expert) -> slot; eviction ranks every layer's residents together
     link             EmulatedLink (CPU) | CudaLink: transfers are awaitables
 
-A layer's call holds the experts it reads (SlotCache.hold: no other layer's copy evicts them) and
+A layer's call holds the experts it reads (SlotCache.held: no other layer's copy evicts them) and
 computes its resident ones in one grouped call through its remap row (`triton_ops.expert_rows`);
 missing ones are requested at the front of the link's queue (in one transfer, one fixed cost, where
 the link coalesces) and compute in a second call as they land. Rows combine by (token, top-k
@@ -225,7 +225,7 @@ class OffloadedExperts:
         pool = self.rows[layer]
         routed = ids.reshape(-1).tolist()  # [T * k] on the host: the layer's one read
         need = sorted(set(routed))
-        slots.hold(layer, set(need))  # a shared pool: other layers' copies must not evict what this call reads
+        slots.held = (layer, set(need))  # a shared pool: other layers' copies must not evict what this call reads
         if ids.shape[0] > 1:  # a verification: which rows needed what, for demote_rejected
             self._routed[layer] = (routed, ids.shape[1])
         if self.inflight:

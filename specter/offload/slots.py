@@ -4,7 +4,8 @@ expert pool every MoE layer shares, and which one to evict when a new expert nee
 All state lives on the host except `remap` ([n_layers, n_experts] int32 on the device, expert -> slot,
 -1 = absent), which kernels read: a layer's row maps its expert ids into the shared pool. The host
 table `slot[layer][expert]` (-1 = absent, else the slot of a loading or ready expert) is the one
-callers read directly, in their per-expert loops; every other query is a method. `remap` is
+callers read directly, in their per-expert loops, and `held` the one they set (the experts a running
+call reads); every other query or change is a method. `remap` is
 allocated once and only written in place, one entry at a time, never read back in a hot path (graph
 safety: see docs/ARCHITECTURE.md). An expert moves through three states:
 
@@ -90,7 +91,9 @@ class SlotCache:
         self._count = [[0] * E for _ in range(L)]         # LFU use counts (kept across evictions)
         self._pins = [{} for _ in range(L)]               # expert -> pin refcount
         self._displaced = [[-1] * E for _ in range(L)]    # loading expert -> layer * E + the resident it evicted
-        self._held: tuple[int, Collection[int]] = (-1, ())  # (layer, experts) a running call reads: kept
+        # (layer, experts) a running call reads: reservations for other layers do not evict them (its own
+        # copies evict by their `protect`); the caller sets it, that layer's touch() clears it
+        self.held: tuple[int, Collection[int]] = (-1, ())
 
     def reset(self) -> None:
         """Everything absent, remap all -1, counters cleared (the planner hook is kept)."""
@@ -148,12 +151,12 @@ class SlotCache:
     def touch(self, layer: int, experts: Iterable[int]) -> None:
         """A call of `layer` used these experts: most recent for LRU, one more for LFU; the layer is
         the one read last (the distance of every layer's next read counts from it), and the call's
-        hold (if any) ends."""
+        `held` experts (if any) may go again."""
         order, count, stamp = self._order[layer], self._count[layer], self._stamp[layer]
         self._reads[layer] = now = self._reads[layer] + 1
         self._now = layer
-        if self._held[0] == layer:  # the call is over: what it held may go
-            self._held = (-1, ())
+        if self.held[0] == layer:  # the call is over: what it held may go
+            self.held = (-1, ())
         for e in experts:
             e = int(e)
             count[e] += 1
@@ -172,11 +175,6 @@ class SlotCache:
             if e in order:
                 order.move_to_end(e, last=False)
                 stamp[e] = _DEMOTED
-
-    def hold(self, layer: int, experts: Collection[int]) -> None:
-        """A call of `layer` is reading `experts`: reservations for other layers do not evict them
-        (its own copies evict by their `protect`). Replaces the previous hold; hold(-1, ()) clears."""
-        self._held = (layer, experts)
 
     def set_planner(self, rank: Callable[[int, int], float] | None, *, across_layers: bool = False) -> None:
         """When set, evict the evictable expert with the lowest rank(layer, expert); ties -> policy order.
@@ -280,7 +278,7 @@ class SlotCache:
         `layer`'s own when it is at its quota. Lowest (planner rank, LFU count) first, then the farthest
         predicted next use; within a layer the least recently used among equals. A planner's rank
         (set_planner) is taken within two groups: while a call of layer c runs, layers <= c first."""
-        running, held = self._held
+        running, held = self.held
         if len(self._order[layer]) >= self.n_slots:
             layers = (layer,)
         else:
