@@ -278,9 +278,9 @@ class OffloadedExperts:
         todo = flying + missing
         while todo:  # the late experts, in as few calls as the slots allow
             batch = self._land_batch(layer, todo)
-            late = self._late.fill_(-1)  # this batch's remap, written in place: no host-to-device sync
-            for e in batch:
-                late[e] = slots.row(layer, e)
+            late, remap = self._late.fill_(-1), slots.remap[layer]  # the batch's entries of the layer's remap,
+            for e in batch:                                          # copied on the device: no host-to-device sync
+                late[e] = remap[e]
             rows = merge_rows(rows, expert_rows(x, ids, weights, pool.w13, pool.w2, remap=late), ids, late)
             if self._ordered:
                 self._read_done(layer, batch)
