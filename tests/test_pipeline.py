@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import specter
 from specter.loader import open_checkpoint
@@ -28,14 +29,16 @@ ARCHS = ("qwen3_moe", "deepseek_v2")  # GQA + every layer MoE; MLA + a dense fir
 GREEDY, SEEDED = dict(temperature=0.0), dict(temperature=0.9, top_k=20, seed=7)
 RUNS = (("resident", None, GREEDY), ("resident", None, SEEDED), ("on-demand", 0.5, GREEDY),
         ("on-demand", 0.5, SEEDED), ("next-layer", 0.5, GREEDY), ("host", 0.5, GREEDY))
-# the drafting policies: (policy, residency, sampling, K fixed on both sides or None for the adaptive governor)
-SPEC_RUNS = (("spec-lru", 0.5, GREEDY, 3), ("specter", 0.5, GREEDY, 3), ("specter", 0.5, SEEDED, 2),
-             ("specter", 0.5, GREEDY, None))
+# the drafting policies: (policy, residency, sampling, K fixed on both sides or None for the adaptive governor,
+# optimistic drafting: rank 0 drafts the next cycle while the others verify, greedy only)
+SPEC_RUNS = (("spec-lru", 0.5, GREEDY, 3, False), ("specter", 0.5, GREEDY, 3, False), ("specter", 0.5, SEEDED, 2, True),
+             ("specter", 0.5, GREEDY, None, True), ("spec-lru", 0.5, GREEDY, 2, True), ("specter", 0.5, GREEDY, 2, True))
 SPEC_STATS = ("drafted_tokens", "accepted_tokens", "cycles")
 PROMPT, NEW = [1, 5, 9, 17, 33], 10
 
 RANKS = r"""
 import json, sys
+import torch
 from specter.pipeline.decoder import serve_stage
 from specter.pipeline.group import join
 from specter.pipeline.launch import open_pipeline
@@ -52,7 +55,11 @@ for c in cases:
         continue
     if c.get("k") is not None:  # rank 0's governor decides every cycle's K for all the ranks
         engine.decoder.governor = Governor(32, fixed=c["k"])
+    engine.decoder.optimistic = c.get("optimistic", False)
     r = engine.generate(c["prompt"], c["new"], **c["sampling"])
+    if c.get("optimistic"):  # rank 0's K/V of every layer at the committed positions, for the test to compare
+        n, cache = len(c["prompt"]) + len(r.token_ids) - 1, engine.decoder.stage.cache
+        torch.save([t[:, :n].clone() for t in cache.k + cache.v], f"{out}.{len(results)}.kv")
     engine.decoder.finish()
     results.append(dict(tokens=r.token_ids, pipeline=r.stats["pipeline"], hits=r.stats["expert_hits"],
                         misses=r.stats["expert_misses"], stats=r.stats))
@@ -278,20 +285,27 @@ def test_pipelines_give_one_process_tokens(ckpts, tmp_path, world):
     with the adaptive governor (K = 0 steps with next-layer guesses among them) the greedy tokens."""
     cases = [dict(model=str(ckpts[a]), policy=p, residency=res, prompt=PROMPT, new=NEW, sampling=s)
              for a in ARCHS for p, res, s in RUNS]
-    cases += [dict(model=str(ckpts[a]), policy=p, residency=res, prompt=PROMPT, new=NEW, sampling=s, k=k)
-              for a in ARCHS for p, res, s, k in SPEC_RUNS]
+    cases += [dict(model=str(ckpts[a]), policy=p, residency=res, prompt=PROMPT, new=NEW, sampling=s, k=k, optimistic=o)
+              for a in ARCHS for p, res, s, k, o in SPEC_RUNS]
     out = tmp_path / "results.json"
     ranks = _launch([["-c", RANKS, json.dumps(cases), str(out)]] * world, timeout=240)
     assert all(r[0] == 0 for r in ranks), [r[2][-2000:] for r in ranks]
     got = json.loads(out.read_text())
     assert len(got) == len(cases)
-    for c, g in zip(cases, got):
+    for i, (c, g) in enumerate(zip(cases, got)):
         engine = specter.load(c["model"], device="cpu", policy=c["policy"], residency=c["residency"], threads=1)
         if c.get("k") is not None:
             engine.decoder.governor = Governor(32, fixed=c["k"])
         ref = engine.generate(PROMPT, NEW, **c["sampling"])  # a fresh engine, as each case's pipeline is
+        ref_kv = engine.decoder._cache if c.get("optimistic") else None
         engine.close()
         assert g["tokens"] == ref.token_ids, c
+        if ref_kv is not None:  # the target's K/V at every committed position, every layer (a pre-draft's
+            # step at a verified position must not leave the draft's there); verified in other widths: close
+            got = torch.load(f"{out}.{i}.kv")
+            want = [t[:, :got[0].shape[1]] for t in ref_kv.k + ref_kv.v]
+            worst = max((a - b).abs().max().item() / b.abs().max().item() for a, b in zip(got, want))
+            assert worst < 1e-5, (c, worst)
         layers = g["pipeline"]["layers"]
         assert g["pipeline"]["ranks"] == world and len(layers) == world
         assert layers[0][0] == 0 and layers[-1][1] == 3 and all(layers[i][1] == layers[i + 1][0]
@@ -300,6 +314,15 @@ def test_pipelines_give_one_process_tokens(ckpts, tmp_path, world):
             assert g["pipeline"]["round_trips"] == NEW
         if c["policy"] != "resident" and c.get("k", 0) is not None:  # every rank's expert uses counted once:
             assert g["hits"] + g["misses"] == ref.stats["expert_hits"] + ref.stats["expert_misses"] > 0  # one process's
+        opt = g["pipeline"].get("optimistic")
+        if c.get("optimistic") and c["sampling"] == GREEDY:  # rank 0 drafted each next cycle during verification
+            if c.get("k"):  # the tiny models at K = 2: some cycles accept all K and the target's token is the
+                # draft's guess (rank 0 keeps the pre-draft and verifies it next), others do not (discarded):
+                # the tokens above are one process's both ways
+                assert opt["kept"] > 0 and opt["pre_drafted"] > opt["kept"] and opt["used_tokens"] > 0, opt
+                assert g["pipeline"]["round_trips"] == 1 + g["stats"]["cycles"]
+            continue  # not one process's cycles: a pre-draft reads the draft's own K/V of the later stages' layers
+        assert not opt or not opt["pre_drafted"], opt  # sampled: never optimistic (its draws would move)
         if c.get("k"):  # the same cycles: drafted (so speculation ran across the stages) and accepted alike
             assert [g["stats"][s] for s in SPEC_STATS] == [ref.stats[s] for s in SPEC_STATS], c
             # a round trip through every stage: the prefill, each verification or plain step (rank 0 drafts)

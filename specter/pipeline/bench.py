@@ -121,6 +121,9 @@ def _measure(engine, prompts, max_new: int, repeat: int, sampling: dict) -> dict
             for k, n in (s.get("k_histogram") or {}).items():
                 h[k] = h.get(k, 0) + n
             a["round_trips"] = a.get("round_trips", 0) + s["pipeline"]["round_trips"]
+            for k, v in (s["pipeline"].get("optimistic") or {}).items():  # rank 0's pre-drafts (speculative.py)
+                o = a.setdefault("optimistic", {})
+                o[k] = o.get(k, 0) + v
             per = s["pipeline"]["per_rank"] or []
             if a["per_rank"] is None:
                 a["per_rank"] = [{} for _ in per]
@@ -133,4 +136,6 @@ def _measure(engine, prompts, max_new: int, repeat: int, sampling: dict) -> dict
     r.update({k: a[k] for k in SUM_KEYS if k in a})
     if a["k_histogram"]:
         r["k_histogram"] = a["k_histogram"]
+    if "optimistic" in a:
+        r["optimistic"] = a["optimistic"]
     return r

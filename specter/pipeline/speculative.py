@@ -24,17 +24,21 @@ under a pipeline).
 """
 from __future__ import annotations
 
+import os
 import threading
+import time
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from ..sampling import accept_greedy, sample
 from ..speculative.decoder import SpeculativeDecoder
 from ..speculative.governor import Governor
 from .decoder import (ALL, BEGIN, CANCEL, CYCLE, END, GUESS, KV, PREFILL, ROWS, SIDE, STATS, STEP, Wire,
                       finish, inline_rows, pipeline_info, summed)
 from .group import Group
-from .stage import StageModel, kv_row_bytes, put_kv_rows
+from .stage import StageModel, kv_row_bytes, kv_rows, put_kv_rows
 from .stages import Stage
 
 
@@ -142,6 +146,19 @@ class PipeExperts:
         """The stage closes it (finish)."""
 
 
+@dataclass
+class PreDraft:
+    """The next cycle's drafts, drafted while the later stages verified this one, on the guess that
+    all K drafts are accepted and the target's own token is `guess` (the draft's token after d_K)."""
+    guess: int
+    drafted: list[int]   # drafted on the guess, at positions n+K+1 ...: lookahead rows 0 .. len-1
+    seconds: float       # drafting them took (planning included)
+    guess_s: float       # the step that gave the guess took
+    chunk: int           # rank 0's planner's steps between plans
+    t: int = -1          # once kept: the next cycle's pending token and its position
+    n: int = -1
+
+
 class PipeModel:
     """The decoder's model on rank 0 (see the module docstring)."""
 
@@ -156,6 +173,13 @@ class PipeModel:
         if experts is d.draft:  # the whole draft, here (its rows go down the chain as rank 0 plans)
             st.draft.row = d.draft.row
             return st.draft_forward(tokens, start, logits_for)
+        if d.pre is not None:  # a K = 0 step after a kept pre-draft (verifications call send and receive)
+            d.drop_pre()
+        return self.receive(self.send(tokens, start, experts, logits_for))
+
+    def send(self, tokens: torch.Tensor, start: int, experts, logits_for: str = "all") -> tuple[int, int, int]:
+        """Rank 0's stage of a target step, then the STEP down the chain -> what `receive` needs."""
+        d, st = self.dec, self.dec.stage
         T = tokens.shape[0]
         flags, local = (ALL if logits_for == "all" else 0) | STATS | KV, None
         if isinstance(experts, partial):  # the decoder's next-layer fallback (K = 0 steps)
@@ -166,10 +190,15 @@ class PipeModel:
         if d.prompt:  # the generation's first step: each rank's planner begins it as the decoder's does
             flags, d.prompt = flags | PREFILL, False
         x = st.forward(tokens, start, local, logits_for)
-        w = d.wire
         cancel, demote = d.experts.pending()
-        w.send_header(1, STEP, T, start, flags=flags | cancel, demote=demote, x=x)
-        last = self.kv[-1]
+        d.wire.send_header(1, STEP, T, start, flags=flags | cancel, demote=demote, x=x)
+        return T, start, flags
+
+    def receive(self, sent: tuple[int, int, int]) -> torch.Tensor:
+        """The last stage's logits of the step `send` sent, and every later rank's K/V rows into rank 0's cache."""
+        d, st = self.dec, self.dec.stage
+        T, start, flags = sent
+        w, last = d.wire, self.kv[-1]
         logits, remote, kv = w.recv_result(d.group.world - 1, T if flags & ALL else 1, self.spec.vocab_size, True,
                                            d.device, kv=T * last[2])
         d.experts.remote = remote
@@ -193,6 +222,11 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
         self.remote_plans = planner and group.world > 1  # the other ranks' planners read ROWS
         self.rows_sent = 0  # the running cycle's lookahead rows sent down the chain so far
         self.prompt = False  # the next target step is a generation's prompt (PREFILL)
+        # optimistic drafting (greedy, no penalties): while the later stages verify a cycle, rank 0 drafts
+        # the next one on the guess that all K are accepted (`pre`; kept when the guess held)
+        self.optimistic = os.environ.get("SPECTER_PIPELINE_OPTIMISTIC", "1") != "0"
+        self.pre: PreDraft | None = None
+        self.need = 0  # the running generation's positions
         plan = _PlanRelay(stage.planner or _NoPlanner(), self) if planner else None
         fallback = object() if planner else None  # a K = 0 step guesses: each stage its own (GUESS)
         super().__init__(PipeModel(self), PipeExperts(stage, all_resident), _Draft(), stage.device, stage.dtype,
@@ -212,11 +246,12 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
             self.experts.per_rank = None
             self.stage.begin(need)
             self.wire.trips, self.wire.wait_s, self.stage.step_s = 0, 0.0, 0.0
-            self.prompt = True
+            self.prompt, self.need, self.pre = True, need, None
             self.wire.send_header(1, BEGIN, max_len=need)
             try:
                 yield from super().run(prompt, params, max_new)
             finally:
+                self.drop_pre()
                 if not self.wire.broken:
                     cancel, demote = self.experts.pending()
                     self.wire.send_header(1, END, flags=cancel, demote=demote)
@@ -237,9 +272,142 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
                               wait=False)
         self.rows_sent = upto
 
-    def _cycle(self, t, n, k, *rest):
+    def _cycle(self, t, n, k, cache, params, gen, hist):
         self.k, self.rows_sent = k, 0
-        return super()._cycle(t, n, k, *rest)
+        if self.optimistic and params.greedy and hist is None:
+            return self._optimistic_cycle(t, n, k, cache, params)
+        self.drop_pre()
+        return super()._cycle(t, n, k, cache, params, gen, hist)
+
+    def _optimistic_cycle(self, t: int, n: int, k: int, cache, params) -> list[int]:
+        """One greedy cycle as SpeculativeDecoder._cycle runs it, except that rank 0 drafts the next
+        cycle while the later stages verify this one (`_pre_draft`), and drafts this one only past what
+        the last cycle pre-drafted for it. The committed tokens are the target's, whatever was drafted."""
+        st, mgr, planner, clock = self._stats, self.experts, self.planner, time.perf_counter
+        st["k_histogram"][k] += 1
+        st["cycles"] += 1
+        o = self.opt
+        m0 = clock()
+        pre, self.pre = self.pre, None
+        if pre is not None and (pre.t, pre.n) != (t, n):  # not what it was kept for (cannot happen: safety)
+            self._discard(pre)
+            pre = None
+        drafted, draft_s = [], 0.0
+        if pre is not None:  # rows 0 .. len(pre) are in the lookahead: rank 0 planned them, the others get them now
+            drafted, draft_s = pre.drafted[:k], pre.seconds * min(k, len(pre.drafted)) / len(pre.drafted)
+            o["used_tokens"] += len(drafted)
+            if len(drafted) == k and planner is not None:
+                self.send_rows(k)
+        if len(drafted) < k:
+            c0 = clock()
+            drafted = self._draft_on(t, n, k, drafted, params, pre.chunk if pre is not None else None)
+            draft_s += clock() - c0
+        m1 = clock()
+        before = mgr.stats()
+        tokens = torch.tensor([t] + drafted, device=self.device)
+        sent = self.model.send(tokens, n, mgr)
+        if self.cancel_leftovers:  # rank 0's stage has verified: its leftovers (the others' after their step)
+            mgr.cancel_prefetches()
+        if planner is not None:
+            planner.end_cycle()
+        nxt_pre = self._pre_draft(drafted[-1], n + k, k, cache, params)
+        logits = self.model.receive(sent)
+        m2 = clock()
+        m, nxt = accept_greedy(drafted, logits)
+        mgr.demote_rejected(m + 1)
+        if nxt_pre is not None:
+            o["pre_drafted"] += 1
+            o["pre_draft_s"] += nxt_pre.seconds + nxt_pre.guess_s
+            if m == k and nxt == nxt_pre.guess:
+                o["kept"] += 1
+                nxt_pre.t, nxt_pre.n = nxt, n + k + 1
+                self.pre = nxt_pre
+            else:
+                self._discard(nxt_pre)
+        after = mgr.stats()
+        stall = after["stall_s"] - before["stall_s"]
+        hits = after["expert_hits"] - before["expert_hits"]
+        st["recall_hits"] += hits
+        st["recall_total"] += hits + after["expert_misses"] - before["expert_misses"]
+        st["drafted_tokens"] += k
+        st["accepted_tokens"] += m
+        st["rejections"] += m < k
+        # the governor sees what drafting and verifying cost as if they ran one after the other (as in one
+        # process): this cycle's drafts, pre-drafted or not, and its verification less the pre-draft that
+        # ran inside it. (Given the wall times instead, a kept pre-draft's cycle looks like free drafts and
+        # a slow verification, and it chose K = 0 for most steps.)
+        pre_s = (nxt_pre.seconds + nxt_pre.guess_s) if nxt_pre is not None else 0.0
+        self._observe_cycle(k, m, stall, (m1 - m0) if pre is None else draft_s, max(m2 - m1 - pre_s, 0.0))
+        return drafted[:m] + [nxt]
+
+    def _draft_on(self, t: int, n: int, k: int, drafted: list[int], params, chunk: int | None) -> list[int]:
+        """Draft steps len(drafted) .. k-1 of the cycle at (t, n) (greedy), planning as _draft does: a
+        fresh cycle begins the planner; one that goes on from pre-drafted rows plans from there on."""
+        planner, link, st = self.planner, self.experts.link, self.stage
+        i0 = len(drafted)
+        if planner is not None and chunk is None:
+            chunk = planner.begin_cycle(k, self.governor.draft_s or 0.0)
+        tok = drafted[-1] if drafted else t
+        for i in range(i0, k):
+            st.draft.row = i
+            logits = st.draft_forward(torch.tensor([tok], device=self.device), n + i)
+            tok = int(sample(logits, params, None, None, drafted))
+            drafted.append(tok)
+            if planner is not None and (i == 0 or ((i + 1) % chunk == 0 and link.pending() <= self.plan_backlog)):
+                planner.plan(i + 1)
+        st.draft.row = None
+        if planner is not None:
+            planner.plan(k)
+        return drafted
+
+    def _pre_draft(self, last: int, pos: int, k: int, cache, params) -> PreDraft | None:
+        """While the later stages verify: the draft's step on the last drafted token `last` (position
+        `pos` = n+K) gives its guess of the target's next token; then up to K steps on that guess from
+        pos + 1, rank 0's own planner prefetching from their rows (the other ranks get the rows if the
+        guess holds, in the next cycle). Positions past pos + 1 are scratch (rolled back by position);
+        rank 0's own layers' target K/V at pos, which the draft's step overwrites, is put back."""
+        j = min(k, self.need - 3 - pos)  # the next cycle drafts at most to need - 2 (SpeculativeDecoder.run)
+        if j < 1:
+            return None
+        t0 = time.perf_counter()
+        st, spec, own = self.stage, self.stage.model.spec, self.stages[0].last
+        saved = kv_rows(cache, spec, 0, own, pos, 1)
+        st.draft.row = None
+        guess = int(sample(st.draft_forward(torch.tensor([last], device=self.device), pos), params, None))
+        put_kv_rows(cache, spec, 0, own, pos, 1, saved)
+        inner = self.planner.inner if self.planner is not None else None
+        chunk = inner.begin_cycle(j, self.governor.draft_s or 0.0) if inner is not None else 1
+        drafted, tok, link = [], guess, self.experts.link
+        t1 = time.perf_counter()
+        for i in range(j):
+            st.draft.row = i
+            logits = st.draft_forward(torch.tensor([tok], device=self.device), pos + 1 + i)
+            tok = int(sample(logits, params, None, None, drafted))
+            drafted.append(tok)
+            if inner is not None and (i == 0 or ((i + 1) % chunk == 0 and link.pending() <= self.plan_backlog)):
+                inner.plan(i + 1)
+        st.draft.row = None
+        if inner is not None:
+            inner.plan(j)
+        return PreDraft(guess, drafted, time.perf_counter() - t1, t1 - t0, chunk)
+
+    def _discard(self, pre: PreDraft) -> None:
+        """A pre-draft not used: rank 0's prefetches for it withdrawn, its planner's cycle ended (the
+        other ranks never saw its rows)."""
+        if self.experts.local is not None:
+            self.experts.local.cancel_prefetches()
+        if self.planner is not None:
+            self.planner.inner.end_cycle()
+
+    def drop_pre(self) -> None:
+        """A kept pre-draft that will not be used (a K = 0 step, sampling, the generation's end)."""
+        if self.pre is not None:
+            self._discard(self.pre)
+            self.pre = None
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        self.opt = dict(pre_drafted=0, kept=0, used_tokens=0, pre_draft_s=0.0)
 
     def stats(self) -> dict:
         s = super().stats()
@@ -248,7 +416,8 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
             s["cover_hits"] = sum(r.get("cover_hits", 0) for r in per)
             s["cover_total"] = sum(r.get("cover_total", 0) for r in per)
             s["route_coverage"] = s["cover_hits"] / s["cover_total"] if s["cover_total"] else None
-        s["pipeline"] = dict(pipeline_info(self.group, self.stages, self.wire), per_rank=per)
+        s["pipeline"] = dict(pipeline_info(self.group, self.stages, self.wire), per_rank=per,
+                             optimistic=dict(self.opt) if self.optimistic else None)
         return s
 
     def close(self) -> None:
