@@ -7,7 +7,7 @@ from specter.pipeline.stage import load_stage
 from specter.pipeline.stages import make_stages
 path = sys.argv[1] if len(sys.argv) > 1 else specter.default_model_path()
 ck = open_checkpoint(path); spec = ck.spec
-first = make_stages(spec, 2, ck.dtype.itemsize)[0]
+first = make_stages(spec, 2, ck.dtype.itemsize, drafts=True)[0]
 got = {}
 orig = _Reader.read_into
 def rec(self, name, dst):

@@ -13,6 +13,8 @@
 # and stall time (stall summed over the ranks), greedy tokens equal within each run; then, per
 # token of the last two-rank round, each rank's target steps, time blocked on the wire, stall and
 # host-lane stall, and rank 0's draft; then the probe.
+# With specter among the policies, each round also runs it on two ranks with SPECTER_PIPELINE_OPTIMISTIC=0
+# (rank 0 drafts only between verifications) and reports how many of rank 0's pre-drafts were kept.
 # Usage: ROUNDS=3 bash bench/pipeline_ranks.sh [extra bench flags]   (figures: docs/RESULTS.md)
 set -euo pipefail
 ROUNDS=${ROUNDS:-3}
@@ -36,9 +38,14 @@ PY
 fi
 export SPECTER_EXPERT_THROUGHPUT
 echo "emulated link calibrated once: expert throughput $SPECTER_EXPERT_THROUGHPUT B/s; load: $(cut -d' ' -f1-3 /proc/loadavg)"
+seqargs=(bench --policies specter --expert-memory 9MiB --device cpu --json "$@")
 for rep in $(seq "$ROUNDS"); do
   python -m specter "${args[@]}" > "$OUT/one-$rep.json"
   python -m torch.distributed.run --nproc-per-node 2 -m specter "${args[@]}" > "$OUT/two-$rep.json"
+  case ",$POLICIES," in *,specter,*)  # rank 0 drafting only between verifications, as before optimistic drafting
+    SPECTER_PIPELINE_OPTIMISTIC=0 python -m torch.distributed.run --nproc-per-node 2 -m specter "${seqargs[@]}" \
+      > "$OUT/seq-$rep.json";;
+  esac
 done
 python -c "while True: pass" & burner=$!
 trap 'kill $burner 2>/dev/null || true' EXIT
@@ -77,24 +84,37 @@ two = [load(f"two-{r}") for r in range(1, rounds + 1)]
 busy = load("one-busy")
 ms = lambda r: r["tpot_s"] * 1e3
 hit = lambda r: r.get("expert_hits", 0) / max(1, r.get("expert_hits", 0) + r.get("expert_misses", 0))
+def mean_k(r):
+    h = {int(k): v for k, v in (r.get("k_histogram") or {}).items() if int(k)}
+    return sum(k * v for k, v in h.items()) / max(1, sum(h.values()))
 per = lambda r: " / ".join(f"{r.get(k, 0) / r['new_tokens'] * 1e3:.1f}" for k in ("draft_s", "verify_s", "stall_s"))
 print(f"results in {out}")
 print("| policy | 1 rank TPOT ms (rounds) | 2 ranks TPOT ms (rounds) | speedup (median of rounds) | hit rate 1 / 2 "
       "| round trips a token (2 ranks) | draft / verify / stall ms a token, 1 rank; 2 ranks (last round) "
       "| 1 rank beside a busy process, ms |")
 print("|---|---|---|---|---|---|---|---|")
+import os
+seq = [load(f"seq-{r}") for r in range(1, rounds + 1)] if os.path.exists(f"{out}/seq-1.json") else []
+rows = [(p, p, two) for p in one[0]] + ([("specter", "specter, no pre-draft", seq)] if seq else [])
+for p, name, runs in rows:
+    a, b = [ms(r[p]) for r in one], [ms(r[p]) for r in runs]
+    trips = runs[0][p]["round_trips"] / runs[0][p]["new_tokens"]
+    print(f"| {name} | {', '.join(f'{x:.1f}' for x in a)} | {', '.join(f'{x:.1f}' for x in b)} | "
+          f"{statistics.median(x / y for x, y in zip(a, b)):.2f}x | {hit(one[0][p]):.2f} / {hit(runs[0][p]):.2f} | "
+          f"{trips:.2f} | {per(one[-1][p])}; {per(runs[-1][p])} | {ms(busy[p]):.1f} |")
 for p in one[0]:
-    a, b = [ms(r[p]) for r in one], [ms(r[p]) for r in two]
-    trips = two[0][p]["round_trips"] / two[0][p]["new_tokens"]
-    print(f"| {p} | {', '.join(f'{x:.1f}' for x in a)} | {', '.join(f'{x:.1f}' for x in b)} | "
-          f"{statistics.median(x / y for x, y in zip(a, b)):.2f}x | {hit(one[0][p]):.2f} / {hit(two[0][p]):.2f} | "
-          f"{trips:.2f} | {per(one[-1][p])}; {per(two[-1][p])} | {ms(busy[p]):.1f} |")
+    o = [r[p].get("optimistic") for r in two if r[p].get("optimistic")]
+    if o:
+        print(f"{p}, two ranks: pre-drafts kept / made {sum(x['kept'] for x in o)} / {sum(x['pre_drafted'] for x in o)}, "
+              f"pre-drafted tokens verified {sum(x['used_tokens'] for x in o)} of {sum(r[p]['new_tokens'] for r in two)} "
+              f"tokens, mean K of speculative cycles 1 / 2 ranks "
+              f"{statistics.mean(mean_k(r[p]) for r in one):.1f} / {statistics.mean(mean_k(r[p]) for r in two):.1f}")
 same = all(r[p].get("lossless_vs_" + next(iter(r))) is not False for r in one + two + [busy] for p in r)
 print("\nper token, last two-rank round, ms: rank 0's draft; then each rank's target steps (its stage's "
       "share of prefill, verifications and plain steps), blocked on the wire (receives, sends), stall, host-lane stall")
 print("| policy | rank 0 draft | " + " | ".join(f"rank {i}: step / wire / stall / host" for i in range(2)) + " |")
 print("|---|---|---|---|")
-for p, r in two[-1].items():
+for p, r in list(two[-1].items()) + ([("specter, no pre-draft", seq[-1]["specter"])] if seq else []):
     n = r["new_tokens"]
     each = " | ".join(" / ".join(f"{q.get(k, 0) / n * 1e3:.1f}" for k in ("step_s", "wire_s", "stall_s", "host_stall_s"))
                       for q in r["per_rank"])

@@ -168,13 +168,14 @@ def test_split_layers_is_the_balanced_contiguous_cover():
 
     for sizes in ([5, 1, 1, 1, 5], [3, 3, 3], [1, 9, 1, 1, 1, 1], [4, 4, 4, 4, 4, 4, 4]):
         for n in range(1, len(sizes) + 1):
-            for first, last in ((0, 0), (7, 2)):
-                got = split_layers(sizes, n, first, last)
+            for first, last, shared in ((0, 0, None), (7, 2, None), (9, 2, [1] * len(sizes))):
+                got = split_layers(sizes, n, first, last, shared)
                 assert got[0][0] == 0 and got[-1][1] == len(sizes) and len(got) == n
                 assert all(a < b for a, b in got) and all(got[i][1] == got[i + 1][0] for i in range(n - 1))
 
-                def worst(ranges):
-                    return max(sum(sizes[a:b]) + (first if i == 0 else 0) + (last if i == n - 1 else 0)
+                def worst(ranges):  # the first range counts the shared bytes of its layers once (in `first`)
+                    return max(sum(sizes[a:b]) - (sum(shared[a:b]) if shared and i == 0 else 0)
+                               + (first if i == 0 else 0) + (last if i == n - 1 else 0)
                                for i, (a, b) in enumerate(ranges))
 
                 best = min(worst(list(zip((0,) + cuts, cuts + (len(sizes),))))
@@ -202,6 +203,9 @@ def test_stages_number_moe_layers_as_the_provider_does(ckpts):
     assert [(s.first, s.last, s.moe_first, s.moe_last) for s in stages] == [(0, 1, 0, 0), (1, 2, 0, 1), (2, 3, 1, 2)]
     two = make_stages(spec, 2, 4)  # the dense layer is light: the first stage takes two layers
     assert [(s.first, s.last) for s in two] == [(0, 2), (2, 3)]
+    # a drafting policy's first stage also holds the whole draft: every layer's non-expert weights and
+    # INT4 experts, which outweigh the second MoE layer here
+    assert [(s.first, s.last) for s in make_stages(spec, 2, 4, drafts=True)] == [(0, 1), (1, 3)]
 
 
 def test_stages_read_only_their_tensors_and_chain_to_the_models_logits(ckpts):
@@ -272,7 +276,10 @@ def test_plan_ranks_says_what_each_rank_holds_as_the_ranks_load_it(ckpts, capsys
                for r in rows)
     plain = json.loads((main(["plan", "--model", str(path), "--ranks", "2", "--policy", "on-demand", "--device",
                               "cpu", "--json", "--expert-memory", "120KiB"]), capsys.readouterr().out)[1])["ranks"]
-    assert rows[0]["draft_bytes"] > 0 and rows[1]["draft_bytes"] == 0 and rows[1] == plain[1]
+    assert rows[0]["draft_bytes"] > 0 and rows[1]["draft_bytes"] == 0
+    # the draft counted on rank 0: it takes fewer layers than under on-demand, as the ranks load them
+    assert [r["layers"] for r in rows] == [[s.first, s.last] for s in make_stages(spec, 2, 4, drafts=True)] \
+        == [[0, 1], [1, 3]] != [r["layers"] for r in plain]
     assert rows[0]["non_expert_bytes"] == sum(r["non_expert_bytes"] for r in plain)  # every layer's
     assert rows[0]["kv_bytes"] == sum(r["kv_bytes"] for r in plain)
 
@@ -344,7 +351,7 @@ def test_cli_under_torchrun_prints_once_with_pipeline_stats(ckpts):
     ref = specter.load(str(ckpts["qwen3_moe"]), device="cpu", policy="on-demand", residency=0.5, threads=1)
     assert got["token_ids"] == ref.generate(PROMPT, NEW, temperature=0.0).token_ids
     ref.close()
-    assert got["stats"]["pipeline"]["ranks"] == 2 and got["stats"]["pipeline"]["layers"] == [[0, 2], [2, 3]]
+    assert got["stats"]["pipeline"]["ranks"] == 2 and got["stats"]["pipeline"]["layers"] == [[0, 1], [1, 3]]  # the draft on rank 0
     assert got["stats"]["policy"] == "specter" and got["stats"]["drafted_tokens"] > 0
 
 

@@ -65,7 +65,7 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
     try:
         path = Path(model) if model is not None else default_model_path()
         ckpt = open_checkpoint(path)
-        stages = make_stages(ckpt.spec, group.world, ckpt.dtype.itemsize)
+        stages = make_stages(ckpt.spec, group.world, ckpt.dtype.itemsize, pol.drafts)
         options = dict(policy=policy, residency=residency, expert_memory=expert_memory, link=link,
                        dtype=str(compute_dtype(group.device, ckpt.dtype, dtype)), world=group.world,
                        backend=group.backend, device_type=group.device.type,

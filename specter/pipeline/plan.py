@@ -29,7 +29,7 @@ def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str,
     if policy not in PIPELINED:
         raise ConfigError(f"policy {policy!r} is not pipelined; plan --ranks for {', '.join(PIPELINED)}")
     drafts = get_policy(policy).drafts
-    stages = make_stages(spec, ranks, store_dtype.itemsize)
+    stages = make_stages(spec, ranks, store_dtype.itemsize, drafts)
     item, E, k = dtype.itemsize, spec.n_experts, spec.top_k
     out = []
     n_moe = len(spec.moe_layer_ids)

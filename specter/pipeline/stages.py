@@ -52,10 +52,12 @@ def layer_bytes(spec: ModelSpec, itemsize: int) -> tuple[list[int], int, int]:
     return per, embed, head
 
 
-def split_layers(sizes: list[int], n: int, first_extra: int = 0, last_extra: int = 0) -> list[tuple[int, int]]:
+def split_layers(sizes: list[int], n: int, first_extra: int = 0, last_extra: int = 0,
+                 first_shared: list[int] | None = None) -> list[tuple[int, int]]:
     """n contiguous non-empty ranges [first, last) covering range(len(sizes)) whose largest total
     (the first range also counting first_extra, the last last_extra) is the least possible; ties
-    go to the split whose earlier ranges end first."""
+    go to the split whose earlier ranges end first. `first_shared[l]`: bytes of layer l that
+    first_extra already counts (the first range counts them once)."""
     L = len(sizes)
     if not 1 <= n <= L:
         raise PipelineError(f"{n} ranks cannot each run at least one of the model's {L} decoder layers; "
@@ -64,8 +66,13 @@ def split_layers(sizes: list[int], n: int, first_extra: int = 0, last_extra: int
     for s in sizes:
         prefix.append(prefix[-1] + s)
 
+    shared = [0]
+    for s in first_shared or [0] * L:
+        shared.append(shared[-1] + s)
+
     def cost(i: int, a: int, b: int) -> int:  # range i = layers [a, b)
-        return prefix[b] - prefix[a] + (first_extra if i == 0 else 0) + (last_extra if i == n - 1 else 0)
+        own = prefix[b] - prefix[a] - (shared[b] if i == 0 else 0)
+        return own + (first_extra if i == 0 else 0) + (last_extra if i == n - 1 else 0)
 
     # best[i][b]: the least largest total of ranges 0..i covering layers [0, b); DP over the end of range i-1
     INF = float("inf")
@@ -121,9 +128,20 @@ def stage_quota(plan, spec: ModelSpec, n_mine: int, pool: int) -> int:
     return _quota(plan.pool, pool, n_mine, spec.n_experts, spec.top_k)
 
 
-def make_stages(spec: ModelSpec, world: int, itemsize: int) -> list[Stage]:
+def make_stages(spec: ModelSpec, world: int, itemsize: int, drafts: bool = False) -> list[Stage]:
+    """The stages of a `world`-rank pipeline, balanced by bytes. `drafts` (spec-lru, specter): the first
+    stage also holds the whole draft, every layer's non-expert weights and INT4 experts (stage.py),
+    and runs it, so it takes fewer target layers."""
     per, embed, head = layer_bytes(spec, itemsize)
-    ranges = split_layers(per, world, embed, head)
+    extra, shared = embed, None
+    if drafts:
+        from ..offload.plan import draft_expert_bytes
+
+        expert = spec.n_experts * spec.expert_numel() * itemsize
+        moe = set(spec.moe_layer_ids)
+        shared = [p - (expert if l in moe else 0) for l, p in enumerate(per)]  # its own layers' are the draft's
+        extra += sum(shared) + len(moe) * spec.n_experts * draft_expert_bytes(spec)
+    ranges = split_layers(per, world, extra, head, shared)
     moe = spec.moe_layer_ids
     out = []
     for r, (a, b) in enumerate(ranges):
