@@ -32,11 +32,11 @@ def hook_arms(engine, arms: Counter) -> None:
     last = {}
 
     def mark():
-        st = mgr._stats
+        st = mgr.stats()
         last.update(misses=st["expert_misses"], copied=st["h2d_bytes"], host=st["host_experts"])
 
     def observe(steps, seconds, copied0, arm, lane=None, *rest):
-        st = mgr._stats
+        st = mgr.stats()
         names = ["plain"]
         if arm is not None:
             names.append("guess" if arm else "no-guess")
@@ -65,11 +65,11 @@ def hook_arms(engine, arms: Counter) -> None:
         first = next(it)  # prefill done
         mark()
         yield first
-        i, m = 1, mgr._stats["expert_misses"]
+        i, m = 1, mgr.stats()["expert_misses"]
         for new in it:  # misses by decode step (a speculative cycle counts at its first token's index)
-            arms[f"miss@{min(i, 8)}"] += mgr._stats["expert_misses"] - m
+            arms[f"miss@{min(i, 8)}"] += mgr.stats()["expert_misses"] - m
             arms[f"n@{min(i, 8)}"] += 1
-            i, m = i + len(new), mgr._stats["expert_misses"]
+            i, m = i + len(new), mgr.stats()["expert_misses"]
             yield new
 
     dec.run = wrapped
