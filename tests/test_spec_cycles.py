@@ -280,11 +280,13 @@ def test_no_next_layer_arm_while_plain_steps_copy_nothing(tiny):
     picks, real = [], gov.plain_arms.pick
     gov.plain_arms.pick = lambda: picks.append(1) or real()
     try:
-        gov.plain_copied.extend([False] * 8)  # the latest plain runs copied nothing
+        for _ in range(8):  # the latest plain runs copied nothing
+            gov.observe_cycle(0, 0, 0.0, 3e-3, 0.0, copied=0)
         assert gov.plain_copies_nothing
         out = engine.generate(PROMPTS[0], max_new_tokens=10)
         assert out.token_ids == want[0] and picks == [] and out.stats["prefetch_issued"] == 0
-        gov.plain_copied.append(True)  # a plain run copied: there may be something to prefetch
+        gov.observe_cycle(0, 0, 0.0, 3e-3, 0.0, copied=1)  # a plain run copied: there may be something to prefetch
+        assert not gov.plain_copies_nothing
         out = engine.generate(PROMPTS[1], max_new_tokens=10)
         assert out.token_ids == want[1] and picks
     finally:

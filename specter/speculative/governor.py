@@ -99,6 +99,7 @@ class Governor:
         self.plain_arms = PlainArms()        # K = 0's arm: with or without next-layer prefetch
         self.lane_arms = PlainArms()         # ... and with the host lane for its misses, or copying every one (True)
         self.plain_copied: deque = deque(maxlen=windows[0])  # did each of the latest plain steps copy anything
+        self.plain_copies_nothing = False    # ... none of them (at least plain_probe): no bytes for speculation to save
         self.cycles = 0
         self.arm: str | None = None          # the running arm: "spec" or "plain" (None: both still measured)
         self._spec_fresh: float | None = None  # the rate of the latest cycle if it was speculative (a probe)
@@ -152,6 +153,7 @@ class Governor:
         (self.plain if drafted == 0 else self.spec).add(k, seconds)
         if drafted == 0:
             self.plain_copied.append(copied is None or copied > 0)
+            self.plain_copies_nothing = len(self.plain_copied) >= self.plain_probe and not any(self.plain_copied)
             return
         a = self.alpha  # moving averages (None: no value yet, so the first is taken as it is)
         old, new = self.draft_s, draft_s / drafted
@@ -185,11 +187,6 @@ class Governor:
         if self.arm is None and self.fixed is None and self.k_max > 0:
             self.arm = "plain"
             self._arm_next = self.cycles + 2 * self.probe_every
-
-    @property
-    def plain_copies_nothing(self) -> bool:
-        """Every plain step in the window copied nothing: speculation has no bytes to save there."""
-        return len(self.plain_copied) >= self.plain_probe and not any(self.plain_copied)
 
     def _plain_bar(self) -> float:
         """Plain decoding's rate as speculation must beat it: the window's, and when plain steps copy
