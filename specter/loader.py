@@ -266,7 +266,7 @@ def load_checkpoint(
     as the host store: one `ExpertWeights` per MoE layer, in the checkpoint's own dtype (pinned in
     place when `pin_experts`), read once from the files straight into it. Each non-expert weight is
     read into its final dtype a chunk at a time, so no stored-dtype copy of it is ever held. On CPU
-    the input embedding keeps a narrower checkpoint dtype (the rows it gathers are upcast: `Embedding`).
+    the input embedding keeps a narrower checkpoint dtype (the rows it gathers are upcast: `MoETransformer.enter`).
     `experts=False`: the routed experts are not read (the store is []: a coded store came from its cache).
     `layers` (first, last): only decoder layers [first, last) are read, with the embedding when first
     is 0 and the final norm and lm_head when last is the last layer (a pipeline stage); every other
@@ -290,15 +290,13 @@ def load_checkpoint(
         if progress is None:
             progress = total > (512 << 20)
         bar = tqdm(total=total, desc="loading", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress)
-        embed = model.model.embed_tokens
-        if device.type == "cpu" and ckpt.dtype.itemsize < dtype.itemsize:
-            embed.out_dtype = dtype
+        narrow_embed = device.type == "cpu" and ckpt.dtype.itemsize < dtype.itemsize  # the table stays in ckpt.dtype
         for name, src in params:
             expected = tuple(model.get_parameter(name).shape)
             if reader.shape(src) != expected:
                 raise CheckpointError(f"{src}: shape {reader.shape(src)} does not match the config's {expected}")
-            value = torch.empty(expected, dtype=ckpt.dtype if name == "model.embed_tokens.weight" and
-                                embed.out_dtype is not None else dtype)
+            value = torch.empty(expected, dtype=ckpt.dtype if narrow_embed and name == "model.embed_tokens.weight"
+                                else dtype)
             reader.read_into(src, value)  # converts a chunk at a time
             set_module_tensor_to_device(model, name, device, value=value, dtype=value.dtype)
             del value  # not held while the store fills

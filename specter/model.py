@@ -108,22 +108,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = make_norm(spec)
 
 
-class Embedding(nn.Embedding):
-    """Token embeddings whose rows come out in `out_dtype` (None: the table's). A CPU load keeps a
-    16-bit checkpoint's table in its own dtype (loader.load_checkpoint) and upcasts the T rows it
-    gathers: the values an upcast table gives, without a vocab x hidden fp32 copy in memory."""
-
-    out_dtype: torch.dtype | None = None
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = super().forward(tokens)  # [T, H] in the table's dtype
-        return x if self.out_dtype is None else x.to(self.out_dtype)
-
-
 class Backbone(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden)
         moe_ids = {l: i for i, l in enumerate(spec.moe_layer_ids)}
         self.layers = nn.ModuleList(DecoderLayer(spec, l, moe_ids.get(l)) for l in range(spec.n_layers))
         self.norm = make_norm(spec)
@@ -174,8 +162,10 @@ class MoETransformer(nn.Module):
 
     # ------------------------------------------------------------------ the pieces run calls
     def enter(self, tokens, start):
-        """tokens [T] -> embeddings x [T, H], and cos/sin of positions start .. start+T-1."""
-        x = self.model.embed_tokens(tokens)  # [T, H]
+        """tokens [T] -> embeddings x [T, H] in the compute dtype, and cos/sin of positions start ..
+        start+T-1. A CPU load keeps a 16-bit checkpoint's table in its own dtype (loader.load_checkpoint):
+        the T rows gathered are upcast, the values an upcast table gives without its fp32 copy."""
+        x = self.model.embed_tokens(tokens).to(self.dtype)  # [T, H]
         pos = torch.arange(tokens.shape[0], device=tokens.device) + start  # start: an int, or a 0-d device tensor
         cos, sin = self.rope.cos_sin(pos, x.dtype)
         return x, cos, sin

@@ -314,7 +314,7 @@ class HostNeeds:
 def emulated_device_bytes(plan: MemoryPlan, spec: ModelSpec, store_dtype: torch.dtype, compute: torch.dtype) -> int:
     """On CPU the device is host memory: what the emulated device adds beside the expert store. The
     plan counts what a GPU would hold; the CPU keeps a narrower checkpoint's input embedding in its
-    own dtype (model.Embedding), and a pool that reads the store's rows in place (plan.pool_rows,
+    own dtype (MoETransformer.enter), and a pool that reads the store's rows in place (plan.pool_rows,
     from a plan made for the CPU) adds nothing."""
     embed = spec.vocab_size * spec.hidden * max(0, compute.itemsize - store_dtype.itemsize)
     return plan.total_bytes - embed - (plan.slot_pool_bytes if plan.pool_rows == "store" else 0)
