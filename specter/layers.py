@@ -188,10 +188,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k, cos, sin)
         k_all, v_all = cache.update(self.layer, start, k, v)  # [n_kv, L, d]
-        if T == 1 and self.window is None and not isinstance(start, torch.Tensor):
-            mask = None  # one token at the end of the cache attends to all of it
-        else:
-            mask = attention_mask(start, T, self.window, x.device, k_all.shape[1])
+        mask = attention_mask(start, T, self.window, x.device, k_all.shape[1])  # None: one token sees all
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_all[None], v_all[None], attn_mask=mask,
                                            scale=self.scale, enable_gqa=self.nkv != self.nh)  # [1, nh, T, d]
         return self.o_proj(o[0].transpose(0, 1).flatten(1))
