@@ -197,6 +197,30 @@ def test_options_a_pipeline_would_ignore_are_refused():
         check_options("oracle", {})
 
 
+def test_host_threads_size_each_ranks_host_lane(ckpts):
+    """--host-threads under a pipeline: each stage's host lane (policy host's, specter's LaneChoice)
+    gets that many threads, as one process's does; a policy without a host lane refuses it."""
+    import torch
+
+    from specter.errors import ConfigError
+    from specter.pipeline.stage import load_stage
+
+    path = ckpts["qwen3_moe"]
+    spec = open_checkpoint(path).spec
+    last = make_stages(spec, 2, 4, drafts=True)[1]
+    st = load_stage(path, last, torch.device("cpu"), policy="host", residency=0.5, threads=1, host_threads=3)
+    assert st.provider.inner.lane.threads == 3
+    st.close()
+    st = load_stage(path, last, torch.device("cpu"), policy="specter", residency=0.5, threads=1, host_threads=2)
+    assert st.mgr.host_lane.threads == 2 and st.mgr.host_choice is not None
+    st.close()
+    st = load_stage(path, last, torch.device("cpu"), policy="specter", residency=0.5, threads=1)
+    assert st.mgr.host_lane.threads == 1  # default: the rank's own threads
+    st.close()
+    with pytest.raises(ConfigError, match="computes no expert on the host"):
+        load_stage(path, last, torch.device("cpu"), policy="on-demand", residency=0.5, host_threads=2)
+
+
 def test_stages_number_moe_layers_as_the_provider_does(ckpts):
     spec = open_checkpoint(ckpts["deepseek_v2"]).spec  # layer 0 dense, 1 and 2 MoE
     stages = make_stages(spec, 3, 4)
@@ -343,7 +367,8 @@ def test_pipelines_give_one_process_tokens(ckpts, tmp_path, world):
 def test_cli_under_torchrun_prints_once_with_pipeline_stats(ckpts):
     """No --policy: specter, the default as in one process, speculating across the two ranks."""
     argv = ["-m", "specter", "generate", "--model", str(ckpts["qwen3_moe"]), "--prompt-ids", "1,5,9,17,33",
-            "--max-new-tokens", str(NEW), "--greedy", "--residency", "0.5", "--json", "--pipeline-timeout", "60"]
+            "--max-new-tokens", str(NEW), "--greedy", "--residency", "0.5", "--json", "--pipeline-timeout", "60",
+            "--host-threads", "1"]  # each rank's host lane (specter's), as one process's
     ranks = _launch([argv, argv], timeout=120)
     assert [r[0] for r in ranks] == [0, 0], [r[2][-2000:] for r in ranks]
     assert ranks[1][1] == ""  # printed once, by rank 0

@@ -58,7 +58,9 @@ def run(args) -> int:
                                                  backend=getattr(args, "pipeline_backend", None),
                                                  timeout_s=getattr(args, "pipeline_timeout", None),
                                                  k_max=args.k_max if get_policy(p).drafts else None,
-                                                 draft_cache=getattr(args, "draft_cache", None), **budget)
+                                                 draft_cache=getattr(args, "draft_cache", None),
+                                                 host_threads=getattr(args, "host_threads", None)
+                                                 if get_policy(p).host_lane else None, **budget)
             owner = owner or group
             ranks = group.world
             if engine is None:

@@ -299,9 +299,11 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
             if len(drafted) == k and planner is not None:
                 self.send_rows(k)
         if len(drafted) < k:
-            c0 = clock()
+            c0, i0 = clock(), len(drafted)
             drafted = self._draft_on(t, n, k, drafted, params, pre.chunk if pre is not None else None)
             draft_s += clock() - c0
+            o["steps"] += k - i0  # drafted while no verification ran (their time: draft_s)
+            o["draft_s"] += clock() - c0
         m1 = clock()
         before = mgr.stats()
         tokens = torch.tensor([t] + drafted, device=self.device)
@@ -318,6 +320,7 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
         if nxt_pre is not None:
             o["pre_drafted"] += 1
             o["pre_draft_s"] += nxt_pre.seconds + nxt_pre.guess_s
+            o["pre_steps"] += len(nxt_pre.drafted) + 1
             if m == k and nxt == nxt_pre.guess:
                 o["kept"] += 1
                 nxt_pre.t, nxt_pre.n = nxt, n + k + 1
@@ -407,7 +410,9 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
 
     def reset_stats(self) -> None:
         super().reset_stats()
-        self.opt = dict(pre_drafted=0, kept=0, used_tokens=0, pre_draft_s=0.0)
+        # pre-drafts made, kept, their tokens verified, their steps and seconds (the guess's step included);
+        # the steps drafted while no verification ran, and their seconds
+        self.opt = dict(pre_drafted=0, kept=0, used_tokens=0, pre_steps=0, pre_draft_s=0.0, steps=0, draft_s=0.0)
 
     def stats(self) -> dict:
         s = super().stats()

@@ -223,11 +223,13 @@ def lookahead_columns(whole, n: int):
 
 
 def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residency=None, expert_memory=None,
-               link=None, dtype=None, threads: int | None = None, k_max: int = 32, draft_cache=None) -> StageModel:
+               link=None, dtype=None, threads: int | None = None, k_max: int = 32, draft_cache=None,
+               host_threads: int | None = None) -> StageModel:
     """Loads the checkpoint at `path` and keeps `stage` of it, with `policy`'s provider over its MoE
     layers: resident weights; or its own offload manager (on-demand), with next-layer guesses made
     within the stage (the last layer of a stage guesses nothing: the next layer is another rank's), or
-    with the host lane computing every miss (host; `threads` also sizes the lane). The drafting
+    with the host lane computing every miss (host; `host_threads` sizes the lane, default `threads`,
+    as builder.load's host_threads: also the opt-in to specter's lane on CUDA). The drafting
     policies add a lookahead of `k_max` rows over the stage's own MoE layers and, for specter, its
     planner, its host lane (LaneChoice over the planner's scores, on CPU as builder.uses_host_lane
     says) and its next-layer guesses for K = 0 steps; their first stage also reads every layer and
@@ -247,6 +249,12 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     from ..offload.store import pin_wanted
 
     pol = get_policy(policy)
+    if host_threads is not None and (isinstance(host_threads, bool) or not isinstance(host_threads, int)
+                                     or host_threads < 1):
+        raise ConfigError(f"host_threads must be an integer >= 1, got {host_threads!r}")
+    if host_threads is not None and not pol.host_lane:
+        raise ConfigError(f"policy {policy!r} computes no expert on the host, so host_threads would be ignored; "
+                          "drop it or use --policy host or specter")
     ckpt = open_checkpoint(path)
     spec = ckpt.spec
     dt = compute_dtype(device, ckpt.dtype, dtype)
@@ -304,7 +312,8 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
         guess = None
         stage_layers = SimpleNamespace(model=SimpleNamespace(layers=model.model.layers[stage.first:stage.last]))
         if pol.host_lane == "misses" and not inner.all_resident:  # policy host: every miss computed on the host
-            inner = HostExperts(inner, make_host_lane(mine, device, lk, threads=threads, dtype=dt, charged_dtype=pdt))
+            inner = HostExperts(inner, make_host_lane(mine, device, lk, threads=host_threads or threads, dtype=dt,
+                                                      charged_dtype=pdt))
         elif pol.prefetch == "next-layer" and not inner.all_resident:  # guesses within the stage's own layers
             guess = NextLayerPrefetch(stage_layers, inner)
         provider = ShiftedExperts(inner, stage.moe_first, guess)
@@ -313,11 +322,12 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     st = StageModel(model, provider, stage, device, dt, plan=plan, tokenizer=tokenizer, path=path)
     st.k_max = k_max if pol.drafts else 0
     if pol.drafts and (mine or whole):
-        _speculate(st, pol, mine, every, stage_layers, k_max, threads, lk, pdt)
+        _speculate(st, pol, mine, every, stage_layers, k_max, threads, lk, pdt, host_threads)
     return st
 
 
-def _speculate(st: StageModel, pol, mine: list, every, stage_layers, k_max: int, threads, lk, pdt) -> None:
+def _speculate(st: StageModel, pol, mine: list, every, stage_layers, k_max: int, threads, lk, pdt,
+               host_threads: int | None = None) -> None:
     """A drafting policy's part on this stage (see load_stage), built as builder._decoder builds it
     for the whole model; `every` (the first stage: the whole draft): every MoE layer's INT4 draft
     experts, as draft_int4 yields them (from the draft cache or quantised), else None."""
@@ -343,8 +353,8 @@ def _speculate(st: StageModel, pol, mine: list, every, stage_layers, k_max: int,
     if pol.prefetch != "planner":  # spec-lru: verification fetches on miss
         return
     st.planner = PrefetchPlanner(mgr, st.lookahead)
-    if uses_host_lane(pol, device, None, every_expert=mgr.all_resident):  # both lanes: misses ranked low: host
-        mgr.host_lane = make_host_lane(mine, device, lk, threads=threads, dtype=dt, charged_dtype=pdt)
+    if uses_host_lane(pol, device, host_threads, every_expert=mgr.all_resident):  # both lanes: misses ranked low: host
+        mgr.host_lane = make_host_lane(mine, device, lk, threads=host_threads or threads, dtype=dt, charged_dtype=pdt)
         mgr.host_choice = LaneChoice(mgr, host_params(mgr.host_lane), planner=st.planner)
     if not mgr.all_resident:
         st.guessing = ShiftedExperts(mgr, stage.moe_first, NextLayerPrefetch(stage_layers, mgr))
