@@ -29,8 +29,9 @@ Flags of a step (the speculative decoder's; 0 for plain decoding):
     CYCLE   a cycle's verification: after it each stage withdraws its leftover prefetches and ends
             its planner's cycle
     STATS   each rank adds its expert counters since BEGIN (stall_s, hits, misses, bytes off the
-            device) to a float64 [4] that follows the hidden state; the last rank returns the sums
-            with the logits: what the governor and the recall stats read each cycle
+            device) and its stage's step seconds to a float64 [5] that follows the hidden state; the
+            last rank returns the sums with the logits: what the governor and the recall stats read
+            each cycle
     KV      (every target step of a drafting policy) each rank after the first returns its layers'
             K/V at the step's positions to rank 0, whose whole draft reads them as the single-process
             draft reads the target's: the last rank after its logits, the others in a send of their own
@@ -63,7 +64,7 @@ from .stages import Stage
 BEGIN, STEP, END, STOP, ABORT, PING, ROWS = 1, 2, 3, 4, 5, 6, 7
 ALL, GUESS, CYCLE, STATS, CANCEL, KV, PREFILL = 1, 4, 8, 16, 32, 64, 128
 HEADER = 9
-SIDE = ("stall_s", "expert_hits", "expert_misses", "offloaded_bytes")  # a STATS step's counters
+SIDE = ("stall_s", "expert_hits", "expert_misses", "offloaded_bytes", "step_s")  # a STATS step's counters
 PER_RANK_ONLY = ("step_s", "wire_s")  # each rank's own: its stage's target steps, its blocked exchanges
 NAMES = {BEGIN: "begin", STEP: "step", END: "end", STOP: "stop", ABORT: "abort", PING: "ping", ROWS: "rows"}
 SUMMED = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "prefetch_issued", "prefetch_used",
@@ -73,7 +74,7 @@ SUMMED = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "prefetch_issu
 class Wire:
     """This rank's sends and receives, on the group's wire device, with errors that say what failed.
 
-    A message is one send: the header, a STATS step's counters (float64 [4]) and, for a step of up
+    A message is one send: the header, a STATS step's counters (float64 [5]) and, for a step of up
     to `rows` positions (1; a drafting policy's verification width, `inline_rows`), its hidden state
     [T, H] (for ROWS, its rows when they fit there), as bytes; a wider hidden state (or payload)
     follows as a second send. The result a last stage returns to
@@ -156,7 +157,7 @@ class Wire:
         return buf
 
     def receive(self, src: int, device) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
-        """The next message: (header, counters float64 [4] on the CPU, a step's hidden state [T, H] on
+        """The next message: (header, counters float64 [5] on the CPU, a step's hidden state [T, H] on
         `device` or None)."""
         buf = torch.empty(self.size, dtype=torch.uint8, device=self.group.wire)
         self._do(f"waiting for rank {src}'s next message", lambda: dist.recv(buf, src))
@@ -383,9 +384,10 @@ def serve_stage(stage: StageModel, group: Group) -> None:
                     planner.begin_prefill(T)
                 experts = stage.guessing if flags & GUESS else None  # None: the target's
                 y = stage.forward(x, start, experts, "all" if flags & ALL else "last")
-                if flags & STATS and mgr is not None:  # this rank's counters since BEGIN, added on
-                    s = mgr.stats()
-                    side += torch.tensor([s["stall_s"], s["expert_hits"], s["expert_misses"], mgr.offloaded_bytes],
+                if flags & STATS:  # this rank's counters since BEGIN, added on
+                    s = mgr.stats() if mgr is not None else {}
+                    side += torch.tensor([s.get("stall_s", 0.0), s.get("expert_hits", 0), s.get("expert_misses", 0),
+                                          mgr.offloaded_bytes if mgr is not None else 0, stage.step_s],
                                          dtype=torch.float64)
                 kv = kv_rows(stage.cache, spec, stage.stage.first, stage.stage.last, start, T) if flags & KV else None
                 if last:

@@ -307,7 +307,9 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
         m1 = clock()
         before = mgr.stats()
         tokens = torch.tensor([t] + drafted, device=self.device)
+        later = mgr.remote[4]  # the later stages' step seconds since BEGIN, summed
         sent = self.model.send(tokens, n, mgr)
+        m_sent = clock()
         if self.cancel_leftovers:  # rank 0's stage has verified: its leftovers (the others' after their step)
             mgr.cancel_prefetches()
         if planner is not None:
@@ -336,11 +338,15 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
         st["accepted_tokens"] += m
         st["rejections"] += m < k
         # the governor sees what drafting and verifying cost as if they ran one after the other (as in one
-        # process): this cycle's drafts, pre-drafted or not, and its verification less the pre-draft that
-        # ran inside it. (Given the wall times instead, a kept pre-draft's cycle looks like free drafts and
-        # a slow verification, and it chose K = 0 for most steps.)
+        # process): this cycle's drafts, pre-drafted or not, and its verification: rank 0's stage and the
+        # later stages' steps (their seconds come back with the logits), or the wall time less the
+        # pre-draft inside it where that is longer (the hand-offs). (Given the wall times instead, a kept
+        # pre-draft's cycle looks like free drafts and a slow verification, and it chose K = 0 for most
+        # steps; given the wall less the pre-draft alone, verification looks as short as the wait after
+        # the pre-draft, and it chose half one process's K.)
         pre_s = (nxt_pre.seconds + nxt_pre.guess_s) if nxt_pre is not None else 0.0
-        self._observe_cycle(k, m, stall, (m1 - m0) if pre is None else draft_s, max(m2 - m1 - pre_s, 0.0))
+        verify_s = (m_sent - m1) + (mgr.remote[4] - later)
+        self._observe_cycle(k, m, stall, (m1 - m0) if pre is None else draft_s, max(m2 - m1 - pre_s, verify_s))
         return drafted[:m] + [nxt]
 
     def _draft_on(self, t: int, n: int, k: int, drafted: list[int], params, chunk: int | None) -> list[int]:
