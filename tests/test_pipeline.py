@@ -368,7 +368,7 @@ def test_cli_under_torchrun_prints_once_with_pipeline_stats(ckpts):
     """No --policy: specter, the default as in one process, speculating across the two ranks."""
     argv = ["-m", "specter", "generate", "--model", str(ckpts["qwen3_moe"]), "--prompt-ids", "1,5,9,17,33",
             "--max-new-tokens", str(NEW), "--greedy", "--residency", "0.5", "--json", "--pipeline-timeout", "60",
-            "--host-threads", "1"]  # each rank's host lane (specter's), as one process's
+            "--host-threads", "1", "--draft-bits", "2"]  # each rank's host lane (specter's); rank 0's draft width
     ranks = _launch([argv, argv], timeout=120)
     assert [r[0] for r in ranks] == [0, 0], [r[2][-2000:] for r in ranks]
     assert ranks[1][1] == ""  # printed once, by rank 0
@@ -470,6 +470,39 @@ def test_rank_0_reads_no_other_stages_experts_when_the_draft_cache_holds_every_l
     assert torch.equal(miss, hit)
     _, experts, _ = load("off")  # no cache: every layer's, quantised
     assert experts == {"model.layers.1", "model.layers.2"}
+
+
+def test_rank_0_drafts_at_the_draft_bits_one_process_drafts_at(ckpts):
+    """--draft-bits under a pipeline: rank 0's whole draft quantises its experts at that width and
+    drafts one process's logits at it (not the 4-bit draft's); a policy without a draft refuses it."""
+    import torch
+
+    from specter.errors import ConfigError
+    from specter.layers import KVCache
+    from specter.pipeline.stage import load_stage
+
+    path = ckpts["qwen3_moe"]
+    spec = open_checkpoint(path).spec
+    first = make_stages(spec, 2, 4, drafts=True, draft_bits=2)[0]
+
+    def staged(bits):
+        st = load_stage(path, first, torch.device("cpu"), policy="specter", residency=0.5, draft_cache="off",
+                        draft_bits=bits)
+        st.begin(16)
+        logits = st.draft_forward(torch.tensor(PROMPT), 0, logits_for="all")
+        st.close()
+        return logits
+
+    engine = specter.load(path, device="cpu", policy="specter", residency=0.5, draft_cache="off", draft_bits=2,
+                          threads=1)
+    dec = engine.decoder
+    want = dec.model(torch.tensor(PROMPT), 0, KVCache(spec, 16, torch.device("cpu"), torch.float32), dec.draft,
+                     logits_for="all")
+    engine.close()
+    two = staged(2)
+    assert torch.equal(two, want) and not torch.equal(two, staged(4))
+    with pytest.raises(ConfigError, match="runs no draft"):
+        load_stage(path, first, torch.device("cpu"), policy="on-demand", residency=0.5, draft_bits=3)
 
 
 def test_bench_under_torchrun_reports_each_rank(ckpts, tmp_path):

@@ -60,7 +60,9 @@ def run(args) -> int:
                                                  k_max=args.k_max if get_policy(p).drafts else None,
                                                  draft_cache=getattr(args, "draft_cache", None),
                                                  host_threads=getattr(args, "host_threads", None)
-                                                 if get_policy(p).host_lane else None, **budget)
+                                                 if get_policy(p).host_lane else None,
+                                                 draft_bits=(getattr(args, "draft_bits", None) or 4)
+                                                 if get_policy(p).drafts else 4, **budget)
             owner = owner or group
             ranks = group.world
             if engine is None:

@@ -23,13 +23,14 @@ PIPELINED = ("resident", "on-demand", "next-layer", "host", "spec-lru", "specter
 
 
 def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str, residency=None,
-               expert_memory=None, device_memory=None, context: int | None = None, device=None) -> list[dict]:
+               expert_memory=None, device_memory=None, context: int | None = None, device=None,
+               draft_bits: int = 4) -> list[dict]:
     """One dict per rank: layers, moe_layers, non_expert_bytes, kv_bytes, draft_bytes, pool_slots,
     pool_bytes, total_bytes, store_bytes, fits."""
     if policy not in PIPELINED:
         raise ConfigError(f"policy {policy!r} is not pipelined; plan --ranks for {', '.join(PIPELINED)}")
     drafts = get_policy(policy).drafts
-    stages = make_stages(spec, ranks, store_dtype.itemsize, drafts)
+    stages = make_stages(spec, ranks, store_dtype.itemsize, drafts, draft_bits)
     item, E, k = dtype.itemsize, spec.n_experts, spec.top_k
     out = []
     n_moe = len(spec.moe_layer_ids)
@@ -37,7 +38,7 @@ def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str,
         mine = st.moe_last - st.moe_first
         whole = drafts and st.is_first  # the whole draft: every layer, as one process holds it
         non, kv = stage_fixed_bytes(spec, Stage(0, 1, 0, spec.n_layers, 0, n_moe) if whole else st, item, context)
-        draft = n_moe * E * draft_expert_bytes(spec) if whole else 0
+        draft = n_moe * E * draft_expert_bytes(spec, draft_bits) if whole else 0
         if policy == "resident":
             slots, expert = mine * E, spec.expert_numel() * item
         else:
@@ -87,7 +88,7 @@ def cmd_plan_ranks(args, device) -> int:
     dtype = compute_dtype(device, store_dtype)
     rows = rank_plans(spec, numel, dtype, store_dtype, args.ranks, policy=args.policy, residency=args.residency,
                       expert_memory=args.expert_memory, device_memory=args.device_memory, context=args.context,
-                      device=device)
+                      device=device, draft_bits=getattr(args, "draft_bits", None) or 4)
     if not args.json:
         print(f"model {path} ({spec.arch}) over {args.ranks} ranks, policy {args.policy}, computed "
               f"{str(dtype)[6:]} on {device.type}")

@@ -224,7 +224,7 @@ def lookahead_columns(whole, n: int):
 
 def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                link=None, dtype=None, threads: int | None = None, k_max: int = 32, draft_cache=None,
-               host_threads: int | None = None) -> StageModel:
+               host_threads: int | None = None, draft_bits: int = 4) -> StageModel:
     """Loads the checkpoint at `path` and keeps `stage` of it, with `policy`'s provider over its MoE
     layers: resident weights; or its own offload manager (on-demand), with next-layer guesses made
     within the stage (the last layer of a stage guesses nothing: the next layer is another rank's), or
@@ -233,7 +233,8 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     policies add a lookahead of `k_max` rows over the stage's own MoE layers and, for specter, its
     planner, its host lane (LaneChoice over the planner's scores, on CPU as builder.uses_host_lane
     says) and its next-layer guesses for K = 0 steps; their first stage also reads every layer and
-    holds the whole draft (every MoE layer's experts quantised as the single-process draft's; the
+    holds the whole draft (every MoE layer's experts quantised as the single-process draft's, at
+    `draft_bits`; the
     other layers' routed experts are read only to be quantised), read from and written to the draft
     cache `draft_cache` under one process's key (speculative/draft_cache.py), so either run's entry
     serves the other. When that entry holds every layer, the other layers' routed experts are not
@@ -249,6 +250,11 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     from ..offload.store import pin_wanted
 
     pol = get_policy(policy)
+    from ..builder import check_draft_bits
+
+    check_draft_bits(draft_bits)
+    if draft_bits != 4 and not pol.drafts:
+        raise ConfigError(f"policy {policy!r} runs no draft, so draft_bits would be ignored; drop it")
     if host_threads is not None and (isinstance(host_threads, bool) or not isinstance(host_threads, int)
                                      or host_threads < 1):
         raise ConfigError(f"host_threads must be an integer >= 1, got {host_threads!r}")
@@ -281,7 +287,7 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     if whole:  # the draft cache holds every layer's draft experts: the other stages' experts are not read
         from ..speculative.draft_cache import cached_draft
 
-        cached = cached_draft(ckpt.files.values(), spec.n_moe_layers, draft_cache)
+        cached = cached_draft(ckpt.files.values(), spec.n_moe_layers, draft_cache, bits=draft_bits)
     model, mine, _ = load_checkpoint(path, device, dt, pin_experts=device.type == "cuda" and pin_wanted(),
                                      layers=None if whole else (stage.first, stage.last),  # this stage's only
                                      expert_layers=(stage.first, stage.last) if cached is not None else None)
@@ -290,7 +296,7 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
         if cached is None:
             from ..speculative.draft_cache import draft_int4
 
-            every = draft_int4(mine, ckpt.files.values(), device, cache=draft_cache)  # one process's entry
+            every = draft_int4(mine, ckpt.files.values(), device, cache=draft_cache, bits=draft_bits)  # one process's
             mine = mine[:stage.moe_last - stage.moe_first]
         else:
             every = cached

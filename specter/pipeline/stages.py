@@ -128,10 +128,10 @@ def stage_quota(plan, spec: ModelSpec, n_mine: int, pool: int) -> int:
     return _quota(plan.pool, pool, n_mine, spec.n_experts, spec.top_k)
 
 
-def make_stages(spec: ModelSpec, world: int, itemsize: int, drafts: bool = False) -> list[Stage]:
+def make_stages(spec: ModelSpec, world: int, itemsize: int, drafts: bool = False, draft_bits: int = 4) -> list[Stage]:
     """The stages of a `world`-rank pipeline, balanced by bytes. `drafts` (spec-lru, specter): the first
     stage also holds the whole draft, every layer's non-expert weights and INT4 experts (stage.py),
-    and runs it, so it takes fewer target layers."""
+    and runs it, so it takes fewer target layers (the draft's experts at `draft_bits`)."""
     per, embed, head = layer_bytes(spec, itemsize)
     extra, shared = embed, None
     if drafts:
@@ -140,7 +140,7 @@ def make_stages(spec: ModelSpec, world: int, itemsize: int, drafts: bool = False
         expert = spec.n_experts * spec.expert_numel() * itemsize
         moe = set(spec.moe_layer_ids)
         shared = [p - (expert if l in moe else 0) for l, p in enumerate(per)]  # its own layers' are the draft's
-        extra += sum(shared) + len(moe) * spec.n_experts * draft_expert_bytes(spec)
+        extra += sum(shared) + len(moe) * spec.n_experts * draft_expert_bytes(spec, draft_bits)
     ranges = split_layers(per, world, extra, head, shared)
     moe = spec.moe_layer_ids
     out = []
