@@ -49,7 +49,8 @@ group = join("cpu", None, 120.0)  # an initialised group: open_pipeline joins it
 results = []
 for c in cases:
     g, engine, stage = open_pipeline(c["model"], device="cpu", policy=c["policy"], residency=c["residency"],
-                                     threads=1)
+                                     threads=1, k_max=c.get("k_max"), compress_experts=c.get("compress", False),
+                                     draft_cache=c.get("draft_cache"))
     if engine is None:
         serve_stage(stage, g)
         continue
@@ -362,6 +363,42 @@ def test_pipelines_give_one_process_tokens(ckpts, tmp_path, world):
             per = g["pipeline"]["per_rank"]
             if c["policy"] == "specter":  # each rank with MoE layers planned from its own lookahead rows
                 assert all(r.get("cover_total", 0) > 0 for r in per if "expert_hits" in r), per
+
+
+def test_k_max_and_compress_experts_give_one_process_tokens(tmp_path):
+    """--k-max (rank 0's governor's longest draft) and --compress-experts (each rank's own layers' experts
+    coded, in one process's coded cache) under a 2-rank pipeline: one process's greedy tokens with the
+    same options; the ranks' coded layers are one process's bytes, under its layer numbers."""
+    from specter.offload.coded import cache_entry
+
+    path = tmp_path / "bf16"
+    make_tiny_checkpoint(path, "qwen3_moe", dtype=torch.bfloat16)
+    caches = {w: tmp_path / f"cache-{w}" for w in ("ranks", "one")}
+    cases = [dict(model=str(path), policy="specter", residency=0.5, prompt=PROMPT, new=NEW, sampling=GREEDY, k_max=k)
+             for k in (1, 4)]
+    cases += [dict(model=str(path), policy=p, residency=0.5, prompt=PROMPT, new=NEW, sampling=GREEDY, compress=True,
+                   draft_cache=str(caches["ranks"])) for p in ("on-demand", "host", "specter", "spec-lru")]
+    out = tmp_path / "results.json"
+    ranks = _launch([["-c", RANKS, json.dumps(cases), str(out)]] * 2, timeout=240)
+    assert all(r[0] == 0 for r in ranks), [r[2][-2000:] for r in ranks]
+    got = json.loads(out.read_text())
+    assert len(got) == len(cases)
+    for c, g in zip(cases, got):
+        engine = specter.load(c["model"], device="cpu", policy=c["policy"], residency=0.5, threads=1,
+                              k_max=c.get("k_max", 32), compress_experts=c.get("compress", False),
+                              draft_cache=str(caches["one"]) if c.get("compress") else None)
+        ref = engine.generate(PROMPT, NEW, **c["sampling"])
+        engine.close()
+        assert g["tokens"] == ref.token_ids, c
+        if c.get("k_max"):  # the governor drafted no longer than --k-max
+            assert max(map(int, g["stats"]["k_histogram"])) <= c["k_max"] and g["stats"]["drafted_tokens"] > 0
+        if c.get("compress") and c["policy"] != "host":  # coded bytes crossed each rank's link
+            assert 0 < g["stats"]["h2d_bytes"], g["stats"]
+    files = {w: cache_entry(open_checkpoint(path).files.values(), str(d)) for w, d in caches.items()}
+    names = sorted(p.name for p in files["one"].glob("layer-*"))
+    assert names == [f"layer-{i}.safetensors" for i in range(3)]
+    assert names == sorted(p.name for p in files["ranks"].glob("layer-*"))
+    assert all((files["one"] / n).read_bytes() == (files["ranks"] / n).read_bytes() for n in names)
 
 
 def test_cli_under_torchrun_prints_once_with_pipeline_stats(ckpts):

@@ -283,17 +283,19 @@ def cache_entry(files, cache=None) -> Path | None:
     return entry
 
 
-def read_cached(entry: Path | None, n_layers: int) -> list[CodedLayer | None]:
-    """Each layer's cached coding, or None where it is missing, stale or corrupt."""
+def read_cached(entry: Path | None, n_layers: int, first: int = 0) -> list[CodedLayer | None]:
+    """Each layer's cached coding, or None where it is missing, stale or corrupt. `first`: the MoE
+    layer the list starts at (a pipeline stage's own layers)."""
     if entry is None:
         return [None] * n_layers
-    return [_read_layer(entry / f"layer-{i}.safetensors", entry.name, i) for i in range(n_layers)]
+    return [_read_layer(entry / f"layer-{i}.safetensors", entry.name, i) for i in range(first, first + n_layers)]
 
 
 def coded_store(store: list[ExpertWeights], cached: list[CodedLayer | None], entry: Path | None, *,
-                pin: bool = False) -> list[CodedLayer]:
+                pin: bool = False, first: int = 0) -> list[CodedLayer]:
     """The coded store: cached layers as they are, the others coded from `store` (the raw store, [] when
-    every layer hit) and written to `entry`. Raw layers are dropped from `store` as they are passed."""
+    every layer hit) and written to `entry`. Raw layers are dropped from `store` as they are passed.
+    `first`: the MoE layer `cached[0]` is (a pipeline stage's own layers; the cache is one process's)."""
     out = []
     for i, hit in enumerate(cached):
         raw = store.pop(0) if store else None
@@ -302,7 +304,7 @@ def coded_store(store: list[ExpertWeights], cached: list[CodedLayer | None], ent
                 raise ConfigError("coded_store: a layer missed the cache and no raw store was loaded")
             hit = encode_store([raw])[0]
             if entry is not None:
-                _write_layer(entry / f"layer-{i}.safetensors", entry.name, i, hit)
+                _write_layer(entry / f"layer-{first + i}.safetensors", entry.name, first + i, hit)
         del raw
         if pin:
             hit = CodedLayer(_pinned(hit.w13.packed), _pinned(hit.w2.packed))

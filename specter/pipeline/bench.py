@@ -62,7 +62,9 @@ def run(args) -> int:
                                                  host_threads=getattr(args, "host_threads", None)
                                                  if get_policy(p).host_lane else None,
                                                  draft_bits=(getattr(args, "draft_bits", None) or 4)
-                                                 if get_policy(p).drafts else 4, **budget)
+                                                 if get_policy(p).drafts else 4,
+                                                 compress_experts=bool(getattr(args, "compress_experts", False)),
+                                                 **budget)
             owner = owner or group
             ranks = group.world
             if engine is None:

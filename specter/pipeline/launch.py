@@ -18,7 +18,7 @@ from .group import Group, PipelineError, join
 from .stages import agree, fingerprint, make_stages
 
 PIPELINED_POLICIES = ("resident", "on-demand", "next-layer", "host", "spec-lru", "specter")
-UNSUPPORTED = ("k_max", "compile", "driver", "compress_experts")
+UNSUPPORTED = ("k_max", "compile", "driver")
 # --draft-cache is read by rank 0 alone, as one process reads it (load_stage); the other ranks hold no draft
 
 
@@ -30,14 +30,17 @@ def check_options(policy: str, options: dict) -> None:
     extra = sorted(k for k in options if k in UNSUPPORTED and not (k == "k_max" and pol.drafts))
     if extra:
         flags = ", ".join("--" + k.replace("_", "-") for k in extra)
-        raise ConfigError(f"{flags} {'does' if len(extra) == 1 else 'do'} not apply to a pipeline of {policy!r} "
-                          "(yet); drop it")
+        why = {"k_max": f"policy {policy!r} drafts nothing (--k-max is read by spec-lru and specter)",
+               "compile": "the compiled draft and verify steps run one process's whole model, and a pipeline's "
+                          "stages run eagerly (not pipelined yet; run one process to compile)"}
+        raise ConfigError(f"{flags} {'does' if len(extra) == 1 else 'do'} not apply to a pipeline of {policy!r}: "
+                          + "; ".join(why.get(k, "not pipelined yet") for k in extra) + "; drop it")
 
 
 def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residency=None, expert_memory=None,
                   link=None, dtype=None, backend: str | None = None, timeout_s: float | None = None,
                   threads: int | None = None, k_max: int | None = None, draft_cache=None,
-                  host_threads: int | None = None, draft_bits: int = 4):
+                  host_threads: int | None = None, draft_bits: int = 4, compress_experts: bool = False):
     """(group, rank 0's Engine or None, this rank's stage): joins the group (torchrun's environment, or
     the one torch.distributed already has) and loads this rank's stage. Every rank calls it with the
     same arguments. Rank 0 generates with the Engine, then calls engine.decoder.finish(); the others
@@ -46,7 +49,8 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
     longest draft (drafting policies; default 32). `draft_cache`: rank 0's INT4 draft cache, as one
     process's (None: $SPECTER_DRAFT_CACHE or the user cache; "off": none); the other ranks never use it.
     `host_threads` (policies host and specter): each rank's host lane's threads, as one process's.
-    `draft_bits` (drafting policies): the width of rank 0's draft experts (4, 3 or 2), as one process's."""
+    `draft_bits` (drafting policies): the width of rank 0's draft experts (4, 3 or 2), as one process's.
+    `compress_experts`: each rank holds its own layers' experts losslessly coded, as one process's store."""
     from ..engine import Engine
     from ..generation_defaults import read_generation_defaults
     from .. import default_model_path
@@ -72,7 +76,8 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
         options = dict(policy=policy, residency=residency, expert_memory=expert_memory, link=link,
                        dtype=str(compute_dtype(group.device, ckpt.dtype, dtype)), world=group.world,
                        backend=group.backend, device_type=group.device.type,
-                       k_max=k_max if pol.drafts else None, host_threads=host_threads, draft_bits=draft_bits)
+                       k_max=k_max if pol.drafts else None, host_threads=host_threads, draft_bits=draft_bits,
+                       compress_experts=compress_experts)
         agree(group, {"fingerprint": fingerprint(ckpt, options), "options": options,
                       "layers": [[s.first, s.last] for s in stages]})
         local = int(os.environ.get("LOCAL_WORLD_SIZE", group.world))
@@ -80,7 +85,8 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
             threads = max(1, ((os.cpu_count() or 2) - 1) // max(local, 1))
         stage = load_stage(path, stages[group.rank], group.device, policy=policy, residency=residency,
                            expert_memory=expert_memory, link=link, dtype=dtype, threads=threads, k_max=k_max,
-                           draft_cache=draft_cache, host_threads=host_threads, draft_bits=draft_bits)
+                           draft_cache=draft_cache, host_threads=host_threads, draft_bits=draft_bits,
+                           compress_experts=compress_experts)
         resident = [True] * group.world
         if pol.drafts:  # whether any rank ever copies: the decoder's K = 0 steps guess only then
             with comm(group, "sharing which ranks hold every expert"):
@@ -120,7 +126,8 @@ def run(args, body, serving: bool = False, waits: bool = False) -> int:
                                          timeout_s=args.pipeline_timeout, k_max=args.k_max,
                                          draft_cache=getattr(args, "draft_cache", None),
                                          host_threads=getattr(args, "host_threads", None),
-                                         draft_bits=getattr(args, "draft_bits", None) or 4)
+                                         draft_bits=getattr(args, "draft_bits", None) or 4,
+                                         compress_experts=bool(getattr(args, "compress_experts", False)))
     ok = False
     try:
         if engine is None:

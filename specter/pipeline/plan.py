@@ -84,7 +84,9 @@ def cmd_plan_ranks(args, device) -> int:
     path = args.model or default_model_path()
     spec, store_dtype, numel, _ = describe(path)
     if getattr(args, "compress_experts", False):
-        raise ConfigError("plan --ranks does not cover --compress-experts yet (a pipeline does not run it)")
+        raise ConfigError("plan --ranks does not size a coded store per rank yet (a pipeline runs "
+                          "--compress-experts; each rank codes its own layers): run `specter plan "
+                          "--compress-experts` without --ranks for the coded sizes, or plan --ranks without it")
     dtype = compute_dtype(device, store_dtype)
     rows = rank_plans(spec, numel, dtype, store_dtype, args.ranks, policy=args.policy, residency=args.residency,
                       expert_memory=args.expert_memory, device_memory=args.device_memory, context=args.context,

@@ -224,7 +224,7 @@ def lookahead_columns(whole, n: int):
 
 def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                link=None, dtype=None, threads: int | None = None, k_max: int = 32, draft_cache=None,
-               host_threads: int | None = None, draft_bits: int = 4) -> StageModel:
+               host_threads: int | None = None, draft_bits: int = 4, compress_experts: bool = False) -> StageModel:
     """Loads the checkpoint at `path` and keeps `stage` of it, with `policy`'s provider over its MoE
     layers: resident weights; or its own offload manager (on-demand), with next-layer guesses made
     within the stage (the last layer of a stage guesses nothing: the next layer is another rank's), or
@@ -238,7 +238,10 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     other layers' routed experts are read only to be quantised), read from and written to the draft
     cache `draft_cache` under one process's key (speculative/draft_cache.py), so either run's entry
     serves the other. When that entry holds every layer, the other layers' routed experts are not
-    read at all. The other stages never touch the cache."""
+    read at all. The other stages never touch the cache. `compress_experts`: the stage's own layers'
+    experts are held losslessly coded, as one process's store (builder.load_shared): read from the
+    coded cache under one process's key and layer numbers where it holds them, else coded and
+    written there; on CPU with the compressed device tier of the stage's share of the plan's."""
     from ..builder import configure_threads
     from ..loader import load_checkpoint, load_tokenizer, open_checkpoint
     from ..offload.cuda_link import make_link
@@ -263,6 +266,9 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
                           "drop it or use --policy host or specter")
     ckpt = open_checkpoint(path)
     spec = ckpt.spec
+    from ..builder import check_compressible
+
+    check_compressible(ckpt, compress_experts)
     dt = compute_dtype(device, ckpt.dtype, dtype)
     plan = lk = None
     if not pol.offloads:
@@ -276,8 +282,12 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
             expert_memory = max(0, int(free * 0.9) - sum(stage_fixed_bytes(spec, stage, dt.itemsize)))
             own = True
         # the plan of the whole model; each rank's pool is sized from it (stage_pool)
+        from ..offload.coded_tier import PLAN_RATIO
+
         plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
-                         draft=False, device=device, store_dtype=ckpt.dtype)
+                         draft=False, device=device, store_dtype=ckpt.dtype, compressed=compress_experts,
+                         coded_tier=PLAN_RATIO if compress_experts and device.type == "cpu"
+                         and pol.host_lane != "misses" else None)  # as builder.build_engine plans it
         pdt = getattr(torch, plan.pool_dtype)
         lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,
                                                       storage=pdt))
@@ -288,9 +298,18 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
         from ..speculative.draft_cache import cached_draft
 
         cached = cached_draft(ckpt.files.values(), spec.n_moe_layers, draft_cache, bits=draft_bits)
-    model, mine, _ = load_checkpoint(path, device, dt, pin_experts=device.type == "cuda" and pin_wanted(),
+    pin = device.type == "cuda" and pin_wanted()
+    entry = hits = None
+    if compress_experts:  # this stage's layers of one process's coded cache
+        from ..offload.coded import cache_entry, read_cached
+
+        entry = cache_entry(ckpt.files.values(), draft_cache)
+        hits = read_cached(entry, stage.moe_last - stage.moe_first, first=stage.moe_first)
+    model, mine, _ = load_checkpoint(path, device, dt, pin_experts=pin and not compress_experts,
                                      layers=None if whole else (stage.first, stage.last),  # this stage's only
-                                     expert_layers=(stage.first, stage.last) if cached is not None else None)
+                                     expert_layers=(stage.first, stage.last) if cached is not None else None,
+                                     experts=not (hits is not None and all(h is not None for h in hits)
+                                                  and (not whole or cached is not None)))
     every = None
     if whole:  # the whole draft's: every layer (run by draft_forward); the target's experts are this stage's
         if cached is None:
@@ -302,24 +321,49 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
             every = cached
     else:
         drop_others(model, stage, dt)
+    decoded = None  # compress_experts: the stage's store decoded, where a reader keeps it (as Loaded.host_rows)
+    if compress_experts:
+        from ..offload.coded import coded_store
+
+        mine = coded_store(mine, hits, entry, pin=pin, first=stage.moe_first)
+        if device.type == "cpu" and pol.offloads and mine:  # coded copies and tier hits write from it (emulate_from)
+            from ..offload.coded import emulate_from
+            from ..offload.coded_tier import ROWS_MAX_BYTES
+
+            raw_bytes = sum(layer.w13.raw_nbytes + layer.w2.raw_nbytes for layer in mine)
+            if pol.host_lane or raw_bytes <= ROWS_MAX_BYTES:
+                decoded = [layer.decoded() for layer in mine]
+            emulate_from(mine, decoded)
+        from ..builder import uses_host_lane
+
+        if decoded is None and mine and uses_host_lane(pol, device, host_threads):  # a host lane computes from it
+            decoded = [layer.decoded() for layer in mine]
     tokenizer = load_tokenizer(path) if stage.is_first else None
     provider = stage_layers = pdt = None
     if mine:
         resident = None
         if not pol.offloads or plan.pool_rows == "resident":
-            resident = [ExpertWeights(e.w13.to(device, dt), e.w2.to(device, dt)) for e in mine]
+            from ..offload.coded import DecodedStore
+
+            resident = [ExpertWeights(e.w13.to(device, dt), e.w2.to(device, dt))
+                        for e in (DecodedStore(mine) if compress_experts else mine)]
         if not pol.offloads:
             inner = ResidentExperts(resident)
         else:
             pool = stage_pool(plan, spec, len(mine), own)
             inner = OffloadedExperts(mine, stage_quota(plan, spec, len(mine), pool), device, lk, eviction=pol.eviction,
                                      dtype=pdt, alias=plan.aliased, rows=resident, pool=pool)
+            if plan.tier_bytes and pool < len(mine) * spec.n_experts:  # the compressed device tier: the
+                from ..offload.coded_tier import attach as attach_tier  # stage's share, as its pool's
+
+                attach_tier(inner, plan.tier_bytes if own else plan.tier_bytes * len(mine) // spec.n_moe_layers,
+                            lk, rows=decoded)
             inner.warm()
         guess = None
         stage_layers = SimpleNamespace(model=SimpleNamespace(layers=model.model.layers[stage.first:stage.last]))
         if pol.host_lane == "misses" and not inner.all_resident:  # policy host: every miss computed on the host
-            inner = HostExperts(inner, make_host_lane(mine, device, lk, threads=host_threads or threads, dtype=dt,
-                                                      charged_dtype=pdt))
+            inner = HostExperts(inner, make_host_lane(decoded or mine, device, lk, threads=host_threads or threads,
+                                                      dtype=dt, charged_dtype=pdt))
         elif pol.prefetch == "next-layer" and not inner.all_resident:  # guesses within the stage's own layers
             guess = NextLayerPrefetch(stage_layers, inner)
         provider = ShiftedExperts(inner, stage.moe_first, guess)
@@ -328,15 +372,16 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     st = StageModel(model, provider, stage, device, dt, plan=plan, tokenizer=tokenizer, path=path)
     st.k_max = k_max if pol.drafts else 0
     if pol.drafts and (mine or whole):
-        _speculate(st, pol, mine, every, stage_layers, k_max, threads, lk, pdt, host_threads)
+        _speculate(st, pol, mine, every, stage_layers, k_max, threads, lk, pdt, host_threads, decoded)
     return st
 
 
 def _speculate(st: StageModel, pol, mine: list, every, stage_layers, k_max: int, threads, lk, pdt,
-               host_threads: int | None = None) -> None:
+               host_threads: int | None = None, decoded=None) -> None:
     """A drafting policy's part on this stage (see load_stage), built as builder._decoder builds it
     for the whole model; `every` (the first stage: the whole draft): every MoE layer's INT4 draft
-    experts, as draft_int4 yields them (from the draft cache or quantised), else None."""
+    experts, as draft_int4 yields them (from the draft cache or quantised), else None. `decoded`: a
+    coded store's decoded rows, which the host lane computes from."""
     from ..builder import uses_host_lane
     from ..offload.host_lane import LaneChoice, host_params, make_host_lane
     from ..offload.policies import NextLayerPrefetch
@@ -360,7 +405,8 @@ def _speculate(st: StageModel, pol, mine: list, every, stage_layers, k_max: int,
         return
     st.planner = PrefetchPlanner(mgr, st.lookahead)
     if uses_host_lane(pol, device, host_threads, every_expert=mgr.all_resident):  # both lanes: misses ranked low: host
-        mgr.host_lane = make_host_lane(mine, device, lk, threads=host_threads or threads, dtype=dt, charged_dtype=pdt)
+        mgr.host_lane = make_host_lane(decoded or mine, device, lk, threads=host_threads or threads, dtype=dt,
+                                       charged_dtype=pdt)
         mgr.host_choice = LaneChoice(mgr, host_params(mgr.host_lane), planner=st.planner)
     if not mgr.all_resident:
         st.guessing = ShiftedExperts(mgr, stage.moe_first, NextLayerPrefetch(stage_layers, mgr))
