@@ -309,6 +309,43 @@ def test_plan_ranks_says_what_each_rank_holds_as_the_ranks_load_it(ckpts, capsys
     assert rows[0]["kv_bytes"] == sum(r["kv_bytes"] for r in plain)
 
 
+def test_plan_ranks_compress_experts_says_what_each_rank_holds_as_the_ranks_load_it(tmp_path, capsys):
+    """`plan --ranks --compress-experts`: each rank's host store is its own layers' coded bytes, and its
+    slot pool and compressed device tier are the ones its load builds."""
+    from specter.cli import main
+    from specter.offload.coded import store_nbytes
+    from specter.pipeline.stage import load_stage
+
+    path = tmp_path / "bf16"
+    make_tiny_checkpoint(path, "qwen3_moe", dtype=torch.bfloat16)
+    spec = open_checkpoint(path).spec
+    for policy, budget in (("on-demand", ["--residency", "0.5"]), ("on-demand", ["--expert-memory", "120KiB"]),
+                           ("specter", ["--residency", "0.5"]), ("host", ["--residency", "0.5"])):
+        assert main(["plan", "--model", str(path), "--ranks", "2", "--policy", policy, "--device", "cpu", "--json",
+                     "--compress-experts", *budget]) == 0
+        rows = json.loads(capsys.readouterr().out)["ranks"]
+        raw = [r["moe_layers"] * spec.n_experts * spec.expert_numel() * 2 for r in rows]
+        kw = {budget[0][2:].replace("-", "_"): budget[1] if budget[0] == "--expert-memory" else float(budget[1])}
+        stages = make_stages(spec, 2, 2, drafts=policy == "specter")
+        assert [r["layers"] for r in rows] == [[s.first, s.last] for s in stages]
+        for r, s, n in zip(rows, stages, raw):
+            st = load_stage(path, s, torch.device("cpu"), policy=policy, compress_experts=True, draft_cache="off", **kw)
+            mgr = st.provider.inner
+            mgr = getattr(mgr, "inner", mgr)  # policy host: HostExperts over the manager
+            assert mgr.slots.pool_slots == r["pool_slots"] and r["fits"], (policy, budget, r)
+            assert 0 < r["store_bytes"] == store_nbytes(mgr.store) < n, (r, n)
+            tier = getattr(mgr, "tier", None)
+            assert r["tier_bytes"] == (tier.capacity if tier is not None else 0), (policy, budget, r)
+            if budget[0] == "--residency":  # the host policy copies nothing after warm-up: no tier
+                assert (r["tier_bytes"] > 0) == (policy != "host"), r
+            assert r["total_bytes"] == r["non_expert_bytes"] + r["kv_bytes"] + r["draft_bytes"] + r["pool_bytes"] \
+                + r["tier_bytes"]
+            st.close()
+    assert main(["plan", "--model", str(path), "--ranks", "2", "--device", "cpu", "--residency", "0.5",
+                 "--compress-experts"]) == 0
+    assert "losslessly coded" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------------- token identity
 @pytest.mark.parametrize("world", [2, 3])
 def test_pipelines_give_one_process_tokens(ckpts, tmp_path, world):

@@ -219,10 +219,11 @@ def store_nbytes(store) -> int:
                for layer in store)
 
 
-def coded_store_bytes(path) -> tuple[int, int]:
+def coded_store_bytes(path, per_layer: list | None = None) -> tuple[int, int]:
     """(coded, raw) bytes of a bf16 checkpoint's expert store under compress_experts, computed from
     each tensor's exponent histograms, a layer at a time (`specter plan --compress-experts`: it reads
-    every expert once, without coding them)."""
+    every expert once, without coding them). `per_layer`: a list each MoE layer's coded bytes are
+    appended to (plan --ranks: each rank's own layers')."""
     from ..loader import _expert_names, _per_expert_views, _Reader, open_checkpoint
     from ..triton_ops.lossless import best_width, encoded_nbytes, histograms
 
@@ -238,10 +239,13 @@ def coded_store_bytes(path) -> tuple[int, int]:
             dsts = iter((ew.w13, ew.w2)) if len(layer) == 2 else _per_expert_views(ew)
             for name, dst in zip(layer, dsts):
                 reader.read_into(name, dst)
+            before = coded
             for w in (ew.w13, ew.w2):
                 hist, numel = histograms(w), w[0].numel()
                 coded += encoded_nbytes(hist, numel, best_width(hist, numel))
                 raw += w.nbytes
+            if per_layer is not None:
+                per_layer.append(coded - before)
     finally:
         reader.close()
     return coded, raw

@@ -8,7 +8,9 @@ load (stage.load_stage): a residency gives each stage its layers' share of the w
 what the stage's weights, KV cache and draft leave (it fits when that is at least one layer's
 top-k). Drafting policies: the first rank runs the whole draft (stage.StageModel.whole), so it
 holds every layer's non-expert weights, every MoE layer's draft experts and a KV cache of every
-layer; the others hold no draft."""
+layer; the others hold no draft. --compress-experts: each rank's host store is its layers' coded
+bytes (measured from the weights), and on CPU its device also holds its share of the compressed
+tier, sized as the ranks size it (stages.stage_tier over a plan at the tier's planning ratio)."""
 from __future__ import annotations
 
 import json
@@ -17,16 +19,17 @@ from ..errors import BudgetError, ConfigError
 from ..offload.plan import draft_expert_bytes, make_plan, parse_budget
 from ..policy import get as get_policy
 from ..sizes import format_size
-from .stages import Stage, make_stages, stage_fixed_bytes, stage_pool
+from .stages import Stage, make_stages, stage_fixed_bytes, stage_pool, stage_tier
 
 PIPELINED = ("resident", "on-demand", "next-layer", "host", "spec-lru", "specter")  # launch.PIPELINED_POLICIES
 
 
 def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str, residency=None,
                expert_memory=None, device_memory=None, context: int | None = None, device=None,
-               draft_bits: int = 4) -> list[dict]:
+               draft_bits: int = 4, coded_layers: list[int] | None = None) -> list[dict]:
     """One dict per rank: layers, moe_layers, non_expert_bytes, kv_bytes, draft_bytes, pool_slots,
-    pool_bytes, total_bytes, store_bytes, fits."""
+    pool_bytes, tier_bytes, total_bytes, store_bytes, fits. `coded_layers` (--compress-experts): each
+    MoE layer's coded bytes (coded_store_bytes' per_layer); the store is then coded."""
     if policy not in PIPELINED:
         raise ConfigError(f"policy {policy!r} is not pipelined; plan --ranks for {', '.join(PIPELINED)}")
     drafts = get_policy(policy).drafts
@@ -34,11 +37,18 @@ def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str,
     item, E, k = dtype.itemsize, spec.n_experts, spec.top_k
     out = []
     n_moe = len(spec.moe_layer_ids)
+    compressed = coded_layers is not None
+    coded_tier = None
+    if compressed and device is not None and device.type == "cpu" and get_policy(policy).host_lane != "misses":
+        from ..offload.coded_tier import PLAN_RATIO
+
+        coded_tier = PLAN_RATIO  # as load_stage plans it
     for st in stages:
         mine = st.moe_last - st.moe_first
         whole = drafts and st.is_first  # the whole draft: every layer, as one process holds it
         non, kv = stage_fixed_bytes(spec, Stage(0, 1, 0, spec.n_layers, 0, n_moe) if whole else st, item, context)
         draft = n_moe * E * draft_expert_bytes(spec, draft_bits) if whole else 0
+        tier = 0
         if policy == "resident":
             slots, expert = mine * E, spec.expert_numel() * item
         else:
@@ -47,15 +57,19 @@ def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str,
                 budget = max(0, parse_budget(device_memory, "device_memory") - non - kv - draft)
             try:
                 plan = make_plan(spec, numel, dtype, residency=residency, expert_memory=budget, draft=False,
-                                 device=device, store_dtype=store_dtype, context=context)
+                                 device=device, store_dtype=store_dtype, context=context, compressed=compressed,
+                                 coded_tier=coded_tier)
                 slots, expert = stage_pool(plan, spec, mine, budget is not None), plan.expert_bytes
+                tier = stage_tier(plan, spec, mine, slots, budget is not None)
             except BudgetError:  # less than one layer's top-k left
                 slots, expert = 0, spec.expert_numel() * item
+        store = mine * E * spec.expert_numel() * store_dtype.itemsize
+        if compressed:
+            store = sum(coded_layers[st.moe_first:st.moe_last])
         out.append(dict(rank=st.rank, layers=[st.first, st.last], moe_layers=mine, non_expert_bytes=non,
                         kv_bytes=kv, draft_bytes=draft, pool_slots=slots, experts=mine * E, pool_bytes=slots * expert,
-                        total_bytes=non + kv + draft + slots * expert,
-                        store_bytes=0 if policy == "resident" else mine * E * spec.expert_numel() * store_dtype.itemsize,
-                        fits=mine == 0 or slots >= k))
+                        tier_bytes=tier, total_bytes=non + kv + draft + slots * expert + tier,
+                        store_bytes=0 if policy == "resident" else store, fits=mine == 0 or slots >= k))
     return out
 
 
@@ -68,7 +82,8 @@ def print_rank_plans(rows: list[dict], as_json: bool, device_memory=None) -> Non
         line = (f"rank {r['rank']}: layers [{a}, {b}) ({r['moe_layers']} MoE): non-expert "
                 f"{format_size(r['non_expert_bytes'])}, KV {format_size(r['kv_bytes'])}, "
                 + (f"draft {format_size(r['draft_bytes'])}, " if r["draft_bytes"] else "") + "slot pool "
-                f"{r['pool_slots']} of {r['experts']} experts ({format_size(r['pool_bytes'])}), device total "
+                f"{r['pool_slots']} of {r['experts']} experts ({format_size(r['pool_bytes'])}), "
+                + (f"coded tier {format_size(r['tier_bytes'])}, " if r["tier_bytes"] else "") + "device total "
                 f"{format_size(r['total_bytes'])}; host store {format_size(r['store_bytes'])}")
         if device_memory is not None:
             line += "; fits" if r["fits"] else "; does NOT fit (less than one layer's top-k experts left)"
@@ -82,17 +97,22 @@ def cmd_plan_ranks(args, device) -> int:
     from ..offload.plan import compute_dtype
 
     path = args.model or default_model_path()
-    spec, store_dtype, numel, _ = describe(path)
+    spec, store_dtype, numel, weights = describe(path)
+    coded = None
     if getattr(args, "compress_experts", False):
-        raise ConfigError("plan --ranks does not size a coded store per rank yet (a pipeline runs "
-                          "--compress-experts; each rank codes its own layers): run `specter plan "
-                          "--compress-experts` without --ranks for the coded sizes, or plan --ranks without it")
+        from ..offload.coded import coded_store_bytes
+
+        if not weights:
+            raise ConfigError("--compress-experts: the coded size is measured from the weights, and this "
+                              "model directory has config.json only")
+        coded = []
+        coded_store_bytes(path, coded)
     dtype = compute_dtype(device, store_dtype)
     rows = rank_plans(spec, numel, dtype, store_dtype, args.ranks, policy=args.policy, residency=args.residency,
                       expert_memory=args.expert_memory, device_memory=args.device_memory, context=args.context,
-                      device=device, draft_bits=getattr(args, "draft_bits", None) or 4)
+                      device=device, draft_bits=getattr(args, "draft_bits", None) or 4, coded_layers=coded)
     if not args.json:
         print(f"model {path} ({spec.arch}) over {args.ranks} ranks, policy {args.policy}, computed "
-              f"{str(dtype)[6:]} on {device.type}")
+              f"{str(dtype)[6:]} on {device.type}" + (", experts losslessly coded" if coded is not None else ""))
     print_rank_plans(rows, args.json, args.device_memory)
     return 0

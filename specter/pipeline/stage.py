@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..layers import KVCache
 from ..moe import ExpertWeights, ResidentExperts
 from ..policy import get as get_policy
-from .stages import Stage, stage_fixed_bytes, stage_pool, stage_quota
+from .stages import Stage, stage_fixed_bytes, stage_pool, stage_quota, stage_tier
 
 
 class _NoZeros:
@@ -353,11 +353,11 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
             pool = stage_pool(plan, spec, len(mine), own)
             inner = OffloadedExperts(mine, stage_quota(plan, spec, len(mine), pool), device, lk, eviction=pol.eviction,
                                      dtype=pdt, alias=plan.aliased, rows=resident, pool=pool)
-            if plan.tier_bytes and pool < len(mine) * spec.n_experts:  # the compressed device tier: the
-                from ..offload.coded_tier import attach as attach_tier  # stage's share, as its pool's
+            tier = stage_tier(plan, spec, len(mine), pool, own)
+            if tier:  # the compressed device tier: the stage's share, as its pool's
+                from ..offload.coded_tier import attach as attach_tier
 
-                attach_tier(inner, plan.tier_bytes if own else plan.tier_bytes * len(mine) // spec.n_moe_layers,
-                            lk, rows=decoded)
+                attach_tier(inner, tier, lk, rows=decoded)
             inner.warm()
         guess = None
         stage_layers = SimpleNamespace(model=SimpleNamespace(layers=model.model.layers[stage.first:stage.last]))

@@ -117,6 +117,15 @@ def stage_pool(plan, spec: ModelSpec, n_mine: int, own_budget: bool) -> int:
     return min(n_mine * spec.n_experts, max(spec.top_k, plan.pool_slots * n_mine // max(spec.n_moe_layers, 1)))
 
 
+def stage_tier(plan, spec: ModelSpec, n_mine: int, pool: int, own_budget: bool) -> int:
+    """Bytes of a stage's compressed device tier (compress_experts on CPU): none where its `pool` holds
+    every expert of its layers; else the plan's tier when the byte budget is the rank's own, or its
+    layers' share of the whole model's (a residency), as stage_pool shares the pool."""
+    if not plan.tier_bytes or pool >= n_mine * spec.n_experts:
+        return 0
+    return plan.tier_bytes if own_budget else plan.tier_bytes * n_mine // max(spec.n_moe_layers, 1)
+
+
 def stage_quota(plan, spec: ModelSpec, n_mine: int, pool: int) -> int:
     """The most experts one of a stage's layers may hold in its `pool` slots: the per-layer rule's
     slots, or (shared pool) the quota rule of offload/plan.py over the stage's own layers, so two
