@@ -18,7 +18,7 @@ from .group import Group, PipelineError, join
 from .stages import agree, fingerprint, make_stages
 
 PIPELINED_POLICIES = ("resident", "on-demand", "next-layer", "host", "spec-lru", "specter")
-UNSUPPORTED = ("k_max", "compile", "driver")
+UNSUPPORTED = ("k_max", "compile")
 # --draft-cache is read by rank 0 alone, as one process reads it (load_stage); the other ranks hold no draft
 
 
