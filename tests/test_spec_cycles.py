@@ -291,3 +291,44 @@ def test_no_next_layer_arm_while_plain_steps_copy_nothing(tiny):
         assert out.token_ids == want[1] and picks
     finally:
         engine.close()
+
+
+def test_an_unmeasured_lane_arm_caps_no_run_while_plain_steps_copy_nothing(tiny):
+    """The lane arms act on misses only. Where plain steps copy nothing, the copy-all arm that no run
+    has measured is probed by every lane pick: capped at LANE_PROBE steps, each such probe cut every
+    plain run to 4 steps (a decision, both arm sets and the stats read each time). While the
+    governor's window of plain runs copied nothing, that probe runs the governor's full `steps`;
+    once a plain run copies, it is capped again. The tokens are resident's either way."""
+    from specter.speculative.governor import PlainArms
+
+    path, _ = tiny("mixtral", eos_token_id=None)
+    ref = load(path, "resident")
+    try:
+        want = ref.generate(PROMPTS[0], max_new_tokens=12).token_ids
+    finally:
+        ref.close()
+    runs = {}
+    for clean in (True, False):
+        class Forced(Governor):  # the window of plain runs as the case says, whatever the runs copy
+            plain_copies_nothing = property(lambda self: clean, lambda self, value: None)
+
+        engine = load(path, "specter", residency=0.25, k_max=4)
+        if engine.decoder.experts.host_choice is None:
+            engine.close()
+            pytest.skip("no host lane at this budget")
+        gov = engine.decoder.governor = Forced(4, fixed=0)  # K = 0 throughout: steps = what is left
+        engine.decoder.fallback = None  # no next-layer arms
+        lanes = gov.lane_arms = PlainArms(margin=0.03)
+        lanes.t[False] = 1e-3  # the host lane measured, copying every miss never (as after a prefill's misses)
+        seen, real = [], lanes.observe
+        lanes.observe = lambda arm, step_s, steps=1, misses=None: seen.append((arm, steps)) or real(
+            arm, step_s, steps, misses)
+        try:
+            out = engine.generate(PROMPTS[0], max_new_tokens=12)
+        finally:
+            engine.close()
+        assert out.token_ids == want
+        assert seen[0][0] is True  # the first run probes the unmeasured copy-all arm
+        runs[clean] = seen
+    assert runs[True][0][1] == 11, runs  # all the steps left, in one run
+    assert runs[False][0][1] == decoder_mod.LANE_PROBE, runs

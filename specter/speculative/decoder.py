@@ -160,8 +160,13 @@ class SpeculativeDecoder:
             if choice is not None:  # with the host lane for misses, or every miss copied (lane True)
                 lanes = gov.lane_arms
                 lane = lanes.pick()
-                # a probe runs LANE_PROBE steps: copying pays back over the steps after its copies
-                steps = min(steps, LANE_PROBE) if lanes.probing else max(1, min(steps, lanes.next - lanes.n))
+                # a probe runs LANE_PROBE steps (copying pays back over the steps after its copies), but one of an
+                # arm no run measured runs them all while plain steps copy nothing: without a miss either arm costs
+                # the same, and capped, every run would be its probe where nothing misses
+                if lanes.probing and not (gov.plain_copies_nothing and lanes.t[lane] is None):
+                    steps = min(steps, LANE_PROBE)
+                elif not lanes.probing:
+                    steps = max(1, min(steps, lanes.next - lanes.n))
                 mgr.host_choice = None if lane else choice
             done, spent, copied0 = 0, 0.0, mgr.offloaded_bytes  # copies and host-lane reads
             missed0 = mgr.stats()["expert_misses"] if lane is not None else 0  # the lane arms are rated per miss
