@@ -58,7 +58,10 @@ from a loss on a small shared machine:
     pooled (median and interval as above). Picked and judged on the same samples, the minimum of
     baselines that do identical work (on-demand and next-layer where nothing misses) is the one
     whose noise ran low, so identical work read 1-2.5% over it by selection alone; a cell whose
-    halves pick different baselines reports both (`best_by_half`, "even|odd"). A single round is
+    halves pick different baselines reports both (`best_by_half`, "even|odd"). An odd round repeats
+    the engines' orders of the even round before it: with the orders of their own, the halves put
+    the engines in different places, a place's cost (after `host`) moved a baseline's median
+    between halves, and the twin read under 1 against the other half's pick. A single round is
     split by the parity of its samples instead;
   - a cell whose median is over 1.03 gets as many rounds again and is judged on all of them pooled
     (not on the better of two runs).
@@ -186,6 +189,8 @@ def interleave(engines: dict, prompts: list, rounds: int, max_new_tokens: int, s
     is a seeded shuffle for one prompt and its reverse for the next (ABBA): every engine takes every
     place equally often and follows every other, so no policy always runs right after the same one
     (an engine with a host lane left the next engine ~5% slower, measured 2026-12-01: docs/RESULTS.md);
+    an odd round repeats the even round's orders, so that the halves `judge` cross-fits (even and odd
+    rounds) put every engine in the same places (a place's cost is then the same in both halves);
     the young garbage of one generation is collected before the next, untimed, so no engine pays another's.
     `count(name, stats)` sees every generation's stats. Sampled, round r draws with seed
     sampling["seed"] + r (rounds numbered from `first_round`)."""
@@ -194,18 +199,27 @@ def interleave(engines: dict, prompts: list, rounds: int, max_new_tokens: int, s
     out = {p: [] for p in engines}
     flip, order = first_round * len(prompts), list(engines)
     shuffle = random.Random(flip).shuffle
+    orders = []  # the even round's orders: the odd round after it repeats them
     for r in range(first_round, first_round + rounds):
         kw = dict(sampling, seed=sampling["seed"] + r) if sampling.get("temperature") and "seed" in sampling else sampling
-        for prompt in prompts:
-            if flip % 2 == 0:
-                shuffle(order)
-            for p in (order if flip % 2 == 0 else order[::-1]):
+        if r % 2 == 0:
+            orders = []
+        for i, prompt in enumerate(prompts):
+            if r % 2 and i < len(orders):
+                now = orders[i]
+            else:
+                if flip % 2 == 0:
+                    shuffle(order)
+                now = list(order if flip % 2 == 0 else order[::-1])
+                flip += 1
+                if r % 2 == 0:
+                    orders.append(now)
+            for p in now:
                 gc.collect(1)  # the young generations: what the last generations left (a full collection: ~1 s)
                 s = engines[p].generate(prompt, max_new_tokens=max_new_tokens, **kw).stats
                 out[p].append(s["tpot_s"])
                 if count is not None:
                     count(p, s)
-            flip += 1
     return out
 
 

@@ -98,3 +98,35 @@ def test_folds_number_rounds_across_runs_and_split_a_single_round(gm):
     again = dict(rounds=3, tpot_ms={"on-demand": [1.0] * 6})  # cell's second run: rounds 3, 4, 5
     assert gm.folds([first, again]) == [0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1]
     assert gm.folds([dict(rounds=1, tpot_ms={"on-demand": [1.0] * 4})]) == [0, 1, 0, 1]
+
+
+def test_odd_rounds_repeat_the_even_rounds_orders(gm):
+    """The halves `judge` cross-fits are the even and the odd rounds: each odd round runs the engines
+    in the orders of the even round before it, so both halves put every engine in the same places;
+    within a round the second prompt runs the first's order reversed (ABBA), and even rounds draw
+    new orders."""
+    from types import SimpleNamespace
+
+    log = []
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def generate(self, prompt, max_new_tokens, **kw):
+            log.append((self.name, tuple(prompt)))
+            return SimpleNamespace(stats=dict(tpot_s=1e-3, new_tokens=max_new_tokens))
+
+    names = [f"e{i}" for i in range(6)]
+    prompts = [[1], [2]]
+    out = gm.interleave({n: Fake(n) for n in names}, prompts, 6, 4, dict(temperature=0.0))
+    assert all(len(v) == 12 for v in out.values())
+    runs = [tuple(n for n, _ in log[len(names) + i * 6:len(names) + (i + 1) * 6]) for i in range(12)]  # after warm-ups
+    rounds = [runs[2 * r:2 * r + 2] for r in range(6)]  # per round: the order for each prompt
+    for r in range(0, 6, 2):
+        assert rounds[r + 1] == rounds[r]  # the odd round repeats the even one's places
+        assert rounds[r][1] == rounds[r][0][::-1]  # ABBA within the round
+    assert len({rounds[r][0] for r in range(0, 6, 2)}) > 1  # new orders every even round
+    judged = gm.judge([dict(rounds=6, tpot_ms={p: [1.0] * 12 for p in ("on-demand", "next-layer", "host",
+                                                                        "spec-lru", "specter", "on-demand#2")})])
+    assert judged["samples"] == 12 and judged["ratio"]["specter"] == 1.0
