@@ -112,6 +112,17 @@ def check_draft_bits(draft_bits) -> None:
         raise ConfigError(f"draft_bits must be 4, 3 or 2 (the draft experts' code width), got {draft_bits!r}")
 
 
+def check_host_threads(policy: str, host_threads) -> None:
+    """host_threads: None, or an integer >= 1 for a policy that computes experts on the host."""
+    if host_threads is None:
+        return
+    if isinstance(host_threads, bool) or not isinstance(host_threads, int) or host_threads < 1:
+        raise ConfigError(f"host_threads must be an integer >= 1, got {host_threads!r}")
+    if not get_policy(policy).host_lane:
+        raise ConfigError(f"policy {policy!r} computes no expert on the host, so host_threads would be ignored; "
+                          f"drop it, or use policy {' or '.join(map(repr, policy_names('host_lane')))}")
+
+
 def check_compressible(ckpt: Checkpoint, compress_experts) -> None:
     """compress_experts is a bool, and the checkpoint bf16 when it is set."""
     if not isinstance(compress_experts, bool):
@@ -136,12 +147,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     pol = get_policy(policy)
     if options:
         raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}")
-    if host_threads is not None and (isinstance(host_threads, bool) or not isinstance(host_threads, int)
-                                     or host_threads < 1):
-        raise ConfigError(f"host_threads must be an integer >= 1, got {host_threads!r}")
-    if host_threads is not None and not pol.host_lane:
-        raise ConfigError(f"policy {policy!r} computes no expert on the host, so host_threads would be ignored; "
-                          f"drop it, or use policy {' or '.join(map(repr, policy_names('host_lane')))}")
+    check_host_threads(policy, host_threads)
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
         raise ConfigError(f"k_max must be an integer >= 0 (0 = no speculation), got {k_max!r}")
     if compile is not None and not isinstance(compile, bool):

@@ -253,17 +253,12 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     from ..offload.store import pin_wanted
 
     pol = get_policy(policy)
-    from ..builder import check_draft_bits
+    from ..builder import check_draft_bits, check_host_threads
 
     check_draft_bits(draft_bits)
     if draft_bits != 4 and not pol.drafts:
         raise ConfigError(f"policy {policy!r} runs no draft, so draft_bits would be ignored; drop it")
-    if host_threads is not None and (isinstance(host_threads, bool) or not isinstance(host_threads, int)
-                                     or host_threads < 1):
-        raise ConfigError(f"host_threads must be an integer >= 1, got {host_threads!r}")
-    if host_threads is not None and not pol.host_lane:
-        raise ConfigError(f"policy {policy!r} computes no expert on the host, so host_threads would be ignored; "
-                          "drop it or use --policy host or specter")
+    check_host_threads(policy, host_threads)
     ckpt = open_checkpoint(path)
     spec = ckpt.spec
     from ..builder import check_compressible
