@@ -154,7 +154,7 @@ class PreDraft:
     drafted: list[int]   # drafted on the guess, at positions n+K+1 ...: lookahead rows 0 .. len-1
     seconds: float       # drafting them took (planning included)
     guess_s: float       # the step that gave the guess took
-    chunk: int           # rank 0's planner's steps between plans
+    chunk: int | None    # rank 0's planner's steps between plans (None: no planner)
     t: int = -1          # once kept: the next cycle's pending token and its position
     n: int = -1
 
@@ -300,7 +300,8 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
                 self.send_rows(k)
         if len(drafted) < k:
             c0, i0 = clock(), len(drafted)
-            drafted = self._draft_on(t, n, k, drafted, params, pre.chunk if pre is not None else None)
+            drafted, _ = self._draft_on(t, n, k, drafted, params, planner,
+                                        pre.chunk if pre is not None else None)
             draft_s += clock() - c0
             o["steps"] += k - i0  # drafted while no verification ran (their time: draft_s)
             o["draft_s"] += clock() - c0
@@ -349,15 +350,16 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
         self._observe_cycle(k, m, stall, (m1 - m0) if pre is None else draft_s, max(m2 - m1 - pre_s, verify_s))
         return drafted[:m] + [nxt]
 
-    def _draft_on(self, t: int, n: int, k: int, drafted: list[int], params, chunk: int | None) -> list[int]:
-        """Draft steps len(drafted) .. k-1 of the cycle at (t, n) (greedy), planning as _draft does: a
-        fresh cycle begins the planner; one that goes on from pre-drafted rows plans from there on."""
-        planner, link, st = self.planner, self.experts.link, self.stage
-        i0 = len(drafted)
+    def _draft_on(self, t: int, n: int, k: int, drafted: list[int], params, planner, chunk: int | None
+                  ) -> tuple[list[int], int | None]:
+        """Draft steps len(drafted) .. k-1 of the cycle whose token t sits at n (greedy), planning through
+        `planner` as _draft does: a fresh cycle (chunk None) begins the planner's cycle; one that goes on
+        from pre-drafted rows plans from there on. -> (drafted, chunk)."""
+        link, st = self.experts.link, self.stage
         if planner is not None and chunk is None:
             chunk = planner.begin_cycle(k, self.governor.draft_s or 0.0)
         tok = drafted[-1] if drafted else t
-        for i in range(i0, k):
+        for i in range(len(drafted), k):
             st.draft.row = i
             logits = st.draft_forward(torch.tensor([tok], device=self.device), n + i)
             tok = int(sample(logits, params, None, None, drafted))
@@ -367,7 +369,7 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
         st.draft.row = None
         if planner is not None:
             planner.plan(k)
-        return drafted
+        return drafted, chunk
 
     def _pre_draft(self, last: int, pos: int, k: int, cache, params) -> PreDraft | None:
         """While the later stages verify: the draft's step on the last drafted token `last` (position
@@ -384,20 +386,9 @@ class PipelineSpeculativeDecoder(SpeculativeDecoder):
         st.draft.row = None
         guess = int(sample(st.draft_forward(torch.tensor([last], device=self.device), pos), params, None))
         put_kv_rows(cache, spec, 0, own, pos, 1, saved)
-        inner = self.planner.inner if self.planner is not None else None
-        chunk = inner.begin_cycle(j, self.governor.draft_s or 0.0) if inner is not None else 1
-        drafted, tok, link = [], guess, self.experts.link
-        t1 = time.perf_counter()
-        for i in range(j):
-            st.draft.row = i
-            logits = st.draft_forward(torch.tensor([tok], device=self.device), pos + 1 + i)
-            tok = int(sample(logits, params, None, None, drafted))
-            drafted.append(tok)
-            if inner is not None and (i == 0 or ((i + 1) % chunk == 0 and link.pending() <= self.plan_backlog)):
-                inner.plan(i + 1)
-        st.draft.row = None
-        if inner is not None:
-            inner.plan(j)
+        t1 = time.perf_counter()  # rank 0's own planner: the other ranks get the rows if the guess holds
+        drafted, chunk = self._draft_on(guess, pos + 1, j, [], params,
+                                        self.planner.inner if self.planner is not None else None, None)
         return PreDraft(guess, drafted, time.perf_counter() - t1, t1 - t0, chunk)
 
     def _discard(self, pre: PreDraft) -> None:
