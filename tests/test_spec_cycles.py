@@ -229,17 +229,13 @@ class _AllToHost:
         return list(missing)
 
 
-def test_plain_steps_measure_the_host_lane_against_copying(tiny, monkeypatch):
+def test_plain_steps_measure_the_host_lane_against_copying(tiny, resident_tokens, monkeypatch):
     """specter's K = 0 runs pick the host lane for their misses or copy every one (the governor's
     lane_arms, copying the arm that must prove faster): copying, plain steps send nothing to the
     host; with the lane, the injected choice sends every miss there; the choice is back for
     verification and prefill after every run, and the tokens are resident's."""
     path, _ = tiny("mixtral", eos_token_id=None)
-    ref = load(path, "resident")
-    try:
-        want = ref.generate(PROMPTS[0], max_new_tokens=12).token_ids
-    finally:
-        ref.close()
+    want = resident_tokens("mixtral")[0][:12]  # greedy: the first 12 of its NEW tokens
     monkeypatch.setattr(builder, "LaneChoice", _AllToHost)
     stats = {}
     for copy_only in (True, False):
@@ -263,17 +259,13 @@ def test_plain_steps_measure_the_host_lane_against_copying(tiny, monkeypatch):
     assert stats[True]["host_experts"] < stats[False]["host_experts"], stats
 
 
-def test_no_next_layer_arm_while_plain_steps_copy_nothing(tiny):
+def test_no_next_layer_arm_while_plain_steps_copy_nothing(tiny, resident_tokens):
     """A next-layer guess only saves a copy that a plain step would make: while the governor's window of
     plain runs copied nothing (plain_copies_nothing), K = 0 runs neither guesses nor picks between
     the next-layer arms (whose timing races then cost the router for nothing); once a plain run has
     copied, they pick again. The tokens are resident's either way."""
     path, _ = tiny("mixtral", eos_token_id=None)
-    ref = load(path, "resident")
-    try:
-        want = [ref.generate(p, max_new_tokens=10).token_ids for p in PROMPTS[:2]]
-    finally:
-        ref.close()
+    want = [ts[:10] for ts in resident_tokens("mixtral")[:2]]  # greedy: the first 10 of its NEW tokens
     engine = load(path, "specter", residency=0.25, k_max=4)
     gov = engine.decoder.governor = Governor(4, fixed=0)
     gov.lane_arms = one_lane_arm(True)  # every miss copied, no lane probes
@@ -293,7 +285,7 @@ def test_no_next_layer_arm_while_plain_steps_copy_nothing(tiny):
         engine.close()
 
 
-def test_an_unmeasured_lane_arm_caps_no_run_while_plain_steps_copy_nothing(tiny):
+def test_an_unmeasured_lane_arm_caps_no_run_while_plain_steps_copy_nothing(tiny, resident_tokens):
     """The lane arms act on misses only. Where plain steps copy nothing, the copy-all arm that no run
     has measured is probed by every lane pick: capped at LANE_PROBE steps, each such probe cut every
     plain run to 4 steps (a decision, both arm sets and the stats read each time). While the
@@ -302,11 +294,7 @@ def test_an_unmeasured_lane_arm_caps_no_run_while_plain_steps_copy_nothing(tiny)
     from specter.speculative.governor import PlainArms
 
     path, _ = tiny("mixtral", eos_token_id=None)
-    ref = load(path, "resident")
-    try:
-        want = ref.generate(PROMPTS[0], max_new_tokens=12).token_ids
-    finally:
-        ref.close()
+    want = resident_tokens("mixtral")[0][:12]  # greedy: the first 12 of its NEW tokens
     runs = {}
     for clean in (True, False):
         class Forced(Governor):  # the window of plain runs as the case says, whatever the runs copy
