@@ -3,7 +3,7 @@
 `python bench/pipeline_draft_cache_reads.py [MODEL]` (default: the bundled model; a fresh cache)."""
 import sys, tempfile, time, torch, specter
 from specter.loader import _Reader, open_checkpoint
-from specter.pipeline.stage import load_stage
+from specter.pipeline.load import load_stage
 from specter.pipeline.stages import make_stages
 path = sys.argv[1] if len(sys.argv) > 1 else specter.default_model_path()
 ck = open_checkpoint(path); spec = ck.spec

@@ -204,7 +204,7 @@ def test_host_threads_size_each_ranks_host_lane(ckpts):
     import torch
 
     from specter.errors import ConfigError
-    from specter.pipeline.stage import load_stage
+    from specter.pipeline.load import load_stage
 
     path = ckpts["qwen3_moe"]
     spec = open_checkpoint(path).spec
@@ -240,7 +240,7 @@ def test_stages_read_only_their_tensors_and_chain_to_the_models_logits(ckpts):
     import torch
 
     from specter.layers import KVCache
-    from specter.pipeline.stage import load_stage
+    from specter.pipeline.load import load_stage
 
     path = ckpts["deepseek_v2"]
     spec = open_checkpoint(path).spec
@@ -273,7 +273,7 @@ def test_plan_ranks_says_what_each_rank_holds_as_the_ranks_load_it(ckpts, capsys
     import torch
 
     from specter.cli import main
-    from specter.pipeline.stage import load_stage
+    from specter.pipeline.load import load_stage
 
     path = ckpts["qwen3_moe"]
     spec = open_checkpoint(path).spec
@@ -314,7 +314,7 @@ def test_plan_ranks_compress_experts_says_what_each_rank_holds_as_the_ranks_load
     slot pool and compressed device tier are the ones its load builds."""
     from specter.cli import main
     from specter.offload.coded import store_nbytes
-    from specter.pipeline.stage import load_stage
+    from specter.pipeline.load import load_stage
 
     path = tmp_path / "bf16"
     make_tiny_checkpoint(path, "qwen3_moe", dtype=torch.bfloat16)
@@ -519,7 +519,7 @@ def test_rank_0_reads_no_other_stages_experts_when_the_draft_cache_holds_every_l
     import torch
 
     from specter.loader import _Reader
-    from specter.pipeline.stage import load_stage
+    from specter.pipeline.load import load_stage
 
     path = ckpts["deepseek_v2"]
     first = make_stages(open_checkpoint(path).spec, 2, 4)[0]
@@ -553,7 +553,7 @@ def test_rank_0_drafts_at_the_draft_bits_one_process_drafts_at(ckpts):
 
     from specter.errors import ConfigError
     from specter.layers import KVCache
-    from specter.pipeline.stage import load_stage
+    from specter.pipeline.load import load_stage
 
     path = ckpts["qwen3_moe"]
     spec = open_checkpoint(path).spec

@@ -6,8 +6,10 @@
                 every rank must share
     stage.py    one rank's part: its layers' weights, KV cache and expert provider, and the pieces
                 it hands the model's own layer loop (MoETransformer.run)
-    decoder.py  the messages between the stages, plain decoding's rank-0 decoder (an Engine
-                decoder) and every other rank's loop
+    load.py     loading a rank's stage from its layers' tensors of the checkpoint
+    wire.py     the messages' header and flags, and `Wire`: this rank's sends and receives
+    decoder.py  the protocol, plain decoding's rank-0 decoder (an Engine decoder) and every other
+                rank's loop
     speculative.py  rank 0's decoder for spec-lru and specter: SpeculativeDecoder over stand-ins
                 for the model and the offload manager that reach every stage
     launch.py   `torchrun ... -m specter generate|chat|serve`: the whole run on one rank, errors included

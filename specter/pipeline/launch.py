@@ -61,7 +61,7 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
     from .decoder import PipelineDecoder
     from .group import comm
     from .speculative import PipelineSpeculativeDecoder
-    from .stage import load_stage
+    from .load import load_stage
 
     pol = get_policy(policy)
     if k_max is None:

@@ -1,0 +1,198 @@
+"""Loading one rank's stage: its layers' tensors of the checkpoint, its expert provider and, under a
+drafting policy, its part of the speculation (stage.py says what a stage holds)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from ..errors import ConfigError
+from ..moe import ExpertWeights, ResidentExperts
+from ..policy import get as get_policy
+from .stage import ShiftedExperts, StageModel, drop_others, lookahead_columns
+from .stages import Stage, stage_fixed_bytes, stage_pool, stage_quota, stage_tier
+
+
+def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residency=None, expert_memory=None,
+               link=None, dtype=None, threads: int | None = None, k_max: int = 32, draft_cache=None,
+               host_threads: int | None = None, draft_bits: int = 4, compress_experts: bool = False) -> StageModel:
+    """Loads the checkpoint at `path` and keeps `stage` of it, with `policy`'s provider over its MoE
+    layers: resident weights; or its own offload manager (on-demand), with next-layer guesses made
+    within the stage (the last layer of a stage guesses nothing: the next layer is another rank's), or
+    with the host lane computing every miss (host; `host_threads` sizes the lane, default `threads`,
+    as builder.load's host_threads: also the opt-in to specter's lane on CUDA). The drafting
+    policies add a lookahead of `k_max` rows over the stage's own MoE layers and, for specter, its
+    planner, its host lane (LaneChoice over the planner's scores, on CPU as builder.uses_host_lane
+    says) and its next-layer guesses for K = 0 steps; their first stage also reads every layer and
+    holds the whole draft (every MoE layer's experts quantised as the single-process draft's, at
+    `draft_bits`; the
+    other layers' routed experts are read only to be quantised), read from and written to the draft
+    cache `draft_cache` under one process's key (speculative/draft_cache.py), so either run's entry
+    serves the other. When that entry holds every layer, the other layers' routed experts are not
+    read at all. The other stages never touch the cache. `compress_experts`: the stage's own layers'
+    experts are held losslessly coded, as one process's store (builder.load_shared): read from the
+    coded cache under one process's key and layer numbers where it holds them, else coded and
+    written there; on CPU with the compressed device tier of the stage's share of the plan's."""
+    from ..builder import configure_threads
+    from ..loader import load_checkpoint, load_tokenizer, open_checkpoint
+    from ..offload.cuda_link import make_link
+    from ..offload.host_experts import HostExperts
+    from ..offload.host_lane import make_host_lane
+    from ..offload.manager import OffloadedExperts
+    from ..offload.policies import NextLayerPrefetch
+    from ..offload.plan import compute_dtype, make_plan
+    from ..offload.store import pin_wanted
+
+    pol = get_policy(policy)
+    from ..builder import check_draft_bits, check_host_threads
+
+    check_draft_bits(draft_bits)
+    if draft_bits != 4 and not pol.drafts:
+        raise ConfigError(f"policy {policy!r} runs no draft, so draft_bits would be ignored; drop it")
+    check_host_threads(policy, host_threads)
+    ckpt = open_checkpoint(path)
+    spec = ckpt.spec
+    from ..builder import check_compressible
+
+    check_compressible(ckpt, compress_experts)
+    dt = compute_dtype(device, ckpt.dtype, dtype)
+    plan = lk = None
+    if not pol.offloads:
+        if residency is not None or expert_memory is not None or link is not None:
+            raise ConfigError(f"policy {policy!r} keeps every expert on the device, so a budget or --link would be "
+                              "ignored; drop it or use --policy on-demand")
+    else:
+        own = expert_memory is not None
+        if residency is None and expert_memory is None and device.type == "cuda":  # 90% of what is free,
+            free, _ = torch.cuda.mem_get_info(device)                              # less the stage's own
+            expert_memory = max(0, int(free * 0.9) - sum(stage_fixed_bytes(spec, stage, dt.itemsize)))
+            own = True
+        # the plan of the whole model; each rank's pool is sized from it (stage_pool)
+        from ..offload.coded_tier import PLAN_RATIO
+
+        plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
+                         draft=False, device=device, store_dtype=ckpt.dtype, compressed=compress_experts,
+                         coded_tier=PLAN_RATIO if compress_experts and device.type == "cpu"
+                         and pol.host_lane != "misses" else None)  # as builder.build_engine plans it
+        pdt = getattr(torch, plan.pool_dtype)
+        lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,
+                                                      storage=pdt))
+    configure_threads(device, threads)
+    whole = pol.drafts and stage.is_first and any(l in spec.moe_layer_ids for l in range(spec.n_layers))
+    cached = None
+    if whole:  # the draft cache holds every layer's draft experts: the other stages' experts are not read
+        from ..speculative.draft_cache import cached_draft
+
+        cached = cached_draft(ckpt.files.values(), spec.n_moe_layers, draft_cache, bits=draft_bits)
+    pin = device.type == "cuda" and pin_wanted()
+    entry = hits = None
+    if compress_experts:  # this stage's layers of one process's coded cache
+        from ..offload.coded import cache_entry, read_cached
+
+        entry = cache_entry(ckpt.files.values(), draft_cache)
+        hits = read_cached(entry, stage.moe_last - stage.moe_first, first=stage.moe_first)
+    model, mine, _ = load_checkpoint(path, device, dt, pin_experts=pin and not compress_experts,
+                                     layers=None if whole else (stage.first, stage.last),  # this stage's only
+                                     expert_layers=(stage.first, stage.last) if cached is not None else None,
+                                     experts=not (hits is not None and all(h is not None for h in hits)
+                                                  and (not whole or cached is not None)))
+    every = None
+    if whole:  # the whole draft's: every layer (run by draft_forward); the target's experts are this stage's
+        if cached is None:
+            from ..speculative.draft_cache import draft_int4
+
+            every = draft_int4(mine, ckpt.files.values(), device, cache=draft_cache, bits=draft_bits)  # one process's
+            mine = mine[:stage.moe_last - stage.moe_first]
+        else:
+            every = cached
+    else:
+        drop_others(model, stage, dt)
+    decoded = None  # compress_experts: the stage's store decoded, where a reader keeps it (as Loaded.host_rows)
+    if compress_experts:
+        from ..offload.coded import coded_store
+
+        mine = coded_store(mine, hits, entry, pin=pin, first=stage.moe_first)
+        if device.type == "cpu" and pol.offloads and mine:  # coded copies and tier hits write from it (emulate_from)
+            from ..offload.coded import emulate_from
+            from ..offload.coded_tier import ROWS_MAX_BYTES
+
+            raw_bytes = sum(layer.w13.raw_nbytes + layer.w2.raw_nbytes for layer in mine)
+            if pol.host_lane or raw_bytes <= ROWS_MAX_BYTES:
+                decoded = [layer.decoded() for layer in mine]
+            emulate_from(mine, decoded)
+        from ..builder import uses_host_lane
+
+        if decoded is None and mine and uses_host_lane(pol, device, host_threads):  # a host lane computes from it
+            decoded = [layer.decoded() for layer in mine]
+    tokenizer = load_tokenizer(path) if stage.is_first else None
+    provider = stage_layers = pdt = None
+    if mine:
+        resident = None
+        if not pol.offloads or plan.pool_rows == "resident":
+            from ..offload.coded import DecodedStore
+
+            resident = [ExpertWeights(e.w13.to(device, dt), e.w2.to(device, dt))
+                        for e in (DecodedStore(mine) if compress_experts else mine)]
+        if not pol.offloads:
+            inner = ResidentExperts(resident)
+        else:
+            pool = stage_pool(plan, spec, len(mine), own)
+            inner = OffloadedExperts(mine, stage_quota(plan, spec, len(mine), pool), device, lk, eviction=pol.eviction,
+                                     dtype=pdt, alias=plan.aliased, rows=resident, pool=pool)
+            tier = stage_tier(plan, spec, len(mine), pool, own)
+            if tier:  # the compressed device tier: the stage's share, as its pool's
+                from ..offload.coded_tier import attach as attach_tier
+
+                attach_tier(inner, tier, lk, rows=decoded)
+            inner.warm()
+        guess = None
+        stage_layers = SimpleNamespace(model=SimpleNamespace(layers=model.model.layers[stage.first:stage.last]))
+        if pol.host_lane == "misses" and not inner.all_resident:  # policy host: every miss computed on the host
+            inner = HostExperts(inner, make_host_lane(decoded or mine, device, lk, threads=host_threads or threads,
+                                                      dtype=dt, charged_dtype=pdt))
+        elif pol.prefetch == "next-layer" and not inner.all_resident:  # guesses within the stage's own layers
+            guess = NextLayerPrefetch(stage_layers, inner)
+        provider = ShiftedExperts(inner, stage.moe_first, guess)
+    elif lk is not None:
+        lk.close()
+    st = StageModel(model, provider, stage, device, dt, plan=plan, tokenizer=tokenizer, path=path)
+    st.k_max = k_max if pol.drafts else 0
+    if pol.drafts and (mine or whole):
+        _speculate(st, pol, mine, every, stage_layers, k_max, threads, lk, pdt, host_threads, decoded)
+    return st
+
+
+def _speculate(st: StageModel, pol, mine: list, every, stage_layers, k_max: int, threads, lk, pdt,
+               host_threads: int | None = None, decoded=None) -> None:
+    """A drafting policy's part on this stage (see load_stage), built as builder._decoder builds it
+    for the whole model; `every` (the first stage: the whole draft): every MoE layer's INT4 draft
+    experts, as draft_int4 yields them (from the draft cache or quantised), else None. `decoded`: a
+    coded store's decoded rows, which the host lane computes from."""
+    from ..builder import uses_host_lane
+    from ..offload.host_lane import LaneChoice, host_params, make_host_lane
+    from ..offload.policies import NextLayerPrefetch
+    from ..speculative.draft import DraftExperts, Lookahead, keep_packed
+    from ..speculative.draft import PrefetchPlanner
+
+    spec, device, dt, stage = st.model.spec, st.device, st.dtype, st.stage
+    if every is not None:
+        st.whole = True
+        whole = st.whole_lookahead = Lookahead(max(k_max, 1), spec.n_moe_layers, spec.top_k, device)
+        int4 = list(every)
+        n = spec.n_moe_layers * spec.n_experts * spec.expert_numel()
+        st.draft = DraftExperts(int4, whole, device, dt, packed=keep_packed(device, n, dt))
+        st.lookahead = lookahead_columns(whole, len(mine))  # stage 0's MoE layers come first
+    else:
+        st.lookahead = Lookahead(max(k_max, 1), len(mine), spec.top_k, device)
+    if not mine:
+        return
+    mgr = st.mgr = st.provider.inner
+    if pol.prefetch != "planner":  # spec-lru: verification fetches on miss
+        return
+    st.planner = PrefetchPlanner(mgr, st.lookahead)
+    if uses_host_lane(pol, device, host_threads, every_expert=mgr.all_resident):  # both lanes: misses ranked low: host
+        mgr.host_lane = make_host_lane(decoded or mine, device, lk, threads=host_threads or threads, dtype=dt,
+                                       charged_dtype=pdt)
+        mgr.host_choice = LaneChoice(mgr, host_params(mgr.host_lane), planner=st.planner)
+    if not mgr.all_resident:
+        st.guessing = ShiftedExperts(mgr, stage.moe_first, NextLayerPrefetch(stage_layers, mgr))
