@@ -7,13 +7,12 @@ tokenizers, validation, stop conditions, detokenisation, timing, and turns: one 
 generation at a time (they share the slot pool, the planner and the KV cache), so concurrent
 callers wait for their turn in arrival order and get exactly the text they would get alone.
 
-A generation has one body, the decoder's `run`: the blocking API iterates it on the calling thread,
-`astream` on a thread of its own (streaming.in_thread), the caller's loop free meanwhile.
+A generation has one body, `Engine._decoding` around the decoder's `run`: the blocking API iterates
+it on the calling thread, `astream` on a thread of its own (streaming.in_thread), the caller's loop
+free meanwhile. Each driver validates first (`_prepare`), then takes the engine's turn:
 
     Turns        one generation at a time on an engine, in arrival order (a ticket lock; `aturn` for
                  coroutines, whose wait polls so the loop runs meanwhile)
-    Decoding     one generation's bookkeeping: chunks in, (ids, text) cut at EOS, max_new_tokens or a
-                 stop string out; then its stats
 Printable pieces and asyncio are in streaming.py; the sampling keywords' defaults in sampling.py.
 """
 from __future__ import annotations
@@ -130,61 +129,6 @@ class Turns:
                 self._release()
 
 
-class Decoding:
-    """One generation's bookkeeping, whichever driver runs it: committed chunks in, (new ids so far,
-    their text or None without a tokenizer) out, both cut at EOS, max_new_tokens or a stop string;
-    then its stats."""
-
-    def __init__(self, engine, ids: list[int], max_new_tokens: int, stops: list[str]):
-        self.engine, self.prompt_tokens, self.max_new, self.stops = engine, len(ids), max_new_tokens, stops
-        self.eos = set(engine.model.spec.eos_token_ids)
-        self.longest = max(map(len, stops), default=0)
-        engine.decoder.reset_stats()
-        self.new: list[int] = []
-        self.text: str | None = None
-        self.checked = 0  # text before this offset holds no stop string
-        self.done, self.finish_reason = False, "length"
-        self.t0, self.t_first, self.prefill_stall = time.perf_counter(), None, 0.0
-
-    def feed(self, chunk: list[int]) -> tuple[list[int], str | None]:
-        eng = self.engine
-        if self.t_first is None:
-            self.t_first = time.perf_counter()
-            self.prefill_stall = eng.decoder.stats().get("stall_s", 0.0)
-        new = self.new
-        for t in chunk:
-            new.append(t)
-            if t in self.eos or len(new) >= self.max_new:
-                self.done, self.finish_reason = True, "stop" if t in self.eos else "length"
-                break
-        text = eng.decode(new) if eng.tokenizer is not None else None
-        if self.stops:
-            start = max(0, self.checked - self.longest + 1)
-            hit = min((i for s in self.stops if (i := text.find(s, start)) >= 0), default=-1)
-            self.checked = len(text)
-            if hit >= 0:
-                text, new = text[:hit], new[:tokens_for(eng.decode, new, hit)]
-                self.done, self.finish_reason = True, "stop"
-        self.new, self.text = new, text
-        return new, text
-
-    def finish(self, stats: dict) -> None:
-        t_end = time.perf_counter()
-        t_first = t_end if self.t_first is None else self.t_first
-        stats.update(STATS_DEFAULTS)
-        stats.update(self.engine.decoder.stats())
-        stats.update(
-            decode_stall_s=stats["stall_s"] - self.prefill_stall,  # copies waited on after the first token
-            ttft_s=t_first - self.t0,
-            tpot_s=(t_end - t_first) / max(len(self.new) - 1, 1),
-            new_tokens=len(self.new),
-            prompt_tokens=self.prompt_tokens,
-            total_s=t_end - self.t0,
-            policy=self.engine.policy,
-            finish_reason=self.finish_reason,  # OpenAI's: "stop" (EOS or a stop string), "length", or "cancelled"
-        )
-
-
 class Engine:
     def __init__(self, model: MoETransformer, experts: list[ExpertWeights], tokenizer, *, path: Path,
                  device: torch.device, dtype: torch.dtype, policy: str, decoder, generation_defaults: dict | None = None, plan=None, shared=None):
@@ -254,8 +198,9 @@ class Engine:
         stats: dict = {}
         new, text = [], ""
         ids, params, stops = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
-        for new, text in self._generation(ids, params, max_new_tokens, stops, stats, None):
-            pass
+        with self.turns.turn():
+            for new, text in self._decoding(ids, params, max_new_tokens, stops, stats):
+                pass
         return GenerationOutput(text=text or "", token_ids=list(new), stats=stats)
 
     def stream(self, prompt, max_new_tokens: int = 128, *, stop=None, stats: dict | None = None,
@@ -287,17 +232,13 @@ class Engine:
         ids, params, stops = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
         printer = Printer(self, stops)
         async with self.turns.aturn():
-            d = Decoding(self, ids, max_new_tokens, stops)
-            run = in_thread(lambda: self.decoder.run(ids, params, max_new_tokens))
+            run = in_thread(lambda: self._decoding(ids, params, max_new_tokens, stops, stats))
             try:
-                async for chunk in run:
-                    if (piece := printer.feed(*d.feed(chunk))) is not None and piece[1]:
+                async for new, text in run:
+                    if (piece := printer.feed(new, text)) is not None and piece[1]:
                         yield piece[1]
-                    if d.done:
-                        break
             finally:
                 await run.aclose()
-            d.finish(stats)
         if (piece := printer.end()) is not None and piece[1]:
             yield piece[1]
 
@@ -306,9 +247,10 @@ class Engine:
         stats = {} if stats is None else stats
         ids, params, stops = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
         printer = Printer(self, stops)
-        for new, text in self._generation(ids, params, max_new_tokens, stops, stats, cancel):
-            if (piece := printer.feed(new, text)) is not None:
-                yield piece
+        with self.turns.turn():
+            for new, text in self._decoding(ids, params, max_new_tokens, stops, stats, cancel):
+                if (piece := printer.feed(new, text)) is not None:
+                    yield piece
         if (piece := printer.end()) is not None:  # the end: nothing is held back any more
             yield piece
 
@@ -337,28 +279,62 @@ class Engine:
             )
         return ids, params, list(stops)
 
-    def _generation(self, ids: list[int], params: SamplingParams, max_new_tokens: int, stops: list[str],
-                    stats: dict, cancel) -> Iterator[tuple[list[int], str | None]]:
-        """A prepared generation (`_prepare`): waits for the engine's turn, decodes. Yields (new ids so
-        far, their text or None without a tokenizer) after each committed chunk, both cut at a stop
-        string; fills `stats`."""
-        with self.turns.turn():
-            if cancel is not None and cancel.is_set():  # cancelled while waiting for the turn
-                stats.update(STATS_DEFAULTS, finish_reason="cancelled", prompt_tokens=len(ids), policy=self.policy)
-                return
-            d = Decoding(self, ids, max_new_tokens, stops)
-            run = self.decoder.run(ids, params, max_new_tokens)
-            try:
-                for chunk in run:
-                    yield d.feed(chunk)
-                    if d.done:
+    def _decoding(self, ids: list[int], params: SamplingParams, max_new_tokens: int, stops: list[str],
+                  stats: dict, cancel: threading.Event | None = None) -> Iterator[tuple[list[int], str | None]]:
+        """One prepared generation (`_prepare`), run in the engine's turn, whichever driver iterates it:
+        the decoder's committed chunks in; (new ids so far, their text or None without a tokenizer)
+        out after each, both cut at EOS, max_new_tokens or a stop string; `stats` filled at the end.
+        `cancel` (set from any thread) ends it after the chunk in progress."""
+        dec, eos, longest = self.decoder, set(self.model.spec.eos_token_ids), max(map(len, stops), default=0)
+        if cancel is not None and cancel.is_set():  # cancelled while waiting for the turn
+            stats.update(STATS_DEFAULTS, finish_reason="cancelled", prompt_tokens=len(ids), policy=self.policy)
+            return
+        dec.reset_stats()
+        new, text, reason = [], None, "length"
+        checked = 0  # text before this offset holds no stop string
+        t0, t_first, prefill_stall = time.perf_counter(), None, 0.0
+        run = dec.run(ids, params, max_new_tokens)
+        try:
+            for chunk in run:
+                if t_first is None:
+                    t_first = time.perf_counter()
+                    prefill_stall = dec.stats().get("stall_s", 0.0)
+                done, n = False, len(new)
+                new = new + chunk  # a new list each chunk: a driver on another thread may still read the last
+                for j in range(n, len(new)):
+                    if new[j] in eos or j + 1 >= max_new_tokens:
+                        done, reason, new = True, "stop" if new[j] in eos else "length", new[:j + 1]
                         break
-                    if cancel is not None and cancel.is_set():
-                        d.finish_reason = "cancelled"
-                        break
-            finally:
-                run.close()
-            d.finish(stats)
+                text = self.decode(new) if self.tokenizer is not None else None
+                if stops:
+                    start = max(0, checked - longest + 1)
+                    hit = min((i for s in stops if (i := text.find(s, start)) >= 0), default=-1)
+                    checked = len(text)
+                    if hit >= 0:
+                        text, new = text[:hit], new[:tokens_for(self.decode, new, hit)]
+                        done, reason = True, "stop"
+                yield new, text
+                if done:
+                    break
+                if cancel is not None and cancel.is_set():
+                    reason = "cancelled"
+                    break
+        finally:
+            run.close()
+        t_end = time.perf_counter()
+        t_first = t_end if t_first is None else t_first
+        stats.update(STATS_DEFAULTS)
+        stats.update(dec.stats())
+        stats.update(
+            decode_stall_s=stats["stall_s"] - prefill_stall,  # copies waited on after the first token
+            ttft_s=t_first - t0,
+            tpot_s=(t_end - t_first) / max(len(new) - 1, 1),
+            new_tokens=len(new),
+            prompt_tokens=len(ids),
+            total_s=t_end - t0,
+            policy=self.policy,
+            finish_reason=reason,  # OpenAI's: "stop" (EOS or a stop string), "length", or "cancelled"
+        )
 
     def close(self) -> None:
         if hasattr(self.decoder, "close"):

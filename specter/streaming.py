@@ -2,10 +2,10 @@
 
     Printer      (ids, text) as the generation goes -> the pieces that are final: nothing a stop string
                  could still cut, no incomplete UTF-8 sequence
-    in_thread    a blocking iterator (a decoder's `run`) on a thread of its own, its items handed to
-                 the running event loop: how `Engine.astream` drives the one body of a generation
+    in_thread    a blocking iterator on a thread of its own, its items handed to the running event
+                 loop: how `Engine.astream` drives the one body of a generation (`Engine._decoding`)
 
-Turns (one generation at a time) and Decoding (one generation's bookkeeping) are in engine.py.
+Turns (one generation at a time) and `Engine._decoding` (one generation's bookkeeping) are in engine.py.
 """
 from __future__ import annotations
 
