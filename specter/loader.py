@@ -276,7 +276,7 @@ def load_checkpoint(
     ckpt = open_checkpoint(path)
     spec = ckpt.spec
     with init_empty_weights(include_buffers=False):
-        model = MoETransformer(spec, max_len)
+        model = MoETransformer(spec, max_len, dtype)
     reader = _Reader(ckpt)
     try:
         params = [(n, _source(n, spec, reader)) for n, _ in model.named_parameters()

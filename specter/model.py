@@ -119,9 +119,11 @@ class Backbone(nn.Module):
 
 
 class MoETransformer(nn.Module):
-    def __init__(self, spec: ModelSpec, max_len: int | None = None):
+    def __init__(self, spec: ModelSpec, max_len: int | None = None, dtype: torch.dtype = torch.float32):
+        """`dtype`: the compute dtype, the one its layers are loaded in (loader.load_checkpoint). No
+        parameter alone says it: on CPU the input embedding may keep a 16-bit checkpoint's table."""
         super().__init__()
-        self.spec = spec
+        self.spec, self.dtype = spec, dtype
         self.model = Backbone(spec)
         self.lm_head = nn.Linear(spec.hidden, spec.vocab_size, bias=spec.lm_head_bias)
         rope_dim = spec.qk_rope_dim if spec.attention == "mla" else spec.head_dim
@@ -210,9 +212,3 @@ class MoETransformer(nn.Module):
         parts = [F.linear(h, w[i:i + chunk].float(), None if b is None else b[i:i + chunk].float())
                  for i in range(0, w.shape[0], chunk)]
         return torch.cat(parts, dim=-1)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The compute dtype: the layers' (on CPU the input embedding may keep a 16-bit checkpoint's
-        table, so its parameter does not say it)."""
-        return self.lm_head.weight.dtype
