@@ -563,14 +563,14 @@ def test_plain_runs_that_miss_nothing_are_no_lane_probes():
     from specter.speculative.decoder import LANE_PROBE, SpeculativeDecoder
 
     misses = [0]
-    mgr = SimpleNamespace(offloaded_bytes=0, stats=lambda: {"expert_misses": misses[0]}, cancel_prefetches=int)
+    mgr = SimpleNamespace(stats=lambda: {"expert_misses": misses[0], "offloaded_bytes": 0}, cancel_prefetches=int)
     dec = SimpleNamespace(experts=mgr, governor=Governor(4), verify_step=None, cancel_leftovers=True,
                           times=SimpleNamespace(pending=False),
                           _stats=dict(k_histogram=Counter(), cycles=0, verify_s=0.0))
     gov, runs = dec.governor, []
     gov.lane_arms.pick()  # the first plain step after a prompt misses: the host lane (False) is measured
     misses[0] = 2
-    SpeculativeDecoder._observe_plain(dec, 1, 12e-3, 0, None, False, 0)
+    SpeculativeDecoder._observe_plain(dec, 1, 12e-3, dict(expert_misses=0, offloaded_bytes=0), None, False)
     for _ in range(40):  # speculation slower than plain steps; plain steps that miss nothing
         k = gov.next_k(1000)
         if k:
@@ -579,7 +579,7 @@ def test_plain_runs_that_miss_nothing_are_no_lane_probes():
         lane = gov.lane_arms.pick()  # the decoder's rule: an unmeasured arm's probe is uncapped while nothing copies
         uncapped = not gov.lane_arms.probing or (gov.plain_copies_nothing and gov.lane_arms.t[lane] is None)
         steps = gov.steps if uncapped else min(gov.steps, LANE_PROBE)
-        SpeculativeDecoder._observe_plain(dec, steps, steps * 3e-3, 0, None, lane, misses[0])
+        SpeculativeDecoder._observe_plain(dec, steps, steps * 3e-3, mgr.stats(), None, lane)
         runs.append(steps)
     assert gov.lane_arms.t[True] is None and gov.lane_arms.probing  # the arm no run could measure
     assert gov.arm == "plain" and len(gov.plain.secs) == gov.plain.secs.maxlen, (gov.arm, gov.plain.secs)
@@ -587,5 +587,5 @@ def test_plain_runs_that_miss_nothing_are_no_lane_probes():
     seen = len(gov.plain.secs), gov.cycles
     lane = gov.lane_arms.pick()  # a run that missed: the lane probe it is, not K = 0's cost
     misses[0] += 3
-    SpeculativeDecoder._observe_plain(dec, 1, 9e-3, 0, None, lane, misses[0] - 3)
+    SpeculativeDecoder._observe_plain(dec, 1, 9e-3, dict(expert_misses=misses[0] - 3, offloaded_bytes=0), None, lane)
     assert lane and (len(gov.plain.secs), gov.cycles) == seen and abs(gov.lane_arms.t[lane] - 3e-3) < 1e-12

@@ -196,11 +196,6 @@ class OffloadedExperts:
         self._stats["h2d_bytes"] -= t.nbytes  # never crossed the link
         return True
 
-    @property
-    def offloaded_bytes(self) -> int:
-        """Expert bytes a call found off the device: copied over the link or read on the host lane."""
-        return self._stats["h2d_bytes"] + self._stats["host_bytes"]
-
     def is_resident(self, layer: int, e: int) -> bool:
         return self.slots.slot[layer][e] >= 0
 
@@ -353,7 +348,9 @@ class OffloadedExperts:
             self._stats["expert_hits"] += int(self._resident_hits)
             self._resident_hits.zero_()
             self._hits_on_device = False
-        return dict(self._stats, **(self.tier.stats if self.tier is not None else {}), h2d_path=self.link.h2d_path)
+        st = self._stats  # offloaded_bytes: expert bytes found off the device, copied or read on the host lane
+        return dict(st, **(self.tier.stats if self.tier is not None else {}), h2d_path=self.link.h2d_path,
+                    offloaded_bytes=st["h2d_bytes"] + st["host_bytes"])
 
     def reset(self) -> None:
         """Forget every resident expert (a cold cache)."""

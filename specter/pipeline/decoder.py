@@ -234,7 +234,7 @@ def serve_stage(stage: StageModel, group: Group) -> None:
                 if flags & STATS:  # this rank's counters since BEGIN, added on
                     s = mgr.stats() if mgr is not None else {}
                     side += torch.tensor([s.get("stall_s", 0.0), s.get("expert_hits", 0), s.get("expert_misses", 0),
-                                          mgr.offloaded_bytes if mgr is not None else 0, stage.step_s],
+                                          s.get("offloaded_bytes", 0), stage.step_s],
                                          dtype=torch.float64)
                 kv = kv_rows(stage.cache, spec, stage.stage.first, stage.stage.last, start, T) if flags & KV else None
                 if last:

@@ -113,13 +113,9 @@ class PipeExperts:
         if self.per_rank is not None:
             return summed(self.per_rank)
         s = self.local.stats() if self.local is not None else {}
-        for k, v in zip(SIDE[:3], self.remote):
+        for k, v in zip(SIDE[:4], self.remote):
             s[k] = s.get(k, 0) + (int(v) if k != "stall_s" else v)
         return s
-
-    @property
-    def offloaded_bytes(self) -> int:
-        return (self.local.offloaded_bytes if self.local is not None else 0) + int(self.remote[3])
 
     def reset_stats(self) -> None:
         if self.local is not None:

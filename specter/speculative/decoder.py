@@ -168,8 +168,7 @@ class SpeculativeDecoder:
                 elif not lanes.probing:
                     steps = max(1, min(steps, lanes.next - lanes.n))
                 mgr.host_choice = None if lane else choice
-            done, spent, copied0 = 0, 0.0, mgr.offloaded_bytes  # copies and host-lane reads
-            missed0 = mgr.stats()["expert_misses"] if lane is not None else 0  # the lane arms are rated per miss
+            done, spent, before = 0, 0.0, mgr.stats()  # what the run copies and reads on the host lane, and misses
             x = torch.tensor([t], device=self.device)
             t0 = clock()
             try:
@@ -180,7 +179,7 @@ class SpeculativeDecoder:
                     t0 = clock()
             finally:  # also when the caller stops early: the steps that ran are measured
                 mgr.host_choice = choice  # verification keeps both lanes
-                self._observe_plain(done, spent, copied0, arm, lane, missed0)
+                self._observe_plain(done, spent, before, arm, lane)
             n += done
             t = new[0]
             produced += done
@@ -223,8 +222,8 @@ class SpeculativeDecoder:
             tokens = torch.tensor([t] + drafted, device=self.device)
         m1 = self.times.mark()
         before = mgr.stats()  # stall_s drains the link's measured waits (CUDA: stream waits timed by events)
-        with span("verify") if profiling.ON else NULL:
-            logits = self._verify(tokens, n, cache, mgr)  # [K+1, V]
+        with span("verify") if profiling.ON else NULL:  # the target over [t, d1 .. dK], as a K = 0 step runs it
+            logits = (self.model if self.verify_step is None else self.verify_step.step)(tokens, n, cache, mgr)
         if self.cancel_leftovers:  # what verification did not wait for, it did not need:
             mgr.cancel_prefetches()  # the next cycle must not queue behind it nor be billed for it
         if self.planner is not None:
@@ -262,44 +261,36 @@ class SpeculativeDecoder:
         st["verify_s"] += verify_s
         self.governor.observe_cycle(k, m, draft_s, verify_s, stall)
 
-    def _observe_plain(self, steps: int, seconds: float, copied0: int, arm: bool | None,
-                       lane: bool | None = None, missed0: int = 0) -> None:
-        """A run of `steps` plain steps took `seconds`: into the stats, the governor (unless the run
-        probed a plain arm) and the plain arms (`arm`: the next-layer arm it ran, `lane`: True when it
-        copied every miss, False when the host lane took some, rated per miss since the manager's
-        count of misses stood at `missed0`; None: no such arms)."""
+    def _observe_plain(self, steps: int, seconds: float, before: dict, arm: bool | None,
+                       lane: bool | None = None) -> None:
+        """A run of `steps` plain steps took `seconds` since the manager's stats read `before`: into the
+        stats, the governor (unless the run probed a plain arm) and the plain arms (`arm`: the
+        next-layer arm it ran, `lane`: True when it copied every miss, False when the host lane took
+        some, rated per miss; None: no such arms)."""
         st, mgr, gov = self._stats, self.experts, self.governor
         st["k_histogram"][0] += steps
         st["cycles"] += steps
         st["verify_s"] += seconds
-        if self.verify_step is not None:
-            self._step_verified += steps
         if arm and self.cancel_leftovers:  # only next-layer prefetches: misses are never withdrawn
             mgr.cancel_prefetches()
         if not steps:
             return
-        missed = mgr.stats()["expert_misses"] - missed0 if lane is not None else 0
+        after = mgr.stats()
+        missed = after["expert_misses"] - before["expert_misses"]
         # a probe is not what K = 0 costs (as in _cycle); the lanes act on misses only, so a run that
         # missed nothing ran as either lane arm would: no lane probe (else, where plain steps never
         # miss, every run probes an arm it cannot measure and the governor never sees K = 0)
-        probing = (arm is not None and gov.plain_arms.probing) or (missed > 0 and gov.lane_arms.probing)
+        probing = ((arm is not None and gov.plain_arms.probing)
+                   or (lane is not None and missed > 0 and gov.lane_arms.probing))
         if not probing:
-            gov.observe_cycle(0, 0, 0.0, seconds / steps, 0.0, copied=max(0, mgr.offloaded_bytes - copied0),
-                              steps=steps)
+            gov.observe_cycle(0, 0, 0.0, seconds / steps, 0.0, steps=steps,
+                              copied=max(0, after["offloaded_bytes"] - before["offloaded_bytes"]))
         if arm is not None:
             gov.plain_arms.observe(arm, seconds / steps, steps)
         if lane is not None:
             gov.lane_arms.observe(lane, seconds / steps, steps, missed)
         if self.times.pending:  # CUDA: speculative cycles whose events completed meanwhile
             self.times.poll()
-
-    def _verify(self, tokens: torch.Tensor, n: int, cache: KVCache, experts) -> torch.Tensor:
-        """The target over tokens [T] at positions n .. n+T-1 -> logits [T, V], through the compiled
-        verifier's pieces when there are some."""
-        if self.verify_step is None:
-            return self.model(tokens, n, cache, experts)
-        self._step_verified += 1
-        return self.verify_step.step(tokens, n, cache, experts)
 
     def _draft_on_device(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen):
         """K draft steps without a host sync (compiled/draft_step.py) -> tokens [K+1] (the pending token,
@@ -357,7 +348,6 @@ class SpeculativeDecoder:
         self._stats = dict(cycles=0, drafted_tokens=0, accepted_tokens=0, rejections=0,
                            draft_s=0.0, verify_s=0.0, recall_hits=0, recall_total=0, k_histogram=Counter())
         self._step_drafted = 0  # tokens drafted by draft_step (it does not run with penalties)
-        self._step_verified = 0  # verifications verify_step ran
 
     def stats(self) -> dict:
         if self.times.pending:
@@ -373,8 +363,8 @@ class SpeculativeDecoder:
         s["prefetch_recall"] = s["recall_hits"] / s["recall_total"] if prefetched and s["recall_total"] else None
         s["cuda_graphs"] = self.graphs.summary() if self.graphs.warmups else None
         s["compiled"] = []
-        for name, ran, step in (("draft", self._step_drafted, self.draft_step),
-                                ("verify", self._step_verified, self.verify_step)):
+        for name, ran, step in (("draft", self._step_drafted, self.draft_step),  # every cycle and K = 0 step
+                                ("verify", s["cycles"], self.verify_step)):     # verifies through verify_step
             if ran and getattr(step, "compiled", False):
                 s["compiled"].append(name)
         return s
