@@ -84,6 +84,8 @@ def forward(self, x, start, experts=None, logits_for="last"):  # this rank's fir
 
 if sys.argv[1] == "draft":  # at its first lookahead row from rank 0's draft (mid-cycle)
     PrefetchPlanner.begin_cycle = lambda *a, **k: os._exit(3)
+elif sys.argv[1] == "slow":  # starts later than the others by 2 timeouts, then runs as they do
+    time.sleep(2 * float(sys.argv[sys.argv.index("--pipeline-timeout") + 1]))
 else:
     stage.StageModel.forward = forward
 sys.exit(main(sys.argv[2:]))
@@ -607,6 +609,16 @@ def test_a_config_mismatch_fails_every_rank(ckpts, tmp_path):
     for r, (code, so, se) in enumerate(ranks):
         assert code == 2, (r, se[-2000:])
         assert f"rank {r} of 2: rank(s) 1 differ from rank 0 in fingerprint" in se and so == ""
+
+
+def test_a_rank_slower_to_start_than_the_timeout_is_waited_for(ckpts):
+    """--pipeline-timeout bounds the waits once every rank has loaded; a rank that joins and loads
+    later than that (a bigger shard, a slower disk, a busy machine) is waited for."""
+    args = ["generate", "--model", str(ckpts["qwen3_moe"]), "--prompt-ids", "1,2,3", "--max-new-tokens", "3",
+            "--greedy", "--policy", "resident", "--pipeline-timeout", "2"]
+    ranks = _launch([["-m", "specter", *args], ["-c", DIES, "slow", *args]], timeout=90)
+    assert [r[0] for r in ranks] == [0, 0], [r[2][-2000:] for r in ranks]
+    assert ranks[0][1].strip() and ranks[1][1] == ""
 
 
 @pytest.mark.parametrize("how", ["exit", "hang", "draft"])

@@ -79,7 +79,8 @@ def pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-backend", choices=("gloo", "nccl"), default=None,
                    help="under torchrun: the backend between ranks (default: nccl between GPUs, else gloo)")
     p.add_argument("--pipeline-timeout", type=float, default=None, metavar="SECONDS",
-                   help="under torchrun: how long a rank waits for another before the pipeline fails (default 600)")
+                   help="under torchrun: how long a rank waits for another before the pipeline fails, once "
+                        "every rank has loaded (default 600; joining and loading wait at least 600)")
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:

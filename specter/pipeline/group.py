@@ -3,8 +3,9 @@
 `join` uses the group torch.distributed already has, or initialises one from torchrun's
 environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK). Backend: NCCL when the
 ranks compute on CUDA devices, gloo otherwise (CPU, or machines without NCCL); `backend` overrides.
-Every collective and every point-to-point receive is bounded by `timeout`: a rank that died closes
-its connections (gloo reports it at once), a rank that hangs is given up on after the timeout, and
+Every collective and every point-to-point receive is bounded by `timeout` (joining, comparing the
+checkpoints and loading by at least STARTUP_TIMEOUT_S: ranks start and load at their own pace, and a
+load slower than a short `timeout` is no failure): a rank that died closes its connections (gloo reports it at once), a rank that hangs is given up on after the timeout, and
 either way `comm` turns the backend's error into a PipelineError naming this rank and the peer,
 which the launcher prints before exiting non-zero, on every rank.
 """
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from ..errors import SpecterError
 
 DEFAULT_TIMEOUT_S = 600.0  # a receive may wait this long for a slower rank (its load, a long prefill)
+STARTUP_TIMEOUT_S = 600.0  # joining, comparing and loading wait at least this long: ranks start at their own pace
 BACKENDS = ("gloo", "nccl")
 
 
@@ -37,6 +39,8 @@ class Group:
     timeout_s: float
     device: torch.device        # where this rank computes
     owned: bool                 # this module initialised the group (and destroys it)
+    startup: object = None      # a gloo group for the startup exchanges (they wait startup_s)
+    startup_s: float = STARTUP_TIMEOUT_S
 
     @property
     def wire(self) -> torch.device:
@@ -100,23 +104,28 @@ def join(device: str | torch.device | None = None, backend: str | None = None,
     if not timeout_s > 0:
         raise PipelineError(f"--pipeline-timeout must be > 0 seconds, got {timeout_s}")
     dev = device if isinstance(device, torch.device) else rank_device(device)
-    if dist.is_initialized():
+    startup_s = max(timeout_s, STARTUP_TIMEOUT_S)
+    startup = timedelta(seconds=startup_s)
+    if dist.is_initialized():  # e.g. `specter bench` loading its next policy
         have = dist.get_backend()
         if backend is not None and backend != have:
             raise PipelineError(f"torch.distributed is already initialised with {have}, not {backend}")
-        return Group(dist.get_rank(), dist.get_world_size(), have, timeout_s, dev, owned=False)
+        return Group(dist.get_rank(), dist.get_world_size(), have, timeout_s, dev, owned=False,
+                     startup=dist.new_group(backend="gloo", timeout=startup), startup_s=startup_s)
     chosen = choose_backend(dev, backend)
     rank, world = env_int("RANK"), env_int("WORLD_SIZE")
     env_int("MASTER_PORT")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    try:
-        dist.init_process_group(chosen, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
-                                **({"device_id": dev} if chosen == "nccl" else {}))
+    try:  # the rendezvous waits for a late rank as long as startup; every exchange after it, timeout_s
+        store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=startup))
+        dist.init_process_group(chosen, store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s), **({"device_id": dev} if chosen == "nccl" else {}))
+        startup_group = dist.new_group(backend="gloo", timeout=startup)
     except Exception as e:  # noqa: BLE001 -- the rendezvous failed or timed out: say which rank and why
-        raise PipelineError(f"rank {rank} of {world}: could not join the process group within {timeout_s:g} s "
+        raise PipelineError(f"rank {rank} of {world}: could not join the process group within {startup_s:g} s "
                             f"({type(e).__name__}: {first_line(e)})") from None
-    return Group(rank, world, chosen, timeout_s, dev, owned=True)
+    return Group(rank, world, chosen, timeout_s, dev, owned=True, startup=startup_group, startup_s=startup_s)
 
 
 def first_line(e: BaseException) -> str:
@@ -137,4 +146,4 @@ def comm(group: Group, what: str):
         hint = ("timed out" if "timeout" in text.lower() or "timed out" in text.lower()
                 else "a peer rank closed its connection or failed")
         raise PipelineError(f"rank {group.rank} of {group.world}: {what} failed: {hint} ({text}); the pipeline "
-                            f"is broken (collective timeout {group.timeout_s:g} s)") from None
+                            f"is broken (timeouts: {group.timeout_s:g} s, {group.startup_s:g} s while starting)") from None

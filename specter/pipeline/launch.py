@@ -87,10 +87,9 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
                            expert_memory=expert_memory, link=link, dtype=dtype, threads=threads, k_max=k_max,
                            draft_cache=draft_cache, host_threads=host_threads, draft_bits=draft_bits,
                            compress_experts=compress_experts)
-        resident = [True] * group.world
-        if pol.drafts:  # whether any rank ever copies: the decoder's K = 0 steps guess only then
-            with comm(group, "sharing which ranks hold every expert"):
-                dist.all_gather_object(resident, stage.all_resident)
+        resident = [True] * group.world  # whether any rank ever copies (the decoder's K = 0 steps guess
+        with comm(group, "waiting for every rank to load its layers"):  # only then); and no rank's first
+            dist.all_gather_object(resident, stage.all_resident, group=group.startup)  # step waits on a load
     except BaseException:
         group.close_on_error()
         raise

@@ -186,7 +186,7 @@ def agree(group: Group, what: dict) -> None:
     mine = json.dumps(what, sort_keys=True, default=str)
     got: list = [None] * group.world
     with comm(group, "comparing the checkpoint and configuration between ranks"):
-        dist.all_gather_object(got, mine)
+        dist.all_gather_object(got, mine, group=group.startup)  # ranks reach it at their own pace
     odd = [r for r, g in enumerate(got) if g != got[0]]
     if odd:
         ref = json.loads(got[0])
