@@ -47,12 +47,29 @@ from specter.speculative.governor import Governor
 cases, out = json.loads(sys.argv[1]), sys.argv[2]
 group = join("cpu", None, 120.0)  # an initialised group: open_pipeline joins it (a loaded machine: slow loads)
 results = []
+
+
+def slowed(rank, what, seconds):  # rank `rank`'s stage steps ("forward") or draft steps ("draft_forward")
+    import time
+    import specter.pipeline.stage as ps
+
+    orig = getattr(ps.StageModel, what)
+    if group.rank == rank:
+        def slow(self, *a, **k):
+            time.sleep(seconds)
+            return orig(self, *a, **k)
+        setattr(ps.StageModel, what, slow)
+    return lambda: setattr(ps.StageModel, what, orig)
+
+
 for c in cases:
+    restore = slowed(*c["slow"]) if c.get("slow") else (lambda: None)
     g, engine, stage = open_pipeline(c["model"], device="cpu", policy=c["policy"], residency=c["residency"],
                                      threads=1, k_max=c.get("k_max"), compress_experts=c.get("compress", False),
                                      draft_cache=c.get("draft_cache"))
     if engine is None:
         serve_stage(stage, g)
+        restore()
         continue
     if c.get("k") is not None:  # rank 0's governor decides every cycle's K for all the ranks
         engine.decoder.governor = Governor(32, fixed=c["k"])
@@ -62,6 +79,7 @@ for c in cases:
         n, cache = len(c["prompt"]) + len(r.token_ids) - 1, engine.decoder.stage.cache
         torch.save([t[:, :n].clone() for t in cache.k + cache.v], f"{out}.{len(results)}.kv")
     engine.decoder.finish()
+    restore()
     results.append(dict(tokens=r.token_ids, pipeline=r.stats["pipeline"], hits=r.stats["expert_hits"],
                         misses=r.stats["expert_misses"], stats=r.stats))
 if group.rank == 0:
@@ -402,6 +420,41 @@ def test_pipelines_give_one_process_tokens(ckpts, tmp_path, world):
             per = g["pipeline"]["per_rank"]
             if c["policy"] == "specter":  # each rank with MoE layers planned from its own lookahead rows
                 assert all(r.get("cover_total", 0) > 0 for r in per if "expert_hits" in r), per
+
+
+@pytest.mark.parametrize("slow", [[1, "forward", 0.15], [0, "draft_forward", 0.1]], ids=["verify", "draft"])
+def test_optimistic_cycles_give_one_process_tokens_whichever_side_is_slower(ckpts, tmp_path, slow):
+    """Optimistic drafting's two timings, forced by slowing one side: a slow later stage (its result comes
+    back after rank 0's pre-draft, which then also runs rank 0's stage over it: a kept pre-draft's
+    step is sent as the acceptance is known), or a slow draft (the result comes back during the
+    pre-draft, which stops there: at once when the guess failed, once it has K drafts when it held).
+    Both ways the tokens and rank 0's K/V at the committed positions are one process's."""
+    cases = [dict(model=str(ckpts[a]), policy="specter", residency=0.5, prompt=PROMPT, new=NEW, sampling=GREEDY, k=2,
+                  optimistic=True, slow=slow) for a in ARCHS]
+    out = tmp_path / "results.json"
+    ranks = _launch([["-c", RANKS, json.dumps(cases), str(out)]] * 2, timeout=240)
+    assert all(r[0] == 0 for r in ranks), [r[2][-2000:] for r in ranks]
+    got = json.loads(out.read_text())
+    for i, (c, g) in enumerate(zip(cases, got)):
+        engine = specter.load(c["model"], device="cpu", policy="specter", residency=0.5, threads=1)
+        engine.decoder.governor = Governor(32, fixed=2)
+        ref = engine.generate(PROMPT, NEW, **GREEDY)
+        want = [t for t in engine.decoder._cache.k + engine.decoder._cache.v]
+        engine.close()
+        assert g["tokens"] == ref.token_ids, c
+        kv = torch.load(f"{out}.{i}.kv")
+        worst = max((a - b[:, :a.shape[1]]).abs().max().item() / b.abs().max().item() for a, b in zip(kv, want))
+        assert worst < 1e-5, (c, worst)
+        opt = g["pipeline"]["optimistic"]
+        assert opt["kept"] > 0 and opt["pre_drafted"] > opt["kept"], opt  # both kept and discarded pre-drafts
+        if slow[0] == 1:  # every pre-draft ran to its end before the result came back; rank 0's stage then ran
+            # over it where it copies nothing (deepseek_v2: rank 0 holds the dense layer 0; qwen3_moe: an MoE
+            # layer at residency 0.5, whose copies and demotions must wait for the acceptance)
+            assert opt["stopped"] == 0, opt
+            assert (opt["early_steps"] > 0) == (c["model"] == str(ckpts["deepseek_v2"])), opt
+        else:  # the result came back during each pre-draft: the failed ones stopped, no step ran early
+            assert opt["stopped"] == opt["pre_drafted"] - opt["kept"] and opt["early_steps"] == 0, opt
+            assert opt["pre_steps"] < opt["pre_drafted"] * 5, opt  # (guess + K + 2 each, had none stopped)
 
 
 def test_k_max_and_compress_experts_give_one_process_tokens(tmp_path):

@@ -11,7 +11,8 @@
     decoder.py  the protocol, plain decoding's rank-0 decoder (an Engine decoder) and every other
                 rank's loop
     speculative.py  rank 0's decoder for spec-lru and specter: SpeculativeDecoder over stand-ins
-                for the model and the offload manager that reach every stage
+                for the model and the offload manager that reach every stage (standins.py)
+    optimistic.py   its greedy cycles: rank 0 drafts the next cycle while the others verify
     launch.py   `torchrun ... -m specter generate|chat|serve`: the whole run on one rank, errors included
     bench.py    `torchrun ... -m specter bench`: the pipelined policies, per-rank stats
     plan.py     `specter plan --ranks N`: what each rank holds, and whether it fits

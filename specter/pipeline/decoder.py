@@ -58,8 +58,8 @@ from ..sampling import History, SamplingParams, sample
 from .group import Group, PipelineError
 from .stage import StageModel
 from .stages import Stage
-from .wire import (ABORT, ALL, BEGIN, CANCEL, CYCLE, END, GUESS, KV, PING, PREFILL, ROWS, STATS, STEP,  # noqa: F401
-                   STOP, SIDE, SUMMED, PER_RANK_ONLY, Wire, inline_rows)
+from .wire import (ABORT, ALL, BEGIN, CANCEL, CYCLE, END, GUESS, KV, PER_RANK_ONLY, PING, PREFILL, ROWS, STATS, STEP,
+                   STOP, SUMMED, Wire, inline_rows)
 
 
 def pipeline_info(group: Group, stages: list[Stage], wire: Wire) -> dict:
