@@ -106,6 +106,8 @@ for p in one[0]:
     o = [r[p].get("optimistic") for r in two if r[p].get("optimistic")]
     if o:
         print(f"{p}, two ranks: pre-drafts kept / made {sum(x['kept'] for x in o)} / {sum(x['pre_drafted'] for x in o)}, "
+              f"stopped when the result showed the guess failed {sum(x.get('stopped', 0) for x in o)}, kept ones whose "
+              f"rank-0 step ran before the acceptance {sum(x.get('early_steps', 0) for x in o)}, "
               f"pre-drafted tokens verified {sum(x['used_tokens'] for x in o)} of {sum(r[p]['new_tokens'] for r in two)} "
               f"tokens, mean K of speculative cycles 1 / 2 ranks "
               f"{statistics.mean(mean_k(r[p]) for r in one):.1f} / {statistics.mean(mean_k(r[p]) for r in two):.1f}")
