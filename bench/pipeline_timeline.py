@@ -105,7 +105,8 @@ def record(out: Path, argv: list[str]) -> int:
     # one process: its decoder's draft steps and verification
     orig_draft = sdec.SpeculativeDecoder._draft
     sdec.SpeculativeDecoder._draft = _span("main", "draft", orig_draft)
-    sdec.SpeculativeDecoder._verify = _span("main", "stage", sdec.SpeculativeDecoder._verify)
+    # a cycle less its draft (and the stalls inside) is its verification, as "stage"
+    sdec.SpeculativeDecoder._cycle = _span("main", "stage", sdec.SpeculativeDecoder._cycle)
     orig_run = sdec.SpeculativeDecoder.run
     orig_plain = sdec.plain_steps
 
