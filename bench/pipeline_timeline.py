@@ -8,6 +8,7 @@ by patching those methods at run time (nothing in specter/ changes), then summar
     python -m torch.distributed.run --nproc-per-node 2 bench/pipeline_timeline.py record OUT -- bench ...
     python bench/pipeline_timeline.py report OUT [OUT2 ...]
     TIMELINE_SET=specter.pipeline.optimistic:OptimisticCycles.exposed_draft=0 python ... record ...  # A/B a class attribute
+    FIXED_K=6 python ... record ...  # every cycle's K fixed
 
 Only the generations' windows count (rank 0's BEGIN to END under torchrun, its decoder's run in one
 process; the bench's warm-up generation included). `report` prints, per token, each rank's time by
@@ -151,6 +152,10 @@ def record(out: Path, argv: list[str]) -> int:
     link.Link._complete = complete
     host_lane.HostLane._compute = _span("host", "host compute", host_lane.HostLane._compute)
 
+    if os.environ.get("FIXED_K"):  # every cycle's K fixed (the governor's choices aside)
+        from specter.speculative import governor
+        init, fixed = governor.Governor.__init__, int(os.environ["FIXED_K"])
+        governor.Governor.__init__ = lambda self, k_max, **kw: init(self, k_max, **dict(kw, fixed=fixed))
     from specter.cli import main
     try:
         return main(argv)

@@ -454,7 +454,7 @@ def test_optimistic_cycles_give_one_process_tokens_whichever_side_is_slower(ckpt
             assert (opt["early_steps"] > 0) == (c["model"] == str(ckpts["deepseek_v2"])), opt
         else:  # the result came back during each pre-draft: the failed ones stopped, no step ran early
             assert opt["stopped"] == opt["pre_drafted"] - opt["kept"] and opt["early_steps"] == 0, opt
-            assert opt["pre_steps"] < opt["pre_drafted"] * 5, opt  # (guess + K + 2 each, had none stopped)
+            assert opt["pre_steps"] < opt["pre_drafted"] * 3, opt  # (the guess and K = 2 each, had none stopped)
 
 
 def test_k_max_and_compress_experts_give_one_process_tokens(tmp_path):

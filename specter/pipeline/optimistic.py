@@ -9,7 +9,7 @@ One greedy cycle, t pending at n:
     send      rank 0's stage over [t, d1 .. dK] (computed now, or while the last cycle's verification
               ran: PreDraft.step), then the STEP; the result's receive is posted at once (Posted)
     pre-draft while the later stages verify: the guess g (the draft's step on dK at n+K), then up
-              to K steps on g from n+K+1, rank 0's own planner prefetching from their rows. Between
+              to K steps on g from n+K+1 (the governor's K where a pre-draft capped this one), rank 0's own planner prefetching from their rows. Between
               steps rank 0 looks at the result: once it has arrived and says the guess failed (a
               rejection, or a target token other than g), the pre-draft stops. When it ends with
               the guess still standing, rank 0 also runs its own stage over [g, drafted] (only
@@ -30,7 +30,6 @@ from ..sampling import accept_greedy, sample
 from .stage import kv_rows, put_kv_rows
 from .standins import Sent, Step
 
-PRE_EXTRA = 2  # a pre-draft's steps past the cycle's K, while the result is not back
 
 @dataclass
 class PreDraft:
@@ -51,6 +50,7 @@ class OptimisticCycles:
 
     exposed_draft = True  # the governor's draft time: the wall's share beyond verification (_optimistic_cycle)
     step_ema = None  # a draft step's own seconds, a moving average over the optimistic cycles
+    k_want = 0  # the governor's K for the running cycle, before a kept pre-draft's length capped it
 
     def draft_step_s(self) -> float:
         """A draft step's own seconds, which planners size their chunks by (the governor's draft time
@@ -68,6 +68,7 @@ class OptimisticCycles:
         if pre is not None and (pre.t, pre.n) != (t, n):  # not what it was kept for (cannot happen: safety)
             self._discard(pre)
             pre = None
+        self.k_want = k  # the governor's K (the next pre-draft drafts that many, where this cycle is capped)
         if pre is not None:  # at most what it pre-drafted: drafting more here, rank 0 would keep the others waiting
             k = self.k = min(k, len(pre.drafted))
         st["k_histogram"][k] += 1
@@ -184,15 +185,16 @@ class OptimisticCycles:
         """While the later stages verify `drafted` (at n+1 .. n+k; `sent`): the draft's step on the last
         drafted token (position pos = n+K) gives its guess of the target's next token; then steps on that
         guess from pos + 1, rank 0's own planner prefetching from their rows (the other ranks get the rows
-        if the guess holds, in the next cycle): up to PRE_EXTRA more than K (the governor may lengthen
-        the next cycle; rank 0 drafts them while it would wait), stopped once the result has come back
-        and shows the guess failed, or held with at least K drafted (the later stages wait for the next
-        cycle then). Then, the result not back yet (or kept) and rank 0's stage copying nothing, rank
+        if the guess holds, in the next cycle): K of them, or the governor's K where a kept pre-draft
+        capped this cycle's (drafting more than the next cycle verifies costs rank 0 steps it may
+        need: it drafts more than one process does), stopped once the result has come back and shows
+        the guess failed, or held with at least K drafted (the later stages wait for the next cycle
+        then). Then, the result not back yet (or kept) and rank 0's stage copying nothing, rank
         0's stage over them. Positions past pos + 1 are scratch (rolled back by position); rank 0's own
         layers' target K/V at pos, which the draft's step overwrites, is put back."""
         pos = n + k
-        j = min(k + PRE_EXTRA, self.governor.k_max, self.need - 3 - pos)  # the next cycle drafts at most to
-        if j < 1:                                                         # need - 2 (SpeculativeDecoder.run)
+        j = min(max(k, self.k_want), self.need - 3 - pos)  # the next cycle drafts at most to need - 2
+        if j < 1:                                           # (SpeculativeDecoder.run)
             return None
         t0 = time.perf_counter()
         st, spec, own = self.stage, self.stage.model.spec, self.stages[0].last
