@@ -3,7 +3,7 @@
 Each rank's device holds its stage's non-expert weights (its layers; the embedding on the first,
 the final norm and lm_head on the last), its layers' KV cache at the context, and its expert slot
 pool; its host holds its MoE layers' expert store. The pool is sized as the ranks size it when they
-load (stage.load_stage): a residency gives each stage its layers' share of the whole model's pool;
+load (load.load_stage): a residency gives each stage its layers' share of the whole model's pool;
 --expert-memory is each rank's own; --device-memory is each rank's own device, the pool taking
 what the stage's weights, KV cache and draft leave (it fits when that is at least one layer's
 top-k). Drafting policies: the first rank runs the whole draft (stage.StageModel.whole), so it
