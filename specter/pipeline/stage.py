@@ -96,7 +96,7 @@ def stage_cache(spec, stage: Stage, max_len: int, device, dtype) -> KVCache:
 def drop_others(model, stage: Stage, dtype: torch.dtype) -> None:
     """Removes what this stage never runs (left on the meta device by a stage's load): other layers'
     modules, the embedding table (all but the first stage), the final norm and lm_head (all but the
-    last). model.dtype (lm_head's dtype) still answers."""
+    last); each dropped weight becomes an empty tensor of `dtype`."""
     layers = model.model.layers
     for l in range(len(layers)):
         if not stage.first <= l < stage.last:
