@@ -188,6 +188,33 @@ def test_a_new_prompt_copies_over_the_last_texts_residents(planner_setup):
     assert choose(0, [3, 4, 5], routed) == [4, 5]  # a new text: one copied (7 ms, beside 7 on the host)
 
 
+def _steps(mgr, steps):
+    """Plain steps of layer 0: one token each, routed to the given two experts."""
+    g = torch.Generator().manual_seed(5)
+    for ids in steps:
+        mgr(0, torch.randn(1, 16, generator=g), torch.tensor([ids]), torch.tensor([[0.6, 0.4]]))
+    mgr.link.synchronize()
+
+
+def test_plain_steps_evict_by_recency_cycles_by_score(planner_setup):
+    """Outside a cycle the planner ranks every resident alike, so a plain step's miss evicts what plain
+    decoding would (the least recently used: expert 1, used three steps running but not lately), not the
+    lowest decayed score (expert 2, used once, last step); while a cycle runs its scores decide."""
+    store, mgr, la, planner, link = planner_setup
+    _steps(mgr, [(0, 1)] * 3 + [(0, 2)])
+    assert planner.score[0][1] > planner.score[0][2]
+    _steps(mgr, [(0, 3)])  # a miss: layer 0 is at its quota of 3
+    assert residents(mgr, 0) == {0, 2, 3} and planner.rank(0, 1) == planner.rank(0, 2) == 0.0
+    planner.begin_cycle(2)
+    assert planner.rank(0, 2) == planner.score[0][2] > 0.0
+    planner.score[0][0] = 0.0  # the cycle's scores say 0 is the coldest, though it was used last
+    _steps(mgr, [(3, 4)])  # a cycle's miss: the lowest score goes, not the least recent (2)
+    assert residents(mgr, 0) == {2, 3, 4}
+    planner.end_cycle()
+    assert planner.rank(0, 3) == 0.0
+    mgr.slots.check()
+
+
 def test_late_experts_leave_the_highest_ranked_resident(planner_setup):
     """A layer needing more experts than its slots computes them in batches; with keep_rank the
     ones loaded last, and so left resident for the next cycle, are the highest ranked. The output

@@ -186,8 +186,12 @@ class PrefetchPlanner:
         self._prefill = False      # a prompt is running (begin_prefill): its calls measure no reuse
 
     def rank(self, layer: int, e: int) -> float:
-        """The slot cache evicts the lowest rank first."""
-        return self.score[layer][e]
+        """The slot cache evicts the lowest rank first: by the scores while a cycle runs (begin_cycle to
+        end_cycle: its predictions and verification, and keep_rank's verifications wider than the slots);
+        outside one (plain steps, prefill) every resident ranks alike, so the cache's own order decides
+        (the farthest next use), as in plain decoding: evicting by decayed use counts there made specter's
+        plain steps slower than on-demand's at the same misses (docs/RESULTS.md)."""
+        return self.score[layer][e] if self.k else 0.0
 
     def _admit(self, layer: int, counts: Counter) -> list[int]:
         """The predicted experts worth a copy, most demanded first and at most a layer's slots of them:
@@ -251,8 +255,9 @@ class PrefetchPlanner:
         self._prefill = True
 
     def end_cycle(self) -> None:
-        """Verification is over: uses from now on (plain steps, prefill) are not predictions' to cover."""
-        self.read_upto = 0
+        """Verification is over: uses from now on (plain steps, prefill) are not predictions' to cover, and
+        eviction is the cache's own (rank)."""
+        self.read_upto = self.k = 0
 
     def reset_stats(self) -> None:
         self.cover_hits = self.cover_total = 0
