@@ -15,6 +15,8 @@
 #                 INT4 path left out: it builds CUDA extensions first) -> kernels.json; then
 #                 `specter bench --json` on the bundled model over the real PCIe link, at 1/4
 #                 residency, resident, on-demand and specter (one compile) -> bench.json
+#   compressed  issue 24's figure: `specter bench --compare-compressed` (raw and coded stores side by
+#                 side, bytes a token and TPOT) at 1/4 residency over the real link -> compressed.json
 #   also: graphs (bench/graph_check.py), async (bench/async_vs_sync.py) -> NAME.log; any mix, one
 #   time budget: each step's limit is cut to what is left of BUDGET_S (default 285 s).
 #
@@ -46,7 +48,7 @@ trap 'rm -rf "$SCRATCH"' EXIT
 SITE=${SITE:-/tmp/site}
 [[ $DRY_RUN == 1 ]] && SITE=$SCRATCH/site
 SUITE=(tests/test_triton_ops.py tests/test_lossless.py tests/test_link.py tests/test_profiling.py tests/test_slots.py tests/test_spec_lossless.py tests/test_spec_acceptance.py tests/test_spec_cycles.py tests/test_spec_planner.py
-       tests/test_cuda.py)  # in this order: the quick ones first, the captured graphs (compiles) last
+       tests/test_coalesce.py tests/test_compressed.py tests/test_cuda.py)  # in this order: the quick ones first, the captured graphs (compiles) last
 mkdir -p "$OUT"
 STEPS=$SCRATCH/steps.tsv
 : > "$STEPS"
@@ -151,7 +153,9 @@ for part in $CHECKS; do
     graphs) step graphs 200 "$PY" "$REPO/bench/graph_check.py" --residency 0.5 --repeat 1 ;;
     async) step async 200 "$PY" "$REPO/bench/async_vs_sync.py" --device cuda --policies specter \
              --workloads default --prompts 2 --rounds 1 --max-new-tokens 32 ;;
-    *) echo "unknown check '$part' (suite, bench, graphs, async)" ;;
+    compressed) JSON=1 step compressed 200 "$PY" -m specter.cli bench --device cuda --residency 0.25 \
+             --policies on-demand,spec-lru,specter --compare-compressed --json ;;
+    *) echo "unknown check '$part' (suite, bench, graphs, async, compressed)" ;;
   esac
 done
 finish
