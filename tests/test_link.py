@@ -215,6 +215,32 @@ def test_pending_close_and_stats():
     assert link.stats == {"transfers": 0, "bytes": 0, "busy_s": 0.0}
 
 
+EXITS_MID_COPY = r"""
+import torch
+from specter.offload.link import EmulatedLink
+
+link = EmulatedLink(1e12)  # no emulated time: the worker is inside copy_ nearly all the time
+src = torch.ones(8 << 20)
+dst = [torch.empty_like(src) for _ in range(8)]
+transfers = [link.copy([d], [src]) for d in dst]
+transfers[0].wait()
+print("returning with", link.pending(), "copies queued", flush=True)
+"""
+
+
+def test_a_script_that_exits_with_copies_in_flight_exits_cleanly():
+    """A daemon thread inside a torch op when Python finalizes aborts the process ("terminate called
+    without an active exception", status 134): the link is closed at exit instead (offload/threads.py),
+    its queued copies landing first."""
+    import subprocess
+    import sys
+
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", EXITS_MID_COPY], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0 and "terminate" not in p.stderr, (p.returncode, p.stdout, p.stderr[-2000:])
+        assert "copies queued" in p.stdout
+
+
 def test_failed_copy_reaches_the_waiter():
     with EmulatedLink(bandwidth=1e9) as link:
         t = link.copy(torch.zeros(4), torch.empty(4, device="meta"))  # no bytes to copy: fails in the worker

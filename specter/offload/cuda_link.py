@@ -18,6 +18,7 @@ from specter.offload.calibrate import (emulated_link_params, load_profile, measu
                                        profile_for_gpu)
 from specter.offload.link import EmulatedLink, Link, Transfer
 from specter.offload.staging import StagedCopies, pinned_buffer
+from specter.offload.threads import daemon
 
 
 class CudaApi:
@@ -89,8 +90,7 @@ class CudaLink(Link):
         self._warned_unpinned = False
         self._staged = StagedCopies(cuda.pinned_empty, self._issue, self._complete, name)  # unpinned sources
         self._watch: queue.SimpleQueue = queue.SimpleQueue()
-        self._watcher = threading.Thread(target=self._run, name=f"specter-link-{name}", daemon=True)
-        self._watcher.start()
+        self._watcher = daemon(self._run, f"specter-link-{name}", self)
 
     def read_event(self):
         ev = self._cuda.event()

@@ -41,6 +41,7 @@ from ..profiling import span
 from .calibrate import HostParams, emulated_host_params
 from .cuda_link import CudaApi
 from .link import Transfer
+from .threads import daemon
 
 
 class HostJob(Transfer):
@@ -92,8 +93,7 @@ class HostLane:
                                                            initializer=torch.set_num_threads,
                                                            initargs=(1,)) if threads > 1 else None
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._worker = threading.Thread(target=self._run, name=f"specter-{name}", daemon=True)
-        self._worker.start()
+        self._worker = daemon(self._run, f"specter-{name}", self)
 
     def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                experts: list[int]) -> HostJob:

@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from .threads import daemon
+
 
 async def poll(ready, spin: float = 2e-3, every: float = 1e-3) -> None:
     """Until ready() (CUDA events are queried from the loop, never synchronised): for `spin` seconds
@@ -299,8 +301,7 @@ class EmulatedLink(Link):
         self._normal: collections.deque[Transfer] = collections.deque()
         self._urgent: collections.deque[Transfer] = collections.deque()
         self._closing = threading.Event()              # cuts the worker's sleep short
-        self._worker = threading.Thread(target=self._run, name=f"specter-link-{name}", daemon=True)
-        self._worker.start()
+        self._worker = daemon(self._run, f"specter-link-{name}", self)
 
     def copy(self, dst, src, *, urgent: bool = False, tag=None, after="all") -> Transfer:
         t = Transfer(dst, src, tag)

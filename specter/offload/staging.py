@@ -23,6 +23,7 @@ import torch
 
 from ..errors import BudgetError
 from ..sizes import format_size
+from .threads import daemon
 
 _ALIGN = 256  # bytes: every staged tensor starts aligned, so any dtype can view it
 
@@ -111,8 +112,7 @@ class Stager:
         self._cv = threading.Condition()
         self._lanes = (collections.deque(), collections.deque())  # (urgent, normal)
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._thread = daemon(self._run, name, self)
 
     def put(self, job, urgent: bool) -> None:
         with self._cv:
