@@ -74,7 +74,22 @@ def test_a_clearly_fastest_baseline_is_picked_on_both_halves(gm):
     assert v["best_baseline"] == "host" and v["best_by_half"] == dict(even="host", odd="host")
     assert v["ratio"]["specter"] == pytest.approx(1.5, rel=0.05)
     assert v["ratio"]["next-layer/on-demand"] == pytest.approx(1.0, abs=0.03)
-    assert v["ok"] is False  # spec-lru and specter are far over host
+    assert v["ok"] is False  # specter is far over host
+
+
+def test_spec_lru_is_judged_against_the_copy_only_baselines_and_its_every_ratio_is_kept(gm):
+    """spec-lru (no host lane) against the best of on-demand and next-layer; specter and the twin against
+    every baseline, host included; spec-lru's ratio against every baseline reported, not judged."""
+    cost = dict(COST, host=2.0, **{"spec-lru": 3.0, "specter": 2.0, "on-demand#2": 2.0})
+    runs = [synthetic_run(random.Random(2), rounds=6, prompts=2, cost=cost, noise=0.02, load=0.0)]
+    v = gm.judge(runs)
+    assert v["best_baseline"] == "host" and v["best_copy_only"] in ("on-demand", "next-layer", "on-demand|next-layer")
+    assert v["ratio"]["spec-lru"] == pytest.approx(1.0, abs=0.03)
+    assert v["ratio"]["spec-lru/every"] == pytest.approx(1.5, rel=0.05)
+    assert v["ratio"]["specter"] == pytest.approx(1.0, abs=0.03)
+    assert v["ok"] is True  # the 1.5 is shown, not judged
+    slow = dict(cost, **{"spec-lru": 3.3})  # 10% over the copy-only best: over
+    assert gm.judge([synthetic_run(random.Random(3), rounds=6, prompts=2, cost=slow, noise=0.02, load=0.0)])["ok"] is False
 
 
 def test_halves_that_pick_differently_are_both_reported(gm):
