@@ -32,15 +32,16 @@ own arm (with or without next-layer prefetch, `PlainArms`). Why: docs/ARCHITECTU
        E[tokens | K] = 1 + sum_{j=1..K} prod_{i=1..j} a_i
        a_i = (h_i + m p) / (n_i + m),     a_i^- = a_i - z sqrt(a_i (1 - a_i) / (N_i + m))
        cycle(K) = K d + v0 + v1 (K + 1) + s(K)
-       s(K) = sum_t w_t sbar_t / sum_t w_t,     w_t = n_t exp(-|K' - t| / h),   K' = clamp(K, K_lo, K_hi)
+       s(K) = min(sum_t w_t sbar_t / sum_t w_t, min_{t > K, n_t >= n_K} sbar_t + (t - K) d),  w_t = n_t exp(-|K'-t|/h)
 
    a_i the probability that drafted position i is accepted given that i-1 was; h_i, n_i its decayed
    accepted / tried counts, N_i its observations (capped at 64), p the pooled acceptance (a prior
    worth m observations); d the draft step time, v0 + v1 (K + 1) a running fit of verify compute,
    sbar_t the moving average of the stall verification waited on (copies, the host lane) at tried
-   K = t, n_t its count (capped at 16), h = `bandwidth`, K_lo..K_hi the tried range (a cycle's
-   copies are a union of experts, which saturates with K). Every `probe_every` cycles (doubling up
-   to `probe_max` while the best K holds) it tries a K next to the best one, above and below in turn.
+   K = t, n_t its count (capped at 16), h = `bandwidth`, K' = K clamped to the tried range (copies: a union
+   of experts, which saturates with K); the min: a longer cycle drafts more and waits on a superset of
+   copies, so a cold first reading at K_init cannot keep K long. Every `probe_every` cycles (doubling up to
+   `probe_max` while the best K holds) it tries a K next to the best one, above and below in turn.
 """
 from __future__ import annotations
 
@@ -234,16 +235,18 @@ class Governor:
         return self._worth[k]
 
     def stall_estimate(self, k: int) -> float:
-        """s(K): kernel-smoothed measured stalls, clamped to the tried range (see the module docstring)."""
+        """s(K): kernel-smoothed measured stalls, clamped to the tried range, bounded by longer K's (the docstring)."""
         if not self.stall:
             return 0.0
         k = min(max(k, min(self.stall)), max(self.stall))
-        kernel = self._kernel
-        num = den = 0.0
+        kernel, n, d = self._kernel, self.stall_n.get(k, 0), self.draft_s or 0.0
+        num, den, cap = 0.0, 0.0, math.inf
         for t, s in self.stall.items():
             w = self.stall_n[t] * kernel[abs(k - t)]
             num, den = num + w * s, den + w
-        return num / den
+            if t > k and self.stall_n[t] >= n:  # a longer K, measured as often: what it cost, plus K's saved drafting
+                cap = min(cap, s + (t - k) * d)
+        return min(num / den, cap)
 
     def _argmax_k(self) -> int:
         """argmax_{K >= 1} E^-[tokens | K] / cycle(K), in one pass over K."""
