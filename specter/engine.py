@@ -285,7 +285,8 @@ class Engine:
         the decoder's committed chunks in; (new ids so far, their text or None without a tokenizer)
         out after each, both cut at EOS, max_new_tokens or a stop string; `stats` filled at the end.
         `cancel` (set from any thread) ends it after the chunk in progress."""
-        dec, eos, longest = self.decoder, set(self.model.spec.eos_token_ids), max(map(len, stops), default=0)
+        dec, tok, eos = self.decoder, self.tokenizer, set(self.model.spec.eos_token_ids)
+        longest = max(map(len, stops), default=0)
         if cancel is not None and cancel.is_set():  # cancelled while waiting for the turn
             stats.update(STATS_DEFAULTS, finish_reason="cancelled", prompt_tokens=len(ids), policy=self.policy)
             return
@@ -305,7 +306,7 @@ class Engine:
                     if new[j] in eos or j + 1 >= max_new_tokens:
                         done, reason, new = True, "stop" if new[j] in eos else "length", new[:j + 1]
                         break
-                text = self.decode(new) if self.tokenizer is not None else None
+                text = None if tok is None else tok.decode(new, skip_special_tokens=True)  # as decode()
                 if stops:
                     start = max(0, checked - longest + 1)
                     hit = min((i for s in stops if (i := text.find(s, start)) >= 0), default=-1)
