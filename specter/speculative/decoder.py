@@ -342,9 +342,7 @@ class SpeculativeDecoder:
     def reset_stats(self) -> None:
         if self.times.pending:
             self.times.poll()  # what earlier cycles measured still reaches the governor, not the new stats
-        self.experts.reset_stats()
-        if self.planner is not None:
-            self.planner.reset_stats()
+        self.experts.reset_stats()  # the planner's route coverage starts over at each prefill (begin_prefill)
         self._stats = dict(cycles=0, drafted_tokens=0, accepted_tokens=0, rejections=0,
                            draft_s=0.0, verify_s=0.0, recall_hits=0, recall_total=0, k_histogram=Counter())
         self._step_drafted = 0  # tokens drafted by draft_step (it does not run with penalties)

@@ -248,11 +248,12 @@ class PrefetchPlanner:
         that many plain steps (observe_use decays the last one), not one. The experts the earlier
         text used are no likelier to serve this prompt's tokens than any others, so neither a copy
         (LaneChoice) nor eviction may keep them on their old uses; the call does not measure step
-        to step `reuse` either."""
+        to step `reuse` either. The route coverage counts start over: they describe one generation."""
         decay = (self.decay ** max(0, tokens - 1)).__mul__
         for row in self.score:
             row[:] = map(decay, row)
         self._prefill = True
+        self.cover_hits = self.cover_total = 0
 
     def end_cycle(self) -> None:
         """Verification is over: uses from now on (plain steps, prefill) are not predictions' to cover, and
