@@ -56,7 +56,7 @@ from collections import Counter
 
 import torch
 
-from specter.triton_ops import Int4Experts, fused_moe, pack_int4
+from specter.triton_ops import Int4Experts, combine_rows, expert_rows, pack_int4
 
 from ..moe import ExpertWeights
 from ..offload.manager import OffloadedExperts
@@ -111,16 +111,17 @@ class DraftExperts:
             la.ids[self.row, layer].copy_(ids[0])
             la.weights[self.row, layer].copy_(weights[0])
         if self.packed:  # INT4 dequantized tile by tile inside the kernels' K loops
-            return fused_moe(x, ids, weights, self.q13[layer], self.q2[layer])
+            return combine_rows(expert_rows(x, ids, weights, self.q13[layer], self.q2[layer]))
         ew = self.layers[layer]
-        return fused_moe(x, ids, weights, ew.w13, ew.w2)
+        return combine_rows(expert_rows(x, ids, weights, ew.w13, ew.w2))  # fused_moe, as the manager calls it
 
 
 # ------------------------------------------------------------------------------- lookahead buffer
 class Lookahead:
     """ids / weights [K_max, L, k]: row r, layer l holds the router's choice for drafted token r, written
     in place on the device by the draft's provider (DraftExperts; compiled/draft_step.py), read back
-    by the planner (`read`, or `read_host` from the mirror the sync-free draft publishes to)."""
+    by the planner (`PrefetchPlanner.plan`: one device-to-host read of the new rows, or `read_host` from
+    the mirror the sync-free draft publishes to)."""
 
     def __init__(self, k_max: int, n_layers: int, top_k: int, device):
         self.ids = torch.full((k_max, n_layers, top_k), -1, dtype=torch.int32, device=device)  # [K_max, L, k]
@@ -130,12 +131,6 @@ class Lookahead:
         self.host = torch.full_like(self.ids, -1, device="cpu", pin_memory=cuda)  # [K_max, L, k]
         self._events: list = [None] * k_max  # CUDA: one per published row
         self._published = 0
-
-    def read(self, start: int, end: int) -> list[list[list[int]]]:
-        """Rows [start, end) on the host: [rows][layer][k]. One device-to-host transfer."""
-        if end <= start:
-            return []
-        return self.ids[start:end].cpu().tolist()
 
     # ------------------------------------------------------------- sync-free publication
     def begin(self) -> None:
@@ -279,9 +274,10 @@ class PrefetchPlanner:
     def plan(self, upto: int, host: bool = False) -> int:
         """Read lookahead rows [read_upto, upto) and issue what they newly predict. Returns copies issued.
         host=True: from the host mirror the sync-free draft publishes to (Lookahead.publish)."""
-        rows = (self.lookahead.read_host if host else self.lookahead.read)(self.read_upto, upto)
-        if not rows:
+        start, la = self.read_upto, self.lookahead
+        if upto <= start:
             return 0
+        rows = la.read_host(start, upto) if host else la.ids[start:upto].cpu().tolist()  # [rows][layer][k]: one read
         self.rows += rows
         self.read_upto = upto
         for row in rows:
