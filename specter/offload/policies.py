@@ -62,14 +62,6 @@ class NextLayerPrefetch:
         used = self.used[layer]
         return self.hot(layer, used.index(e)) if e in used else 0.0
 
-    def _may_copy(self, layer: int) -> bool:
-        """Whether some guess could be copied now, whatever it is: it pays over a free slot, or some
-        resident is colder than the guesses."""
-        p, slots = self.precision(layer), self.mgr.slots
-        if not self.pays(p, 0.0):
-            return False
-        return slots.free_slots(layer) > 0 or any(self.heat(layer, e) < p for e in slots.recency(layer))
-
     def pays(self, p: float, q: float) -> bool:
         """Whether a guess of precision p over a victim of hotness q gains more than it costs."""
         h, s = self.head / self.timed, self.started / self.timed
@@ -81,31 +73,45 @@ class NextLayerPrefetch:
             return
         self.predicted.pop(nxt, None)
         self.calls[nxt] += 1
-        if self.admission and self.calls[nxt] % self.remeasure and not self._may_copy(nxt):
+        mgr, slots = self.mgr, self.mgr.slots
+        p, skip = self.good[nxt] / self.made[nxt], self.admission and self.calls[nxt] % self.remeasure  # p: precision
+        if skip and self.pays(p, 0.0):  # a guess pays over a free slot, or over a resident colder than p
+            skip = slots.free_slots(nxt) <= 0
+            for e in slots.recency(nxt) if skip else ():
+                if self.heat(nxt, e) < p:
+                    skip = False
+                    break
+        if skip:
             return  # no guess could be copied: skip the router, except every `remeasure` calls (to keep p)
         ids, _ = self.blocks[nxt].route(x)                   # [T, k]
-        demand = Counter(ids.reshape(-1).tolist())
-        mgr, slots = self.mgr, self.mgr.slots
-        want = [e for e, _ in demand.most_common()]          # most demanded first
-        new = [e for e in want if not mgr.is_resident(nxt, e)]
+        want, new, where = [], [], slots.slot[nxt]
+        for e, _ in Counter(ids.reshape(-1).tolist()).most_common():  # most demanded first
+            want.append(e)
+            if where[e] < 0:  # neither resident nor in flight
+                new.append(e)
         self.predicted[nxt] = new
         if not new:
             return
-        if not self.admission:
-            self.guessed[nxt] = self._copy(nxt, new, set(want))
-            return
-        p, protect = self.precision(nxt), set(want)
-        heat = {e: self.heat(nxt, e) for e in slots.recency(nxt) if e not in protect}
-        protect.update(e for e, h in heat.items() if h >= p)
-        q = 0.0 if slots.free_slots(nxt) >= len(new) else max((h for h in heat.values() if h < p), default=0.0)
-        if not self.pays(p, q):
-            return
+        protect = set(want)
+        if self.admission:
+            q, evicts = 0.0, slots.free_slots(nxt) < len(new)  # q: the hottest resident a guess may evict
+            for e in slots.recency(nxt):
+                if e not in protect:
+                    h = self.heat(nxt, e)
+                    if h >= p:
+                        protect.add(e)  # used by the next call more often than guesses are right: kept
+                    elif evicts:
+                        q = max(q, h)
+            if not self.pays(p, q):
+                return
         self.guessed[nxt] = self._copy(nxt, new, protect)
 
     def _copy(self, layer: int, experts: list[int], protect: set) -> list:
         """Prefetch `experts` in order, never evicting `protect` -> [(expert, transfer)] issued."""
-        issued = self.mgr.prefetch(layer, experts, protect=protect)
-        return [(e, self.mgr.inflight[(layer, e)]) for e in experts[:issued]]
+        issued, out = self.mgr.prefetch(layer, experts, protect=protect), []
+        for e in experts[:issued]:
+            out.append((e, self.mgr.inflight[(layer, e)]))
+        return out
 
     def settle(self, layer: int, need: list[int]) -> None:
         """Layer `layer` read its routing (`need`, before any copy for it): learn from it, and withdraw
@@ -116,7 +122,11 @@ class NextLayerPrefetch:
         for j, e in enumerate(history[:self.depth]):
             hits[j] = d * hits[j] + (e in used)
             tries[j] = d * tries[j] + 1.0
-        history[:] = sorted(used) + [e for e in history if e not in used]
+        older = []  # the experts used before, not by this call, most recent first
+        for e in history:
+            if e not in used:
+                older.append(e)
+        history[:] = sorted(used) + older
         for e in predicted:
             self.good[layer] = d * self.good[layer] + (e in used)
             self.made[layer] = d * self.made[layer] + 1.0
@@ -128,6 +138,9 @@ class NextLayerPrefetch:
             self.head = d * self.head + (min(1.0, (now - t.t_started) / copy_s) if begun else 0.0)
             self.started = d * self.started + begun
             self.timed = d * self.timed + 1.0
-        wrong = [e for e, _ in guesses if e not in used]
+        wrong = []
+        for e, _ in guesses:
+            if e not in used:
+                wrong.append(e)
         if wrong:
             mgr.withdraw(layer, wrong)
