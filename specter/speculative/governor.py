@@ -148,7 +148,8 @@ class Governor:
                 running = (self.plain if self.arm == "plain" else self.spec).rate
                 need = self.margin if probed_plain else self.burden()
                 if running is not None and not probed_plain:
-                    running = self._plain_bar()
+                    plain = self.plain  # as speculation must beat it (as in _arm)
+                    running = max(plain.rate, plain.recent()) if self.plain_copies_nothing else plain.rate
                 if running is not None and rate > running * (1 + need):
                     self._arm_next = self.cycles
         (self.plain if drafted == 0 else self.spec).add(k, seconds)
@@ -188,11 +189,6 @@ class Governor:
         if self.arm is None and self.fixed is None and self.k_max > 0:
             self.arm = "plain"
             self._arm_next = self.cycles + 2 * self.probe_every
-
-    def _plain_bar(self) -> float:
-        """Plain decoding's rate as speculation must beat it: the window's, and when plain steps copy
-        nothing also its newest steps' (R_plain_3), whichever is faster."""
-        return max(self.plain.rate, self.plain.recent()) if self.plain_copies_nothing else self.plain.rate
 
     def burden(self) -> float:
         """How much faster speculation must be before it runs: margin (+ extra when plain copies nothing)."""
@@ -325,7 +321,10 @@ class Governor:
         # the burden is at least the margin (start_plain: speculation unmeasured until its first probe)
         faster = other.rate is not None and other.rate > running.rate * (1 + self.margin)
         if faster and self.arm == "plain":  # the burden of proof, on evidence as fresh as the plain window's
-            bar = self._plain_bar() * (1 + self.burden())
+            # plain decoding's rate as speculation must beat it: the window's, and when plain steps copy
+            # nothing also its newest steps' (R_plain_3), whichever is faster
+            plain = self.plain
+            bar = (max(plain.rate, plain.recent()) if self.plain_copies_nothing else plain.rate) * (1 + self.burden())
             faster = self._spec_fresh is not None and min(other.rate, self._spec_fresh) > bar
         if faster:  # the landscape moved: look at the loser again soon
             self.arm = "plain" if self.arm == "spec" else "spec"
