@@ -131,7 +131,9 @@ class CudaLink(Link):
             self._warn_unpinned()
             t._issued = threading.Event()  # set by the stager once the copy is on its stream
         with self._lock:
-            self._admit()
+            if self._closed:  # closed meanwhile
+                raise RuntimeError(f"{self.name}: copy() on a closed link")
+            self._pending += 1  # queued + in flight
         if not pinned:
             self._staged.put(t, stream, after, urgent)
             return t

@@ -261,12 +261,6 @@ class Link(abc.ABC):
         return f"{type(self).__name__}({self.name!r}, {self.bandwidth / 1e9:.4g} GB/s, {self.latency * 1e6:.3g} us)"
 
     # --- helpers for subclasses
-    def _admit(self) -> None:
-        """Count a new transfer; called with the lock held."""
-        if self._closed:
-            raise RuntimeError(f"{self.name}: copy() on a closed link")
-        self._pending += 1
-
     def _complete(self, t: Transfer, busy_s: float, error: BaseException | None = None) -> None:
         t._finish(error)  # done() turns True and callbacks run before pending() drops
         with self._lock:
@@ -308,7 +302,9 @@ class EmulatedLink(Link):
         t.t_enqueued = self._now()
         t.seconds = self.seconds(t._dst, t._src)
         with self._lock:
-            self._admit()
+            if self._closed:
+                raise RuntimeError(f"{self.name}: copy() on a closed link")
+            self._pending += 1  # queued + in flight
             (self._urgent if urgent else self._normal).append(t)
             self._work.notify()
         return t
