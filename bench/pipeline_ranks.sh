@@ -14,7 +14,9 @@
 # token of the last two-rank round, each rank's target steps, time blocked on the wire, stall and
 # host-lane stall, and rank 0's draft; then the probe.
 # With specter among the policies, each round also runs it on two ranks with SPECTER_PIPELINE_OPTIMISTIC=0
-# (rank 0 drafts only between verifications) and reports how many of rank 0's pre-drafts were kept.
+# (rank 0 drafts only between verifications) and reports how many of rank 0's pre-drafts were kept,
+# and rank 0's draft step beside the later ranks' verification (a pre-draft) and while they wait (a fresh
+# draft), against one process's: the two cores' contention on the rank that drafts.
 # Usage: ROUNDS=3 bash bench/pipeline_ranks.sh [extra bench flags]   (figures: docs/RESULTS.md)
 set -euo pipefail
 ROUNDS=${ROUNDS:-3}
@@ -37,7 +39,7 @@ PY
 )
 fi
 export SPECTER_EXPERT_THROUGHPUT
-echo "emulated link calibrated once: expert throughput $SPECTER_EXPERT_THROUGHPUT B/s; load: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "emulated link calibrated once: expert throughput $SPECTER_EXPERT_THROUGHPUT B/s; $(date -u +%H:%M:%S) UTC, load: $(cut -d' ' -f1-3 /proc/loadavg)"
 seqargs=(bench --policies specter --expert-memory 9MiB --device cpu --json "$@")
 for rep in $(seq "$ROUNDS"); do
   python -m specter "${args[@]}" > "$OUT/one-$rep.json"
@@ -111,6 +113,14 @@ for p in one[0]:
               f"pre-drafted tokens verified {sum(x['used_tokens'] for x in o)} of {sum(r[p]['new_tokens'] for r in two)} "
               f"tokens, mean K of speculative cycles 1 / 2 ranks "
               f"{statistics.mean(mean_k(r[p]) for r in one):.1f} / {statistics.mean(mean_k(r[p]) for r in two):.1f}")
+        st = lambda runs, s, n: sum(r[p]["optimistic"][s] if n else r[p][s] for r in runs) / max(1, sum(
+            r[p]["optimistic"][n] if n else r[p]["drafted_tokens"] for r in runs)) * 1e3
+        tok = sum(r[p]["new_tokens"] for r in two)
+        print(f"{p}: rank 0's draft step, ms: two ranks, beside the later ranks' verification (pre-draft) "
+              f"{st(two, 'pre_draft_s', 'pre_steps'):.2f} ({sum(x['pre_steps'] for x in o) / tok:.2f} a token), while "
+              f"they waited {st(two, 'draft_s', 'steps'):.2f} ({sum(x['steps'] for x in o) / tok:.2f} a token); "
+              f"one process {st(one, 'draft_s', None):.2f} (its planning included; "
+              f"{sum(r[p]['drafted_tokens'] for r in one) / sum(r[p]['new_tokens'] for r in one):.2f} a token)")
 same = all(r[p].get("lossless_vs_" + next(iter(r))) is not False for r in one + two + [busy] for p in r)
 print("\nper token, last two-rank round, ms: rank 0's draft; then each rank's target steps (its stage's "
       "share of prefill, verifications and plain steps), blocked on the wire (receives, sends), stall, host-lane stall")
@@ -124,3 +134,4 @@ for p, r in list(two[-1].items()) + ([("specter, no pre-draft", seq[-1]["specter
 print("greedy tokens equal to the first policy's within every run:", same)
 print(open(f"{out}/handoff.txt").read().strip())
 PY
+echo "done $(date -u +%H:%M:%S) UTC, load: $(cut -d' ' -f1-3 /proc/loadavg)"
