@@ -33,14 +33,16 @@ policy's kind:
   - spec-lru against the copy-only ones (`COPY_ONLY`: every baseline but `host`): spec-lru is the
     copy-only speculative baseline, the speculation of systems that fetch every miss over the link,
     and is judged against the best of that kind; its ratio against every baseline is printed too,
-    as `spec-lru/every`, and kept in the json, but does not decide the cell. How a cell is measured, so that a reader can tell noise
-from a loss on a small shared machine:
+    as `spec-lru/every`, and kept in the json, but does not decide the cell.
+How a cell is measured, so that a reader can tell noise from a loss on a small shared machine:
   - every policy warms up on the first prompt, then rounds over the same prompts: each prompt runs
     on every engine back to back, so that a policy and the baseline it is judged against generate
-    the same text within a second or so of each other; the engines' order is a seeded shuffle for
-    one prompt and its reverse for the next (ABBA), so every policy takes every place and follows
-    every other (a fixed order left the engine after `host` ~5% slower), with the young garbage
-    collected between generations (untimed);
+    the same text within a second or so of each other; the engines' order is the next row of a
+    Williams design (`williams`; engines given its places by a seeded shuffle) for one prompt and its
+    reverse for the next (ABBA), so that over as many orders as engines every policy takes every place
+    and follows every other equally often (a fixed order left the engine after `host` ~5% slower;
+    seeded shuffles put specter after `host` twice as often as on-demand at top8 1/2), with the young
+    garbage collected between generations (untimed);
   - a sample is one such pair: the policy's TPOT over the best baseline's on the same prompt in the
     same round; the cell's ratio is the median of its samples, printed with a distribution-free 95%
     confidence interval of that median (order statistics) -- a burst of load on the shared machine
@@ -195,9 +197,10 @@ def interleave(engines: dict, prompts: list, rounds: int, max_new_tokens: int, s
     """Every engine warmed up on the first prompt, then `rounds` rounds over the prompts; each prompt
     runs on every engine back to back -> {name: [seconds a token, one per (round, prompt)]}: index i
     of every engine is the same prompt, generated side by side in time (a pair). The engines' order
-    is a seeded shuffle for one prompt and its reverse for the next (ABBA): every engine takes every
-    place equally often and follows every other, so no policy always runs right after the same one
-    (an engine with a host lane left the next engine ~5% slower, measured 2026-12-01: docs/RESULTS.md);
+    is a Williams design's next row for one prompt and its reverse for the next (ABBA): over every
+    len(engines) rows each engine takes every place and follows every other exactly twice, so no
+    policy runs right after a given one more often than another does (an engine with a host lane
+    left the next engine slower: docs/RESULTS.md);
     an odd round repeats the even round's orders, so that the halves `judge` cross-fits (even and odd
     rounds) put every engine in the same places (a place's cost is then the same in both halves);
     the young garbage of one generation is collected before the next, untimed, so no engine pays another's.
@@ -206,8 +209,9 @@ def interleave(engines: dict, prompts: list, rounds: int, max_new_tokens: int, s
     for e in engines.values():
         e.generate(prompts[0], max_new_tokens=max_new_tokens, **sampling)
     out = {p: [] for p in engines}
-    flip, order = first_round * len(prompts), list(engines)
-    shuffle = random.Random(flip).shuffle
+    flip, names = first_round * len(prompts), list(engines)
+    random.Random(flip).shuffle(names)  # which engine takes which place in the design
+    rows, order = williams(len(names)), names
     orders = []  # the even round's orders: the odd round after it repeats them
     for r in range(first_round, first_round + rounds):
         kw = dict(sampling, seed=sampling["seed"] + r) if sampling.get("temperature") and "seed" in sampling else sampling
@@ -217,8 +221,8 @@ def interleave(engines: dict, prompts: list, rounds: int, max_new_tokens: int, s
             if r % 2 and i < len(orders):
                 now = orders[i]
             else:
-                if flip % 2 == 0:
-                    shuffle(order)
+                if flip % 2 == 0:  # the design's next order, then its reverse
+                    order = [names[i] for i in rows[(flip // 2) % len(rows)]]
                 now = list(order if flip % 2 == 0 else order[::-1])
                 flip += 1
                 if r % 2 == 0:
@@ -230,6 +234,20 @@ def interleave(engines: dict, prompts: list, rounds: int, max_new_tokens: int, s
                 if count is not None:
                     count(p, s)
     return out
+
+
+def williams(n: int) -> list[list[int]]:
+    """n orders of range(n), a Williams design: with their reverses, every index follows every other
+    exactly twice and takes every place twice (random shuffles let one engine follow `host` 30 times in
+    96 pairs and another 14: docs/RESULTS.md)."""
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    return [[(x + j) % n for x in first] for j in range(n)]
 
 
 def median_ci(values: list) -> tuple[float, float]:

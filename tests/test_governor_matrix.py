@@ -4,6 +4,7 @@ import importlib.util
 import math
 import random
 import statistics
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,16 @@ def test_halves_that_pick_differently_are_both_reported(gm):
     assert v["ratio"]["specter"] == pytest.approx(1.0)
 
 
+def test_williams_rows_balance_places_and_followers(gm):
+    for n in range(2, 9):
+        rows = gm.williams(n)
+        both = rows + [r[::-1] for r in rows]
+        assert all(sorted(r) == list(range(n)) for r in rows)
+        assert all(sorted(r[i] for r in rows) == list(range(n)) for i in range(n))  # every place once
+        follows = Counter((a, b) for r in both for a, b in zip(r, r[1:]))
+        assert len(follows) == n * (n - 1) and set(follows.values()) == {2}
+
+
 def test_folds_number_rounds_across_runs_and_split_a_single_round(gm):
     first = dict(rounds=3, tpot_ms={"on-demand": [1.0] * 6})
     again = dict(rounds=3, tpot_ms={"on-demand": [1.0] * 6})  # cell's second run: rounds 3, 4, 5
@@ -118,8 +129,9 @@ def test_folds_number_rounds_across_runs_and_split_a_single_round(gm):
 def test_odd_rounds_repeat_the_even_rounds_orders(gm):
     """The halves `judge` cross-fits are the even and the odd rounds: each odd round runs the engines
     in the orders of the even round before it, so both halves put every engine in the same places;
-    within a round the second prompt runs the first's order reversed (ABBA), and even rounds draw
-    new orders."""
+    within a round the second prompt runs the first's order reversed (ABBA), and even rounds take
+    a Williams design's next row: over 6 even rounds every engine follows every other exactly twice
+    (seeded shuffles put one engine after `host` 14 times in 48 pairs and another twice)."""
     from types import SimpleNamespace
 
     log = []
@@ -142,6 +154,8 @@ def test_odd_rounds_repeat_the_even_rounds_orders(gm):
         assert rounds[r + 1] == rounds[r]  # the odd round repeats the even one's places
         assert rounds[r][1] == rounds[r][0][::-1]  # ABBA within the round
     assert len({rounds[r][0] for r in range(0, 6, 2)}) > 1  # new orders every even round
+    follows = Counter((a, b) for run in runs for a, b in zip(run, run[1:]))
+    assert set(follows.values()) == {2} and len(follows) == 30  # 6 rows and their reverses: every pair twice
     judged = gm.judge([dict(rounds=6, tpot_ms={p: [1.0] * 12 for p in ("on-demand", "next-layer", "host",
                                                                         "spec-lru", "specter", "on-demand#2")})])
     assert judged["samples"] == 12 and judged["ratio"]["specter"] == 1.0
