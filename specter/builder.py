@@ -25,13 +25,12 @@ from .offload.manager import OffloadedExperts
 from .offload.plan import compute_dtype, make_plan
 from .offload.store import pin_wanted
 from .offload.oracle import OracleDecoder
-from .offload.policies import NextLayerPrefetch
 from .policy import Policy, get as get_policy, names as policy_names
 from .speculative.decoder import PlainDecoder, SpeculativeDecoder
 from .speculative.draft import DraftExperts, Lookahead, keep_packed
 from .speculative.draft_cache import draft_int4
 from .speculative.governor import Governor
-from .speculative.draft import PrefetchPlanner
+from .speculative.draft import NextLayerPrefetch, PrefetchPlanner
 
 def configure_threads(device: torch.device, threads: int | None) -> None:
     """CPU: leave one core to the emulated link's copy worker (and the OS); small decode matmuls gain

@@ -3,8 +3,8 @@ decoder runs it. The builder, the CLI, the memory plan and the bench read this t
 else spells out which policy does what.
 
 A leaf module (no torch): `specter --help` and `specter plan` read it without loading the engine.
-The prefetch rules themselves live in offload/policies.py (next-layer), speculative/draft.py
-(the planner) and offload/oracle.py (the oracle); the decoders in speculative/decoder.py.
+The prefetch rules themselves live in speculative/draft.py (next-layer's guesses and the
+planner) and offload/oracle.py (the oracle); the decoders in speculative/decoder.py.
 """
 from __future__ import annotations
 

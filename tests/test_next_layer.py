@@ -1,4 +1,4 @@
-"""`next-layer`'s rule (specter/offload/policies.py), driven through the offload manager with the
+"""`next-layer`'s rule (specter/speculative/draft.py), driven through the offload manager with the
 routing and the next layer's guesses chosen by the test: no model, and no verdict that depends on
 time (a copy that must be in flight is waited for until the link has started it).
 
@@ -19,7 +19,7 @@ import torch
 from specter.moe import ExpertWeights, ResidentExperts
 from specter.offload.link import EmulatedLink
 from specter.offload.manager import OffloadedExperts
-from specter.offload.policies import NextLayerPrefetch
+from specter.speculative.draft import NextLayerPrefetch
 
 E, H, I, K = 8, 32, 16, 2
 

@@ -204,7 +204,7 @@ class OffloadedExperts:
                  guess=None) -> torch.Tensor:
         """The layer's routed experts, x [T, H] -> [T, H]. Waits only for a copy it needs that is still
         in flight (`Transfer.wait`: a stream wait on CUDA, no host sync; the emulated link's sleep on
-        CPU). `guess`: the next-layer policy (offload/policies.py): its guesses for this layer settle
+        CPU). `guess`: the next-layer policy (speculative/draft.py): its guesses for this layer settle
         once the routing is known, and its guesses for the next layer go out behind this one's misses."""
         slots = self.slots
         if self.all_resident:  # the budget holds every expert: one call, no host read of the routing

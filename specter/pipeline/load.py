@@ -39,7 +39,7 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     from ..offload.host_experts import HostExperts
     from ..offload.host_lane import make_host_lane
     from ..offload.manager import OffloadedExperts
-    from ..offload.policies import NextLayerPrefetch
+    from ..speculative.draft import NextLayerPrefetch
     from ..offload.plan import compute_dtype, make_plan
     from ..offload.store import pin_wanted
 
@@ -170,7 +170,7 @@ def _speculate(st: StageModel, pol, mine: list, every, stage_layers, k_max: int,
     coded store's decoded rows, which the host lane computes from."""
     from ..builder import uses_host_lane
     from ..offload.host_lane import LaneChoice, host_params, make_host_lane
-    from ..offload.policies import NextLayerPrefetch
+    from ..speculative.draft import NextLayerPrefetch
     from ..speculative.draft import DraftExperts, Lookahead, keep_packed
     from ..speculative.draft import PrefetchPlanner
 

@@ -58,7 +58,7 @@ def plain_steps(model: MoETransformer, experts, tok: torch.Tensor, pos: int, cac
 
 class PlainDecoder:
     """Prefill, then one target step per token. `experts` decides where expert bytes come from;
-    `guess`: the next-layer policy (offload/policies.py) the offload manager runs with every step."""
+    `guess`: the next-layer policy (draft.NextLayerPrefetch) the offload manager runs with every step."""
 
     def __init__(self, model: MoETransformer, experts, device, dtype, *, guess=None):
         self.model, self.experts, self.device, self.dtype, self.guess = model, experts, device, dtype, guess

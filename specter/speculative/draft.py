@@ -1,5 +1,6 @@
 """The draft: its INT4 experts, the lookahead buffer its routers fill, and the planner that turns
-that lookahead into expert copies while the draft runs.
+that lookahead into expert copies while the draft runs; and the one-layer lookahead without a draft,
+next-layer's guesses (NextLayerPrefetch: the next layer's router on this layer's input).
 
 ## Draft experts
 The same model with only its routed experts in INT4 (group size 128, optimum-quanto's
@@ -7,51 +8,34 @@ quantizer, packed by `specter.triton_ops.pack_int4`). Everything else -- attenti
 shared experts, embeddings, lm_head and the committed KV cache -- is the target's own, so the draft
 costs only its packed experts.
 
-How INT4 is multiplied is a backend choice: `unpacked` dequantises once into the compute dtype
-(CPUs have no INT4 GEMV, and the values are exactly the INT4 grid; fp32 on CPU, twice the bf16
-checkpoint's experts); `packed` keeps the packed codes (a quarter of bf16) and dequantizes at use:
-on CUDA fused_moe's kernels do it tile by tile with scales in the compute dtype; on CPU the torch
-backend dequantizes each expert it runs from fp32 scales and rounds once, which is exactly the
-unpacked draft's values. Either way the draft computes with the quantised weights.
+`unpacked` dequantises once into the compute dtype, `packed` keeps the codes and dequantizes at use
+(CUDA's kernels tile by tile; CPU's torch backend an expert at a time, to the unpacked values): either
+way the draft computes with the quantised weights (why and when each: docs/ARCHITECTURE.md).
 
 ## Lookahead buffer
-What the draft's routers chose, one row per drafted token.
-
-A static device tensor (graph safe: fixed address, written in place). The draft writes rows on the
-device; the planner reads a range of rows back with one device-to-host copy per chunk, never one
-per token.
-
-The sync-free draft (compiled/draft_step.py) instead `publish`es each row as it is written: a
-non-blocking copy into a host mirror (pinned on CUDA) and an event, so the host learns a row
-when its event has fired and never waits on the draft (`ready` / `read_host`).
+What the draft's routers chose, one row per drafted token: a static device tensor (graph safe: fixed
+address, written in place) the planner reads back with one device-to-host copy per chunk, never one
+per token. The sync-free draft (compiled/draft_step.py) instead `publish`es each row as it is written
+(a non-blocking copy into a host mirror, pinned on CUDA, and an event): the host reads a row once its
+event has fired and never waits on the draft (`ready` / `read_host`).
 
 ## Prefetch planner
-The planner turns the draft's lookahead into expert copies while the draft runs.
-
-At each chunk boundary it reads the new lookahead rows (one device-to-host read), adds them to the
-cycle's demand per (layer, expert), and for every layer, earliest first, issues copies for the
-predicted experts that are neither resident nor in flight, most demanded first. It evicts only
-experts the lookahead does not predict (everything predicted this cycle is protected), and never
-asks for more experts in a layer than that layer has slots.
-
-Chunk size: a chunk should carry about as much copying as one draft step hides. With d the draft
-step time and c the copy time of the experts one drafted token newly needs (moving averages;
-c from the link's measured busy time per transfer),
-chunk = clamp(round(d / c), 1, K): a slow link plans after every step so it never idles; a fast
-one plans less often and saves the reads.
-
-Eviction follows the lookahead too: each expert keeps a score, its predicted demand (+1 a
-drafted token) plus its verified use (+3 a verification or plain step), decayed by 0.8 every cycle
-(a speculative cycle at its start, a plain step or prefill at its layer's use); the slot
-cache evicts the lowest score first (least recently used among equals), and a prediction is only
-admitted if it outscores its victim (the constants' measurement: docs/ARCHITECTURE.md).
-
-When a verification needs more experts in a layer than it has slots (a long cycle at a small
-budget), the experts it must copy load lowest score first, so the ones left resident for the next
-cycle are the highest scored (`keep`).
+At each chunk boundary it reads the new lookahead rows, adds them to the cycle's demand per (layer,
+expert) and, earliest layer first, copies the predicted experts neither resident nor in flight, most
+demanded first, at most a layer's slots of them, evicting only experts this cycle does not predict.
+A chunk carries about the copies one draft step hides: chunk = clamp(round(d / c), 1, K), d the draft
+step time, c the copy time of the experts one drafted token newly needs (moving averages; c from the
+link's measured busy time per transfer): a slow link plans after every step, a fast one saves reads.
+Eviction follows the lookahead too: each expert keeps a score, its predicted demand (+1 a drafted
+token) plus its verified use (+3 a verification or plain step), decayed by 0.8 every cycle (a cycle at
+its start, a plain step or prefill at its layer's use); the slot cache evicts the lowest score first
+(least recently used among equals), and a prediction is admitted only if it outscores its victim (the
+constants' measurement: docs/ARCHITECTURE.md). A verification needing more experts in a layer than it
+has slots loads its copies lowest score first, leaving the highest scored resident (`keep`).
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import torch
@@ -61,10 +45,8 @@ from specter.triton_ops import Int4Experts, combine_rows, expert_rows, pack_int4
 from ..moe import ExpertWeights
 from ..offload.manager import OffloadedExperts
 
-# On CPU the draft is dequantised (one GEMV an expert) while that costs at most this much memory,
-# and stays packed above it: dequantised at use, a quarter of the bf16 experts instead of twice
-# them, for draft steps 2% slower on the bundled model and 32% slower at Qwen3-30B-A3B's shapes
-# (measured alternately in one process; the target's verification dominates either way).
+# On CPU the draft is dequantised (one GEMV an expert) while that costs at most this much memory, and
+# stays packed above it (a quarter of the bf16 experts instead of twice them; the cost: docs/ARCHITECTURE.md)
 DENSE_MAX_BYTES = 256 << 20
 
 
@@ -291,3 +273,128 @@ class PrefetchPlanner:
             issued += self.mgr.prefetch(layer, self._admit(layer, counts), protect=counts)  # protected
         self.new_per_token = 0.8 * self.new_per_token + 0.2 * (issued / len(rows))
         return issued
+
+
+# ------------------------------------------------------------------------------- next-layer guesses
+class NextLayerPrefetch:
+    """`next-layer`, the prefetching baseline of MoE-Infinity and Pre-gated MoE, and the K = 0 arm's
+    prefetch under specter: while layer l's experts compute, layer l+1's router, applied to layer l's
+    MoE input, guesses its experts; the guesses are copied ahead of need where they pay (the rule and
+    its measures p, h, s, q: README's Policies table). A guess queues behind layer l's own misses (the
+    manager calls this once they are issued); it takes a free slot or evicts only a resident whose
+    recency position j is used by the next call (hot(j)) less often than p, the share of this layer's
+    guesses used; it is copied only while p h > (1 - p) (s - h + s q); when layer l+1 reads its routing
+    (`settle`) a guess it does not need is withdrawn if its copy has not started, else evicted first."""
+
+    admission = True  # False: every guess is copied, hot residents and cost unchecked (tests that need copies in flight)
+
+    def __init__(self, model, mgr: OffloadedExperts, decay: float = 0.95):
+        self.blocks = [layer.mlp for layer in model.model.layers if layer.is_moe]
+        self.mgr, self.decay = mgr, decay
+        L, self.depth = len(self.blocks), min(2 * mgr.slots.n_slots, mgr.slots.n_experts)
+        self.used: list[list[int]] = [[] for _ in range(L)]  # per layer, experts its calls used, most recent first
+        self.hits = [[0.0] * self.depth for _ in range(L)]   # per layer, per recency position j: decayed uses
+        self.tries = [[0.0] * self.depth for _ in range(L)]  #   and calls while an expert was there
+        self.good, self.made = [0.5] * L, [1.0] * L  # per layer: decayed predictions used / made (prior 1/2)
+        self.head, self.started, self.timed = 0.5, 0.5, 1.0  # decayed head start and starts per guess (prior)
+        self.calls, self.remeasure = [0] * L, 16       # calls per layer; the router runs at least every 16th
+        self.predicted: dict[int, list[int]] = {}    # layer -> predicted experts not resident, not yet settled
+        self.guessed: dict[int, list] = {}           # layer -> [(expert, transfer)] copied, not yet settled
+
+    def precision(self, layer: int) -> float:
+        """p: the share of this layer's predicted non-resident experts its calls used."""
+        return self.good[layer] / self.made[layer]
+
+    def hot(self, layer: int, position: int) -> float:
+        """hot(j): the chance that the expert at recency position j (0 = the most recently used by
+        the layer's calls) is used by its next call (0 before any call, and past 2 x slots)."""
+        t = self.tries[layer][position] if position < self.depth else 0.0
+        return self.hits[layer][position] / t if t else 0.0
+
+    def heat(self, layer: int, e: int) -> float:
+        """hot(j) at expert e's recency position (0 if the layer's calls never used it)."""
+        used = self.used[layer]
+        return self.hot(layer, used.index(e)) if e in used else 0.0
+
+    def pays(self, p: float, q: float) -> bool:
+        """Whether a guess of precision p over a victim of hotness q gains more than it costs."""
+        h, s = self.head / self.timed, self.started / self.timed
+        return p * h > (1.0 - p) * (s - h + s * q)
+
+    def __call__(self, layer: int, x: torch.Tensor) -> None:
+        nxt = layer + 1
+        if nxt >= len(self.blocks):
+            return
+        self.predicted.pop(nxt, None)
+        self.calls[nxt] += 1
+        mgr, slots = self.mgr, self.mgr.slots
+        p, skip = self.good[nxt] / self.made[nxt], self.admission and self.calls[nxt] % self.remeasure  # p: precision
+        if skip and self.pays(p, 0.0):  # a guess pays over a free slot, or over a resident colder than p
+            skip = slots.free_slots(nxt) <= 0
+            for e in slots.recency(nxt) if skip else ():
+                if self.heat(nxt, e) < p:
+                    skip = False
+                    break
+        if skip:
+            return  # no guess could be copied: skip the router, except every `remeasure` calls (to keep p)
+        ids, _ = self.blocks[nxt].route(x)                   # [T, k]
+        want, new, where = [], [], slots.slot[nxt]
+        for e, _ in Counter(ids.reshape(-1).tolist()).most_common():  # most demanded first
+            want.append(e)
+            if where[e] < 0:  # neither resident nor in flight
+                new.append(e)
+        self.predicted[nxt] = new
+        if not new:
+            return
+        protect = set(want)
+        if self.admission:
+            q, evicts = 0.0, slots.free_slots(nxt) < len(new)  # q: the hottest resident a guess may evict
+            for e in slots.recency(nxt):
+                if e not in protect:
+                    h = self.heat(nxt, e)
+                    if h >= p:
+                        protect.add(e)  # used by the next call more often than guesses are right: kept
+                    elif evicts:
+                        q = max(q, h)
+            if not self.pays(p, q):
+                return
+        self.guessed[nxt] = self._copy(nxt, new, protect)
+
+    def _copy(self, layer: int, experts: list[int], protect: set) -> list:
+        """Prefetch `experts` in order, never evicting `protect` -> [(expert, transfer)] issued."""
+        issued, out = self.mgr.prefetch(layer, experts, protect=protect), []
+        for e in experts[:issued]:
+            out.append((e, self.mgr.inflight[(layer, e)]))
+        return out
+
+    def settle(self, layer: int, need: list[int]) -> None:
+        """Layer `layer` read its routing (`need`, before any copy for it): learn from it, and withdraw
+        or demote the guesses it does not need."""
+        mgr, d, used = self.mgr, self.decay, set(need)
+        predicted, guesses = self.predicted.pop(layer, []), self.guessed.pop(layer, [])
+        history, hits, tries = self.used[layer], self.hits[layer], self.tries[layer]
+        for j, e in enumerate(history[:self.depth]):
+            hits[j] = d * hits[j] + (e in used)
+            tries[j] = d * tries[j] + 1.0
+        older = []  # the experts used before, not by this call, most recent first
+        for e in history:
+            if e not in used:
+                older.append(e)
+        history[:] = sorted(used) + older
+        for e in predicted:
+            self.good[layer] = d * self.good[layer] + (e in used)
+            self.made[layer] = d * self.made[layer] + 1.0
+        if not guesses:
+            return
+        now, copy_s = time.perf_counter(), mgr.expert_bytes / mgr.link.bandwidth + mgr.link.latency
+        for _, t in guesses:
+            begun = t.t_started is not None and not t.cancelled()
+            self.head = d * self.head + (min(1.0, (now - t.t_started) / copy_s) if begun else 0.0)
+            self.started = d * self.started + begun
+            self.timed = d * self.timed + 1.0
+        wrong = []
+        for e, _ in guesses:
+            if e not in used:
+                wrong.append(e)
+        if wrong:
+            mgr.withdraw(layer, wrong)
