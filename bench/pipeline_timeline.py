@@ -15,6 +15,8 @@ process; the bench's warm-up generation included). `report` prints, per token, e
 activity (exclusive: a stall inside a stage step counts as stall, not step), the time its main
 thread was in none of them (Python between them, acceptance), how busy its link and host lane
 were, and (torchrun) what rank 0 was doing while each later rank waited for its next message.
+With two ranks it also splits rank 0's draft steps by whether a later rank computed beside them (the
+two cores' contention on the rank that drafts).
 Clocks: time.perf_counter, CLOCK_MONOTONIC on Linux, so the ranks' timelines line up.
 """
 from __future__ import annotations
@@ -250,6 +252,32 @@ def report(dirs: list[str]) -> None:
                     by["(rank 0 between)"] += max(0.0, _clip(a, b, windows) - covered)
                 cols = ", ".join(f"{n} {per(v)}" for n, v in sorted(by.items(), key=lambda x: -x[1]) if v > 1e-4)
                 print(f"  rank {r['rank']} waiting for its next message, by rank 0's activity ({unit}): {cols}")
+            # the two cores' contention on rank 0's draft steps: each step by how much of it a later rank
+            # computed through (its stage less the stalls, or planning), against the steps none did
+            busy = sorted((a, b) for r in ranks[1:] for a, b, n in pieces_of[r["rank"]] if n in ("stage", "plan"))
+            by = {"alone": [], "beside": []}
+            for lane, n, a, b in ranks[0]["events"]:
+                if lane != "main" or n not in ("draft", "pre-draft") or not _clip(a, b, windows):
+                    continue
+                o = sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy if x < b and y > a) / max(b - a, 1e-9)
+                if o < 0.1 or o > 0.9:
+                    by["alone" if o < 0.1 else "beside"].append(b - a)
+            mine = sorted((a, b) for a, b, n in pieces_of[0] if n in ("draft", "pre-draft", "stage", "plan"))
+            both, j = 0.0, 0  # time rank 0 and a later rank both computed (two intervals lists, sorted)
+            for a, b in mine:
+                while j < len(busy) and busy[j][1] <= a:
+                    j += 1
+                i = j
+                while i < len(busy) and busy[i][0] < b:
+                    both += _clip(max(a, busy[i][0]), min(b, busy[i][1]), windows)
+                    i += 1
+            print(f"  rank 0 computing while a later rank computed too: {per(both)} {unit}")
+            if by["alone"] and by["beside"]:
+                m = {k: sum(v) / len(v) for k, v in by.items()}
+                excess = (m["beside"] - m["alone"]) * len(by["beside"])
+                print(f"  rank 0's draft steps: {len(by['alone'])} while no later rank computed, {m['alone'] * 1e3:.2f} ms "
+                      f"each; {len(by['beside'])} while one computed throughout, {m['beside'] * 1e3:.2f} ms each "
+                      f"({excess / tokens * 1e3 if tokens else excess * 1e3:.2f} {unit} more; the rest in between)")
 
 
 if __name__ == "__main__":
