@@ -406,6 +406,19 @@ def test_a_cold_first_cycle_does_not_keep_k_long():
     assert sum(rates) / len(rates) > 34.0, rates
 
 
+def test_one_slow_verification_at_a_k_run_once_does_not_drive_k_to_one():
+    """Many cycles at K = 2 and 4, then one K = 5 cycle under a burst of load (verify 66.8 ms against
+    ~13, as HD logged in a two-rank run): the verify fit weighs each K by how often it was measured,
+    so the best K stays 3; unweighted, that one point made v1 ~10 ms a token and K = 1 for good."""
+    gov = Governor(8)
+    for _ in range(30):
+        gov.observe_cycle(2, 2, 4e-3, 15e-3, 3e-3)
+        gov.observe_cycle(4, 3, 8e-3, 16e-3, 3e-3)
+    assert gov._argmax_k() == 3
+    gov.observe_cycle(5, 0, 10e-3, 66.8e-3, 18.4e-3)
+    assert gov._argmax_k() == 3 and gov.v1 < 3e-3, (gov._argmax_k(), gov.v0, gov.v1)
+
+
 def test_one_lucky_cycle_does_not_make_an_untried_k_the_best():
     """Many cycles at K = 4; one at K = 12 that happened to stall little. The model must not jump to 12 on
     that alone: its stall estimate is shrunk towards the prior from its neighbours."""
