@@ -165,10 +165,6 @@ class Transfer:
         """Withdrawn by `Link.cancel` before it started: it never wrote its destination."""
         return self._future.cancelled()
 
-    def _cancel(self) -> None:
-        self._dst = self._src = None
-        self._future.cancel()  # never set running, so this always succeeds; done() turns True
-
     def _finish(self, error: BaseException | None = None) -> None:
         self.t_finished = time.perf_counter()
         self._dst = self._src = None
@@ -336,7 +332,8 @@ class EmulatedLink(Link):
                 return False
             self._pending -= 1
             self._idle.notify_all()
-        t._cancel()
+        t._dst = t._src = None
+        t._future.cancel()  # never set running, so this always succeeds; done() turns True
         return True
 
     def close(self) -> None:

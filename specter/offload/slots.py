@@ -265,7 +265,7 @@ class SlotCache:
         self._order[vl][v] = None
         self._order[vl].move_to_end(v, last=False)  # first in line to be evicted again
         self._stamp[vl][v] = _DEMOTED
-        self.remap[vl, v] = self.row(vl, v)
+        self.remap[vl, v] = v if self.alias else slot  # row(vl, v)
 
     def next_use(self, layer: int, expert: int) -> int:
         """The predicted distance, in layer calls, to the next use of a resident (see the module doc)."""

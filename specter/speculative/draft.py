@@ -311,10 +311,12 @@ class NextLayerPrefetch:
         t = self.tries[layer][position] if position < self.depth else 0.0
         return self.hits[layer][position] / t if t else 0.0
 
-    def heat(self, layer: int, e: int) -> float:
-        """hot(j) at expert e's recency position (0 if the layer's calls never used it)."""
-        used = self.used[layer]
-        return self.hot(layer, used.index(e)) if e in used else 0.0
+    def heats(self, layer: int) -> dict[int, float]:
+        """hot(j) of each expert at recency position j of the layer's use history (absent: 0, as past 2 x slots)."""
+        out, hits, tries = {}, self.hits[layer], self.tries[layer]
+        for j, e in enumerate(self.used[layer][:self.depth]):
+            out[e] = hits[j] / tries[j] if tries[j] else 0.0
+        return out
 
     def pays(self, p: float, q: float) -> bool:
         """Whether a guess of precision p over a victim of hotness q gains more than it costs."""
@@ -327,12 +329,13 @@ class NextLayerPrefetch:
             return
         self.predicted.pop(nxt, None)
         self.calls[nxt] += 1
-        mgr, slots = self.mgr, self.mgr.slots
+        mgr, slots, heat = self.mgr, self.mgr.slots, None
         p, skip = self.good[nxt] / self.made[nxt], self.admission and self.calls[nxt] % self.remeasure  # p: precision
         if skip and self.pays(p, 0.0):  # a guess pays over a free slot, or over a resident colder than p
-            skip = slots.free_slots(nxt) <= 0
-            for e in slots.recency(nxt) if skip else ():
-                if self.heat(nxt, e) < p:
+            (free, residents), heat = slots.room(nxt, ()), self.heats(nxt)
+            skip = free <= 0
+            for e in residents if skip else ():
+                if heat.get(e, 0.0) < p:
                     skip = False
                     break
         if skip:
@@ -347,25 +350,20 @@ class NextLayerPrefetch:
         if not new:
             return
         protect = set(want)
-        if self.admission:
-            q, evicts = 0.0, slots.free_slots(nxt) < len(new)  # q: the hottest resident a guess may evict
-            for e in slots.recency(nxt):
-                if e not in protect:
-                    h = self.heat(nxt, e)
-                    if h >= p:
-                        protect.add(e)  # used by the next call more often than guesses are right: kept
-                    elif evicts:
-                        q = max(q, h)
+        if self.admission:  # q: the hottest resident a guess may evict (0: a free slot for each)
+            (free, others), heat, q = slots.room(nxt, protect), self.heats(nxt) if heat is None else heat, 0.0
+            for e in others:  # the residents it may displace, least recently used first
+                h = heat.get(e, 0.0)
+                if h >= p:
+                    protect.add(e)  # used by the next call more often than guesses are right: kept
+                elif free < len(new):
+                    q = max(q, h)
             if not self.pays(p, q):
                 return
-        self.guessed[nxt] = self._copy(nxt, new, protect)
-
-    def _copy(self, layer: int, experts: list[int], protect: set) -> list:
-        """Prefetch `experts` in order, never evicting `protect` -> [(expert, transfer)] issued."""
-        issued, out = self.mgr.prefetch(layer, experts, protect=protect), []
-        for e in experts[:issued]:
-            out.append((e, self.mgr.inflight[(layer, e)]))
-        return out
+        issued, guessed = mgr.prefetch(nxt, new, protect=protect), []  # in order, never evicting `protect`
+        for e in new[:issued]:
+            guessed.append((e, mgr.inflight[(nxt, e)]))
+        self.guessed[nxt] = guessed
 
     def settle(self, layer: int, need: list[int]) -> None:
         """Layer `layer` read its routing (`need`, before any copy for it): learn from it, and withdraw
@@ -388,7 +386,7 @@ class NextLayerPrefetch:
             return
         now, copy_s = time.perf_counter(), mgr.expert_bytes / mgr.link.bandwidth + mgr.link.latency
         for _, t in guesses:
-            begun = t.t_started is not None and not t.cancelled()
+            begun = t.t_started is not None  # a link withdraws only copies it has not started (Link.cancel)
             self.head = d * self.head + (min(1.0, (now - t.t_started) / copy_s) if begun else 0.0)
             self.started = d * self.started + begun
             self.timed = d * self.timed + 1.0
