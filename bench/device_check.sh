@@ -16,7 +16,9 @@
 #                 `specter bench --json` on the bundled model over the real PCIe link, at 1/4
 #                 residency, resident, on-demand and specter (one compile) -> bench.json
 #   compressed  issue 24's figure: `specter bench --compare-compressed` (raw and coded stores side by
-#                 side, bytes a token and TPOT) at 1/4 residency over the real link -> compressed.json
+#                 side, bytes a token and TPOT) at 1/4 residency over the real link -> compressed.json;
+#                 then specter raw against coded with K fixed at 4 (bench/coded_specter.py: the
+#                 governor's arm choice out of the comparison, counts per cycle) -> compressed_k4.json
 #   also: graphs (bench/graph_check.py), async (bench/async_vs_sync.py) -> NAME.log; any mix, one
 #   time budget: each step's limit is cut to what is left of BUDGET_S (default 285 s).
 #
@@ -153,8 +155,11 @@ for part in $CHECKS; do
     graphs) step graphs 200 "$PY" "$REPO/bench/graph_check.py" --residency 0.5 --repeat 1 ;;
     async) step async 200 "$PY" "$REPO/bench/async_vs_sync.py" --device cuda --policies specter \
              --workloads default --prompts 2 --rounds 1 --max-new-tokens 32 ;;
-    compressed) JSON=1 step compressed 200 "$PY" -m specter.cli bench --device cuda --residency 0.25 \
-             --policies on-demand,spec-lru,specter --compare-compressed --json ;;
+    compressed)
+      JSON=1 step compressed 180 "$PY" -m specter.cli bench --device cuda --residency 0.25 \
+        --policies on-demand,spec-lru,specter --compare-compressed --json
+      JSON=1 step compressed_k4 90 "$PY" "$REPO/bench/coded_specter.py" --device cuda --residency 0.25 \
+        --policy specter --k 4 --json ;;
     *) echo "unknown check '$part' (suite, bench, graphs, async, compressed)" ;;
   esac
 done
