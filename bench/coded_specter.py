@@ -1,7 +1,8 @@
 """A drafting policy on the raw and on the coded store, cycle by cycle (issue 24): where each one's time goes.
 
     python bench/coded_specter.py [--model DIR] [--device cpu] [--expert-memory 144MiB | --residency R]
-                                  [--policy specter] [--k K] [--raw-slots N] [--max-new-tokens 64] [--json]
+                                  [--policy specter] [--k K] [--raw-slots N] [--max-new-tokens 64]
+                                  [--prompts N] [--prompts-file FILE] [--json]
 
 Builds the policy twice in one process (raw store, then compress_experts), as `specter bench
 --compare-compressed` does, and runs the default workload greedily, alternating the two prompt by
@@ -26,6 +27,7 @@ import json
 import statistics
 
 import specter
+from specter.bench import read_prompts
 from specter.offload import plan
 from specter.offload.plan import tier_split
 from specter.speculative.governor import Governor
@@ -159,12 +161,14 @@ def main() -> None:
     budget.add_argument("--residency", type=float, default=None)
     ap.add_argument("--k", type=int, default=None, help="fix the governor's K (default: the governor chooses)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--prompts", type=int, default=4, help="the default workload's first N prompts")
+    ap.add_argument("--prompts", type=int, default=4, help="the first N prompts")
+    ap.add_argument("--prompts-file", default=None, help="prompts as `specter bench --prompts` reads them "
+                    "(default: the default workload)")
     ap.add_argument("--raw-slots", type=int, default=None,
                     help="the coded engine's raw slots (the rest of the budget its coded tier), not tier_split's")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    prompts = workload_prompts("default")[:a.prompts]
+    prompts = (read_prompts(a.prompts_file) if a.prompts_file else workload_prompts("default"))[:a.prompts]
     kw = dict(device=a.device, policy=a.policy)
     kw.update(residency=a.residency) if a.residency is not None else kw.update(expert_memory=a.expert_memory or "144MiB")
     logs, engines = {}, {}

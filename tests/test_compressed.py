@@ -362,3 +362,37 @@ def test_wide_experts_model_is_the_bundled_function(tmp_path):
     assert r1 == 4 * r0 and abs(c1 / r1 - c0 / r0) < 0.005, (c0 / r0, c1 / r1)
     with pytest.raises(SystemExit):
         mod.widen(default_model_path(), tmp_path / "x", 3)  # not a power of two
+
+
+@pytest.mark.parametrize("policy", ["specter", "spec-lru"])
+def test_pinned_choices_decide_alike_and_the_coded_store_charges_less(tiny, plain_link, monkeypatch, capsys,
+                                                                      tmp_path, policy):
+    """bench/coded_specter.py --k (issue 24): with K, the plain arms and the copy's seconds pinned, a
+    drafting policy runs the same cycles, copies the same experts and hosts the same ones on the coded
+    store as on the raw one, with the same tokens, and the link charges the coded engine less: only the
+    governor's timed choice can set the two apart (docs/RESULTS.md, 2026-12-02)."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "coded_specter.py"
+    spec = importlib.util.spec_from_file_location("coded_specter", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS[1:]))
+    monkeypatch.setattr(sys, "argv", ["coded_specter.py", "--model", str(path), "--policy", policy, "--k", "3",
+                                      "--residency", "0.25", "--prompts-file", str(prompts), "--prompts", "2",
+                                      "--max-new-tokens", "12", "--json"])
+    mod.main()
+    res = json.loads(capsys.readouterr().out)
+    raw, coded = res["raw"], res["coded"]
+    assert res["same_tokens"] and raw["tokens"] == 24
+    assert raw["k_hist"] == coded["k_hist"] and raw["k_hist"].get("3", 0) > 0 and max(map(int, raw["k_hist"])) == 3
+    assert raw["plain_steps"] == coded["plain_steps"] == 0
+    assert raw["experts_copied"] == coded["experts_copied"] > 0
+    assert raw["host_experts"] == coded["host_experts"] and (raw["host_experts"] > 0) == (policy == "specter")
+    assert 0 < coded["h2d_bytes_per_token"] < raw["h2d_bytes_per_token"]
+    assert 0 < coded["link_profile_us_per_token"] < raw["link_profile_us_per_token"]
