@@ -81,7 +81,8 @@ for c in cases:
     engine.decoder.finish()
     restore()
     results.append(dict(tokens=r.token_ids, pipeline=r.stats["pipeline"], hits=r.stats["expert_hits"],
-                        misses=r.stats["expert_misses"], stats=r.stats))
+                        misses=r.stats["expert_misses"], stats=r.stats,
+                        groups=len(torch.distributed.distributed_c10d._world.pg_map)))  # the startup groups gone
 if group.rank == 0:
     json.dump(results, open(out, "w"))
 group.close()
@@ -435,6 +436,8 @@ def test_optimistic_cycles_give_one_process_tokens_whichever_side_is_slower(ckpt
     ranks = _launch([["-c", RANKS, json.dumps(cases), str(out)]] * 2, timeout=240)
     assert all(r[0] == 0 for r in ranks), [r[2][-2000:] for r in ranks]
     got = json.loads(out.read_text())
+    # the world and the script's own join's startup group: each open_pipeline's is destroyed after its startup
+    assert [g["groups"] for g in got] == [2] * len(cases)
     for i, (c, g) in enumerate(zip(cases, got)):
         engine = specter.load(c["model"], device="cpu", policy="specter", residency=0.5, threads=1)
         engine.decoder.governor = Governor(32, fixed=2)

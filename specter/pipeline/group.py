@@ -47,8 +47,16 @@ class Group:
         """Where tensors must be to cross: the compute device under NCCL, the CPU under gloo."""
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
+    def end_startup(self) -> None:
+        """Destroys the startup group once every rank has loaded: its threads and sockets go now, not
+        with the process (`specter bench` opens a pipeline a policy)."""
+        if self.startup is not None and dist.is_initialized():
+            dist.destroy_process_group(self.startup)
+        self.startup = None
+
     def close(self) -> None:
         """Leaves the group (destroys it if this module made it)."""
+        self.end_startup()
         if self.owned and dist.is_initialized():
             dist.destroy_process_group()
 

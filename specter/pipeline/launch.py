@@ -90,6 +90,7 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
         resident = [True] * group.world  # whether any rank ever copies (the decoder's K = 0 steps guess
         with comm(group, "waiting for every rank to load its layers"):  # only then); and no rank's first
             dist.all_gather_object(resident, stage.all_resident, group=group.startup)  # step waits on a load
+        group.end_startup()
     except BaseException:
         group.close_on_error()
         raise
