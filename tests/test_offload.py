@@ -17,6 +17,7 @@ A deliberately slow `EmulatedLink` keeps copies in flight while layers run.
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -411,18 +412,37 @@ def test_experts_only_rejected_drafts_needed_are_evicted_first(alias, pool):
         mgr.slots.check()
 
 
+class _GateClock:
+    """An emulated link's clock (EmulatedLink(clock=...)) whose worker sleeps out a copy's time only
+    once the test opens the gate: what is in flight stays in flight whatever the machine's load."""
+
+    def __init__(self):
+        self.t, self.gate = 0.0, threading.Event()
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float, wake: threading.Event) -> bool:
+        while not self.gate.is_set() and not wake.wait(0.005):
+            pass
+        self.t += seconds
+        return wake.is_set()
+
+
 def test_link_cancel_withdraws_only_copies_not_started():
     """A queued copy is withdrawn (never written, resolves cancelled, pending() drops); the one the
     worker has started, and a landed one, cannot be."""
     src = [torch.full((1024,), float(i)) for i in range(3)]
     dst = [torch.zeros(1024) for _ in range(3)]
-    with EmulatedLink(bandwidth=1e6, latency=0.05, name="slow") as link:
+    clock = _GateClock()
+    with EmulatedLink(bandwidth=1e6, latency=0.05, name="slow", clock=clock) as link:
         ts = [link.copy(d, s) for d, s in zip(dst, src)]
-        while ts[0].t_started is None:
+        while ts[0].t_started is None:  # the worker has it: copied, it sleeps on the gate
             pass
         assert link.pending() == 3
         assert link.cancel(ts[2]) and ts[2].cancelled() and ts[2].done() and link.pending() == 2
         assert not link.cancel(ts[0]) and not link.cancel(ts[2])  # started; already withdrawn
+        clock.gate.set()
         link.synchronize()
         assert not link.cancel(ts[1])  # landed
         assert torch.equal(dst[0], src[0]) and torch.equal(dst[1], src[1])
