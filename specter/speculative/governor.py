@@ -3,10 +3,10 @@ own arm (with or without next-layer prefetch, `PlainArms`). Why: docs/ARCHITECTU
 
 1. Arms, judged by realised throughput. Plain decoding (K = 0) and speculation (K >= 1) each keep
    a window of their latest cycles (W_plain steps, W_spec cycles); an arm's rate R is the median of
-   worth(K) / seconds over its window, worth(K) = E^-[tokens | K] by the bounds a_i^- of 2 and
-   seconds the cycle's wall time, stalls included. Both arms are measured first (`start_plain`,
-   when the budget holds every expert: plain decoding runs, speculation is probed 2 `probe_every`
-   steps in). Speculation takes over only right after one of its own cycles, when that cycle's
+   worth(K) / seconds over its window, worth(K) = E[tokens | K] by the estimates a_i of 2 (the bounds
+   a_i^- pick K, not the arm), seconds the cycle's wall time, stalls included. Both arms are measured
+   first (`start_plain`, when the budget holds every expert: plain decoding runs, speculation is
+   probed 2 `probe_every` steps in). Speculation takes over only right after one of its own cycles, when that cycle's
    rate and its window's both clear
 
        R_spec > R_plain (1 + margin)                                  while plain steps copy
@@ -220,9 +220,9 @@ class Governor:
         return out
 
     def window_tokens(self, k: int) -> float:
-        """worth(K) = E^-[tokens | K] now: a verified K's worth in the arms' comparison."""
+        """worth(K) = E[tokens | K] now (z = 0: by the bound, probes realising 1.3x plain decoding rated under it)."""
         if k not in self._worth:
-            a, tokens, run = self.bounds(self.z), 1.0, 1.0
+            a, tokens, run = self.bounds(0.0), 1.0, 1.0
             for i in range(1, k + 1):
                 run *= a[i]
                 tokens += run
