@@ -154,12 +154,15 @@ class Engine:
     # ------------------------------------------------------------------------------- prompts
     def encode(self, prompt) -> list[int]:
         """A string, a list of token ids, or a chat (list of {"role", "content"} dicts)."""
+        tok = self.tokenizer
         if isinstance(prompt, str):
-            tok = self._need_tokenizer("a string prompt cannot be encoded; pass a list of token ids "
-                                       "(CLI: --prompt-ids)")
+            if tok is None:
+                raise self._no_tokenizer("a string prompt cannot be encoded; pass a list of token ids "
+                                         "(CLI: --prompt-ids)")
             ids = tok(prompt)["input_ids"]
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            tok = self._need_tokenizer("a chat prompt cannot be rendered; pass a list of token ids")
+            if tok is None:
+                raise self._no_tokenizer("a chat prompt cannot be rendered; pass a list of token ids")
             if not getattr(tok, "chat_template", None):
                 raise TokenizerError(f"the tokenizer in {self.path} has no chat template, so chat messages cannot be "
                                      "rendered; pass a plain string prompt (CLI: drop --chat/--system)")
@@ -181,10 +184,9 @@ class Engine:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _need_tokenizer(self, consequence: str):
-        if self.tokenizer is None:
-            raise TokenizerError(f"{self.path} ships no tokenizer, so {consequence}")
-        return self.tokenizer
+    def _no_tokenizer(self, consequence: str) -> TokenizerError:
+        """The error for what this model cannot do without a tokenizer (raised where it is None)."""
+        return TokenizerError(f"{self.path} ships no tokenizer, so {consequence}")
 
     # ---------------------------------------------------------------------------- generation
     def generate(self, prompt, max_new_tokens: int = 128, *, stop=None, **sampling) -> GenerationOutput:
@@ -209,7 +211,8 @@ class Engine:
         start of a stop string is held back until it is known not to be. Pass a dict as `stats` to
         receive the stats; set `cancel` (from any thread) to end the generation at the next cycle.
         The engine is this stream's from its first piece until it is exhausted or closed."""
-        self._need_tokenizer("there is no text to stream; use stream_ids() or generate()")
+        if self.tokenizer is None:
+            raise self._no_tokenizer("there is no text to stream; use stream_ids() or generate()")
         for _, text in self._pieces(prompt, max_new_tokens, stop, sampling, stats, cancel):
             if text:
                 yield text
@@ -227,7 +230,8 @@ class Engine:
         """`stream` for asyncio code: the engine's turn is awaited on the caller's loop, the generation
         runs on a thread of its own (streaming.in_thread), so the loop is free while it computes and
         waits. Leaving the loop early, or cancelling the task, ends the generation after its cycle."""
-        self._need_tokenizer("there is no text to stream; use stream_ids() or generate()")
+        if self.tokenizer is None:
+            raise self._no_tokenizer("there is no text to stream; use stream_ids() or generate()")
         stats = {} if stats is None else stats
         ids, params, stops = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
         printer = Printer(self, stops)
@@ -268,8 +272,8 @@ class Engine:
                 raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}")
             if "" in stops:
                 raise ConfigError("an empty stop string matches at once; remove it")
-        if stops:
-            self._need_tokenizer("stop strings cannot be matched; stop on max_new_tokens or the EOS token")
+        if stops and self.tokenizer is None:
+            raise self._no_tokenizer("stop strings cannot be matched; stop on max_new_tokens or the EOS token")
         ids = self.encode(prompt)
         limit = self.model.spec.max_position
         if len(ids) + max_new_tokens > limit:
