@@ -35,7 +35,8 @@ def settled(decisions, last: int = 50) -> Counter:
 
 def test_engine_with_garbage_draft_settles_on_plain_decoding(tiny, fast_link, resident_tokens, monkeypatch):
     """The draft's experts return large noise: its tokens are garbage, so the governor must decode
-    with K = 0 almost all the time (probes aside) -- and the output is still the resident one."""
+    with K = 0 almost all the time (probes aside) -- and the output is still the resident one. The
+    governor reads injected costs (under load, measured ones once made it speculate 7 of 26 times)."""
     path, _ = tiny("qwen3_moe", eos_token_id=None)
     engine = load(path, "specter", residency=0.5, k_max=6)
     try:
@@ -56,6 +57,12 @@ def test_engine_with_garbage_draft_settles_on_plain_decoding(tiny, fast_link, re
             return k
 
         engine.decoder.governor.next_k = recording_next_k
+        observe = engine.decoder.governor.observe_cycle
+
+        def costed(k, accepted, draft_s, verify_s, stall_s, **kw):  # injected costs, not this machine's load:
+            return observe(k, accepted, 2e-3 * k, 10e-3 + 1e-3 * k, 0.0, **kw)  # a plain step 10 ms, a draft 2
+
+        engine.decoder.governor.observe_cycle = costed
         prompt, n = [1, 5, 9, 33, 2], 96
         out = engine.generate(prompt, max_new_tokens=n)
     finally:
