@@ -51,6 +51,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from einops import rearrange
 
 from specter.errors import ConfigError
 
@@ -266,7 +267,7 @@ def pack_experts(w: torch.Tensor, bits: int = 4, group_size: int = 128, dtype: t
     dtype = dtype or w.dtype
     chunk_bytes = chunk_bytes or (1 << 22 if w.device.type == "cpu" else 1 << 28)
     assert sys.byteorder == "little"  # the words are written as bytes, low byte first
-    groups = w.reshape(-1, g)                                   # [E*N*K/g, g]: quanto's grouping
+    groups = rearrange(w, "e n (G g) -> (e n G) g", g=g)         # quanto's grouping
     planes = [torch.empty(groups.shape[0], g * p // 8, dtype=torch.uint8, device=w.device) for p in PLANES[bits]]
     scale = torch.empty(groups.shape[0], dtype=dtype, device=w.device)
     shift = torch.empty_like(scale)
@@ -283,8 +284,8 @@ def pack_experts(w: torch.Tensor, bits: int = 4, group_size: int = 128, dtype: t
         scale[r:r + rows] = s[:, 0]
         shift[r:r + rows] = z[:, 0]
     row = torch.cat([p.view(E, N, -1) for p in planes], dim=2) if len(planes) > 1 else planes[0].view(E, N, -1)
-    group_major = lambda t: t.view(E, N, K // g).transpose(1, 2).contiguous()  # noqa: E731  [E, G, N]
-    return QuantExperts(row.view(torch.int32), group_major(scale), group_major(shift), bits)
+    scale, shift = (rearrange(t, "(e n G) -> e G n", e=E, n=N).contiguous() for t in (scale, shift))
+    return QuantExperts(row.view(torch.int32), scale, shift, bits)
 
 
 def pack_int4(w: torch.Tensor, group_size: int = 128, dtype: torch.dtype | None = None,
