@@ -134,32 +134,45 @@ def hook_prefill(engine, snap: dict) -> None:
     dec.run = wrapped
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="uniform")
-    ap.add_argument("--residency", type=float, default=0.25)
+def cell_parser(doc: str, model: str, residency: float, rounds: int) -> argparse.ArgumentParser:
+    """The options every cell script takes (its engines' option is its own)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--model", default=model)
+    ap.add_argument("--residency", type=float, default=residency)
     ap.add_argument("--link", default="A100-40GB-PCIe4")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    return ap
+
+
+def cell_engines(args, names: list[str], tmp: str) -> tuple[list, dict]:
+    """The cell's prompts and one engine per name POLICY[#n][:VARIANT] (#n: a second engine of the same
+    policy), all sharing the weights; a generated model is built into `tmp`."""
+    import specter
+
+    model = None if args.model == "bundled" else Path(tmp) / args.model
+    if model is not None:
+        gm.build(args.model, model)
+    engines, shared = {}, None
+    for n in names:
+        pol, _, var = n.partition(":")
+        engines[n] = specter.load(model, policy=pol.split("#")[0], shared=shared, residency=args.residency,
+                                  link=args.link)
+        variant(engines[n], var)
+        shared = engines[n].shared
+    return gm.prompts_for(args.model, args.prompts), engines
+
+
+def main() -> int:
+    ap = cell_parser(__doc__, "uniform", 0.25, 3)
     ap.add_argument("--policies", default="on-demand,next-layer,spec-lru,specter")
     args = ap.parse_args()
-
-    import specter
 
     keys = ("expert_hits", "expert_misses", "h2d_bytes", "host_experts", "stall_s", "host_stall_s",
             "prefetch_issued", "prefetch_used", "prefetch_cancelled")
     with tempfile.TemporaryDirectory() as tmp:
-        model = None if args.model == "bundled" else Path(tmp) / args.model
-        if model is not None:
-            gm.build(args.model, model)
-        prompts = gm.prompts_for(args.model, args.prompts)
-        engines, shared = {}, None
-        for p in args.policies.split(","):
-            pol, _, var = p.partition(":")
-            engines[p] = specter.load(model, policy=pol, shared=shared, residency=args.residency, link=args.link)
-            variant(engines[p], var)
-            shared = engines[p].shared
+        prompts, engines = cell_engines(args, args.policies.split(","), tmp)
         out, texts = {}, {}
         for p, e in engines.items():
             arms = Counter()

@@ -13,7 +13,6 @@ time is in. Timings: report them with the machine's load.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -26,31 +25,13 @@ import governor_matrix as gm  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="top8")
-    ap.add_argument("--residency", type=float, default=0.5)
-    ap.add_argument("--link", default="A100-40GB-PCIe4")
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--prompts", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=12)
+    ap = cc.cell_parser(__doc__, "top8", 0.5, 12)
     ap.add_argument("--engines", default="on-demand,on-demand#2,spec-lru:k0,specter:k0,specter")
     args = ap.parse_args()
 
-    import specter
-
     names = args.engines.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        model = None if args.model == "bundled" else Path(tmp) / args.model
-        if model is not None:
-            gm.build(args.model, model)
-        prompts = gm.prompts_for(args.model, args.prompts)
-        engines, shared = {}, None
-        for n in names:
-            pol, _, var = n.partition(":")
-            engines[n] = specter.load(model, policy=pol.split("#")[0], shared=shared, residency=args.residency,
-                                      link=args.link)
-            cc.variant(engines[n], var)
-            shared = engines[n].shared
+        prompts, engines = cc.cell_engines(args, names, tmp)
         try:
             out = gm.interleave(engines, prompts, args.rounds, args.max_new_tokens,
                                 dict(temperature=0.0, top_p=0.95, seed=0))
