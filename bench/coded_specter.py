@@ -169,8 +169,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     prompts = (read_prompts(a.prompts_file) if a.prompts_file else workload_prompts("default"))[:a.prompts]
-    kw = dict(device=a.device, policy=a.policy)
-    kw.update(residency=a.residency) if a.residency is not None else kw.update(expert_memory=a.expert_memory or "144MiB")
+    budget = dict(residency=a.residency) if a.residency is not None else dict(expert_memory=a.expert_memory or "144MiB")
+    kw = dict(device=a.device, policy=a.policy, **budget)
     logs, engines = {}, {}
     try:
         engines["raw"] = specter.load(a.model, **kw)

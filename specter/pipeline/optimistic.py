@@ -8,14 +8,14 @@ One greedy cycle, t pending at n:
               kept PreDraft's first K (K at most its length) are this cycle's drafts
     send      rank 0's stage over [t, d1 .. dK] (computed now, or while the last cycle's verification
               ran: PreDraft.step), then the STEP; the result's receive is posted at once (Posted)
-    pre-draft while the later stages verify: the guess g (the draft's step on dK at n+K), then up
-              to K steps on g from n+K+1 (the governor's K where a pre-draft capped this one), rank 0's own planner prefetching from their rows. Between
-              steps rank 0 looks at the result: once it has arrived and says the guess failed (a
-              rejection, or a target token other than g), the pre-draft stops. When it ends with
-              the guess still standing, rank 0 also runs its own stage over [g, drafted] (only
-              where its stage copies nothing: a stage that copies would take copies and demotions
-              of a cycle not yet accepted), so a kept pre-draft's STEP leaves as soon as the
-              acceptance is known
+    pre-draft while the later stages verify: the guess g (the draft's step on dK at n+K), then up to
+              K steps on g from n+K+1 (the governor's K where a pre-draft capped this one), rank 0's
+              own planner prefetching from their rows. Between steps rank 0 looks at the result:
+              once it has arrived and says the guess failed (a rejection, or a target token other
+              than g), the pre-draft stops. When it ends with the guess still standing, rank 0 also
+              runs its own stage over [g, drafted] (only where its stage copies nothing: a stage
+              that copies would take copies and demotions of a cycle not yet accepted), so a kept
+              pre-draft's STEP leaves as soon as the acceptance is known
     accept    greedy, on the target's logits: the committed tokens are the target's, whatever was
               drafted; the pre-draft is kept when all K were accepted and the target's token is g
 """
