@@ -25,12 +25,15 @@ own arm (with or without next-layer prefetch, `PlainArms`). Why: docs/ARCHITECTU
        interval >= n (t_o / t_r) (1 - R_o / R_r) / budget
 
    capped at probe_max cycles while speculating and probe_max (t_o / t_r) while decoding plainly (twice
-   that, at half the budget, when plain steps copy nothing).
+   that, at half the budget, when plain steps copy nothing). While decoding plainly, speculation is
+   probed every `probe_every` steps, without backing off, as long as it may yet win: R_spec^+ > R_plain
+   (1 + margin), R_spec^+ its window rated by the upper bounds a_i^+ (z_hope; a few early rejections
+   pulled the estimates under plain decoding for good, and the doubling probes came too rarely to lift them).
 
 2. Inside speculation, K is the argmax of E^-[tokens | K] / cycle(K) over 1 <= K <= min(K_max, 2 K_hi):
 
        E[tokens | K] = 1 + sum_{j=1..K} prod_{i=1..j} a_i
-       a_i = (h_i + m p) / (n_i + m),     a_i^- = a_i - z sqrt(a_i (1 - a_i) / (N_i + m))
+       a_i = (h_i + m p) / (n_i + m),     a_i^-+ = a_i -+ z sqrt(a_i (1 - a_i) / (N_i + m))
        cycle(K) = K d + v0 + v1 (K + 1) + s(K)
        s(K) = min(sum_t w_t sbar_t / sum_t w_t, min_{t > K, n_t >= n_K} sbar_t + (t - K) d),  w_t = n_t exp(-|K'-t|/h)
 
@@ -82,11 +85,12 @@ class Governor:
     def __init__(self, k_max: int, k_init: int = 4, alpha: float = 0.25, probe_every: int = 8,
                  probe_max: int = 64, plain_probe: int = 2, windows: tuple[int, int] = (8, 4), z: float = 0.5,
                  prior_weight: float = 4.0, bandwidth: float = 3.0, margin: float = 0.03, budget: float = 0.01,
-                 proof: float = 1.0, proof_cap: float = 0.25, free_margin: float = 0.10, fixed: int | None = None):
+                 proof: float = 1.0, proof_cap: float = 0.25, free_margin: float = 0.10, fixed: int | None = None,
+                 z_hope: float = 1.0):
         self.k_max, self.alpha, self.fixed, self.k_init = k_max, alpha, fixed, max(1, min(k_init, k_max))
         self.probe_every, self.probe_max, self.plain_probe = probe_every, probe_max, plain_probe
         self.z, self.m, self.bandwidth, self.margin, self.budget = z, prior_weight, bandwidth, margin, budget
-        self.proof, self.proof_cap, self.free_margin = proof, proof_cap, free_margin
+        self.proof, self.proof_cap, self.free_margin, self.z_hope = proof, proof_cap, free_margin, z_hope
         # acceptance: decayed accepted / tried counts per drafted position (1..K_max) and pooled
         self.hits, self.tries, self.seen = [0.0] * (k_max + 1), [0.0] * (k_max + 1), [0] * (k_max + 1)  # seen: capped
         self.pool_hits, self.pool_tries = 0.8, 1.0
@@ -215,19 +219,26 @@ class Governor:
             p, m, out = self.pool_hits / self.pool_tries, self.m, [1.0]  # p: the pooled acceptance
             for i in range(1, self.k_max + 1):
                 a = (self.hits[i] + m * p) / (self.tries[i] + m)
-                out.append(max(0.0, a - z * math.sqrt(a * (1.0 - a) / (self.seen[i] + m))))
+                out.append(min(1.0, max(0.0, a - z * math.sqrt(a * (1.0 - a) / (self.seen[i] + m)))))
             self._bounds[z] = out
         return out
 
-    def window_tokens(self, k: int) -> float:
-        """worth(K) = E[tokens | K] now (z = 0: by the bound, probes realising 1.3x plain decoding rated under it)."""
-        if k not in self._worth:
-            a, tokens, run = self.bounds(0.0), 1.0, 1.0
+    def window_tokens(self, k: int, z: float = 0.0) -> float:
+        """worth(K) = E[tokens | K] now (z = 0: by the bound, probes realising 1.3x plain decoding rated under it);
+        at z < 0 by the upper bounds a_i^+ (`hopeful_rate`)."""
+        if (k, z) not in self._worth:
+            a, tokens, run = self.bounds(z), 1.0, 1.0
             for i in range(1, k + 1):
                 run *= a[i]
                 tokens += run
-            self._worth[k] = tokens
-        return self._worth[k]
+            self._worth[k, z] = tokens
+        return self._worth[k, z]
+
+    def hopeful_rate(self) -> float | None:
+        """R_spec^+: speculation's window rated by the upper bounds a_i^+ (z = -z_hope), what it may yet be worth."""
+        w = self.spec
+        rates = [self.window_tokens(k, -self.z_hope) / s for k, s in zip(w.ks, w.secs) if s > 0]
+        return statistics.median(rates) if rates else None
 
     def stall_estimate(self, k: int) -> float:
         """s(K): kernel-smoothed measured stalls, clamped to the tried range, bounded by longer K's (the docstring)."""
@@ -339,7 +350,10 @@ class Governor:
             budget, free = self.budget, self.arm == "plain" and self.plain_copies_nothing
             if free:
                 cap, budget = 2 * cap, budget / 2
-            self._arm_interval = min(max(2 * self._arm_interval, round(loss / budget)), cap)
+            if self.arm == "plain" and (self.hopeful_rate() or 0.0) > running.rate * (1 + self.margin):
+                self._arm_interval = self.probe_every  # speculation may yet win: no backing off while it may
+            else:
+                self._arm_interval = min(max(2 * self._arm_interval, round(loss / budget)), cap)
             self._arm_probe_left = (self.plain_probe if self.arm == "spec" else 1) - 1
             self.probe = True
             return "plain" if self.arm == "spec" else "spec"
