@@ -823,3 +823,123 @@ def test_chat_under_torchrun_ends_when_a_rank_is_gone(chat_model):
         procs[1].wait()
         out, err = procs[0].communicate("class Stack:\nclass Queue:\n", timeout=120)
         assert procs[0].returncode == 2 and "rank 0 of 2" in err and "/reset starts over" not in err, err[-2000:]
+
+
+# ---------------------------------------------------------------- what rank 0 tells the governor (a virtual clock)
+class _Clock:
+    """time.perf_counter for optimistic.py, advanced only by the stand-ins' injected costs."""
+    now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class _Later:
+    """The STEP sent down the chain: its result arrives `later` seconds after it left."""
+
+    def __init__(self, T: int, start: int, arrives: float, later: float):
+        self.T, self.start, self.arrives, self.later = T, start, arrives, later
+
+
+class _VirtualCycles:
+    """OptimisticCycles' stand-ins with injected costs, no model and no ranks: a draft step takes `draft`
+    seconds, rank 0's stage `stage` a row, the later stages `later` from the STEP's departure to its
+    result. The target's token at position p is target(p); the draft's is too, except at `wrong` ones."""
+    V = 16
+
+    def __init__(self, clock, draft: float, stage: float, later: float, wrong: set[int]):
+        self.clock, self.draft_s, self.stage_s, self.later_s, self.wrong = clock, draft, stage, later, wrong
+        self.draft = type("Row", (), {"row": None})()
+        self.model = type("M", (), {"spec": None})()
+        self.remote, self.local, self.all_resident = [0.0] * 5, None, False
+        self.link = type("L", (), {"pending": staticmethod(lambda: 0)})()
+
+    @staticmethod
+    def target(p: int) -> int:
+        return 1 + p % 7
+
+    def onehot(self, tokens: list[int]) -> torch.Tensor:
+        return torch.nn.functional.one_hot(torch.tensor(tokens), self.V).float()  # [T, V]
+
+    def draft_forward(self, tokens, pos, logits_for="last"):  # the stage: the draft's step at pos
+        self.clock.now += self.draft_s
+        return self.onehot([0 if pos + 1 in self.wrong else self.target(pos + 1)])
+
+    def step(self, tokens, start, experts, logits_for="all"):  # the model: rank 0's stage, then the wire
+        from specter.pipeline.standins import Step
+        T = tokens.shape[0]
+        self.clock.now += self.stage_s * T
+        return Step(torch.zeros(T, 1), start, 0, self.stage_s * T)
+
+    def send(self, step, post=False):
+        return _Later(step.T, step.start, self.clock.now + self.later_s, self.later_s)
+
+    def logits(self, sent):
+        return self.onehot([self.target(sent.start + i + 1) for i in range(sent.T)]) if self.clock.now >= sent.arrives else None
+
+    def receive(self, sent):
+        self.clock.now = max(self.clock.now, sent.arrives)
+        self.remote[4] += sent.later  # the later stages' step seconds, as they come back with the logits
+        return self.logits(sent)
+
+    def stats(self):  # the experts
+        return dict(stall_s=0.0, expert_hits=0, expert_misses=0)
+
+    def demote_rejected(self, kept_rows):
+        pass
+
+    def cancel_prefetches(self):
+        return 0
+
+
+def _virtual_decoder(monkeypatch, told: list, **costs):
+    """PipelineSpeculativeDecoder's optimistic cycles over _VirtualCycles: (decoder, clock); `told` gets
+    every observe_cycle(K, accepted, draft_s, verify_s, stall_s)."""
+    import collections
+    import types
+    from specter.pipeline import optimistic
+
+    clock = _Clock()
+    monkeypatch.setattr(optimistic, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(optimistic, "kv_rows", lambda *a: None)  # rank 0's K/V: none here
+    monkeypatch.setattr(optimistic, "put_kv_rows", lambda *a: None)
+    fake = _VirtualCycles(clock, **costs)
+    dec = optimistic.OptimisticCycles()
+    dec.stage, dec.model, dec.experts = fake, fake, fake
+    dec.stages, dec.planner, dec.device = [types.SimpleNamespace(last=1)], None, torch.device("cpu")
+    dec.governor = types.SimpleNamespace(draft_s=None, observe_cycle=lambda *a: told.append(a))
+    dec.pre, dec.k, dec.need, dec.cancel_leftovers = None, 0, 10 ** 6, False
+    dec.send_rows = lambda upto: None
+    dec._stats = dict(k_histogram=collections.Counter(), cycles=0, recall_hits=0, recall_total=0, drafted_tokens=0,
+                      accepted_tokens=0, rejections=0, draft_s=0.0, verify_s=0.0)
+    dec.opt = dict(pre_drafted=0, kept=0, used_tokens=0, pre_steps=0, pre_draft_s=0.0, steps=0, draft_s=0.0,
+                   stopped=0, early_steps=0)
+    return dec, clock
+
+
+@pytest.mark.parametrize("later", [0.030, 0.004], ids=["slow-verify", "slow-draft"])
+def test_optimistic_cycles_tell_the_governor_their_wall_time(monkeypatch, later):
+    """The seconds each greedy cycle reports (drafting exposed beyond verification, and verification)
+    add up to its wall time, whether rank 0's pre-draft and its stage over it ran inside the last
+    cycle's wait (a slow verification: the stage runs early) or past it (a slow draft), kept or
+    discarded, so the governor's arms compare speculation's real rate with plain steps'. (A stage run
+    early was counted twice, in the cycle that ran it and again as the next one's verification.)"""
+    from specter.sampling import SamplingParams
+
+    told, walls = [], []
+    wrong = {p for p in range(12, 400) if p % 11 == 0}  # about one drafted position in 11 rejected
+    dec, clock = _virtual_decoder(monkeypatch, told, draft=0.002, stage=0.0005, later=later, wrong=wrong)
+    greedy, t, n = SamplingParams(temperature=0.0), dec.stage.target(10), 10
+    while n < 300:
+        t0 = clock.now
+        new = dec._optimistic_cycle(t, n, 4, None, greedy)
+        walls.append(clock.now - t0)
+        assert new == [dec.stage.target(n + 1 + i) for i in range(len(new))]  # the target's tokens
+        t, n = new[-1], n + len(new)
+    o = dec.opt
+    assert o["kept"] > 0 and o["pre_drafted"] > o["kept"], o  # both kept and discarded pre-drafts
+    assert (o["early_steps"] > 0) == (later > 0.02), o  # the stage ran early only beside a slow verification
+    for (k, m, draft_s, verify_s, stall_s), wall in zip(told, walls, strict=True):
+        assert draft_s >= 0 and verify_s > 0
+        assert draft_s + verify_s == pytest.approx(wall, abs=1e-9), (k, m, draft_s, verify_s, wall)
+

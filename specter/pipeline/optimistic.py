@@ -125,9 +125,10 @@ class OptimisticCycles:
         st["drafted_tokens"] += k
         st["accepted_tokens"] += m
         st["rejections"] += m < k
-        # the governor: verification as it cost, rank 0's stage (run here or during the last cycle's wait)
-        # and the later stages' steps (their seconds come back with the logits), or the wall time less
-        # rank 0's work for the next cycle inside it where that is longer (the hand-offs). Drafting:
+        # the governor: verification as it cost this cycle, rank 0's stage where it ran here (a stage run
+        # early ran inside the last cycle's wall, counted there) and the later stages' steps (their seconds
+        # come back with the logits), or the wall time less rank 0's work for the next cycle inside it
+        # where that is longer (the hand-offs). Drafting:
         # `exposed_draft`, what the cycle's wall time holds beyond its verification (a kept pre-draft's
         # drafts ran beside the last verification; a fresh draft keeps the others waiting), so the
         # cycles' seconds add up to the wall time and the arms compare speculation's real rate with
@@ -136,7 +137,7 @@ class OptimisticCycles:
         # like free drafts and a slow verification, and it chose K = 0 for most steps; given the wall less
         # the pre-draft alone as verification, it looked as short as the wait after the pre-draft, and it
         # chose half one process's K.)
-        verify_s = max(m2 - m1 - pre_s, (m_sent - m1) + (step.seconds if early else 0.0) + (mgr.remote[4] - later))
+        verify_s = max(m2 - m1 - pre_s, (m_sent - m1) + (mgr.remote[4] - later))
         if pre is None:
             draft_s = m1 - m0
         d = draft_s / k  # a draft step's own seconds (planners size their chunks by it: draft_step_s)
