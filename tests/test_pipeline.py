@@ -907,7 +907,7 @@ def _virtual_decoder(monkeypatch, told: list, **costs):
     dec = optimistic.OptimisticCycles()
     dec.stage, dec.model, dec.experts = fake, fake, fake
     dec.stages, dec.planner, dec.device = [types.SimpleNamespace(last=1)], None, torch.device("cpu")
-    dec.governor = types.SimpleNamespace(draft_s=None, observe_cycle=lambda *a: told.append(a))
+    dec.governor = types.SimpleNamespace(draft_s=None, fixed=None, observe_cycle=lambda *a: told.append(a))
     dec.pre, dec.k, dec.need, dec.cancel_leftovers = None, 0, 10 ** 6, False
     dec.send_rows = lambda upto: None
     dec._stats = dict(k_histogram=collections.Counter(), cycles=0, recall_hits=0, recall_total=0, drafted_tokens=0,
@@ -943,3 +943,25 @@ def test_optimistic_cycles_tell_the_governor_their_wall_time(monkeypatch, later)
         assert draft_s >= 0 and verify_s > 0
         assert draft_s + verify_s == pytest.approx(wall, abs=1e-9), (k, m, draft_s, verify_s, wall)
 
+
+def test_a_fresh_draft_drafts_a_share_of_k_and_its_pre_draft_all_of_it(monkeypatch):
+    """A fresh draft (no kept pre-draft: at the start, after a discard) keeps the later stages waiting
+    for each of its steps, so it drafts fresh_share of the governor's K (rounded up); the pre-draft
+    beside its verification drafts the whole K, which the next cycle verifies when it is kept. A fixed
+    K is every cycle's (the pipelines' tests compare fixed-K cycles with one process's)."""
+    from specter.sampling import SamplingParams
+
+    told, ran = [], []
+    wrong = {40, 41, 90}  # drafts rejected there: the cycles after are fresh again
+    dec, clock = _virtual_decoder(monkeypatch, told, draft=0.002, stage=0.0005, later=0.030, wrong=wrong)
+    greedy, t, n = SamplingParams(temperature=0.0), dec.stage.target(10), 10
+    while n < 150:
+        fresh = dec.pre is None
+        new = dec._optimistic_cycle(t, n, 6, None, greedy)
+        ran.append((fresh, told[-1][0]))
+        t, n = new[-1], n + len(new)
+    assert sum(f for f, _ in ran) >= 3 and sum(not f for f, _ in ran) >= 3, ran
+    assert all(k == (3 if f else 6) for f, k in ran), ran  # fresh: ceil(6 / 2); kept: all 6
+    dec.governor.fixed, dec.pre, told[:] = 6, None, []
+    dec._optimistic_cycle(dec.stage.target(200), 200, 6, None, greedy)
+    assert told[-1][0] == 6  # K fixed: a fresh cycle drafts all of it

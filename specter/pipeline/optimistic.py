@@ -5,11 +5,14 @@ the next one on the guess that all K drafts are accepted and the target's own to
 
 One greedy cycle, t pending at n:
     draft     d1 .. dK at n .. n+K-1 (its rows go down the chain where rank 0 plans), or none: a
-              kept PreDraft's first K (K at most its length) are this cycle's drafts
+              kept PreDraft's first K (K at most its length) are this cycle's drafts. A fresh draft
+              (no kept pre-draft: after a discard, a plain step, or at a generation's start) keeps
+              the later stages waiting, so it drafts only `fresh_share` of the governor's K (unless
+              K is fixed); the pre-draft beside its verification drafts the whole K for the next cycle
     send      rank 0's stage over [t, d1 .. dK] (computed now, or while the last cycle's verification
               ran: PreDraft.step), then the STEP; the result's receive is posted at once (Posted)
     pre-draft while the later stages verify: the guess g (the draft's step on dK at n+K), then up to
-              K steps on g from n+K+1 (the governor's K where a pre-draft capped this one), rank 0's
+              K steps on g from n+K+1 (the governor's K where this one was capped), rank 0's
               own planner prefetching from their rows. Between steps rank 0 looks at the result:
               once it has arrived and says the guess failed (a rejection, or a target token other
               than g), the pre-draft stops. When it ends with the guess still standing, rank 0 also
@@ -21,6 +24,7 @@ One greedy cycle, t pending at n:
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -49,8 +53,9 @@ class OptimisticCycles:
     """PipelineSpeculativeDecoder's greedy cycles (see the module docstring)."""
 
     exposed_draft = True  # the governor's draft time: the wall's share beyond verification (_optimistic_cycle)
+    fresh_share = 0.5  # a fresh draft's K: this share of the governor's K, rounded up (1: all of it)
     step_ema = None  # a draft step's own seconds, a moving average over the optimistic cycles
-    k_want = 0  # the governor's K for the running cycle, before a kept pre-draft's length capped it
+    k_want = 0  # the governor's K for the running cycle, before a kept pre-draft's length or fresh_share capped it
 
     def draft_step_s(self) -> float:
         """A draft step's own seconds, which planners size their chunks by (the governor's draft time
@@ -71,6 +76,9 @@ class OptimisticCycles:
         self.k_want = k  # the governor's K (the next pre-draft drafts that many, where this cycle is capped)
         if pre is not None:  # at most what it pre-drafted: drafting more here, rank 0 would keep the others waiting
             k = self.k = min(k, len(pre.drafted))
+        elif self.governor.fixed is None:  # a fresh draft: the later stages wait out every step of it (the
+            # pre-draft beside its verification drafts all of the governor's K for the next cycle); K fixed: K
+            k = self.k = max(1, math.ceil(k * self.fresh_share))
         st["k_histogram"][k] += 1
         st["cycles"] += 1
         drafted, draft_s = [], 0.0
@@ -187,7 +195,7 @@ class OptimisticCycles:
         drafted token (position pos = n+K) gives its guess of the target's next token; then steps on that
         guess from pos + 1, rank 0's own planner prefetching from their rows (the other ranks get the rows
         if the guess holds, in the next cycle): K of them, or the governor's K where a kept pre-draft
-        capped this cycle's (drafting more than the next cycle verifies costs rank 0 steps it may
+        or fresh_share capped this cycle's (drafting more than the next cycle verifies costs rank 0 steps it may
         need: it drafts more than one process does), stopped once the result has come back and shows
         the guess failed, or held with at least K drafted (the later stages wait for the next cycle
         then). Then, the result not back yet (or kept) and rank 0's stage copying nothing, rank
