@@ -138,7 +138,7 @@ def report(paths: list[Path], seq: bool) -> None:
     for path in paths:
         gens = generations(path)
         measured = [r for g in gens[1:] for r in g]  # the first generation is the bench's warm-up
-        plain, asked, capped, by_k = Counter(), [], 0, defaultdict(list)
+        plain, asked, capped, by_k = Counter(), [], Counter(), defaultdict(list)
         nxt, obs = {}, None
         for r in measured:
             if r["ev"] == "next":
@@ -151,14 +151,15 @@ def report(paths: list[Path], seq: bool) -> None:
                 obs = r
             elif r["ev"] == "cycle":
                 asked.append(r["asked"])
-                capped += r["k"] < r["asked"]
+                capped[r["pre"]] += r["k"] < r["asked"]
                 by_k[r["k"]].append((r, obs))
         cycles = [c for v in by_k.values() for c in v]
         tokens = sum(r["tokens"] for r, _ in cycles)
         print(f"{path}: {len(cycles)} speculative cycles, {tokens} tokens; plain steps {dict(plain)}")
         if cycles:
             print(f"  mean K asked {statistics.mean(asked):.1f}, run {statistics.mean(r['k'] for r, _ in cycles):.1f}; "
-                  f"{capped} cycles capped by a kept pre-draft's length")
+                  f"K run < K asked in {capped[True]} pre-drafted cycles (a kept pre-draft's length) and "
+                  f"{capped[False]} fresh ones (fresh_share)")
         print("  | K run | cycles | pre-drafted | kept | wall ms | tokens | ms a token | told: draft / verify / stall ms "
               "| later stages ms |")
         for k in sorted(by_k):
