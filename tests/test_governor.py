@@ -419,6 +419,21 @@ def test_one_slow_verification_at_a_k_run_once_does_not_drive_k_to_one():
     assert gov._argmax_k() == 3 and gov.v1 < 3e-3, (gov._argmax_k(), gov.v0, gov.v1)
 
 
+def test_one_slow_verification_where_two_k_were_tried_does_not_drive_k_to_one():
+    """HD's two-rank logs (bulletin, 2026-12-02 11:24): K = 2 many times, then one K = 3 cycle under a
+    burst of load (verify 72 ms against 25). Two K fix a line whatever their weights: the slope read
+    47 ms a token, K = 1 for good, and K = 3 was never read again. A K read once may lengthen K (and
+    so be read again), not shorten it."""
+    gov = Governor(16)
+    for _ in range(30):
+        gov.observe_cycle(2, 2, 6e-3, 25e-3, 0.0)
+    gov.observe_cycle(3, 3, 9e-3, 72e-3, 0.0)
+    assert gov._argmax_k() >= 2 and gov.v1 < 5e-3, (gov._argmax_k(), gov.v0, gov.v1)
+    for _ in range(2):  # read again, K = 3 is as slow: now it counts
+        gov.observe_cycle(3, 3, 9e-3, 72e-3, 0.0)
+    assert gov.v1 > 20e-3 and gov._argmax_k() == 1, (gov._argmax_k(), gov.v0, gov.v1)
+
+
 def test_speculation_that_pays_is_not_locked_out_by_its_acceptance_bound():
     """HC's lock-in (docs/RESULTS.md, issue 24, 2026-12-02): speculation realises 1.31x plain decoding
     (K = 7 at acceptance 0.85), but a few early rejections put the arm on plain decoding. Rated by the

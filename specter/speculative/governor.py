@@ -39,7 +39,8 @@ own arm (with or without next-layer prefetch, `PlainArms`). Why: docs/ARCHITECTU
 
    a_i the probability that drafted position i is accepted given that i-1 was; h_i, n_i its decayed
    accepted / tried counts, N_i its observations (capped at 64), p the pooled acceptance (a prior
-   worth m observations); d the draft step time, v0 + v1 (K + 1) verify compute fitted (weights n_K),
+   worth m observations); d the draft step time, v0 + v1 (K + 1) verify compute fitted (weights n_K;
+   the slope the lesser of the fits over every K and over the K read twice or more),
    sbar_t the moving average of the stall verification waited on (copies, the host lane) at tried
    K = t, n_t its count (capped at 16), h = `bandwidth`, K' = K clamped to the tried range (copies: a union
    of experts, which saturates with K); the min: a longer cycle drafts more and waits on a superset of
@@ -169,20 +170,27 @@ class Governor:
         old, new = self._v.get(k), verify_s - stall_s
         self._v[k] = new if old is None else (1 - a) * old + a * new
         self.stall_n[drafted] = min(self.stall_n.get(drafted, 0) + 1, 16)
-        # the verify compute fit v0 + v1 (K + 1): least squares over the K tried, each weighted by its count n_K
-        pts = sorted(self._v.items())  # (one spike at a K run once steepened the slope until K = 1 for good)
+        # the verify compute fit v0 + v1 (K + 1), least squares over the K tried, each weighted by its count n_K;
+        # the slope is the lesser of the fit's over every K and over those measured twice or more (one spike at a
+        # K run once, where only two K were tried, fixed a slope steep enough to keep K = 1 for good: a K read
+        # once can lengthen K, and so be read again, but not shorten it)
+        sure = [(k, v) for k, v in self._v.items() if self.stall_n.get(k, 1) >= 2]
+        (v0, v1), alt = self._verify_fit(list(self._v.items())), self._verify_fit(sure) if sure else None
+        self.v0, self.v1 = (v0, v1) if alt is None or v1 <= alt[1] else alt
+
+    def _verify_fit(self, pts: list[tuple[int, float]]) -> tuple[float, float]:
+        """(v0, v1) of v0 + v1 (K + 1) over (K, verify compute) points, weighted by n_K; one point: the prior."""
         if len(pts) == 1:
             k, v = pts[0]
-            self.v0, self.v1 = v * 0.7, v * 0.3 / (k + 1)  # a prior: verify mostly fixed cost
-            return
+            return v * 0.7, v * 0.3 / (k + 1)  # a prior: verify mostly fixed cost
         n, sx, sy, stall_n = 0, 0, 0.0, self.stall_n
         for k, v in pts:
             n, sx, sy = n + (w := stall_n.get(k, 1)), sx + w * (k + 1), sy + w * v
         mx, my, var, cov = sx / n, sy / n, 0.0, 0.0
         for k, v in pts:
             var, cov = var + (w := stall_n.get(k, 1)) * (k + 1 - mx) ** 2, cov + w * (k + 1 - mx) * (v - my)
-        self.v1 = max(0.0, cov / var) if var else 0.0
-        self.v0 = max(0.0, my - self.v1 * mx)
+        v1 = max(0.0, cov / var) if var else 0.0
+        return max(0.0, my - v1 * mx), v1
 
     def start_plain(self) -> None:
         """A prior for a new engine whose budget holds every expert: nothing is ever copied, so a draft
