@@ -359,14 +359,13 @@ def test_rarely_seen_position_is_held_to_a_confidence_bound():
         gov.observe_cycle(2, 1, 2e-3, 10e-3, 0.0)
         gov.observe_cycle(2, 2, 2e-3, 10e-3, 0.0)
     gov.observe_cycle(3, 3, 3e-3, 10e-3, 0.0)  # position 3 accepted once
-    pool = gov.pool
-    assert gov.acceptance(3) < pool < 1.0       # one acceptance does not make it a sure thing
-    assert gov.acceptance(5) < pool             # unseen: the pooled rate, minus its uncertainty
+    pool, bound = gov.pool_hits / gov.pool_tries, gov.bounds(gov.z)  # bound[i]: a_i^-
+    assert bound[3] < pool < 1.0       # one acceptance does not make it a sure thing
+    assert bound[5] < pool             # unseen: the pooled rate, minus its uncertainty
     # more evidence tightens the bound
-    before = gov.acceptance(3)
     for _ in range(30):
         gov.observe_cycle(3, 3, 3e-3, 10e-3, 0.0)
-    assert gov.acceptance(3) > before
+    assert gov.bounds(gov.z)[3] > bound[3]
 
 
 def test_a_cold_first_cycle_does_not_keep_k_long():

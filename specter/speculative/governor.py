@@ -1,34 +1,31 @@
-"""The governor: picks each cycle's K (0..K_max) so that speculation never loses to plain decoding, and K = 0's
-own arm (with or without next-layer prefetch, `PlainArms`). Why: docs/ARCHITECTURE.md ("The governor ...").
+"""The governor: picks each cycle's K (0..K_max) so that speculation never loses to plain decoding, and K = 0's own
+arm (with or without next-layer prefetch, `PlainArms`). Why: docs/ARCHITECTURE.md ("The governor ...").
 
-1. Arms, judged by realised throughput. Plain decoding (K = 0) and speculation (K >= 1) each keep
-   a window of their latest cycles (W_plain steps, W_spec cycles); an arm's rate R is the median of
-   worth(K) / seconds over its window, worth(K) = E[tokens | K] by the estimates a_i of 2 (the bounds
-   a_i^- pick K, not the arm), seconds the cycle's wall time, stalls included. Both arms are measured
-   first (`start_plain`, when the budget holds every expert: plain decoding runs, speculation is
-   probed 2 `probe_every` steps in). Speculation takes over only right after one of its own cycles, when that cycle's
-   rate and its window's both clear
+1. Arms, judged by realised throughput. Plain decoding (K = 0) and speculation (K >= 1) each keep a window of
+   their latest cycles (W_plain steps, W_spec cycles); an arm's rate R is the median of worth(K) / seconds over
+   its window, worth(K) = E[tokens | K] by the estimates a_i of 2 (the bounds a_i^- pick K, not the arm),
+   seconds the cycle's wall time, stalls included. Both arms are measured first (`start_plain`, when the budget
+   holds every expert: plain decoding runs, speculation is probed 2 `probe_every` steps in). Speculation takes
+   over only right after one of its own cycles, when that cycle's rate and its window's both clear
 
        R_spec > R_plain (1 + margin)                                  while plain steps copy
        R_spec > max(R_plain, R_plain_3) (1 + margin + extra)           when they copy nothing
        extra = min(proof sqrt(e_spec^2 + e_plain^2), proof_cap) + free_margin
 
-   e a window's relative standard error (`_Window`), R_plain_3 the median of the newest 3 plain
-   steps; leaving speculation takes only the margin. A plain step that copied, right after a
-   speculative cycle, charges that cycle its excess over the plain window's median step (the
-   experts its verification evicted, re-copied). The losing arm is probed (`plain_probe` plain
-   steps, or one speculative cycle at its best K) `probe_every` cycles after it lost, then at
-   doubling intervals that keep the probes' loss under `budget` (a probe that alone beats the
-   running arm by the same burden is followed up at once); with n cycles of t_o seconds at rate R_o
-   against the running arm's t_r seconds and R_r (t an arm's median cycle seconds):
+   e a window's relative standard error (`_Window`), R_plain_3 the median of the newest 3 plain steps; leaving
+   speculation takes only the margin. A plain step that copied, right after a speculative cycle, charges that
+   cycle its excess over the plain window's median step (the experts its verification evicted, re-copied). The
+   losing arm is probed (`plain_probe` plain steps, or one speculative cycle at its best K) `probe_every` cycles
+   after it lost, then at doubling intervals that keep the probes' loss under `budget` (a probe that alone beats
+   the running arm by the same burden is followed up at once); with n cycles of t_o seconds at rate R_o against
+   the running arm's t_r seconds and R_r (t an arm's median cycle seconds):
 
        interval >= n (t_o / t_r) (1 - R_o / R_r) / budget
 
-   capped at probe_max cycles while speculating and probe_max (t_o / t_r) while decoding plainly (twice
-   that, at half the budget, when plain steps copy nothing). While decoding plainly, speculation is
-   probed every `probe_every` steps, without backing off, as long as it may yet win: R_spec^+ > R_plain
-   (1 + margin), R_spec^+ its window rated by the upper bounds a_i^+ (z_hope; a few early rejections
-   pulled the estimates under plain decoding for good, and the doubling probes came too rarely to lift them).
+   capped at probe_max cycles while speculating and probe_max (t_o / t_r) while decoding plainly (twice that, at
+   half the budget, when plain steps copy nothing). While decoding plainly, speculation is probed every
+   `probe_every` steps, without backing off, while it may yet win: R_spec^+ > R_plain (1 + margin), R_spec^+ its
+   window rated by the upper bounds a_i^+ (z = z_hope).
 
 2. Inside speculation, K is the argmax of E^-[tokens | K] / cycle(K) over 1 <= K <= min(K_max, 2 K_hi):
 
@@ -37,15 +34,15 @@ own arm (with or without next-layer prefetch, `PlainArms`). Why: docs/ARCHITECTU
        cycle(K) = K d + v0 + v1 (K + 1) + s(K)
        s(K) = min(sum_t w_t sbar_t / sum_t w_t, min_{t > K, n_t >= n_K} sbar_t + (t - K) d),  w_t = n_t exp(-|K'-t|/h)
 
-   a_i the probability that drafted position i is accepted given that i-1 was; h_i, n_i its decayed
-   accepted / tried counts, N_i its observations (capped at 64), p the pooled acceptance (a prior
-   worth m observations); d the draft step time, v0 + v1 (K + 1) verify compute fitted (weights n_K;
-   the slope the lesser of the fits over every K and over the K read twice or more),
-   sbar_t the moving average of the stall verification waited on (copies, the host lane) at tried
-   K = t, n_t its count (capped at 16), h = `bandwidth`, K' = K clamped to the tried range (copies: a union
-   of experts, which saturates with K); the min: a longer cycle drafts more and waits on a superset of
-   copies, so a cold first reading at K_init cannot keep K long. Every `probe_every` cycles (doubling up to
-   `probe_max` while the best K holds) it tries a K next to the best one, above and below in turn.
+   a_i the probability that drafted position i is accepted given that i-1 was; h_i, n_i its decayed accepted /
+   tried counts, N_i its observations (capped at 64), p the pooled acceptance (a prior worth m observations); d
+   the draft step time, v0 + v1 (K + 1) verify compute fitted (weights n_K; the slope the lesser of the fits
+   over every K and over the K read twice or more), sbar_t the moving average of the stall verification waited
+   on (copies, the host lane) at tried K = t, n_t its count (capped at 16), h = `bandwidth`, K' = K clamped to
+   the tried range (copies: a union of experts, which saturates with K); the min: a longer cycle drafts more and
+   waits on a superset of copies, so a cold first reading at K_init cannot keep K long. Every `probe_every`
+   cycles (doubling up to `probe_max` while the best K holds) it tries a K next to the best one, above and below
+   in turn.
 """
 from __future__ import annotations
 
@@ -55,9 +52,9 @@ from collections import deque
 
 
 class _Window:
-    """The latest cycles of one arm, as (K verified, seconds). Recomputed at each add: rates, rate
-    (their median: a burst of load slows a cycle or two many times over), seconds (the median cycle;
-    None before the first), error (sqrt(pi/2) 1.4826 MAD / median / sqrt(n); None before two)."""
+    """The latest cycles of one arm, as (K verified, seconds). Recomputed at each add: rates, rate (their median: a
+    burst of load slows a cycle or two many times over), seconds (the median cycle; None before the first), error
+    (sqrt(pi/2) 1.4826 MAD / median / sqrt(n); None before two)."""
 
     def __init__(self, size: int, worth):
         self.ks, self.secs = deque(maxlen=size), deque(maxlen=size)  # each cycle's K and its seconds
@@ -122,23 +119,20 @@ class Governor:
     # ---------------------------------------------------------------------------- observe
     def observe_cycle(self, k: int, accepted: int, draft_s: float, verify_s: float, stall_s: float,
                       verified: int | None = None, copied: int | None = None, steps: int = 1) -> None:
-        """A cycle drafted K tokens (in draft_s), verified the first `verified` of them (default all),
-        accepted `accepted` of those, and verification took verify_s, stall_s of it waiting on copies
-        or the host lane. `copied`: expert bytes a plain step (K = 0) found off the device, copied
-        over the link or read on the host lane (None: unknown). `steps`: K = 0 only, a run of that
-        many plain steps (next_k's `steps`), verify_s their mean and `copied` their sum."""
+        """A cycle drafted K tokens (in draft_s), verified the first `verified` of them (default all), accepted
+        `accepted` of those, and verification took verify_s, stall_s of it waiting on copies or the host lane.
+        `copied`: expert bytes a plain step (K = 0) found off the device, copied over the link or read on the host
+        lane (None: unknown). `steps`: K = 0 only, a run of that many plain steps (next_k's `steps`), verify_s their
+        mean and `copied` their sum."""
         self.cycles += steps
         seconds = draft_s + verify_s
         drafted, k = k, (k if verified is None else verified)
         for i in range(1, min(accepted + 1, k) + 1):  # positions 1..accepted were accepted, accepted+1 rejected
             hit = 1.0 if i <= accepted else 0.0
-            self.hits[i] = 0.9 * self.hits[i] + hit
-            self.tries[i] = 0.9 * self.tries[i] + 1.0
+            self.hits[i], self.tries[i] = 0.9 * self.hits[i] + hit, 0.9 * self.tries[i] + 1.0
             self.seen[i] = min(self.seen[i] + 1, 64)
-            self.pool_hits = 0.98 * self.pool_hits + hit
-            self.pool_tries = 0.98 * self.pool_tries + 1.0
-        self._worth.clear()
-        self._bounds.clear()
+            self.pool_hits, self.pool_tries = 0.98 * self.pool_hits + hit, 0.98 * self.pool_tries + 1.0
+        self._worth, self._bounds = {}, {}  # valid until the next observation
         after_spec, self._after_spec = self._after_spec, drafted > 0
         if after_spec and drafted == 0 and copied != 0 and len(self.plain.secs) >= self.plain_probe:
             excess = seconds - self.plain.seconds  # what the last cycle's evictions cost this step
@@ -170,19 +164,17 @@ class Governor:
         old, new = self._v.get(k), verify_s - stall_s
         self._v[k] = new if old is None else (1 - a) * old + a * new
         self.stall_n[drafted] = min(self.stall_n.get(drafted, 0) + 1, 16)
-        # the verify compute fit v0 + v1 (K + 1), least squares over the K tried, each weighted by its count n_K;
-        # the slope is the lesser of the fit's over every K and over those measured twice or more (one spike at a
-        # K run once, where only two K were tried, fixed a slope steep enough to keep K = 1 for good: a K read
-        # once can lengthen K, and so be read again, but not shorten it)
+        # the verify compute fit, its slope the lesser of the fits over every K and over the K read twice or
+        # more: a K read once (a load spike?) may lengthen K, and so be read again, but not shorten it
         sure = [(k, v) for k, v in self._v.items() if self.stall_n.get(k, 1) >= 2]
-        (v0, v1), alt = self._verify_fit(list(self._v.items())), self._verify_fit(sure) if sure else None
-        self.v0, self.v1 = (v0, v1) if alt is None or v1 <= alt[1] else alt
+        fit, alt = self._verify_fit(list(self._v.items())), self._verify_fit(sure)
+        self.v0, self.v1 = fit if fit[1] <= alt[1] else alt
 
     def _verify_fit(self, pts: list[tuple[int, float]]) -> tuple[float, float]:
-        """(v0, v1) of v0 + v1 (K + 1) over (K, verify compute) points, weighted by n_K; one point: the prior."""
-        if len(pts) == 1:
-            k, v = pts[0]
-            return v * 0.7, v * 0.3 / (k + 1)  # a prior: verify mostly fixed cost
+        """(v0, v1): v0 + v1 (K + 1) by least squares over (K, verify compute) points weighted by n_K; one point: a
+        prior (verify mostly fixed cost); none: (inf, inf)."""
+        if len(pts) < 2:
+            return (pts[0][1] * 0.7, pts[0][1] * 0.3 / (pts[0][0] + 1)) if pts else (math.inf, math.inf)
         n, sx, sy, stall_n = 0, 0, 0.0, self.stall_n
         for k, v in pts:
             n, sx, sy = n + (w := stall_n.get(k, 1)), sx + w * (k + 1), sy + w * v
@@ -193,10 +185,10 @@ class Governor:
         return max(0.0, my - v1 * mx), v1
 
     def start_plain(self) -> None:
-        """A prior for a new engine whose budget holds every expert: nothing is ever copied, so a draft
-        has nothing to hide and speculation can only win on compute. Plain decoding runs from the
-        first token, and speculation is first probed 2 `probe_every` steps later (a short first
-        generation is not spent measuring it), then like any losing arm."""
+        """A prior for a new engine whose budget holds every expert: nothing is ever copied, so a draft has nothing
+        to hide and speculation can only win on compute. Plain decoding runs from the first token, and speculation
+        is first probed 2 `probe_every` steps later (a short first generation is not spent measuring it), then like
+        any losing arm."""
         if self.arm is None and self.fixed is None and self.k_max > 0:
             self.arm = "plain"
             self._arm_next = self.cycles + 2 * self.probe_every
@@ -205,23 +197,12 @@ class Governor:
         """How much faster speculation must be before it runs: margin (+ extra when plain copies nothing)."""
         if not self.plain_copies_nothing:
             return self.margin
-        var = 0.0
-        for e in (self.spec.error, self.plain.error):
-            if e is not None:
-                var += e * e
+        var = (self.spec.error or 0.0) ** 2 + (self.plain.error or 0.0) ** 2  # None: not measured yet
         return self.margin + min(self.proof * math.sqrt(var), self.proof_cap) + self.free_margin
 
     # ------------------------------------------------------------------------- estimates
-    @property
-    def pool(self) -> float:
-        return self.pool_hits / self.pool_tries
-
-    def acceptance(self, i: int, z: float | None = None) -> float:
-        """a_i^-: the lower confidence bound of position i's acceptance; z = 0: the estimate itself."""
-        return self.bounds(self.z if z is None else z)[i]
-
     def bounds(self, z: float) -> list[float]:
-        """[1, a_1^-, .., a_Kmax^-] at this z, computed once per observation."""
+        """[1, a_1^-, .., a_Kmax^-] at this z (0: the estimates a_i; < 0: the upper bounds), once per observation."""
         out = self._bounds.get(z)
         if out is None:
             p, m, out = self.pool_hits / self.pool_tries, self.m, [1.0]  # p: the pooled acceptance
@@ -232,8 +213,8 @@ class Governor:
         return out
 
     def window_tokens(self, k: int, z: float = 0.0) -> float:
-        """worth(K) = E[tokens | K] now (z = 0: by the bound, probes realising 1.3x plain decoding rated under it);
-        at z < 0 by the upper bounds a_i^+ (`hopeful_rate`)."""
+        """worth(K) = E[tokens | K] now, by the estimates a_i (z = 0; the bounds pick K, not the arm), or at z < 0
+        by the upper bounds a_i^+ (`hopeful_rate`)."""
         if (k, z) not in self._worth:
             a, tokens, run = self.bounds(z), 1.0, 1.0
             for i in range(1, k + 1):
@@ -244,8 +225,7 @@ class Governor:
 
     def hopeful_rate(self) -> float | None:
         """R_spec^+: speculation's window rated by the upper bounds a_i^+ (z = -z_hope), what it may yet be worth."""
-        w = self.spec
-        rates = [self.window_tokens(k, -self.z_hope) / s for k, s in zip(w.ks, w.secs) if s > 0]
+        rates = [self.window_tokens(k, -self.z_hope) / s for k, s in zip(self.spec.ks, self.spec.secs) if s > 0]
         return statistics.median(rates) if rates else None
 
     def stall_estimate(self, k: int) -> float:
@@ -282,12 +262,11 @@ class Governor:
 
     # ----------------------------------------------------------------------------- decide
     def next_k(self, remaining: int) -> int:
-        """K for the next cycle; `remaining` tokens are still wanted (no point drafting past them).
-        When it is 0, `steps` says how many plain steps to run before asking again (the decoder runs
-        them as plain decoding's loop and reports them as one observe_cycle(steps=n)): one while the
-        arms are measured or probed and right after a speculative cycle (that step may pay for the
-        cycle's copies), else up to the next probe of speculation, since nothing else can move plain
-        decoding's arm before it (a switch needs a fresh speculative cycle)."""
+        """K for the next cycle; `remaining` tokens are still wanted (no point drafting past them). When it is 0,
+        `steps` says how many plain steps to run before asking again (the decoder runs them as plain decoding's loop
+        and reports them as one observe_cycle(steps=n)): one while the arms are measured or probed and right after a
+        speculative cycle (that step may pay for the cycle's copies), else up to the next probe of speculation,
+        since nothing else can move plain decoding's arm before it (a switch needs a fresh speculative cycle)."""
         cap = max(0, min(self.k_max, remaining - 1))
         self.steps = 1
         if self.fixed is not None or self.k_max == 0:
@@ -369,11 +348,11 @@ class Governor:
 
 
 class PlainArms:
-    """K = 0 is plain decoding with or without next-layer prefetch, whichever measures faster (moving
-    averages of the step time; a second instance, rated per miss: the host lane computing some misses,
-    or, the arm True that must prove faster by `margin`, copying every one). The other is tried after
-    `probe_every` steps, then at doubling intervals stretched so that the excess each probe measures stays
-    under `budget` (up to `probe_max`); the arms change places only right after the taker was measured."""
+    """K = 0 is plain decoding with or without next-layer prefetch, whichever measures faster (moving averages of
+    the step time; a second instance, rated per miss: the host lane computing some misses, or, the arm True that
+    must prove faster by `margin`, copying every one). The other is tried after `probe_every` steps, then at
+    doubling intervals stretched so that the excess each probe measures stays under `budget` (up to `probe_max`);
+    the arms change places only right after the taker was measured."""
 
     def __init__(self, probe_every: int = 8, probe_max: int = 1024, budget: float = 0.01, alpha: float = 0.25,
                  margin: float = 0.03):
@@ -404,8 +383,7 @@ class PlainArms:
 
     def observe(self, arm: bool, step_s: float, steps: int = 1, misses: int | None = None) -> None:
         """`steps` steps of `arm` took step_s each on average (pick counted the first). A probe of the losing arm
-        replaces its time (a cold reading kept it losing for hundreds of steps). `misses`: the steps' misses
-        (lane arms act on misses only), rated as seconds a miss."""
+        replaces its time. `misses`: the steps' misses (lane arms act on misses only), rated as seconds a miss."""
         self.n += steps - 1
         if misses is not None:  # a step's time follows its misses; a run without any says nothing
             if misses <= 0:
