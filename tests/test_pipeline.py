@@ -157,6 +157,9 @@ def _ranks(argvs: list[list[str]], stdin=None):
             p.communicate()
 
 
+HANG = 600  # seconds: a hang guard, not a speed check (a loaded 2-core machine started ranks 4-8x slower)
+
+
 def _launch(argvs: list[list[str]], timeout: float = 120) -> list[tuple[int | None, str, str]]:
     """Runs one process per rank (argvs[r] after `python`); (returncode, stdout, stderr) per rank. A
     rank still running at `timeout` (a hang) is killed and reported with returncode None."""
@@ -501,7 +504,7 @@ def test_cli_under_torchrun_prints_once_with_pipeline_stats(ckpts):
     argv = ["-m", "specter", "generate", "--model", str(ckpts["qwen3_moe"]), "--prompt-ids", "1,5,9,17,33",
             "--max-new-tokens", str(NEW), "--greedy", "--residency", "0.5", "--json", "--pipeline-timeout", "60",
             "--host-threads", "1", "--draft-bits", "2"]  # each rank's host lane (specter's); rank 0's draft width
-    ranks = _launch([argv, argv], timeout=120)
+    ranks = _launch([argv, argv], timeout=HANG)
     assert [r[0] for r in ranks] == [0, 0], [r[2][-2000:] for r in ranks]
     assert ranks[1][1] == ""  # printed once, by rank 0
     got = json.loads(ranks[0][1])
@@ -541,7 +544,7 @@ def test_rank_0_shares_one_processs_draft_cache(ckpts, tmp_path):
         argv = ["-m", "specter", "generate", "--model", path, "--prompt-ids", ",".join(map(str, PROMPT)),
                 "--max-new-tokens", str(NEW), "--greedy", "--residency", "0.5", "--json",
                 "--pipeline-timeout", "60", "--draft-cache"]
-        ranks = _launch([argv + [str(cache)], argv + [str(tmp_path / "rank1")]], timeout=120)
+        ranks = _launch([argv + [str(cache)], argv + [str(tmp_path / "rank1")]], timeout=HANG)
         assert [r[0] for r in ranks] == [0, 0], [r[2][-2000:] for r in ranks]
         assert not (tmp_path / "rank1").exists()  # rank 1 holds no draft: its --draft-cache is never made
         got = json.loads(ranks[0][1])
@@ -642,7 +645,7 @@ def test_bench_under_torchrun_reports_each_rank(ckpts, tmp_path):
     prompts.write_text(json.dumps([PROMPT, [3, 4, 5]]))
     argv = ["-m", "specter", "bench", "--model", str(ckpts["deepseek_v2"]), "--prompts", str(prompts),
             "--policies", "resident,on-demand", "--residency", "0.5", "--max-new-tokens", "6", "--json"]
-    ranks = _launch([argv, argv], timeout=120)
+    ranks = _launch([argv, argv], timeout=HANG)
     assert [r[0] for r in ranks] == [0, 0], [r[2][-2000:] for r in ranks]
     assert ranks[1][1] == ""
     got = json.loads(ranks[0][1])
@@ -661,7 +664,7 @@ def test_a_config_mismatch_fails_every_rank(ckpts, tmp_path):
     (other / "config.json").write_text(json.dumps(cfg))
     argv = ["-m", "specter", "generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--greedy",
             "--policy", "resident", "--pipeline-timeout", "60", "--model"]
-    ranks = _launch([argv + [str(ckpts["qwen3_moe"])], argv + [str(other)]], timeout=120)
+    ranks = _launch([argv + [str(ckpts["qwen3_moe"])], argv + [str(other)]], timeout=HANG)
     for r, (code, so, se) in enumerate(ranks):
         assert code == 2, (r, se[-2000:])
         assert f"rank {r} of 2: rank(s) 1 differ from rank 0 in fingerprint" in se and so == ""
