@@ -167,14 +167,15 @@ class Governor:
         # the verify compute fit, its slope the lesser of the fits over every K and over the K read twice or
         # more: a K read once (a load spike?) may lengthen K, and so be read again, but not shorten it
         sure = [(k, v) for k, v in self._v.items() if self.stall_n.get(k, 1) >= 2]
-        fit, alt = self._verify_fit(list(self._v.items())), self._verify_fit(sure)
-        self.v0, self.v1 = fit if fit[1] <= alt[1] else alt
+        self.v0, self.v1 = fit = self._verify_fit(list(self._v.items()))
+        if sure and len(sure) < len(self._v) and (alt := self._verify_fit(sure))[1] < fit[1]:
+            self.v0, self.v1 = alt  # a second fit only while some K was read once: one in the usual case
 
     def _verify_fit(self, pts: list[tuple[int, float]]) -> tuple[float, float]:
         """(v0, v1): v0 + v1 (K + 1) by least squares over (K, verify compute) points weighted by n_K; one point: a
-        prior (verify mostly fixed cost); none: (inf, inf)."""
-        if len(pts) < 2:
-            return (pts[0][1] * 0.7, pts[0][1] * 0.3 / (pts[0][0] + 1)) if pts else (math.inf, math.inf)
+        prior (verify mostly fixed cost)."""
+        if len(pts) == 1:
+            return pts[0][1] * 0.7, pts[0][1] * 0.3 / (pts[0][0] + 1)
         n, sx, sy, stall_n = 0, 0, 0.0, self.stall_n
         for k, v in pts:
             n, sx, sy = n + (w := stall_n.get(k, 1)), sx + w * (k + 1), sy + w * v
