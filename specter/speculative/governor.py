@@ -20,7 +20,7 @@ arm (with or without next-layer prefetch, `PlainArms`). Why: docs/ARCHITECTURE.m
    the running arm by the same burden is followed up at once); with n cycles of t_o seconds at rate R_o against
    the running arm's t_r seconds and R_r (t an arm's median cycle seconds):
 
-       interval >= n (t_o / t_r) (1 - R_o / R_r) / budget
+       interval >= n (t_o / t_r) (1 - R_o / R_r) / budget    (a plain probe's at once; the doubling a probe later)
 
    capped at probe_max cycles while speculating and probe_max (t_o / t_r) while decoding plainly (twice that, at
    half the budget, when plain steps copy nothing). While decoding plainly, speculation is probed every
@@ -336,12 +336,13 @@ class Governor:
             loss = 0.0 if other.rate is None else n * weight * max(0.0, 1.0 - other.rate / max(running.rate, 1e-12))
             cap = self.probe_max if self.arm == "spec" else round(self.probe_max * max(1.0, weight))
             budget, free = self.budget, self.arm == "plain" and self.plain_copies_nothing
-            if free:
-                cap, budget = 2 * cap, budget / 2
+            cap, budget = (2 * cap, budget / 2) if free else (cap, budget)
             if self.arm == "plain" and (self.hopeful_rate() or 0.0) > running.rate * (1 + self.margin):
                 self._arm_interval = self.probe_every  # speculation may yet win: no backing off while it may
             else:
                 self._arm_interval = min(max(2 * self._arm_interval, round(loss / budget)), cap)
+            if self.arm == "spec":  # a costly probe of plain decoding puts the next one off at once
+                self._arm_next = max(self._arm_next, self.cycles + min(round(loss / budget), cap))
             self._arm_probe_left = (self.plain_probe if self.arm == "spec" else 1) - 1
             self.probe = True
             return "plain" if self.arm == "spec" else "spec"
