@@ -25,7 +25,7 @@ arm (with or without next-layer prefetch, `PlainArms`). Why: docs/ARCHITECTURE.m
    capped at probe_max cycles while speculating and probe_max (t_o / t_r) while decoding plainly (twice that, at
    half the budget, when plain steps copy nothing). While decoding plainly, speculation is probed every
    `probe_every` steps, without backing off, while it may yet win: R_spec^+ > R_plain (1 + margin), R_spec^+ its
-   window rated by the upper bounds a_i^+ (z = z_hope).
+   window rated by the upper bounds a_i^+ (z = z_hope), judged as each probe starts and again once it ran.
 
 2. Inside speculation, K is the argmax of E^-[tokens | K] / cycle(K) over 1 <= K <= min(K_max, 2 K_hi):
 
@@ -120,10 +120,9 @@ class Governor:
     def observe_cycle(self, k: int, accepted: int, draft_s: float, verify_s: float, stall_s: float,
                       verified: int | None = None, copied: int | None = None, steps: int = 1) -> None:
         """A cycle drafted K tokens (in draft_s), verified the first `verified` of them (default all), accepted
-        `accepted` of those, and verification took verify_s, stall_s of it waiting on copies or the host lane.
-        `copied`: expert bytes a plain step (K = 0) found off the device, copied over the link or read on the host
-        lane (None: unknown). `steps`: K = 0 only, a run of that many plain steps (next_k's `steps`), verify_s their
-        mean and `copied` their sum."""
+        `accepted` of those; verification took verify_s, stall_s of it waiting on copies or the host lane. `copied`:
+        expert bytes a plain step (K = 0) found off the device, to copy or read on the host lane (None: unknown).
+        `steps`: K = 0 only, a run of that many plain steps (next_k's steps): verify_s their mean, copied their sum."""
         self.cycles += steps
         seconds = draft_s + verify_s
         drafted, k = k, (k if verified is None else verified)
@@ -156,6 +155,8 @@ class Governor:
             self.plain_copied.append(copied is None or copied > 0)
             self.plain_copies_nothing = len(self.plain_copied) >= self.plain_probe and not any(self.plain_copied)
             return
+        if self._arm_probe and self.hopeful():  # a probe that lifted the hopes: the next one at probe_every
+            self._arm_interval, self._arm_next = self.probe_every, min(self._arm_next, self.cycles + self.probe_every)
         a = self.alpha  # moving averages (None: no value yet, so the first is taken as it is)
         old, new = self.draft_s, draft_s / drafted
         self.draft_s = new if old is None else (1 - a) * old + a * new
@@ -164,8 +165,7 @@ class Governor:
         old, new = self._v.get(k), verify_s - stall_s
         self._v[k] = new if old is None else (1 - a) * old + a * new
         self.stall_n[drafted] = min(self.stall_n.get(drafted, 0) + 1, 16)
-        # the verify compute fit, its slope the lesser of the fits over every K and over the K read twice or
-        # more: a K read once (a load spike?) may lengthen K, and so be read again, but not shorten it
+        # the verify fit's slope (docstring): a K read once (a load spike?) may lengthen K, but not shorten it
         sure = [(k, v) for k, v in self._v.items() if self.stall_n.get(k, 1) >= 2]
         self.v0, self.v1 = fit = self._verify_fit(list(self._v.items()))
         if sure and len(sure) < len(self._v) and (alt := self._verify_fit(sure))[1] < fit[1]:
@@ -215,7 +215,7 @@ class Governor:
 
     def window_tokens(self, k: int, z: float = 0.0) -> float:
         """worth(K) = E[tokens | K] now, by the estimates a_i (z = 0; the bounds pick K, not the arm), or at z < 0
-        by the upper bounds a_i^+ (`hopeful_rate`)."""
+        by the upper bounds a_i^+ (`hopeful`)."""
         if (k, z) not in self._worth:
             a, tokens, run = self.bounds(z), 1.0, 1.0
             for i in range(1, k + 1):
@@ -224,10 +224,10 @@ class Governor:
             self._worth[k, z] = tokens
         return self._worth[k, z]
 
-    def hopeful_rate(self) -> float | None:
-        """R_spec^+: speculation's window rated by the upper bounds a_i^+ (z = -z_hope), what it may yet be worth."""
+    def hopeful(self) -> bool:
+        """Plain decoding runs, and speculation may yet win: R_spec^+ (window rated by a_i^+) > R_plain (1 + margin)."""
         rates = [self.window_tokens(k, -self.z_hope) / s for k, s in zip(self.spec.ks, self.spec.secs) if s > 0]
-        return statistics.median(rates) if rates else None
+        return self.arm == "plain" and bool(rates) and statistics.median(rates) > self.plain.rate * (1 + self.margin)
 
     def stall_estimate(self, k: int) -> float:
         """s(K): kernel-smoothed measured stalls, clamped to the tried range, bounded by longer K's (the docstring)."""
@@ -337,7 +337,7 @@ class Governor:
             cap = self.probe_max if self.arm == "spec" else round(self.probe_max * max(1.0, weight))
             budget, free = self.budget, self.arm == "plain" and self.plain_copies_nothing
             cap, budget = (2 * cap, budget / 2) if free else (cap, budget)
-            if self.arm == "plain" and (self.hopeful_rate() or 0.0) > running.rate * (1 + self.margin):
+            if self.hopeful():
                 self._arm_interval = self.probe_every  # speculation may yet win: no backing off while it may
             else:
                 self._arm_interval = min(max(2 * self._arm_interval, round(loss / budget)), cap)
