@@ -341,7 +341,7 @@ class Governor:
                 self._arm_interval = self.probe_every  # speculation may yet win: no backing off while it may
             else:
                 self._arm_interval = min(max(2 * self._arm_interval, round(loss / budget)), cap)
-            if self.arm == "spec":  # a costly probe of plain decoding puts the next one off at once
+            if self.arm == "spec":  # a costly plain probe puts the next off at once (speculation's hopes may return)
                 self._arm_next = max(self._arm_next, self.cycles + min(round(loss / budget), cap))
             self._arm_probe_left = (self.plain_probe if self.arm == "spec" else 1) - 1
             self.probe = True
