@@ -655,16 +655,18 @@ def run_lane_arms(arms, per_miss: float, seed: int, per_step: bool = False, step
 
 def test_lane_arms_compare_seconds_a_miss():
     """The lane arms (host lane or copy every miss) act on misses only, and a step's time follows its
-    misses: rated per step, a probe that happened to miss little beat the other arm's average, and
-    the host lane, 25% slower a miss, ran up to 700 of 800 steps. Rated per miss, it runs only as
-    probes; where it is the faster a miss, it runs; a run that missed nothing moves neither arm."""
+    misses: rated per step, probes that happened to miss little beat the other arm's average, and the
+    host lane, 25% slower a miss, ran past what the probing budget allows (1% of the time: 32 of 800
+    steps at 25%). Rated per miss, it runs only as probes within the budget; where it is the faster
+    a miss, it runs; a run that missed nothing moves neither arm."""
     from specter.speculative.governor import PlainArms
 
     slow_host = {True: 4.4e-3, False: 5.5e-3}
+    allowed = PlainArms().budget * 800 / 0.25
     per_step = [run_lane_arms(PlainArms(), slow_host, s, per_step=True).count(False) for s in range(6)]
-    assert max(per_step) > 100, per_step  # the world this guards against
+    assert max(per_step) > allowed, per_step  # the world this guards against
     for s in range(6):
-        assert run_lane_arms(PlainArms(), slow_host, s).count(False) <= 12
+        assert run_lane_arms(PlainArms(), slow_host, s).count(False) <= allowed / 2
         assert run_lane_arms(PlainArms(), {True: 5.5e-3, False: 4.4e-3}, s).count(False) >= 750
     arms = PlainArms()
     run_lane_arms(arms, slow_host, 0, steps=50)
@@ -710,3 +712,31 @@ def test_plain_runs_that_miss_nothing_are_no_lane_probes():
     misses[0] += 3
     SpeculativeDecoder._observe_plain(dec, 1, 9e-3, dict(expert_misses=misses[0] - 3, offloaded_bytes=0), None, lane)
     assert lane and (len(gov.plain.secs), gov.cycles) == seen and abs(gov.lane_arms.t[lane] - 3e-3) < 1e-12
+
+
+def run_noisy_arms(arms, slow: float, seed: int, steps: int = 3000, text: int = 64) -> float:
+    """K = 0 steps as the decoder runs them (a probe one step, the best arm up to the next probe or the end of
+    a 64-token text), where a step costs 4 ms plus 6 ms a miss, 0 to 8 misses (twice that on a text's first
+    step), and arm True costs `slow` times as much -> the time over always running the faster arm."""
+    rng, n, spent, best = random.Random(seed), 0, 0.0, 0.0
+    while n < steps:
+        arm = arms.pick()
+        run = 1 if arms.probing else max(1, min(arms.next - arms.n, text - n % text))
+        costs = [(4e-3 + 6e-3 * rng.choice((0, 1, 2, 2, 3, 3, 3, 4, 4, 5, 6, 8))) * (2 if (n + j) % text == 0 else 1)
+                 for j in range(run)]
+        arms.observe(arm, sum(costs) * (slow if arm else 1.0) / run, run)
+        spent, best, n = spent + sum(costs) * (slow if arm else 1.0), best + sum(costs) * min(slow, 1.0), n + run
+    return spent / best
+
+
+def test_plain_arms_hold_where_step_times_swing_with_misses():
+    """A step's time swings with its misses (a step that misses nothing reads 0.2x the mean, a text's first
+    step 2-3x): one probe read that way put an arm 5% slower to work for hundreds of steps (a single reading
+    replaced its figure), and the disagreeing model at half residency lost 4.5% to on-demand on it. The
+    probes' readings average now: whichever arm is faster, by 5% to 20%, the arms cost under 2% over
+    always running the faster one on average, and under 6% in every draw."""
+    from specter.speculative.governor import PlainArms
+
+    for slow in (1.2, 1.05, 0.95, 0.8):
+        over = [run_noisy_arms(PlainArms(), slow, seed) - 1 for seed in range(8)]
+        assert sum(over) / len(over) < 0.02 and max(over) < 0.06, (slow, over)

@@ -1,5 +1,5 @@
 """The governor: picks each cycle's K (0..K_max) so that speculation never loses to plain decoding, and K = 0's own
-arm (with or without next-layer prefetch, `PlainArms`). Why: docs/ARCHITECTURE.md ("The governor ...").
+arm (with or without next-layer prefetch: `PlainArms`, arms.py). Why: docs/ARCHITECTURE.md ("The governor ...").
 
 1. Arms, judged by realised throughput. Plain decoding (K = 0) and speculation (K >= 1) each keep a window of
    their latest cycles (W_plain steps, W_spec cycles); an arm's rate R is the median of worth(K) / seconds over
@@ -49,6 +49,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+
+from .arms import PlainArms
 
 
 class _Window:
@@ -347,54 +349,3 @@ class Governor:
             self.probe = True
             return "plain" if self.arm == "spec" else "spec"
         return self.arm
-
-
-class PlainArms:
-    """K = 0 is plain decoding with or without next-layer prefetch, whichever measures faster (moving averages of
-    the step time; a second instance, rated per miss: the host lane computing some misses, or, the arm True that
-    must prove faster by `margin`, copying every one). The other is tried after `probe_every` steps, then at
-    doubling intervals stretched so that the excess each probe measures stays under `budget` (up to `probe_max`);
-    the arms change places only right after the taker was measured."""
-
-    def __init__(self, probe_every: int = 8, probe_max: int = 1024, budget: float = 0.01, alpha: float = 0.25,
-                 margin: float = 0.03):
-        self.t = {True: None, False: None}
-        self.probe_every, self.probe_max, self.budget = probe_every, probe_max, budget
-        self.alpha, self.margin = alpha, margin
-        self.n, self.best, self.interval, self.next = 0, None, probe_every, probe_every  # n: steps so far
-        self.probing = False  # the last pick measures an arm other than the best one
-        self.last: bool | None = None  # the arm observed last
-
-    def pick(self) -> bool:
-        self.n += 1
-        self.probing = True
-        for arm in (False, True):
-            if self.t[arm] is None:
-                self.probing = arm  # without next-layer is the baseline, measured first
-                return arm
-        wins = self.t[True] * (1 + self.margin) <= self.t[False]  # next-layer measures faster by the margin
-        if wins != self.best and (self.best is None or self.last == wins):  # on a fresh measure of the taker
-            self.best, self.interval, self.next = wins, self.probe_every, self.n + self.probe_every
-        best = self.best
-        if self.n < self.next:
-            self.probing = False
-            return best
-        self.interval = min(2 * self.interval, self.probe_max)  # observe stretches it by what the probe measures
-        self.next = self.n + self.interval
-        return not best
-
-    def observe(self, arm: bool, step_s: float, steps: int = 1, misses: int | None = None) -> None:
-        """`steps` steps of `arm` took step_s each on average (pick counted the first). A probe of the losing arm
-        replaces its time. `misses`: the steps' misses (lane arms act on misses only), rated as seconds a miss."""
-        self.n += steps - 1
-        if misses is not None:  # a step's time follows its misses; a run without any says nothing
-            if misses <= 0:
-                return
-            step_s *= steps / misses
-        self.last = arm
-        probe = self.probing and self.best is not None and arm != self.best
-        self.t[arm] = step_s if probe or self.t[arm] is None else (1 - self.alpha) * self.t[arm] + self.alpha * step_s
-        if probe:  # the next probe as far off as the excess this probe measured (not the figure it replaced)
-            excess = step_s / max(self.t[self.best], 1e-12) - 1.0  # the probe's reading: self.t[arm]
-            self.interval = min(max(self.interval, round(excess / self.budget)), self.probe_max)
-            self.next = self.n + self.interval
