@@ -180,7 +180,7 @@ def main() -> int:
             snap = {}
             hook_prefill(e, snap)
             e.generate(prompts[0], max_new_tokens=args.max_new_tokens)  # warm-up, as the matrix
-            c, k, tpot = Counter(), Counter(), []
+            c, k, tpot, ttft = Counter(), Counter(), [], []
             for r in range(args.rounds):
                 for i, prompt in enumerate(prompts):
                     g = e.generate(prompt, max_new_tokens=args.max_new_tokens)
@@ -193,13 +193,15 @@ def main() -> int:
                     c["accepted"] += s.get("accepted_tokens") or 0
                     k.update(s.get("k_histogram") or {})
                     tpot.append(s["tpot_s"] * 1e3)
-            out[p] = (c, k, arms, tpot)
+                    ttft.append(s["ttft_s"] * 1e3)
+            out[p] = (c, k, arms, tpot, ttft)
             e.close()
     print(f"{args.model} residency {args.residency} x {args.max_new_tokens} tokens, {args.prompts} prompts x "
           f"{args.rounds} rounds (after a warm-up)")
-    for p, (c, k, arms, tpot) in out.items():
+    for p, (c, k, arms, tpot, ttft) in out.items():
         n = max(c["tokens"], 1)
-        print(f"\n{p}: tpot ms median {sorted(tpot)[len(tpot) // 2]:.2f} (one draw)")
+        print(f"\n{p}: tpot ms median {sorted(tpot)[len(tpot) // 2]:.2f}, ttft ms median "
+              f"{sorted(ttft)[len(ttft) // 2]:.1f} (one draw)")
         print(f"  per token: hits {c['expert_hits'] / n:.2f} misses {c['expert_misses'] / n:.2f} "
               f"MB copied {c['h2d_bytes'] / 1e6 / n:.3f} host experts {c['host_experts'] / n:.2f} "
               f"stall ms {c['stall_s'] * 1e3 / n:.3f} (host {c['host_stall_s'] * 1e3 / n:.3f})")
