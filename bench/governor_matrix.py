@@ -26,8 +26,9 @@ governor no time to learn).
 
 Each cell prints TPOT(policy) / TPOT(best baseline) for specter and spec-lru, and TPOT(next-layer) /
 TPOT(on-demand): a cell is over when either speculative policy, or next-layer against on-demand, is
-more than 3% slower. The best baseline is the faster (median generation) of the baselines of the
-policy's kind:
+more than 3% slower (and, below the verdict, each policy's median time to first token: not judged, but
+the host lane in prefill trades it against the decode steps' misses). The best baseline is the faster
+(median generation) of the baselines of the policy's kind:
   - specter (and the twin) against every baseline: on-demand, next-layer, host (and resident at full
     residency); specter has the host lane, so `host` is its kind;
   - spec-lru against the copy-only ones (`COPY_ONLY`: every baseline but `host`): spec-lru is the
@@ -274,9 +275,10 @@ def cell(model, kind, residency, link, length, args, first_round: int = 0) -> di
         budget = {} if p == "resident" else dict(residency=residency, link=link)  # resident takes no budget
         engines[p] = specter.load(model, policy=p.split("#")[0], shared=shared, **budget)
         shared = engines[p].shared
-    stats = {p: dict(h2d_bytes=0, tokens=0, k_histogram={}, accepted=0, tried=0) for p in policies}
+    stats = {p: dict(h2d_bytes=0, tokens=0, k_histogram={}, accepted=0, tried=0, ttft=[]) for p in policies}
 
     def count(p: str, s: dict) -> None:
+        stats[p]["ttft"].append(s["ttft_s"] * 1e3)  # reported beside the verdict, not judged
         stats[p]["h2d_bytes"] += s.get("h2d_bytes", 0)
         stats[p]["tokens"] += s["new_tokens"]
         add_histogram(stats[p]["k_histogram"], s.get("k_histogram"))
@@ -290,6 +292,7 @@ def cell(model, kind, residency, link, length, args, first_round: int = 0) -> di
         for e in engines.values():
             e.close()
     return dict(rounds=rounds, tpot_ms={p: [t * 1e3 for t in v] for p, v in samples.items()},
+                ttft_ms={p: st["ttft"] for p, st in stats.items()},
                 k_histogram={p: stats[p]["k_histogram"] for p in SPECULATIVE},
                 acceptance={p: stats[p]["accepted"] / stats[p]["tried"] if stats[p]["tried"] else None
                             for p in SPECULATIVE},
@@ -338,6 +341,8 @@ def judge(runs: list) -> dict:
     best, copy_best = (x[0] if x[0] == x[1] else "|".join(x) for x in (picks, copy_picks))
     return dict(best_baseline=best, best_by_half=dict(even=picks[0], odd=picks[1]), best_copy_only=copy_best,
                 tpot_ms=tpot, ratio=ratio, samples=len(half), rounds=sum(r["rounds"] for r in runs),
+                ttft_ms={p: statistics.median(t for r in runs for t in r["ttft_ms"][p])
+                         for p in runs[0].get("ttft_ms", {})},
                 ci={p: list(median_ci(v)) for p, v in pairs.items()},
                 spread={p: [min(v), max(v)] for p, v in pairs.items()},
                 ok=max(ratio[p] for p in SPECULATIVE + (NEXT,)) <= LIMIT)  # spec-lru/every reported, not judged
@@ -399,6 +404,8 @@ def report(kind: str, link: str, residency: float, length: int, verdict: dict) -
           f"best copy-only (judges {COPY_ONLY}) {verdict.get('best_copy_only', '-'):<10} "
           f"{shown}  ({verdict['samples']} pairs in {verdict['rounds']} rounds; [95% CI of the median])"
           f"{'' if verdict['ok'] else '  <-- over ' + format(LIMIT, '.2f')}", flush=True)
+    if verdict.get("ttft_ms"):  # the first token's time, median ms (not judged: prefill trades it against the steps')
+        print("    ttft ms " + "  ".join(f"{p} {t:.1f}" for p, t in verdict["ttft_ms"].items()), flush=True)
 
 
 if __name__ == "__main__":
