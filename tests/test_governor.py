@@ -740,3 +740,23 @@ def test_plain_arms_hold_where_step_times_swing_with_misses():
     for slow in (1.2, 1.05, 0.95, 0.8):
         over = [run_noisy_arms(PlainArms(), slow, seed) - 1 for seed in range(8)]
         assert sum(over) / len(over) < 0.02 and max(over) < 0.06, (slow, over)
+
+
+def test_lane_probes_that_miss_nothing_back_off():
+    """Where plain steps stop missing (the hot experts fit), a lane probe has nothing to rate: it backs
+    off as the probes of a surely slower arm do, so the best arm's runs grow long again (the decoder runs
+    up to the next probe). Without it the interval stayed at two steps: a third of the runs were probes
+    with nothing to learn, and every run a decision."""
+    from specter.speculative.governor import PlainArms
+
+    arms, rng = PlainArms(), random.Random(0)
+    for _ in range(40):  # both lanes measured where steps miss, about even
+        arm = arms.pick()
+        arms.observe(arm, 3e-3 * rng.uniform(0.5, 1.5), 1, 1)
+    probes, start = 0, arms.n
+    while arms.n - start < 2000:  # nothing misses any more
+        arm = arms.pick()
+        probes += arms.probing
+        run = 1 if arms.probing else max(1, arms.next - arms.n)
+        arms.observe(arm, 3e-3, run, 0)
+    assert probes <= 10, probes

@@ -51,7 +51,10 @@ class PlainArms:
         self.n += steps - 1
         units = steps
         if misses is not None:
-            if misses <= 0:
+            if misses <= 0:  # nothing to rate: a probe backs off as if the taker were surely slower
+                if self.best is not None and arm != self.best:
+                    self.interval = min(2 * self.interval, self.probe_max)
+                    self.next = self.n + self.interval
                 return
             step_s, units = step_s * steps / misses, misses
         t, self.weight = self.t, self.weight * 0.5 ** (steps / self.half_life)
