@@ -18,9 +18,10 @@ class PlainArms:
     swings with its misses (0.2x to 3x the mean), so no one reading decides: a probe reads as a ratio to the best's
     recent rate (its last `recent` units) and the ratios average, units-weighted and halving every `half_life`
     steps (a drift of the text cancels out). The arms change places on a reading of the taker whose average wins
-    by `z` standard errors (per-unit spread `spread`, a prior worth `prior` units). The next probe: `probe_min`
-    steps on, or as far as keeps its excess (shrunk to even by `shrink` units) within `budget`; once the taker is
-    surely slower, doubling intervals (up to `probe_max`). An arm's first reading counts until its second."""
+    by `z` standard errors (per-unit spread `spread`, a prior worth `prior` units), probed next `probe_every`
+    steps later. Else the next probe comes `probe_min` steps on, or as far as keeps its excess (shrunk to even
+    by `shrink` units) within `budget`; once the taker is surely slower, at doubling intervals (up to
+    `probe_max`). An arm's first reading counts until its second."""
 
     def __init__(self, probe_every: int = 8, probe_max: int = 1024, budget: float = 0.01, margin: float = 0.03,
                  recent: float = 32.0, half_life: float = 512.0, z: float = 2.0, spread: float = 0.5,
@@ -72,13 +73,13 @@ class PlainArms:
             self.weight = w + units
             gap = self.ratio * (1 + self.margin) - 1 if self.best is False else self.ratio - 1 - self.margin
             var = (self.spread ** 2 * self.prior + max(self.sq - self.ratio ** 2, 0.0) * w) / (self.prior + w)
-            se = self.z * math.sqrt(var / self.weight)
-            if gap <= -se:  # the taker wins: the arms change places
+            noise = self.z * math.sqrt(var / self.weight)  # z standard errors of the average
+            if gap <= -noise:  # the taker wins: the arms change places
                 self.best, self.ratio, self.sq, self.held = not self.best, 1 / self.ratio, self.sq / self.ratio ** 4, w
                 self.interval, self.next = self.probe_every, self.n + self.probe_every
             else:  # surely slower: doubling intervals; else often, within the budget
                 excess = (self.ratio - 1) * self.weight / (self.weight + self.shrink)
-                floor = 2 * self.interval if gap >= se else self.probe_min
+                floor = 2 * self.interval if gap >= noise else self.probe_min
                 self.interval = min(max(floor, round(excess / self.budget)), self.probe_max)
                 self.next = self.n + self.interval
         t[not self.best] = t[self.best] * self.ratio
