@@ -139,3 +139,30 @@ def test_a_guess_goes_out_only_where_it_pays():
         assert mgr.stats()["prefetch_issued"] == 2
     finally:
         mgr.close()
+
+
+def test_a_layer_that_misses_nothing_is_guessed_for_only_every_16th_call():
+    """Its router, run ahead of it, would find nothing to copy: it runs once in `remeasure` calls (to keep
+    p measured) until the layer reads an expert that is not resident, and then on every call again. The
+    third slot's resident goes unused, so a guess could displace it: only the misses stop the router."""
+    mgr, nl, routers, ref = setup(n_slots=3)
+    runs = []
+    route = routers[1].route
+    routers[1].route = lambda x: runs.append(nl.calls[1]) or route(x)
+    routers[1].ids = [0, 1]  # right, and resident: nothing to copy
+    try:
+        for _ in range(64):
+            call(mgr, ref, 0, [0, 1])
+            call(mgr, ref, 1, [0, 1])
+        assert mgr.stats()["expert_misses"] == 0
+        assert runs == list(range(1, 17)) + [32, 48, 64]  # its first 16 calls, then every 16th
+        call(mgr, ref, 0, [0, 1])
+        call(mgr, ref, 1, [0, 5])  # a miss (5 displaces 2): the router runs ahead of the next calls again
+        del runs[:]
+        for _ in range(3):
+            call(mgr, ref, 0, [0, 1])
+            call(mgr, ref, 1, [0, 1])
+        assert runs[0] == 66 and mgr.stats()["expert_misses"] == 1  # not first at 80, the next 16th
+        mgr.slots.check()
+    finally:
+        mgr.close()

@@ -73,8 +73,7 @@ class DraftExperts:
         """experts: per MoE layer, the host full-precision ExpertWeights (quantised here, layer by layer
         on the device), or its (w13, w2) Int4Experts with fp32 scales (the draft cache's)."""
         self.lookahead, self.row, self.packed = lookahead, None, packed
-        self.q13: list[Int4Experts] = []
-        self.q2: list[Int4Experts] = []
+        self.q13, self.q2 = [], []  # list[Int4Experts] each
         self.layers: list[ExpertWeights] = []
         for ew in experts:
             if isinstance(ew, ExpertWeights):
@@ -178,10 +177,7 @@ class PrefetchPlanner:
         of saving one; one that evicts an expert this cycle predicts only swaps two copies."""
         slots, score = self.mgr.slots, self.score[layer]
         free, others = slots.room(layer, counts)
-        victims = []  # scores of the residents a prefetch may displace, lowest first
-        for e in others:
-            victims.append(score[e])
-        victims.sort()
+        victims = sorted(map(score.__getitem__, others))  # scores of the residents a prefetch may displace
         where, out = slots.slot[layer], []
         for e, _ in counts.most_common(slots.n_slots):
             if where[e] >= 0:  # resident or in flight
@@ -243,13 +239,11 @@ class PrefetchPlanner:
     def begin_cycle(self, k: int = 0, draft_step_s: float = 0.0) -> int:
         """A cycle drafting K tokens begins -> how many draft steps to run between plans: about one
         step's time of copies at a time (draft_step_s: the governor's draft time a token)."""
-        self.k, decay = k, self.decay
-        self.demand = []
+        self.k, decay, self.demand = k, self.decay, []
         for row in self.score:
             row[:] = map(decay.__mul__, row)
             self.demand.append(Counter())
-        self.rows = []
-        self.read_upto = 0
+        self.rows, self.read_upto = [], 0
         copy_s = self.new_per_token * self.mgr.link.copy_seconds(self.mgr.expert_bytes)
         return k if copy_s <= 0 else max(1, min(k, round(draft_step_s / copy_s)))
 
@@ -284,7 +278,8 @@ class NextLayerPrefetch:
     manager calls this once they are issued); it takes a free slot or evicts only a resident whose
     recency position j is used by the next call (hot(j)) less often than p, the share of this layer's
     guesses used; it is copied only while p h > (1 - p) (s - h + s q); when layer l+1 reads its routing
-    (`settle`) a guess it does not need is withdrawn if its copy has not started, else evicted first."""
+    (`settle`) a guess it does not need is withdrawn if its copy has not started, else evicted first.
+    A layer whose last 16 calls read no expert that was not resident guesses only every 16th call."""
 
     admission = True  # False: every guess is copied, hot residents and cost unchecked (tests that need copies in flight)
 
@@ -298,6 +293,7 @@ class NextLayerPrefetch:
         self.good, self.made = [0.5] * L, [1.0] * L  # per layer: decayed predictions used / made (prior 1/2)
         self.head, self.started, self.timed = 0.5, 0.5, 1.0  # decayed head start and starts per guess (prior)
         self.calls, self.remeasure = [0] * L, 16       # calls per layer; the router runs at least every 16th
+        self.missed = [0] * L                        # per layer, the last call that read an expert not resident
         self.predicted: dict[int, list[int]] = {}    # layer -> predicted experts not resident, not yet settled
         self.guessed: dict[int, list] = {}           # layer -> [(expert, transfer)] copied, not yet settled
 
@@ -331,6 +327,8 @@ class NextLayerPrefetch:
         self.calls[nxt] += 1
         mgr, slots, heat = self.mgr, self.mgr.slots, None
         p, skip = self.good[nxt] / self.made[nxt], self.admission and self.calls[nxt] % self.remeasure  # p: precision
+        if skip and self.calls[nxt] - self.missed[nxt] > self.remeasure:
+            return  # its last `remeasure` calls missed nothing: no guess would have had a copy to save
         if skip and self.pays(p, 0.0):  # a guess pays over a free slot, or over a resident colder than p
             (free, residents), heat = slots.room(nxt, ()), self.heats(nxt)
             skip = free <= 0
@@ -374,11 +372,15 @@ class NextLayerPrefetch:
         for j, e in enumerate(history[:self.depth]):
             hits[j] = d * hits[j] + (e in used)
             tries[j] = d * tries[j] + 1.0
-        older = []  # the experts used before, not by this call, most recent first
+        older, where = [], mgr.slots.slot[layer]  # the experts used before, not by this call, most recent first
         for e in history:
             if e not in used:
                 older.append(e)
         history[:] = sorted(used) + older
+        for e in need:  # a miss, or a guess (it was not resident when predicted) the call used
+            if where[e] < 0 or e in predicted:
+                self.missed[layer] = self.calls[layer]
+                break
         for e in predicted:
             self.good[layer] = d * self.good[layer] + (e in used)
             self.made[layer] = d * self.made[layer] + 1.0
