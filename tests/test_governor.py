@@ -760,3 +760,23 @@ def test_lane_probes_that_miss_nothing_back_off():
         run = 1 if arms.probing else max(1, arms.next - arms.n)
         arms.observe(arm, 3e-3, run, 0)
     assert probes <= 10, probes
+
+
+def test_lane_arms_that_never_saw_a_miss_keep_runs_long():
+    """Where no plain step has missed since the engine started, neither lane arm has a reading: the
+    baseline (the host lane) is measured first, and every run ends at the arms' next probe. A run with
+    no miss rated nothing and left `next` where it was, so after the first run every run was one step
+    long (concentrated at 1/2: 239 runs for 247 plain steps, each a decision and a read of every
+    counter, 6% slower than on-demand's steps). It now backs off as a probe with nothing to rate does."""
+    from specter.speculative.governor import PlainArms
+
+    arms, runs = PlainArms(), []
+    while arms.n < 500:
+        arm = arms.pick()
+        assert arm is False and arms.t[True] is None  # the baseline, measured first, and still unmeasured
+        runs.append(max(1, arms.next - arms.n))  # the decoder runs the best arm up to its next probe
+        arms.observe(arm, 4e-3, runs[-1], 0)
+    assert runs[:4] == [7, 15, 31, 63], runs  # before: [7, 1, 1, 1, ...]
+    arm = arms.pick()  # the first run that misses: its reading counts, then the other arm is measured
+    arms.observe(arm, 4e-3, 3, 2)
+    assert arms.t[False] is not None and arms.pick() is True and arms.probing

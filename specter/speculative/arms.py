@@ -52,8 +52,8 @@ class PlainArms:
         self.n += steps - 1
         units = steps
         if misses is not None:
-            if misses <= 0:  # nothing to rate: a probe backs off as if the taker were surely slower
-                if self.best is not None and arm != self.best:
+            if misses <= 0:  # nothing to rate: a probe backs off as if the taker were surely slower, and so
+                if self.best is None or arm != self.best:  # does a first reading (else its runs end at `next`)
                     self.interval = min(2 * self.interval, self.probe_max)
                     self.next = self.n + self.interval
                 return
