@@ -273,15 +273,13 @@ class LaneChoice:
     (decayed predicted and verified uses) and the first c are copied, the rest computed on the host,
     c minimising this call's time less what the copies are worth later:
 
-        J(c) = max(c t_copy, host(the other m - c)) - t_later sum_{i<c} (u(e_i) - u(v_i))   (ties: more copies)
+        J(c) = max(c t_copy, host(the other m - c)) - t_host1 sum_{i<c} (u(e_i) - u(v_i))   (ties: more copies)
 
     v_i the resident the i-th copy displaces (a free slot first, u = 0; then the lowest scored
     resident this call does not use), u an expert's decayed count of uses once this step is counted
     (score decay / use_weight, + rho for the copied expert's use now: rho the layer's measured chance
-    that an expert a step uses, the next step uses too), and t_later what one later miss costs: one
-    expert on the host or one copy, the cheaper (a later miss takes the cheaper lane; priced at the
-    host's alone, a slow host made a victim's uses dearer than the copy it saved). A copy serves as many
-    uses in the next steps as its expert had in the last ones.
+    that an expert a step uses, the next step uses too), and t_host1 what one later miss costs on the
+    host: a copy serves as many uses in the next steps as its expert had in the last ones.
     The later worth counts in plain steps only: the scores and reuse measure recurrence from step to
     step, while a verification's misses serve its own K + 1 rows (there J is this call's time alone).
     c is at most the slots the layer can free beside the experts this call holds; t_copy the link's
@@ -316,8 +314,8 @@ class LaneChoice:
             for e in others:
                 cold.append(score[e])
             victims = [0.0] * free + sorted(cold)
-            t_later = min(t_copy, p.latency + 2 * H * item / p.pcie_bandwidth + max(
-                3 * H * I * item / p.bandwidth, 6 * H * I / p.flops_per_s if p.flops_per_s else 0.0))
+            t_host1 = p.latency + 2 * H * item / p.pcie_bandwidth + max(
+                3 * H * I * item / p.bandwidth, 6 * H * I / p.flops_per_s if p.flops_per_s else 0.0)
         rows = 0  # the (token, position) rows of order[c:]
         for e in order:
             rows += counts[e]
@@ -333,7 +331,7 @@ class LaneChoice:
                 rows -= counts[order[c]]
                 if worth:
                     victim = victims[c] if c < len(victims) else 0.0
-                    gained += t_later * (pl.reuse[layer] + pl.decay * (score[order[c]] - victim) / pl.use_weight)
+                    gained += t_host1 * (pl.reuse[layer] + pl.decay * (score[order[c]] - victim) / pl.use_weight)
         return order[best_c:]
 
 
