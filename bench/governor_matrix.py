@@ -57,7 +57,7 @@ How a cell is measured, so that a reader can tell noise from a loss on a small s
   - a cell's samples spread over 8 texts (`--prompts`; the rounds shrink to keep `--pairs`): each
     text leaves its own trail of cache states, and with 2 the trails were the verdict (disagree at
     1/2: specter's decode missed 3.5% more than on-demand's on the 2 prompts, 1% over 8, after a
-    prefill that hosted experts instead of copying them; the cell read 1.048-1.052 on 2 prompts and
+    prefill that hosted experts instead of copying them; the cell read 1.043-1.052 on 2 prompts and
     1.005-1.028 on 8 at the same cost: docs/RESULTS.md);
   - at full residency a round runs at least 8 prompts (its steps are short, so a round of 2 x 24
     tokens lasts less than the scheduler's noise);
