@@ -4,7 +4,7 @@ budgets and links, each cell side by side in one process.
     nice python bench/governor_matrix.py [--out matrix.json]
         [--models concentrated,few-slots,uniform,disagree,bundled,shared,top8]
         [--residencies 0.25 1 0.125 0.5] [--links A100-40GB-PCIe4 H100-PCIe5] [--max-new-tokens 16 64]
-        [--prompts 8] [--repeat 3] [--pairs 32] [--no-twin] [--temperature 0 | --temperature 1.0 --top-p 0.95]
+        [--prompts 32] [--repeat 1] [--pairs 32] [--no-twin] [--temperature 0 | --temperature 1.0 --top-p 0.95]
 
 Models (random-init checkpoints built here with transformers' config classes, plus the bundled one):
   concentrated  Mixtral-shaped (hidden 256), 16 experts top-2, embeddings sharing one large common direction so the
@@ -54,11 +54,13 @@ How a cell is measured, so that a reader can tell noise from a loss on a small s
     (a draft consumes random numbers), and on these random-init models the text alone moves TPOT by
     more than a cell's 3% (docs/ARCHITECTURE.md); rounds then take seeds 0, 1, ... so the texts
     average out over rounds;
-  - a cell's samples spread over 8 texts (`--prompts`; the rounds shrink to keep `--pairs`): each
-    text leaves its own trail of cache states, and with 2 the trails were the verdict (disagree at
-    1/2: specter's decode missed 3.5% more than on-demand's on the 2 prompts, 1% over 8, after a
-    prefill that hosted experts instead of copying them; the cell read 1.043-1.052 on 2 prompts and
-    1.005-1.028 on 8 at the same cost: docs/RESULTS.md);
+  - a cell's samples spread over 32 texts in one round (`--prompts`; the rounds shrink to keep
+    `--pairs`): greedy, a text's rounds replay one trail of cache states, so a cell has as many
+    independent samples as texts, and a policy that fills the cache its own way misses more on one
+    text and less on the next (disagree 1/2: specter's prefill hosts experts that on-demand's copies,
+    and its next 16 steps miss +-3.5 of ~44 experts a text from on-demand's, 0.3 fewer on average
+    over 64 texts). On 8 texts that spread alone moves a ratio by ~2% (the cell read 1.04-1.07 on 8,
+    1.019 on 64), on 2 it was the verdict (docs/RESULTS.md);
   - at full residency a round runs at least 8 prompts (its steps are short, so a round of 2 x 24
     tokens lasts less than the scheduler's noise);
   - every engine of a cell builds on one load of the checkpoint (as `specter bench` does), so the
@@ -75,8 +77,8 @@ How a cell is measured, so that a reader can tell noise from a loss on a small s
     halves pick different baselines reports both (`best_by_half`, "even|odd"). An odd round repeats
     the engines' orders of the even round before it: with the orders of their own, the halves put
     the engines in different places, a place's cost (after `host`) moved a baseline's median
-    between halves, and the twin read under 1 against the other half's pick. A single round is
-    split by the parity of its samples instead;
+    between halves, and the twin read under 1 against the other half's pick. A single round (the
+    default) is split by pairs of prompts, each an order and its reverse;
   - a cell whose median is over 1.03 gets as many rounds again and is judged on all of them pooled
     (not on the better of two runs).
 """
@@ -306,14 +308,15 @@ def cell(model, kind, residency, link, length, args, first_round: int = 0) -> di
 
 def folds(runs: list) -> list:
     """Each pooled sample's half: the parity of its round (rounds numbered across runs, as `cell`'s
-    first_round numbers them); with a single round, the parity of the sample's place in it."""
+    first_round numbers them); with a single round, the parity of its pair of prompts (an order and
+    its reverse: `interleave`), so both halves put every engine in every place alike."""
     out, first = [], 0
     for r in runs:
         n = len(next(iter(r["tpot_ms"].values())))
         per = max(n // max(r["rounds"], 1), 1)  # samples a round: one a prompt
         out += [(first + i // per) % 2 for i in range(n)]
         first += r["rounds"]
-    return out if len(set(out)) > 1 else [i % 2 for i in range(len(out))]
+    return out if len(set(out)) > 1 else [i // 2 % 2 for i in range(len(out))]
 
 
 def judge(runs: list) -> dict:
@@ -360,8 +363,8 @@ def main() -> int:
     ap.add_argument("--links", nargs="+", default=["A100-40GB-PCIe4", "H100-PCIe5"])
     ap.add_argument("--max-new-tokens", type=int, nargs="+", default=[16, 64],
                     help="generation lengths: every cell runs at each")
-    ap.add_argument("--prompts", type=int, default=8, help="prompts (texts) per cell; the samples spread over them")
-    ap.add_argument("--repeat", type=int, default=3, help="rounds over the prompts, at least")
+    ap.add_argument("--prompts", type=int, default=32, help="prompts (texts) per cell; the samples spread over them")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds over the prompts, at least")
     ap.add_argument("--pairs", type=int, default=32,
                     help="samples (prompt x round) a cell takes at least: short cells run more rounds")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy, every policy decodes the same text")

@@ -50,7 +50,7 @@ def geomean(ratios) -> float:
     return math.exp(sum(logs) / len(logs))
 
 
-@pytest.mark.parametrize("rounds, prompts", [(8, 2), (4, 8)])  # the 16 samples of 2 texts, or 32 of 8 (the default)
+@pytest.mark.parametrize("rounds, prompts", [(8, 2), (4, 8), (1, 32)])  # 2, 8 or 32 texts (the default)
 def test_cross_fitting_removes_the_selection_bias_and_keeps_a_real_loss(gm, rounds, prompts):
     rng = random.Random(23)
     cells = [[synthetic_run(rng, rounds=rounds, prompts=prompts)] for _ in range(1000)]
@@ -124,7 +124,7 @@ def test_folds_number_rounds_across_runs_and_split_a_single_round(gm):
     first = dict(rounds=3, tpot_ms={"on-demand": [1.0] * 6})
     again = dict(rounds=3, tpot_ms={"on-demand": [1.0] * 6})  # cell's second run: rounds 3, 4, 5
     assert gm.folds([first, again]) == [0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1]
-    assert gm.folds([dict(rounds=1, tpot_ms={"on-demand": [1.0] * 4})]) == [0, 1, 0, 1]
+    assert gm.folds([dict(rounds=1, tpot_ms={"on-demand": [1.0] * 8})]) == [0, 0, 1, 1, 0, 0, 1, 1]  # ABBA pairs
 
 
 def test_odd_rounds_repeat_the_even_rounds_orders(gm):
