@@ -78,7 +78,7 @@ def hook_arms(engine, arms: Counter) -> None:
 def variant(engine, name: str) -> None:
     """A scratch variant of specter, named after ':' (several joined by '+'): lru (no planner rank in
     eviction), nokeep (no keep_rank), nohook (no observe_use), noguess (no next-layer arm in plain
-    steps), nohost (no host lane in plain steps or verification), k0 (K fixed at 0),
+    steps), nohost (no host lane in plain steps or verification), k0 / k5 (K fixed at 0 / 5),
     guess0 / guess1 and lane0 / lane1 (a plain-step arm fixed: lane1 copies every miss)."""
     dec = engine.decoder
     mgr = dec.experts
@@ -107,8 +107,8 @@ def variant(engine, name: str) -> None:
                 yield from it
 
             dec.run = no_host_prefill
-        elif v == "k0":  # the governor fixed at K = 0: plain steps only
-            dec.governor.fixed = 0
+        elif v[0] == "k" and v[1:].isdigit():  # the governor fixed at K = n (k0: plain steps only)
+            dec.governor.fixed = int(v[1:])
         elif v[:-1] in ("guess", "lane") and v[-1] in "01":  # a K = 0 arm fixed: guess1 / guess0, lane1 / lane0
             arms = dec.governor.plain_arms if v[:-1] == "guess" else dec.governor.lane_arms
             arms.pick = (lambda val: (lambda: val))(v[-1] == "1")
