@@ -460,6 +460,7 @@ def test_cancel_prefetches_undoes_reservations_and_never_lands(watch, alias):
     resident = ResidentExperts(store)
     with slow_link(latency=0.05) as link:
         mgr = OffloadedExperts(store, 2, torch.device("cpu"), link, alias=alias)
+        mgr.prefetch_batch = 1                       # a copy each (coalesced: test_a_coalesced_prefetch_...)
         w = watch(mgr)
         mgr.warm()                                   # layer 0: experts 0, 1
         mgr.slots.touch(0, [1])                      # 0 is evicted first
@@ -481,6 +482,46 @@ def test_cancel_prefetches_undoes_reservations_and_never_lands(watch, alias):
         ids = torch.tensor([[1, 6]])
         assert torch.equal(w(0, x, ids, weights), resident(0, x, ids, weights))
         assert mgr.stats()["expert_misses"] == 0
+
+
+@ALIAS
+def test_a_coalesced_prefetch_crosses_once_and_is_withdrawn_expert_by_expert(watch, alias):
+    """Where an expert's bytes are a small part of a copy's fixed cost, a layer's prefetches cross in one
+    transfer (`prefetch_batch` of them a latency). Withdrawing one cancels that transfer as a whole, every
+    reservation undone (the experts they evicted ready again), and issues the others again, still
+    prefetches; cancel_prefetches withdraws the rest. A started copy lands; reads stay exact."""
+    store = make_store()
+    resident = ResidentExperts(store)
+    with slow_link(latency=0.05) as link:  # 6 KiB experts: 3 ms of bytes behind a 50 ms fixed cost
+        mgr = OffloadedExperts(store, 3, torch.device("cpu"), link, alias=alias)
+        assert mgr.prefetch_batch == int(0.05 * 2e6 // mgr.expert_bytes) == 16
+        w = watch(mgr)
+        mgr.warm()                                   # every layer: 0, 1, 2
+        mgr.reset_stats()
+        assert mgr.prefetch(1, [6]) == 1             # starts at once: the link is busy for 53 ms
+        while mgr.inflight[(1, 6)].t_started is None:
+            pass
+        assert mgr.prefetch(0, [5, 6, 7]) == 3       # one transfer, queued behind it
+        first = mgr.inflight[(0, 5)]
+        assert first is mgr.inflight[(0, 6)] is mgr.inflight[(0, 7)] and first.tag == (0, (5, 6, 7))
+        assert mgr.withdraw(0, [6]) == 1
+        again = mgr.inflight[(0, 5)]
+        assert first.cancelled() and again is mgr.inflight[(0, 7)] and again.tag == (0, (5, 7))
+        assert (0, 6) not in mgr.inflight and mgr.slots.slot_of(0, 6) is None
+        assert {(0, 5), (0, 7)} <= mgr.prefetched and len(set(mgr.slots.ready_experts(0)) & {0, 1, 2}) == 1
+        mgr.slots.check()
+        assert mgr.cancel_prefetches() == 2          # 5 and 7; layer 1's copy has started
+        assert set(mgr.inflight) == {(1, 6)} and mgr.slots.ready_experts(0) == [0, 1, 2]
+        st = mgr.stats()
+        assert st["prefetch_cancelled"] == 3 and st["h2d_bytes"] == mgr.expert_bytes
+        link.synchronize()
+        mgr.poll()
+        w.after_call()
+        x, ids, weights = routed(1, 2, 8, torch.Generator().manual_seed(4))
+        ids = torch.tensor([[1, 2]])
+        assert torch.equal(w(0, x, ids, weights), resident(0, x, ids, weights))
+        assert mgr.stats()["expert_misses"] == 0
+        mgr.slots.check()
 
 
 def test_reset_and_warm():
@@ -551,6 +592,7 @@ def test_an_aliased_pool_holds_no_bytes_and_reads_only_landed_experts():
     ids = torch.tensor([[3, 5]])
     with EmulatedLink(bandwidth=1e12, latency=60.0, name="stuck") as link:  # lands when the link closes
         mgr = OffloadedExperts(store, 2, torch.device("cpu"), link, alias=True)
+        mgr.prefetch_batch = 1  # a copy each
         assert all(ew.w13.is_meta and ew.w2.is_meta for ew in mgr.pool) and mgr.rows is store
         assert mgr.prefetch(0, [3, 5]) == 2
         t = mgr.inflight[(0, 3)]

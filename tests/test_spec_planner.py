@@ -50,6 +50,7 @@ def planner_setup():
              for _ in range(L_)]
     link = RecordingLink()
     mgr = OffloadedExperts(store, S_, torch.device("cpu"), link)
+    mgr.prefetch_batch = 1          # a copy each (as experts larger than a fixed cost's bytes go): tags name one
     mgr.warm()                      # experts 0, 1, 2 resident in every layer
     mgr.reset_stats()
     link.tags.clear()
@@ -261,3 +262,7 @@ def test_a_cycle_plans_every_chunk_of_drafts_that_link_and_draft_speed_allow(pla
     assert planner.begin_cycle(6, draft_step_s=copy_s * 3) == 3
     assert planner.begin_cycle(6, draft_step_s=copy_s * 100) == 6  # fast link: one read per cycle
     assert planner.begin_cycle(4, draft_step_s=0.0) == 1
+    mgr.prefetch_batch = 4  # small experts: 4 cross in one fixed cost, so a plan waits until a layer's fill one
+    assert planner.begin_cycle(6, draft_step_s=copy_s / 10) == 6   # 4 x 3 layers / 1 new expert a token: 12
+    planner.new_per_token = 6.0
+    assert planner.begin_cycle(6, draft_step_s=copy_s / 10) == 2   # 12 / 6

@@ -77,6 +77,9 @@ class OffloadedExperts:
         self.last_read: list = [allocated] * S  # per pool slot, the event after its last reader (None on CPU)
         link.prepare([t for ew in store for t in (ew.w13, ew.w2)], staged_nbytes([w13[0], w2[0]]))
         self.coalesce = link.coalesces  # a call's misses cross in one transfer (not through one-expert staging)
+        # prefetches coalesce as many a transfer as a fixed cost's bytes hold (small experts: a copy is mostly
+        # latency); larger ones go one each, so a miss never queues behind a long batch
+        self.prefetch_batch = max(1, int(link.latency * link.bandwidth // self.expert_bytes)) if self.coalesce else 1
         self._routed: dict[int, tuple[list[int], int]] = {}  # layer -> (the last verification's routing [T * k], k)
         self.reset_stats()
 
@@ -146,25 +149,29 @@ class OffloadedExperts:
 
     def prefetch(self, layer: int, experts, *, protect=(), urgent: bool = False) -> int:
         """Start copies for those of `experts` not resident or in flight, in the given order, never
-        evicting `protect`. Returns how many were issued (it stops when no slot can be freed)."""
-        n, where = 0, self.slots.slot[layer]
+        evicting `protect`, `prefetch_batch` a transfer. Returns how many were issued (it stops when no
+        slot can be freed)."""
+        where, todo, n, step = self.slots.slot[layer], [], 0, self.prefetch_batch
         for e in experts:
-            if where[e] >= 0:  # resident or in flight
-                continue
-            if not self._issue(layer, (e,), urgent=urgent, protect=protect):
+            if where[e] < 0 and e not in todo:  # not resident nor in flight
+                todo.append(e)
+        for i in range(0, len(todo), step):
+            batch = todo[i:i + step]
+            got = self._issue(layer, batch, urgent=urgent, protect=protect)
+            self.prefetched.update((layer, e) for e in batch[:got])
+            n += got
+            if got < len(batch):
                 break
-            self.prefetched.add((layer, e))
-            n += 1
         self._stats["prefetch_issued"] += n
         return n
 
     def withdraw(self, layer: int, experts) -> int:
         """Prefetches of `layer` no longer wanted: each copy the link has not started is withdrawn
         (`_unissue`); one that has started lands first in line for eviction. Returns how many were withdrawn."""
-        n, late = 0, []
+        n, late, gone = 0, [], {(layer, e) for e in experts}
         for e in experts:
-            if self._unissue((layer, e)):
-                n += 1
+            if (w := self._unissue((layer, e), gone)):
+                n += w
             elif self.slots.slot[layer][e] >= 0:
                 late.append(e)
         self.slots.demote(layer, late)
@@ -175,26 +182,30 @@ class OffloadedExperts:
         """Withdraw every prefetch copy the link has not started: called when the cycle they were issued
         for is over, so the steps after it do not queue behind its wrong guesses. Returns how many;
         always 0 on CUDA, where a copy on the stream cannot be withdrawn (Link.cancel)."""
-        n, queued = 0, []
-        for key in self.inflight:
-            if key in self.prefetched:
-                queued.append(key)
-        for key in queued:
-            n += self._unissue(key)
+        queued = {key for key in self.inflight if key in self.prefetched}
+        n = sum(self._unissue(key, queued) for key in sorted(queued))
         self._stats["prefetch_cancelled"] += n
         return n
 
-    def _unissue(self, key: tuple[int, int]) -> bool:
-        """Withdraw prefetch `key` if the link has not started its copy: its reservation undone, the
-        expert it evicted ready again in its untouched slot."""
+    def _unissue(self, key: tuple[int, int], gone=frozenset()) -> int:
+        """Withdraw prefetch `key` if the link has not started its copy (reservations undone, what they evicted
+        ready again in its untouched slot); a copy of several goes whole, its others in `gone` too. -> how many"""
         t = self.inflight.get(key)
-        if key not in self.prefetched or t is None or self.slots.is_pinned(*key) or not self.link.cancel(t):
-            return False
-        del self.inflight[key]
-        self.prefetched.discard(key)
-        self.slots.cancel(*key, restore=True)
+        if key not in self.prefetched or t is None:
+            return 0
+        layer, carried = key[0], t.tag[1] if isinstance(t.tag[1], tuple) else (t.tag[1],)
+        if any(self.slots.is_pinned(layer, e) for e in carried) or not self.link.cancel(t):
+            return 0
+        for e in reversed(carried):  # undone in the reverse order of their reservations
+            del self.inflight[(layer, e)]
+            self.slots.cancel(layer, e, restore=True)
         self._stats["h2d_bytes"] -= t.nbytes  # never crossed the link
-        return True
+        again = [e for e in carried if (layer, e) != key and (layer, e) not in gone]
+        self.prefetched.difference_update((layer, e) for e in carried if e not in again)
+        if again:  # still wanted: a copy of their own, at the back of the queue (no slot now: no prefetch)
+            issued = self._issue(layer, again, urgent=False, protect=set(again))
+            self.prefetched.difference_update((layer, e) for e in again[issued:])
+        return len(carried) - len(again)
 
     def is_resident(self, layer: int, e: int) -> bool:
         return self.slots.slot[layer][e] >= 0

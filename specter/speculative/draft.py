@@ -20,21 +20,23 @@ per token. The sync-free draft (compiled/draft_step.py) instead `publish`es each
 event has fired and never waits on the draft (`ready` / `read_host`).
 
 ## Prefetch planner
-At each chunk boundary it reads the new lookahead rows, adds them to the cycle's demand per (layer,
-expert) and, earliest layer first, copies the predicted experts neither resident nor in flight, most
-demanded first, at most a layer's slots of them, evicting only experts this cycle does not predict.
-A chunk carries about the copies one draft step hides: chunk = clamp(round(d / c), 1, K), d the draft
-step time, c the copy time of the experts one drafted token newly needs (moving averages; c from the
-link's measured busy time per transfer): a slow link plans after every step, a fast one saves reads.
-Eviction follows the lookahead too: each expert keeps a score, its predicted demand (+1 a drafted
-token) plus its verified use (+3 a verification or plain step), decayed by 0.8 every cycle (a cycle at
-its start, a plain step or prefill at its layer's use); the slot cache evicts the lowest score first
-(least recently used among equals), and a prediction is admitted only if it outscores its victim (the
-constants' measurement: docs/ARCHITECTURE.md). A verification needing more experts in a layer than it
-has slots loads its copies lowest score first, leaving the highest scored resident (`keep`).
+At each chunk boundary it reads the new lookahead rows, adds them to the cycle's demand per (layer, expert)
+and, earliest layer first, copies the predicted experts neither resident nor in flight, most demanded first,
+at most a layer's slots of them, evicting only experts this cycle does not predict. A chunk is
+clamp(max(round(d / c), f), 1, K) drafted tokens, d the draft step time, c the copy time of the experts one
+drafted token newly needs (moving averages; c from the link's measured busy time per transfer): a slow link
+plans after every step, a fast one saves reads; f, where copies coalesce (small experts: prefetch_batch > 1),
+the tokens whose new experts fill one transfer a layer (uniform 1/4: docs/RESULTS.md, 2026-12-03).
+Eviction follows the lookahead too: each expert keeps a score, its predicted demand (+1 a drafted token) plus
+its verified use (+3 a verification or plain step), decayed by 0.8 every cycle (a cycle at its start, a plain
+step or prefill at its layer's use); the slot cache evicts the lowest score first (least recently used among
+equals), and a prediction is admitted only if it outscores its victim (the constants' measurement:
+docs/ARCHITECTURE.md). A verification needing more experts in a layer than it has slots loads its copies
+lowest score first, leaving the highest scored resident (`keep`).
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 
@@ -51,9 +53,8 @@ DENSE_MAX_BYTES = 256 << 20
 
 
 def keep_packed(device, n_weights: int, dtype: torch.dtype) -> bool:
-    """Whether a draft of `n_weights` routed-expert weights stays packed INT4 on `device`: always
-    on CUDA (the kernels dequantize tile by tile); on CPU once dequantising would take more than
-    DENSE_MAX_BYTES."""
+    """Whether a draft of `n_weights` routed-expert weights stays packed INT4 on `device`: always on CUDA
+    (the kernels dequantize tile by tile); on CPU once dequantising would take more than DENSE_MAX_BYTES."""
     return torch.device(device).type == "cuda" or n_weights * dtype.itemsize > DENSE_MAX_BYTES
 
 
@@ -99,10 +100,9 @@ class DraftExperts:
 
 # ------------------------------------------------------------------------------- lookahead buffer
 class Lookahead:
-    """ids / weights [K_max, L, k]: row r, layer l holds the router's choice for drafted token r, written
-    in place on the device by the draft's provider (DraftExperts; compiled/draft_step.py), read back
-    by the planner (`PrefetchPlanner.plan`: one device-to-host read of the new rows, or `read_host` from
-    the mirror the sync-free draft publishes to)."""
+    """ids / weights [K_max, L, k]: row r, layer l holds the router's choice for drafted token r, written in
+    place on the device by the draft's provider (DraftExperts; compiled/draft_step.py), read back by the planner
+    (`PrefetchPlanner.plan`: one device-to-host read of the new rows, or `read_host` from the host mirror)."""
 
     def __init__(self, k_max: int, n_layers: int, top_k: int, device):
         self.ids = torch.full((k_max, n_layers, top_k), -1, dtype=torch.int32, device=device)  # [K_max, L, k]
@@ -153,8 +153,7 @@ class PrefetchPlanner:
         mgr.keep_rank = self.rank if keep else None  # a verification wider than the slots leaves the best resident
         mgr.use_hook = self.observe_use
         self.demand: list[Counter] = []
-        self.rows: list = []       # this cycle's lookahead rows read so far: [row][layer][k]
-        self.read_upto = 0
+        self.rows, self.read_upto = [], 0  # this cycle's lookahead rows read so far ([row][layer][k]), how many
         self.new_per_token = 1.0   # EMA: experts one drafted token newly needs (not resident)
         self.cover_hits = self.cover_total = 0  # route coverage: verified uses the lookahead predicted
         self.reuse = [0.5] * lookahead.n_layers  # per layer, EMA: share of a plain step's experts the one before used
@@ -237,15 +236,16 @@ class PrefetchPlanner:
         self.cover_hits = self.cover_total = 0
 
     def begin_cycle(self, k: int = 0, draft_step_s: float = 0.0) -> int:
-        """A cycle drafting K tokens begins -> how many draft steps to run between plans: about one
-        step's time of copies at a time (draft_step_s: the governor's draft time a token)."""
+        """A cycle drafting K tokens begins -> how many draft steps to run between plans (the module docstring's
+        chunk; draft_step_s: the governor's draft time a token)."""
         self.k, decay, self.demand = k, self.decay, []
         for row in self.score:
             row[:] = map(decay.__mul__, row)
             self.demand.append(Counter())
         self.rows, self.read_upto = [], 0
-        copy_s = self.new_per_token * self.mgr.link.copy_seconds(self.mgr.expert_bytes)
-        return k if copy_s <= 0 else max(1, min(k, round(draft_step_s / copy_s)))
+        copy_s, batch = self.new_per_token * self.mgr.link.copy_seconds(self.mgr.expert_bytes), self.mgr.prefetch_batch
+        fill = math.ceil(batch * len(self.score) / max(self.new_per_token, 1e-3)) if batch > 1 else 0
+        return k if copy_s <= 0 else max(1, min(k, max(round(draft_step_s / copy_s), fill)))
 
     def plan(self, upto: int, host: bool = False) -> int:
         """Read lookahead rows [read_upto, upto) and issue what they newly predict. Returns copies issued.
