@@ -78,7 +78,7 @@ How a cell is measured, so that a reader can tell noise from a loss on a small s
     the engines' orders of the even round before it: with the orders of their own, the halves put
     the engines in different places, a place's cost (after `host`) moved a baseline's median
     between halves, and the twin read under 1 against the other half's pick. A single round (the
-    default) is split by pairs of prompts, each an order and its reverse;
+    default) is split by pairs of prompts, each an order and its reverse (`folds`);
   - a cell whose median is over 1.03 gets as many rounds again and is judged on all of them pooled
     (not on the better of two runs).
 """
@@ -309,7 +309,8 @@ def cell(model, kind, residency, link, length, args, first_round: int = 0) -> di
 def folds(runs: list) -> list:
     """Each pooled sample's half: the parity of its round (rounds numbered across runs, as `cell`'s
     first_round numbers them); with a single round, the parity of its pair of prompts (an order and
-    its reverse: `interleave`), so both halves put every engine in every place alike."""
+    its reverse: `interleave`), so in both halves every engine's mean place is the middle (the halves
+    take the design's even and odd rows: who follows whom differs between them)."""
     out, first = [], 0
     for r in runs:
         n = len(next(iter(r["tpot_ms"].values())))
