@@ -134,18 +134,44 @@ def test_planner_keeps_a_predicted_resident_outside_the_top_slots(planner_setup)
     link.synchronize()
 
 
+def test_scores_decay_in_place_of_every_value_and_fold_a_tiny_scale():
+    """Scores keep raw values and a scale: a decay multiplies the scale only, an add touches the experts
+    it names, and every value reads as the written-out arithmetic would give; a scale that would fall
+    below TINY (a long prompt's decay ** tokens, or 0) is folded into the row, which keeps its values."""
+    from specter.speculative.scores import Scores
+
+    s, plain = Scores(2, 4), [[0.0] * 4 for _ in range(2)]
+    for step, used in enumerate([[0, 1], [1], [1, 1, 3], [2]]):
+        s.decay(0, 0.8)
+        plain[0] = [0.8 * v for v in plain[0]]
+        s.add(0, used, 3.0)
+        for e in used:
+            plain[0][e] += 3.0
+    assert all(math.isclose(a, b) for a, b in zip(s.row(0), plain[0])) and s.row(1) == [0.0] * 4
+    assert math.isclose(s.scale[0], 0.8 ** 4) and s.scale[1] == 1.0 and s.raw[1] == [0.0] * 4  # one layer only
+    before = s.row(0)
+    s.decay(0, 1e-60)
+    s.decay(0, 1e-60)  # past TINY: folded, the values kept (tiny, but ordered as before)
+    assert s.scale[0] == 1.0 and all(math.isclose(v, b * 1e-120) for v, b in zip(s.row(0), before))
+    s.decay_all(0.0)  # a decay to nothing: every score 0, and adds count from there
+    s.add(1, [2], 1.5)
+    assert s.row(0) == [0.0] * 4 and s.row(1) == [0.0, 0.0, 1.5, 0.0] and s.value(1, 2) == 1.5
+    s.set(1, 2, 4.0)
+    assert s.value(1, 2) == 4.0
+
+
 def test_planner_scores_decay_once_a_plain_step_as_once_a_cycle(planner_setup):
     """A plain step's use decays its layer's scores (a verification's does not: its cycle did at
     its start), so a score counts recent uses whether the governor drafts or not."""
     store, mgr, la, planner, link = planner_setup
     planner.observe_use(0, [5])
     planner.observe_use(0, [5])
-    assert planner.score[0][5] == 3.0 * 0.8 + 3.0 and planner.score[1][5] == 0.0
+    assert math.isclose(planner.scores.value(0, 5), 3.0 * 0.8 + 3.0) and planner.scores.value(1, 5) == 0.0
     planner.begin_cycle(2)  # a speculative cycle: decayed at its start, not again at verification
     fill(la, [[(6, 7)] * L_])
     planner.plan(1)
     planner.observe_use(0, [5])
-    assert planner.score[0][5] == (3.0 * 0.8 + 3.0) * 0.8 + 3.0
+    assert math.isclose(planner.scores.value(0, 5), (3.0 * 0.8 + 3.0) * 0.8 + 3.0)
     planner.end_cycle()
     link.synchronize()
 
@@ -157,11 +183,11 @@ def test_a_prompt_decays_scores_as_its_tokens_and_measures_no_reuse(planner_setu
     store, mgr, la, planner, link = planner_setup
     for _ in range(3):
         planner.observe_use(0, [0, 1])
-    score, reuse = planner.score[0][0], planner.reuse[0]
+    score, reuse = planner.scores.value(0, 0), planner.reuse[0]
     planner.begin_prefill(12)
     for layer in range(L_):  # the prompt's calls, layer by layer
         planner.observe_use(layer, [3, 4, 5, 6, 7])
-    assert math.isclose(planner.score[0][0], score * 0.8 ** 12) and planner.score[0][3] == 3.0
+    assert math.isclose(planner.scores.value(0, 0), score * 0.8 ** 12) and math.isclose(planner.scores.value(0, 3), 3.0)
     assert planner.reuse[0] == reuse
     planner.observe_use(0, [3, 4])  # a plain step: measured against the prompt's experts
     assert planner.reuse[0] == 0.9 * reuse + 0.1
@@ -203,12 +229,12 @@ def test_plain_steps_evict_by_recency_cycles_by_score(planner_setup):
     lowest decayed score (expert 2, used once, last step); while a cycle runs its scores decide."""
     store, mgr, la, planner, link = planner_setup
     _steps(mgr, [(0, 1)] * 3 + [(0, 2)])
-    assert planner.score[0][1] > planner.score[0][2]
+    assert planner.scores.value(0, 1) > planner.scores.value(0, 2)
     _steps(mgr, [(0, 3)])  # a miss: layer 0 is at its quota of 3
     assert residents(mgr, 0) == {0, 2, 3} and planner.rank(0, 1) == planner.rank(0, 2) == 0.0
     planner.begin_cycle(2)
-    assert planner.rank(0, 2) == planner.score[0][2] > 0.0
-    planner.score[0][0] = 0.0  # the cycle's scores say 0 is the coldest, though it was used last
+    assert planner.rank(0, 2) == planner.scores.value(0, 2) > 0.0
+    planner.scores.set(0, 0, 0.0)  # the cycle's scores say 0 is the coldest, though it was used last
     _steps(mgr, [(3, 4)])  # a cycle's miss: the lowest score goes, not the least recent (2)
     assert residents(mgr, 0) == {2, 3, 4}
     planner.end_cycle()

@@ -302,14 +302,15 @@ class LaneChoice:
         order = list(missing)
         pl = self.planner
         if pl is not None:  # stable: equal scores keep their order
-            order.sort(key=pl.score[layer].__getitem__, reverse=True)
+            order.sort(key=pl.scores.raw[layer].__getitem__, reverse=True)  # raw: as the layer's scores order
         if self.params is None:  # no host profile (a test's plain link): copy what fits, host the rest
             return order[room:]
         t_copy = self.mgr.link.copy_seconds(self.mgr.expert_bytes)
         p, H, I, item = self.params, self.H, self.I, self.item
         worth = pl is not None and not pl.read_upto  # a plain step's (a verification's copies serve its cycle)
         if worth:  # the uses each copy gains: its own, less its victim's (free slots first, then coldest)
-            score, (free, others) = pl.score[layer], slots.room(layer, counts)
+            score, (free, others) = pl.scores.raw[layer], slots.room(layer, counts)
+            scale = pl.scores.scale[layer]  # a score is raw * scale (speculative/scores.py)
             cold = []
             for e in others:
                 cold.append(score[e])
@@ -331,7 +332,8 @@ class LaneChoice:
                 rows -= counts[order[c]]
                 if worth:
                     victim = victims[c] if c < len(victims) else 0.0
-                    gained += t_host1 * (pl.reuse[layer] + pl.decay * (score[order[c]] - victim) / pl.use_weight)
+                    uses = (score[order[c]] - victim) * scale / pl.use_weight  # the copy's, less its victim's
+                    gained += t_host1 * (pl.reuse[layer] + pl.decay * uses)
         return order[best_c:]
 
 

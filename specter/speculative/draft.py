@@ -46,6 +46,7 @@ from specter.triton_ops import Int4Experts, combine_rows, expert_rows, pack_int4
 
 from ..moe import ExpertWeights
 from ..offload.manager import OffloadedExperts
+from .scores import Scores
 
 # On CPU the draft is dequantised (one GEMV an expert) while that costs at most this much memory, and
 # stays packed above it (a quarter of the bf16 experts instead of twice them; the cost: docs/ARCHITECTURE.md)
@@ -147,7 +148,7 @@ class PrefetchPlanner:
                  keep: bool = True):
         self.mgr, self.lookahead, self.decay, self.use_weight = mgr, lookahead, float(decay), use_weight
         E = mgr.slots.n_experts
-        self.score = [[0.0] * E for _ in range(lookahead.n_layers)]
+        self.scores = Scores(lookahead.n_layers, E)  # decayed demand per (layer, expert): scores.py
         self.k = 0                 # this cycle's K: verification takes K + 1 rows
         mgr.slots.set_planner(self.rank)
         mgr.keep_rank = self.rank if keep else None  # a verification wider than the slots leaves the best resident
@@ -166,7 +167,7 @@ class PrefetchPlanner:
         outside one (plain steps, prefill) every resident ranks alike, so the cache's own order decides
         (the farthest next use), as in plain decoding: evicting by decayed use counts there made specter's
         plain steps slower than on-demand's at the same misses (docs/RESULTS.md)."""
-        return self.score[layer][e] if self.k else 0.0
+        return self.scores.value(layer, e) if self.k else 0.0
 
     def _admit(self, layer: int, counts: Counter) -> list[int]:
         """The predicted experts worth a copy, most demanded first and at most a layer's slots of them:
@@ -174,7 +175,7 @@ class PrefetchPlanner:
         and whose score (decayed predicted + actual demand) is lower than its own; the others are
         skipped. A prefetch that evicts something more likely to be needed costs two copies instead
         of saving one; one that evicts an expert this cycle predicts only swaps two copies."""
-        slots, score = self.mgr.slots, self.score[layer]
+        slots, score = self.mgr.slots, self.scores.raw[layer]  # raw: ordered as the layer's scores
         free, others = slots.room(layer, counts)
         victims = sorted(map(score.__getitem__, others))  # scores of the residents a prefetch may displace
         where, out = slots.slot[layer], []
@@ -195,23 +196,22 @@ class PrefetchPlanner:
         plain step measures `reuse`, how much of it the step before used too). While a drafted
         cycle is being verified, also count how many of them the draft's routers predicted (route
         coverage: the draft's accuracy as a predictor, whatever the slot budget let us prefetch)."""
-        row, w = self.score[layer], self.use_weight
+        scores = self.scores
         if not self.read_upto:  # a plain step or prefill: decay once a step, as begin_cycle does a cycle
-            row[:] = map(self.decay.__mul__, row)  # decay * s for every s, in C (no Python loop a step)
+            scores.decay(layer, self.decay)
+            scores.add(layer, experts, self.use_weight)  # no prediction to cover
             if self._prefill:  # many tokens' union: not a step-to-step reuse (its last layer ends it)
-                self._prefill = layer < len(self.score) - 1
+                self._prefill = layer < len(scores) - 1
             else:
                 last, again = self._last[layer], 0
                 for e in experts:
                     again += e in last
                 self.reuse[layer] = 0.9 * self.reuse[layer] + 0.1 * again / max(1, len(experts))
             self._last[layer] = set(experts)
-            for e in experts:  # no prediction to cover
-                row[e] += w
             return
         predicted = self.demand[layer]
+        scores.add(layer, experts, self.use_weight)
         for e in experts:
-            row[e] += w
             self.cover_hits += e in predicted
         self.cover_total += len(experts)
 
@@ -221,9 +221,7 @@ class PrefetchPlanner:
         text used are no likelier to serve this prompt's tokens than any others, so neither a copy
         (LaneChoice) nor eviction may keep them on their old uses; the call does not measure step
         to step `reuse` either. The route coverage counts start over: they describe one generation."""
-        decay = (self.decay ** max(0, tokens - 1)).__mul__
-        for row in self.score:
-            row[:] = map(decay, row)
+        self.scores.decay_all(self.decay ** max(0, tokens - 1))
         self._prefill = True
         self.cover_hits = self.cover_total = 0
 
@@ -238,13 +236,11 @@ class PrefetchPlanner:
     def begin_cycle(self, k: int = 0, draft_step_s: float = 0.0) -> int:
         """A cycle drafting K tokens begins -> how many draft steps to run between plans (the module docstring's
         chunk; draft_step_s: the governor's draft time a token)."""
-        self.k, decay, self.demand = k, self.decay, []
-        for row in self.score:
-            row[:] = map(decay.__mul__, row)
-            self.demand.append(Counter())
+        self.k, self.demand = k, [Counter() for _ in range(len(self.scores))]
+        self.scores.decay_all(self.decay)
         self.rows, self.read_upto = [], 0
         copy_s, batch = self.new_per_token * self.mgr.link.copy_seconds(self.mgr.expert_bytes), self.mgr.prefetch_batch
-        fill = math.ceil(batch * len(self.score) / max(self.new_per_token, 1e-3)) if batch > 1 else 0
+        fill = math.ceil(batch * len(self.scores) / max(self.new_per_token, 1e-3)) if batch > 1 else 0
         return k if copy_s <= 0 else max(1, min(k, max(round(draft_step_s / copy_s), fill)))
 
     def plan(self, upto: int, host: bool = False) -> int:
@@ -259,9 +255,7 @@ class PrefetchPlanner:
         for row in rows:
             for layer, ids in enumerate(row):
                 self.demand[layer].update(ids)
-                score = self.score[layer]
-                for e in ids:
-                    score[e] += 1.0
+                self.scores.add(layer, ids, 1.0)
         issued = 0
         for layer, counts in enumerate(self.demand):  # earliest layer first; every predicted expert is
             issued += self.mgr.prefetch(layer, self._admit(layer, counts), protect=counts)  # protected
