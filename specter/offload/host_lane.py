@@ -310,7 +310,7 @@ class LaneChoice:
         worth = pl is not None and not pl.read_upto  # a plain step's (a verification's copies serve its cycle)
         if worth:  # the uses each copy gains: its own, less its victim's (free slots first, then coldest)
             score, (free, others) = pl.scores.raw[layer], slots.room(layer, counts)
-            scale = pl.scores.scale[layer]  # a score is raw * scale (speculative/scores.py)
+            f = pl.decay * pl.scores.scale[layer] / pl.use_weight  # a score is raw * scale (speculative/scores.py)
             cold = []
             for e in others:
                 cold.append(score[e])
@@ -332,8 +332,7 @@ class LaneChoice:
                 rows -= counts[order[c]]
                 if worth:
                     victim = victims[c] if c < len(victims) else 0.0
-                    uses = (score[order[c]] - victim) * scale / pl.use_weight  # the copy's, less its victim's
-                    gained += t_host1 * (pl.reuse[layer] + pl.decay * uses)
+                    gained += t_host1 * (pl.reuse[layer] + f * (score[order[c]] - victim))  # less its victim's
         return order[best_c:]
 
 

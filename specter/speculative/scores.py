@@ -1,8 +1,8 @@
 """The prefetch planner's scores: a decayed count per (layer, expert), decayed in O(1).
 
 Every plain step decays each layer's scores once (and every cycle all of them): written out, that is
-L E multiplications a token (Qwen3-30B-A3B: 48 x 128, ~0.5 ms of Python a token, where a step reads
-~8 experts a layer). A layer instead keeps raw values and a scale,
+L E multiplications a token (Qwen3-30B-A3B: 48 x 128), where a step reads ~8 experts a layer (the
+cost before and after: docs/RESULTS.md). A layer instead keeps raw values and a scale,
 
     score(e) = raw[e] * scale        decay by f: scale *= f        add w to e: raw[e] += w / scale
 
