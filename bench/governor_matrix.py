@@ -62,7 +62,10 @@ How a cell is measured, so that a reader can tell noise from a loss on a small s
     over 64 texts). On 8 texts that spread alone moves a ratio by ~2% (the cell read 1.04-1.07 on 8,
     1.019 on 64), on 2 it was the verdict (docs/RESULTS.md);
   - at full residency a round runs at least 8 prompts (its steps are short, so a round of 2 x 24
-    tokens lasts less than the scheduler's noise);
+    tokens lasts less than the scheduler's noise), and a cell takes FULL_PAIRS times `--pairs`: its
+    ~2 ms steps spread a pair's ratio widely (95% intervals ~10% wide at 32 pairs, ~5% at 128), and
+    128 pairs cost about a minute; what an engine's build adds (one build read next-layer 1.04 in both
+    its rounds, the next 1.00) only the rerun on fresh engines averages (docs/RESULTS.md);
   - every engine of a cell builds on one load of the checkpoint (as `specter bench` does), so the
     policies compute on the same weights at the same addresses (loaded apart, two identical engines
     differ by more than the 3% a cell is judged by: docs/ARCHITECTURE.md);
@@ -105,6 +108,7 @@ BASELINES = ("on-demand", "next-layer", "host")
 SPECULATIVE = policy_names("drafts")  # spec-lru, specter (specter/policy.py)
 TWIN = "on-demand#2"  # a second on-demand engine, judged like a speculative policy: the noise floor
 DISAGREE_EXPERTS = 6.0  # `disagree`: routed expert weights scaled up
+FULL_PAIRS = 4  # a full-residency cell takes 4x the pairs (module docstring)
 NEXT = "next-layer/on-demand"  # next-layer judged against on-demand, not the best baseline
 HOST_LANE = ("host",)  # baselines that compute misses on the host: specter's kind, not spec-lru's
 COPY_ONLY = "spec-lru"  # judged against the best baseline without a host lane (module docstring)
@@ -292,7 +296,8 @@ def cell(model, kind, residency, link, length, args, first_round: int = 0) -> di
         stats[p]["accepted"] += s.get("accepted_tokens") or 0
         stats[p]["tried"] += (s.get("accepted_tokens") or 0) + (s.get("rejections") or 0)
 
-    rounds = max(args.repeat, -(-args.pairs // len(prompts)))
+    pairs = args.pairs * (FULL_PAIRS if residency >= 1 else 1)
+    rounds = max(args.repeat, -(-pairs // len(prompts)))
     try:
         samples = interleave(engines, prompts, rounds, length, sampling, count, first_round)
     finally:
