@@ -63,8 +63,8 @@ How a cell is measured, so that a reader can tell noise from a loss on a small s
     1.019 on 64), on 2 it was the verdict (docs/RESULTS.md);
   - at full residency a round runs at least 8 prompts (its steps are short, so a round of 2 x 24
     tokens lasts less than the scheduler's noise), and a cell takes FULL_PAIRS times `--pairs`: its
-    ~2 ms steps spread a pair's ratio widely (95% intervals ~10% wide at 32 pairs, ~5% at 128), and
-    128 pairs cost about a minute; what an engine's build adds (one build read next-layer 1.04 in both
+    ~2 ms steps spread a pair's ratio widely (specter's 95% intervals 5-13% wide at 32 pairs, 4-7%
+    at 128), and 128 pairs cost about a minute; what an engine's build adds (one build read next-layer 1.04 in both
     its rounds, the next 1.00) only the rerun on fresh engines averages (docs/RESULTS.md);
   - every engine of a cell builds on one load of the checkpoint (as `specter bench` does), so the
     policies compute on the same weights at the same addresses (loaded apart, two identical engines

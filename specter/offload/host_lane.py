@@ -310,7 +310,7 @@ class LaneChoice:
         worth = pl is not None and not pl.read_upto  # a plain step's (a verification's copies serve its cycle)
         if worth:  # the uses each copy gains: its own, less its victim's (free slots first, then coldest)
             score, (free, others) = pl.scores.raw[layer], slots.room(layer, counts)
-            f = pl.decay * pl.scores.scale[layer] / pl.use_weight  # a score is raw * scale (speculative/scores.py)
+            f = pl.decay * pl.scores.scale[layer] / pl.use_weight  # raw score -> next step's uses (scores.py)
             cold = []
             for e in others:
                 cold.append(score[e])
