@@ -160,3 +160,28 @@ def test_odd_rounds_repeat_the_even_rounds_orders(gm):
     judged = gm.judge([dict(rounds=6, tpot_ms={p: [1.0] * 12 for p in ("on-demand", "next-layer", "host",
                                                                         "spec-lru", "specter", "on-demand#2")})])
     assert judged["samples"] == 12 and judged["ratio"]["specter"] == 1.0
+
+
+
+def test_an_over_cell_runs_again_with_more_pairs_and_is_judged_pooled(gm):
+    """`judged`: a cell under the limit runs once; one over runs again with RERUN_PAIRS x its pairs, its
+    rounds numbered after the first run's, and the verdict pools both runs: a first draw over by luck
+    passes on the pooled evidence, a real loss stays over."""
+    calls = []
+
+    def cell(first, later):  # `cell` for judged: the first run's costs, then the rerun's
+        def run(first_round=0, scale=1):
+            calls.append((first_round, scale))
+            cost = {**COST, "spec-lru": 3.0, "specter": later if first_round else first}
+            return synthetic_run(random.Random(7 + first_round), scale, 32, cost=cost, noise=0.05, load=0.05)
+        return run
+
+    verdict, runs = gm.judged(cell(3.0, 3.0))  # under: measured once
+    assert calls == [(0, 1)] and len(runs) == 1 and verdict["ok"]
+    calls.clear()
+    verdict, runs = gm.judged(cell(3.18, 3.0))  # 6% over on the first draw alone
+    assert calls == [(0, 1), (1, gm.RERUN_PAIRS)] and verdict["samples"] == 32 * (1 + gm.RERUN_PAIRS)
+    assert gm.judge(runs[:1])["ratio"]["specter"] > gm.LIMIT and verdict["ok"]
+    calls.clear()
+    verdict, runs = gm.judged(cell(3.3, 3.3))  # truly 10% slower: over on all of it
+    assert len(runs) == 2 and not verdict["ok"] and verdict["ratio"]["specter"] > 1.05
