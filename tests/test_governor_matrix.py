@@ -162,7 +162,6 @@ def test_odd_rounds_repeat_the_even_rounds_orders(gm):
     assert judged["samples"] == 12 and judged["ratio"]["specter"] == 1.0
 
 
-
 def test_an_over_cell_runs_again_with_more_pairs_and_is_judged_pooled(gm):
     """`judged`: a cell under the limit runs once; one over runs again with RERUN_PAIRS x its pairs, its
     rounds numbered after the first run's, and the verdict pools both runs: a first draw over by luck
