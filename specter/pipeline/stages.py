@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -137,10 +138,28 @@ def stage_quota(plan, spec: ModelSpec, n_mine: int, pool: int) -> int:
     return _quota(plan.pool, pool, n_mine, spec.n_experts, spec.top_k)
 
 
+def partition(layers: str, world: int, n_layers: int) -> list[tuple[int, int]]:
+    """Ranges [first, last) from a count of decoder layers a rank ("2,2": the first two layers on rank 0),
+    as SPECTER_PIPELINE_LAYERS gives it (vLLM's VLLM_PP_LAYER_PARTITION is the same idea)."""
+    try:
+        counts = [int(c) for c in layers.split(",")]
+    except ValueError:
+        counts = []
+    if len(counts) != world or min(counts, default=0) < 1 or sum(counts) != n_layers:
+        raise PipelineError(f"SPECTER_PIPELINE_LAYERS={layers!r}: give {world} comma-separated counts of decoder "
+                            f"layers, one a rank, each at least 1, summing to the model's {n_layers} layers")
+    ranges, a = [], 0
+    for c in counts:
+        ranges.append((a, a + c))
+        a += c
+    return ranges
+
+
 def make_stages(spec: ModelSpec, world: int, itemsize: int, drafts: bool = False, draft_bits: int = 4) -> list[Stage]:
-    """The stages of a `world`-rank pipeline, balanced by bytes. `drafts` (spec-lru, specter): the first
-    stage also holds the whole draft, every layer's non-expert weights and INT4 experts (stage.py),
-    and runs it, so it takes fewer target layers (the draft's experts at `draft_bits`)."""
+    """The stages of a `world`-rank pipeline, balanced by bytes, or as SPECTER_PIPELINE_LAYERS counts them
+    (`partition`). `drafts` (spec-lru, specter): the first stage also holds the whole draft, every layer's
+    non-expert weights and INT4 experts (stage.py), and runs it, so it takes fewer target layers (the draft's
+    experts at `draft_bits`)."""
     per, embed, head = layer_bytes(spec, itemsize)
     extra, shared = embed, None
     if drafts:
@@ -150,7 +169,8 @@ def make_stages(spec: ModelSpec, world: int, itemsize: int, drafts: bool = False
         moe = set(spec.moe_layer_ids)
         shared = [p - (expert if l in moe else 0) for l, p in enumerate(per)]  # its own layers' are the draft's
         extra += sum(shared) + len(moe) * spec.n_experts * draft_expert_bytes(spec, draft_bits)
-    ranges = split_layers(per, world, extra, head, shared)
+    given = os.environ.get("SPECTER_PIPELINE_LAYERS")
+    ranges = partition(given, world, len(per)) if given else split_layers(per, world, extra, head, shared)
     moe = spec.moe_layer_ids
     out = []
     for r, (a, b) in enumerate(ranges):
