@@ -277,8 +277,9 @@ def median_ci(values: list) -> tuple[float, float]:
 
 
 def cell(model, kind, residency, link, length, args, first_round: int = 0, scale: int = 1) -> dict:
-    """All policies side by side (`interleave`): warmed up, then at least `repeat` rounds and `pairs`
-    samples -> each generation's TPOT (ms), paired by index, and counters; `judge` reads them."""
+    """All policies side by side (`interleave`): warmed up, then at least `repeat` rounds and `pairs` (x
+    FULL_PAIRS at full residency, x `scale` in a rerun: `judged`) samples -> each generation's TPOT (ms),
+    paired by index, and counters; `judge` reads them."""
     import specter
 
     policies = list(BASELINES) + list(SPECULATIVE) + (["resident"] if residency >= 1 else []) + ([] if args.no_twin else [TWIN])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from itertools import accumulate
 from dataclasses import dataclass
 
 import torch
@@ -148,11 +149,8 @@ def partition(layers: str, world: int, n_layers: int) -> list[tuple[int, int]]:
     if len(counts) != world or min(counts, default=0) < 1 or sum(counts) != n_layers:
         raise PipelineError(f"SPECTER_PIPELINE_LAYERS={layers!r}: give {world} comma-separated counts of decoder "
                             f"layers, one a rank, each at least 1, summing to the model's {n_layers} layers")
-    ranges, a = [], 0
-    for c in counts:
-        ranges.append((a, a + c))
-        a += c
-    return ranges
+    ends = list(accumulate(counts))
+    return list(zip([0] + ends[:-1], ends))
 
 
 def make_stages(spec: ModelSpec, world: int, itemsize: int, drafts: bool = False, draft_bits: int = 4) -> list[Stage]:
