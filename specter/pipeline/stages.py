@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from itertools import accumulate
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
