@@ -921,8 +921,10 @@ def _virtual_decoder(monkeypatch, told: list, **costs):
     monkeypatch.setattr(optimistic, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     monkeypatch.setattr(optimistic, "kv_rows", lambda *a: None)  # rank 0's K/V: none here
     monkeypatch.setattr(optimistic, "put_kv_rows", lambda *a: None)
+    from specter.speculative.decoder import SpeculativeDecoder
+
     fake = _VirtualCycles(clock, **costs)
-    dec = optimistic.OptimisticCycles()
+    dec = object.__new__(type("Dec", (optimistic.OptimisticCycles, SpeculativeDecoder), {}))  # the real MRO, no init
     dec.stage, dec.model, dec.experts = fake, fake, fake
     dec.stages, dec.planner, dec.device = [types.SimpleNamespace(last=1)], None, torch.device("cpu")
     dec.governor = types.SimpleNamespace(draft_s=None, fixed=None, observe_cycle=lambda *a: told.append(a))

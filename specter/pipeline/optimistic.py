@@ -125,14 +125,7 @@ class OptimisticCycles:
                 self.pre = nxt_pre
             else:
                 self._discard(nxt_pre)
-        after = mgr.stats()
-        stall = after["stall_s"] - before["stall_s"]
-        hits = after["expert_hits"] - before["expert_hits"]
-        st["recall_hits"] += hits
-        st["recall_total"] += hits + after["expert_misses"] - before["expert_misses"]
-        st["drafted_tokens"] += k
-        st["accepted_tokens"] += m
-        st["rejections"] += m < k
+        stall = self._count_verification(before, k, m)
         # the governor: verification as it cost this cycle, rank 0's stage where it ran here (a stage run
         # early ran inside the last cycle's wall, counted there) and the later stages' steps (their seconds
         # come back with the logits), or the wall time less rank 0's work for the next cycle inside it

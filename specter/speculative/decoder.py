@@ -239,20 +239,25 @@ class SpeculativeDecoder:
                 m, nxt = accept_sampling(drafted, torch.stack(q_rows) if q_rows else None, p, gen)
         mgr.demote_rejected(m + 1)  # rows 0..m ran on committed tokens, the rest on rejected drafts
         m2 = self.times.mark()
-        # recall: the share of verification's experts resident or in flight when it reached them
-        after = mgr.stats()
-        stall = after["stall_s"] - before["stall_s"]
+        stall = self._count_verification(before, k, m)
+        if self.times.wall:  # CPU: wall-clock readings, known now
+            self._observe_cycle(k, m, stall, m1 - m0, m2 - m1)
+        else:  # CUDA: events, read once they have completed (timing.py)
+            self.times.submit((m0, m1, m2), partial(self._observe_cycle, k, m, stall))
+        return drafted[:m] + [nxt]
+
+    def _count_verification(self, before: dict, k: int, m: int) -> float:
+        """A verification of k drafts that accepted m, the manager's stats read `before` it: recall (the
+        share of its experts resident or in flight when it reached them) and acceptance into the stats.
+        -> its stall seconds."""
+        st, after = self._stats, self.experts.stats()
         hits = after["expert_hits"] - before["expert_hits"]
         st["recall_hits"] += hits
         st["recall_total"] += hits + after["expert_misses"] - before["expert_misses"]
         st["drafted_tokens"] += k
         st["accepted_tokens"] += m
         st["rejections"] += m < k
-        if self.times.wall:  # CPU: wall-clock readings, known now
-            self._observe_cycle(k, m, stall, m1 - m0, m2 - m1)
-        else:  # CUDA: events, read once they have completed (timing.py)
-            self.times.submit((m0, m1, m2), partial(self._observe_cycle, k, m, stall))
-        return drafted[:m] + [nxt]
+        return after["stall_s"] - before["stall_s"]
 
     def _observe_cycle(self, k: int, m: int, stall: float, draft_s: float, verify_s: float) -> None:
         """A speculative cycle's times, once readable (timing.py): into the stats and the governor."""
