@@ -320,7 +320,8 @@ def _planner(score, reuse=1.0, read_upto=0):
     for layer, row in enumerate(score):
         for e, v in enumerate(row):
             scores.set(layer, e, v)
-    return SimpleNamespace(scores=scores, use_weight=3.0, decay=0.8, reuse=[reuse], read_upto=read_upto)
+    return SimpleNamespace(scores=scores, use_weight=3.0, decay=0.8, reuse=[reuse], read_upto=read_upto,
+                           prompt_tokens=0)
 
 
 class _Mgr:

@@ -212,7 +212,34 @@ def test_a_new_prompt_copies_over_the_last_texts_residents(planner_setup):
     routed = [3, 4, 5, 3, 4, 5]  # the new prompt's tokens need 3, 4, 5 (none resident)
     assert choose(0, [3, 4, 5], routed) == [3, 4, 5]  # as one more step of the old text: all hosted
     planner.begin_prefill(12)
-    assert choose(0, [3, 4, 5], routed) == [4, 5]  # a new text: one copied (7 ms, beside 7 on the host)
+    assert choose(0, [3, 4, 5], routed) == [4, 3]  # a new text: one copied (7 ms, beside 7 on the host),
+    # the one its last token used (prompt_uses)
+
+
+def test_a_prompt_copies_the_experts_its_last_tokens_used(planner_setup):
+    """Both lanes in a prompt: the earlier text's scores say nothing of the prompt's experts (begin_prefill
+    decays them all alike), so its misses are ranked by its own tokens as the steps after it will see
+    them (token T-1-d's uses weigh decay^d): the copies go to the experts its last tokens used, and the
+    host computes the ones only its first tokens used. Ranked by the scores alone, ties kept the misses'
+    order and copied an early token's expert: the first decode step missed ~9.5 experts against ~7.6
+    (top8 at 1/2 residency, docs/RESULTS.md "Issue 23: a prompt's hosted experts")."""
+    from specter.offload.calibrate import HostParams
+    from specter.offload.host_lane import LaneChoice, prompt_uses
+
+    store, mgr, la, planner, link = planner_setup
+    mgr.link.copy_seconds = lambda nbytes: 7e-3
+    params = HostParams(bandwidth=mgr.expert_bytes / 1e-3, flops_per_s=0.0, latency=5e-3,
+                        pcie_bandwidth=float("inf"))
+    choose = LaneChoice(mgr, params, planner=planner)
+    routed = [3, 4, 5, 6, 5, 6]  # three tokens, top-2: the first used 3 and 4, the last two 5 and 6
+    assert prompt_uses(routed, 3, 0.8) == pytest.approx({3: 0.64, 4: 0.64, 5: 1.8, 6: 1.8})
+    assert prompt_uses(routed, 3, 0.8, tail=2) == {5: 1.8, 6: 1.8}
+    planner.begin_prefill(3)
+    assert choose(0, [3, 4, 5, 6], routed) == [6, 3, 4]  # one copied (7 ms beside 8 on the host): 5, a last token's
+    choose.rank_prompt = False
+    assert choose(0, [3, 4, 5, 6], routed) == [4, 5, 6]  # by the scores alone: 3, the first token's
+    planner.observe_use(L_ - 1, [3, 4, 5, 6])  # the prompt's last layer ends it: plain steps rank by the scores
+    assert planner.prompt_tokens == 0
 
 
 def _steps(mgr, steps):

@@ -79,7 +79,8 @@ def variant(engine, name: str) -> None:
     """A scratch variant of specter, named after ':' (several joined by '+'): lru (no planner rank in
     eviction), nokeep (no keep_rank), nohook (no observe_use), noguess (no next-layer arm in plain
     steps), nohost (no host lane in plain steps or verification), k0 / k5 (K fixed at 0 / 5),
-    guess0 / guess1 and lane0 / lane1 (a plain-step arm fixed: lane1 copies every miss)."""
+    guess0 / guess1 and lane0 / lane1 (a plain-step arm fixed: lane1 copies every miss), noprank (a
+    prompt's misses ranked for the host lane by the planner's old scores, not the prompt's own tokens)."""
     dec = engine.decoder
     mgr = dec.experts
     for v in filter(None, name.split("+")):
@@ -107,6 +108,8 @@ def variant(engine, name: str) -> None:
                 yield from it
 
             dec.run = no_host_prefill
+        elif v == "noprank":  # a prompt's misses ranked by the planner's old scores, not its own tokens
+            mgr.host_choice.rank_prompt = False
         elif v[0] == "k" and v[1:].isdigit():  # the governor fixed at K = n (k0: plain steps only)
             dec.governor.fixed = int(v[1:])
         elif v[:-1] in ("guess", "lane") and v[-1] in "01":  # a K = 0 arm fixed: guess1 / guess0, lane1 / lane0

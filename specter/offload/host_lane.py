@@ -270,8 +270,10 @@ def make_host_lane(store: list[ExpertWeights], device, link, *, threads: int | N
 class LaneChoice:
     """Specter's two lanes: which of a layer's missing experts compute on the host instead of crossing
     PCIe (OffloadedExperts.host_choice). The m missing experts are ranked by the planner's scores
-    (decayed predicted and verified uses) and the first c are copied, the rest computed on the host,
-    c minimising this call's time less what the copies are worth later:
+    (decayed predicted and verified uses; a prompt's, by its own tokens' uses, `prompt_uses`: the
+    earlier text's scores said nothing of which of them the first decode steps need, and the ones it
+    hosted missed again there) and the first c are copied, the rest computed on the host, c minimising
+    this call's time less what the copies are worth later:
 
         J(c) = max(c t_copy, host(the other m - c)) - t_host1 sum_{i<c} (u(e_i) - u(v_i))   (ties: more copies)
 
@@ -289,6 +291,7 @@ class LaneChoice:
         self.mgr, self.params, self.planner = mgr, params, planner  # planner: score, use_weight, decay, reuse
         self.H, self.I = mgr.store[0].w13.shape[2], mgr.store[0].w2.shape[2]
         self.item = mgr.pool[0].w13.element_size()  # the width copies are timed at
+        self.rank_prompt = True  # a prompt's misses ranked by its own tokens (False: by the planner's scores)
 
     def __call__(self, layer: int, missing: list[int], routed: list[int]) -> list[int]:
         slots = self.mgr.slots
@@ -301,7 +304,10 @@ class LaneChoice:
         room = max(0, min(len(missing), slots.n_slots - held))
         order = list(missing)
         pl = self.planner
-        if pl is not None:  # stable: equal scores keep their order
+        if pl is not None and pl.prompt_tokens and self.rank_prompt:  # a prompt: by its own tokens' uses
+            uses = prompt_uses(routed, pl.prompt_tokens, pl.decay)
+            order.sort(key=lambda e: uses.get(e, 0.0), reverse=True)
+        elif pl is not None:  # stable: equal scores keep their order
             order.sort(key=pl.scores.raw[layer].__getitem__, reverse=True)  # raw: as the layer's scores order
         if self.params is None:  # no host profile (a test's plain link): copy what fits, host the rest
             return order[room:]
@@ -334,6 +340,20 @@ class LaneChoice:
                     victim = victims[c] if c < len(victims) else 0.0
                     gained += t_host1 * (pl.reuse[layer] + f * (score[order[c]] - victim))  # less its victim's
         return order[best_c:]
+
+
+def prompt_uses(routed: list[int], tokens: int, decay: float, tail: int = 64) -> dict[int, float]:
+    """A prompt's experts weighed as the steps after it will see them: token T-1-d's uses count decay^d, as
+    if each token were a plain step (the planner's scores' decay). routed: [T * k] experts, token by token.
+    Only the last `tail` tokens count (0.8^64 ~ 1e-6): a long prompt costs no more than a short one."""
+    k = max(1, len(routed) // tokens)
+    n = len(routed) // k  # the tokens (`tokens` in a prompt's call)
+    uses: dict[int, float] = {}
+    for t in range(max(0, n - tail), n):
+        w = decay ** (n - 1 - t)
+        for e in routed[t * k:(t + 1) * k]:
+            uses[e] = uses.get(e, 0.0) + w
+    return uses
 
 
 def host_params(lane: HostLane) -> HostParams | None:

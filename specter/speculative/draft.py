@@ -159,7 +159,7 @@ class PrefetchPlanner:
         self.cover_hits = self.cover_total = 0  # route coverage: verified uses the lookahead predicted
         self.reuse = [0.5] * lookahead.n_layers  # per layer, EMA: share of a plain step's experts the one before used
         self._last: list = [()] * lookahead.n_layers  # per layer, the experts the last plain step used
-        self._prefill = False      # a prompt is running (begin_prefill): its calls measure no reuse
+        self.prompt_tokens = 0     # a prompt of this many tokens is running (begin_prefill): no reuse measured
 
     def rank(self, layer: int, e: int) -> float:
         """The slot cache evicts the lowest rank first: by the scores while a cycle runs (begin_cycle to
@@ -200,8 +200,8 @@ class PrefetchPlanner:
         if not self.read_upto:  # a plain step or prefill: decay once a step, as begin_cycle does a cycle
             scores.decay(layer, self.decay)
             scores.add(layer, experts, self.use_weight)  # no prediction to cover
-            if self._prefill:  # many tokens' union: not a step-to-step reuse (its last layer ends it)
-                self._prefill = layer < len(scores) - 1
+            if self.prompt_tokens:  # many tokens' union: not a step-to-step reuse (its last layer ends it)
+                self.prompt_tokens *= layer < len(scores) - 1
             else:
                 last, again = self._last[layer], 0
                 for e in experts:
@@ -222,7 +222,7 @@ class PrefetchPlanner:
         (LaneChoice) nor eviction may keep them on their old uses; the call does not measure step
         to step `reuse` either. The route coverage counts start over: they describe one generation."""
         self.scores.decay_all(self.decay ** max(0, tokens - 1))
-        self._prefill = True
+        self.prompt_tokens = tokens
         self.cover_hits = self.cover_total = 0
 
     def end_cycle(self) -> None:
