@@ -3,7 +3,7 @@
 time over always running the faster arm, mean and worst draw, for the current PlainArms or one of an
 earlier revision (its class read from git).
 
-    python bench/experiments/arms_sim.py [--rev REV] [--seeds 16] [--steps 3000]
+    python bench/experiments/arms_sim.py [--rev REV] [--seeds 16] [--steps 3000] [--budget 0.01]
 """
 from __future__ import annotations
 
@@ -35,10 +35,12 @@ def main() -> int:
     ap.add_argument("--rev", help="a git revision whose PlainArms to simulate (default: the working tree's)")
     ap.add_argument("--seeds", type=int, default=16)
     ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--budget", type=float, help="the probes' budget (default: the class's own)")
     args = ap.parse_args()
     arms = arms_class(args.rev)
-    for slow in (1.2, 1.05, 0.95, 0.9, 0.8):
-        over = [run_noisy_arms(arms(), slow, s, steps=args.steps) - 1 for s in range(args.seeds)]
+    kw = {} if args.budget is None else {"budget": args.budget}
+    for slow in (1.2, 1.05, 1.03, 0.95, 0.9, 0.8):
+        over = [run_noisy_arms(arms(**kw), slow, s, steps=args.steps) - 1 for s in range(args.seeds)]
         print(f"other arm {slow}x: mean {100 * sum(over) / len(over):.1f}%, worst {100 * max(over):.1f}%")
     return 0
 
