@@ -240,6 +240,10 @@ def test_a_prompt_copies_the_experts_its_last_tokens_used(planner_setup):
     assert choose(0, [3, 4, 5, 6], routed) == [4, 5, 6]  # by the scores alone: 3, the first token's
     planner.observe_use(L_ - 1, [3, 4, 5, 6])  # the prompt's last layer ends it: plain steps rank by the scores
     assert planner.prompt_tokens == 0
+    choose.rank_prompt = True
+    planner.observe_use(0, [4])  # a plain step used 4; then a one-token prompt needs 3 and 4, alike by its uses:
+    planner.begin_prefill(1)
+    assert choose(0, [3, 4], [3, 4]) == [3]  # the scores break the tie, 4 copied
 
 
 def _steps(mgr, steps):

@@ -304,11 +304,11 @@ class LaneChoice:
         room = max(0, min(len(missing), slots.n_slots - held))
         order = list(missing)
         pl = self.planner
-        if pl is not None and pl.prompt_tokens and self.rank_prompt:  # a prompt: by its own tokens' uses
-            uses = prompt_uses(routed, pl.prompt_tokens, pl.decay)
-            order.sort(key=lambda e: uses.get(e, 0.0), reverse=True)
-        elif pl is not None:  # stable: equal scores keep their order
+        if pl is not None:  # stable: equal scores keep their order
             order.sort(key=pl.scores.raw[layer].__getitem__, reverse=True)  # raw: as the layer's scores order
+            if pl.prompt_tokens and self.rank_prompt:  # a prompt: by its own tokens' uses (ties: the scores)
+                uses = prompt_uses(routed, pl.prompt_tokens, pl.decay)
+                order.sort(key=lambda e: uses.get(e, 0.0), reverse=True)
         if self.params is None:  # no host profile (a test's plain link): copy what fits, host the rest
             return order[room:]
         t_copy = self.mgr.link.copy_seconds(self.mgr.expert_bytes)
