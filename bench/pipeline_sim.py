@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specter.pipeline import optimistic  # noqa: E402
 from specter.pipeline.standins import Step  # noqa: E402
 from specter.sampling import SamplingParams  # noqa: E402
+from specter.speculative.decoder import SpeculativeDecoder  # noqa: E402
 from specter.speculative.governor import Governor  # noqa: E402
 
 WORLDS = {  # draft, stage(K), later(K), stall(K), plain, accept; seconds
@@ -123,6 +124,7 @@ class StandIns:
 class Pipeline(optimistic.OptimisticCycles):
     """Rank 0's decoder: OptimisticCycles over StandIns, run as SpeculativeDecoder.run runs it."""
     cancel_leftovers = False
+    _count_verification = SpeculativeDecoder._count_verification  # recall and acceptance, as the decoder counts them
 
     def __init__(self, world: tuple, governor: Governor, seed: int):
         fake = StandIns(world, seed)
@@ -131,8 +133,7 @@ class Pipeline(optimistic.OptimisticCycles):
         self.device, self.pre, self.k, self.need = torch.device("cpu"), None, 0, 0
         self._stats = dict(k_histogram=collections.Counter(), cycles=0, recall_hits=0, recall_total=0,
                            drafted_tokens=0, accepted_tokens=0, rejections=0, draft_s=0.0, verify_s=0.0)
-        self.opt = dict(pre_drafted=0, kept=0, used_tokens=0, pre_steps=0, pre_draft_s=0.0, steps=0, draft_s=0.0,
-                        stopped=0, early_steps=0)
+        self.opt = optimistic.optimistic_stats()
         self.plain_why: collections.Counter = collections.Counter()
 
     def send_rows(self, upto: int) -> None:
