@@ -15,8 +15,9 @@
 # host-lane stall, and rank 0's draft; then the probe.
 # With specter among the policies, each round also runs it on two ranks with SPECTER_PIPELINE_OPTIMISTIC=0
 # (rank 0 drafts only between verifications) and reports how many of rank 0's pre-drafts were kept,
-# and rank 0's draft step beside the later ranks' verification (a pre-draft) and while they wait (a fresh
-# draft), against one process's: the two cores' contention on the rank that drafts.
+# the cycles begun on a kept pre-draft and the fresh ones (tokens, ms a token), and rank 0's draft
+# step beside the later ranks' verification (a pre-draft) and while they wait (a fresh draft),
+# against one process's: the two cores' contention on the rank that drafts.
 # Usage: ROUNDS=3 bash bench/pipeline_ranks.sh [extra bench flags]   (figures: docs/RESULTS.md)
 set -euo pipefail
 ROUNDS=${ROUNDS:-3}
@@ -113,6 +114,12 @@ for p in one[0]:
               f"pre-drafted tokens verified {sum(x['used_tokens'] for x in o)} of {sum(r[p]['new_tokens'] for r in two)} "
               f"tokens, mean K of speculative cycles 1 / 2 ranks "
               f"{statistics.mean(mean_k(r[p]) for r in one):.1f} / {statistics.mean(mean_k(r[p]) for r in two):.1f}")
+        cyc = lambda kind: (sum(x[kind + "_cycles"] for x in o), sum(x[kind + "_tokens"] for x in o),
+                            sum(x[kind + "_s"] for x in o))
+        dec = sum(r[p]["decode_s"] for r in two)
+        print(f"{p}, two ranks, cycles by how they began (count, tokens, ms a token, share of decoding): " + "; ".join(
+            f"{name} {c} cycles, {t} tokens, {s / max(1, t) * 1e3:.2f} ms, {s / dec:.0%}"
+            for name, (c, t, s) in (("on a kept pre-draft", cyc("kept")), ("fresh", cyc("fresh")))))
         st = lambda runs, s, n: sum(r[p]["optimistic"][s] if n else r[p][s] for r in runs) / max(1, sum(
             r[p]["optimistic"][n] if n else r[p]["drafted_tokens"] for r in runs)) * 1e3
         tok = sum(r[p]["new_tokens"] for r in two)

@@ -932,8 +932,7 @@ def _virtual_decoder(monkeypatch, told: list, **costs):
     dec.send_rows = lambda upto: None
     dec._stats = dict(k_histogram=collections.Counter(), cycles=0, recall_hits=0, recall_total=0, drafted_tokens=0,
                       accepted_tokens=0, rejections=0, draft_s=0.0, verify_s=0.0)
-    dec.opt = dict(pre_drafted=0, kept=0, used_tokens=0, pre_steps=0, pre_draft_s=0.0, steps=0, draft_s=0.0,
-                   stopped=0, early_steps=0)
+    dec.opt = optimistic.optimistic_stats()
     return dec, clock
 
 
@@ -959,6 +958,10 @@ def test_optimistic_cycles_tell_the_governor_their_wall_time(monkeypatch, later)
     o = dec.opt
     assert o["kept"] > 0 and o["pre_drafted"] > o["kept"], o  # both kept and discarded pre-drafts
     assert (o["early_steps"] > 0) == (later > 0.02), o  # the stage ran early only beside a slow verification
+    # cycles by how they began: on a kept pre-draft (each kept one but perhaps the last) or fresh
+    assert o["kept_cycles"] in (o["kept"], o["kept"] - 1) and o["kept_cycles"] + o["fresh_cycles"] == len(walls), o
+    assert o["kept_tokens"] + o["fresh_tokens"] == n - 10, o
+    assert o["kept_s"] + o["fresh_s"] == pytest.approx(sum(walls), abs=1e-9), o
     for (k, m, draft_s, verify_s, stall_s), wall in zip(told, walls, strict=True):
         assert draft_s >= 0 and verify_s > 0
         assert draft_s + verify_s == pytest.approx(wall, abs=1e-9), (k, m, draft_s, verify_s, wall)

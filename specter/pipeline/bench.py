@@ -136,7 +136,7 @@ def _measure(engine, prompts, max_new: int, repeat: int, sampling: dict) -> dict
             for acc, r in zip(a["per_rank"], per):
                 for k in PER_RANK:
                     acc[k] = acc.get(k, 0) + r.get(k, 0)
-    r = {"tpot_s": a["decode_s"] / a["decode_tokens"], "ttft_s": a["ttft_s"] / a["runs"],
+    r = {"tpot_s": a["decode_s"] / a["decode_tokens"], "ttft_s": a["ttft_s"] / a["runs"], "decode_s": a["decode_s"],
          "new_tokens": sum(len(o) for o in a["outputs"]), "outputs": a["outputs"], "per_rank": a["per_rank"],
          "round_trips": a["round_trips"]}
     r.update({k: a[k] for k in SUM_KEYS if k in a})

@@ -35,6 +35,16 @@ from .stage import kv_rows, put_kv_rows
 from .standins import Sent, Step
 
 
+def optimistic_stats() -> dict:
+    """OptimisticCycles' counters (stats["pipeline"]["optimistic"]): pre-drafts made, kept, their tokens verified,
+    their steps and seconds (the guess's step included); the steps drafted while no verification ran, and their
+    seconds; pre-drafts stopped when the verification showed the guess failed; cycles whose rank-0 stage step ran
+    during the last cycle's verification; cycles begun on a kept pre-draft and fresh ones: their count, tokens
+    committed and wall seconds (drafting to the result)."""
+    return dict(pre_drafted=0, kept=0, used_tokens=0, pre_steps=0, pre_draft_s=0.0, steps=0, draft_s=0.0, stopped=0,
+                early_steps=0, kept_cycles=0, kept_tokens=0, kept_s=0.0, fresh_cycles=0, fresh_tokens=0, fresh_s=0.0)
+
+
 @dataclass
 class PreDraft:
     """The next cycle's drafts, drafted while the later stages verified this one, on the guess that
@@ -147,6 +157,10 @@ class OptimisticCycles:
         st["verify_s"] += verify_s
         self.governor.observe_cycle(k, m, max(0.0, (m2 - m0) - verify_s) if self.exposed_draft else draft_s, verify_s,
                                     stall)
+        kind = "kept" if pre is not None else "fresh"  # the cycle's wall and tokens, by whether a pre-draft began it
+        o[kind + "_cycles"] += 1
+        o[kind + "_tokens"] += m + 1
+        o[kind + "_s"] += m2 - m0
         return drafted[:m] + [nxt]
 
     def _draft_on(self, t: int, n: int, k: int, drafted: list[int], params, planner, chunk: int | None,

@@ -36,7 +36,7 @@ from ..speculative.decoder import SpeculativeDecoder
 from ..speculative.governor import Governor
 from .decoder import finish, pipeline_info
 from .group import Group
-from .optimistic import OptimisticCycles, PreDraft
+from .optimistic import OptimisticCycles, PreDraft, optimistic_stats
 from .stage import StageModel
 from .stages import Stage
 from .standins import DraftSlot, NoPlanner, PipeExperts, PipeModel, PlanRelay
@@ -116,12 +116,7 @@ class PipelineSpeculativeDecoder(OptimisticCycles, SpeculativeDecoder):
 
     def reset_stats(self) -> None:
         super().reset_stats()
-        # pre-drafts made, kept, their tokens verified, their steps and seconds (the guess's step included);
-        # the steps drafted while no verification ran, and their seconds
-        # pre-drafts stopped when the verification showed the guess failed; cycles whose rank-0 stage step ran
-        # during the last cycle's verification
-        self.opt = dict(pre_drafted=0, kept=0, used_tokens=0, pre_steps=0, pre_draft_s=0.0, steps=0, draft_s=0.0,
-                        stopped=0, early_steps=0)
+        self.opt = optimistic_stats()
 
     def stats(self) -> dict:
         s = super().stats()
