@@ -927,7 +927,7 @@ def _virtual_decoder(monkeypatch, told: list, **costs):
     dec = object.__new__(type("Dec", (optimistic.OptimisticCycles, SpeculativeDecoder), {}))  # the real MRO, no init
     dec.stage, dec.model, dec.experts = fake, fake, fake
     dec.stages, dec.planner, dec.device = [types.SimpleNamespace(last=1)], None, torch.device("cpu")
-    dec.governor = types.SimpleNamespace(draft_s=None, fixed=None, observe_cycle=lambda *a: told.append(a))
+    dec.governor = types.SimpleNamespace(draft_s=None, fixed=None, arm="spec", observe_cycle=lambda *a: told.append(a))
     dec.pre, dec.k, dec.need, dec.cancel_leftovers = None, 0, 10 ** 6, False
     dec.send_rows = lambda upto: None
     dec._stats = dict(k_histogram=collections.Counter(), cycles=0, recall_hits=0, recall_total=0, drafted_tokens=0,
@@ -969,9 +969,11 @@ def test_optimistic_cycles_tell_the_governor_their_wall_time(monkeypatch, later)
 
 def test_a_fresh_draft_drafts_a_share_of_k_and_its_pre_draft_all_of_it(monkeypatch):
     """A fresh draft (no kept pre-draft: at the start, after a discard) keeps the later stages waiting
-    for each of its steps, so it drafts fresh_share of the governor's K (rounded up); the pre-draft
-    beside its verification drafts the whole K, which the next cycle verifies when it is kept. A fixed
-    K is every cycle's (the pipelines' tests compare fixed-K cycles with one process's)."""
+    for each of its steps, so while speculation is the governor's running arm it drafts fresh_share of
+    the governor's K (rounded up); the pre-draft beside its verification drafts the whole K, which the
+    next cycle verifies when it is kept. A fixed K is every cycle's (the pipelines' tests compare
+    fixed-K cycles with one process's), and so is a cycle while the governor measures its arms or
+    probes speculation from plain decoding (a K = 1 cycle is not the speculation it would run)."""
     from specter.sampling import SamplingParams
 
     told, ran = [], []
@@ -988,3 +990,8 @@ def test_a_fresh_draft_drafts_a_share_of_k_and_its_pre_draft_all_of_it(monkeypat
     dec.governor.fixed, dec.pre, told[:] = 6, None, []
     dec._optimistic_cycle(dec.stage.target(200), 200, 6, None, greedy)
     assert told[-1][0] == 6  # K fixed: a fresh cycle drafts all of it
+    dec.governor.fixed = None
+    for arm in (None, "plain", "spec"):  # measured, probed from plain decoding, running
+        dec.governor.arm, dec.pre = arm, None
+        dec._optimistic_cycle(dec.stage.target(300), 300, 6, None, greedy)
+        assert told[-1][0] == (3 if arm == "spec" else 6), arm

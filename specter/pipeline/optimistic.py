@@ -8,7 +8,10 @@ One greedy cycle, t pending at n:
               kept PreDraft's first K (K at most its length) are this cycle's drafts. A fresh draft
               (no kept pre-draft: after a discard, a plain step, or at a generation's start) keeps
               the later stages waiting, so it drafts only `fresh_share` of the governor's K (unless
-              K is fixed); the pre-draft beside its verification drafts the whole K for the next cycle
+              K is fixed, or speculation is not the governor's running arm: measured first or probed
+              from plain decoding, its cycles come after plain steps, fresh, and are all the governor
+              sees of speculation); the pre-draft beside its verification drafts the whole K for the
+              next cycle
     send      rank 0's stage over [t, d1 .. dK] (computed now, or while the last cycle's verification
               ran: PreDraft.step), then the STEP; the result's receive is posted at once (Posted)
     pre-draft while the later stages verify: the guess g (the draft's step on dK at n+K), then up to
@@ -86,8 +89,10 @@ class OptimisticCycles:
         self.k_want = k  # the governor's K (the next pre-draft drafts that many, where this cycle is capped)
         if pre is not None:  # at most what it pre-drafted: drafting more here, rank 0 would keep the others waiting
             k = self.k = min(k, len(pre.drafted))
-        elif self.governor.fixed is None:  # a fresh draft: the later stages wait out every step of it (the
-            # pre-draft beside its verification drafts all of the governor's K for the next cycle); K fixed: K
+        elif self.governor.fixed is None and self.governor.arm == "spec":  # a fresh draft while speculation runs:
+            # the later stages wait out every step of it (the pre-draft beside its verification drafts all of
+            # the governor's K for the next cycle). K fixed, or speculation measured or probed (the governor's
+            # arm None or plain; the module docstring): the whole K
             k = self.k = max(1, math.ceil(k * self.fresh_share))
         st["k_histogram"][k] += 1
         st["cycles"] += 1
