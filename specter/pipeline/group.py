@@ -12,6 +12,7 @@ which the launcher prints before exiting non-zero, on every rank.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -155,3 +156,37 @@ def comm(group: Group, what: str):
                 else "a peer rank closed its connection or failed")
         raise PipelineError(f"rank {group.rank} of {group.world}: {what} failed: {hint} ({text}); the pipeline "
                             f"is broken (timeouts: {group.timeout_s:g} s, {group.startup_s:g} s while starting)") from None
+
+
+def send_object(obj, dst: int, device: torch.device, pg=None) -> None:
+    """`obj`, pickled, to rank `dst` (its length first), on this thread (`all_gather_objects` says why)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=device), dst, group=pg)
+    dist.send(data, dst, group=pg)
+
+
+def recv_object(src: int, device: torch.device, pg=None):
+    """What rank `src`'s send_object sent."""
+    n = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(n, src, group=pg)
+    data = torch.empty(int(n), dtype=torch.uint8, device=device)
+    dist.recv(data, src, group=pg)
+    return pickle.loads(data.cpu().numpy().tobytes())
+
+
+def all_gather_objects(group: Group, obj) -> list:
+    """Every rank's `obj` on every rank, in rank order, over the startup group: rank 0 receives each
+    rank's, then sends each the list. Point to point, not all_gather_object: gloo runs a collective on
+    the process group's worker thread, which frees the collective's tensors after the caller returned,
+    taking the GIL to do it; when the process exits first (a rank that fails right after, or rank 0
+    after its last gather) the thread is ended inside C++ and the process aborts ("terminate called
+    without an active exception", exit status 134; docs/RESULTS.md). A send or receive completes on the
+    calling thread."""
+    pg, cpu = group.startup, torch.device("cpu")
+    if group.rank != 0:
+        send_object(obj, 0, cpu, pg)
+        return recv_object(0, cpu, pg)
+    got = [obj] + [recv_object(r, cpu, pg) for r in range(1, group.world)]
+    for r in range(1, group.world):
+        send_object(got, r, cpu, pg)
+    return got

@@ -56,10 +56,9 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
     from .. import default_model_path
     from ..loader import open_checkpoint
     from ..offload.plan import compute_dtype
-    import torch.distributed as dist
 
     from .decoder import PipelineDecoder
-    from .group import comm
+    from .group import all_gather_objects, comm
     from .speculative import PipelineSpeculativeDecoder
     from .load import load_stage
 
@@ -87,9 +86,9 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
                            expert_memory=expert_memory, link=link, dtype=dtype, threads=threads, k_max=k_max,
                            draft_cache=draft_cache, host_threads=host_threads, draft_bits=draft_bits,
                            compress_experts=compress_experts)
-        resident = [True] * group.world  # whether any rank ever copies (the decoder's K = 0 steps guess
-        with comm(group, "waiting for every rank to load its layers"):  # only then); and no rank's first
-            dist.all_gather_object(resident, stage.all_resident, group=group.startup)  # step waits on a load
+        # whether any rank ever copies (the decoder's K = 0 steps guess only then); and no rank's first
+        with comm(group, "waiting for every rank to load its layers"):  # step waits on a load
+            resident = all_gather_objects(group, stage.all_resident)
         group.end_startup()
     except BaseException:
         group.close_on_error()

@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
-import torch.distributed as dist
 
 from ..config import ModelSpec
 from ..model import MoETransformer
 from ..offload.plan import kv_bytes_per_token
-from .group import Group, PipelineError, comm
+from .group import Group, PipelineError, all_gather_objects, comm
 
 
 @dataclass(frozen=True)
@@ -202,9 +201,8 @@ def agree(group: Group, what: dict) -> None:
     """Every rank's `what` (a JSON-able dict, e.g. {"fingerprint": ..., "layers": ...}) must equal rank
     0's; otherwise every rank raises a PipelineError naming the ranks and keys that differ."""
     mine = json.dumps(what, sort_keys=True, default=str)
-    got: list = [None] * group.world
     with comm(group, "comparing the checkpoint and configuration between ranks"):
-        dist.all_gather_object(got, mine, group=group.startup)  # ranks reach it at their own pace
+        got = all_gather_objects(group, mine)  # ranks reach it at their own pace
     odd = [r for r, g in enumerate(got) if g != got[0]]
     if odd:
         ref = json.loads(got[0])

@@ -4,14 +4,13 @@ Every send and receive goes through `Wire`, on the group's wire device, with err
 rank, the peer and what failed (group.comm)."""
 from __future__ import annotations
 
-import pickle
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
-from .group import Group, PipelineError, comm
+from .group import Group, PipelineError, comm, recv_object, send_object
 
 BEGIN, STEP, END, STOP, ABORT, PING, ROWS = 1, 2, 3, 4, 5, 6, 7
 ALL, GUESS, CYCLE, STATS, CANCEL, KV, PREFILL = 1, 4, 8, 16, 32, 64, 128
@@ -162,26 +161,14 @@ class Wire:
         return Posted(self, src, a, a + rows * vocab * 4, kv, rows, vocab)
 
     def gather_stats(self, mine: dict) -> list[dict] | None:
-        """Every rank's `mine` on rank 0 (None on the others), point to point (pickled, its length first).
-        Not gloo's gather_object: a collective runs on a worker thread of the process group, which frees
-        the gather's tensors after the caller has returned and takes the GIL for it; when that comes
-        after rank 0, which exits right after its last gather, began finalizing, the thread is ended
-        inside C++ and the process aborts ("terminate called without an active exception", exit
-        status 134; docs/RESULTS.md). A send or receive completes on the calling thread."""
-        g, wire = self.group, self.group.wire
+        """Every rank's `mine` on rank 0 (None on the others), point to point (group.all_gather_objects
+        says why not gloo's gather_object)."""
+        g = self.group
         if g.rank != 0:
-            data = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8)
-            self._send(torch.tensor([data.numel()], dtype=torch.int64).to(wire), 0, "sending its stats to rank 0")
-            self._send(data.to(wire), 0, "sending its stats to rank 0")
+            self._do("gathering every rank's stats", lambda: send_object(mine, 0, g.wire))
             return None
-        out = [mine]
-        for r in range(1, g.world):
-            n = torch.empty(1, dtype=torch.int64, device=wire)
-            self._do(f"receiving rank {r}'s stats", lambda: dist.recv(n, r))
-            data = torch.empty(int(n), dtype=torch.uint8, device=wire)
-            self._do(f"receiving rank {r}'s stats", lambda: dist.recv(data, r))
-            out.append(pickle.loads(data.cpu().numpy().tobytes()))
-        return out
+        return [mine] + [self._do(f"gathering every rank's stats (rank {r}'s)", lambda r=r: recv_object(r, g.wire))
+                         for r in range(1, g.world)]
 
 
 def inline_rows(k_max: int) -> int:
