@@ -86,8 +86,9 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
                            expert_memory=expert_memory, link=link, dtype=dtype, threads=threads, k_max=k_max,
                            draft_cache=draft_cache, host_threads=host_threads, draft_bits=draft_bits,
                            compress_experts=compress_experts)
-        # whether any rank ever copies (the decoder's K = 0 steps guess only then); and no rank's first
-        with comm(group, "waiting for every rank to load its layers"):  # step waits on a load
+        # every rank loaded (so no rank's first step waits on a load), and whether any ever copies (the
+        # decoder's K = 0 steps guess only then)
+        with comm(group, "waiting for every rank to load its layers"):
             resident = all_gather_objects(group, stage.all_resident)
         group.end_startup()
     except BaseException:
