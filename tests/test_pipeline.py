@@ -110,6 +110,20 @@ else:
 sys.exit(main(sys.argv[2:]))
 """
 
+NO_COLLECTIVES = r"""
+import sys
+import torch.distributed as dist
+from specter.cli import main
+
+def refused(*a, **k):  # gloo frees a collective's tensors on its worker thread after the call returned: an
+    raise AssertionError("the pipeline called a collective")  # abort at exit when Python is finalizing
+
+for name in ("gather_object", "all_gather_object", "broadcast_object_list", "gather", "all_gather", "broadcast",
+             "all_reduce", "barrier"):
+    setattr(dist, name, refused)
+sys.exit(main(sys.argv[1:]))
+"""
+
 FIXED_K = r"""
 import sys
 import specter.speculative.governor as governor
@@ -515,8 +529,10 @@ def test_k_max_and_compress_experts_give_one_process_tokens(tmp_path):
 
 
 def test_cli_under_torchrun_prints_once_with_pipeline_stats(ckpts):
-    """No --policy: specter, the default as in one process, speculating across the two ranks."""
-    argv = ["-m", "specter", "generate", "--model", str(ckpts["qwen3_moe"]), "--prompt-ids", "1,5,9,17,33",
+    """No --policy: specter, the default as in one process, speculating across the two ranks. Every
+    exchange is point to point (NO_COLLECTIVES refuses the collectives: a rank that exits right after
+    one could abort, docs/RESULTS.md)."""
+    argv = ["-c", NO_COLLECTIVES, "generate", "--model", str(ckpts["qwen3_moe"]), "--prompt-ids", "1,5,9,17,33",
             "--max-new-tokens", str(NEW), "--greedy", "--residency", "0.5", "--json", "--pipeline-timeout", "60",
             "--host-threads", "1", "--draft-bits", "2"]  # each rank's host lane (specter's); rank 0's draft width
     ranks = _launch([argv, argv], timeout=HANG)
@@ -677,7 +693,7 @@ def test_a_config_mismatch_fails_every_rank(ckpts, tmp_path):
     cfg = json.loads((other / "config.json").read_text())
     cfg["rms_norm_eps"] = 1e-5
     (other / "config.json").write_text(json.dumps(cfg))
-    argv = ["-m", "specter", "generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--greedy",
+    argv = ["-c", NO_COLLECTIVES, "generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--greedy",
             "--policy", "resident", "--pipeline-timeout", "60", "--model"]
     ranks = _launch([argv + [str(ckpts["qwen3_moe"])], argv + [str(other)]], timeout=HANG)
     for r, (code, so, se) in enumerate(ranks):
