@@ -114,11 +114,17 @@ POLICY_KW = {"resident": {}, "on-demand": {"residency": 0.5}, "next-layer": {"re
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A tiny bf16 checkpoint (published ones are 16-bit: the CUDA default compute dtype follows)."""
+    """A tiny bf16 checkpoint (published ones are 16-bit: the CUDA default compute dtype follows), with
+    the bundled model's tokenizer (its 4096 ids cover the tiny vocabulary; stops come from the config's
+    eos, None here) so that text streams."""
+    import shutil
+
+    import specter
     from specter.testing import make_tiny_checkpoint
 
     path = tmp_path_factory.mktemp("cuda-qwen3")
     make_tiny_checkpoint(path, "qwen3_moe", dtype=torch.bfloat16, eos_token_id=None)
+    shutil.copy(specter.default_model_path() / "tokenizer.json", path)
     return path
 
 

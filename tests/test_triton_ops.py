@@ -1,6 +1,7 @@
 """specter.triton_ops: INT4 packing against quanto, the grouped MoE against the per-expert loop."""
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -10,6 +11,11 @@ from specter.errors import ConfigError
 from specter.triton_ops import (Int4Experts, QuantExperts, combine_rows, expert_rows, fused_moe, merge_rows,
                                 pack_experts, pack_int4, packed_nbytes, quantize_int4)
 from specter.triton_ops.align import BLOCK_M, align_rows, max_blocks
+
+
+# quanto registers its own CPU `unpack` from Python where it loads its extensions (on CUDA machines):
+# replacing it needs allow_override (its default is False in torch 2.11, True in 2.13)
+OVERRIDE = {"allow_override": True} if "allow_override" in inspect.signature(torch.library.Library.impl).parameters else {}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,7 +35,7 @@ def quanto_in_python():
     lib = torch.library.Library("quanto", "IMPL")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Oo]verrid")  # replacing quanto's CPU kernel is the point
-        lib.impl("unpack", unpack, "CPU")
+        lib.impl("unpack", unpack, "CPU", **OVERRIDE)
     yield
     lib._destroy()
 
