@@ -150,6 +150,28 @@ def test_pinned_store_is_page_aligned_and_exact(monkeypatch, bf16):
     assert fake.calls == [sum(ew.w13.nbytes + ew.w2.nbytes for ew in store)]
 
 
+def test_a_store_pinned_in_place_reads_as_pinned_to_the_link(monkeypatch):
+    """Tensor.is_pinned() asks about the storage's first byte, which a page-aligned arena (a view past
+    it) does not own: on a GPU every copy went through the staging buffers. The link asks the ranges
+    `register` locked; they are forgotten when the arena dies."""
+    import gc
+
+    from specter.offload.cuda_link import CudaApi
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _FakeCudart(0))
+    arena = store_mod.page_aligned(4 * 3 * 64 * 32, torch.bfloat16)
+    assert store_mod.pin_in_place(arena)
+    w13, w2 = arena[:4 * 2 * 64 * 32].view(4, 64, 64), arena[4 * 2 * 64 * 32:].view(4, 32, 64)
+    api = CudaApi()
+    assert all(api.is_pinned(w) for w in (*w13, *w2, arena)), "a view of the locked arena reads as pageable"
+    assert not api.is_pinned(torch.empty(16, dtype=torch.bfloat16))
+    if arena._base.data_ptr() < arena.data_ptr():  # the bytes before the aligned start are not locked
+        assert not api.is_pinned(arena._base[:8])
+    del arena, w13, w2
+    gc.collect()
+    assert not store_mod._locked
+
+
 def test_draft_cache_flag_reaches_the_engine(tmp_path, bf16):
     from specter.cli import main
 

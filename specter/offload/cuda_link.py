@@ -18,6 +18,7 @@ from specter.offload.calibrate import (emulated_link_params, load_profile, measu
                                        profile_for_gpu)
 from specter.offload.link import EmulatedLink, Link, Transfer
 from specter.offload.staging import StagedCopies, pinned_buffer
+from specter.offload.store import is_locked
 from specter.offload.threads import daemon
 
 
@@ -45,7 +46,7 @@ class CudaApi:
         return torch.cuda.stream(stream)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
-        return t.is_pinned()
+        return is_locked(t)  # not t.is_pinned(): that misses a store pinned in place (store.py)
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         """uint8 [nbytes] of page-locked host memory (a staging buffer)."""

@@ -96,9 +96,35 @@ def register(t: torch.Tensor) -> str | None:
     if res != cudart.cudaError.success:
         _clear_cuda_error()
         return f"cudaHostRegister: {res}"
+    note_locked(t.data_ptr(), nbytes)
     owner = t if t._base is None else t._base  # what every view keeps alive: unregister when it dies
-    weakref.finalize(owner, cudart.cudaHostUnregister, t.data_ptr())
+    weakref.finalize(owner, _unregister, cudart, t.data_ptr())
     return None
+
+
+# The byte ranges `register` page-locked: start -> end. Tensor.is_pinned() asks the driver about the
+# first byte of the tensor's *storage*, and a page-aligned arena is a view that starts past it, so
+# its tensors read as pageable although every byte they own is locked: `is_locked` asks here first.
+_locked: dict[int, int] = {}
+
+
+def note_locked(start: int, nbytes: int) -> None:
+    _locked[start] = start + nbytes
+
+
+def _unregister(cudart, start: int) -> None:
+    _locked.pop(start, None)
+    cudart.cudaHostUnregister(start)
+
+
+def is_locked(t: torch.Tensor) -> bool:
+    """Whether `t` (host, contiguous) lies inside one range `register` page-locked, or is pinned."""
+    if t.is_contiguous():
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        if any(s <= start and end <= e for s, e in list(_locked.items())):  # a few arenas: a short scan
+            return True
+    return t.is_pinned()
 
 
 def _unpinned(nbytes: int, why: str) -> None:
