@@ -6,6 +6,7 @@ machine's load; on the wall clock only what load cannot break is (a copy never c
 """
 
 import asyncio
+import concurrent.futures
 import contextlib
 import math
 import threading
@@ -376,16 +377,20 @@ def test_make_link_cuda():
 
 @cuda
 def test_cuda_urgent_copy_overtakes_the_prefetch_backlog_and_after_orders_a_copy():
-    """An urgent copy (own high-priority stream) lands before a backlog of prefetches does; a copy
-    ordered `after` a read event waits for that reader only."""
+    """An urgent copy lands before a backlog of prefetches does: the copy engines serve copies in
+    the order queued (stream priority does not reorder them), so the link holds all but a window of
+    prefetches on the host and the urgent copy queues behind that window only. A copy ordered
+    `after` a read event waits for that reader only."""
     with CudaLink("cuda") as link:
         srcs = [torch.randn(16 << 20).pin_memory() for _ in range(8)]        # 8 x 64 MB of prefetches
         dsts = [torch.empty_like(s, device="cuda") for s in srcs]
-        backlog = [link.copy(d, s) for d, s in zip(dsts, srcs)]
         small, small_dst = torch.randn(4096).pin_memory(), torch.empty(4096, device="cuda")
+        backlog = [link.copy(d, s) for d, s in zip(dsts, srcs)]
         urgent = link.copy(small_dst, small, urgent=True)
         urgent._event.synchronize()
         assert not backlog[-1].done(), "the urgent copy waited for the prefetch backlog"
+        link.synchronize()
+        assert all(t.done() for t in backlog) and torch.equal(small_dst.cpu(), small)
         slot = torch.ones(1 << 20, device="cuda")
         reader = slot * 2                                                      # the slot's last reader
         t = link.copy(slot, torch.zeros(1 << 20).pin_memory(), after=link.read_event())
@@ -413,16 +418,23 @@ class FakeStream:
 
 class FakeEvent:
     def __init__(self, cuda):
-        self.cuda, self.at = cuda, None  # at: the log position where it was recorded
+        self.cuda, self.at, self.on = cuda, None, None  # at: the log position where it was recorded, on: the stream
+        self.landed = False
 
     def record(self, stream):
-        self.at = self.cuda.note("record", stream.name, self)
+        self.at, self.on = self.cuda.note("record", stream.name, self), stream.name
 
     def query(self):
-        return True
+        return self.landed or not self.gated()
 
     def synchronize(self):
+        if self.gated() and not self.landed:  # a prefetch copy: it completes once the test lands one
+            assert self.cuda.landing.acquire(timeout=10), "no copy was landed: the test would hang"
+            self.landed = True
         self.cuda.note("sync", threading.current_thread().name, self)
+
+    def gated(self):
+        return self.cuda.landing is not None and self.on == "copy"
 
     def elapsed_time(self, other):
         return 0.0
@@ -430,10 +442,13 @@ class FakeEvent:
 
 class FakeCuda(CudaApi):
     """CudaApi on a CPU: streams and events that log what would be ordered after what; compute is
-    `launch(name)`, a note on the current stream. `pinned`: whether host tensors count as pinned."""
+    `launch(name)`, a note on the current stream. `pinned`: whether host tensors count as pinned.
+    `gated`: events recorded on the prefetch stream complete only as `land()` lets them, one each
+    (the copies themselves happen at once: the bytes are in place whatever the event says)."""
 
-    def __init__(self, pinned: bool):
+    def __init__(self, pinned: bool, gated: bool = False):
         self.log, self.pinned, self.pinned_allocs = [], pinned, 0
+        self.landing = threading.Semaphore(0) if gated else None
         self.compute = FakeStream(self, "compute")
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -475,6 +490,10 @@ class FakeCuda(CudaApi):
     def pinned_empty(self, nbytes):
         self.pinned_allocs += 1
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    def land(self, n: int = 1) -> None:
+        """The next `n` prefetch copies waited for complete (gated)."""
+        self.landing.release(n)
 
     def copy_waits(self, start: int = 0) -> list[tuple]:
         """What the copy streams were ordered after, from log position `start` on."""
@@ -599,6 +618,107 @@ def test_the_manager_sets_up_staging_for_an_unpinned_store_and_reports_the_path(
             mgr.poll()
             assert cuda.pinned_allocs == (0 if pinned else 2)  # none per copy, none grown
             assert all(torch.equal(mgr.pool[0].w13[mgr.slots.slot_of(0, e)], store[0].w13[e].float()) for e in (0, 1))
+
+
+def until(what, seconds: float = 5.0) -> bool:
+    """Poll `what()` (the link's watcher thread acts meanwhile) until true or `seconds` pass."""
+    deadline = time.perf_counter() + seconds
+    while not what():
+        if time.perf_counter() > deadline:
+            return False
+        time.sleep(1e-3)
+    return True
+
+
+def on_copy_stream(link, ts) -> list:
+    """Tags of `ts` on the prefetch stream and not yet completed."""
+    return [t.tag for t in ts if t._event is not None and not t.done()]
+
+
+def test_prefetches_are_metered_so_an_urgent_copy_queues_behind_the_window_not_the_backlog():
+    """The copy engines serve copies in the order queued, whatever the stream's priority: so at most
+    the window of prefetches is on the copy stream (two of 32 KiB in a 64 KiB window), the rest held
+    on the host; an urgent copy goes on its stream at once, behind those two only. Each completion
+    issues the next held prefetch, oldest first; every copy lands."""
+    cuda = FakeCuda(pinned=True, gated=True)
+    link = CudaLink("cpu", bandwidth=1e9, cuda=cuda, window_bytes=64 * KiB)
+    pairs = [pair(32 * KiB) for _ in range(8)]
+    with link:
+        ts = [link.copy(d, s, tag=k) for k, (d, s) in enumerate(pairs)]
+        small = pair(4 * KiB)
+        urgent = link.copy(*small, urgent=True, tag="urgent")
+        assert urgent.ready() and urgent._event.on == "urgent"
+        assert on_copy_stream(link, ts) == [0, 1], "the whole backlog went on the copy stream at once"
+        assert [t.ready() for t in ts] == [True] * 2 + [False] * 6 and link.pending() == 9
+        assert [e[1] for e in cuda.log if e[0] == "record" and e[2] in {t._event for t in ts + [urgent]}] == \
+            ["copy", "copy", "urgent"]  # queued behind two prefetches, ahead of the other six
+        for k in range(8):
+            cuda.land()  # the oldest prefetch on the stream completes: the next held one goes on
+            assert until(lambda: ts[k].done() and (k + 2 >= 8 or ts[k + 2].ready()))
+            assert on_copy_stream(link, ts) == list(range(k + 1, min(k + 3, 8)))
+        link.synchronize()
+        assert urgent.done() and link.pending() == 0 and link.stats["transfers"] == 9
+    assert [t.tag for t in sorted(ts, key=lambda t: t._event.at)] == list(range(8))  # FIFO
+    assert all(torch.equal(d, s) for d, s in pairs + [small])
+
+
+def test_metering_keeps_two_large_prefetches_and_more_small_ones_in_flight():
+    """The window is bytes, with a floor of two transfers: larger copies go two at a time, smaller
+    ones as many as fit; the default window is ~150 us of the link's nominal bandwidth."""
+    assert CudaLink("cpu", bandwidth=1e9, cuda=FakeCuda(pinned=True)).window_bytes == pytest.approx(150e3)
+    for nbytes, flying in ((256 * KiB, 2), (8 * KiB, 8)):
+        cuda = FakeCuda(pinned=True, gated=True)
+        with CudaLink("cpu", bandwidth=1e9, cuda=cuda, window_bytes=64 * KiB) as link:
+            ts = [link.copy(*pair(nbytes), tag=k) for k in range(12)]
+            assert on_copy_stream(link, ts) == list(range(flying))
+            cuda.land(12)
+            link.synchronize()
+            assert all(t.done() for t in ts)
+
+
+def test_a_held_prefetch_is_cancelled_and_close_drains_the_rest():
+    """cancel withdraws a held prefetch (it resolves cancelled, never touches its destination, and a
+    waiter is told so) but not one on the stream; close() lands every held copy, then returns."""
+    cuda = FakeCuda(pinned=True, gated=True)
+    link = CudaLink("cpu", bandwidth=1e9, cuda=cuda, window_bytes=0)
+    pairs = [pair(4 * KiB) for _ in range(6)]
+    ts = [link.copy(d, s, tag=k) for k, (d, s) in enumerate(pairs)]
+    assert on_copy_stream(link, ts) == [0, 1]
+    assert not link.cancel(ts[0]), "a copy on the stream was withdrawn"
+    assert link.cancel(ts[3]) and ts[3].cancelled() and ts[3].done() and link.pending() == 5
+    assert not link.cancel(ts[3])
+    with pytest.raises(concurrent.futures.CancelledError):
+        ts[3].wait()
+    cuda.land(5)
+    link.close()  # held copies still land, in order
+    assert all(t.done() for t in ts) and link.pending() == 0 and link.stats["transfers"] == 5
+    assert [t.tag for t in sorted(ts, key=lambda t: t._event.at if t._event else math.inf)] == [0, 1, 2, 4, 5, 3]
+    assert torch.equal(pairs[3][0], torch.zeros_like(pairs[3][0]))
+    assert all(torch.equal(d, s) for k, (d, s) in enumerate(pairs) if k != 3)
+
+
+def test_the_manager_withdraws_held_prefetches_on_cuda():
+    """OffloadedExperts.cancel_prefetches on a CudaLink: the prefetches still held are withdrawn
+    (their slots freed), those on the stream land and are marked ready."""
+    from specter.offload.manager import OffloadedExperts
+
+    g = torch.Generator().manual_seed(0)
+    store = [ExpertWeights(torch.randn(8, 8, 16, generator=g), torch.randn(8, 16, 4, generator=g))]
+    cuda = FakeCuda(pinned=True, gated=True)
+    with CudaLink("cpu", bandwidth=1e9, latency=0.0, cuda=cuda, window_bytes=0) as link:
+        mgr = OffloadedExperts(store, 8, torch.device("cpu"), link)
+        assert mgr.prefetch(0, range(6)) == 6
+        assert mgr.cancel_prefetches() == 4  # two on the stream, four held
+        cuda.land(2)
+        link.synchronize()
+        mgr.poll()
+        assert [mgr.is_resident(0, e) for e in range(8)] == [True] * 2 + [False] * 6
+        assert torch.equal(mgr.pool[0].w13[mgr.slots.slot_of(0, 1)], store[0].w13[1])
+        assert mgr.prefetch(0, [4]) == 1  # withdrawn: copied anew when asked again
+        cuda.land()
+        link.synchronize()
+        mgr.poll()
+        assert torch.equal(mgr.pool[0].w13[mgr.slots.slot_of(0, 4)], store[0].w13[4])
 
 
 def _store(E: int, H: int, I: int, pinned: bool):

@@ -57,25 +57,32 @@ class CudaLink(Link):
     """Copies on dedicated CUDA streams from pinned host memory; one event per transfer.
 
     Prefetches go on one copy stream, in order; `urgent` copies (a miss verification waits for) on
-    a second stream of the highest priority, so they do not queue behind the prefetch backlog.
+    a second stream of the highest priority. Priority does not reorder copies: the copy engines
+    serve host-to-device copies in the order they were queued, whatever their stream. So the
+    prefetch lane is metered: at most `window_bytes` of prefetches (and at least two) are on the
+    copy stream at a time, the rest held here in FIFO order and issued by the watcher thread as
+    earlier ones complete. An urgent copy is never held: it queues behind at most that window,
+    never the whole backlog (EmulatedLink's "urgent ones before any not yet started").
     Each copy waits (on the GPU) only for what `after` names: the last reader of its destination
     slot (an event from `read_event`; the manager starts each slot at an event recorded after the
     pool's allocation), nothing (None), or by default ("all") all work queued so far on the current
-    stream. A small host thread resolves futures (for await / callbacks / stats).
+    stream, captured at copy() (a held copy waits on that same event once issued). A small host
+    thread resolves futures (for await / callbacks / stats) and issues held prefetches.
 
     A source that is not pinned (the store could not be pinned, or SPECTER_PIN_STORE=0) goes through
     two pinned staging buffers the link owns (staging.py): a stager thread copies it into the next
     buffer once that buffer's previous copy has completed, then enqueues the copy from there. Until
     then the transfer has no event, and `wait()` first waits on the host for the stager. `h2d_path`
-    names the path in use: "pinned store" or "staging buffers (2 x N)".
+    names the path in use: "pinned store" or "staging buffers (2 x N)". Staged copies are not
+    metered here: the two buffers already keep at most two of them on the streams.
 
-    `cancel` is the base's: always False. copy() enqueues on the stream at once (a staged copy as
-    soon as the stager reaches it), and a copy on a stream cannot be withdrawn, so every prefetch
-    issued here lands (and is marked ready as usual).
+    A held transfer has no event either (`t._issued` is set once it is on the stream; `wait()`
+    waits on the host until then). `cancel` withdraws a held prefetch (it resolves cancelled);
+    a copy already on a stream cannot be withdrawn (False: it lands and is marked ready as usual).
     """
 
     def __init__(self, device, bandwidth: float | None = None, latency: float = 10e-6, name: str = "cuda",
-                 cuda: CudaApi | None = None):
+                 cuda: CudaApi | None = None, window_bytes: float | None = None):
         self._cuda = cuda = cuda or CudaApi()
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -89,6 +96,13 @@ class CudaLink(Link):
         self._waits: collections.deque = collections.deque()  # (compute reached the wait, copy done) events
         self._stall_s = 0.0
         self._warned_unpinned = False
+        # The prefetch window: ~150 us of the nominal bandwidth, so that while the watcher wakes up to
+        # issue the next held copy the link still has bytes to move (tiny experts would idle it with a
+        # window of two); large experts go two at a time (the floor), so a miss waits for <= 2 of them.
+        self.window_bytes = self.bandwidth * 150e-6 if window_bytes is None else float(window_bytes)
+        self._held: collections.OrderedDict = collections.OrderedDict()  # Transfer -> (after, src), FIFO
+        self._flying: set = set()  # prefetches on self.stream, not yet completed (guarded by _lock)
+        self._flying_bytes = 0     # their bytes
         self._staged = StagedCopies(cuda.pinned_empty, self._issue, self._complete, name)  # unpinned sources
         self._watch: queue.SimpleQueue = queue.SimpleQueue()
         self._watcher = daemon(self._run, f"specter-link-{name}", self)
@@ -135,6 +149,13 @@ class CudaLink(Link):
             if self._closed:  # closed meanwhile
                 raise RuntimeError(f"{self.name}: copy() on a closed link")
             self._pending += 1  # queued + in flight
+            metered = pinned and not urgent
+            if metered and (self._held or not self._room(t.nbytes)):
+                t._issued = threading.Event()  # set by the watcher once the copy is on its stream
+                self._held[t] = (after, src)
+                return t
+            if metered:
+                self._fly(t)
         if not pinned:
             self._staged.put(t, stream, after, urgent)
             return t
@@ -143,9 +164,53 @@ class CudaLink(Link):
         except BaseException:
             with self._lock:  # never enqueued: not pending
                 self._pending -= 1
+                self._land(t)
                 self._idle.notify_all()
             raise
         return t
+
+    # --- the prefetch window (all under self._lock)
+    def _room(self, nbytes: int) -> bool:
+        """Whether a prefetch of `nbytes` may go on the copy stream now."""
+        return len(self._flying) < 2 or self._flying_bytes + nbytes <= self.window_bytes
+
+    def _fly(self, t: Transfer) -> None:
+        self._flying.add(t)
+        self._flying_bytes += t.nbytes
+
+    def _land(self, t: Transfer) -> None:
+        if t in self._flying:
+            self._flying.discard(t)
+            self._flying_bytes -= t.nbytes
+
+    def _release(self) -> None:
+        """Issue held prefetches, oldest first, while the window has room (on the watcher thread)."""
+        while True:
+            with self._lock:
+                if not self._held or not self._room(next(iter(self._held)).nbytes):
+                    return
+                t, (after, src) = self._held.popitem(last=False)
+                self._fly(t)
+            try:
+                self._issue(t, self.stream, after, src)
+            except Exception as e:  # reported to whoever waits on the transfer
+                with self._lock:
+                    self._land(t)
+                self._complete(t, busy_s=0.0, error=e)
+            finally:
+                t._issued.set()
+
+    def cancel(self, t: Transfer) -> bool:
+        """Withdraw a held prefetch (never issued: it resolves cancelled); False for any other."""
+        with self._lock:
+            if self._held.pop(t, None) is None:
+                return False
+            self._pending -= 1
+            self._idle.notify_all()
+        t._dst = t._src = None
+        t._future.cancel()  # never set running, so this always succeeds; done() turns True
+        t._issued.set()     # a waiter wakes to the cancelled future
+        return True
 
     def _issue(self, t: Transfer, stream, after, src: list[torch.Tensor]) -> None:
         """Enqueue t's copies from `src` (pinned) on `stream`, after the event `after` (None: at once; a
@@ -179,10 +244,20 @@ class CudaLink(Link):
                           "(slower). Keep the expert store in pinned memory.", stacklevel=3)
 
     def _run(self) -> None:
-        while (item := self._watch.get()) is not None:
+        while True:
+            item = self._watch.get()
+            if item is None:  # close(): stop once nothing is held or queued behind this marker
+                self._release()
+                if self._held or not self._watch.empty():
+                    self._watch.put(None)
+                    continue
+                return
             t, begin = item
             t._event.synchronize()
+            with self._lock:
+                self._land(t)
             self._complete(t, busy_s=begin.elapsed_time(t._event) / 1e3)
+            self._release()
 
     def synchronize(self) -> None:
         self.stream.synchronize()
@@ -209,7 +284,7 @@ class CudaLink(Link):
                 return
             self._closed = True
         self._staged.close()  # every staged copy is on its stream first
-        self._watch.put(None)  # after every queued transfer, so all of them resolve first
+        self._watch.put(None)  # the watcher resolves every transfer queued and held, then stops
         if self._watcher is not threading.current_thread():
             self._watcher.join()
 

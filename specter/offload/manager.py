@@ -181,7 +181,8 @@ class OffloadedExperts:
     def cancel_prefetches(self) -> int:
         """Withdraw every prefetch copy the link has not started: called when the cycle they were issued
         for is over, so the steps after it do not queue behind its wrong guesses. Returns how many;
-        always 0 on CUDA, where a copy on the stream cannot be withdrawn (Link.cancel)."""
+        on CUDA only those CudaLink still holds (its metered window): a copy on a stream cannot be
+        withdrawn (Link.cancel)."""
         queued = {key for key in self.inflight if key in self.prefetched}
         n = sum(self._unissue(key, queued) for key in sorted(queued))
         self._stats["prefetch_cancelled"] += n
