@@ -74,6 +74,20 @@ def graph_plan(n_layers: int, vocab: int, hidden: int, k_max: int, itemsize: int
     return dict(recordings=verify + 2, verify=verify, draft=2, widths=len(widths), pool_bytes=pool)
 
 
+# Lossless means the verifier computes what plain eager decoding computes, to the bit: Inductor
+# must round each 16-bit op's output as eager does (not keep fused intermediates in fp32), and not
+# fold a residual add into its matmul (x + mm -> addmm: one rounding instead of two).
+EAGER_NUMERICS = {"emulate_precision_casts": True, "pattern_matcher": False}
+
+
+def eager_numerics(mode: str | None) -> dict:
+    """torch.compile options: `mode`'s (torch.compile takes a mode or options, not both) and
+    EAGER_NUMERICS, applied to these compiles only (the process's Inductor config is untouched)."""
+    from torch._inductor import list_mode_options
+
+    return {**(list_mode_options(mode) if mode not in (None, "default") else {}), **EAGER_NUMERICS}
+
+
 class LayerKV(KVCache):
     """One layer's K/V buffers seen as a cache: what a segment's attention writes. The layer index
     the attention module passes is ignored, so one graph serves every layer."""
@@ -111,7 +125,7 @@ class VerifyStep:
             for t in (self.tokens, self.base, self.zeros):
                 torch._dynamo.mark_static_address(t)
             kw = dict(fullgraph=True, backend=backend) if backend is not None else \
-                dict(fullgraph=True, mode="reduce-overhead" if self.graphs else mode)
+                dict(fullgraph=True, options=eager_numerics("reduce-overhead" if self.graphs else mode))
             fns = tuple(torch.compile(own_code(f), **kw) for f in fns)
         if self.graphs:  # a replay overwrites the outputs of the one before: clone them first
             fns = tuple(_cloned(f) for f in fns)

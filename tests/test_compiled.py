@@ -177,6 +177,32 @@ def test_inductor_steps_compute_what_the_eager_ones_do(tiny_path):
         eng.close()
 
 
+def test_inductor_verifier_keeps_eager_bf16_numerics(tiny_path):
+    """Lossless: at a 16-bit compute dtype the compiled verifier (Inductor) computes the eager pieces'
+    K/V bit for bit at every width (EAGER_NUMERICS: without it Inductor keeps fused intermediates in
+    fp32 and folds residual adds into matmuls; K/V differ and logits part by ~0.1). The logits agree
+    to fp32 rounding only: Inductor sums the head's fp32 RMSNorm in another order than eager."""
+    eng = specter.load(tiny_path, device="cpu", policy="resident", dtype="bf16")
+    model, experts = eng.decoder.model, eng.decoder.experts
+    try:
+        assert model.dtype == torch.bfloat16
+        steps = [VerifyStep(model, 3, compile=c) for c in (False, True)]  # widths 1, 2, 4
+        caches = [KVCache(model.spec, 32, eng.device, model.dtype) for _ in steps]
+        for c in caches:
+            model(torch.tensor(PROMPT), 0, c, experts)
+        n = len(PROMPT)
+        for T in (1, 2, 3, 4, 1):  # each step's K/V feeds the next: any drift would compound
+            toks = torch.arange(T) * 7 + 11
+            want, got = (s.step(toks, n, c, experts) for s, c in zip(steps, caches))
+            for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+                assert torch.equal(a, b), T
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+            assert torch.equal(got.argmax(-1), want.argmax(-1)), T
+            n += T
+    finally:
+        eng.close()
+
+
 def test_compile_not_a_bool_is_a_clear_error_and_auto_is_off_on_cpu(tiny_path):
     with pytest.raises(ConfigError, match="compile must be True, False or None"):
         builder.build_engine(tiny_path, torch.device("cpu"), policy="specter", compile="yes")
