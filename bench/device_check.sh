@@ -19,7 +19,8 @@
 #                 side, bytes a token and TPOT) at 1/4 residency over the real link -> compressed.json;
 #                 then specter raw against coded with K fixed at 4 (bench/coded_specter.py: the
 #                 governor's arm choice out of the comparison, counts per cycle) -> compressed_k4.json
-#   also: graphs (bench/graph_check.py), async (bench/async_vs_sync.py) -> NAME.log; any mix, one
+#   also: kernels (bench's first half alone), tpot (its second half alone), firstrun (bench/experiments/first_run_cost.py), graphs
+#   (bench/graph_check.py), async (bench/async_vs_sync.py) -> NAME.log; any mix, one
 #   time budget: each step's limit is cut to what is left of BUDGET_S (default 285 s).
 #
 # What the GPU image lacks travels as wheels in .whl/ (git-ignored), listed on the '# wheel:' lines
@@ -148,10 +149,12 @@ fi
 for part in $CHECKS; do
   case $part in
     suite) step suite 240 "${suite_cmd[@]}" ;;
-    bench)
-      step kernels 110 "${kernels_cmd[@]}"
+    bench | tpot)
+      [[ $part == bench ]] && step kernels 110 "${kernels_cmd[@]}"
       JSON=1 step bench 150 "$PY" -m specter.cli bench --device cuda --residency 0.25 \
         --policies resident,on-demand,specter --json ;;
+    kernels) step kernels 110 "${kernels_cmd[@]}" ;;  # bench's first half alone
+    firstrun) step firstrun 90 "$PY" "$REPO/bench/experiments/first_run_cost.py" ;;
     graphs) step graphs 200 "$PY" "$REPO/bench/graph_check.py" --residency 0.5 --repeat 1 ;;
     async) step async 200 "$PY" "$REPO/bench/async_vs_sync.py" --device cuda --policies specter \
              --workloads default --prompts 2 --rounds 1 --max-new-tokens 32 ;;
@@ -160,7 +163,7 @@ for part in $CHECKS; do
         --policies on-demand,spec-lru,specter --compare-compressed --json
       JSON=1 step compressed_k4 90 "$PY" "$REPO/bench/coded_specter.py" --device cuda --residency 0.25 \
         --policy specter --k 4 --json ;;
-    *) echo "unknown check '$part' (suite, bench, graphs, async, compressed)" ;;
+    *) echo "unknown check '$part' (suite, bench, kernels, tpot, firstrun, graphs, async, compressed)" ;;
   esac
 done
 finish

@@ -132,7 +132,7 @@ def summary(out: Path, facts_path: Path, steps_path: Path) -> int:
             print(f"    {bad['kind'].upper()} {bad['test']}: {bad['message'][:160]}")
         for row in s.get("kernels", []) if isinstance(s.get("kernels"), list) else []:
             share = row.get("hbm_share")
-            print(f"    {row['model']:18} T={row['T']:<3} {row['impl']:12} {row['GBps']:8.1f} GB/s"
+            print(f"    {row['model']:18} T={row['T'] if row['T'] is not None else '-':<3} {row['impl']:12} {row['GBps']:8.1f} GB/s"
                   f"{'' if share is None else f'  {share:6.1%} of HBM'}")
         b = s.get("bench")
         if isinstance(b, dict):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 import specter
 
 from . import default_model_path, resolve_device, workloads
@@ -105,6 +107,10 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
                 runs.append(name)
         policies = runs
         if warmup:  # first-call costs (allocator, lazy init) out of the measurement
+            first = engines[policies[0]]
+            if torch.device(first.device).type == "cuda":  # each new length's one-time costs, which every
+                for prompt in prompts:                      # engine of the process shares: else the first
+                    first.generate(prompt, max_new_tokens=max_new_tokens, **sampling)  # policy pays them
             for e in engines.values():
                 e.generate(prompts[0], max_new_tokens=4, **sampling)
         agg = {p: new_totals() for p in policies}
