@@ -13,6 +13,7 @@ import torch
 from .engine import Engine
 from .errors import ConfigError
 from .generation_defaults import read_generation_defaults
+from .layers import cuda_attention_backends
 from .loader import Checkpoint, load_checkpoint, load_tokenizer, open_checkpoint
 from .model import MoETransformer
 from .moe import ExpertWeights, ResidentExperts
@@ -163,6 +164,8 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         raise ConfigError(f"shared: its draft is {shared.draft_bits}-bit, but draft_bits={draft_bits} was asked for")
     defaults = read_generation_defaults(path)  # a malformed file fails before the weights load
     dt = shared.dtype if shared is not None else compute_dtype(device, ckpt.dtype, dtype)
+    if device.type == "cuda":
+        cuda_attention_backends()
     spec = ckpt.spec
     plan = None
     if pol.offloads:

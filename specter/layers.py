@@ -130,6 +130,16 @@ class KVCache:
         return sum(bases.values())
 
 
+def cuda_attention_backends() -> None:
+    """On CUDA every attention of the process runs torch's memory-efficient kernel (flash and cuDNN
+    attention off; math where it cannot). One kernel family for a one-token step (no mask) and a
+    verification of K+1 tokens (a mask, which flash does not take), so that a row's bits do not
+    depend on the width; and none of cuDNN attention's plan builds, one per new key length: in a
+    decode, one a token (torch prefers cuDNN on Hopper)."""
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def attention_mask(start, T: int, window: int | None, device, keys: int | None = None) -> torch.Tensor | None:
     """[T, start+T] boolean mask (True = attend), or None when plain full attention is right.
     With `start` a 0-d tensor: always a [T, keys] mask over the whole cache buffer, from positions."""

@@ -8,6 +8,8 @@ timer (test_profiling.py) and the `[cuda]` cases of conftest's `device` fixture.
    with and without the remap row: within bf16 rounding of an fp32 torch reference over the same
    (dequantized) weights, and batch invariant bit for bit (a token's output is the same whatever
    the batch's size T and wherever the token sits in it).
+1b. Attention under the engine's SDPA backends: a one-token step is a verification's last row, bit
+   for bit.
 2. One lossless greedy run per policy on a tiny bf16 checkpoint (eager steps): the tokens of plain
    resident decoding, or parted from them only at a near-tie (tests/test_bf16.py's criterion).
 3. astream against generate, K fixed: the very same text.
@@ -103,6 +105,33 @@ def test_fused_moe_cuda_is_batch_invariant_bit_for_bit(layer, kind, remapped):
     shuffled = fused_moe(x[perm], ids[perm], w[perm], w13, w2, remap=remap)
     off = (shuffled != full[perm]).any(-1).nonzero()[:, 0].tolist()
     assert not off, f"{layer['name']} {kind}: {len(off)} tokens differ once the batch is shuffled"
+
+
+# ------------------------------------------------------------------- 1b. attention at every width
+@pytest.mark.parametrize("heads", [(32, 4, 128, 128), (16, 16, 192, 128)], ids=["gqa", "mla"])
+def test_attention_rows_do_not_depend_on_the_width_on_cuda(heads):
+    """With the engine's SDPA backends (layers.cuda_attention_backends) a one-token step (no mask) and
+    the last row of a masked verification over the same keys are the same bits: the lossless runs
+    below compare plain decoding's steps with verifications."""
+    from specter.layers import cuda_attention_backends
+
+    nh, nkv, dqk, dv = heads
+    flags = [torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled()]
+    cuda_attention_backends()
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        L, T = 300, 5
+        q = torch.randn(1, nh, T, dqk, device="cuda", generator=g).bfloat16()
+        k = torch.randn(1, nkv, L, dqk, device="cuda", generator=g).bfloat16()
+        v = torch.randn(1, nkv, L, dv, device="cuda", generator=g).bfloat16()
+        F = torch.nn.functional
+        mask = torch.arange(L, device="cuda")[None, :] <= torch.arange(L - T, L, device="cuda")[:, None]
+        wide = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nkv != nh)
+        step = F.scaled_dot_product_attention(q[:, :, -1:], k, v, enable_gqa=nkv != nh)
+        assert torch.equal(step, wide[:, :, -1:]), float((step.float() - wide[:, :, -1:].float()).abs().max())
+    finally:
+        torch.backends.cuda.enable_flash_sdp(flags[0])
+        torch.backends.cuda.enable_cudnn_sdp(flags[1])
 
 
 # ---------------------------------------------------------------- 2, 3. end to end on a tiny checkpoint

@@ -2,13 +2,15 @@
 (first GPU run, 2026-12-04: resident 41 ms a token first in the run, on-demand 54 ms first and 13 ms
 second). Suspect: scaled_dot_product_attention picks cuDNN attention on Hopper, which builds a plan
 per new (query, key) length, so every token of a first generation pays one; later generations reuse
-the process's plan cache.
+the process's plan cache. Since then a CUDA load sets the process's backends to memory-efficient
+attention (layers.cuda_attention_backends); this compares that with torch's own choice.
 
     python bench/experiments/first_run_cost.py            # each mode in a fresh process, on CUDA
 
-Per mode (default backends; cuDNN attention off): the backend SDPA picks for a decode-shaped and a
-verify-shaped call of the bundled model, then the resident engine's TPOT over three generations of
-64 tokens: prompt A, prompt A again (every length seen), prompt B (longer: new lengths).
+Per mode (torch-default: flash and cuDNN turned back on after the load; specter: as loaded): the
+backend SDPA picks for a decode-shaped and a verify-shaped call of the bundled model, then the
+resident engine's TPOT over three generations of 64 tokens: prompt A, prompt A again (every length
+seen), prompt B (longer: new lengths).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import json
 import subprocess
 import sys
 
-MODES = ("default", "no-cudnn-sdp")
+MODES = ("torch-default", "specter")
 BACKENDS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}  # torch's SDPBackend order
 
 
@@ -27,9 +29,10 @@ def one(mode: str) -> dict:
     import specter
     from specter.bench import DEFAULT_PROMPTS
 
-    if mode == "no-cudnn-sdp":
-        torch.backends.cuda.enable_cudnn_sdp(False)
     engine = specter.load(specter.default_model_path(), device="cuda", policy="resident")
+    if mode == "torch-default":
+        torch.backends.cuda.enable_flash_sdp(True)
+        torch.backends.cuda.enable_cudnn_sdp(True)
     s = engine.spec
     dt = engine.dtype
     q1 = torch.randn(1, s.n_heads, 1, s.head_dim, device="cuda", dtype=dt)
