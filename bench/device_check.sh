@@ -155,6 +155,7 @@ for part in $CHECKS; do
         --policies resident,on-demand,specter --json ;;
     kernels) step kernels 110 "${kernels_cmd[@]}" ;;  # bench's first half alone
     firstrun) step firstrun 90 "$PY" "$REPO/bench/experiments/first_run_cost.py" ;;
+    moehost) step moehost 60 "$PY" "$REPO/bench/experiments/moe_host_cost.py" ;;
     graphs) step graphs 200 "$PY" "$REPO/bench/graph_check.py" --residency 0.5 --repeat 1 ;;
     async) step async 200 "$PY" "$REPO/bench/async_vs_sync.py" --device cuda --policies specter \
              --workloads default --prompts 2 --rounds 1 --max-new-tokens 32 ;;
@@ -163,7 +164,7 @@ for part in $CHECKS; do
         --policies on-demand,spec-lru,specter --compare-compressed --json
       JSON=1 step compressed_k4 90 "$PY" "$REPO/bench/coded_specter.py" --device cuda --residency 0.25 \
         --policy specter --k 4 --json ;;
-    *) echo "unknown check '$part' (suite, bench, kernels, tpot, firstrun, graphs, async, compressed)" ;;
+    *) echo "unknown check '$part' (suite, bench, kernels, tpot, firstrun, moehost, graphs, async, compressed)" ;;
   esac
 done
 finish

@@ -1,0 +1,94 @@
+"""Where a decode-sized fused_moe call spends its time on a GPU: the host (Python and launches) or
+the device. The first GPU run (2026-12-04, H200) timed every T = 1 and T = 8 call of the Qwen3-30B
+and DeepSeek-V2-Lite layers at ~200 us whatever the bytes (bench/test_kernels.py times back-to-back
+calls, so a host-bound call shows its host cost): x 48 MoE layers that is ~10 ms a token, and the
+verifier runs its experts eagerly between its compiled pieces.
+
+    python bench/experiments/moe_host_cost.py [--iters 200]       # CUDA
+
+Per model shape at T = 1 and 8 (bf16 experts, routing as bench/test_kernels.py's):
+  host_us    perf_counter per call, calls enqueued back to back without a sync (the host's cost);
+  graph_us   the same call captured once in a CUDA graph, per replay (the device's cost alone);
+  pieces     host us of each step alone: align_rows_triton, the two expert kernels' launches,
+             combine_triton, the allocations (new_empty/new_zeros).
+A host_us far above graph_us says the call is launch-bound: fewer launches, or capture, pay.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v2-lite": (64, 2048, 1408, 6),
+          "mixtral-8x7b": (8, 4096, 14336, 2)}
+
+
+def host_us(fn, iters: int) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    t = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return t / iters * 1e6
+
+
+def graph_us(fn, iters: int) -> float | str:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            fn()
+    except Exception as e:  # a host sync inside the call makes capture fail: itself a finding
+        return f"capture failed: {type(e).__name__}: {str(e)[:120]}"
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e3
+
+
+def main() -> int:
+    from specter.triton_ops import fused_moe
+    from specter.triton_ops.kernels import align_rows_triton, combine_triton, moe_rows_triton
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--iters", type=int, default=200)
+    args = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, (E, H, I, k) in SHAPES.items():
+        w13 = torch.randn(E, 2 * I, H, device="cuda", generator=g).mul_(0.02).bfloat16()
+        w2 = torch.randn(E, H, I, device="cuda", generator=g).mul_(0.02).bfloat16()
+        for T in (1, 8):
+            x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+            ids = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=1).indices
+            w = torch.softmax(torch.randn(T, k, device="cuda", generator=g), -1).bfloat16()
+            call = lambda: fused_moe(x, ids, w, w13, w2, backend="triton")  # noqa: E731
+            rows = moe_rows_triton(x, ids, w, w13, w2, None)
+            pieces = {"align": lambda: align_rows_triton(ids, E, None),
+                      "expert_rows": lambda: moe_rows_triton(x, ids, w, w13, w2, None),
+                      "combine": lambda: combine_triton(rows),
+                      "alloc": lambda: (x.new_empty(64, I), x.new_zeros(T * k, H))}
+            out = {"model": name, "T": T, "host_us": round(host_us(call, args.iters), 1)}
+            gu = graph_us(call, args.iters)
+            out["graph_us"] = round(gu, 1) if isinstance(gu, float) else gu
+            out["pieces_host_us"] = {p: round(host_us(f, args.iters), 1) for p, f in pieces.items()}
+            assert torch.equal(combine_triton(rows), call())
+            print(json.dumps(out), flush=True)
+        del w13, w2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
