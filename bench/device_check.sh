@@ -19,9 +19,10 @@
 #                 side, bytes a token and TPOT) at 1/4 residency over the real link -> compressed.json;
 #                 then specter raw against coded with K fixed at 4 (bench/coded_specter.py: the
 #                 governor's arm choice out of the comparison, counts per cycle) -> compressed_k4.json
-#   also: kernels (bench's first half alone), tpot (its second half alone), firstrun (bench/experiments/first_run_cost.py), graphs
-#   (bench/graph_check.py), async (bench/async_vs_sync.py) -> NAME.log; any mix, one
-#   time budget: each step's limit is cut to what is left of BUDGET_S (default 285 s).
+#   also: kernels (bench's first half alone), tpot (its second half alone), firstrun
+#   (bench/experiments/first_run_cost.py), moehost (bench/experiments/moe_host_cost.py), graphs
+#   (bench/graph_check.py), async (bench/async_vs_sync.py) -> NAME.log; any mix, one time budget:
+#   each step's limit is cut to what is left of BUDGET_S (default 285 s).
 #
 # What the GPU image lacks travels as wheels in .whl/ (git-ignored), listed on the '# wheel:' lines
 # below; bench/fetch_device_wheels.sh downloads them. The server's and the OpenAI client's packages
