@@ -30,10 +30,14 @@
 # wheel: optimum-quanto==0.2.7
 #
 # A session with a GPU, once here in the repo root:   bash bench/fetch_device_wheels.sh
-# then two calls of the device tool's run:
-#   run(command="CHECKS=suite bash bench/device_check.sh", carry=[".whl"], timeout_s=300)
-#   run(command="CHECKS=bench bash bench/device_check.sh", carry=[".whl"], timeout_s=300)
-# (the second right after the first, while the machine is still warm; then give_back).
+# then ONE call of the device tool's run with everything (the machine started in ~30 s on
+# 2026-12-04 and goes back 30 s after a call, so a second call rarely finds it warm; the first GPU
+# run took 347 s for suite, compressed, kernels and bench). $OUT brings back 8 files at most, so
+# the results travel as one tarball beside summary.json:
+#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite tpot compressed firstrun moehost" BUDGET_S=540 bash
+#       bench/device_check.sh; cp $D/summary.json "$OUT"/; tar czf "$OUT/all.tgz" -C $D .',
+#       carry=[".whl"], timeout_s=600)
+# then give_back.
 #
 # DRY_RUN=1 (no GPU needed; tests/test_device_check.py runs it): checks and installs the carried
 # wheels into a scratch folder, prints the install and step commands instead of running them, and
