@@ -662,6 +662,28 @@ def test_prefetches_are_metered_so_an_urgent_copy_queues_behind_the_window_not_t
     assert all(torch.equal(d, s) for d, s in pairs + [small])
 
 
+def test_waiting_for_a_held_prefetch_puts_it_on_the_urgent_stream_ahead_of_the_rest():
+    """A prefetch someone waits for (a miss on an expert still held) leaves the FIFO for the urgent
+    stream at once: the wait does not block the host behind the guesses queued before it, and the
+    prefetches still held keep their order."""
+    cuda = FakeCuda(pinned=True, gated=True)
+    link = CudaLink("cpu", bandwidth=1e9, cuda=cuda, window_bytes=64 * KiB)
+    pairs = [pair(32 * KiB) for _ in range(6)]
+    with link:
+        ts = [link.copy(d, s, tag=k) for k, (d, s) in enumerate(pairs)]
+        assert on_copy_stream(link, ts) == [0, 1] and not ts[4].ready()
+        waiter = threading.Thread(target=ts[4].wait, daemon=True)
+        waiter.start()
+        waiter.join(5)
+        assert not waiter.is_alive(), "the wait blocked the host behind the held prefetches"
+        assert ts[4].ready() and ts[4]._event.on == "urgent" and link.pending() == 6
+        assert not any(ts[k].ready() for k in (2, 3, 5))
+        cuda.land(5)
+        link.synchronize()
+        order = [t.tag for t in sorted(ts, key=lambda t: t._event.at)]
+    assert order == [0, 1, 4, 2, 3, 5] and all(torch.equal(d, s) for d, s in pairs)
+
+
 def test_metering_keeps_two_large_prefetches_and_more_small_ones_in_flight():
     """The window is bytes, with a floor of two transfers: larger copies go two at a time, smaller
     ones as many as fit; the default window is ~150 us of the link's nominal bandwidth."""

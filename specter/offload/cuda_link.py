@@ -76,9 +76,10 @@ class CudaLink(Link):
     names the path in use: "pinned store" or "staging buffers (2 x N)". Staged copies are not
     metered here: the two buffers already keep at most two of them on the streams.
 
-    A held transfer has no event either (`t._issued` is set once it is on the stream; `wait()`
-    waits on the host until then). `cancel` withdraws a held prefetch (it resolves cancelled);
-    a copy already on a stream cannot be withdrawn (False: it lands and is marked ready as usual).
+    A held transfer has no event either (`t._issued` is set once it is on a stream): `wait()` on it
+    first puts it on the urgent stream (`hurry`: needed now, it goes ahead of the guesses held before
+    it). `cancel` withdraws a held prefetch (it resolves cancelled); a copy already on a stream
+    cannot be withdrawn (False: it lands and is marked ready as usual).
     """
 
     def __init__(self, device, bandwidth: float | None = None, latency: float = 10e-6, name: str = "cuda",
@@ -152,6 +153,7 @@ class CudaLink(Link):
             metered = pinned and not urgent
             if metered and (self._held or not self._room(t.nbytes)):
                 t._issued = threading.Event()  # set by the watcher once the copy is on its stream
+                t._hurry = self.hurry
                 self._held[t] = (after, src)
                 return t
             if metered:
@@ -199,6 +201,21 @@ class CudaLink(Link):
                 self._complete(t, busy_s=0.0, error=e)
             finally:
                 t._issued.set()
+
+    def hurry(self, t: Transfer) -> None:
+        """Someone waits for held prefetch t: it leaves the FIFO for the urgent stream now, ahead of
+        the prefetches still held (those it was queued behind are guesses; this one is needed)."""
+        with self._lock:
+            held = self._held.pop(t, None)
+            if held is None:  # issued or cancelled meanwhile
+                return
+        after, src = held
+        try:
+            self._issue(t, self.urgent_stream, after, src)
+        except Exception as e:  # reported to whoever waits on the transfer
+            self._complete(t, busy_s=0.0, error=e)
+        finally:
+            t._issued.set()
 
     def cancel(self, t: Transfer) -> bool:
         """Withdraw a held prefetch (never issued: it resolves cancelled); False for any other."""

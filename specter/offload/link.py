@@ -69,7 +69,8 @@ class Transfer:
         self._device = None
         self._waits = None                     # CUDA only: the link's (compute reached, copy done) pairs, if timed
         self._cuda = None                      # CUDA only: the link's CudaApi (streams and events)
-        self._issued = None                    # CUDA, staged: a threading.Event set once it is on a stream
+        self._issued = None                    # CUDA, staged or held: a threading.Event set once it is on a stream
+        self._hurry = None                     # CUDA, held: puts it on a stream now (CudaLink.hurry)
 
     def done(self) -> bool:
         if self._event is not None:
@@ -86,6 +87,8 @@ class Transfer:
         staged copy the link's stager has not issued yet is first waited for on the host (timed)."""
         if self._issued is not None and not self._issued.is_set():
             t0 = time.perf_counter()
+            if self._hurry is not None:  # held behind other prefetches: it goes first, on the urgent lane
+                self._hurry(self)
             self._issued.wait()
             return self.wait() + time.perf_counter() - t0
         if self._event is not None:
