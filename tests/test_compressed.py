@@ -396,3 +396,35 @@ def test_pinned_choices_decide_alike_and_the_coded_store_charges_less(tiny, plai
     assert raw["host_experts"] == coded["host_experts"] and (raw["host_experts"] > 0) == (policy == "specter")
     assert 0 < coded["h2d_bytes_per_token"] < raw["h2d_bytes_per_token"]
     assert 0 < coded["link_profile_us_per_token"] < raw["link_profile_us_per_token"]
+
+
+def test_a_pinned_coded_store_locks_exactly_its_bytes_in_place(monkeypatch):
+    """On CUDA the coded store is page-locked in place, one arena a coded tensor, exactly its bytes
+    (pin_memory() rounds each tensor up to a power of two: up to 2x the host memory coding saves); the
+    link reads it as pinned, it decodes to the same bits, and a refusal warns once and runs pageable."""
+    import gc
+
+    from test_big_load import _FakeCudart
+
+    from specter.offload.cuda_link import CudaApi
+
+    g = torch.Generator().manual_seed(0)
+    layers = [ExpertWeights((torch.randn(3, 16, 64, generator=g) * 0.05).bfloat16(),
+                            (torch.randn(3, 64, 8, generator=g) * 0.05).bfloat16()) for _ in range(2)]
+    want = [(ew.w13.clone(), ew.w2.clone()) for ew in layers]
+    fake = _FakeCudart(0)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    coded = encode_store(list(layers), pin=True)
+    plain = [encode(w) for pair in want for w in pair]
+    spans = [sum(-(-t.nbytes // 64) * 64 for t in p.tensors()[:-1]) for p in plain]
+    assert fake.calls == spans, "not one exact-size registration a coded tensor"
+    gc.collect()  # the locks live as long as the coded tensors (dtype views of the arenas)
+    for layer, (w13, w2) in zip(coded, want):
+        assert torch.equal(layer.w13.packed.decode(), w13) and torch.equal(layer.w2.packed.decode(), w2)
+        assert all(CudaApi().is_pinned(t) for t in layer.w13.packed.tensors()[:-1] if t.numel())
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _FakeCudart(2))
+    layers = [ExpertWeights(w13.clone(), w2.clone()) for w13, w2 in want]
+    with pytest.warns(UserWarning, match="could not pin the coded expert store") as caught:
+        coded = encode_store(layers, pin=True)
+    assert len([w for w in caught if "coded expert store" in str(w.message)]) == 1
+    assert torch.equal(coded[1].w2.packed.decode(), want[1][1])

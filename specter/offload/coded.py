@@ -56,6 +56,7 @@ from specter.triton_ops.lossless import LosslessExperts, encode
 
 from ..errors import ConfigError
 from ..moe import ExpertWeights
+from .store import host_limits, page_aligned, register
 
 
 class CodedExpert:
@@ -198,20 +199,41 @@ def encode_store(store: list[ExpertWeights], *, pin: bool = False) -> list[Coded
     if store[0].w13.dtype != torch.bfloat16:
         raise ConfigError(f"compress_experts codes bf16 checkpoints; this one stores {store[0].w13.dtype} "
                           f"(fp16 and fp32 are not supported): load it without compress_experts")
-    coded = []
+    coded, refused = [], []
     while store:
         ew = store.pop(0)
         w13, w2 = encode(ew.w13), encode(ew.w2)
         if pin:
-            w13, w2 = (_pinned(p) for p in (w13, w2))
+            w13, w2 = (_pinned(p, refused) for p in (w13, w2))
         coded.append(CodedLayer(w13, w2))
         del ew
+    _warn_refused(refused)
     return coded
 
 
-def _pinned(p: LosslessExperts) -> LosslessExperts:
+def _pinned(p: LosslessExperts, refused: list[str]) -> LosslessExperts:
+    """p's tensors moved into one page-aligned arena locked in place (store.register): exactly their
+    bytes, where pin_memory() would round each tensor up to a power of two (up to 2x the host memory
+    the coding saves). A refusal is appended to `refused` and the arena stays pageable."""
     *ts, start = p.tensors()
-    return LosslessExperts(p.shape, *(t.pin_memory() for t in ts), start)
+    spans = [-(-t.nbytes // 64) * 64 for t in ts]  # each tensor 64-byte aligned
+    arena = page_aligned(sum(spans), torch.uint8)
+    out, off = [], 0
+    for t, span in zip(ts, spans):
+        part = arena[off:off + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+        part._arena = arena  # a dtype view does not keep its base alive: the lock goes with the arena
+        out.append(part)
+        off += span
+    if not refused and (error := register(arena)) is not None:
+        refused.append(error)
+    return LosslessExperts(p.shape, *out, start)
+
+
+def _warn_refused(refused: list[str]) -> None:
+    if refused:  # once a store: the first refusal stops the pinning of the rest
+        warnings.warn(f"could not pin the coded expert store ({refused[0]}; {host_limits()}); it stays "
+                      f"pageable and coded copies are synchronous (slower). Raise `ulimit -l` (memlock) or "
+                      f"free host memory to pin it.", stacklevel=3)
 
 
 def store_nbytes(store) -> int:
@@ -300,7 +322,7 @@ def coded_store(store: list[ExpertWeights], cached: list[CodedLayer | None], ent
     """The coded store: cached layers as they are, the others coded from `store` (the raw store, [] when
     every layer hit) and written to `entry`. Raw layers are dropped from `store` as they are passed.
     `first`: the MoE layer `cached[0]` is (a pipeline stage's own layers; the cache is one process's)."""
-    out = []
+    out, refused = [], []
     for i, hit in enumerate(cached):
         raw = store.pop(0) if store else None
         if hit is None:
@@ -311,8 +333,9 @@ def coded_store(store: list[ExpertWeights], cached: list[CodedLayer | None], ent
                 _write_layer(entry / f"layer-{first + i}.safetensors", entry.name, first + i, hit)
         del raw
         if pin:
-            hit = CodedLayer(_pinned(hit.w13.packed), _pinned(hit.w2.packed))
+            hit = CodedLayer(_pinned(hit.w13.packed, refused), _pinned(hit.w2.packed, refused))
         out.append(hit)
+    _warn_refused(refused)
     return out
 
 

@@ -87,7 +87,8 @@ def pin_in_place(t: torch.Tensor) -> bool:
 
 
 def register(t: torch.Tensor) -> str | None:
-    """cudaHostRegister `t`'s exact bytes until it dies: None, or why the host refused."""
+    """cudaHostRegister `t`'s exact bytes until it (its base, for a view) dies: None, or why the host
+    refused. A dtype view (`.view(torch.int32)`) does not keep its base alive: keep a reference."""
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return None
