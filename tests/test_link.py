@@ -684,6 +684,34 @@ def test_waiting_for_a_held_prefetch_puts_it_on_the_urgent_stream_ahead_of_the_r
     assert order == [0, 1, 4, 2, 3, 5] and all(torch.equal(d, s) for d, s in pairs)
 
 
+def test_a_held_prefetch_that_fails_to_issue_fails_its_waiter_and_frees_the_window():
+    """A held copy whose enqueue raises (released by the watcher, or hurried by a waiter) reports the
+    error to whoever waits on it, leaves the window, and the copies behind it still land."""
+    cuda = FakeCuda(pinned=True, gated=True)
+    link = CudaLink("cpu", bandwidth=1e9, cuda=cuda, window_bytes=0)
+    real_issue = link._issue
+
+    def issue(t, stream, after, src):
+        if t.tag in (2, 4):
+            raise RuntimeError(f"enqueue {t.tag} failed")
+        real_issue(t, stream, after, src)
+
+    link._issue = issue
+    pairs = [pair(4 * KiB) for _ in range(5)]
+    with link:
+        ts = [link.copy(d, s, tag=k) for k, (d, s) in enumerate(pairs)]
+        with pytest.raises(RuntimeError, match="enqueue 4 failed"):
+            ts[4].wait()  # hurried from the host: fails at once
+        cuda.land(1)      # 0 lands: the watcher releases 2, which fails, and 3 goes on in its place
+        assert until(lambda: ts[2].done() and ts[3].ready())
+        with pytest.raises(RuntimeError, match="enqueue 2 failed"):
+            ts[2].wait()
+        cuda.land(2)
+        link.synchronize()
+        assert link.pending() == 0 and not link._flying and link._flying_bytes == 0
+    assert all(torch.equal(*pairs[k]) for k in (0, 1, 3))
+
+
 def test_metering_keeps_two_large_prefetches_and_more_small_ones_in_flight():
     """The window is bytes, with a floor of two transfers: larger copies go two at a time, smaller
     ones as many as fit; the default window is ~150 us of the link's nominal bandwidth."""

@@ -193,26 +193,23 @@ class CudaLink(Link):
                     return
                 t, (after, src) = self._held.popitem(last=False)
                 self._fly(t)
-            try:
-                self._issue(t, self.stream, after, src)
-            except Exception as e:  # reported to whoever waits on the transfer
-                with self._lock:
-                    self._land(t)
-                self._complete(t, busy_s=0.0, error=e)
-            finally:
-                t._issued.set()
+            self._unhold(t, self.stream, after, src)
 
     def hurry(self, t: Transfer) -> None:
         """Someone waits for held prefetch t: it leaves the FIFO for the urgent stream now, ahead of
         the prefetches still held (those it was queued behind are guesses; this one is needed)."""
         with self._lock:
             held = self._held.pop(t, None)
-            if held is None:  # issued or cancelled meanwhile
-                return
-        after, src = held
+        if held is not None:  # else issued or cancelled meanwhile
+            self._unhold(t, self.urgent_stream, *held)
+
+    def _unhold(self, t: Transfer, stream, after, src) -> None:
+        """Put held transfer t on `stream` (a failure goes to whoever waits on it); its waiters wake."""
         try:
-            self._issue(t, self.urgent_stream, after, src)
-        except Exception as e:  # reported to whoever waits on the transfer
+            self._issue(t, stream, after, src)
+        except Exception as e:
+            with self._lock:
+                self._land(t)
             self._complete(t, busy_s=0.0, error=e)
         finally:
             t._issued.set()
