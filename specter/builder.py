@@ -102,7 +102,7 @@ def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | 
         cached = read_cached(entry, ckpt.spec.n_moe_layers)
         hit = all(layer is not None for layer in cached)
         model, store, _ = load_checkpoint(path, device, dt, experts=not hit)
-        store = coded_store(store, cached, entry, pin=pin)
+        store = coded_store(store, cached, entry, cuda=device.type == "cuda", pin=pin)
     return Loaded(Path(path), ckpt, device, dt, model, store, load_tokenizer(path), draft_cache,
                   compressed=bool(compress_experts), draft_bits=draft_bits)
 

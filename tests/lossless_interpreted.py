@@ -44,3 +44,52 @@ def test_kernel_decodes_across_blocks_with_escapes_in_several():
         assert _bits(packed.decode_into(out, e)).equal(_bits(w[e]))
         out.fill_(float("nan"))
         assert _bits(packed.expert(e).decode_into(out, 0)).equal(_bits(w[e]))  # one expert, as a copy moves it
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_a_staged_copy_decodes_every_case_bit_exact(bits):
+    """The CUDA copy path (an expert-major store, stage, decode_staged), the CPU as the device: each
+    expert of every case into a slot filled with garbage first."""
+    for name, w in special_weights().items():
+        em = lossless.expert_major(lossless.encode(w, bits))
+        for e in range(w.shape[0]):
+            slot = torch.full(w.shape[1:], float("nan"), dtype=torch.bfloat16)
+            lossless.decode_staged(em, lossless.stage(em, e, "cpu"), slot)
+            assert _bits(slot).equal(_bits(w[e])), (name, e, bits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_coded_store_for_cuda_decodes_on_copy(dtype):
+    """encode_store(cuda=True) (what a CUDA load holds) and CodedExpert.decode_on (what CudaLink runs
+    on its copy stream), the CPU as the device: the same bits in the slot, converted exactly to fp32;
+    a store not laid out for CUDA is refused."""
+    from specter.moe import ExpertWeights
+    from specter.offload.coded import encode_store
+
+    g = torch.Generator().manual_seed(7)
+    w13, w2 = (torch.randn(3, 40, 96, generator=g) * 0.02).bfloat16(), (torch.randn(3, 96, 20, generator=g) * 0.02).bfloat16()
+    w13.view(3, -1)[:, ::97] = 1e30                                      # escapes in every expert
+    layer = encode_store([ExpertWeights(w13.clone(), w2.clone())], cuda=True)[0]
+    for e in range(3):
+        for coded, want in ((layer.w13[e], w13[e]), (layer.w2[e], w2[e])):
+            slot = torch.full(want.shape, float("nan"), dtype=dtype)
+            assert coded.decode_on(slot).equal(want.to(dtype))
+    plain = encode_store([ExpertWeights(w13.clone(), w2.clone())])[0]
+    with pytest.raises(RuntimeError, match="expert-major"):
+        plain.w13[0].decode_on(torch.empty(40, 96, dtype=torch.bfloat16))
+
+
+def test_the_coded_copy_experiment_runs_on_cpu(capsys):
+    """bench/experiments/coded_copy_cost.py (a device check, CHECKS=codedcopy) end to end with the CPU
+    as the device: both stores land exact, the coded copy moves fewer bytes."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "experiments"))
+    import coded_copy_cost
+
+    assert coded_copy_cost.main(["--device", "cpu", "--shapes", "bundled", "--copies", "2"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["raw"]["exact"] and row["coded"]["exact"], row
+    assert row["raw"]["bytes"] == (384 * 256 + 256 * 192) * 2 and row["coded"]["bytes"] < 0.75 * row["raw"]["bytes"], row

@@ -14,7 +14,7 @@ from specter.offload.coded import CodedLayer, DecodedStore, encode_store, store_
 from specter.offload.link import EmulatedLink
 from specter.moe import ExpertWeights
 from specter.speculative.draft_cache import draft_int4
-from specter.triton_ops.lossless import encode
+from specter.triton_ops.lossless import encode, expert_major_nbytes
 
 from test_link import VirtualClock
 
@@ -416,12 +416,12 @@ def test_a_pinned_coded_store_locks_exactly_its_bytes_in_place(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     coded = encode_store(list(layers), pin=True)
     plain = [encode(w) for pair in want for w in pair]
-    spans = [sum(-(-t.nbytes // 64) * 64 for t in p.tensors()[:-1]) for p in plain]
-    assert fake.calls == spans, "not one exact-size registration a coded tensor"
+    assert fake.calls == [expert_major_nbytes(p) for p in plain], "not one exact-size registration a coded tensor"
     gc.collect()  # the locks live as long as the coded tensors (dtype views of the arenas)
     for layer, (w13, w2) in zip(coded, want):
         assert torch.equal(layer.w13.packed.decode(), w13) and torch.equal(layer.w2.packed.decode(), w2)
-        assert all(CudaApi().is_pinned(t) for t in layer.w13.packed.tensors()[:-1] if t.numel())
+        for p in (layer.w13.packed, layer.w2.packed):  # what a copy reads: each expert's row and escape run
+            assert all(CudaApi().is_pinned(t) for e in range(3) for t in (p.by_expert[e], p.expert_escapes(e)) if t.numel())
     monkeypatch.setattr(torch.cuda, "cudart", lambda: _FakeCudart(2))
     layers = [ExpertWeights(w13.clone(), w2.clone()) for w13, w2 in want]
     with pytest.warns(UserWarning, match="could not pin the coded expert store") as caught:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specter.errors import ConfigError
 from specter.triton_ops import lossless
@@ -107,6 +108,43 @@ def test_layout_is_the_documented_one():
     assert one.nbytes == packed.expert_nbytes(1) + 2 * 8 and _bits(one.decode()).equal(_bits(w[1:]))
     moved = packed.to("cpu")
     assert moved.esc_start is packed.esc_start and _bits(moved.decode()).equal(_bits(w))
+
+
+class _Copies(TorchDispatchMode):
+    """Counts the copies (aten.copy_) run inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func is torch.ops.aten.copy_.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_expert_major_layout_is_the_same_bits_one_row_an_expert(bits):
+    """expert_major (the CUDA store's layout): the same format and bits; expert e's four fixed rows in
+    by_expert[e], each 16-byte aligned; a copy of an expert (stage) is one copy of its row and one of
+    its escape run (none without escapes), the row at most the rows' alignment above its bytes."""
+    for name, w in special_weights().items():
+        packed = encode(w, bits)
+        em = lossless.expert_major(packed)
+        assert em.nbytes == packed.nbytes and _bits(em.decode()).equal(_bits(w)), name
+        offsets, R = lossless.row_layout(em)
+        fixed = packed.expert_nbytes(0) - packed.expert_escapes(0).numel()
+        assert em.by_expert.shape == (w.shape[0], R) and fixed <= R < fixed + 4 * lossless.ALIGN + 64
+        for e in range(w.shape[0]):
+            row = em.by_expert[e]
+            for mine, theirs, at in zip(em.tensors()[:4], packed.tensors()[:4], offsets):
+                assert mine[e].data_ptr() == row.data_ptr() + at and at % lossless.ALIGN == 0, name
+                assert mine[e].equal(theirs[e]), name
+            with _Copies() as copies:
+                staged = lossless.stage(em, e, "cpu")
+            run = packed.expert_escapes(e)
+            assert copies.n == 1 + (run.numel() > 0), name
+            assert staged[:R].equal(row) and staged[R:].equal(run), name
+            assert _bits(em.expert(e).decode()).equal(_bits(w[e:e + 1])), name
 
 
 def test_encoding_in_chunks_gives_the_same_tensors(monkeypatch):

@@ -90,12 +90,15 @@ def stand_in_lossless(E: int, N: int, K: int, bits: int) -> lossless.LosslessExp
 
 def lossless_launches(models=MODELS, widths=lossless.WIDTHS) -> list[Launch]:
     """Every distinct launch of the lossless decode kernel for these models' w13 and w2, at each
-    code width: one expert decoded into a bf16 slot."""
+    code width: one expert decoded into a bf16 slot, from a copy's staging buffer (CudaLink) and from
+    a whole coded tensor on the device (decode_into)."""
     seen, out = set(), []
     for H, I, _, _ in models.values():
         for (N, K), bits in ((nk, b) for nk in ((2 * I, H), (H, I)) for b in widths):
             packed = stand_in_lossless(2, N, K, bits)
+            staged = torch.empty(lossless.row_layout(packed)[1] + 4, dtype=torch.uint8)  # a copy's (coded.py)
             with recording(lossless, ("_decode_kernel",)) as log:
+                lossless.decode_staged(packed, staged, torch.empty(N, K, dtype=torch.bfloat16))
                 lossless.decode_triton(packed, 1, torch.empty(N, K, dtype=torch.bfloat16))
             for launch in log:
                 key = _key(launch, 90)

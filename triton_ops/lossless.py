@@ -14,6 +14,10 @@ to P = a multiple of 32; BITS the code width, one for the whole tensor; ESC = 2*
     escapes   uint8  [total]                the raw exponents of escaped elements, in element order,
                                             each expert's run padded to a multiple of 4 bytes
     esc_start int64  [E + 1]                where each expert's run starts in `escapes`
+    by_expert uint8  [E, R] or None         expert_major(): the four tensors above are views of it,
+                                            expert e's rows one after another in by_expert[e]
+                                            (row_layout), so a copy of an expert is one copy of
+                                            by_expert[e] and one of its escape run
 
     exponent(i) = table[code(i)]  unless code(i) == ESC: escapes[esc_start[e] + rank of i among the
                                   expert's escapes]
@@ -41,6 +45,9 @@ fp16 (5-bit exponent, 10-bit mantissa) and fp32 are refused: their split differs
 
 `decode()` (torch, any device) and `decode_into(out, e)` (one expert into a slot: the Triton
 kernel on CUDA or under TRITON_INTERPRET=1, torch elsewhere) return the identical bf16 bits.
+`expert_major(p)` lays the same tensors out for copies (a CUDA host store: offload/coded.py);
+`stage` (host to device, one copy of the row and one of the escape run) and `decode_staged` (the
+kernel on the staged bytes) are an expert copy's two halves.
 """
 from __future__ import annotations
 
@@ -74,13 +81,15 @@ class LosslessExperts:
     esc_off: torch.Tensor   # int32 [E, cdiv(P, BLOCK)]
     escapes: torch.Tensor   # uint8 [total], expert runs padded to 4 bytes
     esc_start: torch.Tensor  # int64 [E + 1] (host)
+    by_expert: torch.Tensor | None = None  # uint8 [E, R]: the four tensors above are views of it (expert_major)
 
     def __post_init__(self):
         E, N, K = self.shape
         P = self.padded
         if (self.signman.shape != (E, P) or self.planes.dim() != 3 or self.planes.shape[0] != E
                 or self.planes.shape[2] != P // 32 or self.table.shape != (E, 1 << self.bits)
-                or self.esc_off.shape != (E, _cdiv(P, BLOCK)) or self.esc_start.shape != (E + 1,)):
+                or self.esc_off.shape != (E, _cdiv(P, BLOCK)) or self.esc_start.shape != (E + 1,)
+                or (self.by_expert is not None and self.by_expert.shape != (E, row_layout(self)[1]))):
             raise ConfigError(f"LosslessExperts: tensors do not match shape {self.shape}")
 
     @property
@@ -97,7 +106,8 @@ class LosslessExperts:
         return self.signman.device
 
     def to(self, device) -> "LosslessExperts":
-        """The coded tensors on `device` (esc_start, an index the launch code reads, stays on the host)."""
+        """The coded tensors on `device`, each contiguous (esc_start, an index the launch code reads,
+        stays on the host)."""
         *moved, _ = (t.to(device) for t in self.tensors())
         return LosslessExperts(self.shape, *moved, self.esc_start)
 
@@ -123,7 +133,8 @@ class LosslessExperts:
         """Expert e on its own (E = 1, views of its rows and escape run): what a copy of it moves."""
         run = self.expert_escapes(e)
         return LosslessExperts((1,) + tuple(self.shape[1:]), self.signman[e:e + 1], self.planes[e:e + 1],
-                               self.table[e:e + 1], self.esc_off[e:e + 1], run, torch.tensor([0, run.numel()]))
+                               self.table[e:e + 1], self.esc_off[e:e + 1], run, torch.tensor([0, run.numel()]),
+                               None if self.by_expert is None else self.by_expert[e:e + 1])
 
     def expert_escapes(self, e: int) -> torch.Tensor:
         """uint8: expert e's escape run (a multiple of 4 bytes)."""
@@ -260,6 +271,60 @@ def _planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
                         for p in range(bits)])
 
 
+# --------------------------------------------------------------------- expert-major layout (copies)
+ALIGN = 16  # bytes: each field of a row starts on a 16-byte boundary (the kernel's wide loads)
+
+
+def row_layout(p: LosslessExperts) -> tuple[tuple[int, int, int, int], int]:
+    """Byte offsets of signman, planes, table and esc_off in an expert-major row of p, and the row's
+    length R (a multiple of 64)."""
+    P, offsets, at = p.padded, [], 0
+    for nbytes in (P, p.bits * P // 8, 4 << p.bits, 4 * _cdiv(P, BLOCK)):
+        offsets.append(at)
+        at += _cdiv(nbytes, ALIGN) * ALIGN
+    return tuple(offsets), _cdiv(at, 64) * 64
+
+
+def expert_major_nbytes(p: LosslessExperts) -> int:
+    return p.shape[0] * row_layout(p)[1] + p.escapes.numel()
+
+
+def expert_major(p: LosslessExperts, buffer: torch.Tensor | None = None) -> LosslessExperts:
+    """p's bits laid out for copies, in one uint8 buffer of expert_major_nbytes(p) (`buffer`, e.g.
+    page-aligned to be locked in place; else allocated): expert e's signman, planes, table and esc_off
+    rows one after another in by_expert[e] (row_layout), every expert's escape run after the rows."""
+    E = p.shape[0]
+    offsets, R = row_layout(p)
+    if buffer is None:
+        buffer = torch.empty(expert_major_nbytes(p), dtype=torch.uint8)
+    by_expert = buffer[:E * R].view(E, R)
+    fields = [by_expert[:, at:at + t[0].nbytes].view(t.dtype).view(t.shape).copy_(t)
+              for t, at in zip((p.signman, p.planes, p.table, p.esc_off), offsets)]
+    escapes = buffer[E * R:E * R + p.escapes.numel()].copy_(p.escapes)
+    return LosslessExperts(p.shape, *fields, escapes, p.esc_start, by_expert)
+
+
+def stage(p: LosslessExperts, e: int, device) -> torch.Tensor:
+    """Expert e of an expert-major p (host) into one new uint8 [R + run] buffer on `device`, on the
+    current stream: one non-blocking copy of its row, and one of its escape run when it has one
+    (decode_staged's input; five copies, one a tensor, without the layout)."""
+    row, run = p.by_expert[e], p.expert_escapes(e)
+    staged = torch.empty(row.numel() + run.numel(), dtype=torch.uint8, device=device)
+    staged[:row.numel()].copy_(row, non_blocking=True)
+    if run.numel():
+        staged[row.numel():].copy_(run, non_blocking=True)
+    return staged
+
+
+def decode_staged(p: LosslessExperts, staged: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """stage()'s bytes of one expert of p decoded into out (bf16 [N, K], on their device): one launch
+    of the kernel on views of them."""
+    (sm, pl, tb, eo), R = row_layout(p)
+    words = [staged[at:].view(torch.int32) for at in (sm, pl, tb, eo)]
+    escapes = staged[R:].view(torch.int32) if staged.numel() > R else words[2]  # none: never read
+    return _launch(p, *words, escapes, out)
+
+
 # ---------------------------------------------------------------------------------- torch decode
 _SPREAD: dict = {}
 
@@ -330,17 +395,21 @@ def _decode_kernel(signman_ptr, planes_ptr, table_ptr, esc_off_ptr, esc_ptr, out
 
 def decode_triton(packed: LosslessExperts, e: int, out: torch.Tensor) -> torch.Tensor:
     """Expert e into out (bf16 [N, K], contiguous, on the packed tensors' device): one launch."""
-    if out.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and not LAUNCHES_ON_CPU:
-        raise ConfigError("the lossless decode kernel runs on CUDA, or on CPU under TRITON_INTERPRET=1 "
-                          "(set before triton is imported)")
-    P = packed.padded
     escapes = packed.expert_escapes(e)
     if escapes.numel() == 0:
         escapes = packed.table[e]                             # never read (no flags), any int32 address
     else:
         escapes = escapes.view(torch.int32)
-    grid = (_cdiv(P, BLOCK),)
-    _decode_kernel[grid](packed.signman[e].view(torch.int32), packed.planes[e], packed.table[e],
-                         packed.esc_off[e], escapes, out.view(torch.int16), out.numel(), P // 32,
-                         BITS=packed.bits, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return _launch(packed, packed.signman[e].view(torch.int32), packed.planes[e], packed.table[e],
+                   packed.esc_off[e], escapes, out)
+
+
+def _launch(p: LosslessExperts, signman, planes, table, esc_off, escapes, out: torch.Tensor) -> torch.Tensor:
+    """One expert's fields (int32 views of its rows) decoded into out: one launch, BLOCK elements a program."""
+    if out.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and not LAUNCHES_ON_CPU:
+        raise ConfigError("the lossless decode kernel runs on CUDA, or on CPU under TRITON_INTERPRET=1 "
+                          "(set before triton is imported)")
+    P = p.padded
+    _decode_kernel[(_cdiv(P, BLOCK),)](signman, planes, table, esc_off, escapes, out.view(torch.int16),
+                                      out.numel(), P // 32, BITS=p.bits, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return out

@@ -6,12 +6,18 @@
                     CodedExpert, the link moves their coded bytes and decodes them into the slot
                     before the copy completes (before any reader can see the slot)
 
+On CUDA each coded tensor is laid out expert-major in one page-aligned arena locked in place
+(lossless.expert_major: expert e's rows of the four fixed tensors in one contiguous row, the escape
+runs after the rows), so a copy of an expert is two host-to-device copies a tensor (its row, its
+escape run) and one decode launch, not five copies: each costs the issuing thread several
+microseconds, about what a small expert takes to cross the link.
+
 What reads the store, and what it gets (the decision per reader):
 - the offload manager's copies: coded bytes over the link, decoded into the slot when they land
   (EmulatedLink: the torch decode on its worker thread, charged coded bytes at the link's bandwidth
   plus the decode at the profile's device memory bandwidth, scaled like the link; CudaLink: the coded
-  bytes into device memory on the copy stream, then the Triton decode kernel into the slot on that
-  stream, before the event readers wait on).
+  bytes into device memory on the copy stream (lossless.stage), then the Triton decode kernel into
+  the slot on that stream (lossless.decode_staged), before the event readers wait on).
 - the INT4 draft: `DecodedStore`, each layer decoded when quantisation reads it (a draft cache hit
   reads nothing), one layer at a time; so is `Loaded.resident_experts` (resident, oracle).
 - the host lane (policy host; specter on CPU, or on CUDA with host_threads): a decoded copy of the
@@ -66,10 +72,10 @@ class CodedExpert:
     dtype = torch.bfloat16
     is_cuda = False
 
-    def __init__(self, packed: LosslessExperts, e: int, rows: torch.Tensor | None = None):
+    def __init__(self, packed: LosslessExperts, e: int, rows: torch.Tensor | None = None, nbytes: int | None = None):
         self.packed, self.e, self.rows = packed, e, rows
         self.shape = torch.Size(packed.shape[1:])
-        self.nbytes = packed.expert_nbytes(e)
+        self.nbytes = packed.expert_nbytes(e) if nbytes is None else nbytes
         self.raw_nbytes = self.shape.numel() * 2
 
     def decode_into(self, out: torch.Tensor) -> torch.Tensor:
@@ -87,13 +93,17 @@ class CodedExpert:
         return out
 
     def decode_on(self, out: torch.Tensor) -> torch.Tensor:
-        """CUDA, on the current (copy) stream: the coded bytes into device memory (a small staging
-        area from the caching allocator, one expert's), then the decode kernel into `out`."""
-        one = self.packed.expert(self.e)  # views of its rows and escape run (pinned when the store is)
-        *coded, start = one.tensors()     # esc_start stays on the host: the launch reads it
-        staged = LosslessExperts(one.shape, *(t.to(out.device, non_blocking=True) for t in coded), start)
-        CodedExpert(staged, 0).decode_into(out)  # allocated on this stream: freed for reuse only after it
-        return out
+        """CUDA, on the current (copy) stream: the expert's row and escape run into device memory (one
+        staging buffer from the caching allocator, allocated on this stream: reused only after it), then
+        the decode kernel into `out` (any dtype: converted exactly from bf16 when it is wider)."""
+        if self.packed.by_expert is None:
+            raise RuntimeError("a coded copy to CUDA needs the store laid out expert-major "
+                               "(coded_store / encode_store with cuda=True)")
+        staged = lossless.stage(self.packed, self.e, out.device)
+        if out.dtype == torch.bfloat16 and out.is_contiguous():
+            return lossless.decode_staged(self.packed, staged, out)
+        return out.copy_(lossless.decode_staged(self.packed, staged, torch.empty(self.shape, dtype=torch.bfloat16,
+                                                                                  device=out.device)))
 
     def __repr__(self) -> str:
         return f"CodedExpert({self.e}, {tuple(self.shape)}, {self.nbytes} B coded)"
@@ -108,9 +118,11 @@ class CodedTensor:
         self.packed = packed
         self.shape = torch.Size(packed.shape)
         self.rows: torch.Tensor | None = None  # its decoded bf16 [E, N, K] (emulate_from), or None
+        self._nbytes = [packed.expert_nbytes(e) for e in range(self.shape[0])]  # each copy's, asked per copy
 
     def __getitem__(self, e) -> CodedExpert:
-        return CodedExpert(self.packed, int(e), self.rows)
+        e = int(e)
+        return CodedExpert(self.packed, e, self.rows, self._nbytes[e])
 
     @property
     def nbytes(self) -> int:
@@ -191,9 +203,10 @@ def is_coded(store) -> bool:
     return bool(store) and isinstance(store[0], CodedLayer)
 
 
-def encode_store(store: list[ExpertWeights], *, pin: bool = False) -> list[CodedLayer]:
+def encode_store(store: list[ExpertWeights], *, cuda: bool = False, pin: bool = False) -> list[CodedLayer]:
     """The raw store's layers coded, dropping each raw layer from `store` as it is coded (the list is
-    emptied: the arena is freed once its last view goes). `pin`: the coded tensors page-locked (CUDA)."""
+    emptied: the arena is freed once its last view goes). `cuda`: laid out for CUDA copies (expert
+    major); `pin` (implies it): and page-locked."""
     if not store:
         return []
     if store[0].w13.dtype != torch.bfloat16:
@@ -203,30 +216,26 @@ def encode_store(store: list[ExpertWeights], *, pin: bool = False) -> list[Coded
     while store:
         ew = store.pop(0)
         w13, w2 = encode(ew.w13), encode(ew.w2)
-        if pin:
-            w13, w2 = (_pinned(p, refused) for p in (w13, w2))
+        if cuda or pin:
+            w13, w2 = (for_cuda(p, pin=pin, refused=refused) for p in (w13, w2))
         coded.append(CodedLayer(w13, w2))
         del ew
     _warn_refused(refused)
     return coded
 
 
-def _pinned(p: LosslessExperts, refused: list[str]) -> LosslessExperts:
-    """p's tensors moved into one page-aligned arena locked in place (store.register): exactly their
-    bytes, where pin_memory() would round each tensor up to a power of two (up to 2x the host memory
-    the coding saves). A refusal is appended to `refused` and the arena stays pageable."""
-    *ts, start = p.tensors()
-    spans = [-(-t.nbytes // 64) * 64 for t in ts]  # each tensor 64-byte aligned
-    arena = page_aligned(sum(spans), torch.uint8)
-    out, off = [], 0
-    for t, span in zip(ts, spans):
-        part = arena[off:off + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+def for_cuda(p: LosslessExperts, *, pin: bool, refused: list[str]) -> LosslessExperts:
+    """p laid out expert-major (lossless.expert_major) in one page-aligned arena, locked in place when
+    `pin` (store.register: exactly its bytes, where pin_memory() would round each tensor up to a power
+    of two: up to 2x the host memory the coding saves). A refusal is appended to `refused` and the
+    arena stays pageable."""
+    arena = page_aligned(lossless.expert_major_nbytes(p), torch.uint8)
+    out = lossless.expert_major(p, arena)
+    for part in (*out.tensors()[:-1], out.by_expert):
         part._arena = arena  # a dtype view does not keep its base alive: the lock goes with the arena
-        out.append(part)
-        off += span
-    if not refused and (error := register(arena)) is not None:
+    if pin and not refused and (error := register(arena)) is not None:
         refused.append(error)
-    return LosslessExperts(p.shape, *out, start)
+    return out
 
 
 def _warn_refused(refused: list[str]) -> None:
@@ -318,10 +327,11 @@ def read_cached(entry: Path | None, n_layers: int, first: int = 0) -> list[Coded
 
 
 def coded_store(store: list[ExpertWeights], cached: list[CodedLayer | None], entry: Path | None, *,
-                pin: bool = False, first: int = 0) -> list[CodedLayer]:
+                cuda: bool = False, pin: bool = False, first: int = 0) -> list[CodedLayer]:
     """The coded store: cached layers as they are, the others coded from `store` (the raw store, [] when
     every layer hit) and written to `entry`. Raw layers are dropped from `store` as they are passed.
-    `first`: the MoE layer `cached[0]` is (a pipeline stage's own layers; the cache is one process's)."""
+    `cuda`, `pin`: as encode_store's. `first`: the MoE layer `cached[0]` is (a pipeline stage's own
+    layers; the cache is one process's)."""
     out, refused = [], []
     for i, hit in enumerate(cached):
         raw = store.pop(0) if store else None
@@ -332,8 +342,8 @@ def coded_store(store: list[ExpertWeights], cached: list[CodedLayer | None], ent
             if entry is not None:
                 _write_layer(entry / f"layer-{first + i}.safetensors", entry.name, first + i, hit)
         del raw
-        if pin:
-            hit = CodedLayer(_pinned(hit.w13.packed, refused), _pinned(hit.w2.packed, refused))
+        if cuda or pin:
+            hit = CodedLayer(*(for_cuda(t.packed, pin=pin, refused=refused) for t in (hit.w13, hit.w2)))
         out.append(hit)
     _warn_refused(refused)
     return out

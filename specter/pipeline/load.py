@@ -111,7 +111,7 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     if compress_experts:
         from ..offload.coded import coded_store
 
-        mine = coded_store(mine, hits, entry, pin=pin, first=stage.moe_first)
+        mine = coded_store(mine, hits, entry, cuda=device.type == "cuda", pin=pin, first=stage.moe_first)
         if device.type == "cpu" and pol.offloads and mine:  # coded copies and tier hits write from it (emulate_from)
             from ..offload.coded import emulate_from
             from ..offload.coded_tier import ROWS_MAX_BYTES
