@@ -19,6 +19,8 @@
 #                 side, bytes a token and TPOT) at 1/4 residency over the real link -> compressed.json;
 #                 then specter raw against coded with K fixed at 4 (bench/coded_specter.py: the
 #                 governor's arm choice out of the comparison, counts per cycle) -> compressed_k4.json
+#   codedcopy   a raw and a coded expert copy through CudaLink, per model's expert shape: the
+#                 issuing thread's microseconds and the link's (bench/experiments/coded_copy_cost.py)
 #   also: kernels (bench's first half alone), tpot (its second half alone), firstrun
 #   (bench/experiments/first_run_cost.py), moehost (bench/experiments/moe_host_cost.py), graphs
 #   (bench/graph_check.py), async (bench/async_vs_sync.py) -> NAME.log; any mix, one time budget:
@@ -34,7 +36,7 @@
 # 2026-12-04 and goes back 30 s after a call, so a second call rarely finds it warm; the first GPU
 # run took 347 s for suite, compressed, kernels and bench). $OUT brings back 8 files at most, so
 # the results travel as one tarball beside summary.json:
-#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite tpot compressed firstrun moehost" BUDGET_S=540 bash
+#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite codedcopy tpot compressed firstrun moehost" BUDGET_S=540 bash
 #       bench/device_check.sh; cp $D/summary.json "$OUT"/; tar czf "$OUT/all.tgz" -C $D .',
 #       carry=[".whl"], timeout_s=600)
 # then give_back.
@@ -161,6 +163,7 @@ for part in $CHECKS; do
     kernels) step kernels 110 "${kernels_cmd[@]}" ;;  # bench's first half alone
     firstrun) step firstrun 90 "$PY" "$REPO/bench/experiments/first_run_cost.py" ;;
     moehost) step moehost 60 "$PY" "$REPO/bench/experiments/moe_host_cost.py" ;;
+    codedcopy) step codedcopy 60 "$PY" "$REPO/bench/experiments/coded_copy_cost.py" ;;
     graphs) step graphs 200 "$PY" "$REPO/bench/graph_check.py" --residency 0.5 --repeat 1 ;;
     async) step async 200 "$PY" "$REPO/bench/async_vs_sync.py" --device cuda --policies specter \
              --workloads default --prompts 2 --rounds 1 --max-new-tokens 32 ;;
@@ -169,7 +172,7 @@ for part in $CHECKS; do
         --policies on-demand,spec-lru,specter --compare-compressed --json
       JSON=1 step compressed_k4 90 "$PY" "$REPO/bench/coded_specter.py" --device cuda --residency 0.25 \
         --policy specter --k 4 --json ;;
-    *) echo "unknown check '$part' (suite, bench, kernels, tpot, firstrun, moehost, graphs, async, compressed)" ;;
+    *) echo "unknown check '$part' (suite, bench, kernels, tpot, firstrun, moehost, codedcopy, graphs, async, compressed)" ;;
   esac
 done
 finish

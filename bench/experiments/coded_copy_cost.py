@@ -1,0 +1,125 @@
+"""What a coded expert copy costs the thread that issues it, beside a raw copy, over the real link
+(issue 24). The first GPU run (2026-12-04, H200) saw specter's draft time double with a coded store
+(inferred: ~140 us more per coded expert copied, each copy then five host-to-device copies a
+tensor and a decode launch). Since then a CUDA store lays each coded tensor out expert-major
+(lossless.expert_major): a copy is one copy of the expert's row, one of its escape run and one
+launch a tensor. This measures what is left.
+
+    python bench/experiments/coded_copy_cost.py [--copies 64]      # CUDA: through CudaLink
+    TRITON_INTERPRET=1 python bench/experiments/coded_copy_cost.py --device cpu --shapes bundled --copies 2
+                                                                    # the same code on CPU (a smoke run)
+
+Per expert shape (the bundled model's, Qwen3-30B-A3B's, DeepSeek-V2-Lite's, Mixtral-8x7B's; two
+experts of random normal weights at 0.02, the stores pinned as a CUDA load pins them), raw and coded:
+  bytes     what one expert copy (w13 and w2) moves
+  issue_us  perf_counter per link.copy, the copies issued back to back on the urgent stream (the
+            issuing thread's cost: on a small expert it can exceed the copy itself)
+  copy_us   wall time per copy over the whole batch, waited for at the end (the link's cost)
+  exact     the slots hold the last expert's bits
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+SHAPES = {"bundled": (256, 192), "qwen3-30b-a3b": (2048, 768), "deepseek-v2-lite": (2048, 1408),
+          "mixtral-8x7b": (4096, 14336)}  # (hidden, expert intermediate)
+
+
+class Direct:
+    """CPU: each copy run at once on the calling thread (what CudaLink enqueues, without a stream)."""
+
+    def copy(self, dsts, srcs, **_):
+        for d, s in zip(dsts, srcs):
+            s.decode_on(d) if hasattr(s, "decode_on") else d.copy_(s)
+        return self
+
+    def wait(self):
+        return None
+
+    def close(self):
+        return None
+
+
+def stores(H: int, I: int, device: torch.device):
+    """(raw, coded) stores of two experts, as lists of (w13, w2) copy sources, pinned on CUDA."""
+    from specter.moe import ExpertWeights
+    from specter.offload.coded import CodedLayer, for_cuda
+    from specter.offload.store import page_aligned, pin_in_place
+    from specter.triton_ops.lossless import encode
+
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(2, 2 * I, H, generator=g) * 0.02).bfloat16()
+    w2 = (torch.randn(2, H, I, generator=g) * 0.02).bfloat16()
+    cuda = device.type == "cuda"
+    raw = []
+    for w in (w13, w2):
+        host = page_aligned(w.numel(), torch.bfloat16).view(w.shape).copy_(w)
+        if cuda:
+            pin_in_place(host)
+        raw.append(host)
+    # coded on the device when there is one (the host's encode is slow at Mixtral's size), laid out as a load does
+    coded = CodedLayer(*(for_cuda(encode(w.to(device)), pin=cuda, refused=[]) for w in (w13, w2)))
+    return ExpertWeights(*raw), coded, (w13, w2)
+
+
+def measure(link, slots, srcs, copies: int, device) -> tuple[float, float]:
+    """(issue_us, copy_us) per copy of srcs[i % 2] into `slots`, issued back to back."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for t in [link.copy(slots, srcs[i % 2], urgent=True, after=None) for i in range(2)]:  # warm: allocator, kernel
+        t.wait()
+    sync()
+    t0 = time.perf_counter()
+    ts = [link.copy(slots, srcs[i % 2], urgent=True, after=None) for i in range(copies)]
+    issued = time.perf_counter() - t0
+    for t in ts:
+        t.wait()
+    sync()
+    total = time.perf_counter() - t0
+    return issued / copies * 1e6, total / copies * 1e6
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--copies", type=int, default=64)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        from specter.offload.cuda_link import CudaLink
+        link = CudaLink(device)
+    else:
+        link = Direct()
+    try:
+        for name in args.shapes.split(","):
+            H, I = SHAPES[name]
+            raw, coded, (w13, w2) = stores(H, I, device)
+            slots = [torch.empty(2 * I, H, dtype=torch.bfloat16, device=device),
+                     torch.empty(H, I, dtype=torch.bfloat16, device=device)]
+            out = {"shape": name, "hidden": H, "inter": I}
+            copies = max(4, min(args.copies, int(8e9 // (w13[0].nbytes + w2[0].nbytes))))
+            for kind, srcs in (("raw", [(raw.w13[e], raw.w2[e]) for e in range(2)]),
+                               ("coded", [(coded.w13[e], coded.w2[e]) for e in range(2)])):
+                slots[0].fill_(float("nan"))
+                issue, copy = measure(link, slots, srcs, copies, device)
+                out[kind] = {"bytes": sum(s.nbytes for s in srcs[1]), "issue_us": round(issue, 1),
+                             "copy_us": round(copy, 1),
+                             "exact": bool(torch.equal(slots[0].cpu(), w13[(copies - 1) % 2])
+                                           and torch.equal(slots[1].cpu(), w2[(copies - 1) % 2]))}
+            out["copies"] = copies
+            out["coded_over_raw"] = {"bytes": round(out["coded"]["bytes"] / out["raw"]["bytes"], 3),
+                                     "issue": round(out["coded"]["issue_us"] / out["raw"]["issue_us"], 2),
+                                     "copy": round(out["coded"]["copy_us"] / out["raw"]["copy_us"], 2)}
+            print(json.dumps(out), flush=True)
+            del raw, coded, slots
+    finally:
+        link.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
