@@ -51,6 +51,7 @@ kernel on the staged bytes) are an expert copy's two halves.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -122,7 +123,7 @@ class LosslessExperts:
     def expert_nbytes(self, e: int) -> int:
         """Bytes an expert's copy moves: its rows of the fixed tensors and its escape run."""
         fixed = sum(t[e].numel() * t.element_size() for t in (self.signman, self.planes, self.table, self.esc_off))
-        return fixed + int(self.esc_start[e + 1] - self.esc_start[e])
+        return fixed + self._starts[e + 1] - self._starts[e]
 
     @property
     def raw_nbytes(self) -> int:
@@ -138,7 +139,12 @@ class LosslessExperts:
 
     def expert_escapes(self, e: int) -> torch.Tensor:
         """uint8: expert e's escape run (a multiple of 4 bytes)."""
-        return self.escapes[int(self.esc_start[e]):int(self.esc_start[e + 1])]
+        return self.escapes[self._starts[e]:self._starts[e + 1]]
+
+    @functools.cached_property
+    def _starts(self) -> list[int]:
+        """esc_start as Python ints (read per copy: a tensor element costs microseconds to read)."""
+        return self.esc_start.tolist()
 
     # ------------------------------------------------------------------------------- decoding
     def decode(self) -> torch.Tensor:
@@ -278,8 +284,13 @@ ALIGN = 16  # bytes: each field of a row starts on a 16-byte boundary (the kerne
 def row_layout(p: LosslessExperts) -> tuple[tuple[int, int, int, int], int]:
     """Byte offsets of signman, planes, table and esc_off in an expert-major row of p, and the row's
     length R (a multiple of 64)."""
-    P, offsets, at = p.padded, [], 0
-    for nbytes in (P, p.bits * P // 8, 4 << p.bits, 4 * _cdiv(P, BLOCK)):
+    return _row_layout(p.padded, p.bits)
+
+
+@functools.lru_cache(maxsize=None)
+def _row_layout(P: int, bits: int) -> tuple[tuple[int, int, int, int], int]:
+    offsets, at = [], 0
+    for nbytes in (P, bits * P // 8, 4 << bits, 4 * _cdiv(P, BLOCK)):
         offsets.append(at)
         at += _cdiv(nbytes, ALIGN) * ALIGN
     return tuple(offsets), _cdiv(at, 64) * 64
@@ -319,10 +330,11 @@ def stage(p: LosslessExperts, e: int, device) -> torch.Tensor:
 def decode_staged(p: LosslessExperts, staged: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """stage()'s bytes of one expert of p decoded into out (bf16 [N, K], on their device): one launch
     of the kernel on views of them."""
-    (sm, pl, tb, eo), R = row_layout(p)
-    words = [staged[at:].view(torch.int32) for at in (sm, pl, tb, eo)]
-    escapes = staged[R:].view(torch.int32) if staged.numel() > R else words[2]  # none: never read
-    return _launch(p, *words, escapes, out)
+    offsets, R = row_layout(p)
+    words = staged.view(torch.int32)                          # R and every run a multiple of 4 bytes
+    fields = [words[at // 4:] for at in offsets]
+    escapes = words[R // 4:] if staged.numel() > R else fields[2]  # none: never read
+    return _launch(p, *fields, escapes, out)
 
 
 # ---------------------------------------------------------------------------------- torch decode
