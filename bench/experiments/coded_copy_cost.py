@@ -8,6 +8,13 @@ launch a tensor. This measures what is left.
     python bench/experiments/coded_copy_cost.py [--copies 64]      # CUDA: through CudaLink
     TRITON_INTERPRET=1 python bench/experiments/coded_copy_cost.py --device cpu --shapes bundled --copies 2
                                                                     # the same code on CPU (a smoke run)
+    python bench/experiments/coded_copy_cost.py --device meta --copies 2000
+                                                                    # the host's Python and dispatch alone
+
+--device meta: the slots on the meta device (no byte moves) and the decode launch stubbed, the
+copies run on the calling thread: what issuing a copy costs in Python and torch's dispatcher before
+any CUDA call's own cost (a CPU figure; it also runs on commits before the layout, whose coded store
+encode_store made without `cuda`).
 
 Per expert shape (the bundled model's, Qwen3-30B-A3B's, DeepSeek-V2-Lite's, Mixtral-8x7B's; two
 experts of random normal weights at 0.02, the stores pinned as a CUDA load pins them), raw and coded:
@@ -30,7 +37,7 @@ SHAPES = {"bundled": (256, 192), "qwen3-30b-a3b": (2048, 768), "deepseek-v2-lite
 
 
 class Direct:
-    """CPU: each copy run at once on the calling thread (what CudaLink enqueues, without a stream)."""
+    """CPU, meta: each copy run at once on the calling thread (what CudaLink enqueues, without a stream)."""
 
     def copy(self, dsts, srcs, **_):
         for d, s in zip(dsts, srcs):
@@ -46,8 +53,10 @@ class Direct:
 
 def stores(H: int, I: int, device: torch.device):
     """(raw, coded) stores of two experts, as lists of (w13, w2) copy sources, pinned on CUDA."""
+    import inspect
+
     from specter.moe import ExpertWeights
-    from specter.offload.coded import CodedLayer, for_cuda
+    from specter.offload import coded as coded_mod
     from specter.offload.store import page_aligned, pin_in_place
     from specter.triton_ops.lossless import encode
 
@@ -61,15 +70,32 @@ def stores(H: int, I: int, device: torch.device):
         if cuda:
             pin_in_place(host)
         raw.append(host)
-    # coded on the device when there is one (the host's encode is slow at Mixtral's size), laid out as a load does
-    coded = CodedLayer(*(for_cuda(encode(w.to(device)), pin=cuda, refused=[]) for w in (w13, w2)))
+    if cuda:  # coded on the device (the host's encode is slow at Mixtral's size), laid out and pinned as a load does
+        coded = coded_mod.CodedLayer(*(coded_mod.for_cuda(encode(w.to(device)), pin=True, refused=[]) for w in (w13, w2)))
+    else:     # laid out as on CUDA where this commit has the layout
+        lay_out = {"cuda": True} if "cuda" in inspect.signature(coded_mod.encode_store).parameters else {}
+        coded = coded_mod.encode_store([ExpertWeights(w13.clone(), w2.clone())], **lay_out)[0]
     return ExpertWeights(*raw), coded, (w13, w2)
+
+
+def stub_the_decode_launch() -> None:
+    """--device meta: the decode kernel's launch does nothing (the launch code before it still runs)."""
+    import os
+
+    from specter.triton_ops import lossless
+
+    class Noop:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    lossless._decode_kernel, lossless.LAUNCHES_ON_CPU = Noop(), True
+    os.environ["TRITON_INTERPRET"] = "1"  # read at call time by commits whose decode_into checks it
 
 
 def measure(link, slots, srcs, copies: int, device) -> tuple[float, float]:
     """(issue_us, copy_us) per copy of srcs[i % 2] into `slots`, issued back to back."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for t in [link.copy(slots, srcs[i % 2], urgent=True, after=None) for i in range(2)]:  # warm: allocator, kernel
+    for t in [link.copy(slots, srcs[i % 2], urgent=True, after=None) for i in range(4)]:  # warm: allocator, kernel
         t.wait()
     sync()
     t0 = time.perf_counter()
@@ -89,6 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "meta":
+        stub_the_decode_launch()
     if device.type == "cuda":
         from specter.offload.cuda_link import CudaLink
         link = CudaLink(device)
@@ -101,15 +129,15 @@ def main(argv=None) -> int:
             slots = [torch.empty(2 * I, H, dtype=torch.bfloat16, device=device),
                      torch.empty(H, I, dtype=torch.bfloat16, device=device)]
             out = {"shape": name, "hidden": H, "inter": I}
-            copies = max(4, min(args.copies, int(8e9 // (w13[0].nbytes + w2[0].nbytes))))
+            copies = args.copies if device.type == "meta" else max(4, min(args.copies, int(8e9 // (w13[0].nbytes + w2[0].nbytes))))
             for kind, srcs in (("raw", [(raw.w13[e], raw.w2[e]) for e in range(2)]),
                                ("coded", [(coded.w13[e], coded.w2[e]) for e in range(2)])):
                 slots[0].fill_(float("nan"))
-                issue, copy = measure(link, slots, srcs, copies, device)
+                issue, copy = min(measure(link, slots, srcs, copies, device) for _ in range(3 if device.type == "meta" else 1))
                 out[kind] = {"bytes": sum(s.nbytes for s in srcs[1]), "issue_us": round(issue, 1),
                              "copy_us": round(copy, 1),
-                             "exact": bool(torch.equal(slots[0].cpu(), w13[(copies - 1) % 2])
-                                           and torch.equal(slots[1].cpu(), w2[(copies - 1) % 2]))}
+                             "exact": device.type == "meta" or bool(torch.equal(slots[0].cpu(), w13[(copies - 1) % 2])
+                                                                    and torch.equal(slots[1].cpu(), w2[(copies - 1) % 2]))}
             out["copies"] = copies
             out["coded_over_raw"] = {"bytes": round(out["coded"]["bytes"] / out["raw"]["bytes"], 3),
                                      "issue": round(out["coded"]["issue_us"] / out["raw"]["issue_us"], 2),
