@@ -250,7 +250,7 @@ def align_rows_triton(ids: torch.Tensor, n_weight_rows: int, remap: torch.Tensor
     n_padded = torch.empty(1, dtype=torch.int32, device=dev)
     _align_kernel[(1,)](ids.reshape(-1).contiguous(), remap if remap is not None else ids, slot_row, block_expert,
                         row_slot, n_padded, M, R, nb, HAS_REMAP=remap is not None, BLOCK_M=BLOCK_M, BLOCK=32,
-                        R_BLOCK=triton.next_power_of_2(R + 1))
+                        R_BLOCK=1 << R.bit_length())  # the power of two above R (triton.next_power_of_2(R + 1))
     return Alignment(slot_row, block_expert, row_slot, n_padded)
 
 
@@ -277,7 +277,9 @@ def _parts(w, dtype):
     if isinstance(w, Int4Experts):
         q, s, z = w.qweight.contiguous(), w.scale.contiguous(), w.shift.contiguous()
         return q, s, z, s.stride(0), s.stride(1), w.group_size
-    w = w.to(dtype).contiguous()
+    if w.dtype != dtype:  # a same-dtype .to() returns w, but still costs a dispatch a call
+        w = w.to(dtype)
+    w = w.contiguous()
     return w, w, w, 0, 0, 1  # scales unused: any pointer will do
 
 
@@ -302,13 +304,13 @@ def moe_rows_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     ieee = x.dtype == torch.float32
     q13, s13, z13, se13, sn13, g13 = _parts(w13, x.dtype)
     tiles = _tiles(w13, H)
-    _gate_up_kernel[(nb, triton.cdiv(I, tiles["BLOCK_N"]))](
+    _gate_up_kernel[(nb, -(-I // tiles["BLOCK_N"]))](
         x, q13, s13, z13, act, a.slot_row, a.block_expert, a.n_padded,
         H, I, M, k, x.stride(0), q13.stride(0), q13.stride(1), se13, sn13, g13,
         IEEE=ieee, BLOCK_M=BLOCK_M, **tiles)
     q2, s2, z2, se2, sn2, g2 = _parts(w2, x.dtype)
     tiles = _tiles(w2, I)
-    _down_kernel[(nb, triton.cdiv(H, tiles["BLOCK_N"]))](
+    _down_kernel[(nb, -(-H // tiles["BLOCK_N"]))](
         act, q2, s2, z2, out, rw, a.slot_row, a.block_expert, a.n_padded,
         H, I, M, q2.stride(0), q2.stride(1), se2, sn2, g2,
         IEEE=ieee, BLOCK_M=BLOCK_M, **tiles)
@@ -319,5 +321,5 @@ def combine_triton(rows: torch.Tensor) -> torch.Tensor:
     T, k, H = rows.shape
     rows = rows.contiguous()
     y = rows.new_empty(T, H)
-    _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](rows, y, H, k, BLOCK_H=BLOCK_H)
+    _combine_kernel[(T, -(-H // BLOCK_H))](rows, y, H, k, BLOCK_H=BLOCK_H)
     return y
