@@ -186,3 +186,16 @@ def test_the_summary_reads_pytest_reports(tmp_path):
     assert (tests["passed"], tests["skipped"], tests["skip_reasons"]) == (1, 1, {"needs CUDA": 1})
     assert tests["failed"] == [{"test": "tests.test_cuda::test_b", "kind": "failure", "message": "bits differ"}]
     assert doc["steps"]["bench"]["bench"]["policies"] == {"resident": {"tpot_s": 0.01, "lossless_vs_resident": True}}
+
+
+def test_the_moehost_experiment_runs_on_cpu():
+    """bench/experiments/moe_host_cost.py (CHECKS=moehost) in its CPU mode: fused_moe's own host cost,
+    one line a model and width, every call through the real launch code up to the stubbed launches."""
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "experiments" / "moe_host_cost.py"), "--device", "cpu",
+                        "--iters", "5"], cwd="/tmp", env=dict(os.environ, TRITON_INTERPRET="1"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert {(row["model"], row["T"]) for row in rows} == {(m, T) for m in ("qwen3-30b-a3b", "deepseek-v2-lite",
+                                                                          "mixtral-8x7b") for T in (1, 8)}
+    assert all(row["host_us"] > 0 for row in rows), rows

@@ -5,6 +5,9 @@ calls, so a host-bound call shows its host cost): x 48 MoE layers that is ~10 ms
 verifier runs its experts eagerly between its compiled pieces.
 
     python bench/experiments/moe_host_cost.py [--iters 200]       # CUDA
+    TRITON_INTERPRET=1 python bench/experiments/moe_host_cost.py --device cpu --iters 2000
+                                  # the call's Python and dispatch alone: host tensors on the CPU, the
+                                  # weights on meta, the four kernel launches stubbed (host_us only)
 
 Per model shape at T = 1 and 8 (bf16 experts, routing as bench/test_kernels.py's):
   host_us    perf_counter per call, calls enqueued back to back without a sync (the host's cost);
@@ -59,13 +62,47 @@ def graph_us(fn, iters: int) -> float | str:
     return start.elapsed_time(end) / iters * 1e3
 
 
+def python_only(iters: int) -> int:
+    """--device cpu: fused_moe's own host cost without a GPU (see the module docstring)."""
+    from specter.triton_ops import aot, fused_moe, kernels
+
+    class Noop:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    for name in aot.KERNELS:
+        setattr(kernels, name, Noop())
+    kernels.LAUNCHES_ON_CPU = True
+    sync = time.perf_counter  # nothing to wait for
+    for name, (E, H, I, k) in SHAPES.items():
+        w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device="meta")
+        w2 = torch.empty(E, H, I, dtype=torch.bfloat16, device="meta")
+        for T in (1, 8):
+            x, w = torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, k, dtype=torch.bfloat16)
+            ids = torch.arange(T * k).view(T, k) % E
+            call = lambda: fused_moe(x, ids, w, w13, w2, backend="triton")  # noqa: E731
+            for _ in range(50):
+                call()
+            best = float("inf")
+            for _ in range(3):
+                t0 = sync()
+                for _ in range(iters):
+                    call()
+                best = min(best, (sync() - t0) / iters * 1e6)
+            print(json.dumps({"model": name, "T": T, "host_us": round(best, 1), "launches": "stubbed"}), flush=True)
+    return 0
+
+
 def main() -> int:
     from specter.triton_ops import fused_moe
     from specter.triton_ops.kernels import align_rows_triton, combine_triton, moe_rows_triton
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = ap.parse_args()
+    if args.device == "cpu":
+        return python_only(args.iters)
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (E, H, I, k) in SHAPES.items():
         w13 = torch.randn(E, 2 * I, H, device="cuda", generator=g).mul_(0.02).bfloat16()
