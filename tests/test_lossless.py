@@ -184,6 +184,11 @@ def test_bad_shapes_and_outputs_are_refused():
         encode(torch.zeros(2, 4, 32, dtype=torch.bfloat16), bits=5)
     with pytest.raises(ConfigError):
         LosslessExperts((2, 4, 32), *packed.tensors()[:-1], packed.esc_start[:2])
+    em = lossless.expert_major(packed)
+    staged = lossless.stage(em, 0, "cpu")
+    for out in (torch.empty(4, 32), torch.empty(32, 4, dtype=torch.bfloat16).t(), torch.empty(4, 16, dtype=torch.bfloat16)):
+        with pytest.raises(ConfigError, match="contiguous bf16"):  # fp32, strided, short: int16 views would lie
+            lossless.decode_staged(em, staged, out)
 
 
 def test_the_kernel_without_a_gpu_needs_the_interpreter(monkeypatch):

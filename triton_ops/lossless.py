@@ -107,8 +107,7 @@ class LosslessExperts:
         return self.signman.device
 
     def to(self, device) -> "LosslessExperts":
-        """The coded tensors on `device`, each contiguous (esc_start, an index the launch code reads,
-        stays on the host)."""
+        """The coded tensors on `device` (esc_start, an index the launch code reads, stays on the host)."""
         *moved, _ = (t.to(device) for t in self.tensors())
         return LosslessExperts(self.shape, *moved, self.esc_start)
 
@@ -318,7 +317,7 @@ def expert_major(p: LosslessExperts, buffer: torch.Tensor | None = None) -> Loss
 def stage(p: LosslessExperts, e: int, device) -> torch.Tensor:
     """Expert e of an expert-major p (host) into one new uint8 [R + run] buffer on `device`, on the
     current stream: one non-blocking copy of its row, and one of its escape run when it has one
-    (decode_staged's input; five copies, one a tensor, without the layout)."""
+    (decode_staged's input)."""
     row, run = p.by_expert[e], p.expert_escapes(e)
     staged = torch.empty(row.numel() + run.numel(), dtype=torch.uint8, device=device)
     staged[:row.numel()].copy_(row, non_blocking=True)
@@ -328,8 +327,11 @@ def stage(p: LosslessExperts, e: int, device) -> torch.Tensor:
 
 
 def decode_staged(p: LosslessExperts, staged: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """stage()'s bytes of one expert of p decoded into out (bf16 [N, K], on their device): one launch
-    of the kernel on views of them."""
+    """stage()'s bytes of one expert of p decoded into out (contiguous bf16 [N, K], on their device):
+    one launch of the kernel on views of them."""
+    if out.dtype != torch.bfloat16 or not out.is_contiguous() or out.numel() != p.shape[1] * p.shape[2]:
+        raise ConfigError(f"decode_staged needs a contiguous bf16 {tuple(p.shape[1:])} output; got {out.dtype} "
+                          f"{tuple(out.shape)}")
     offsets, R = row_layout(p)
     words = staged.view(torch.int32)                          # R and every run a multiple of 4 bytes
     fields = [words[at // 4:] for at in offsets]
