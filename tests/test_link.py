@@ -428,13 +428,18 @@ class FakeEvent:
         return self.landed or not self.gated()
 
     def synchronize(self):
-        if self.gated() and not self.landed:  # a prefetch copy: it completes once the test lands one
-            assert self.cuda.landing.acquire(timeout=10), "no copy was landed: the test would hang"
+        if self.gated() and not self.landed:  # a gated copy: it completes once the test lands one
+            assert self.gate().acquire(timeout=10), "no copy was landed: the test would hang"
             self.landed = True
         self.cuda.note("sync", threading.current_thread().name, self)
 
+    def gate(self):
+        """What this event's landing waits on: `landing` for the prefetch stream's, `urgent_landing`
+        for the urgent stream's (None: not gated)."""
+        return {"copy": self.cuda.landing, "urgent": self.cuda.urgent_landing}.get(self.on)
+
     def gated(self):
-        return self.cuda.landing is not None and self.on == "copy"
+        return self.gate() is not None
 
     def elapsed_time(self, other):
         return 0.0
@@ -449,6 +454,7 @@ class FakeCuda(CudaApi):
     def __init__(self, pinned: bool, gated: bool = False):
         self.log, self.pinned, self.pinned_allocs = [], pinned, 0
         self.landing = threading.Semaphore(0) if gated else None
+        self.urgent_landing = None  # a test gating the urgent stream's copies too sets a Semaphore(0)
         self.compute = FakeStream(self, "compute")
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -676,12 +682,37 @@ def test_waiting_for_a_held_prefetch_puts_it_on_the_urgent_stream_ahead_of_the_r
         waiter.start()
         waiter.join(5)
         assert not waiter.is_alive(), "the wait blocked the host behind the held prefetches"
-        assert ts[4].ready() and ts[4]._event.on == "urgent" and link.pending() == 6
+        assert ts[4].ready() and ts[4]._event.on == "urgent"
+        ts[4]._future.result(timeout=5)  # resolved by the urgent stream's watcher, the copy stream's still gated
+        assert link.pending() == 5
         assert not any(ts[k].ready() for k in (2, 3, 5))
         cuda.land(5)
         link.synchronize()
         order = [t.tag for t in sorted(ts, key=lambda t: t._event.at)]
     assert order == [0, 1, 4, 2, 3, 5] and all(torch.equal(d, s) for d, s in pairs)
+
+
+def test_an_urgent_copy_that_lands_late_holds_up_no_prefetch():
+    """An urgent copy that cannot land yet (its `after`: compute queued far ahead) does not keep the
+    prefetches issued after it from resolving, nor the held ones from being issued as they land: each
+    stream has its own watcher (one watcher, waiting in issue order, sat on the urgent copy)."""
+    cuda = FakeCuda(pinned=True, gated=True)
+    cuda.urgent_landing = threading.Semaphore(0)
+    link = CudaLink("cpu", bandwidth=1e9, cuda=cuda, window_bytes=0)  # two prefetches on the stream at a time
+    late = pair(4 * KiB)
+    pairs = [pair(4 * KiB) for _ in range(4)]
+    with link:
+        u = link.copy(*late, urgent=True, tag="u")
+        ts = [link.copy(d, s, tag=k) for k, (d, s) in enumerate(pairs)]
+        assert on_copy_stream(link, ts) == [0, 1]
+        cuda.land(4)
+        for t in ts:  # the two held ones issued as the first two landed, then landed themselves
+            t._future.result(timeout=5)
+        assert not u.done() and link.pending() == 1
+        cuda.urgent_landing.release()
+        u._future.result(timeout=5)
+        assert link.pending() == 0 and link.stats["transfers"] == 5
+    assert all(torch.equal(d, s) for d, s in pairs + [late])
 
 
 def test_a_held_prefetch_that_fails_to_issue_fails_its_waiter_and_frees_the_window():

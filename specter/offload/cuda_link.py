@@ -67,7 +67,9 @@ class CudaLink(Link):
     slot (an event from `read_event`; the manager starts each slot at an event recorded after the
     pool's allocation), nothing (None), or by default ("all") all work queued so far on the current
     stream, captured at copy() (a held copy waits on that same event once issued). A small host
-    thread resolves futures (for await / callbacks / stats) and issues held prefetches.
+    thread a stream resolves its transfers' futures (for await / callbacks / stats) in issue order;
+    the copy stream's also issues held prefetches, so an urgent copy whose `after` is long (compute
+    queued far ahead) never holds up the prefetches landing behind it.
 
     A source that is not pinned (the store could not be pinned, or SPECTER_PIN_STORE=0) goes through
     two pinned staging buffers the link owns (staging.py): a stager thread copies it into the next
@@ -105,8 +107,12 @@ class CudaLink(Link):
         self._flying: set = set()  # prefetches on self.stream, not yet completed (guarded by _lock)
         self._flying_bytes = 0     # their bytes
         self._staged = StagedCopies(cuda.pinned_empty, self._issue, self._complete, name)  # unpinned sources
-        self._watch: queue.SimpleQueue = queue.SimpleQueue()
+        # One watcher a stream, each waiting for its stream's transfers in issue order: an urgent copy
+        # waiting on a long `after` never delays the landing of the prefetches (nor the release of held ones).
+        self._watch: queue.SimpleQueue = queue.SimpleQueue()         # the copy stream's
+        self._watch_urgent: queue.SimpleQueue = queue.SimpleQueue()  # the urgent stream's
         self._watcher = daemon(self._run, f"specter-link-{name}", self)
+        self._urgent_watcher = daemon(self._run_urgent, f"specter-link-{name}-urgent", self)
 
     def read_event(self):
         ev = self._cuda.event()
@@ -249,7 +255,7 @@ class CudaLink(Link):
             done.record(stream)
         t._event = done  # only now: a transfer with an event is on a stream
         t.t_started = time.perf_counter()
-        self._watch.put((t, begin))
+        (self._watch_urgent if stream is self.urgent_stream else self._watch).put((t, begin))
 
     def _warn_unpinned(self) -> None:
         if not self._warned_unpinned:
@@ -258,6 +264,7 @@ class CudaLink(Link):
                           "(slower). Keep the expert store in pinned memory.", stacklevel=3)
 
     def _run(self) -> None:
+        """The copy stream's watcher: resolves its transfers as they land and issues held prefetches."""
         while True:
             item = self._watch.get()
             if item is None:  # close(): stop once nothing is held or queued behind this marker
@@ -266,12 +273,28 @@ class CudaLink(Link):
                     self._watch.put(None)
                     continue
                 return
-            t, begin = item
-            t._event.synchronize()
-            with self._lock:
-                self._land(t)
-            self._complete(t, busy_s=begin.elapsed_time(t._event) / 1e3)
+            self._landed(*item)
             self._release()
+
+    def _run_urgent(self) -> None:
+        """The urgent stream's watcher. At close it stops after the copy stream's watcher (a held
+        prefetch can be hurried onto the urgent stream until that one has issued them all)."""
+        while True:
+            item = self._watch_urgent.get()
+            if item is not None:
+                self._landed(*item)
+                continue
+            self._watcher.join()
+            while not self._watch_urgent.empty():  # what was hurried meanwhile
+                if (item := self._watch_urgent.get()) is not None:
+                    self._landed(*item)
+            return
+
+    def _landed(self, t: Transfer, begin) -> None:
+        t._event.synchronize()
+        with self._lock:
+            self._land(t)
+        self._complete(t, busy_s=begin.elapsed_time(t._event) / 1e3)
 
     def synchronize(self) -> None:
         self.stream.synchronize()
@@ -298,9 +321,11 @@ class CudaLink(Link):
                 return
             self._closed = True
         self._staged.close()  # every staged copy is on its stream first
-        self._watch.put(None)  # the watcher resolves every transfer queued and held, then stops
-        if self._watcher is not threading.current_thread():
-            self._watcher.join()
+        self._watch.put(None)  # the watchers resolve every transfer queued and held, then stop
+        self._watch_urgent.put(None)
+        for watcher in (self._watcher, self._urgent_watcher):
+            if watcher is not threading.current_thread():
+                watcher.join()
 
 
 def make_link(device, profile: str | None = None, *, expert_bytes: int | None = None,
