@@ -715,6 +715,24 @@ def test_an_urgent_copy_that_lands_late_holds_up_no_prefetch():
     assert all(torch.equal(d, s) for d, s in pairs + [late])
 
 
+@pytest.mark.parametrize("urgent", [False, True])
+def test_close_from_a_done_callback_ends_the_link(urgent):
+    """close() called on a watcher thread (a transfer's done callback runs there) returns, and both
+    watchers end: the urgent one waits for the copy stream's at close, never the other way round."""
+    cuda = FakeCuda(pinned=True, gated=True)
+    cuda.urgent_landing = threading.Semaphore(0)
+    link = CudaLink("cpu", bandwidth=1e9, cuda=cuda)
+    t = link.copy(*pair(4 * KiB), urgent=urgent)
+    closed = threading.Event()
+    t.add_done_callback(lambda _: (link.close(), closed.set()))
+    (cuda.urgent_landing if urgent else cuda.landing).release()
+    assert closed.wait(5), "close() on a watcher thread did not return"
+    for watcher in (link._watcher, link._urgent_watcher):
+        watcher.join(5)
+        assert not watcher.is_alive()
+    assert t.done() and link.pending() == 0
+
+
 def test_a_held_prefetch_that_fails_to_issue_fails_its_waiter_and_frees_the_window():
     """A held copy whose enqueue raises (released by the watcher, or hurried by a waiter) reports the
     error to whoever waits on it, leaves the window, and the copies behind it still land."""

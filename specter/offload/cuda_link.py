@@ -323,9 +323,11 @@ class CudaLink(Link):
         self._staged.close()  # every staged copy is on its stream first
         self._watch.put(None)  # the watchers resolve every transfer queued and held, then stop
         self._watch_urgent.put(None)
-        for watcher in (self._watcher, self._urgent_watcher):
-            if watcher is not threading.current_thread():
-                watcher.join()
+        me = threading.current_thread()
+        if me is not self._watcher:  # the urgent watcher stops after the copy stream's: never wait for it there
+            for watcher in (self._watcher, self._urgent_watcher):
+                if watcher is not me:
+                    watcher.join()
 
 
 def make_link(device, profile: str | None = None, *, expert_bytes: int | None = None,
