@@ -733,6 +733,40 @@ def test_close_from_a_done_callback_ends_the_link(urgent):
     assert t.done() and link.pending() == 0
 
 
+def test_a_prefetch_hurried_while_the_link_closes_still_lands():
+    """A waiter takes a held prefetch out to hurry it just as close() runs: the copy stream's watcher
+    does not stop (and so the urgent one does not drain and stop) before it is on the urgent stream,
+    so it resolves instead of leaving its waiter and pending() hanging."""
+    cuda = FakeCuda(pinned=True, gated=True)
+    link = CudaLink("cpu", bandwidth=1e9, cuda=cuda, window_bytes=0)  # two on the stream, the third held
+    real_issue, entered, go = link._issue, threading.Event(), threading.Event()
+
+    def issue(t, stream, after, src):
+        if t.tag == 2:  # the hurried one: paused between leaving the FIFO and reaching its stream
+            entered.set()
+            assert go.wait(10)
+        real_issue(t, stream, after, src)
+
+    link._issue = issue
+    pairs = [pair(4 * KiB) for _ in range(3)]
+    ts = [link.copy(d, s, tag=k) for k, (d, s) in enumerate(pairs)]
+    waiter = threading.Thread(target=ts[2].wait, daemon=True)
+    waiter.start()
+    assert entered.wait(5)
+    closer = threading.Thread(target=link.close, daemon=True)
+    closer.start()
+    cuda.land(2)                      # the first two land; the watchers reach close's marker
+    for t in ts[:2]:
+        t._future.result(timeout=5)
+    time.sleep(0.2)                   # (time for a watcher that would stop early to do so)
+    go.set()
+    ts[2]._future.result(timeout=5)
+    closer.join(5)
+    waiter.join(5)
+    assert not closer.is_alive() and not waiter.is_alive() and link.pending() == 0
+    assert all(torch.equal(d, s) for d, s in pairs)
+
+
 def test_a_held_prefetch_that_fails_to_issue_fails_its_waiter_and_frees_the_window():
     """A held copy whose enqueue raises (released by the watcher, or hurried by a waiter) reports the
     error to whoever waits on it, leaves the window, and the copies behind it still land."""

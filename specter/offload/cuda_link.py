@@ -106,6 +106,7 @@ class CudaLink(Link):
         self._held: collections.OrderedDict = collections.OrderedDict()  # Transfer -> (after, src), FIFO
         self._flying: set = set()  # prefetches on self.stream, not yet completed (guarded by _lock)
         self._flying_bytes = 0     # their bytes
+        self._hurrying = 0         # held prefetches a waiter took out, not yet on the urgent stream
         self._staged = StagedCopies(cuda.pinned_empty, self._issue, self._complete, name)  # unpinned sources
         # One watcher a stream, each waiting for its stream's transfers in issue order: an urgent copy
         # waiting on a long `after` never delays the landing of the prefetches (nor the release of held ones).
@@ -206,8 +207,13 @@ class CudaLink(Link):
         the prefetches still held (those it was queued behind are guesses; this one is needed)."""
         with self._lock:
             held = self._held.pop(t, None)
+            self._hurrying += held is not None
         if held is not None:  # else issued or cancelled meanwhile
-            self._unhold(t, self.urgent_stream, *held)
+            try:
+                self._unhold(t, self.urgent_stream, *held)
+            finally:
+                with self._lock:
+                    self._hurrying -= 1
 
     def _unhold(self, t: Transfer, stream, after, src) -> None:
         """Put held transfer t on `stream` (a failure goes to whoever waits on it); its waiters wake."""
@@ -267,9 +273,11 @@ class CudaLink(Link):
         """The copy stream's watcher: resolves its transfers as they land and issues held prefetches."""
         while True:
             item = self._watch.get()
-            if item is None:  # close(): stop once nothing is held or queued behind this marker
+            if item is None:  # close(): stop once nothing is held, being hurried or queued behind this marker
                 self._release()
-                if self._held or not self._watch.empty():
+                if self._held or self._hurrying or not self._watch.empty():
+                    if self._watch.empty():
+                        time.sleep(1e-4)  # a waiter is putting a hurried one on the urgent stream
                     self._watch.put(None)
                     continue
                 return
