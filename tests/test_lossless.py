@@ -104,8 +104,6 @@ def test_layout_is_the_documented_one():
         assert packed.esc_off[e, 1] == esc[e, :lossless.BLOCK].sum()
     assert packed.nbytes == sum(t.numel() * t.element_size() for t in packed.tensors())
     assert packed.expert_nbytes(0) + packed.expert_nbytes(1) + 3 * 8 == packed.nbytes
-    one = packed.expert(1)
-    assert one.nbytes == packed.expert_nbytes(1) + 2 * 8 and _bits(one.decode()).equal(_bits(w[1:]))
     moved = packed.to("cpu")
     assert moved.esc_start is packed.esc_start and _bits(moved.decode()).equal(_bits(w))
 
@@ -144,7 +142,6 @@ def test_expert_major_layout_is_the_same_bits_one_row_an_expert(bits):
             run = packed.expert_escapes(e)
             assert copies.n == 1 + (run.numel() > 0), name
             assert staged[:R].equal(row) and staged[R:].equal(run), name
-            assert _bits(em.expert(e).decode()).equal(_bits(w[e:e + 1])), name
 
 
 def test_encoding_in_chunks_gives_the_same_tensors(monkeypatch):

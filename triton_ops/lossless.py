@@ -129,13 +129,6 @@ class LosslessExperts:
         E, N, K = self.shape
         return E * N * K * 2
 
-    def expert(self, e: int) -> "LosslessExperts":
-        """Expert e on its own (E = 1, views of its rows and escape run): what a copy of it moves."""
-        run = self.expert_escapes(e)
-        return LosslessExperts((1,) + tuple(self.shape[1:]), self.signman[e:e + 1], self.planes[e:e + 1],
-                               self.table[e:e + 1], self.esc_off[e:e + 1], run, torch.tensor([0, run.numel()]),
-                               None if self.by_expert is None else self.by_expert[e:e + 1])
-
     def expert_escapes(self, e: int) -> torch.Tensor:
         """uint8: expert e's escape run (a multiple of 4 bytes)."""
         return self.escapes[self._starts[e]:self._starts[e + 1]]

@@ -72,10 +72,9 @@ class CodedExpert:
     dtype = torch.bfloat16
     is_cuda = False
 
-    def __init__(self, packed: LosslessExperts, e: int, rows: torch.Tensor | None = None, nbytes: int | None = None):
-        self.packed, self.e, self.rows = packed, e, rows
+    def __init__(self, packed: LosslessExperts, e: int, rows: torch.Tensor | None, nbytes: int):
+        self.packed, self.e, self.rows, self.nbytes = packed, e, rows, nbytes
         self.shape = torch.Size(packed.shape[1:])
-        self.nbytes = packed.expert_nbytes(e) if nbytes is None else nbytes
         self.raw_nbytes = self.shape.numel() * 2
 
     def decode_into(self, out: torch.Tensor) -> torch.Tensor:
@@ -86,11 +85,7 @@ class CodedExpert:
 
             _copy_serial(out, self.rows[self.e])
             return out
-        if out.dtype == torch.bfloat16 and out.is_contiguous():
-            return self.packed.decode_into(out, self.e)
-        tmp = torch.empty(self.shape, dtype=torch.bfloat16, device=out.device)
-        out.copy_(self.packed.decode_into(tmp, self.e))
-        return out
+        return self._bf16_into(out, lambda slot: self.packed.decode_into(slot, self.e))
 
     def decode_on(self, out: torch.Tensor) -> torch.Tensor:
         """CUDA, on the current (copy) stream: the expert's row and escape run into device memory (one
@@ -100,10 +95,14 @@ class CodedExpert:
             raise RuntimeError("a coded copy to CUDA needs the store laid out expert-major "
                                "(coded_store / encode_store with cuda=True)")
         staged = lossless.stage(self.packed, self.e, out.device)
+        return self._bf16_into(out, lambda slot: lossless.decode_staged(self.packed, staged, slot))
+
+    def _bf16_into(self, out: torch.Tensor, decode) -> torch.Tensor:
+        """decode(slot) writes the expert's bf16 bits into a contiguous bf16 slot: `out` itself, or a
+        temporary converted into `out` (exact: every bf16 value is one of a wider float type's)."""
         if out.dtype == torch.bfloat16 and out.is_contiguous():
-            return lossless.decode_staged(self.packed, staged, out)
-        return out.copy_(lossless.decode_staged(self.packed, staged, torch.empty(self.shape, dtype=torch.bfloat16,
-                                                                                  device=out.device)))
+            return decode(out)
+        return out.copy_(decode(torch.empty(self.shape, dtype=torch.bfloat16, device=out.device)))
 
     def __repr__(self) -> str:
         return f"CodedExpert({self.e}, {tuple(self.shape)}, {self.nbytes} B coded)"
