@@ -33,6 +33,7 @@ from specter.testing import tie_gap
 def sync_free_check(engine, steps: int = 8) -> str:
     dec = engine.decoder
     ds, model = dec.draft_step, dec.model
+    steps = min(steps, ds.lookahead.k_max)  # a cycle drafts K_max tokens at most
     cache = KVCache(model.spec, 256, engine.device, engine.dtype)
     prompt = torch.tensor([1, 2, 3, 4, 5], device=engine.device)
     logits = model(prompt, 0, cache, dec.experts, logits_for="last")

@@ -180,7 +180,12 @@ class DraftStep:
         self.lookahead.begin()
 
     def step(self, cache: KVCache, gen: torch.Generator | None = None) -> None:
-        """Draft one token and publish its lookahead row; returns before the device is done."""
+        """Draft one token and publish its lookahead row; returns before the device is done. At most
+        K_max steps a cycle: a step past them would index the step's buffers out of bounds on the
+        device (under a CUDA graph, a device-side assert that kills the process), so it is refused here."""
+        if self._i >= self.lookahead.k_max:
+            raise RuntimeError(f"draft step: {self._i} steps this cycle already, the most its buffers hold "
+                               f"(K_max = {self.lookahead.k_max}); call begin() for a new cycle")
         if cache is not self._cache:  # a new cache: its length is symbolic, not a recompile
             if self.compiled:
                 for t in cache.k + cache.v:  # (v may be a view of k: the MLA latent)

@@ -130,6 +130,27 @@ def test_width_buckets():
         assert list(b) == sorted(set(b)) and b[0] == 1 and b[-1] == k_max + 1
 
 
+def test_a_draft_step_past_k_max_is_refused_not_run(tiny_path):
+    """A cycle drafts K_max tokens at most: one step more would index the step's buffers out of bounds
+    on the device (a CUDA graph's device-side assert kills the process), so the host refuses it;
+    begin() starts a new cycle."""
+    eng = specter.load(tiny_path, device="cpu", policy="specter", residency=0.5)
+    dec = eng.decoder
+    try:
+        la = dec.draft.lookahead
+        step = DraftStep(dec.model, dec.draft.layers, la)
+        cache = KVCache(dec.model.spec, 48, dec.device, dec.dtype)
+        dec.model(torch.tensor(PROMPT), 0, cache, dec.experts)
+        for _ in range(2):
+            step.begin(60, len(PROMPT), SamplingParams())
+            for _ in range(la.k_max):
+                step.step(cache)
+            with pytest.raises(RuntimeError, match="K_max"):
+                step.step(cache)
+    finally:
+        eng.close()
+
+
 def test_inductor_steps_compute_what_the_eager_ones_do(tiny_path):
     """The real compile (Inductor), greedy only to keep CI short: per step the same drafted token
     and lookahead row as the eager INT4 draft; the verifier's logits those of the eager forward;
