@@ -114,6 +114,12 @@ def test_int4_bad_input_is_a_clear_error():
 
 
 # ------------------------------------------------------------------------- 2- and 3-bit packing
+def _correctly_rounded_scale(groups, bits):
+    """(max - min) / (2^bits - 1), correctly rounded to fp32 (fp64 holds the quotient exactly enough)."""
+    span = groups.amax(1, keepdim=True).double() - groups.amin(1, keepdim=True).double()
+    return (span.float().double() / (2 ** bits - 1)).float()
+
+
 @pytest.mark.parametrize("bits", [4, 2])
 def test_torch_affine_quantizer_is_quantos_op_for_op(bits):
     """The 3-bit quantizer is quanto's scheme written in torch: at the widths quanto has, it gives
@@ -125,6 +131,7 @@ def test_torch_affine_quantizer_is_quantos_op_for_op(bits):
     s, z = affine_params(groups, bits)
     qs, qz = MaxOptimizer().optimize(groups, {4: qint4, 2: qint2}[bits], axis=0)
     assert torch.equal(s, qs) and torch.equal(z, qz)
+    assert torch.equal(s, _correctly_rounded_scale(groups, bits))
     q = torch.ops.quanto.quantize_affine(groups, bits=bits, axis=0, group_size=32, scale=qs, shift=qz)
     assert torch.equal(affine_quantize(groups, bits, s, z), q)
 
@@ -283,18 +290,23 @@ def moe_case(T, k, E=6, H=32, I=32, R=None, dtype=torch.float32, int4=False, see
     return x, ids, weights, w13, w2, remap
 
 
-def naive_moe(x, ids, weights, w13, w2, remap=None):
-    """fp64, one (token, position) at a time; rows whose expert maps to -1 are left out."""
+def naive_rows(x, ids, weights, w13, w2, remap=None):
+    """[T, k, H] fp64, one (token, position) at a time; zero where the expert maps to -1."""
     dense = lambda w: (w.dequantize() if isinstance(w, Int4Experts) else w).double()
     w13, w2, x = dense(w13), dense(w2), x.double()
-    y = torch.zeros_like(x)
+    y = x.new_zeros(ids.shape[0], ids.shape[1], x.shape[1])
     for t in range(ids.shape[0]):
         for j in range(ids.shape[1]):
             r = int(ids[t, j]) if remap is None else int(remap[ids[t, j]])
             if r >= 0:
                 gate, up = (w13[r] @ x[t]).chunk(2)
-                y[t] += float(weights[t, j]) * (w2[r] @ (torch.nn.functional.silu(gate) * up))
+                y[t, j] = float(weights[t, j]) * (w2[r] @ (torch.nn.functional.silu(gate) * up))
     return y
+
+
+def naive_moe(x, ids, weights, w13, w2, remap=None):
+    """fp64, positions summed: naive_rows' [T, H]."""
+    return naive_rows(x, ids, weights, w13, w2, remap).sum(1)
 
 
 @pytest.mark.parametrize("T", [1, 5, 33, 65])
@@ -471,9 +483,14 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("int4", [False, True, 3, 2])
 def test_compiled_kernels_on_cuda(dtype, int4):
-    """The kernels compiled for the GPU: against the torch backend, skipped rows, batch invariance
-    and split calls merging exactly, at the shapes a real layer has (tiles full and partial); dense
-    and codes of 4, 3 and 2 bits."""
+    """The kernels compiled for the GPU: as accurate as the torch backend against fp64, skipped rows,
+    batch invariance and split calls merging exactly, at the shapes a real layer has (tiles full and
+    partial); dense and codes of 4, 3 and 2 bits.
+
+    Accuracy is judged against fp64, not as closeness to the torch backend: at 16 bits the two round
+    different intermediates (torch rounds gate, up and silu(gate) * up to the dtype; the kernel keeps
+    them in fp32), and at these magnitudes (outputs ~10) that parts them by a few units in the last
+    place, ~0.1, failing any fixed atol on the outputs near zero (the first GPU run to reach this test)."""
     for T, k, R in [(1, 2, None), (33, 8, 6), (65, 2, None)]:
         case = moe_case(T, k, E=12, H=256, I=160, R=R, dtype=dtype, int4=int4)
         x, ids, w = (t.cuda() for t in case[:3])
@@ -481,7 +498,11 @@ def test_compiled_kernels_on_cuda(dtype, int4):
         remap = None if case[5] is None else case[5].cuda()
         rows = expert_rows(x, ids, w, w13, w2, remap=remap)  # triton: the CUDA default
         ref = expert_rows(x, ids, w, w13, w2, remap=remap, backend="torch")
-        torch.testing.assert_close(rows, ref, rtol=2e-2, atol=1e-2)
+        exact = naive_rows(x, ids, w, w13, w2, remap)  # fp64, the same (dequantized) weights
+        scale = float(exact.abs().max())
+        err = lambda a: float((a.double() - exact).abs().max()) / scale  # noqa: E731
+        assert not rows[(exact == 0).all(-1)].any()  # the skipped (token, position) rows are zero
+        assert err(rows) <= 2 * err(ref) + torch.finfo(dtype).eps, (T, k, err(rows), err(ref))
         full = fused_moe(x, ids, w, w13, w2, remap=remap)
         assert torch.equal(fused_moe(x[-1:], ids[-1:], w[-1:], w13, w2, remap=remap)[0], full[-1])
     everything = torch.arange(12, dtype=torch.int32, device="cuda")
@@ -513,6 +534,9 @@ def test_packing_on_cuda_equals_packing_on_cpu(bits):
     w = _weights(E=4, N=64, K=512, dtype=torch.bfloat16)
     on_gpu, on_cpu = pack_experts(w.cuda(), bits), pack_experts(w, bits)
     assert on_gpu.device.type == "cuda"
+    from specter.triton_ops.int4 import affine_params
+    groups = w.float().reshape(-1, 128).cuda()
+    assert torch.equal(affine_params(groups, bits)[0].cpu(), _correctly_rounded_scale(groups.cpu(), bits))
     assert torch.equal(on_gpu.qweight.cpu(), on_cpu.qweight) and torch.equal(on_gpu.scale.cpu(), on_cpu.scale)
 
 

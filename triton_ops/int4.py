@@ -212,10 +212,14 @@ def _pack_bytes(q: torch.Tensor, width: int) -> torch.Tensor:
 
 def affine_params(groups: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, shift) [rows, 1] of fp32 groups [rows, g]: quanto's MaxOptimizer for any width
-    (qmax - qmin = 2^bits - 1, shift = -min), written in torch for the widths quanto lacks."""
+    (qmax - qmin = 2^bits - 1, shift = -min), the same bits on every device. The divisor is a tensor
+    on the groups' device: quanto divides by a Python int, which CUDA computes as a multiplication by
+    its reciprocal (not correctly rounded: 1/15 and 1/3 are inexact), so a draft packed on a GPU
+    differed from one packed on the CPU in a few scales and codes (the first GPU run to test it)."""
     rmin = torch.amin(groups, dim=1, keepdim=True)
     rmax = torch.amax(groups, dim=1, keepdim=True)
-    return (rmax - rmin) / (2 ** bits - 1), -rmin
+    levels = torch.full((), 2 ** bits - 1, dtype=groups.dtype, device=groups.device)
+    return (rmax - rmin) / levels, -rmin
 
 
 def affine_quantize(groups: torch.Tensor, bits: int, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -224,14 +228,14 @@ def affine_quantize(groups: torch.Tensor, bits: int, scale: torch.Tensor, shift:
 
 
 def _quantize_groups(part: torch.Tensor, bits: int, g: int):
-    """(codes uint8 [rows, g], scale [rows, 1], shift [rows, 1]) of fp32 groups: quanto's own
-    optimizer and quantizer where quanto has the type (4 and 2 bits), the same scheme in torch else."""
+    """(codes uint8 [rows, g], scale [rows, 1], shift [rows, 1]) of fp32 groups: quanto's MaxOptimizer's
+    parameters (affine_params: its bits, on every device) and quanto's own quantizer where quanto has
+    the type (4 and 2 bits), the same scheme in torch else."""
+    s, z = affine_params(part, bits)  # [rows, 1] each (per group)
     if bits == 3:
-        s, z = affine_params(part, bits)
         return affine_quantize(part, bits, s, z), s, z
-    from optimum.quanto import MaxOptimizer, qint2, qint4
+    import optimum.quanto  # noqa: F401  (registers torch.ops.quanto)
 
-    s, z = MaxOptimizer().optimize(part, {4: qint4, 2: qint2}[bits], axis=0)  # [rows, 1] each (per group)
     return torch.ops.quanto.quantize_affine(part, bits=bits, axis=0, group_size=g, scale=s, shift=z), s, z
 
 
