@@ -388,7 +388,14 @@ def test_cuda_urgent_copy_overtakes_the_prefetch_backlog_and_after_orders_a_copy
         backlog = [link.copy(d, s) for d, s in zip(dsts, srcs)]
         urgent = link.copy(small_dst, small, urgent=True)
         urgent._event.synchronize()
-        assert not backlog[-1].done(), "the urgent copy waited for the prefetch backlog"
+        landed = time.perf_counter()
+        if backlog[-1].done():  # the timeline, host clock, ms from the first copy(): what to look at next
+            t0 = backlog[0].t_enqueued
+            ms = lambda t: None if t is None else round((t - t0) * 1e3, 2)  # noqa: E731
+            timeline = [(ms(b.t_started), ms(b.t_finished)) for b in backlog]
+            pytest.fail(f"the urgent copy waited for the prefetch backlog: window {link.window_bytes:.3g} B; "
+                        f"backlog (issued, resolved) {timeline}; urgent enqueued {ms(urgent.t_enqueued)}, "
+                        f"issued {ms(urgent.t_started)}, landed by {ms(landed)}")
         link.synchronize()
         assert all(t.done() for t in backlog) and torch.equal(small_dst.cpu(), small)
         slot = torch.ones(1 << 20, device="cuda")
