@@ -22,6 +22,8 @@ experts of random normal weights at 0.02, the stores pinned as a CUDA load pins 
   issue_us  perf_counter per link.copy, the copies issued back to back on the urgent stream (the
             issuing thread's cost: on a small expert it can exceed the copy itself)
   copy_us   wall time per copy over the whole batch, waited for at the end (the link's cost)
+  gated_issue_us  (CUDA) issue_us with every copy held on the GPU behind a sleeping kernel: no copy
+            lands, no link thread wakes while they are issued (issue_us above it: time lost to them)
   exact     the slots hold the last expert's bits
 """
 from __future__ import annotations
@@ -92,8 +94,11 @@ def stub_the_decode_launch() -> None:
     os.environ["TRITON_INTERPRET"] = "1"  # read at call time by commits whose decode_into checks it
 
 
-def measure(link, slots, srcs, copies: int, device) -> tuple[float, float]:
-    """(issue_us, copy_us) per copy of srcs[i % 2] into `slots`, issued back to back."""
+def measure(link, slots, srcs, copies: int, device) -> tuple[float, float, float | None]:
+    """(issue_us, copy_us, gated_issue_us) per copy of srcs[i % 2] into `slots`, issued back to back.
+    gated (CUDA): the same copies issued while a sleeping kernel holds them all on the GPU, so no copy
+    lands and no link thread wakes while they are issued: issue_us far above it is time the issuing
+    thread lost to the link's threads (the GIL), not the copies' own host cost."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for t in [link.copy(slots, srcs[i % 2], urgent=True, after=None) for i in range(4)]:  # warm: allocator, kernel
         t.wait()
@@ -105,7 +110,17 @@ def measure(link, slots, srcs, copies: int, device) -> tuple[float, float]:
         t.wait()
     sync()
     total = time.perf_counter() - t0
-    return issued / copies * 1e6, total / copies * 1e6
+    gated = None
+    if device.type == "cuda":
+        torch.cuda._sleep(int(2e8))  # ~0.1 s at 2 GHz: longer than issuing the batch
+        gate = link.read_event()
+        t0 = time.perf_counter()
+        ts = [link.copy(slots, srcs[i % 2], urgent=True, after=gate) for i in range(copies)]
+        gated = (time.perf_counter() - t0) / copies * 1e6
+        for t in ts:
+            t.wait()
+        sync()
+    return issued / copies * 1e6, total / copies * 1e6, gated
 
 
 def main(argv=None) -> int:
@@ -133,9 +148,10 @@ def main(argv=None) -> int:
             for kind, srcs in (("raw", [(raw.w13[e], raw.w2[e]) for e in range(2)]),
                                ("coded", [(coded.w13[e], coded.w2[e]) for e in range(2)])):
                 slots[0].fill_(float("nan"))
-                issue, copy = min(measure(link, slots, srcs, copies, device) for _ in range(3 if device.type == "meta" else 1))
+                issue, copy, gated = min((measure(link, slots, srcs, copies, device)
+                                          for _ in range(3 if device.type == "meta" else 1)), key=lambda r: r[0])
                 out[kind] = {"bytes": sum(s.nbytes for s in srcs[1]), "issue_us": round(issue, 1),
-                             "copy_us": round(copy, 1),
+                             "copy_us": round(copy, 1), "gated_issue_us": gated and round(gated, 1),
                              "exact": device.type == "meta" or bool(torch.equal(slots[0].cpu(), w13[(copies - 1) % 2])
                                                                     and torch.equal(slots[1].cpu(), w2[(copies - 1) % 2]))}
             out["copies"] = copies
