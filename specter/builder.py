@@ -187,15 +187,18 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     model, store = shared.model, shared.store
     if compress_experts and device.type == "cpu" and pol.offloads:  # coded copies: from a decoded copy if kept
         emulate_from(store, emulation_rows(shared))
+    graphed = moe_graphs(device, compile)
     if not pol.offloads:
         experts = shared.resident_experts()
-        decoder = PlainDecoder(model, ResidentExperts(experts), device, dt)
+        decoder = PlainDecoder(model, ResidentExperts(experts, expert_rows=graphed), device, dt)
     else:
         experts = store
         every = plan.pool_slots >= spec.n_moe_layers * spec.n_experts
-        rows = shared.resident_experts() if plan.pool_rows == "resident" else None
+        pool_rows = shared.resident_experts() if plan.pool_rows == "resident" else None
         mgr = OffloadedExperts(store, plan.slots_per_layer, device, lk, eviction=eviction or pol.eviction, dtype=pdt,
-                               alias=plan.aliased, rows=rows, pool=plan.pool_slots)
+                               alias=plan.aliased, rows=pool_rows, pool=plan.pool_slots)
+        if graphed is not None:
+            mgr.expert_rows = graphed
         if plan.tier_bytes:  # the compressed device tier (CPU: emulated; its decode charged from the profile)
             attach_tier(mgr, plan.tier_bytes, lk, rows=emulation_rows(shared))
         mgr.warm()
@@ -209,6 +212,16 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     engine = Engine(model, experts, shared.tokenizer, path=path, device=device, dtype=dt, policy=policy,
                     decoder=decoder, generation_defaults=defaults, plan=plan, shared=shared)
     return engine
+
+
+def moe_graphs(device: torch.device, compile: bool | None):
+    """CUDA, unless compile=False or SPECTER_MOE_GRAPHS=0: a GraphedRows, so each MoE call's launches
+    replay from a CUDA graph (triton_ops/graphed.py: the same kernels, the same bits); else None."""
+    if device.type != "cuda" or compile is False or os.environ.get("SPECTER_MOE_GRAPHS", "1") == "0":
+        return None
+    from specter.triton_ops.graphed import GraphedRows
+
+    return GraphedRows()
 
 
 def uses_host_lane(policy: Policy | str, device: torch.device, host_threads: int | None = None,

@@ -248,6 +248,21 @@ def test_pinned_host_store_on_cuda(capsys):
     assert rc == 0, capsys.readouterr().out[-2000:]
 
 
+@pytest.mark.parametrize("policy", ["resident", "on-demand"])
+def test_plain_policies_replay_their_moe_calls_losslessly_on_cuda(checkpoint, shared, plain, policy):
+    """compile left to its CUDA default: each MoE call replays from a CUDA graph (GraphedRows), the
+    tokens those of eager plain decoding."""
+    import specter
+
+    engine = specter.load(checkpoint, device="cuda", policy=policy, shared=shared, **POLICY_KW[policy])
+    try:
+        _lossless(plain, engine, f"{policy}, MoE calls from CUDA graphs")
+        graphed = engine.decoder.experts.expert_rows
+        assert graphed.stats["graphs"] > 0 and graphed.stats["replays"] > 0, graphed.stats
+    finally:
+        engine.close()
+
+
 # ----------------------------------------------- 4. captured graphs (last: the compile takes longest)
 def test_captured_graphs_run_sync_free_and_lossless_on_cuda(checkpoint, shared, plain):
     """compile=True on CUDA: the draft step and the verifier's pieces as CUDA graphs."""
@@ -262,6 +277,8 @@ def test_captured_graphs_run_sync_free_and_lossless_on_cuda(checkpoint, shared, 
         assert _fix_k(engine)
         outs = _lossless(plain, engine, "specter, CUDA graphs")
         assert set(outs[-1].stats["compiled"]) == {"draft", "verify"}, outs[-1].stats["compiled"]
+        graphed = engine.decoder.experts.expert_rows  # the MoE calls between the pieces: GraphedRows
+        assert graphed.stats["replays"] > 0, graphed.stats
         sync_free_check(engine)     # raise under set_sync_debug_mode("error") on a host sync
         verify_sync_check(engine)
     finally:

@@ -283,7 +283,7 @@ def watch(monkeypatch):
     """watch(mgr) -> Watch, with the manager's expert_rows checked (one watched manager per test)."""
     def install(mgr):
         w = Watch(mgr)
-        monkeypatch.setattr(manager_mod, "expert_rows", w.checked_expert_rows(manager_mod.expert_rows))
+        monkeypatch.setattr(mgr, "expert_rows", w.checked_expert_rows(mgr.expert_rows))
         return w
 
     return install

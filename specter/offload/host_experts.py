@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from specter.triton_ops import combine_rows, expert_rows, merge_rows
+from specter.triton_ops import combine_rows, merge_rows
 
 from .host_lane import HostLane
 from .manager import OffloadedExperts
@@ -48,7 +48,7 @@ class HostExperts:
             st["host_bytes"] += len(cold) * mgr.host_expert_bytes
         if len(cold) < len(need):  # the resident ones, meanwhile, in one call through the remap row
             pool = mgr.rows[layer]
-            rows = expert_rows(x, ids, weights, pool.w13, pool.w2, remap=slots.remap[layer])
+            rows = mgr.expert_rows(x, ids, weights, pool.w13, pool.w2, remap=slots.remap[layer])
         else:
             rows = x.new_zeros(ids.shape + x.shape[1:])
         if job is not None:

@@ -70,6 +70,7 @@ class OffloadedExperts:
         self.host_lane = None                           # both lanes (host_experts.LaneChoice): a HostLane, and
         self.host_choice = None                         # host_choice(layer, missing, routed) -> those computed there
         self.tier = None                                # a CodedTier (offload/coded_tier.py): coded on the device
+        self.expert_rows = expert_rows                  # or a GraphedRows (triton_ops/graphed.py): the same rows
         self.all_resident = False                       # set by warm() when the budget holds everything
         self._in_order = False                          # ... and compute reads expert e from row e
         allocated = link.read_event()  # CUDA: copies into a slot wait for its last reader only (or its allocation)
@@ -228,7 +229,7 @@ class OffloadedExperts:
                 self._hits_on_device = True
             pool = self.rows[layer]
             remap = None if self._in_order else slots.remap[layer]  # expert e in row e: no gather
-            return combine_rows(expert_rows(x, ids, weights, pool.w13, pool.w2, remap=remap))
+            return combine_rows(self.expert_rows(x, ids, weights, pool.w13, pool.w2, remap=remap))
         pool = self.rows[layer]
         routed = ids.reshape(-1).tolist()  # [T * k] on the host: the layer's one read
         need = sorted(set(routed))
@@ -277,7 +278,7 @@ class OffloadedExperts:
         if guess is not None:  # the next layer's guesses, queued behind this layer's misses
             guess(layer, x)
         if ready:  # every resident expert, in one call through the remap row (-1 rows left for later)
-            rows = expert_rows(x, ids, weights, pool.w13, pool.w2, remap=slots.remap[layer])
+            rows = self.expert_rows(x, ids, weights, pool.w13, pool.w2, remap=slots.remap[layer])
             if self._ordered:  # queued: a copy into these slots now waits for this call
                 self._read_done(layer, ready)
         else:
@@ -288,7 +289,7 @@ class OffloadedExperts:
             late, remap = self._late.fill_(-1), slots.remap[layer]  # the batch's entries of the layer's remap,
             for e in batch:                                          # copied on the device: no host-to-device sync
                 late[e] = remap[e]
-            rows = merge_rows(rows, expert_rows(x, ids, weights, pool.w13, pool.w2, remap=late), ids, late)
+            rows = merge_rows(rows, self.expert_rows(x, ids, weights, pool.w13, pool.w2, remap=late), ids, late)
             if self._ordered:
                 self._read_done(layer, batch)
             todo = todo[len(batch):]
