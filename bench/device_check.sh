@@ -21,7 +21,8 @@
 #                 governor's arm choice out of the comparison, counts per cycle) -> compressed_k4.json
 #   codedcopy   a raw and a coded expert copy through CudaLink, per model's expert shape: the
 #                 issuing thread's microseconds and the link's (bench/experiments/coded_copy_cost.py)
-#   also: kernels (bench's first half alone), tpot (its second half alone), firstrun
+#   also: kernels (bench's first half alone), tpot (its second half alone), tpot0 (tpot with the MoE
+#   calls eager, SPECTER_MOE_GRAPHS=0: the baseline of triton_ops/graphed.py), firstrun
 #   (bench/experiments/first_run_cost.py), moehost (bench/experiments/moe_host_cost.py), graphs
 #   (bench/graph_check.py), async (bench/async_vs_sync.py) -> NAME.log; any mix, one time budget:
 #   each step's limit is cut to what is left of BUDGET_S (default 285 s).
@@ -58,7 +59,7 @@ trap 'rm -rf "$SCRATCH"' EXIT
 SITE=${SITE:-/tmp/site}
 [[ $DRY_RUN == 1 ]] && SITE=$SCRATCH/site
 SUITE=(tests/test_triton_ops.py tests/test_lossless.py tests/test_link.py tests/test_profiling.py tests/test_slots.py tests/test_spec_lossless.py tests/test_spec_acceptance.py tests/test_spec_cycles.py tests/test_spec_planner.py
-       tests/test_coalesce.py tests/test_compressed.py tests/test_cuda.py)  # in this order: the quick ones first, the captured graphs (compiles) last
+       tests/test_coalesce.py tests/test_compressed.py tests/test_graphed.py tests/test_cuda.py)  # in this order: the quick ones first, the captured graphs (compiles) last
 mkdir -p "$OUT"
 STEPS=$SCRATCH/steps.tsv
 : > "$STEPS"
@@ -160,6 +161,9 @@ for part in $CHECKS; do
       [[ $part == bench ]] && step kernels 110 "${kernels_cmd[@]}"
       JSON=1 step bench 150 "$PY" -m specter.cli bench --device cuda --residency 0.25 \
         --policies resident,on-demand,specter --json ;;
+    tpot0)  # tpot with every MoE call eager (SPECTER_MOE_GRAPHS=0): tpot's baseline for triton_ops/graphed.py
+      JSON=1 step bench_eager_moe 150 env SPECTER_MOE_GRAPHS=0 "$PY" -m specter.cli bench --device cuda \
+        --residency 0.25 --policies resident,on-demand,specter --json ;;
     kernels) step kernels 110 "${kernels_cmd[@]}" ;;  # bench's first half alone
     firstrun) step firstrun 90 "$PY" "$REPO/bench/experiments/first_run_cost.py" ;;
     moehost) step moehost 60 "$PY" "$REPO/bench/experiments/moe_host_cost.py" ;;
@@ -172,7 +176,7 @@ for part in $CHECKS; do
         --policies on-demand,spec-lru,specter --compare-compressed --json
       JSON=1 step compressed_k4 90 "$PY" "$REPO/bench/coded_specter.py" --device cuda --residency 0.25 \
         --policy specter --k 4 --json ;;
-    *) echo "unknown check '$part' (suite, bench, kernels, tpot, firstrun, moehost, codedcopy, graphs, async, compressed)" ;;
+    *) echo "unknown check '$part' (suite, bench, kernels, tpot, tpot0, firstrun, moehost, codedcopy, graphs, async, compressed)" ;;
   esac
 done
 finish

@@ -105,15 +105,16 @@ def summary(out: Path, facts_path: Path, steps_path: Path) -> int:
         step: dict = {"exit": int(rc), "seconds": int(seconds), "limit_s": int(limit),
                       "timed_out": int(rc) in (124, 130, 137)}
         readers = [(out / f"{name}.xml", "tests", junit), (out / "kernels.json", "kernels", kernels),
-                   (out / "bench.json", "bench", bench)]
+                   (out / f"{name}.json", "bench", bench)]  # bench, bench_eager_moe
         for path, key, read in readers:
-            if (key == "tests" or name == key) and path.exists() and path.stat().st_size:
+            mine = key == "tests" or name == key or (key == "bench" and name.startswith("bench_"))
+            if mine and path.exists() and path.stat().st_size:
                 try:
                     step[key] = read(path)
                 except Exception as e:  # a truncated file from a step that was stopped
                     step[key] = f"unreadable: {type(e).__name__}: {e}"
         log = out / f"{name}.log"
-        if log.exists() and (int(rc) != 0 or name not in ("suite", "kernels", "bench")):
+        if log.exists() and (int(rc) != 0 or name not in ("suite", "kernels", "bench", "bench_eager_moe")):
             step["log_tail"] = tail(log)
         ok &= int(rc) == 0
         doc["steps"][name] = step

@@ -14,6 +14,8 @@ Per model shape at T = 1 and 8 (bf16 experts, routing as bench/test_kernels.py's
   graph_us   the same call captured once in a CUDA graph, per replay (the device's cost alone);
   pieces     host us of each step alone: align_rows_triton, the two expert kernels' launches,
              combine_triton, the allocations (new_empty/new_zeros).
+  graphed_host_us  host_us of the engine's CUDA path (triton_ops/graphed.py: GraphedRows' inputs
+             copied in, its graph replayed, the rows cloned out, then combine_triton).
 A host_us far above graph_us says the call is launch-bound: fewer launches, or capture, pay.
 """
 from __future__ import annotations
@@ -95,6 +97,7 @@ def python_only(iters: int) -> int:
 
 def main() -> int:
     from specter.triton_ops import fused_moe
+    from specter.triton_ops.graphed import GraphedRows
     from specter.triton_ops.kernels import align_rows_triton, combine_triton, moe_rows_triton
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -121,7 +124,11 @@ def main() -> int:
             gu = graph_us(call, args.iters)
             out["graph_us"] = round(gu, 1) if isinstance(gu, float) else gu
             out["pieces_host_us"] = {p: round(host_us(f, args.iters), 1) for p, f in pieces.items()}
-            assert torch.equal(combine_triton(rows), call())
+            graphed = GraphedRows()  # the engine's path on CUDA: inputs copied in, replay, clone, combine
+            gcall = lambda: combine_triton(graphed(x, ids, w, w13, w2))  # noqa: E731
+            out["graphed_host_us"] = round(host_us(gcall, args.iters), 1)
+            assert torch.equal(combine_triton(rows), call()) and torch.equal(gcall(), call())
+            assert graphed.stats["graphs"] == 1, graphed.stats
             print(json.dumps(out), flush=True)
         del w13, w2
     return 0
