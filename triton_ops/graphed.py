@@ -87,7 +87,8 @@ class GraphedRows:
         if x.shape[0] == 0 or self.stats["graphs"] >= self.max_graphs:
             self._entries[key] = None
             return rows
-        inputs = tuple(t.clone() for t in (x, ids, weights) + (() if remap is None else (remap,)))
+        with torch.inference_mode(False):  # normal tensors: written by calls in and out of inference mode
+            inputs = tuple(t.clone() for t in (x, ids, weights) + (() if remap is None else (remap,)))
         entry = _Entry(inputs, (w13, w2))
         if self.graphs is None:
             self.graphs = CudaGraphs()
