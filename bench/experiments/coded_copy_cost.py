@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -115,8 +116,15 @@ def measure(link, slots, srcs, copies: int, device) -> tuple[float, float, float
         torch.cuda._sleep(int(2e8))  # ~0.1 s at 2 GHz: longer than issuing the batch
         gate = link.read_event()
         t0 = time.perf_counter()
-        ts = [link.copy(slots, srcs[i % 2], urgent=True, after=gate) for i in range(copies)]
-        gated = (time.perf_counter() - t0) / copies * 1e6
+        ts, marks = [], []
+        for i in range(copies):
+            ts.append(link.copy(slots, srcs[i % 2], urgent=True, after=gate))
+            marks.append(time.perf_counter())
+        gated = (marks[-1] - t0) / copies * 1e6
+        each = [round((b - a) * 1e6) for a, b in zip([t0] + marks, marks)]
+        slowest = max(range(copies), key=each.__getitem__)
+        print(f"gated: slowest copy() #{slowest} of {copies}, {each[slowest]} us; first five {each[:5]} us",
+              file=sys.stderr, flush=True)
         for t in ts:
             t.wait()
         sync()
