@@ -34,10 +34,11 @@
 #
 # A session with a GPU, once here in the repo root:   bash bench/fetch_device_wheels.sh
 # then ONE call of the device tool's run with everything (the machine started in ~30 s on
-# 2026-12-04 and goes back 30 s after a call, so a second call rarely finds it warm; the first GPU
-# run took 347 s for suite, compressed, kernels and bench). $OUT brings back 8 files at most, so
-# the results travel as one tarball beside summary.json:
-#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite codedcopy tpot compressed firstrun moehost" BUDGET_S=540 bash
+# 2026-12-04 and goes back 30 s after a call, so a second call rarely finds it warm; at 17:42 suite,
+# codedcopy, tpot, compressed, firstrun and moehost took 360 s; at 18:03 suite 157 s, moehost 7 s,
+# codedcopy 12 s, tpot0 38 s). $OUT brings back 8 files at most, so the results travel as one
+# tarball beside summary.json:
+#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite moehost codedcopy tpot tpot0 compressed" BUDGET_S=540 bash
 #       bench/device_check.sh; cp $D/summary.json "$OUT"/; tar czf "$OUT/all.tgz" -C $D .',
 #       carry=[".whl"], timeout_s=600)
 # then give_back.
