@@ -190,7 +190,8 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     graphed = moe_graphs(device, compile)
     if not pol.offloads:
         experts = shared.resident_experts()
-        decoder = PlainDecoder(model, ResidentExperts(experts, expert_rows=graphed), device, dt)
+        resident = ResidentExperts(experts) if graphed is None else ResidentExperts(experts, graphed.fused_moe)
+        decoder = PlainDecoder(model, resident, device, dt)
     else:
         experts = store
         every = plan.pool_slots >= spec.n_moe_layers * spec.n_experts
@@ -198,7 +199,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         mgr = OffloadedExperts(store, plan.slots_per_layer, device, lk, eviction=eviction or pol.eviction, dtype=pdt,
                                alias=plan.aliased, rows=pool_rows, pool=plan.pool_slots)
         if graphed is not None:
-            mgr.expert_rows = graphed
+            mgr.expert_rows, mgr.fused_moe = graphed, graphed.fused_moe
         if plan.tier_bytes:  # the compressed device tier (CPU: emulated; its decode charged from the profile)
             attach_tier(mgr, plan.tier_bytes, lk, rows=emulation_rows(shared))
         mgr.warm()

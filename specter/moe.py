@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from specter.triton_ops import combine_rows, fused_moe
+from specter.triton_ops import fused_moe
 
 
 
@@ -42,12 +42,10 @@ class ExpertProvider(Protocol):
 class ResidentExperts:
     """Every expert on the device: the `resident` policy and the upper bound of all others."""
 
-    def __init__(self, layers: list[ExpertWeights], expert_rows=None):
+    def __init__(self, layers: list[ExpertWeights], fused=fused_moe):
         self.layers = layers
-        self.expert_rows = expert_rows  # None: fused_moe; or a GraphedRows (triton_ops/graphed.py), the same rows
+        self.fused_moe = fused  # or GraphedRows.fused_moe (triton_ops/graphed.py): the same output
 
     def __call__(self, layer, x, ids, weights):
         ew = self.layers[layer]
-        if self.expert_rows is None:
-            return fused_moe(x, ids, weights, ew.w13, ew.w2)
-        return combine_rows(self.expert_rows(x, ids, weights, ew.w13, ew.w2))
+        return self.fused_moe(x, ids, weights, ew.w13, ew.w2)

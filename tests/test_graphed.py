@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import specter
-from specter.triton_ops import expert_rows
+from specter.triton_ops import expert_rows, fused_moe
 from specter.triton_ops.graphed import GraphedRows
 
 from test_triton_ops import moe_case
@@ -77,6 +77,18 @@ def test_graphed_rows_are_expert_rows_and_survive_later_calls():
     assert fake.captures == len(keys)
 
 
+def test_graphed_fused_moe_is_fused_moe_and_its_own_kind_of_call():
+    """fused_moe through the graphs (the combine inside them: all-resident layers) gives fused_moe's
+    output, and its kinds of call are not expert_rows' (a [T, H] graph never serves a [T, k, H] call)."""
+    calls, remap = _calls()
+    graphed = GraphedRows(graphs=FakeGraphs())
+    for i, call in enumerate(calls):
+        fn, ref = (graphed.fused_moe, fused_moe) if i % 5 else (graphed, expert_rows)
+        assert torch.equal(_run(fn, [call], remap)[0], _run(ref, [call], remap)[0]), i
+    kinds = {(i % 5 > 0, id(c[3][0]), c[0].shape[0], c[4] is None) for i, c in enumerate(calls)}
+    assert graphed.stats["graphs"] == len(kinds) and graphed.stats["replays"] == len(calls) - len(kinds)
+
+
 def test_graphed_rows_serve_calls_in_and_out_of_inference_mode():
     """The engine's prefill and plain steps run under inference_mode, the verifier under no_grad: a
     kind of call first seen in one mode replays in the other (the H200 bench at 18:07 stopped on
@@ -110,7 +122,7 @@ def test_graphed_rows_fall_back_to_eager_calls():
     assert empty.stats["graphs"] == 0
 
 
-@pytest.mark.parametrize("policy", ["on-demand", "specter"])
+@pytest.mark.parametrize("policy", ["resident", "on-demand", "specter"])
 def test_an_engine_decoding_through_graphed_rows_is_lossless(monkeypatch, policy):
     """The builder's GraphedRows (CUDA's default) given the stand-in capture on CPU: greedy tokens
     are resident decoding's, and the MoE calls replayed."""
@@ -124,7 +136,7 @@ def test_an_engine_decoding_through_graphed_rows_is_lossless(monkeypatch, policy
 
     ref = specter.load(policy="resident", device="cpu")
     monkeypatch.setattr(builder, "moe_graphs", graphed)
-    eng = specter.load(policy=policy, device="cpu", residency=0.5)
+    eng = specter.load(policy=policy, device="cpu", residency=None if policy == "resident" else 0.5)
     try:
         for prompt in ("The capital of France is", "Once upon a time"):
             want = ref.generate(prompt, max_new_tokens=12, temperature=0.0).token_ids
@@ -147,8 +159,8 @@ def test_graphed_rows_replay_expert_rows_bit_for_bit_on_cuda():
             packed = {}
             calls = [c[:3] + (packed.setdefault(id(c[3][0]), tuple(pack_int4(w) for w in c[3])), c[4]) for c in calls]
         graphed = GraphedRows()
-        got = _run(graphed, calls, remap)
-        want = _run(expert_rows, calls, remap)
+        got = _run(graphed, calls, remap) + _run(graphed.fused_moe, calls, remap)
+        want = _run(expert_rows, calls, remap) + _run(fused_moe, calls, remap)
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(got, want)), int4
         assert graphed.stats["graphs"] > 0 and graphed.stats["replays"] > 0, graphed.stats

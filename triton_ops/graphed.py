@@ -6,10 +6,12 @@ their allocations cost the host several times what the device takes (docs/RESULT
 
     rows = GraphedRows()                          # CUDA: CudaGraphs(); tests inject a stand-in
     rows(x, ids, weights, w13, w2, remap=remap)   # == expert_rows(...), bit for bit (the same kernels)
+    rows.fused_moe(x, ids, weights, w13, w2)      # == fused_moe(...): the combine in the same graph
 
-A kind of call is its key: the weights (w13, w2: the slot pool or a layer's experts, read where they
-are, their addresses static), T and the dtypes, and whether there is a remap. x [T, H], ids and
-weights [T, k] and the remap [E] are copied into the key's own static buffers, so every layer of a
+A kind of call is its key: expert_rows or fused_moe, the weights (w13, w2: the slot pool or a
+layer's experts, read where they are, their addresses static), T and the dtypes, and whether there
+is a remap. x [T, H], ids and weights [T, k] and the remap [E] are copied into the key's own static
+buffers, so every layer of a
 shared slot pool replays one graph per T (its remap row is an input, not part of the key). A key's
 first call runs eagerly (Triton compiles its specialization; the allocator learns the sizes) and is
 then captured; every later call copies its inputs in and replays. The rows are cloned out of the
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .fused_moe import expert_rows
+from .fused_moe import combine_rows, expert_rows
 
 
 class CudaGraphs:
@@ -54,7 +56,8 @@ class _Entry:
 
 @dataclass
 class GraphedRows:
-    """expert_rows with one CUDA graph per kind of call (the module docstring)."""
+    """expert_rows (and fused_moe: the rows combined in the same graph) with one CUDA graph per kind
+    of call (the module docstring)."""
 
     graphs: object = None          # CudaGraphs() on first use unless given
     max_graphs: int = 256
@@ -65,28 +68,36 @@ class GraphedRows:
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13, w2, *,
                  remap: torch.Tensor | None = None) -> torch.Tensor:
-        T = x.shape[0]
-        key = (id(w13), id(w2), T, ids.shape[1], x.dtype, ids.dtype, weights.dtype,
+        """[T, k, H]: expert_rows(x, ids, weights, w13, w2, remap=remap)."""
+        return self._call(expert_rows, x, ids, weights, w13, w2, remap)
+
+    def fused_moe(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13, w2, *,
+                  remap: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, H]: fused_moe(x, ids, weights, w13, w2, remap=remap), the combine inside the graph."""
+        return self._call(_fused, x, ids, weights, w13, w2, remap)
+
+    def _call(self, fn, x, ids, weights, w13, w2, remap) -> torch.Tensor:
+        key = (fn, id(w13), id(w2), x.shape[0], ids.shape[1], x.dtype, ids.dtype, weights.dtype,
                None if remap is None else (remap.shape[0], remap.dtype))
         entry = self._entries.get(key, False)
         if entry is False:
-            return self._first(key, x, ids, weights, w13, w2, remap)
+            return self._first(key, fn, x, ids, weights, w13, w2, remap)
         if entry is None:
             self.stats["eager"] += 1
-            return expert_rows(x, ids, weights, w13, w2, remap=remap)
+            return fn(x, ids, weights, w13, w2, remap=remap)
         for static, given in zip(entry.inputs, (x, ids, weights, remap)):
             static.copy_(given)
         self.graphs.replay(entry.graph)
         self.stats["replays"] += 1
         return entry.out.clone()
 
-    def _first(self, key, x, ids, weights, w13, w2, remap) -> torch.Tensor:
+    def _first(self, key, fn, x, ids, weights, w13, w2, remap) -> torch.Tensor:
         """A new kind of call: run it eagerly, then capture it for the calls to come."""
-        rows = expert_rows(x, ids, weights, w13, w2, remap=remap)
+        out = fn(x, ids, weights, w13, w2, remap=remap)
         self.stats["eager"] += 1
         if x.shape[0] == 0 or self.stats["graphs"] >= self.max_graphs:
             self._entries[key] = None
-            return rows
+            return out
         with torch.inference_mode(False):  # normal tensors: written by calls in and out of inference mode
             inputs = tuple(t.clone() for t in (x, ids, weights) + (() if remap is None else (remap,)))
         entry = _Entry(inputs, (w13, w2))
@@ -95,11 +106,15 @@ class GraphedRows:
         sx, sids, sw = inputs[:3]
         sremap = inputs[3] if remap is not None else None
         try:
-            entry.graph, entry.out = self.graphs.capture(
-                lambda: expert_rows(sx, sids, sw, w13, w2, remap=sremap))
+            entry.graph, entry.out = self.graphs.capture(lambda: fn(sx, sids, sw, w13, w2, remap=sremap))
         except Exception:  # noqa: BLE001 -- a call that cannot be captured still runs, eagerly
             self._entries[key] = None
-            return rows
+            return out
         self._entries[key] = entry
         self.stats["graphs"] += 1
-        return rows
+        return out
+
+
+def _fused(x, ids, weights, w13, w2, *, remap=None) -> torch.Tensor:
+    """fused_moe's eager path: the combined rows, [T, H]."""
+    return combine_rows(expert_rows(x, ids, weights, w13, w2, remap=remap))

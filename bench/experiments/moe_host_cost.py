@@ -15,7 +15,9 @@ Per model shape at T = 1 and 8 (bf16 experts, routing as bench/test_kernels.py's
   pieces     host us of each step alone: align_rows_triton, the two expert kernels' launches,
              combine_triton, the allocations (new_empty/new_zeros).
   graphed_host_us  host_us of the engine's CUDA path (triton_ops/graphed.py: GraphedRows' inputs
-             copied in, its graph replayed, the rows cloned out, then combine_triton).
+             copied in, its graph replayed, the rows cloned out, then combine_triton);
+             graphed_fused_host_us, GraphedRows.fused_moe's (the combine inside the graph: an
+             all-resident layer's call).
 A host_us far above graph_us says the call is launch-bound: fewer launches, or capture, pay.
 """
 from __future__ import annotations
@@ -127,8 +129,10 @@ def main() -> int:
             graphed = GraphedRows()  # the engine's path on CUDA: inputs copied in, replay, clone, combine
             gcall = lambda: combine_triton(graphed(x, ids, w, w13, w2))  # noqa: E731
             out["graphed_host_us"] = round(host_us(gcall, args.iters), 1)
+            fcall = lambda: graphed.fused_moe(x, ids, w, w13, w2)  # noqa: E731  (the combine in the graph too)
+            out["graphed_fused_host_us"] = round(host_us(fcall, args.iters), 1)
             assert torch.equal(combine_triton(rows), call()) and torch.equal(gcall(), call())
-            assert graphed.stats["graphs"] == 1, graphed.stats
+            assert torch.equal(fcall(), call()) and graphed.stats["graphs"] == 2, graphed.stats
             print(json.dumps(out), flush=True)
         del w13, w2
     return 0

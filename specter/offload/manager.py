@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 
-from specter.triton_ops import combine_rows, expert_rows, merge_rows
+from specter.triton_ops import combine_rows, expert_rows, fused_moe, merge_rows
 
 from ..moe import ExpertWeights
 from .. import profiling
@@ -70,7 +70,8 @@ class OffloadedExperts:
         self.host_lane = None                           # both lanes (host_experts.LaneChoice): a HostLane, and
         self.host_choice = None                         # host_choice(layer, missing, routed) -> those computed there
         self.tier = None                                # a CodedTier (offload/coded_tier.py): coded on the device
-        self.expert_rows = expert_rows                  # or a GraphedRows (triton_ops/graphed.py): the same rows
+        self.expert_rows = expert_rows                  # or a GraphedRows (triton_ops/graphed.py): the same rows,
+        self.fused_moe = fused_moe                      # ... and its fused_moe (all resident: one call)
         self.all_resident = False                       # set by warm() when the budget holds everything
         self._in_order = False                          # ... and compute reads expert e from row e
         allocated = link.read_event()  # CUDA: copies into a slot wait for its last reader only (or its allocation)
@@ -229,7 +230,7 @@ class OffloadedExperts:
                 self._hits_on_device = True
             pool = self.rows[layer]
             remap = None if self._in_order else slots.remap[layer]  # expert e in row e: no gather
-            return combine_rows(self.expert_rows(x, ids, weights, pool.w13, pool.w2, remap=remap))
+            return self.fused_moe(x, ids, weights, pool.w13, pool.w2, remap=remap)
         pool = self.rows[layer]
         routed = ids.reshape(-1).tolist()  # [T * k] on the host: the layer's one read
         need = sorted(set(routed))
