@@ -22,7 +22,8 @@
 #   codedcopy   a raw and a coded expert copy through CudaLink, per model's expert shape: the
 #                 issuing thread's microseconds and the link's (bench/experiments/coded_copy_cost.py)
 #   also: kernels (bench's first half alone), tpot (its second half alone), tpot0 (tpot with the MoE
-#   calls eager, SPECTER_MOE_GRAPHS=0: the baseline of triton_ops/graphed.py), firstrun
+#   calls eager, SPECTER_MOE_GRAPHS=0: the baseline of triton_ops/graphed.py), hostprof (a generation
+#   under cProfile per policy: where a token's host time goes, bench/host_profile.py), firstrun
 #   (bench/experiments/first_run_cost.py), moehost (bench/experiments/moe_host_cost.py), graphs
 #   (bench/graph_check.py), async (bench/async_vs_sync.py) -> NAME.log; any mix, one time budget:
 #   each step's limit is cut to what is left of BUDGET_S (default 285 s).
@@ -38,7 +39,7 @@
 # codedcopy, tpot, compressed, firstrun and moehost took 360 s; at 18:03 suite 157 s, moehost 7 s,
 # codedcopy 12 s, tpot0 38 s). $OUT brings back 8 files at most, so the results travel as one
 # tarball beside summary.json:
-#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite moehost codedcopy tpot tpot0 compressed" BUDGET_S=540 bash
+#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite moehost codedcopy tpot tpot0 hostprof compressed" BUDGET_S=540 bash
 #       bench/device_check.sh; cp $D/summary.json "$OUT"/; tar czf "$OUT/all.tgz" -C $D .',
 #       carry=[".whl"], timeout_s=600)
 # then give_back.
@@ -168,6 +169,7 @@ for part in $CHECKS; do
     kernels) step kernels 110 "${kernels_cmd[@]}" ;;  # bench's first half alone
     firstrun) step firstrun 90 "$PY" "$REPO/bench/experiments/first_run_cost.py" ;;
     moehost) step moehost 60 "$PY" "$REPO/bench/experiments/moe_host_cost.py" ;;
+    hostprof) step hostprof 90 "$PY" "$REPO/bench/host_profile.py" --device cuda ;;
     codedcopy) step codedcopy 60 "$PY" "$REPO/bench/experiments/coded_copy_cost.py" ;;
     graphs) step graphs 200 "$PY" "$REPO/bench/graph_check.py" --residency 0.5 --repeat 1 ;;
     async) step async 200 "$PY" "$REPO/bench/async_vs_sync.py" --device cuda --policies specter \
@@ -177,7 +179,7 @@ for part in $CHECKS; do
         --policies on-demand,spec-lru,specter --compare-compressed --json
       JSON=1 step compressed_k4 90 "$PY" "$REPO/bench/coded_specter.py" --device cuda --residency 0.25 \
         --policy specter --k 4 --json ;;
-    *) echo "unknown check '$part' (suite, bench, kernels, tpot, tpot0, firstrun, moehost, codedcopy, graphs, async, compressed)" ;;
+    *) echo "unknown check '$part' (suite, bench, kernels, tpot, tpot0, hostprof, firstrun, moehost, codedcopy, graphs, async, compressed)" ;;
   esac
 done
 finish

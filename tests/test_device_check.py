@@ -199,3 +199,14 @@ def test_the_moehost_experiment_runs_on_cpu():
     assert {(row["model"], row["T"]) for row in rows} == {(m, T) for m in ("qwen3-30b-a3b", "deepseek-v2-lite",
                                                                           "mixtral-8x7b") for T in (1, 8)}
     assert all(row["host_us"] > 0 for row in rows), rows
+
+
+def test_the_host_profile_runs_on_cpu():
+    """bench/host_profile.py (CHECKS=hostprof) on CPU: a line a policy, its top functions by own time."""
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "host_profile.py"), "--device", "cpu",
+                        "--policies", "specter", "--tokens", "4", "--top", "5"], cwd="/tmp",
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads(r.stdout.splitlines()[0])
+    assert row["policy"] == "specter" and row["tokens"] > 0 and row["ms_per_token"] > 0
+    assert len(row["top"]) == 5 and all(own <= cum + 1e-6 for _, _, own, cum in row["top"]), row["top"]
