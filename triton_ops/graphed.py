@@ -11,9 +11,8 @@ their allocations cost the host several times what the device takes (docs/RESULT
 A kind of call is its key: expert_rows or fused_moe, the weights (w13, w2: the slot pool or a
 layer's experts, read where they are, their addresses static), T and the dtypes, and whether there
 is a remap. x [T, H], ids and weights [T, k] and the remap [E] are copied into the key's own static
-buffers, so every layer of a
-shared slot pool replays one graph per T (its remap row is an input, not part of the key). A key's
-first call runs eagerly (Triton compiles its specialization; the allocator learns the sizes) and is
+buffers, so every layer of a shared slot pool replays one graph per T (its remap row is an input,
+not part of the key). A key's first call runs eagerly (Triton compiles its specialization; the allocator learns the sizes) and is
 then captured; every later call copies its inputs in and replays. The rows are cloned out of the
 graph: all graphs share one memory pool, so a graph's output may lie in another's scratch memory and
 must not outlive the next replay of any graph. A call that cannot be captured (T = 0, more keys than
