@@ -57,8 +57,9 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = DE
     checkpoint's 16-bit dtype on CUDA).
     link: CPU only, the link profile that the emulated PCIe link is calibrated from.
     k_max: the longest draft the governor may choose (default 32; 0 = plain decoding only).
-    compile: compile the draft's sync-free one-token step (specter.compiled). None (default): on
-    CUDA (CUDA graphs), off on CPU; True/False force it.
+    compile: compile the decode steps (specter.compiled: the draft's sync-free one-token step and the
+    verifier; a plain policy's one-token step) and, on CUDA, replay the MoE calls from CUDA graphs.
+    None (default): on CUDA (CUDA graphs), off on CPU; True/False force it.
     host_threads: policies host and specter, the threads of the host lane that computes experts not
     on the device (default: physical cores less one). specter uses the lane on CPU, and on CUDA only
     when host_threads is given.

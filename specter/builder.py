@@ -191,7 +191,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     if not pol.offloads:
         experts = shared.resident_experts()
         resident = ResidentExperts(experts) if graphed is None else ResidentExperts(experts, graphed.fused_moe)
-        decoder = PlainDecoder(model, resident, device, dt)
+        decoder = PlainDecoder(model, resident, device, dt, step=_compiled_steps(model, None, compile, device, 0)[1])
     else:
         experts = store
         every = plan.pool_slots >= spec.n_moe_layers * spec.n_experts
@@ -240,24 +240,27 @@ def uses_host_lane(policy: Policy | str, device: torch.device, host_threads: int
 
 
 def _compiled_steps(model, draft, compile: bool | None, device: torch.device, k_max: int):
-    """(draft step, verify step) the speculative decoder runs, or (None, None) for eager ones.
+    """(draft step, verify step) the speculative decoder runs, or (None, None) for eager ones; for a
+    plain decoder (draft None) (None, its one-token step: the verifier at width 1, k_max 0).
 
     CUDA: compiled with CUDA graphs unless compile=False (a compile that fails at load falls back
-    to the eager draft and verifier with a warning when compile was not asked for explicitly). CPU:
-    only with compile=True: the compile runs at every load, which a CLI that loads per command pays
-    each time for a modest gain on a short generation, so it is not the CPU default (figures:
+    to the eager steps with a warning when compile was not asked for explicitly). CPU: only with
+    compile=True: the compile runs at every load, which a CLI that loads per command pays each time
+    for a modest gain on a short generation, so it is not the CPU default (figures:
     docs/RESULTS.md, bench/compile_speedup.py)."""
     if compile is False or (compile is None and device.type != "cuda"):
         return None, None
-    print("specter: compiling the draft step and the verifier (torch.compile; once per load, Inductor "
-          "caches it)", file=sys.stderr, flush=True)
+    what = "the one-token step" if draft is None else "the draft step and the verifier"
+    print(f"specter: compiling {what} (torch.compile; once per load, Inductor caches it)", file=sys.stderr,
+          flush=True)
     try:
+        if draft is None:
+            return None, _compiled_verify_step(model, 0)
         return _compiled_draft_step(model, draft), _compiled_verify_step(model, k_max)
     except Exception as e:  # noqa: BLE001 -- auto mode must never stop a load that works eagerly
         if compile:
             raise
-        warnings.warn(f"compiling the draft step or the verifier failed ({type(e).__name__}: {e}); "
-                      "drafting and verifying eagerly")
+        warnings.warn(f"compiling {what} failed ({type(e).__name__}: {e}); decoding eagerly")
         return None, None
 
 
@@ -285,7 +288,8 @@ def _decoder(policy: Policy, shared: Loaded, mgr, k_max, compile: bool | None = 
         guess = None
         if policy.prefetch == "next-layer" and not mgr.all_resident:  # all resident: nothing to prefetch
             guess = NextLayerPrefetch(model, mgr)
-        return PlainDecoder(model, mgr, device, dt, guess=guess)
+        step = _compiled_steps(model, None, compile, device, 0)[1]
+        return PlainDecoder(model, mgr, device, dt, guess=guess, step=step)
     if policy.decoder == "oracle":
         resident = ResidentExperts(shared.resident_experts())
         return OracleDecoder(model, mgr, resident, device, dt)

@@ -18,13 +18,19 @@ class Policy:
     name: str
     summary: str
     offloads: bool          # a slot pool under a budget; False: every expert resident (takes no budget)
-    drafts: bool = False    # an INT4 draft speculates: k_max and compile apply, the plan counts its memory
+    drafts: bool = False    # an INT4 draft speculates: k_max applies, the plan counts its memory
     prefetch: str = ""      # "" (fetch on miss) | "next-layer" | "planner" | "oracle"
     host_lane: str = ""     # "" | "misses": the host computes every miss | "split": LaneChoice splits each
     #                         layer's misses between copying and the host (CPU; CUDA only with host_threads)
     decoder: str = "plain"  # "plain" (one token a step) | "speculative" | "oracle" (record, then replay)
     eviction: str = "lru"   # the slot cache's rule; "planner" and "oracle" prefetch rank evictions over it
     bench_only: bool = False
+
+    @property
+    def compiles(self) -> bool:
+        """`compile` applies: the plain decoder's one-token step or the speculative one's draft step and
+        verifier (the oracle replays a recording eagerly)."""
+        return self.decoder != "oracle"
 
 
 TABLE = (

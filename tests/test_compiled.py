@@ -234,7 +234,8 @@ def test_compile_not_a_bool_is_a_clear_error_and_auto_is_off_on_cpu(tiny_path):
 
 def test_bench_cli_compile_flag(tiny_path, capsys, tmp_path, monkeypatch, fixed_k):
     """--compile reaches the engines `specter bench` builds (the step itself is stubbed: compiling
-    is tested above): the speculative one gets a draft step, the plain one none."""
+    is tested above): the speculative one gets a draft step and a verifier, the plain one its
+    one-token step (the verifier at K_max 0: width 1)."""
     import json
 
     from specter.cli import main
@@ -254,7 +255,37 @@ def test_bench_cli_compile_flag(tiny_path, capsys, tmp_path, monkeypatch, fixed_
     assert rc == 0, out
     pols = json.loads(out)["policies"]
     assert pols["specter"]["lossless_vs_on-demand"] is True and pols["specter"]["drafted_tokens"] > 0
-    assert built == [True, 4]  # the specter engine's draft and verifier, and nothing for on-demand
+    assert built == [0, True, 4]  # on-demand's one-token step, then the specter engine's draft and verifier
+
+
+@pytest.mark.parametrize("policy", ["resident", "on-demand", "next-layer"])
+def test_plain_policies_step_through_their_one_token_step(tiny_path, monkeypatch, policy):
+    """compile=True gives a plain policy the verifier at width 1 as its step (here its eager pieces,
+    the compile stubbed: compiling is tested above): every token after prefill goes through it, the
+    KV cache is kept across generations, and the tokens are resident decoding's."""
+    steps = []
+
+    def one_token_step(model, k_max, compile=True):
+        step = VerifyStep(model, k_max)
+        real = step.step
+        step.step = lambda *a: steps.append(a[0].shape[0]) or real(*a)
+        return step
+
+    ref = specter.load(tiny_path, device="cpu", policy="resident")
+    monkeypatch.setattr(builder, "_compiled_verify_step", one_token_step)
+    kw = {} if policy == "resident" else {"residency": 0.5}
+    eng = specter.load(tiny_path, device="cpu", policy=policy, compile=True, **kw)
+    try:
+        assert eng.decoder.step.buckets == (1,)
+        for m in (9, 20, 9, 20):
+            steps.clear()
+            out = eng.generate(PROMPT, max_new_tokens=m)
+            assert out.token_ids == ref.generate(PROMPT, max_new_tokens=m).token_ids, m
+            assert steps == [1] * (m - 1), steps
+        assert eng.decoder._caches == 2  # made, grown once for 20 tokens, kept (without graphs: no CACHE_MIN)
+    finally:
+        eng.close()
+        ref.close()
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=0.7), dict(temperature=1.3, top_k=5), dict(temperature=1.0, top_p=0.8),

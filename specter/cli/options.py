@@ -69,9 +69,10 @@ def model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
                    help="keep the host store's experts losslessly coded (bf16 checkpoints): copies move the coded "
                         "bytes and decode into the slot as they land; the same tokens")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the draft's one-token step and the verifier's non-expert pieces with "
-                        "torch.compile (default: on CUDA, with CUDA graphs; off on CPU, where the compile at "
-                        "every load costs more than a short generation gains; docs/RESULTS.md)")
+                   help="compile the decode steps' non-expert pieces with torch.compile (the draft's one-token "
+                        "step and the verifier; a plain policy's one-token step) and replay the MoE calls "
+                        "from CUDA graphs (default: on CUDA, with CUDA graphs; off on CPU, where the compile "
+                        "at every load costs more than a short generation gains; docs/RESULTS.md)")
 
 
 def pipeline_args(p: argparse.ArgumentParser) -> None:
@@ -135,7 +136,7 @@ def engine_options(args) -> dict:
 
 # Flags that only some policies read, and the Policy field that says which: given to any other
 # policy they would be ignored, so they are refused.
-FLAG_USERS = (("--k-max", "k_max", "drafts"), ("--compile", "compile", "drafts"),
+FLAG_USERS = (("--k-max", "k_max", "drafts"), ("--compile", "compile", "compiles"),
               ("--draft-bits", "draft_bits", "drafts"),
               ("--host-threads", "host_threads", "host_lane"), ("--link", "link", "offloads"))
 

@@ -56,17 +56,61 @@ def plain_steps(model: MoETransformer, experts, tok: torch.Tensor, pos: int, cac
         yield [t]
 
 
-class PlainDecoder:
-    """Prefill, then one target step per token. `experts` decides where expert bytes come from;
-    `guess`: the next-layer policy (draft.NextLayerPrefetch) the offload manager runs with every step."""
+class KeptCache:
+    """A decoder's KV cache kept across generations (one generation runs at a time) and grown only
+    when a generation needs more: its compiled steps (`compiled_steps()`) then replay their CUDA graphs
+    on the same buffer addresses instead of re-recording them every generation. Stale rows past the
+    committed length are scratch, as within a generation. Needs `model`, `device`, `dtype` and
+    `graphs` (GraphRecordings)."""
 
-    def __init__(self, model: MoETransformer, experts, device, dtype, *, guess=None):
+    _cache: KVCache | None = None  # the cache kept
+    _caches = 0                    # how many made so far
+
+    def compiled_steps(self) -> tuple:
+        return ()
+
+    def _kv_cache(self, need: int) -> KVCache:
+        cache = self._cache
+        if cache is None or cache.max_len < need:  # grow geometrically, within the model's context
+            max_pos = self.model.spec.max_position
+            size = need if cache is None else max(need, min(2 * cache.max_len, max_pos))
+            if self.graphs.needed(self.compiled_steps()):  # each new cache is a new set of recordings: a useful size
+                size = max(size, min(self.graphs.CACHE_MIN, max_pos))
+            cache = self._cache = KVCache(self.model.spec, size, self.device, self.dtype)
+            self._caches += 1
+        return cache
+
+    def record_graphs(self, tokens: int = 0) -> None:
+        """Record the CUDA graphs now, on the calling thread, for a KV cache of at least `tokens`
+        positions (the one generations will use): for a thread that will generate (a server's engine
+        thread) to call before its first request. Generations do it themselves when needed."""
+        steps = self.compiled_steps()
+        if self.graphs.needed(steps):
+            self.graphs.record(steps, self._kv_cache(max(tokens, 1)), self._caches)
+
+
+class PlainDecoder(KeptCache):
+    """Prefill, then one target step per token. `experts` decides where expert bytes come from;
+    `guess`: the next-layer policy (draft.NextLayerPrefetch) the offload manager runs with every step;
+    `step`: a compiled one-token step (compiled/verify_step.py's VerifyStep at width 1, CUDA graphs
+    on CUDA) the steps after prefill run through, as the speculative decoder's K = 0 steps do."""
+
+    def __init__(self, model: MoETransformer, experts, device, dtype, *, guess=None, step=None):
         self.model, self.experts, self.device, self.dtype, self.guess = model, experts, device, dtype, guess
+        self.step = step
+        self.graphs = GraphRecordings(device)  # CUDA graphs recorded before generating
+
+    def compiled_steps(self) -> tuple:
+        return (self.step,)
 
     def run(self, prompt: list[int], params: SamplingParams, max_new: int) -> Iterator[list[int]]:
         """Lists of one committed token id."""
         experts = self.experts if self.guess is None else partial(self.experts, guess=self.guess)
-        cache = KVCache(self.model.spec, len(prompt) + max_new, self.device, self.dtype)
+        if self.step is None:
+            cache = KVCache(self.model.spec, len(prompt) + max_new, self.device, self.dtype)
+        else:  # kept, so that its graphs replay; the step pads nothing (one width: 1)
+            cache = self._kv_cache(len(prompt) + max_new + self.step.headroom)
+            self.graphs.record(self.compiled_steps(), cache, self._caches)
         gen = params.generator(self.device)
         hist = History(prompt, self.device) if params.penalized else None  # what penalties look at
         tokens = torch.tensor(prompt, device=self.device)
@@ -76,10 +120,15 @@ class PlainDecoder:
         if hist is not None:
             hist.commit([t])
         yield [t]
-        yield from plain_steps(self.model, experts, tok, len(prompt), cache, params, gen, hist, max_new - 1)
+        step = self.model if self.step is None else self.step.step
+        yield from plain_steps(step, experts, tok, len(prompt), cache, params, gen, hist, max_new - 1)
 
     def stats(self) -> dict:
-        return dict(getattr(self.experts, "stats", lambda: {})())
+        s = dict(getattr(self.experts, "stats", lambda: {})())
+        if self.step is not None:
+            s["compiled"] = ["verify"] if getattr(self.step, "compiled", False) else []
+            s["cuda_graphs"] = self.graphs.summary()
+        return s
 
     def reset_stats(self) -> None:
         if hasattr(self.experts, "reset_stats"):
@@ -89,7 +138,7 @@ class PlainDecoder:
         getattr(self.experts, "close", lambda: None)()
 
 
-class SpeculativeDecoder:
+class SpeculativeDecoder(KeptCache):
     """`experts`: the target's expert provider (the offload manager); `draft`: the INT4 one. Optional
     collaborators: `planner` (None: spec-lru, verification fetches on demand), `fallback` (next-layer
     prefetch for K = 0 steps, used when it measures faster), `draft_step` / `verify_step` (the
@@ -109,7 +158,6 @@ class SpeculativeDecoder:
         self.cancel_leftovers = True            # withdraw a cycle's prefetches still queued when it ends
         self.times = CycleTimes(clock_for(device))  # draft and verify times: CUDA events on CUDA, else wall clock
         self.graphs = GraphRecordings(device)   # CUDA graphs recorded before generating
-        self._cache, self._caches = None, 0     # the KV cache kept across generations; how many made so far
         self.reset_stats()
 
     def run(self, prompt: list[int], params: SamplingParams, max_new: int) -> Iterator[list[int]]:
@@ -120,7 +168,7 @@ class SpeculativeDecoder:
         cache = self._kv_cache(len(prompt) + max_new + headroom)
         self._guessing = None if self.fallback is None else partial(self.experts, guess=self.fallback)
         if self.draft_step is not None or self.verify_step is not None:
-            self.graphs.record((self.draft_step, self.verify_step), cache, self._caches)
+            self.graphs.record(self.compiled_steps(), cache, self._caches)
         gen = params.generator(self.device)
         hist = History(prompt, self.device) if params.penalized else None  # what penalties look at
         if self.planner is not None:  # a new context: what earlier text used predicts it as little as T steps ago
@@ -184,28 +232,8 @@ class SpeculativeDecoder:
             t = new[0]
             produced += done
 
-    def _kv_cache(self, need: int) -> KVCache:
-        """The KV cache, kept across generations (one generation runs at a time) and grown only when
-        a generation needs more: a captured draft step then replays on the same buffer addresses
-        instead of re-recording its CUDA graphs every generation. Stale rows past the committed
-        length are scratch, as within a generation."""
-        cache = self._cache
-        if cache is None or cache.max_len < need:  # grow geometrically, within the model's context
-            max_pos = self.model.spec.max_position
-            size = need if cache is None else max(need, min(2 * cache.max_len, max_pos))
-            if self.graphs.needed((self.draft_step, self.verify_step)):  # each new cache is a new set of recordings: a useful size
-                size = max(size, min(self.graphs.CACHE_MIN, max_pos))
-            cache = self._cache = KVCache(self.model.spec, size, self.device, self.dtype)
-            self._caches += 1
-        return cache
-
-    def record_graphs(self, tokens: int = 0) -> None:
-        """Record the CUDA graphs now, on the calling thread, for a KV cache of at least `tokens`
-        positions (the one generations will use): for a thread that will generate (a server's engine
-        thread) to call before its first request. Generations do it themselves when needed."""
-        steps = (self.draft_step, self.verify_step)
-        if self.graphs.needed(steps):
-            self.graphs.record(steps, self._kv_cache(max(tokens, 1)), self._caches)
+    def compiled_steps(self) -> tuple:
+        return (self.draft_step, self.verify_step)
 
     def _cycle(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen, hist) -> list[int]:
         """One speculative cycle (K >= 1) -> the committed tokens (m accepted drafts + the target's own)."""
