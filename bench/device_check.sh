@@ -39,7 +39,7 @@
 # codedcopy, tpot, compressed, firstrun and moehost took 360 s; at 18:03 suite 157 s, moehost 7 s,
 # codedcopy 12 s, tpot0 38 s). $OUT brings back 8 files at most, so the results travel as one
 # tarball beside summary.json:
-#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite moehost codedcopy tpot tpot0 hostprof compressed" BUDGET_S=540 bash
+#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite moehost codedcopy tpot tpot0 hostprof" BUDGET_S=540 bash
 #       bench/device_check.sh; cp $D/summary.json "$OUT"/; tar czf "$OUT/all.tgz" -C $D .',
 #       carry=[".whl"], timeout_s=600)
 # then give_back.
@@ -161,10 +161,10 @@ for part in $CHECKS; do
     suite) step suite 240 "${suite_cmd[@]}" ;;
     bench | tpot)
       [[ $part == bench ]] && step kernels 110 "${kernels_cmd[@]}"
-      JSON=1 step bench 150 "$PY" -m specter.cli bench --device cuda --residency 0.25 \
+      JSON=1 step bench 200 "$PY" -m specter.cli bench --device cuda --residency 0.25 \
         --policies resident,on-demand,specter --json ;;
     tpot0)  # tpot with every MoE call eager (SPECTER_MOE_GRAPHS=0): tpot's baseline for triton_ops/graphed.py
-      JSON=1 step bench_eager_moe 150 env SPECTER_MOE_GRAPHS=0 "$PY" -m specter.cli bench --device cuda \
+      JSON=1 step bench_eager_moe 200 env SPECTER_MOE_GRAPHS=0 "$PY" -m specter.cli bench --device cuda \
         --residency 0.25 --policies resident,on-demand,specter --json ;;
     kernels) step kernels 110 "${kernels_cmd[@]}" ;;  # bench's first half alone
     firstrun) step firstrun 90 "$PY" "$REPO/bench/experiments/first_run_cost.py" ;;
