@@ -32,6 +32,8 @@ from .speculative.draft import DraftExperts, Lookahead, keep_packed
 from .speculative.draft_cache import draft_int4
 from .speculative.governor import Governor
 from .speculative.draft import NextLayerPrefetch, PrefetchPlanner
+from .triton_ops import fused_moe
+
 
 def configure_threads(device: torch.device, threads: int | None) -> None:
     """CPU: leave one core to the emulated link's copy worker (and the OS); small decode matmuls gain
@@ -209,7 +211,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
                 mgr = HostExperts(mgr, lane)
             else:  # "split": LaneChoice (ranked by the planner, in _decoder) picks which misses the host computes
                 mgr.host_lane = lane
-        decoder = _decoder(pol, shared, mgr, k_max, compile)
+        decoder = _decoder(pol, shared, mgr, k_max, compile, graphed)
     engine = Engine(model, experts, shared.tokenizer, path=path, device=device, dtype=dt, policy=policy,
                     decoder=decoder, generation_defaults=defaults, plan=plan, shared=shared)
     return engine
@@ -280,9 +282,9 @@ def _compiled_verify_step(model, k_max: int, compile: bool = True):
     return step
 
 
-def _decoder(policy: Policy, shared: Loaded, mgr, k_max, compile: bool | None = None):
+def _decoder(policy: Policy, shared: Loaded, mgr, k_max, compile: bool | None = None, graphed=None):
     """The decode loop each policy runs (its record's decoder and prefetch), with its collaborators;
-    all of them share the model and the offload manager."""
+    all of them share the model and the offload manager (and `graphed`, a GraphedRows, on CUDA)."""
     model, device, dt = shared.model, shared.device, shared.dtype
     if policy.decoder == "plain":
         guess = None
@@ -296,6 +298,7 @@ def _decoder(policy: Policy, shared: Loaded, mgr, k_max, compile: bool | None = 
     spec = model.spec
     lookahead = Lookahead(k_max, spec.n_moe_layers, spec.top_k, device)
     draft = _draft(shared, lookahead)
+    draft.fused_moe = fused_moe if graphed is None else graphed.fused_moe  # eager drafting (penalties) replays too
     draft_step, verify_step = _compiled_steps(model, draft, compile, device, k_max)
     steps = dict(governor=Governor(k_max), draft_step=draft_step, verify_step=verify_step)
     if policy.prefetch != "planner":  # speculation alone: same governor, experts fetched when verification needs them

@@ -147,6 +147,35 @@ def test_an_engine_decoding_through_graphed_rows_is_lossless(monkeypatch, policy
         ref.close()
 
 
+def test_the_eager_draft_replays_its_moe_calls(monkeypatch):
+    """With a penalty set the draft runs eagerly (not the captured step): its INT4 MoE calls go through
+    the engine's GraphedRows too, and the tokens are resident decoding's under the same penalty."""
+    from specter import builder
+
+    made: list[GraphedRows] = []
+
+    def graphed(device, compile):
+        made.append(GraphedRows(graphs=FakeGraphs()))
+        return made[-1]
+
+    kw = dict(max_new_tokens=16, temperature=0.0, repetition_penalty=1.3)
+    ref = specter.load(policy="resident", device="cpu")
+    monkeypatch.setattr(builder, "moe_graphs", graphed)
+    eng = specter.load(policy="specter", device="cpu", residency=0.5)
+    try:
+        draft_calls = []
+        real = eng.decoder.draft.fused_moe
+        eng.decoder.draft.fused_moe = lambda *a, **k: draft_calls.append(1) or real(*a, **k)
+        assert real.__self__ is made[0]
+        eng.decoder.governor.fixed = 3  # draft every cycle
+        out = eng.generate("Once upon a time", **kw)
+        assert out.token_ids == ref.generate("Once upon a time", **kw).token_ids
+        assert draft_calls and out.stats["drafted_tokens"] > 0 and made[0].stats["replays"] > 0
+    finally:
+        eng.close()
+        ref.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graphed_rows_replay_expert_rows_bit_for_bit_on_cuda():
     """Real CUDA graphs: the same rows as the eager kernels, bit for bit, at bf16, with every

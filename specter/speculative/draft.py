@@ -42,7 +42,7 @@ from collections import Counter
 
 import torch
 
-from specter.triton_ops import Int4Experts, combine_rows, expert_rows, pack_int4
+from specter.triton_ops import Int4Experts, fused_moe, pack_int4
 
 from ..moe import ExpertWeights
 from ..offload.manager import OffloadedExperts
@@ -75,6 +75,7 @@ class DraftExperts:
         """experts: per MoE layer, the host full-precision ExpertWeights (quantised here, layer by layer
         on the device), or its (w13, w2) Int4Experts with fp32 scales (the draft cache's)."""
         self.lookahead, self.row, self.packed = lookahead, None, packed
+        self.fused_moe = fused_moe  # or GraphedRows.fused_moe (triton_ops/graphed.py): the same output
         self.q13, self.q2 = [], []  # list[Int4Experts] each
         self.layers: list[ExpertWeights] = []
         for ew in experts:
@@ -94,9 +95,9 @@ class DraftExperts:
             la.ids[self.row, layer].copy_(ids[0])
             la.weights[self.row, layer].copy_(weights[0])
         if self.packed:  # INT4 dequantized tile by tile inside the kernels' K loops
-            return combine_rows(expert_rows(x, ids, weights, self.q13[layer], self.q2[layer]))
+            return self.fused_moe(x, ids, weights, self.q13[layer], self.q2[layer])
         ew = self.layers[layer]
-        return combine_rows(expert_rows(x, ids, weights, ew.w13, ew.w2))  # fused_moe, as the manager calls it
+        return self.fused_moe(x, ids, weights, ew.w13, ew.w2)
 
 
 # ------------------------------------------------------------------------------- lookahead buffer
