@@ -120,6 +120,10 @@ def test_graphed_rows_fall_back_to_eager_calls():
     for _ in range(2):  # T = 0: nothing to capture
         assert empty(x[:0], ids[:0], w[:0], w13, w2).shape == (0, 2, x.shape[1])
     assert empty.stats["graphs"] == 0
+    small = GraphedRows(graphs=FakeGraphs(), max_tokens=2)  # T = 3 (a prefill's size here): never captured
+    assert all(torch.equal(a, b) for a, b in zip(_run(small, calls, remap), want))
+    kinds = {(id(c[3][0]), c[0].shape[0], c[4] is None) for c in calls if c[0].shape[0] <= 2}
+    assert small.stats["graphs"] == len(kinds) and len(small._entries) == len(kinds)
 
 
 @pytest.mark.parametrize("policy", ["resident", "on-demand", "specter"])

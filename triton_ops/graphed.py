@@ -15,8 +15,10 @@ buffers, so every layer of a shared slot pool replays one graph per T (its remap
 not part of the key). A key's first call runs eagerly (Triton compiles its specialization; the allocator learns the sizes) and is
 then captured; every later call copies its inputs in and replays. The rows are cloned out of the
 graph: all graphs share one memory pool, so a graph's output may lie in another's scratch memory and
-must not outlive the next replay of any graph. A call that cannot be captured (T = 0, more keys than
-`max_graphs`, a capture that fails) runs eagerly, as before.
+must not outlive the next replay of any graph. Only decode-sized calls are captured (T <= max_tokens:
+one-token steps and verifications; a prefill is device-bound, and its every prompt length would be
+a new graph holding its own output), at most `max_graphs` kinds; any other call, or one whose
+capture fails, runs eagerly, as before.
 """
 from __future__ import annotations
 
@@ -59,7 +61,8 @@ class GraphedRows:
     of call (the module docstring)."""
 
     graphs: object = None          # CudaGraphs() on first use unless given
-    max_graphs: int = 256
+    max_graphs: int = 256          # kinds of call captured at most (each holds its output and inputs)
+    max_tokens: int = 64           # larger calls (prefill) run eagerly: device-bound, and of every length
     stats: dict = field(default_factory=lambda: {"graphs": 0, "replays": 0, "eager": 0})
 
     def __post_init__(self):
@@ -76,6 +79,9 @@ class GraphedRows:
         return self._call(_fused, x, ids, weights, w13, w2, remap)
 
     def _call(self, fn, x, ids, weights, w13, w2, remap) -> torch.Tensor:
+        if not 0 < x.shape[0] <= self.max_tokens:
+            self.stats["eager"] += 1
+            return fn(x, ids, weights, w13, w2, remap=remap)
         key = (fn, id(w13), id(w2), x.shape[0], ids.shape[1], x.dtype, ids.dtype, weights.dtype,
                None if remap is None else (remap.shape[0], remap.dtype))
         entry = self._entries.get(key, False)
@@ -94,7 +100,7 @@ class GraphedRows:
         """A new kind of call: run it eagerly, then capture it for the calls to come."""
         out = fn(x, ids, weights, w13, w2, remap=remap)
         self.stats["eager"] += 1
-        if x.shape[0] == 0 or self.stats["graphs"] >= self.max_graphs:
+        if self.stats["graphs"] >= self.max_graphs:
             self._entries[key] = None
             return out
         with torch.inference_mode(False):  # normal tensors: written by calls in and out of inference mode
