@@ -60,9 +60,10 @@ def width_buckets(k_max: int) -> tuple[int, ...]:
     return tuple(out) + (top,)
 
 
-def graph_plan(n_layers: int, vocab: int, hidden: int, k_max: int, itemsize: int) -> dict:
-    """The CUDA graphs a speculative engine records per generating thread and KV cache: the
-    verifier's widths x (layers + 2) (VerifyStep.recordings) and the draft step's two. Their memory
+def graph_plan(n_layers: int, vocab: int, hidden: int, k_max: int, itemsize: int, draft: bool = True) -> dict:
+    """The CUDA graphs an engine records per generating thread and KV cache: the verifier's widths x
+    (layers + 2) (VerifyStep.recordings) and the draft step's two; a plain engine (draft False,
+    k_max 0) its one-token step's layers + 2. Their memory
     is one pool per thread that every graph reuses (each verification one path through it), so it
     is about the widest verification's working set: its fp32 logits (and their clone) and a few
     [W, hidden] activations; attention keeps no scores (fused SDPA). An estimate: the engine
@@ -71,7 +72,8 @@ def graph_plan(n_layers: int, vocab: int, hidden: int, k_max: int, itemsize: int
     W = widths[-1]
     verify = len(widths) * (n_layers + 2)
     pool = 2 * W * vocab * 4 + 16 * W * hidden * itemsize
-    return dict(recordings=verify + 2, verify=verify, draft=2, widths=len(widths), pool_bytes=pool)
+    drafts = 2 if draft else 0
+    return dict(recordings=verify + drafts, verify=verify, draft=drafts, widths=len(widths), pool_bytes=pool)
 
 
 # Lossless means the verifier computes what plain eager decoding computes, to the bit: Inductor

@@ -429,8 +429,8 @@ def test_graph_recordings_are_bounded_and_all_made_before_generating(tiny_path):
 
 
 def test_plan_says_how_many_cuda_graphs_and_their_pool(capsys):
-    """`specter plan` for a speculative policy on CUDA counts the recordings VerifyStep and DraftStep
-    make per thread and cache (the bundled model: 4 layers, K_max 32) and estimates their pool."""
+    """`specter plan` on CUDA counts the recordings VerifyStep and DraftStep make per thread and cache
+    (the bundled model: 4 layers, K_max 32), a plain policy's one-token step's, and estimates their pool."""
     import json
 
     from specter.cli import main
@@ -441,7 +441,11 @@ def test_plan_says_how_many_cuda_graphs_and_their_pool(capsys):
     assert graphs["recordings"] == 6 * (4 + 2) + 2 and graphs["pool_bytes"] > 2 * 33 * 4096 * 4
     assert main(["plan", "--device", "cuda", "--policy", "specter"]) == 0
     assert "CUDA graphs (compiled draft and verifier): 38 recorded per generating thread" in capsys.readouterr().out
-    for argv in (["--device", "cuda", "--policy", "on-demand"], ["--device", "cpu", "--policy", "specter"]):
-        assert main(["plan", *argv, "--json"]) == 0
-        assert json.loads(capsys.readouterr().out)["cuda_graphs"] is None
+    assert main(["plan", "--device", "cuda", "--policy", "on-demand", "--json"]) == 0  # its one-token step
+    graphs = json.loads(capsys.readouterr().out)["cuda_graphs"]
+    assert graphs["recordings"] == 4 + 2 and graphs["draft"] == 0 and graphs["widths"] == 1
+    assert main(["plan", "--device", "cuda", "--policy", "resident"]) == 0
+    assert "CUDA graphs (compiled one-token step): 6 recorded per generating thread" in capsys.readouterr().out
+    assert main(["plan", "--device", "cpu", "--policy", "specter", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cuda_graphs"] is None
     assert graph_plan(48, 151936, 2048, 32, 2)["recordings"] == 6 * 50 + 2  # Qwen3-30B-A3B's shape

@@ -74,12 +74,15 @@ def cmd_plan(args) -> int:
     copies = f"host->device copies: {host.h2d_path}"
     if host.h2d_path == "pinned store":
         copies += f" (if the host cannot pin it: {describe_staging(host.staging_bytes)})"
-    graphs = _graph_plan(spec, device, pol.drafts, dtype)
+    graphs = _graph_plan(spec, device, pol, dtype)
     if graphs is not None:  # one more line under the copies
-        copies += f"\nCUDA graphs (compiled draft and verifier): {graphs['recordings']} recorded per generating " \
-                  f"thread and KV cache size, before its first generation there (verifier {graphs['widths']} " \
-                  f"widths x ({spec.n_layers} layers + 2), draft 2); one pool per thread, " \
-                  f"~{format_size(graphs['pool_bytes'])} (estimate; measured: stats cuda_graphs)"
+        steps = (f"compiled draft and verifier): {graphs['recordings']} recorded per generating thread and KV "
+                 f"cache size, before its first generation there (verifier {graphs['widths']} widths x "
+                 f"({spec.n_layers} layers + 2), draft 2)") if pol.drafts else \
+                (f"compiled one-token step): {graphs['recordings']} recorded per generating thread and KV cache "
+                 f"size, before its first generation there ({spec.n_layers} layers + 2)")
+        copies += f"\nCUDA graphs ({steps}; one pool per thread, ~{format_size(graphs['pool_bytes'])} (estimate; " \
+                  f"measured: stats cuda_graphs); the MoE calls' own graphs, one a width, beside them"
     if args.device_memory is not None:
         profile = load_profile(args.link)
         f = fit(spec, numel, dtype, args.device_memory, policy=args.policy, context=args.context,
@@ -204,12 +207,14 @@ def _lane_split(spec, store_dtype, residency: float, host_lane: str = "misses", 
     return out
 
 
-def _graph_plan(spec, device, drafts: bool, dtype) -> dict | None:
-    """CUDA graphs a speculative policy records on CUDA (compiled by default there), at the default
-    K_max; None elsewhere."""
-    if device.type != "cuda" or not drafts:
+def _graph_plan(spec, device, pol, dtype) -> dict | None:
+    """CUDA graphs a policy's compiled steps record on CUDA (compiled by default there): a speculative
+    one's at the default K_max, a plain one's one-token step; None elsewhere (CPU, the oracle)."""
+    if device.type != "cuda" or not pol.compiles:
         return None
-    return graph_plan(spec.n_layers, spec.vocab_size, spec.hidden, 32, dtype.itemsize)
+    if pol.drafts:
+        return graph_plan(spec.n_layers, spec.vocab_size, spec.hidden, 32, dtype.itemsize)
+    return graph_plan(spec.n_layers, spec.vocab_size, spec.hidden, 0, dtype.itemsize, draft=False)
 
 
 def _plan_device(device: str, sized: bool):
