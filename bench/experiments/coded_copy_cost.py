@@ -128,7 +128,30 @@ def measure(link, slots, srcs, copies: int, device) -> tuple[float, float, float
         for t in ts:
             t.wait()
         sync()
+        if not hasattr(srcs[0][0], "decode_on"):  # raw: the same gated batch without the link
+            bare_gated(slots, srcs, copies)
     return issued / copies * 1e6, total / copies * 1e6, gated
+
+
+def bare_gated(slots, srcs, copies: int) -> None:
+    """The gated batch as plain `copy_(non_blocking=True)` calls on a side stream, no CudaLink (no
+    events, no threads): a batch as slow as the link's says the wait is in torch or the driver
+    (e.g. a source the driver stages as pageable), a fast one that it is the link's."""
+    stream = torch.cuda.Stream()
+    torch.cuda._sleep(int(2e8))
+    gate = torch.cuda.Event()
+    gate.record()
+    stream.wait_event(gate)
+    t0 = time.perf_counter()
+    with torch.cuda.stream(stream):
+        for i in range(copies):
+            for d, s in zip(slots, srcs[i % 2]):
+                d.copy_(s, non_blocking=True)
+    bare = (time.perf_counter() - t0) / copies * 1e6
+    pinned = [bool(s.is_pinned()) for s in srcs[0]]
+    print(f"gated, bare copy_ on a side stream: {bare:.1f} us an expert; sources is_pinned() {pinned}",
+          file=sys.stderr, flush=True)
+    torch.cuda.synchronize()
 
 
 def main(argv=None) -> int:
