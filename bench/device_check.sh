@@ -39,7 +39,7 @@
 # codedcopy, tpot, compressed, firstrun and moehost took 360 s; at 18:03 suite 157 s, moehost 7 s,
 # codedcopy 12 s, tpot0 38 s). $OUT brings back 8 files at most, so the results travel as one
 # tarball beside summary.json:
-#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite moehost codedcopy tpot tpot0 hostprof" BUDGET_S=540 bash
+#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite codedcopy tpot tpot0 hostprof moehost" BUDGET_S=540 bash
 #       bench/device_check.sh; cp $D/summary.json "$OUT"/; tar czf "$OUT/all.tgz" -C $D .',
 #       carry=[".whl"], timeout_s=600)
 # then give_back.
