@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .fused_moe import combine_rows, expert_rows
+from .fused_moe import expert_rows, fused_moe
 
 
 class CudaGraphs:
@@ -76,32 +76,30 @@ class GraphedRows:
     def fused_moe(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13, w2, *,
                   remap: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H]: fused_moe(x, ids, weights, w13, w2, remap=remap), the combine inside the graph."""
-        return self._call(_fused, x, ids, weights, w13, w2, remap)
+        return self._call(fused_moe, x, ids, weights, w13, w2, remap)
 
     def _call(self, fn, x, ids, weights, w13, w2, remap) -> torch.Tensor:
-        if not 0 < x.shape[0] <= self.max_tokens:
-            self.stats["eager"] += 1
-            return fn(x, ids, weights, w13, w2, remap=remap)
-        key = (fn, id(w13), id(w2), x.shape[0], ids.shape[1], x.dtype, ids.dtype, weights.dtype,
-               None if remap is None else (remap.shape[0], remap.dtype))
-        entry = self._entries.get(key, False)
-        if entry is False:
-            return self._first(key, fn, x, ids, weights, w13, w2, remap)
-        if entry is None:
-            self.stats["eager"] += 1
-            return fn(x, ids, weights, w13, w2, remap=remap)
-        for static, given in zip(entry.inputs, (x, ids, weights, remap)):
-            static.copy_(given)
-        self.graphs.replay(entry.graph)
-        self.stats["replays"] += 1
-        return entry.out.clone()
+        if 0 < x.shape[0] <= self.max_tokens:
+            key = (fn, id(w13), id(w2), x.shape[0], ids.shape[1], x.dtype, ids.dtype, weights.dtype,
+                   None if remap is None else (remap.shape[0], remap.dtype))
+            entry = self._entries.get(key, False)
+            if entry is False:
+                return self._first(key, fn, x, ids, weights, w13, w2, remap)
+            if entry is not None:
+                for static, given in zip(entry.inputs, (x, ids, weights, remap)):
+                    static.copy_(given)
+                self.graphs.replay(entry.graph)
+                self.stats["replays"] += 1
+                return entry.out.clone()
+        self.stats["eager"] += 1
+        return fn(x, ids, weights, w13, w2, remap=remap)
 
     def _first(self, key, fn, x, ids, weights, w13, w2, remap) -> torch.Tensor:
-        """A new kind of call: run it eagerly, then capture it for the calls to come."""
+        """A new kind of call: run it eagerly, then capture it for the calls to come (None: never)."""
         out = fn(x, ids, weights, w13, w2, remap=remap)
         self.stats["eager"] += 1
+        self._entries[key] = None
         if self.stats["graphs"] >= self.max_graphs:
-            self._entries[key] = None
             return out
         with torch.inference_mode(False):  # normal tensors: written by calls in and out of inference mode
             inputs = tuple(t.clone() for t in (x, ids, weights) + (() if remap is None else (remap,)))
@@ -113,13 +111,7 @@ class GraphedRows:
         try:
             entry.graph, entry.out = self.graphs.capture(lambda: fn(sx, sids, sw, w13, w2, remap=sremap))
         except Exception:  # noqa: BLE001 -- a call that cannot be captured still runs, eagerly
-            self._entries[key] = None
             return out
         self._entries[key] = entry
         self.stats["graphs"] += 1
         return out
-
-
-def _fused(x, ids, weights, w13, w2, *, remap=None) -> torch.Tensor:
-    """fused_moe's eager path: the combined rows, [T, H]."""
-    return combine_rows(expert_rows(x, ids, weights, w13, w2, remap=remap))
