@@ -260,13 +260,15 @@ def test_bench_cli_compile_flag(tiny_path, capsys, tmp_path, monkeypatch, fixed_
 
 @pytest.mark.parametrize("policy", ["resident", "on-demand", "next-layer"])
 def test_plain_policies_step_through_their_one_token_step(tiny_path, monkeypatch, policy):
-    """compile=True gives a plain policy the verifier at width 1 as its step (here its eager pieces,
-    the compile stubbed: compiling is tested above): every token after prefill goes through it, the
-    KV cache is kept across generations, and the tokens are resident decoding's."""
-    steps = []
+    """compile=True gives a plain policy the verifier at width 1 as its step, traced through the
+    capture-checking backend (what a CUDA graph needs, without Inductor): every token after prefill
+    goes through it, its pieces are clean graphs, none recompiles for a longer cache or another
+    generation, the KV cache is kept across generations, and the tokens are resident decoding's."""
+    steps, found, graphs = [], [], []
 
     def one_token_step(model, k_max, compile=True):
-        step = VerifyStep(model, k_max)
+        step = VerifyStep(model, k_max, compile=True, backend=capture_check_backend(found, graphs))
+        step.warmup()
         real = step.step
         step.step = lambda *a: steps.append(a[0].shape[0]) or real(*a)
         return step
@@ -276,13 +278,16 @@ def test_plain_policies_step_through_their_one_token_step(tiny_path, monkeypatch
     kw = {} if policy == "resident" else {"residency": 0.5}
     eng = specter.load(tiny_path, device="cpu", policy=policy, compile=True, **kw)
     try:
-        assert eng.decoder.step.buckets == (1,)
-        for m in (9, 20, 9, 20):
-            steps.clear()
-            out = eng.generate(PROMPT, max_new_tokens=m)
-            assert out.token_ids == ref.generate(PROMPT, max_new_tokens=m).token_ids, m
-            assert steps == [1] * (m - 1), steps
+        assert eng.decoder.step.buckets == (1,) and found == [] and len(graphs) == 3  # embed, MoE segment, head
+        with torch.compiler.set_stance("fail_on_recompile"):
+            for m in (9, 20, 9, 20):
+                steps.clear()
+                out = eng.generate(PROMPT, max_new_tokens=m)
+                assert out.token_ids == ref.generate(PROMPT, max_new_tokens=m).token_ids, m
+                assert steps == [1] * (m - 1), steps
+                assert out.stats["compiled"] == ["verify"]
         assert eng.decoder._caches == 2  # made, grown once for 20 tokens, kept (without graphs: no CACHE_MIN)
+        assert len(graphs) == 3 and found == [], found
     finally:
         eng.close()
         ref.close()
@@ -338,12 +343,13 @@ def test_captured_graphs_read_every_large_tensor_as_a_static_input(wide_path):
             big = [i for i in inputs if i.nbytes > MB]
             assert any("experts" in i.name for i in big), (name, big)  # the weights are there, and large
             copied[name] = [i.name for i in copied_inputs(inputs, MB)]
-        inputs = []
-        verify = VerifyStep(dec.model, 8, compile=True, backend=static_inputs_backend(inputs))
-        verify.warmup()
-        assert len({i.graph for i in inputs}) == 3 * 2 and any(i.nbytes > MB for i in inputs)
-        copied["verify"] = [i.name for i in copied_inputs(inputs, MB)]
-        assert copied == {"dense": [], "int4": [], "verify": []}, copied
+        for name, k_max, kinds in (("verify", 8, 3 * 2), ("one-token step", 0, 3)):  # 0: a plain policy's
+            inputs = []
+            verify = VerifyStep(dec.model, k_max, compile=True, backend=static_inputs_backend(inputs))
+            verify.warmup()
+            assert len({i.graph for i in inputs}) == kinds and any(i.nbytes > MB for i in inputs)
+            copied[name] = [i.name for i in copied_inputs(inputs, MB)]
+        assert copied == {"dense": [], "int4": [], "verify": [], "one-token step": []}, copied
     finally:
         eng.close()
 
