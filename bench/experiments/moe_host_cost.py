@@ -51,10 +51,10 @@ def graph_us(fn, iters: int) -> float | str:
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
+    from specter.triton_ops.graphed import CudaGraphs
+
     try:
-        with torch.cuda.graph(g):
-            fn()
+        g, _ = CudaGraphs().capture(fn)  # as the engine captures (triton_ops/graphed.py)
     except Exception as e:  # a host sync inside the call makes capture fail: itself a finding
         return f"capture failed: {type(e).__name__}: {str(e)[:120]}"
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
