@@ -20,7 +20,8 @@
 #                 then specter raw against coded with K fixed at 4 (bench/coded_specter.py: the
 #                 governor's arm choice out of the comparison, counts per cycle) -> compressed_k4.json
 #   codedcopy   a raw and a coded expert copy through CudaLink, per model's expert shape: the
-#                 issuing thread's microseconds and the link's (bench/experiments/coded_copy_cost.py)
+#                 issuing thread's microseconds and the link's (bench/experiments/coded_copy_cost.py);
+#                 coded as the engine copies (one launch an expert) and per tensor beside it
 #   also: kernels (bench's first half alone), tpot (its second half alone), tpot0 (tpot with the MoE
 #   calls eager, SPECTER_MOE_GRAPHS=0: the baseline of triton_ops/graphed.py), hostprof (a generation
 #   under cProfile per policy: where a token's host time goes, bench/host_profile.py), firstrun

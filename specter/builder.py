@@ -17,7 +17,7 @@ from .layers import cuda_attention_backends
 from .loader import Checkpoint, load_checkpoint, load_tokenizer, open_checkpoint
 from .model import MoETransformer
 from .moe import ExpertWeights, ResidentExperts
-from .offload.coded import DecodedStore, cache_entry, coded_store, emulate_from, read_cached
+from .offload.coded import DecodedStore, cache_entry, coded_store, emulate_from, read_cached, warm_decode
 from .offload.coded_tier import PLAN_RATIO, attach as attach_tier, emulation_rows
 from .offload.host_experts import HostExperts
 from .offload.host_lane import LaneChoice, host_params, make_host_lane
@@ -105,6 +105,8 @@ def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | 
         hit = all(layer is not None for layer in cached)
         model, store, _ = load_checkpoint(path, device, dt, experts=not hit)
         store = coded_store(store, cached, entry, cuda=device.type == "cuda", pin=pin)
+        if device.type == "cuda":  # the decode kernels compile now, not on the first copies
+            warm_decode(store, device)
     return Loaded(Path(path), ckpt, device, dt, model, store, load_tokenizer(path), draft_cache,
                   compressed=bool(compress_experts), draft_bits=draft_bits)
 

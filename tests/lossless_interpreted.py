@@ -59,6 +59,90 @@ def test_a_staged_copy_decodes_every_case_bit_exact(bits):
             assert _bits(slot).equal(_bits(w[e])), (name, e, bits)
 
 
+def test_a_staged_pair_decodes_every_case_bit_exact():
+    """A layer's two tensors laid out together (layer_major), each expert's copy (stage_pair) decoded in
+    one launch (decode_staged_pair), the CPU as the device: every special case against every other
+    (the same expert count), at every pair of widths, into slots filled with garbage first."""
+    import itertools
+
+    cases = special_weights()
+    for (na, wa), (nb, wb) in itertools.product(cases.items(), cases.items()):
+        if wa.shape[0] != wb.shape[0]:
+            continue
+        for ba, bb in zip(lossless.WIDTHS, lossless.WIDTHS[1:] + lossless.WIDTHS[:1]):
+            pair = lossless.layer_major(lossless.encode(wa, ba), lossless.encode(wb, bb))
+            for e in range(wa.shape[0]):
+                out_a = torch.full(wa.shape[1:], float("nan"), dtype=torch.bfloat16)
+                out_b = torch.full(wb.shape[1:], float("nan"), dtype=torch.bfloat16)
+                lossless.decode_staged_pair(pair, e, lossless.stage_pair(pair, e, "cpu"), out_a, out_b)
+                assert _bits(out_a).equal(_bits(wa[e])) and _bits(out_b).equal(_bits(wb[e])), (na, nb, ba, bb, e)
+
+
+def test_cudalink_copies_a_coded_expert_in_one_launch(monkeypatch):
+    """CudaLink (on the fake CUDA API of test_link.py, the CPU as the device) copying coded experts of a
+    CUDA store (encode_store(cuda=True): each layer laid out together): an expert's w13 and w2 into
+    bf16 slots are one launch of the pair kernel, a coalesced copy of two experts two; into fp32 slots
+    (no pair path) each tensor decodes alone and converts exactly. The slots hold the weights' bits."""
+    from test_link import FakeCuda
+
+    from specter.moe import ExpertWeights
+    from specter.offload.coded import encode_store
+    from specter.offload.cuda_link import CudaLink
+
+    g = torch.Generator().manual_seed(3)
+    w13, w2 = (torch.randn(3, 40, 96, generator=g) * 0.02).bfloat16(), (torch.randn(3, 96, 20, generator=g) * 0.02).bfloat16()
+    w13.view(3, -1)[:, ::97] = 1e30                                      # escapes in every expert's w13
+    layer = encode_store([ExpertWeights(w13.clone(), w2.clone())], cuda=True)[0]
+    launches = []
+    for name in ("_decode_kernel", "_decode_pair_kernel"):
+        kernel = getattr(lossless, name)
+        monkeypatch.setattr(lossless, name, _Counted(kernel, name, launches))
+    link = CudaLink("cpu", bandwidth=1e9, cuda=FakeCuda(True))
+    with link:
+        for dtype, experts in ((torch.bfloat16, [0]), (torch.bfloat16, [1, 2]), (torch.float32, [2])):
+            launches.clear()
+            slots = [(torch.full(w13.shape[1:], float("nan"), dtype=dtype), torch.full(w2.shape[1:], float("nan"), dtype=dtype))
+                     for _ in experts]
+            dsts = [t for pair in slots for t in pair]
+            srcs = [t for e in experts for t in (layer.w13[e], layer.w2[e])]
+            link.copy(dsts, srcs, urgent=True).wait()
+            for (s13, s2), e in zip(slots, experts):
+                assert s13.equal(w13[e].to(dtype)) and s2.equal(w2[e].to(dtype)), (dtype, e)
+            want = ["_decode_pair_kernel"] * len(experts) if dtype == torch.bfloat16 else ["_decode_kernel"] * 2
+            assert launches == want, (dtype, experts, launches)
+
+
+def test_a_cuda_store_warms_each_kind_of_layer_once(monkeypatch):
+    """warm_decode (a CUDA load, after the store is laid out): one pair decode for each kind of layer
+    (w13's and w2's shapes and widths), so each kernel specialization compiles at load."""
+    from specter.moe import ExpertWeights
+    from specter.offload.coded import encode_store, warm_decode
+
+    g = torch.Generator().manual_seed(4)
+    normal = lambda *shape: (torch.randn(*shape, generator=g) * 0.02).bfloat16()  # noqa: E731
+    two_bit = torch.zeros(2, 40, 96, dtype=torch.bfloat16)                # two exponents: a 2-bit code
+    two_bit.view(2, -1)[:, ::2] = 1.0
+    layers = [ExpertWeights(normal(2, 40, 96), normal(2, 96, 20)) for _ in range(3)]
+    layers.append(ExpertWeights(two_bit, normal(2, 96, 20)))
+    store = encode_store(layers, cuda=True)
+    kinds = {(layer.w13.packed.bits, layer.w2.packed.bits) for layer in store}
+    assert len(kinds) == 2, kinds
+    launches = []
+    monkeypatch.setattr(lossless, "_decode_pair_kernel", _Counted(lossless._decode_pair_kernel, "pair", launches))
+    assert warm_decode(store, "cpu") == 2 and launches == ["pair", "pair"]
+
+
+class _Counted:
+    """A kernel whose launches are noted by name, then run."""
+
+    def __init__(self, kernel, name, log):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.name)
+        return self.kernel[grid]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_coded_store_for_cuda_decodes_on_copy(dtype):
     """encode_store(cuda=True) (what a CUDA load holds) and CodedExpert.decode_on (what CudaLink runs
@@ -92,5 +176,5 @@ def test_the_coded_copy_experiment_runs_on_cpu(capsys):
 
     assert coded_copy_cost.main(["--device", "cpu", "--shapes", "bundled", "--copies", "2"]) == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert row["raw"]["exact"] and row["coded"]["exact"], row
+    assert row["raw"]["exact"] and row["coded"]["exact"] and row["coded_unpaired"]["exact"], row
     assert row["raw"]["bytes"] == (384 * 256 + 256 * 192) * 2 and row["coded"]["bytes"] < 0.75 * row["raw"]["bytes"], row

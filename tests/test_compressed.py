@@ -14,7 +14,7 @@ from specter.offload.coded import CodedLayer, DecodedStore, encode_store, store_
 from specter.offload.link import EmulatedLink
 from specter.moe import ExpertWeights
 from specter.speculative.draft_cache import draft_int4
-from specter.triton_ops.lossless import encode, expert_major_nbytes
+from specter.triton_ops.lossless import encode, layer_major_nbytes
 
 from test_link import VirtualClock
 
@@ -399,7 +399,7 @@ def test_pinned_choices_decide_alike_and_the_coded_store_charges_less(tiny, plai
 
 
 def test_a_pinned_coded_store_locks_exactly_its_bytes_in_place(monkeypatch):
-    """On CUDA the coded store is page-locked in place, one arena a coded tensor, exactly its bytes
+    """On CUDA the coded store is page-locked in place, one arena a coded layer, exactly its bytes
     (pin_memory() rounds each tensor up to a power of two: up to 2x the host memory coding saves); the
     link reads it as pinned, it decodes to the same bits, and a refusal warns once and runs pageable."""
     import gc
@@ -415,8 +415,8 @@ def test_a_pinned_coded_store_locks_exactly_its_bytes_in_place(monkeypatch):
     fake = _FakeCudart(0)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     coded = encode_store(list(layers), pin=True)
-    plain = [encode(w) for pair in want for w in pair]
-    assert fake.calls == [expert_major_nbytes(p) for p in plain], "not one exact-size registration a coded tensor"
+    plain = [[encode(w) for w in pair] for pair in want]
+    assert fake.calls == [layer_major_nbytes(*p) for p in plain], "not one exact-size registration a coded layer"
     gc.collect()  # the locks live as long as the coded tensors (dtype views of the arenas)
     for layer, (w13, w2) in zip(coded, want):
         assert torch.equal(layer.w13.packed.decode(), w13) and torch.equal(layer.w2.packed.decode(), w2)

@@ -144,6 +144,36 @@ def test_expert_major_layout_is_the_same_bits_one_row_an_expert(bits):
             assert staged[:R].equal(row) and staged[R:].equal(run), name
 
 
+def test_layer_major_lays_an_experts_two_tensors_side_by_side():
+    """layer_major (a CUDA store's layout, a layer's w13 and w2 together): each tensor keeps its format
+    and bits (by_expert a strided view, its fields at row_layout's offsets), expert e's rows of both
+    are one contiguous run (a's then b's), and a copy of the expert (stage_pair) is one copy of that
+    run and one of each escape run it has: [a's row | b's row | a's run | b's run]."""
+    weights = special_weights()
+    for (na, wa), (nb, wb) in zip(weights.items(), list(weights.items())[1:] + list(weights.items())[:1]):
+        if wa.shape[0] != wb.shape[0]:
+            continue
+        a, b = encode(wa), encode(wb)
+        pair = lossless.layer_major(a, b)
+        (off_a, Ra), (off_b, Rb) = lossless.row_layout(a), lossless.row_layout(b)
+        assert pair.rows.shape == (wa.shape[0], Ra + Rb) and pair.rows.is_contiguous(), (na, nb)
+        assert _bits(pair.a.decode()).equal(_bits(wa)) and _bits(pair.b.decode()).equal(_bits(wb)), (na, nb)
+        assert pair.a.nbytes == a.nbytes and pair.b.nbytes == b.nbytes
+        for e in range(wa.shape[0]):
+            row = pair.rows[e]
+            for mine, theirs, at in zip(pair.a.tensors()[:4], a.tensors()[:4], off_a):
+                assert mine[e].data_ptr() == row.data_ptr() + at and mine[e].equal(theirs[e]), (na, e)
+            for mine, theirs, at in zip(pair.b.tensors()[:4], b.tensors()[:4], off_b):
+                assert mine[e].data_ptr() == row.data_ptr() + Ra + at and mine[e].equal(theirs[e]), (nb, e)
+            with _Copies() as copies:
+                staged = lossless.stage_pair(pair, e, "cpu")
+            runs = [a.expert_escapes(e), b.expert_escapes(e)]
+            assert copies.n == 1 + sum(r.numel() > 0 for r in runs), (na, nb, e)
+            assert staged.equal(torch.cat([row] + runs)), (na, nb, e)
+    with pytest.raises(ConfigError, match="experts"):
+        lossless.layer_major(encode(weights["normal*1"]), encode(weights["one expert, all zero"]))
+
+
 def test_encoding_in_chunks_gives_the_same_tensors(monkeypatch):
     """encode works CHUNK elements at a time (bounded temporaries on real experts): chunks that cut
     through blocks' escape counts and a partial last chunk give the tensors of one chunk, and
@@ -217,7 +247,10 @@ def decode_reports():
 def test_decode_kernel_compiles_for_every_target_without_spills(decode_reports):
     from specter.triton_ops import aot
     assert {r.cc for _, r in decode_reports} == set(aot.TARGETS)
-    assert {launch.kwargs["BITS"] for launch, _ in decode_reports} == set(lossless.WIDTHS)
+    kinds = {launch.kernel.fn.__name__ for launch, _ in decode_reports}
+    assert kinds == {"_decode_kernel", "_decode_pair_kernel"}, kinds
+    for side in ("BITS", "A_BITS", "B_BITS"):  # every width, alone and on each side of a pair
+        assert {launch.kwargs[side] for launch, _ in decode_reports if side in launch.kwargs} == set(lossless.WIDTHS)
     for launch, r in decode_reports:
         assert r.spill_bytes == 0 and r.registers <= 255, (r.cc, launch.kwargs, r.registers)
         assert r.shared_bytes <= aot.SHARED_LIMIT[r.cc]
@@ -245,3 +278,19 @@ def test_compiled_decode_on_cuda(bits):
                 assert _bits(packed.decode_into(slot, e)).cpu().equal(_bits(w[e])), (name, e, packed.bits)
             assert _bits(packed.decode()).cpu().equal(_bits(w)), name
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_pair_decode_on_cuda():
+    """The pair kernel compiled (a CUDA store's copy: stage_pair from the host, one launch), every
+    special case beside a normal tensor of the same experts, at each pair of widths: bit exact."""
+    g = torch.Generator().manual_seed(1)
+    for name, w in special_weights().items():
+        other = (torch.randn(w.shape[0], 24, 40, generator=g) * 0.02).bfloat16()
+        for ba, bb in zip(lossless.WIDTHS, lossless.WIDTHS[1:] + lossless.WIDTHS[:1]):
+            pair = lossless.layer_major(encode(w, ba), encode(other, bb))
+            for e in range(w.shape[0]):
+                out_a = torch.full(w.shape[1:], float("nan"), dtype=torch.bfloat16, device="cuda")
+                out_b = torch.full(other.shape[1:], float("nan"), dtype=torch.bfloat16, device="cuda")
+                lossless.decode_staged_pair(pair, e, lossless.stage_pair(pair, e, "cuda"), out_a, out_b)
+                assert _bits(out_a).cpu().equal(_bits(w[e])) and _bits(out_b).cpu().equal(_bits(other[e])), (name, e)

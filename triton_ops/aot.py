@@ -89,22 +89,33 @@ def stand_in_lossless(E: int, N: int, K: int, bits: int) -> lossless.LosslessExp
 
 
 def lossless_launches(models=MODELS, widths=lossless.WIDTHS) -> list[Launch]:
-    """Every distinct launch of the lossless decode kernel for these models' w13 and w2, at each
+    """Every distinct launch of the lossless decode kernels for these models' w13 and w2, at each
     code width: one expert decoded into a bf16 slot, from a copy's staging buffer (CudaLink) and from
-    a whole coded tensor on the device (decode_into)."""
+    a whole coded tensor on the device (decode_into); and both of an expert's tensors from a pair's
+    staging buffer (CudaLink's copy of a layer laid out together), each width on each side (w13's
+    width, then w2's: each one of `widths` in turn)."""
     seen, out = set(), []
     for H, I, _, _ in models.values():
+        log = []
         for (N, K), bits in ((nk, b) for nk in ((2 * I, H), (H, I)) for b in widths):
             packed = stand_in_lossless(2, N, K, bits)
             staged = torch.empty(lossless.row_layout(packed)[1] + 4, dtype=torch.uint8)  # a copy's (coded.py)
-            with recording(lossless, ("_decode_kernel",)) as log:
+            with recording(lossless, ("_decode_kernel",)) as more:
                 lossless.decode_staged(packed, staged, torch.empty(N, K, dtype=torch.bfloat16))
                 lossless.decode_triton(packed, 1, torch.empty(N, K, dtype=torch.bfloat16))
-            for launch in log:
-                key = _key(launch, 90)
-                if key not in seen:
-                    seen.add(key)
-                    out.append(launch)
+            log += more
+        for ba, bb in zip(widths, widths[1:] + widths[:1]):
+            pair = lossless.CodedPair(stand_in_lossless(2, 2 * I, H, ba), stand_in_lossless(2, H, I, bb), None)
+            staged = torch.empty(sum(lossless.row_layout(p)[1] for p in (pair.a, pair.b)) + 8, dtype=torch.uint8)
+            with recording(lossless, ("_decode_pair_kernel",)) as more:
+                lossless.decode_staged_pair(pair, 1, staged, torch.empty(2 * I, H, dtype=torch.bfloat16),
+                                            torch.empty(H, I, dtype=torch.bfloat16))
+            log += more
+        for launch in log:
+            key = _key(launch, 90)
+            if key not in seen:
+                seen.add(key)
+                out.append(launch)
     return out
 
 
@@ -315,6 +326,8 @@ def variant(launch: Launch) -> str:
         return str(launch.args[0].dtype).removeprefix("torch.")
     if name == "_decode_kernel":
         return f"lossless {kw['BITS']}-bit codes"
+    if name == "_decode_pair_kernel":
+        return f"lossless pair, {kw['A_BITS']}- and {kw['B_BITS']}-bit codes"
     x = launch.args[0]
     words = (f"INT{kw['BITS']}" + (" group-tile" if kw["GROUP_TILE"] else "") if kw["BITS"]
              else str(x.dtype).removeprefix("torch."))

@@ -17,7 +17,9 @@ to P = a multiple of 32; BITS the code width, one for the whole tensor; ESC = 2*
     by_expert uint8  [E, R] or None         expert_major(): the four tensors above are views of it,
                                             expert e's rows one after another in by_expert[e]
                                             (row_layout), so a copy of an expert is one copy of
-                                            by_expert[e] and one of its escape run
+                                            by_expert[e] and one of its escape run; layer_major():
+                                            a view of CodedPair.rows [E, Ra + Rb], a layer's w13
+                                            and w2 rows side by side
 
     exponent(i) = table[code(i)]  unless code(i) == ESC: escapes[esc_start[e] + rank of i among the
                                   expert's escapes]
@@ -45,9 +47,12 @@ fp16 (5-bit exponent, 10-bit mantissa) and fp32 are refused: their split differs
 
 `decode()` (torch, any device) and `decode_into(out, e)` (one expert into a slot: the Triton
 kernel on CUDA or under TRITON_INTERPRET=1, torch elsewhere) return the identical bf16 bits.
-`expert_major(p)` lays the same tensors out for copies (a CUDA host store: offload/coded.py);
-`stage` (host to device, one copy of the row and one of the escape run) and `decode_staged` (the
-kernel on the staged bytes) are an expert copy's two halves.
+`expert_major(p)` lays the same tensors out for copies; `stage` (host to device, one copy of the
+row and one of the escape run) and `decode_staged` (the kernel on the staged bytes) are an expert
+copy's two halves. `layer_major(w13, w2)` (a CUDA host store: offload/coded.py) lays a layer's two
+tensors out together, so that `stage_pair` copies an expert's rows of both at once and
+`decode_staged_pair` decodes both in one launch (the issuing host's cost a copy is mostly its CUDA
+calls: docs/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -297,14 +302,46 @@ def expert_major(p: LosslessExperts, buffer: torch.Tensor | None = None) -> Loss
     page-aligned to be locked in place; else allocated): expert e's signman, planes, table and esc_off
     rows one after another in by_expert[e] (row_layout), every expert's escape run after the rows."""
     E = p.shape[0]
-    offsets, R = row_layout(p)
+    R = row_layout(p)[1]
     if buffer is None:
         buffer = torch.empty(expert_major_nbytes(p), dtype=torch.uint8)
-    by_expert = buffer[:E * R].view(E, R)
+    return _laid_out(p, buffer[:E * R].view(E, R), buffer[E * R:E * R + p.escapes.numel()])
+
+
+def _laid_out(p: LosslessExperts, by_expert: torch.Tensor, escapes: torch.Tensor) -> LosslessExperts:
+    """p's bits copied into `by_expert` (uint8 [E, R], each row one expert's: row_layout) and `escapes`."""
     fields = [by_expert[:, at:at + t[0].nbytes].view(t.dtype).view(t.shape).copy_(t)
-              for t, at in zip((p.signman, p.planes, p.table, p.esc_off), offsets)]
-    escapes = buffer[E * R:E * R + p.escapes.numel()].copy_(p.escapes)
-    return LosslessExperts(p.shape, *fields, escapes, p.esc_start, by_expert)
+              for t, at in zip((p.signman, p.planes, p.table, p.esc_off), row_layout(p)[0])]
+    return LosslessExperts(p.shape, *fields, escapes.copy_(p.escapes), p.esc_start, by_expert)
+
+
+@dataclass
+class CodedPair:
+    """A layer's two coded tensors laid out together for copies (layer_major): expert e's rows of both,
+    a's then b's, are rows[e], one contiguous run, so an expert's copy is one copy of rows[e] and one of
+    each escape run, and one launch decodes both (stage_pair, decode_staged_pair)."""
+    a: LosslessExperts       # w13: by_expert = rows[:, :Ra]
+    b: LosslessExperts       # w2:  by_expert = rows[:, Ra:]
+    rows: torch.Tensor       # uint8 [E, Ra + Rb]
+
+
+def layer_major_nbytes(a: LosslessExperts, b: LosslessExperts) -> int:
+    return expert_major_nbytes(a) + expert_major_nbytes(b)
+
+
+def layer_major(a: LosslessExperts, b: LosslessExperts, buffer: torch.Tensor | None = None) -> CodedPair:
+    """a's and b's bits (one layer's w13 and w2, the same experts) in one uint8 buffer of
+    layer_major_nbytes (`buffer`; else allocated): rows [E, Ra + Rb] (expert e's rows of a, then of b:
+    row_layout each), then a's escape runs, then b's."""
+    E, Ra, Rb = a.shape[0], row_layout(a)[1], row_layout(b)[1]
+    if b.shape[0] != E:
+        raise ConfigError(f"layer_major: {E} experts in one tensor, {b.shape[0]} in the other")
+    if buffer is None:
+        buffer = torch.empty(layer_major_nbytes(a, b), dtype=torch.uint8)
+    rows, at = buffer[:E * (Ra + Rb)].view(E, Ra + Rb), E * (Ra + Rb)
+    a = _laid_out(a, rows[:, :Ra], buffer[at:at + a.escapes.numel()])
+    at += a.escapes.numel()
+    return CodedPair(a, _laid_out(b, rows[:, Ra:], buffer[at:at + b.escapes.numel()]), rows)
 
 
 def stage(p: LosslessExperts, e: int, device) -> torch.Tensor:
@@ -319,12 +356,59 @@ def stage(p: LosslessExperts, e: int, device) -> torch.Tensor:
     return staged
 
 
+def stage_pair(pair: CodedPair, e: int, device) -> torch.Tensor:
+    """Expert e of both of a pair's tensors into one new uint8 [Ra + Rb + run_a + run_b] buffer on `device`,
+    on the current stream: one non-blocking copy of its rows, one of each escape run it has
+    (decode_staged_pair's input)."""
+    a, b, R = pair.a._starts, pair.b._starts, pair.rows.shape[1]
+    na, nb = a[e + 1] - a[e], b[e + 1] - b[e]
+    staged = torch.empty(R + na + nb, dtype=torch.uint8, device=device)
+    staged[:R].copy_(pair.rows[e], non_blocking=True)
+    if na:
+        staged[R:R + na].copy_(pair.a.escapes[a[e]:a[e + 1]], non_blocking=True)
+    if nb:
+        staged[R + na:].copy_(pair.b.escapes[b[e]:b[e + 1]], non_blocking=True)
+    return staged
+
+
+def decode_staged_pair(pair: CodedPair, e: int, staged: torch.Tensor, out_a: torch.Tensor,
+                       out_b: torch.Tensor) -> None:
+    """stage_pair()'s bytes of expert e decoded into out_a and out_b (contiguous bf16 slots of the pair's
+    tensors, on their device): one launch."""
+    for p, out in ((pair.a, out_a), (pair.b, out_b)):
+        _check_out(p, out, "decode_staged_pair")
+    _require_launch(out_a)
+    a, b = pair.a, pair.b
+    grid, n, kw = _pair_launch(a.padded, a.bits, b.padded, b.bits)
+    run_a = a._starts[e + 1] - a._starts[e]                   # b's escape run follows a's (stage_pair)
+    _decode_pair_kernel[grid](staged.view(torch.int32), out_a.view(torch.int16), out_b.view(torch.int16),
+                              kw["A_ESC"] + run_a // 4, a.shape[1] * a.shape[2], n[0], b.shape[1] * b.shape[2], n[1],
+                              **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _pair_launch(Pa: int, bits_a: int, Pb: int, bits_b: int) -> tuple[tuple[int], tuple[int, int], dict]:
+    """(grid, (a's, b's plane words), constexprs) of _decode_pair_kernel for a pair of layouts: the word
+    offsets of stage_pair's bytes [a's row | b's row | a's run | b's run]."""
+    (off_a, Ra), (off_b, Rb) = _row_layout(Pa, bits_a), _row_layout(Pb, bits_b)
+    blocks_a = _cdiv(Pa, BLOCK)
+    kw = dict(A_PLANES=off_a[1] // 4, A_TABLE=off_a[2] // 4, A_ESC_OFF=off_a[3] // 4, B_SIGNMAN=Ra // 4,
+              B_PLANES=(Ra + off_b[1]) // 4, B_TABLE=(Ra + off_b[2]) // 4, B_ESC_OFF=(Ra + off_b[3]) // 4,
+              A_ESC=(Ra + Rb) // 4, A_BLOCKS=blocks_a, A_BITS=bits_a, B_BITS=bits_b, BLOCK=BLOCK,
+              num_warps=NUM_WARPS)
+    return (blocks_a + _cdiv(Pb, BLOCK),), (Pa // 32, Pb // 32), kw
+
+
+def _check_out(p: LosslessExperts, out: torch.Tensor, who: str) -> None:
+    if out.dtype != torch.bfloat16 or not out.is_contiguous() or out.numel() != p.shape[1] * p.shape[2]:
+        raise ConfigError(f"{who} needs a contiguous bf16 {tuple(p.shape[1:])} output; got {out.dtype} "
+                          f"{tuple(out.shape)}")
+
+
 def decode_staged(p: LosslessExperts, staged: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """stage()'s bytes of one expert of p decoded into out (contiguous bf16 [N, K], on their device):
     one launch of the kernel on views of them."""
-    if out.dtype != torch.bfloat16 or not out.is_contiguous() or out.numel() != p.shape[1] * p.shape[2]:
-        raise ConfigError(f"decode_staged needs a contiguous bf16 {tuple(p.shape[1:])} output; got {out.dtype} "
-                          f"{tuple(out.shape)}")
+    _check_out(p, out, "decode_staged")
     offsets, R = row_layout(p)
     words = staged.view(torch.int32)                          # R and every run a multiple of 4 bytes
     fields = [words[at // 4:] for at in offsets]
@@ -377,7 +461,34 @@ def _decode_kernel(signman_ptr, planes_ptr, table_ptr, esc_off_ptr, esc_ptr, out
                    BITS: tl.constexpr, BLOCK: tl.constexpr):
     """Program b decodes elements b * BLOCK .. + BLOCK of one expert. signman_ptr and esc_ptr are
     the bytes read as int32 words; out_ptr the slot as int16."""
-    b = tl.program_id(0)
+    _decode_block(tl.program_id(0), signman_ptr, planes_ptr, table_ptr, esc_off_ptr, esc_ptr, out_ptr, numel,
+                  n_words, BITS, BLOCK)
+
+
+@triton.jit
+def _decode_pair_kernel(staged_ptr, a_out, b_out, b_esc, a_numel, a_words, b_numel, b_words,
+                        A_PLANES: tl.constexpr, A_TABLE: tl.constexpr, A_ESC_OFF: tl.constexpr,
+                        B_SIGNMAN: tl.constexpr, B_PLANES: tl.constexpr, B_TABLE: tl.constexpr,
+                        B_ESC_OFF: tl.constexpr, A_ESC: tl.constexpr, A_BLOCKS: tl.constexpr,
+                        A_BITS: tl.constexpr, B_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """One expert's two tensors (w13 and w2) from stage_pair's bytes (staged_ptr, read as int32 words)
+    in one launch: programs 0 .. A_BLOCKS - 1 decode tensor a into a_out, the rest tensor b into b_out,
+    each as _decode_kernel's program of that number would. The fields' word offsets in the staged
+    bytes are the layout's (constexpr: row_layout's, one set a pair of shapes and widths); b's escape
+    run follows a's, whose length varies by expert (`b_esc`, a word offset)."""
+    pid = tl.program_id(0)
+    if pid < A_BLOCKS:
+        _decode_block(pid, staged_ptr, staged_ptr + A_PLANES, staged_ptr + A_TABLE, staged_ptr + A_ESC_OFF,
+                      staged_ptr + A_ESC, a_out, a_numel, a_words, A_BITS, BLOCK)
+    else:
+        _decode_block(pid - A_BLOCKS, staged_ptr + B_SIGNMAN, staged_ptr + B_PLANES, staged_ptr + B_TABLE,
+                      staged_ptr + B_ESC_OFF, staged_ptr + b_esc, b_out, b_numel, b_words, B_BITS, BLOCK)
+
+
+@triton.jit
+def _decode_block(b, signman_ptr, planes_ptr, table_ptr, esc_off_ptr, esc_ptr, out_ptr, numel, n_words,
+                  BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Elements b * BLOCK .. + BLOCK of one expert (the decode kernels' program b)."""
     # sign/mantissa bytes: BLOCK / 4 words, byte j of a word is element 4w + j
     offs_w = b * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
     smw = tl.load(signman_ptr + offs_w, mask=offs_w < n_words * 8, other=0)
@@ -411,11 +522,15 @@ def decode_triton(packed: LosslessExperts, e: int, out: torch.Tensor) -> torch.T
                    packed.esc_off[e], escapes, out)
 
 
-def _launch(p: LosslessExperts, signman, planes, table, esc_off, escapes, out: torch.Tensor) -> torch.Tensor:
-    """One expert's fields (int32 views of its rows) decoded into out: one launch, BLOCK elements a program."""
+def _require_launch(out: torch.Tensor) -> None:
     if out.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and not LAUNCHES_ON_CPU:
         raise ConfigError("the lossless decode kernel runs on CUDA, or on CPU under TRITON_INTERPRET=1 "
                           "(set before triton is imported)")
+
+
+def _launch(p: LosslessExperts, signman, planes, table, esc_off, escapes, out: torch.Tensor) -> torch.Tensor:
+    """One expert's fields (int32 views of its rows) decoded into out: one launch, BLOCK elements a program."""
+    _require_launch(out)
     P = p.padded
     _decode_kernel[(_cdiv(P, BLOCK),)](signman, planes, table, esc_off, escapes, out.view(torch.int16),
                                       out.numel(), P // 32, BITS=p.bits, BLOCK=BLOCK, num_warps=NUM_WARPS)

@@ -2,8 +2,10 @@
 (issue 24). The first GPU run (2026-12-04, H200) saw specter's draft time double with a coded store
 (inferred: ~140 us more per coded expert copied, each copy then five host-to-device copies a
 tensor and a decode launch). Since then a CUDA store lays each coded tensor out expert-major
-(lossless.expert_major): a copy is one copy of the expert's row, one of its escape run and one
-launch a tensor. This measures what is left.
+(lossless.expert_major): a copy was one copy of the expert's row, one of its escape run and one
+launch a tensor; now a layer's two tensors are laid out together (lossless.layer_major): one copy of
+the expert's rows of both, one of each escape run and one launch (`coded`), the per-tensor path
+beside it (`coded_unpaired`, the same store). This measures what is left.
 
     python bench/experiments/coded_copy_cost.py [--copies 64]      # CUDA: through CudaLink
     TRITON_INTERPRET=1 python bench/experiments/coded_copy_cost.py --device cpu --shapes bundled --copies 2
@@ -17,7 +19,8 @@ any CUDA call's own cost (a CPU figure; it also runs on commits before the layou
 encode_store made without `cuda`).
 
 Per expert shape (the bundled model's, Qwen3-30B-A3B's, DeepSeek-V2-Lite's, Mixtral-8x7B's; two
-experts of random normal weights at 0.02, the stores pinned as a CUDA load pins them), raw and coded:
+experts of random normal weights at 0.02, the stores pinned as a CUDA load pins them), raw, coded and
+coded_unpaired:
   bytes     what one expert copy (w13 and w2) moves
   issue_us  perf_counter per link.copy, the copies issued back to back on the urgent stream (the
             issuing thread's cost: on a small expert it can exceed the copy itself)
@@ -43,6 +46,9 @@ class Direct:
     """CPU, meta: each copy run at once on the calling thread (what CudaLink enqueues, without a stream)."""
 
     def copy(self, dsts, srcs, **_):
+        if hasattr(srcs[0], "decode_all_on"):
+            srcs[0].decode_all_on(dsts, srcs)
+            return self
         for d, s in zip(dsts, srcs):
             s.decode_on(d) if hasattr(s, "decode_on") else d.copy_(s)
         return self
@@ -74,7 +80,7 @@ def stores(H: int, I: int, device: torch.device):
             pin_in_place(host)
         raw.append(host)
     if cuda:  # coded on the device (the host's encode is slow at Mixtral's size), laid out and pinned as a load does
-        coded = coded_mod.CodedLayer(*(coded_mod.for_cuda(encode(w.to(device)), pin=True, refused=[]) for w in (w13, w2)))
+        coded = coded_mod.for_cuda_layer(*(encode(w.to(device)) for w in (w13, w2)), pin=True, refused=[])
     else:     # laid out as on CUDA where this commit has the layout
         lay_out = {"cuda": True} if "cuda" in inspect.signature(coded_mod.encode_store).parameters else {}
         coded = coded_mod.encode_store([ExpertWeights(w13.clone(), w2.clone())], **lay_out)[0]
@@ -92,6 +98,7 @@ def stub_the_decode_launch() -> None:
             return lambda *args, **kwargs: None
 
     lossless._decode_kernel, lossless.LAUNCHES_ON_CPU = Noop(), True
+    lossless._decode_pair_kernel = Noop()
     os.environ["TRITON_INTERPRET"] = "1"  # read at call time by commits whose decode_into checks it
 
 
@@ -176,8 +183,10 @@ def main(argv=None) -> int:
                      torch.empty(H, I, dtype=torch.bfloat16, device=device)]
             out = {"shape": name, "hidden": H, "inter": I}
             copies = args.copies if device.type == "meta" else max(4, min(args.copies, int(8e9 // (w13[0].nbytes + w2[0].nbytes))))
+            unpaired = type(coded)(coded.w13.packed, coded.w2.packed)  # the same store, each tensor alone
             for kind, srcs in (("raw", [(raw.w13[e], raw.w2[e]) for e in range(2)]),
-                               ("coded", [(coded.w13[e], coded.w2[e]) for e in range(2)])):
+                               ("coded", [(coded.w13[e], coded.w2[e]) for e in range(2)]),
+                               ("coded_unpaired", [(unpaired.w13[e], unpaired.w2[e]) for e in range(2)])):
                 slots[0].fill_(float("nan"))
                 issue, copy, gated = min((measure(link, slots, srcs, copies, device)
                                           for _ in range(3 if device.type == "meta" else 1)), key=lambda r: r[0])
@@ -188,9 +197,10 @@ def main(argv=None) -> int:
             out["copies"] = copies
             out["coded_over_raw"] = {"bytes": round(out["coded"]["bytes"] / out["raw"]["bytes"], 3),
                                      "issue": round(out["coded"]["issue_us"] / out["raw"]["issue_us"], 2),
-                                     "copy": round(out["coded"]["copy_us"] / out["raw"]["copy_us"], 2)}
+                                     "copy": round(out["coded"]["copy_us"] / out["raw"]["copy_us"], 2),
+                                     "issue_unpaired": round(out["coded_unpaired"]["issue_us"] / out["raw"]["issue_us"], 2)}
             print(json.dumps(out), flush=True)
-            del raw, coded, slots
+            del raw, coded, unpaired, slots
     finally:
         link.close()
     return 0

@@ -6,18 +6,20 @@
                     CodedExpert, the link moves their coded bytes and decodes them into the slot
                     before the copy completes (before any reader can see the slot)
 
-On CUDA each coded tensor is laid out expert-major in one page-aligned arena locked in place
-(lossless.expert_major: expert e's rows of the four fixed tensors in one contiguous row, the escape
-runs after the rows), so a copy of an expert is two host-to-device copies a tensor (its row, its
-escape run) and one decode launch, not five copies: each costs the issuing thread several
-microseconds, about what a small expert takes to cross the link.
+On CUDA a layer's two coded tensors are laid out together in one page-aligned arena locked in place
+(lossless.layer_major: expert e's rows of the four fixed tensors of w13, then of w2, in one
+contiguous run; the escape runs after the rows), so a copy of an expert into bf16 slots is one
+host-to-device copy of its rows, one of each escape run and one decode launch for both tensors
+(CodedExpert.decode_all_on), not five copies a tensor: each copy and each launch costs the issuing
+thread tens of microseconds on a GPU's host, more than a small expert takes to cross the link.
 
 What reads the store, and what it gets (the decision per reader):
 - the offload manager's copies: coded bytes over the link, decoded into the slot when they land
   (EmulatedLink: the torch decode on its worker thread, charged coded bytes at the link's bandwidth
   plus the decode at the profile's device memory bandwidth, scaled like the link; CudaLink: the coded
-  bytes into device memory on the copy stream (lossless.stage), then the Triton decode kernel into
-  the slot on that stream (lossless.decode_staged), before the event readers wait on).
+  bytes into device memory on the copy stream (lossless.stage_pair), then the Triton decode kernel
+  into both slots on that stream (lossless.decode_staged_pair; a slot of another dtype: each tensor
+  alone, lossless.stage and decode_staged, then converted), before the event readers wait on).
 - the INT4 draft: `DecodedStore`, each layer decoded when quantisation reads it (a draft cache hit
   reads nothing), one layer at a time; so is `Loaded.resident_experts` (resident, oracle).
 - the host lane (policy host; specter on CPU, or on CUDA with host_threads): a decoded copy of the
@@ -72,8 +74,9 @@ class CodedExpert:
     dtype = torch.bfloat16
     is_cuda = False
 
-    def __init__(self, packed: LosslessExperts, e: int, rows: torch.Tensor | None, nbytes: int):
-        self.packed, self.e, self.rows, self.nbytes = packed, e, rows, nbytes
+    def __init__(self, packed: LosslessExperts, e: int, rows: torch.Tensor | None, nbytes: int,
+                 pair: lossless.CodedPair | None = None):
+        self.packed, self.e, self.rows, self.nbytes, self.pair = packed, e, rows, nbytes, pair
         self.shape = torch.Size(packed.shape[1:])
         self.raw_nbytes = self.shape.numel() * 2
 
@@ -97,6 +100,29 @@ class CodedExpert:
         staged = lossless.stage(self.packed, self.e, out.device)
         return self._bf16_into(out, lambda slot: lossless.decode_staged(self.packed, staged, slot))
 
+    @staticmethod
+    def decode_all_on(dsts: list[torch.Tensor], srcs: list["CodedExpert"]) -> None:
+        """CUDA, on the current (copy) stream: each coded source into its destination, as decode_on does,
+        except that an expert's two tensors listed side by side (w13 then w2, as the manager lists a
+        copy's sources) from a layer laid out together (for_cuda_layer) into bf16 slots cross as one
+        copy of their rows (and one of each escape run) and decode in one launch."""
+        i = 0
+        while i < len(srcs):
+            s = srcs[i]
+            if i + 1 < len(srcs) and s.pairs_with(srcs[i + 1]) and all(
+                    d.dtype == torch.bfloat16 and d.is_contiguous() for d in dsts[i:i + 2]):
+                staged = lossless.stage_pair(s.pair, s.e, dsts[i].device)
+                lossless.decode_staged_pair(s.pair, s.e, staged, dsts[i], dsts[i + 1])
+                i += 2
+            else:
+                s.decode_on(dsts[i])
+                i += 1
+
+    def pairs_with(self, other) -> bool:
+        """`other` is this expert's second tensor (w2, this one w13) in one CodedPair."""
+        return (self.pair is not None and getattr(other, "pair", None) is self.pair and other.e == self.e
+                and self.packed is self.pair.a and other.packed is self.pair.b)
+
     def _bf16_into(self, out: torch.Tensor, decode) -> torch.Tensor:
         """decode(slot) writes the expert's bf16 bits into a contiguous bf16 slot: `out` itself, or a
         temporary converted into `out` (exact: every bf16 value is one of a wider float type's)."""
@@ -113,15 +139,15 @@ class CodedTensor:
 
     dtype = torch.bfloat16
 
-    def __init__(self, packed: LosslessExperts):
-        self.packed = packed
+    def __init__(self, packed: LosslessExperts, pair: lossless.CodedPair | None = None):
+        self.packed, self.pair = packed, pair  # pair: its layer's two tensors laid out together (for_cuda_layer)
         self.shape = torch.Size(packed.shape)
         self.rows: torch.Tensor | None = None  # its decoded bf16 [E, N, K] (emulate_from), or None
         self._nbytes = [packed.expert_nbytes(e) for e in range(self.shape[0])]  # each copy's, asked per copy
 
     def __getitem__(self, e) -> CodedExpert:
         e = int(e)
-        return CodedExpert(self.packed, e, self.rows, self._nbytes[e])
+        return CodedExpert(self.packed, e, self.rows, self._nbytes[e], self.pair)
 
     @property
     def nbytes(self) -> int:
@@ -138,8 +164,8 @@ class CodedTensor:
 class CodedLayer:
     """One MoE layer's routed experts, coded: what ExpertWeights is for a raw store."""
 
-    def __init__(self, w13: LosslessExperts, w2: LosslessExperts):
-        self.w13, self.w2 = CodedTensor(w13), CodedTensor(w2)
+    def __init__(self, w13: LosslessExperts, w2: LosslessExperts, pair: lossless.CodedPair | None = None):
+        self.w13, self.w2 = CodedTensor(w13, pair), CodedTensor(w2, pair)
 
     @property
     def n_experts(self) -> int:
@@ -215,26 +241,40 @@ def encode_store(store: list[ExpertWeights], *, cuda: bool = False, pin: bool = 
     while store:
         ew = store.pop(0)
         w13, w2 = encode(ew.w13), encode(ew.w2)
-        if cuda or pin:
-            w13, w2 = (for_cuda(p, pin=pin, refused=refused) for p in (w13, w2))
-        coded.append(CodedLayer(w13, w2))
+        coded.append(for_cuda_layer(w13, w2, pin=pin, refused=refused) if cuda or pin else CodedLayer(w13, w2))
         del ew
     _warn_refused(refused)
     return coded
 
 
-def for_cuda(p: LosslessExperts, *, pin: bool, refused: list[str]) -> LosslessExperts:
-    """p laid out expert-major (lossless.expert_major) in one page-aligned arena, locked in place when
-    `pin` (store.register: exactly its bytes, where pin_memory() would round each tensor up to a power
-    of two: up to 2x the host memory the coding saves). A refusal is appended to `refused` and the
-    arena stays pageable."""
-    arena = page_aligned(lossless.expert_major_nbytes(p), torch.uint8)
-    out = lossless.expert_major(p, arena)
-    for part in (*out.tensors()[:-1], out.by_expert):
+def for_cuda_layer(w13: LosslessExperts, w2: LosslessExperts, *, pin: bool, refused: list[str]) -> CodedLayer:
+    """A layer's two coded tensors laid out together for copies (lossless.layer_major: expert e's rows of
+    both in one run, so a copy of it is one copy of the rows and one launch) in one page-aligned arena,
+    locked in place when `pin` (store.register: exactly its bytes, where pin_memory() would round each
+    tensor up to a power of two: up to 2x the host memory the coding saves). A refusal is appended to
+    `refused` and the arena stays pageable."""
+    arena = page_aligned(lossless.layer_major_nbytes(w13, w2), torch.uint8)
+    pair = lossless.layer_major(w13, w2, arena)
+    for part in (*pair.a.tensors()[:-1], pair.a.by_expert, *pair.b.tensors()[:-1], pair.b.by_expert, pair.rows):
         part._arena = arena  # a dtype view does not keep its base alive: the lock goes with the arena
     if pin and not refused and (error := register(arena)) is not None:
         refused.append(error)
-    return out
+    return CodedLayer(pair.a, pair.b, pair)
+
+
+def warm_decode(store: list[CodedLayer], device) -> int:
+    """Runs the pair decode once for each kind of layer of a CUDA store (w13's and w2's shapes and code
+    widths: one kernel specialization each), so Triton compiles them at load, not on the copy thread
+    in the middle of the first generation. -> the kinds run."""
+    kinds = {}
+    for layer in store:
+        pair = layer.w13.pair
+        if pair is not None:
+            kinds.setdefault((pair.a.padded, pair.a.bits, pair.b.padded, pair.b.bits), pair)
+    for pair in kinds.values():
+        slots = [torch.empty(p.shape[1:], dtype=torch.bfloat16, device=device) for p in (pair.a, pair.b)]
+        lossless.decode_staged_pair(pair, 0, lossless.stage_pair(pair, 0, device), *slots)
+    return len(kinds)
 
 
 def _warn_refused(refused: list[str]) -> None:
@@ -342,7 +382,7 @@ def coded_store(store: list[ExpertWeights], cached: list[CodedLayer | None], ent
                 _write_layer(entry / f"layer-{first + i}.safetensors", entry.name, first + i, hit)
         del raw
         if cuda or pin:
-            hit = CodedLayer(*(for_cuda(t.packed, pin=pin, refused=refused) for t in (hit.w13, hit.w2)))
+            hit = for_cuda_layer(hit.w13.packed, hit.w2.packed, pin=pin, refused=refused)
         out.append(hit)
     _warn_refused(refused)
     return out

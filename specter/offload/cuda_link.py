@@ -247,9 +247,11 @@ class CudaLink(Link):
             for ev in after if isinstance(after, list) else () if after is None else (after,):
                 stream.wait_event(ev)
             begin.record(stream)
+            coded = [(d, s) for d, s in zip(t._dst, src) if not isinstance(s, torch.Tensor)]
+            if coded:  # offload/coded.py: their bytes cross the bus into device memory, then decode into
+                type(coded[0][1]).decode_all_on(*zip(*coded))  # the slots, on this stream
             for d, s in zip(t._dst, src):
-                if not isinstance(s, torch.Tensor):  # coded (offload/coded.py): its bytes cross the bus into
-                    s.decode_on(d)                   # device memory, then decode into the slot, on this stream
+                if not isinstance(s, torch.Tensor):
                     continue
                 if d.dtype != s.dtype:  # the stored bytes cross the bus, then convert on the device
                     staged = torch.empty(s.shape, dtype=s.dtype, device=self.device)
