@@ -59,10 +59,11 @@ def test_a_staged_copy_decodes_every_case_bit_exact(bits):
             assert _bits(slot).equal(_bits(w[e])), (name, e, bits)
 
 
-def test_a_staged_pair_decodes_every_case_bit_exact():
-    """A layer's two tensors laid out together (layer_major), each expert's copy (stage_pair) decoded in
-    one launch (decode_staged_pair), the CPU as the device: every special case against every other
-    (the same expert count), at every pair of widths, into slots filled with garbage first."""
+def test_a_pair_decodes_every_case_bit_exact():
+    """A layer's two tensors laid out together (layer_major), each expert decoded in one launch from its
+    copy (stage_pair, decode_staged_pair) and in place from the arena (decode_pair_in_place, the tables
+    on the device), the CPU as the device: every special case against every other (the same expert
+    count), at every pair of widths, into slots filled with garbage first."""
     import itertools
 
     cases = special_weights()
@@ -70,19 +71,22 @@ def test_a_staged_pair_decodes_every_case_bit_exact():
         if wa.shape[0] != wb.shape[0]:
             continue
         for ba, bb in zip(lossless.WIDTHS, lossless.WIDTHS[1:] + lossless.WIDTHS[:1]):
-            pair = lossless.layer_major(lossless.encode(wa, ba), lossless.encode(wb, bb))
-            for e in range(wa.shape[0]):
+            pair = lossless.layer_major(lossless.encode(wa, ba), lossless.encode(wb, bb)).with_tables("cpu")
+            for e, in_place in itertools.product(range(wa.shape[0]), (False, True)):
                 out_a = torch.full(wa.shape[1:], float("nan"), dtype=torch.bfloat16)
                 out_b = torch.full(wb.shape[1:], float("nan"), dtype=torch.bfloat16)
-                lossless.decode_staged_pair(pair, e, lossless.stage_pair(pair, e, "cpu"), out_a, out_b)
-                assert _bits(out_a).equal(_bits(wa[e])) and _bits(out_b).equal(_bits(wb[e])), (na, nb, ba, bb, e)
+                pair.in_place = in_place
+                pair.decode_into(e, out_a, out_b)
+                assert _bits(out_a).equal(_bits(wa[e])) and _bits(out_b).equal(_bits(wb[e])), (na, nb, ba, bb, e, in_place)
 
 
 def test_cudalink_copies_a_coded_expert_in_one_launch(monkeypatch):
     """CudaLink (on the fake CUDA API of test_link.py, the CPU as the device) copying coded experts of a
     CUDA store (encode_store(cuda=True): each layer laid out together): an expert's w13 and w2 into
-    bf16 slots are one launch of the pair kernel, a coalesced copy of two experts two; into fp32 slots
-    (no pair path) each tensor decodes alone and converts exactly. The slots hold the weights' bits."""
+    bf16 slots are one launch of the pair kernel (staged, or in place: decode_in_place, the arena taken
+    as locked), a coalesced copy of two experts two; into fp32 slots (no pair path) each tensor decodes
+    alone and converts exactly. The slots hold the weights' bits."""
+    from specter.offload import coded as coded_mod
     from test_link import FakeCuda
 
     from specter.moe import ExpertWeights
@@ -98,8 +102,14 @@ def test_cudalink_copies_a_coded_expert_in_one_launch(monkeypatch):
         kernel = getattr(lossless, name)
         monkeypatch.setattr(lossless, name, _Counted(kernel, name, launches))
     link = CudaLink("cpu", bandwidth=1e9, cuda=FakeCuda(True))
+    assert coded_mod.decode_in_place([layer], "cpu") == 0  # not locked: staged copies
+    cases = ((torch.bfloat16, [0]), (torch.bfloat16, [1, 2]), (torch.float32, [2]))
     with link:
-        for dtype, experts in ((torch.bfloat16, [0]), (torch.bfloat16, [1, 2]), (torch.float32, [2])):
+        for dtype, experts in cases + (("in place", [2, 0]),):
+            if dtype == "in place":
+                monkeypatch.setattr(coded_mod, "is_locked", lambda t: True)
+                assert coded_mod.decode_in_place([layer], "cpu") == 1 and layer.w13.pair.in_place
+                dtype = torch.bfloat16
             launches.clear()
             slots = [(torch.full(w13.shape[1:], float("nan"), dtype=dtype), torch.full(w2.shape[1:], float("nan"), dtype=dtype))
                      for _ in experts]

@@ -281,16 +281,25 @@ def test_compiled_decode_on_cuda(bits):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_compiled_pair_decode_on_cuda():
-    """The pair kernel compiled (a CUDA store's copy: stage_pair from the host, one launch), every
-    special case beside a normal tensor of the same experts, at each pair of widths: bit exact."""
+@pytest.mark.parametrize("in_place", [False, True], ids=["staged", "in-place"])
+def test_compiled_pair_decode_on_cuda(in_place):
+    """The pair kernel compiled (a CUDA store's copy: stage_pair from the host then one launch, or one
+    launch reading the page-locked arena in place), every special case beside a normal tensor of the
+    same experts, at each pair of widths: bit exact."""
+    from specter.offload.store import page_aligned, register
+
     g = torch.Generator().manual_seed(1)
     for name, w in special_weights().items():
         other = (torch.randn(w.shape[0], 24, 40, generator=g) * 0.02).bfloat16()
         for ba, bb in zip(lossless.WIDTHS, lossless.WIDTHS[1:] + lossless.WIDTHS[:1]):
-            pair = lossless.layer_major(encode(w, ba), encode(other, bb))
+            a, b = encode(w, ba), encode(other, bb)
+            arena = page_aligned(lossless.layer_major_nbytes(a, b), torch.uint8)
+            assert register(arena) is None
+            pair = lossless.layer_major(a, b, arena).with_tables("cuda")
+            pair.in_place = in_place
             for e in range(w.shape[0]):
                 out_a = torch.full(w.shape[1:], float("nan"), dtype=torch.bfloat16, device="cuda")
                 out_b = torch.full(other.shape[1:], float("nan"), dtype=torch.bfloat16, device="cuda")
-                lossless.decode_staged_pair(pair, e, lossless.stage_pair(pair, e, "cuda"), out_a, out_b)
+                pair.decode_into(e, out_a, out_b)
                 assert _bits(out_a).cpu().equal(_bits(w[e])) and _bits(out_b).cpu().equal(_bits(other[e])), (name, e)
+            torch.cuda.synchronize()  # the arena is read until the kernels end

@@ -92,8 +92,8 @@ def lossless_launches(models=MODELS, widths=lossless.WIDTHS) -> list[Launch]:
     """Every distinct launch of the lossless decode kernels for these models' w13 and w2, at each
     code width: one expert decoded into a bf16 slot, from a copy's staging buffer (CudaLink) and from
     a whole coded tensor on the device (decode_into); and both of an expert's tensors from a pair's
-    staging buffer (CudaLink's copy of a layer laid out together), each width on each side (w13's
-    width, then w2's: each one of `widths` in turn)."""
+    staging buffer (CudaLink's copy of a layer laid out together) and in place from its arena, each
+    width on each side (w13's width, then w2's: each one of `widths` in turn)."""
     seen, out = set(), []
     for H, I, _, _ in models.values():
         log = []
@@ -105,11 +105,15 @@ def lossless_launches(models=MODELS, widths=lossless.WIDTHS) -> list[Launch]:
                 lossless.decode_triton(packed, 1, torch.empty(N, K, dtype=torch.bfloat16))
             log += more
         for ba, bb in zip(widths, widths[1:] + widths[:1]):
-            pair = lossless.CodedPair(stand_in_lossless(2, 2 * I, H, ba), stand_in_lossless(2, H, I, bb), None)
-            staged = torch.empty(sum(lossless.row_layout(p)[1] for p in (pair.a, pair.b)) + 8, dtype=torch.uint8)
+            a, b = stand_in_lossless(2, 2 * I, H, ba), stand_in_lossless(2, H, I, bb)
+            rows = sum(lossless.row_layout(p)[1] for p in (a, b))
+            pair = lossless.CodedPair(a, b, None, torch.empty((2 * rows + 16) // 4, dtype=torch.int32),
+                                      torch.empty(2, (1 << ba) + (1 << bb), dtype=torch.int32))
+            staged = torch.empty(rows + 8, dtype=torch.uint8)
+            slots = torch.empty(2 * I, H, dtype=torch.bfloat16), torch.empty(H, I, dtype=torch.bfloat16)
             with recording(lossless, ("_decode_pair_kernel",)) as more:
-                lossless.decode_staged_pair(pair, 1, staged, torch.empty(2 * I, H, dtype=torch.bfloat16),
-                                            torch.empty(H, I, dtype=torch.bfloat16))
+                lossless.decode_staged_pair(pair, 1, staged, *slots)
+                lossless.decode_pair_in_place(pair, 1, *slots)
             log += more
         for launch in log:
             key = _key(launch, 90)

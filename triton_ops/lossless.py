@@ -52,7 +52,8 @@ row and one of the escape run) and `decode_staged` (the kernel on the staged byt
 copy's two halves. `layer_major(w13, w2)` (a CUDA host store: offload/coded.py) lays a layer's two
 tensors out together, so that `stage_pair` copies an expert's rows of both at once and
 `decode_staged_pair` decodes both in one launch (the issuing host's cost a copy is mostly its CUDA
-calls: docs/RESULTS.md).
+calls: docs/RESULTS.md); `decode_pair_in_place` is that launch reading the page-locked arena itself,
+no staging copy (an experiment until a GPU times it: offload/coded.py's decode_in_place).
 """
 from __future__ import annotations
 
@@ -323,6 +324,21 @@ class CodedPair:
     a: LosslessExperts       # w13: by_expert = rows[:, :Ra]
     b: LosslessExperts       # w2:  by_expert = rows[:, Ra:]
     rows: torch.Tensor       # uint8 [E, Ra + Rb]
+    words: torch.Tensor | None = None   # int32: the whole arena (rows, a's runs, b's runs), for decode_pair_in_place
+    tables: torch.Tensor | None = None  # int32 [E, 2**a.bits + 2**b.bits] on the device (with_tables)
+    in_place: bool = False   # copies decode in place (decode_pair_in_place), not from a staging copy
+
+    def decode_into(self, e: int, out_a: torch.Tensor, out_b: torch.Tensor) -> None:
+        """Expert e into bf16 slots on the device, as a copy does: in place where set, else staged."""
+        if self.in_place:
+            decode_pair_in_place(self, e, out_a, out_b)
+        else:
+            decode_staged_pair(self, e, stage_pair(self, e, out_a.device), out_a, out_b)
+
+    def with_tables(self, device) -> "CodedPair":
+        """Itself, with each expert's two code tables copied to `device` (decode_pair_in_place reads them there)."""
+        self.tables = torch.cat([self.a.table, self.b.table], 1).to(device)
+        return self
 
 
 def layer_major_nbytes(a: LosslessExperts, b: LosslessExperts) -> int:
@@ -341,7 +357,8 @@ def layer_major(a: LosslessExperts, b: LosslessExperts, buffer: torch.Tensor | N
     rows, at = buffer[:E * (Ra + Rb)].view(E, Ra + Rb), E * (Ra + Rb)
     a = _laid_out(a, rows[:, :Ra], buffer[at:at + a.escapes.numel()])
     at += a.escapes.numel()
-    return CodedPair(a, _laid_out(b, rows[:, Ra:], buffer[at:at + b.escapes.numel()]), rows)
+    b = _laid_out(b, rows[:, Ra:], buffer[at:at + b.escapes.numel()])
+    return CodedPair(a, b, rows, buffer[:at + b.escapes.numel()].view(torch.int32))
 
 
 def stage(p: LosslessExperts, e: int, device) -> torch.Tensor:
@@ -379,24 +396,42 @@ def decode_staged_pair(pair: CodedPair, e: int, staged: torch.Tensor, out_a: tor
         _check_out(p, out, "decode_staged_pair")
     _require_launch(out_a)
     a, b = pair.a, pair.b
-    grid, n, kw = _pair_launch(a.padded, a.bits, b.padded, b.bits)
+    grid, (rows, tab_a, tab_b, n_a, n_b), kw = _pair_launch(a.padded, a.bits, b.padded, b.bits)
     run_a = a._starts[e + 1] - a._starts[e]                   # b's escape run follows a's (stage_pair)
-    _decode_pair_kernel[grid](staged.view(torch.int32), out_a.view(torch.int16), out_b.view(torch.int16),
-                              kw["A_ESC"] + run_a // 4, a.shape[1] * a.shape[2], n[0], b.shape[1] * b.shape[2], n[1],
+    words = staged.view(torch.int32)
+    _decode_pair_kernel[grid](words, words, out_a.view(torch.int16), out_b.view(torch.int16), 0, tab_a, tab_b,
+                              rows, rows + run_a // 4, a.shape[1] * a.shape[2], n_a, b.shape[1] * b.shape[2], n_b,
                               **kw)
 
 
+def decode_pair_in_place(pair: CodedPair, e: int, out_a: torch.Tensor, out_b: torch.Tensor) -> None:
+    """Expert e of both of a pair's tensors decoded into out_a and out_b (contiguous bf16 slots, on the
+    device) straight from the layer's arena on the host (`pair.words`: page-locked, so mapped into the
+    device's address space), no staging copy: one launch reading the coded bytes over the bus, the code
+    tables from `pair.tables` on the device (the kernel looks a table up once an element)."""
+    for p, out in ((pair.a, out_a), (pair.b, out_b)):
+        _check_out(p, out, "decode_pair_in_place")
+    _require_launch(out_a)
+    a, b = pair.a, pair.b
+    grid, (rows, tab_a, _, n_a, n_b), kw = _pair_launch(a.padded, a.bits, b.padded, b.bits)
+    E, tables = a.shape[0], pair.tables.shape[1]
+    _decode_pair_kernel[grid](pair.words, pair.tables, out_a.view(torch.int16), out_b.view(torch.int16),
+                              e * rows, e * tables, e * tables + (1 << a.bits), E * rows + a._starts[e] // 4,
+                              E * rows + (a._starts[E] + b._starts[e]) // 4, a.shape[1] * a.shape[2], n_a,
+                              b.shape[1] * b.shape[2], n_b, **kw)
+
+
 @functools.lru_cache(maxsize=None)
-def _pair_launch(Pa: int, bits_a: int, Pb: int, bits_b: int) -> tuple[tuple[int], tuple[int, int], dict]:
-    """(grid, (a's, b's plane words), constexprs) of _decode_pair_kernel for a pair of layouts: the word
-    offsets of stage_pair's bytes [a's row | b's row | a's run | b's run]."""
+def _pair_launch(Pa: int, bits_a: int, Pb: int, bits_b: int) -> tuple[tuple[int], tuple[int, ...], dict]:
+    """(grid, (words of the two rows, a's and b's table in them, a's and b's plane words), constexprs) of
+    _decode_pair_kernel for a pair of layouts, in int32 words: an expert's rows [a's row | b's row]
+    (then, staged, its escape runs)."""
     (off_a, Ra), (off_b, Rb) = _row_layout(Pa, bits_a), _row_layout(Pb, bits_b)
     blocks_a = _cdiv(Pa, BLOCK)
-    kw = dict(A_PLANES=off_a[1] // 4, A_TABLE=off_a[2] // 4, A_ESC_OFF=off_a[3] // 4, B_SIGNMAN=Ra // 4,
-              B_PLANES=(Ra + off_b[1]) // 4, B_TABLE=(Ra + off_b[2]) // 4, B_ESC_OFF=(Ra + off_b[3]) // 4,
-              A_ESC=(Ra + Rb) // 4, A_BLOCKS=blocks_a, A_BITS=bits_a, B_BITS=bits_b, BLOCK=BLOCK,
+    kw = dict(A_PLANES=off_a[1] // 4, A_ESC_OFF=off_a[3] // 4, B_SIGNMAN=Ra // 4, B_PLANES=(Ra + off_b[1]) // 4,
+              B_ESC_OFF=(Ra + off_b[3]) // 4, A_BLOCKS=blocks_a, A_BITS=bits_a, B_BITS=bits_b, BLOCK=BLOCK,
               num_warps=NUM_WARPS)
-    return (blocks_a + _cdiv(Pb, BLOCK),), (Pa // 32, Pb // 32), kw
+    return (blocks_a + _cdiv(Pb, BLOCK),), ((Ra + Rb) // 4, off_a[2] // 4, (Ra + off_b[2]) // 4, Pa // 32, Pb // 32), kw
 
 
 def _check_out(p: LosslessExperts, out: torch.Tensor, who: str) -> None:
@@ -466,23 +501,24 @@ def _decode_kernel(signman_ptr, planes_ptr, table_ptr, esc_off_ptr, esc_ptr, out
 
 
 @triton.jit
-def _decode_pair_kernel(staged_ptr, a_out, b_out, b_esc, a_numel, a_words, b_numel, b_words,
-                        A_PLANES: tl.constexpr, A_TABLE: tl.constexpr, A_ESC_OFF: tl.constexpr,
-                        B_SIGNMAN: tl.constexpr, B_PLANES: tl.constexpr, B_TABLE: tl.constexpr,
-                        B_ESC_OFF: tl.constexpr, A_ESC: tl.constexpr, A_BLOCKS: tl.constexpr,
+def _decode_pair_kernel(base_ptr, table_ptr, a_out, b_out, row, a_tab, b_tab, a_esc, b_esc, a_numel, a_words,
+                        b_numel, b_words, A_PLANES: tl.constexpr, A_ESC_OFF: tl.constexpr, B_SIGNMAN: tl.constexpr,
+                        B_PLANES: tl.constexpr, B_ESC_OFF: tl.constexpr, A_BLOCKS: tl.constexpr,
                         A_BITS: tl.constexpr, B_BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """One expert's two tensors (w13 and w2) from stage_pair's bytes (staged_ptr, read as int32 words)
-    in one launch: programs 0 .. A_BLOCKS - 1 decode tensor a into a_out, the rest tensor b into b_out,
-    each as _decode_kernel's program of that number would. The fields' word offsets in the staged
-    bytes are the layout's (constexpr: row_layout's, one set a pair of shapes and widths); b's escape
-    run follows a's, whose length varies by expert (`b_esc`, a word offset)."""
+    """One expert's two tensors (w13 and w2) in one launch: programs 0 .. A_BLOCKS - 1 decode tensor a
+    into a_out, the rest tensor b into b_out, each as _decode_kernel's program of that number would.
+    Everything is read as int32 words at word offsets: the expert's rows of both tensors at base_ptr +
+    row (the fields at the layout's offsets in them: constexpr, one set a pair of shapes and widths),
+    its code tables at table_ptr + a_tab and + b_tab, its escape runs at base_ptr + a_esc and + b_esc.
+    From stage_pair's bytes (base and table the staged buffer, row 0); or in place from a layer's
+    page-locked arena on the host (the tables from a copy on the device: decode_pair_in_place)."""
     pid = tl.program_id(0)
     if pid < A_BLOCKS:
-        _decode_block(pid, staged_ptr, staged_ptr + A_PLANES, staged_ptr + A_TABLE, staged_ptr + A_ESC_OFF,
-                      staged_ptr + A_ESC, a_out, a_numel, a_words, A_BITS, BLOCK)
+        _decode_block(pid, base_ptr + row, base_ptr + (row + A_PLANES), table_ptr + a_tab,
+                      base_ptr + (row + A_ESC_OFF), base_ptr + a_esc, a_out, a_numel, a_words, A_BITS, BLOCK)
     else:
-        _decode_block(pid - A_BLOCKS, staged_ptr + B_SIGNMAN, staged_ptr + B_PLANES, staged_ptr + B_TABLE,
-                      staged_ptr + B_ESC_OFF, staged_ptr + b_esc, b_out, b_numel, b_words, B_BITS, BLOCK)
+        _decode_block(pid - A_BLOCKS, base_ptr + (row + B_SIGNMAN), base_ptr + (row + B_PLANES), table_ptr + b_tab,
+                      base_ptr + (row + B_ESC_OFF), base_ptr + b_esc, b_out, b_numel, b_words, B_BITS, BLOCK)
 
 
 @triton.jit

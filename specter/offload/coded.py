@@ -64,7 +64,7 @@ from specter.triton_ops.lossless import LosslessExperts, encode
 
 from ..errors import ConfigError
 from ..moe import ExpertWeights
-from .store import host_limits, page_aligned, register
+from .store import host_limits, is_locked, page_aligned, register
 
 
 class CodedExpert:
@@ -111,8 +111,7 @@ class CodedExpert:
             s = srcs[i]
             if i + 1 < len(srcs) and s.pairs_with(srcs[i + 1]) and all(
                     d.dtype == torch.bfloat16 and d.is_contiguous() for d in dsts[i:i + 2]):
-                staged = lossless.stage_pair(s.pair, s.e, dsts[i].device)
-                lossless.decode_staged_pair(s.pair, s.e, staged, dsts[i], dsts[i + 1])
+                s.pair.decode_into(s.e, dsts[i], dsts[i + 1])
                 i += 2
             else:
                 s.decode_on(dsts[i])
@@ -272,9 +271,23 @@ def warm_decode(store: list[CodedLayer], device) -> int:
         if pair is not None:
             kinds.setdefault((pair.a.padded, pair.a.bits, pair.b.padded, pair.b.bits), pair)
     for pair in kinds.values():
-        slots = [torch.empty(p.shape[1:], dtype=torch.bfloat16, device=device) for p in (pair.a, pair.b)]
-        lossless.decode_staged_pair(pair, 0, lossless.stage_pair(pair, 0, device), *slots)
+        pair.decode_into(0, *(torch.empty(p.shape[1:], dtype=torch.bfloat16, device=device) for p in (pair.a, pair.b)))
     return len(kinds)
+
+
+def decode_in_place(store: list[CodedLayer], device) -> int:
+    """A CUDA store's copies decode straight from each layer's page-locked arena
+    (lossless.decode_pair_in_place: no staging copy, one launch reading the coded bytes over the bus),
+    its code tables copied to `device`. An experiment (SPECTER_CODED_IN_PLACE=1, builder), timed by
+    bench/experiments/coded_copy_cost.py beside the staged copy; a layer whose arena is not locked
+    (the host refused) keeps the staged copy. -> the layers that decode in place."""
+    n = 0
+    for layer in store:
+        pair = layer.w13.pair
+        if pair is not None and is_locked(pair.words):
+            pair.with_tables(device).in_place = True
+            n += 1
+    return n
 
 
 def _warn_refused(refused: list[str]) -> None:
