@@ -254,7 +254,8 @@ def for_cuda_layer(w13: LosslessExperts, w2: LosslessExperts, *, pin: bool, refu
     `refused` and the arena stays pageable."""
     arena = page_aligned(lossless.layer_major_nbytes(w13, w2), torch.uint8)
     pair = lossless.layer_major(w13, w2, arena)
-    for part in (*pair.a.tensors()[:-1], pair.a.by_expert, *pair.b.tensors()[:-1], pair.b.by_expert, pair.rows):
+    for part in (*pair.a.tensors()[:-1], pair.a.by_expert, *pair.b.tensors()[:-1], pair.b.by_expert, pair.rows,
+                 pair.words):
         part._arena = arena  # a dtype view does not keep its base alive: the lock goes with the arena
     if pin and not refused and (error := register(arena)) is not None:
         refused.append(error)
