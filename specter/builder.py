@@ -17,8 +17,7 @@ from .layers import cuda_attention_backends
 from .loader import Checkpoint, load_checkpoint, load_tokenizer, open_checkpoint
 from .model import MoETransformer
 from .moe import ExpertWeights, ResidentExperts
-from .offload.coded import (DecodedStore, cache_entry, coded_store, decode_in_place, emulate_from, read_cached,
-                            warm_decode)
+from .offload.coded import DecodedStore, cache_entry, coded_store, emulate_from, read_cached, ready_on_cuda
 from .offload.coded_tier import PLAN_RATIO, attach as attach_tier, emulation_rows
 from .offload.host_experts import HostExperts
 from .offload.host_lane import LaneChoice, host_params, make_host_lane
@@ -107,9 +106,7 @@ def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | 
         model, store, _ = load_checkpoint(path, device, dt, experts=not hit)
         store = coded_store(store, cached, entry, cuda=device.type == "cuda", pin=pin)
         if device.type == "cuda":
-            if os.environ.get("SPECTER_CODED_IN_PLACE") == "1":
-                decode_in_place(store, device)  # an experiment: coded_copy_cost.py times it
-            warm_decode(store, device)  # the decode kernels compile now, not on the first copies
+            ready_on_cuda(store, device)
     return Loaded(Path(path), ckpt, device, dt, model, store, load_tokenizer(path), draft_cache,
                   compressed=bool(compress_experts), draft_bits=draft_bits)
 

@@ -123,8 +123,9 @@ def test_cudalink_copies_a_coded_expert_in_one_launch(monkeypatch):
 
 
 def test_a_cuda_store_warms_each_kind_of_layer_once(monkeypatch):
-    """warm_decode (a CUDA load, after the store is laid out): one pair decode for each kind of layer
-    (w13's and w2's shapes and widths), so each kernel specialization compiles at load."""
+    """warm_decode (a CUDA load, after the store is laid out: ready_on_cuda): one pair decode for each
+    kind of layer (w13's and w2's shapes and widths), so each kernel specialization compiles at load;
+    the copies decode in place only with SPECTER_CODED_IN_PLACE=1."""
     from specter.moe import ExpertWeights
     from specter.offload.coded import encode_store, warm_decode
 
@@ -140,6 +141,14 @@ def test_a_cuda_store_warms_each_kind_of_layer_once(monkeypatch):
     launches = []
     monkeypatch.setattr(lossless, "_decode_pair_kernel", _Counted(lossless._decode_pair_kernel, "pair", launches))
     assert warm_decode(store, "cpu") == 2 and launches == ["pair", "pair"]
+    from specter.offload import coded as coded_mod  # what a CUDA load runs (ready_on_cuda): in place where asked
+    monkeypatch.setattr(coded_mod, "is_locked", lambda t: True)
+    for flag, in_place in ((None, False), ("1", True)):
+        if flag:
+            monkeypatch.setenv("SPECTER_CODED_IN_PLACE", flag)
+        launches.clear()
+        coded_mod.ready_on_cuda(store, "cpu")
+        assert launches == ["pair", "pair"] and all(layer.w13.pair.in_place == in_place for layer in store), flag
 
 
 class _Counted:

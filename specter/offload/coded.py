@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -260,6 +261,14 @@ def for_cuda_layer(w13: LosslessExperts, w2: LosslessExperts, *, pin: bool, refu
     if pin and not refused and (error := register(arena)) is not None:
         refused.append(error)
     return CodedLayer(pair.a, pair.b, pair)
+
+
+def ready_on_cuda(store: list[CodedLayer], device) -> None:
+    """A CUDA store, once coded and laid out: decoding in place where SPECTER_CODED_IN_PLACE=1 (an
+    experiment: decode_in_place), and every decode kernel compiled now (warm_decode)."""
+    if os.environ.get("SPECTER_CODED_IN_PLACE") == "1":
+        decode_in_place(store, device)
+    warm_decode(store, device)
 
 
 def warm_decode(store: list[CodedLayer], device) -> int:

@@ -109,9 +109,11 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
         drop_others(model, stage, dt)
     decoded = None  # compress_experts: the stage's store decoded, where a reader keeps it (as Loaded.host_rows)
     if compress_experts:
-        from ..offload.coded import coded_store
+        from ..offload.coded import coded_store, ready_on_cuda
 
         mine = coded_store(mine, hits, entry, cuda=device.type == "cuda", pin=pin, first=stage.moe_first)
+        if device.type == "cuda":
+            ready_on_cuda(mine, device)
         if device.type == "cpu" and pol.offloads and mine:  # coded copies and tier hits write from it (emulate_from)
             from ..offload.coded import emulate_from
             from ..offload.coded_tier import ROWS_MAX_BYTES
