@@ -5,9 +5,9 @@ tensor and a decode launch). Since then a CUDA store lays each coded tensor out 
 (lossless.expert_major): a copy was one copy of the expert's row, one of its escape run and one
 launch a tensor; now a layer's two tensors are laid out together (lossless.layer_major): one copy of
 the expert's rows of both, one of each escape run and one launch (`coded`), the per-tensor path
-beside it (`coded_unpaired`, the same store), and on CUDA the kernel reading the page-locked arena in
-place, no staging copy (`coded_in_place`, the engine's with SPECTER_CODED_IN_PLACE=1). This measures
-what is left.
+beside it (`coded_unpaired`, the same store), and the kernel reading the page-locked arena in place,
+no staging copy (`coded_in_place`, the engine's with SPECTER_CODED_IN_PLACE=1; a line of its own a
+shape, after all the others). This measures what is left.
 
     python bench/experiments/coded_copy_cost.py [--copies 64]      # CUDA: through CudaLink
     TRITON_INTERPRET=1 python bench/experiments/coded_copy_cost.py --device cpu --shapes bundled --copies 2
@@ -163,6 +163,44 @@ def bare_gated(slots, srcs, copies: int) -> None:
     torch.cuda.synchronize()
 
 
+def shape_row(name: str, kinds: tuple, link, copies: int, device) -> dict:
+    """One shape's figures for each of `kinds` (raw, coded: the pair as the engine copies, coded_unpaired:
+    the same store a tensor at a time, coded_in_place: the pair read in place; an in-place failure is
+    recorded as its error), and the coded/raw ratios where both ran."""
+    H, I = SHAPES[name]
+    raw, coded, (w13, w2) = stores(H, I, device)
+    slots = [torch.empty(2 * I, H, dtype=torch.bfloat16, device=device),
+             torch.empty(H, I, dtype=torch.bfloat16, device=device)]
+    out = {"shape": name, "hidden": H, "inter": I}
+    copies = copies if device.type == "meta" else max(4, min(copies, int(8e9 // (w13[0].nbytes + w2[0].nbytes))))
+    unpaired = type(coded)(coded.w13.packed, coded.w2.packed)  # the same store, each tensor alone
+    sources = {"raw": raw, "coded": coded, "coded_unpaired": unpaired, "coded_in_place": coded}
+    for kind in kinds:
+        if kind == "coded_in_place":
+            coded.w13.pair.with_tables(device).in_place = True
+        srcs = [(sources[kind].w13[e], sources[kind].w2[e]) for e in range(2)]
+        slots[0].fill_(float("nan"))
+        try:
+            issue, copy, gated = min((measure(link, slots, srcs, copies, device)
+                                      for _ in range(3 if device.type == "meta" else 1)), key=lambda r: r[0])
+        except Exception as e:  # noqa: BLE001 -- the in-place experiment may not run on a host: say why
+            if kind != "coded_in_place":
+                raise
+            out[kind] = {"error": f"{type(e).__name__}: {e}"[:400]}
+            continue
+        out[kind] = {"bytes": sum(s.nbytes for s in srcs[1]), "issue_us": round(issue, 1),
+                     "copy_us": round(copy, 1), "gated_issue_us": gated and round(gated, 1),
+                     "exact": device.type == "meta" or bool(torch.equal(slots[0].cpu(), w13[(copies - 1) % 2])
+                                                            and torch.equal(slots[1].cpu(), w2[(copies - 1) % 2]))}
+    out["copies"] = copies
+    if "raw" in out and "coded" in out:
+        out["coded_over_raw"] = {"bytes": round(out["coded"]["bytes"] / out["raw"]["bytes"], 3),
+                                 "issue": round(out["coded"]["issue_us"] / out["raw"]["issue_us"], 2),
+                                 "copy": round(out["coded"]["copy_us"] / out["raw"]["copy_us"], 2),
+                                 "issue_unpaired": round(out["coded_unpaired"]["issue_us"] / out["raw"]["issue_us"], 2)}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -178,46 +216,16 @@ def main(argv=None) -> int:
     else:
         link = Direct()
     try:
-        for name in args.shapes.split(","):
-            H, I = SHAPES[name]
-            raw, coded, (w13, w2) = stores(H, I, device)
-            slots = [torch.empty(2 * I, H, dtype=torch.bfloat16, device=device),
-                     torch.empty(H, I, dtype=torch.bfloat16, device=device)]
-            out = {"shape": name, "hidden": H, "inter": I}
-            copies = args.copies if device.type == "meta" else max(4, min(args.copies, int(8e9 // (w13[0].nbytes + w2[0].nbytes))))
-            unpaired = type(coded)(coded.w13.packed, coded.w2.packed)  # the same store, each tensor alone
-            kinds = [("raw", [(raw.w13[e], raw.w2[e]) for e in range(2)]),
-                     ("coded", [(coded.w13[e], coded.w2[e]) for e in range(2)]),
-                     ("coded_unpaired", [(unpaired.w13[e], unpaired.w2[e]) for e in range(2)])]
-            if device.type == "cuda":  # the same store read in place (after the staged runs: the flag is the pair's)
-                kinds.append(("coded_in_place", kinds[1][1]))
-            for kind, srcs in kinds:
-                if kind == "coded_in_place":
-                    coded.w13.pair.with_tables(device).in_place = True
-                slots[0].fill_(float("nan"))
-                try:
-                    issue, copy, gated = min((measure(link, slots, srcs, copies, device)
-                                              for _ in range(3 if device.type == "meta" else 1)), key=lambda r: r[0])
-                except Exception as e:  # noqa: BLE001 -- the in-place experiment may not run on a host: say why
-                    if kind != "coded_in_place":
-                        raise
-                    out[kind] = {"error": f"{type(e).__name__}: {e}"[:400]}
-                    continue
-                out[kind] = {"bytes": sum(s.nbytes for s in srcs[1]), "issue_us": round(issue, 1),
-                             "copy_us": round(copy, 1), "gated_issue_us": gated and round(gated, 1),
-                             "exact": device.type == "meta" or bool(torch.equal(slots[0].cpu(), w13[(copies - 1) % 2])
-                                                                    and torch.equal(slots[1].cpu(), w2[(copies - 1) % 2]))}
-            out["copies"] = copies
-            out["coded_over_raw"] = {"bytes": round(out["coded"]["bytes"] / out["raw"]["bytes"], 3),
-                                     "issue": round(out["coded"]["issue_us"] / out["raw"]["issue_us"], 2),
-                                     "copy": round(out["coded"]["copy_us"] / out["raw"]["copy_us"], 2),
-                                     "issue_unpaired": round(out["coded_unpaired"]["issue_us"] / out["raw"]["issue_us"], 2)}
-            if "issue_us" in out.get("coded_in_place", {}):
-                out["coded_over_raw"].update(
-                    issue_in_place=round(out["coded_in_place"]["issue_us"] / out["raw"]["issue_us"], 2),
-                    copy_in_place=round(out["coded_in_place"]["copy_us"] / out["raw"]["copy_us"], 2))
+        raws = {}
+        for name in args.shapes.split(","):  # then in place, every shape (a fault there on a GPU would not
+            out = shape_row(name, ("raw", "coded", "coded_unpaired"), link, args.copies, device)  # lose these)
+            raws[name] = out["raw"]
             print(json.dumps(out), flush=True)
-            del raw, coded, unpaired, slots
+        for name in args.shapes.split(","):
+            out = shape_row(name, ("coded_in_place",), link, args.copies, device)
+            if "issue_us" in out["coded_in_place"]:
+                out["in_place_over_raw"] = {k: round(out["coded_in_place"][k] / raws[name][k], 2) for k in ("issue_us", "copy_us")}
+            print(json.dumps(out), flush=True)
     finally:
         link.close()
     return 0
