@@ -19,6 +19,10 @@
 #                 side, bytes a token and TPOT) at 1/4 residency over the real link -> compressed.json;
 #                 then specter raw against coded with K fixed at 4 (bench/coded_specter.py: the
 #                 governor's arm choice out of the comparison, counts per cycle) -> compressed_k4.json
+#   compressedwide  compressed at a realistic expert size: the bundled model with every expert
+#                 widened 16x (bench/wide_experts.py: 4.7 MB an expert, the same function and routing;
+#                 not the bundled model), on-demand, spec-lru and specter, raw against coded, 1/4
+#                 residency over the real link -> compressed_wide.json
 #   codedcopy   a raw and a coded expert copy through CudaLink, per model's expert shape: the
 #                 issuing thread's microseconds and the link's (bench/experiments/coded_copy_cost.py);
 #                 coded as the engine copies (one launch an expert), per tensor, and in place from
@@ -41,7 +45,7 @@
 # codedcopy, tpot, compressed, firstrun and moehost took 360 s; at 18:03 suite 157 s, moehost 7 s,
 # codedcopy 12 s, tpot0 38 s). $OUT brings back 8 files at most, so the results travel as one
 # tarball beside summary.json:
-#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite codedcopy tpot tpot0 hostprof moehost" BUDGET_S=540 bash
+#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite codedcopy tpot tpot0 hostprof moehost compressedwide" BUDGET_S=540 bash
 #       bench/device_check.sh; cp $D/summary.json "$OUT"/; tar czf "$OUT/all.tgz" -C $D .',
 #       carry=[".whl"], timeout_s=600)
 # then give_back.
@@ -181,7 +185,11 @@ for part in $CHECKS; do
         --policies on-demand,spec-lru,specter --compare-compressed --json
       JSON=1 step compressed_k4 90 "$PY" "$REPO/bench/coded_specter.py" --device cuda --residency 0.25 \
         --policy specter --k 4 --json ;;
-    *) echo "unknown check '$part' (suite, bench, kernels, tpot, tpot0, hostprof, firstrun, moehost, codedcopy, graphs, async, compressed)" ;;
+    compressedwide)
+      step widen 60 "$PY" "$REPO/bench/wide_experts.py" "$SCRATCH/wide16" --factor 16
+      JSON=1 step compressed_wide 200 "$PY" -m specter.cli bench --device cuda --model "$SCRATCH/wide16" \
+        --residency 0.25 --policies on-demand,spec-lru,specter --compare-compressed --json ;;
+    *) echo "unknown check '$part' (suite, bench, kernels, tpot, tpot0, hostprof, firstrun, moehost, codedcopy, graphs, async, compressed, compressedwide)" ;;
   esac
 done
 finish
