@@ -60,6 +60,34 @@ def test_compressed_store_decodes_the_same_greedy_tokens(tiny, plain_link, fixed
             assert misses > 0 and 0 < coded_bytes < raw_bytes, (policy, residency, coded_bytes, raw_bytes)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("in_place", [False, True], ids=["staged", "in-place"])
+def test_compressed_store_on_cuda_decodes_the_same_greedy_tokens(tiny, monkeypatch, in_place):
+    """On CUDA a coded copy is the pair path (one launch an expert: staged, or with
+    SPECTER_CODED_IN_PLACE=1 read in place from the locked arena): on-demand and specter at 1/4
+    residency give the raw store's greedy tokens, and the coded copies moved fewer bytes."""
+    from specter.offload import coded as coded_mod
+
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    if in_place:
+        monkeypatch.setenv("SPECTER_CODED_IN_PLACE", "1")
+    for policy in ("on-demand", "specter"):
+        got = {}
+        for compress in (False, True):
+            engine = specter.load(path, device="cuda", policy=policy, residency=0.25, compress_experts=compress)
+            try:
+                if compress:
+                    pairs = [layer.w13.pair for layer in engine.shared.store]
+                    assert all(p is not None and p.in_place == (in_place and coded_mod.is_locked(p.words))
+                               for p in pairs), policy
+                outs = [engine.generate(p, max_new_tokens=NEW, temperature=0.0) for p in PROMPTS]
+            finally:
+                engine.close()
+            got[compress] = [o.token_ids for o in outs], sum(o.stats["h2d_bytes"] for o in outs)
+        assert got[True][0] == got[False][0], policy
+        assert 0 < got[True][1] < got[False][1], (policy, got[True][1], got[False][1])
+
+
 def test_coded_store_is_smaller_and_decodes_to_its_bits(tiny):
     path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
     engine = specter.load(path, device="cpu", policy="resident")
