@@ -32,14 +32,14 @@ def test_kernel_decodes_every_case_bit_exact(bits):
 def test_kernel_decodes_across_blocks_with_escapes_in_several():
     """Several BLOCKs of one expert, escapes in the first, a middle and the last block (the per-block
     escape offsets), through decode_into (the kernel under the interpreter) and through a copy's staged
-    bytes (expert_major, stage, decode_staged)."""
+    bytes (a tensor of a laid-out layer: layer_major, stage, decode_staged)."""
     g = torch.Generator().manual_seed(5)
     w = (torch.randn(2, 40, 96, generator=g) * 0.02).bfloat16()           # 3840 elements: 4 blocks
     flat = w.view(2, -1)
     flat[:, [3, 1500, 2049, 3839]] = torch.tensor([1e30, -1e-30, 3e20, float("inf")]).bfloat16()
     packed = lossless.encode(w, 2)
     assert (packed.esc_off[:, 1:] > packed.esc_off[:, :-1]).all()
-    em = lossless.expert_major(packed)
+    em = lossless.layer_major(packed, packed).b
     out = torch.empty(40, 96, dtype=torch.bfloat16)
     for e in range(2):
         assert _bits(packed.decode_into(out, e)).equal(_bits(w[e]))
@@ -49,10 +49,11 @@ def test_kernel_decodes_across_blocks_with_escapes_in_several():
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_a_staged_copy_decodes_every_case_bit_exact(bits):
-    """The CUDA copy path (an expert-major store, stage, decode_staged), the CPU as the device: each
-    expert of every case into a slot filled with garbage first."""
+    """One tensor's copy from a CUDA store (a laid-out layer's tensor, stage, decode_staged: the path for
+    slots of another dtype), the CPU as the device: each expert of every case into a slot filled with
+    garbage first."""
     for name, w in special_weights().items():
-        em = lossless.expert_major(lossless.encode(w, bits))
+        em = lossless.layer_major(*(lossless.encode(w, bits),) * 2).a
         for e in range(w.shape[0]):
             slot = torch.full(w.shape[1:], float("nan"), dtype=torch.bfloat16)
             lossless.decode_staged(em, lossless.stage(em, e, "cpu"), slot)

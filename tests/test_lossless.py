@@ -121,27 +121,25 @@ class _Copies(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
-def test_expert_major_layout_is_the_same_bits_one_row_an_expert(bits):
-    """expert_major (the CUDA store's layout): the same format and bits; expert e's four fixed rows in
-    by_expert[e], each 16-byte aligned; a copy of an expert (stage) is one copy of its row and one of
-    its escape run (none without escapes), the row at most the rows' alignment above its bytes."""
+def test_one_tensors_copy_from_a_laid_out_layer_is_its_row_and_run(bits):
+    """A tensor of a layer laid out for copies (layer_major, here paired with itself): the same format and
+    bits, its row at most the rows' alignment above its bytes; a copy of one of its experts alone (stage,
+    the path for slots of another dtype) is one copy of its row and one of its escape run (none without
+    escapes)."""
     for name, w in special_weights().items():
         packed = encode(w, bits)
-        em = lossless.expert_major(packed)
-        assert em.nbytes == packed.nbytes and _bits(em.decode()).equal(_bits(w)), name
-        offsets, R = lossless.row_layout(em)
-        fixed = packed.expert_nbytes(0) - packed.expert_escapes(0).numel()
-        assert em.by_expert.shape == (w.shape[0], R) and fixed <= R < fixed + 4 * lossless.ALIGN + 64
-        for e in range(w.shape[0]):
-            row = em.by_expert[e]
-            for mine, theirs, at in zip(em.tensors()[:4], packed.tensors()[:4], offsets):
-                assert mine[e].data_ptr() == row.data_ptr() + at and at % lossless.ALIGN == 0, name
-                assert mine[e].equal(theirs[e]), name
-            with _Copies() as copies:
-                staged = lossless.stage(em, e, "cpu")
-            run = packed.expert_escapes(e)
-            assert copies.n == 1 + (run.numel() > 0), name
-            assert staged[:R].equal(row) and staged[R:].equal(run), name
+        pair = lossless.layer_major(packed, packed)
+        for em in (pair.a, pair.b):
+            assert em.nbytes == packed.nbytes and _bits(em.decode()).equal(_bits(w)), name
+            R = lossless.row_layout(em)[1]
+            fixed = packed.expert_nbytes(0) - packed.expert_escapes(0).numel()
+            assert em.by_expert.shape == (w.shape[0], R) and fixed <= R < fixed + 4 * lossless.ALIGN + 64
+            for e in range(w.shape[0]):
+                with _Copies() as copies:
+                    staged = lossless.stage(em, e, "cpu")
+                run = packed.expert_escapes(e)
+                assert copies.n == 1 + (run.numel() > 0), name
+                assert staged[:R].equal(em.by_expert[e]) and staged[R:].equal(run), name
 
 
 def test_layer_major_lays_an_experts_two_tensors_side_by_side():
@@ -211,7 +209,7 @@ def test_bad_shapes_and_outputs_are_refused():
         encode(torch.zeros(2, 4, 32, dtype=torch.bfloat16), bits=5)
     with pytest.raises(ConfigError):
         LosslessExperts((2, 4, 32), *packed.tensors()[:-1], packed.esc_start[:2])
-    em = lossless.expert_major(packed)
+    em = lossless.layer_major(packed, packed).a
     staged = lossless.stage(em, 0, "cpu")
     for out in (torch.empty(4, 32), torch.empty(32, 4, dtype=torch.bfloat16).t(), torch.empty(4, 16, dtype=torch.bfloat16)):
         with pytest.raises(ConfigError, match="contiguous bf16"):  # fp32, strided, short: int16 views would lie
@@ -264,6 +262,26 @@ def test_decode_kernel_reads_words_never_bytes(decode_reports):
         widths = {int(re.search(r"(\d+)$", kind).group(1)) for kind in r.loads if kind.startswith("ld")}
         assert min(widths) >= 32, (r.cc, r.loads)
         assert r.loads.get("ld.v4.b32", 0) >= 1, (r.cc, launch.kwargs, r.loads)
+
+
+def test_one_pair_compile_serves_every_expert_of_a_layer():
+    """The pair kernel's arguments that vary by expert are not specialized (the table and escape offsets)
+    or always specialize alike (the row offset, a multiple of 16 words): Triton's own binder gives every
+    expert of a layer one compile, staged and in place, so the one warm_decode makes at load is the one
+    the copies use (an expert whose offsets specialized otherwise would compile on the copy thread)."""
+    pytest.importorskip("triton.backends.nvidia", reason="needs a Triton wheel with its NVIDIA backend")
+    from specter.triton_ops import aot
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = ((torch.randn(16, n, k, generator=g) * 0.02).bfloat16() for n, k in ((48, 32), (32, 24)))
+    w13.view(16, -1)[::3, ::7] = 1e30                                  # escape runs of several lengths
+    pair = lossless.layer_major(encode(w13), encode(w2)).with_tables("cpu")
+    slots = torch.empty(48, 32, dtype=torch.bfloat16), torch.empty(32, 24, dtype=torch.bfloat16)
+    for in_place in (False, True):
+        pair.in_place = in_place
+        with aot.recording(lossless, ("_decode_pair_kernel",)) as log:
+            for e in range(16):
+                pair.decode_into(e, *slots)
+        assert len(log) == 16 and len({str(aot._key(launch, 90)) for launch in log}) == 1, in_place
 
 
 # ------------------------------------------------------------------------------ on a GPU (compiled)

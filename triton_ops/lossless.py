@@ -14,12 +14,12 @@ to P = a multiple of 32; BITS the code width, one for the whole tensor; ESC = 2*
     escapes   uint8  [total]                the raw exponents of escaped elements, in element order,
                                             each expert's run padded to a multiple of 4 bytes
     esc_start int64  [E + 1]                where each expert's run starts in `escapes`
-    by_expert uint8  [E, R] or None         expert_major(): the four tensors above are views of it,
-                                            expert e's rows one after another in by_expert[e]
-                                            (row_layout), so a copy of an expert is one copy of
-                                            by_expert[e] and one of its escape run; layer_major():
-                                            a view of CodedPair.rows [E, Ra + Rb], a layer's w13
-                                            and w2 rows side by side
+    by_expert uint8  [E, R] or None         layer_major(): the four tensors above are views of
+                                            it, expert e's rows one after another in by_expert[e]
+                                            (row_layout), itself a view of CodedPair.rows [E, Ra +
+                                            Rb] (a layer's w13 and w2 rows side by side), so a
+                                            copy of one tensor's expert is one copy of by_expert[e]
+                                            and one of its escape run
 
     exponent(i) = table[code(i)]  unless code(i) == ESC: escapes[esc_start[e] + rank of i among the
                                   expert's escapes]
@@ -47,13 +47,13 @@ fp16 (5-bit exponent, 10-bit mantissa) and fp32 are refused: their split differs
 
 `decode()` (torch, any device) and `decode_into(out, e)` (one expert into a slot: the Triton
 kernel on CUDA or under TRITON_INTERPRET=1, torch elsewhere) return the identical bf16 bits.
-`expert_major(p)` lays the same tensors out for copies; `stage` (host to device, one copy of the
-row and one of the escape run) and `decode_staged` (the kernel on the staged bytes) are an expert
-copy's two halves. `layer_major(w13, w2)` (a CUDA host store: offload/coded.py) lays a layer's two
-tensors out together, so that `stage_pair` copies an expert's rows of both at once and
+`layer_major(w13, w2)` (a CUDA host store: offload/coded.py) lays a layer's two tensors out for
+copies, together, so that `stage_pair` copies an expert's rows of both at once and
 `decode_staged_pair` decodes both in one launch (the issuing host's cost a copy is mostly its CUDA
 calls: docs/RESULTS.md); `decode_pair_in_place` is that launch reading the page-locked arena itself,
-no staging copy (an experiment until a GPU times it: offload/coded.py's decode_in_place).
+no staging copy (an experiment until a GPU times it: offload/coded.py's decode_in_place). One
+tensor's expert alone (a slot of another dtype) is `stage` (its row and escape run) and
+`decode_staged`.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ class LosslessExperts:
     esc_off: torch.Tensor   # int32 [E, cdiv(P, BLOCK)]
     escapes: torch.Tensor   # uint8 [total], expert runs padded to 4 bytes
     esc_start: torch.Tensor  # int64 [E + 1] (host)
-    by_expert: torch.Tensor | None = None  # uint8 [E, R]: the four tensors above are views of it (expert_major)
+    by_expert: torch.Tensor | None = None  # uint8 [E, R]: the four tensors above are views of it (layer_major)
 
     def __post_init__(self):
         E, N, K = self.shape
@@ -298,17 +298,6 @@ def expert_major_nbytes(p: LosslessExperts) -> int:
     return p.shape[0] * row_layout(p)[1] + p.escapes.numel()
 
 
-def expert_major(p: LosslessExperts, buffer: torch.Tensor | None = None) -> LosslessExperts:
-    """p's bits laid out for copies, in one uint8 buffer of expert_major_nbytes(p) (`buffer`, e.g.
-    page-aligned to be locked in place; else allocated): expert e's signman, planes, table and esc_off
-    rows one after another in by_expert[e] (row_layout), every expert's escape run after the rows."""
-    E = p.shape[0]
-    R = row_layout(p)[1]
-    if buffer is None:
-        buffer = torch.empty(expert_major_nbytes(p), dtype=torch.uint8)
-    return _laid_out(p, buffer[:E * R].view(E, R), buffer[E * R:E * R + p.escapes.numel()])
-
-
 def _laid_out(p: LosslessExperts, by_expert: torch.Tensor, escapes: torch.Tensor) -> LosslessExperts:
     """p's bits copied into `by_expert` (uint8 [E, R], each row one expert's: row_layout) and `escapes`."""
     fields = [by_expert[:, at:at + t[0].nbytes].view(t.dtype).view(t.shape).copy_(t)
@@ -362,7 +351,7 @@ def layer_major(a: LosslessExperts, b: LosslessExperts, buffer: torch.Tensor | N
 
 
 def stage(p: LosslessExperts, e: int, device) -> torch.Tensor:
-    """Expert e of an expert-major p (host) into one new uint8 [R + run] buffer on `device`, on the
+    """Expert e of a laid-out p (host, layer_major) into one new uint8 [R + run] buffer on `device`, on the
     current stream: one non-blocking copy of its row, and one of its escape run when it has one
     (decode_staged's input)."""
     row, run = p.by_expert[e], p.expert_escapes(e)
@@ -500,7 +489,7 @@ def _decode_kernel(signman_ptr, planes_ptr, table_ptr, esc_off_ptr, esc_ptr, out
                   n_words, BITS, BLOCK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["a_tab", "b_tab", "a_esc", "b_esc"])  # gathers: one compile for every expert
 def _decode_pair_kernel(base_ptr, table_ptr, a_out, b_out, row, a_tab, b_tab, a_esc, b_esc, a_numel, a_words,
                         b_numel, b_words, A_PLANES: tl.constexpr, A_ESC_OFF: tl.constexpr, B_SIGNMAN: tl.constexpr,
                         B_PLANES: tl.constexpr, B_ESC_OFF: tl.constexpr, A_BLOCKS: tl.constexpr,
@@ -509,7 +498,10 @@ def _decode_pair_kernel(base_ptr, table_ptr, a_out, b_out, row, a_tab, b_tab, a_
     into a_out, the rest tensor b into b_out, each as _decode_kernel's program of that number would.
     Everything is read as int32 words at word offsets: the expert's rows of both tensors at base_ptr +
     row (the fields at the layout's offsets in them: constexpr, one set a pair of shapes and widths),
-    its code tables at table_ptr + a_tab and + b_tab, its escape runs at base_ptr + a_esc and + b_esc.
+    its code tables at table_ptr + a_tab and + b_tab, its escape runs at base_ptr + a_esc and + b_esc
+    (offsets that vary by expert and are read by gathers: not specialized, so one compile, the one
+    warm_decode makes at load, serves every expert; `row` is always a multiple of 16 words, and its
+    specialization keeps the sign/mantissa loads 16 bytes wide).
     From stage_pair's bytes (base and table the staged buffer, row 0); or in place from a layer's
     page-locked arena on the host (the tables from a copy on the device: decode_pair_in_place)."""
     pid = tl.program_id(0)

@@ -247,12 +247,10 @@ class CudaLink(Link):
             for ev in after if isinstance(after, list) else () if after is None else (after,):
                 stream.wait_event(ev)
             begin.record(stream)
-            coded = [(d, s) for d, s in zip(t._dst, src) if not isinstance(s, torch.Tensor)]
-            if coded:  # offload/coded.py: their bytes cross the bus into device memory, then decode into
-                type(coded[0][1]).decode_all_on(*zip(*coded))  # the slots, on this stream
-            for d, s in zip(t._dst, src):
-                if not isinstance(s, torch.Tensor):
-                    continue
+            coded = not isinstance(src[0], torch.Tensor)  # a store is all raw or all coded (offload/coded.py:
+            if coded:                                       # its bytes cross the bus, then decode into the slots)
+                type(src[0]).decode_all_on(t._dst, src)
+            for d, s in () if coded else zip(t._dst, src):
                 if d.dtype != s.dtype:  # the stored bytes cross the bus, then convert on the device
                     staged = torch.empty(s.shape, dtype=s.dtype, device=self.device)
                     staged.copy_(s, non_blocking=True)
