@@ -18,12 +18,16 @@
 # the cycles begun on a kept pre-draft and the fresh ones (tokens, ms a token), and rank 0's draft
 # step beside the later ranks' verification (a pre-draft) and while they wait (a fresh draft),
 # against one process's: the two cores' contention on the rank that drafts.
+# BUDGET (default "--expert-memory 9MiB"): each rank's budget, the one rank's too; "--device-memory 33MiB" gives
+# each rank one rank's whole device (32.9 MiB: specter's 16 slots of 9 MiB beside its weights, draft and KV
+# cache), the pool taking what that rank's stage leaves (`specter plan --ranks 2 --device-memory 33MiB`).
 # Usage: ROUNDS=3 bash bench/pipeline_ranks.sh [extra bench flags]   (figures: docs/RESULTS.md)
 set -euo pipefail
 ROUNDS=${ROUNDS:-3}
 POLICIES=${POLICIES:-resident,on-demand,next-layer,host,spec-lru,specter}
-OUT=${OUT:-$(mktemp -d)}
-args=(bench --policies "$POLICIES" --expert-memory 9MiB --device cpu --json "$@")
+OUT=${OUT:-$(mktemp -d)}; mkdir -p "$OUT"
+read -r -a budget <<< "${BUDGET:---expert-memory 9MiB}"
+args=(bench --policies "$POLICIES" "${budget[@]}" --device cpu --json "$@")
 if [ -z "${SPECTER_EXPERT_THROUGHPUT:-}" ]; then  # as a stage measures it (one thread), once
   SPECTER_EXPERT_THROUGHPUT=$(python - <<'PY'
 import torch
@@ -41,7 +45,7 @@ PY
 fi
 export SPECTER_EXPERT_THROUGHPUT
 echo "emulated link calibrated once: expert throughput $SPECTER_EXPERT_THROUGHPUT B/s; $(date -u +%H:%M:%S) UTC, load: $(cut -d' ' -f1-3 /proc/loadavg)"
-seqargs=(bench --policies specter --expert-memory 9MiB --device cpu --json "$@")
+seqargs=(bench --policies specter "${budget[@]}" --device cpu --json "$@")
 for rep in $(seq "$ROUNDS"); do
   python -m specter "${args[@]}" > "$OUT/one-$rep.json"
   python -m torch.distributed.run --nproc-per-node 2 -m specter "${args[@]}" > "$OUT/two-$rep.json"

@@ -71,8 +71,17 @@ def add_run(a: dict, out, keys) -> None:
             a[k] = a.get(k, 0) + s[k]
 
 
+def budget_words(args, residency, per_rank: bool = False) -> str:
+    """A bench table's budget in words: a byte budget (under torchrun each rank's own), else the residency."""
+    for name in ("device_memory", "expert_memory"):
+        if getattr(args, name, None):
+            return f"{name} {getattr(args, name)}" + (" a rank" if per_rank else "")
+    return f"residency {residency:g}"
+
+
 def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int = 64, repeat: int = 1,
-              device: str = "auto", residency=None, expert_memory=None, link=None, warmup: bool = True,
+              device: str = "auto", residency=None, expert_memory=None, device_memory=None, link=None,
+              warmup: bool = True,
               sampling: dict | None = None, shared=None, compare_compressed: bool = False, **load_kw) -> dict:
     """`shared`: a checkpoint already loaded (`load_once`) for every policy to build on; default: the
     first policy's load, which the others share (one store, one model, one draft).
@@ -95,7 +104,8 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
     engines, runs, coded_shared = {}, [], None
     try:
         for p in policies:
-            budget = dict(residency=residency, expert_memory=expert_memory) if get_policy(p).offloads else {}
+            budget = dict(residency=residency, expert_memory=expert_memory, device_memory=device_memory) \
+                if get_policy(p).offloads else {}
             engines[p] = specter.load(model, device=device, policy=p, link=link, shared=shared, **budget, **load_kw)
             shared = engines[p].shared
             runs.append(p)

@@ -362,6 +362,49 @@ def test_plan_ranks_says_what_each_rank_holds_as_the_ranks_load_it(ckpts, capsys
     assert rows[0]["kv_bytes"] == sum(r["kv_bytes"] for r in plain)
 
 
+def _device_memory(spec, stages, drafts: bool, slots: int) -> tuple[int, list[int], int]:
+    """(a device budget leaving the fullest rank `slots` fp32 expert slots, each rank's fixed bytes, a slot's bytes)."""
+    from specter.pipeline.stages import stage_device_bytes
+
+    fixed = [sum(stage_device_bytes(spec, s, 4, drafts)) for s in stages]
+    slot = spec.expert_numel() * 4
+    return max(fixed) + slots * slot, fixed, slot
+
+
+def test_device_memory_is_each_ranks_whole_device(ckpts, capsys):
+    """--device-memory under torchrun is each rank's own device: its pool takes what its stage's weights,
+    KV cache and (rank 0 of a drafting policy) whole draft leave, as `plan --ranks` says; a device too
+    small fails on the rank it is too small for, naming it and the budget."""
+    from specter.cli import main
+    from specter.errors import BudgetError
+    from specter.pipeline.load import load_stage
+
+    path = ckpts["qwen3_moe"]
+    spec = open_checkpoint(path).spec
+    for policy in ("on-demand", "specter"):
+        drafts = policy == "specter"
+        stages = make_stages(spec, 2, 4, drafts=drafts)
+        memory, fixed, slot = _device_memory(spec, stages, drafts, 3)
+        assert main(["plan", "--model", str(path), "--ranks", "2", "--policy", policy, "--device", "cpu", "--json",
+                     "--device-memory", str(memory)]) == 0
+        rows = json.loads(capsys.readouterr().out)["ranks"]
+        assert (rows[0]["draft_bytes"] > 0) == drafts and rows[1]["draft_bytes"] == 0
+        for r, s, f in zip(rows, stages, fixed):
+            assert r["pool_slots"] == min(r["experts"], (memory - f) // slot) and r["fits"], (policy, r)
+            assert f == r["non_expert_bytes"] + r["kv_bytes"] + r["draft_bytes"] and r["total_bytes"] <= memory
+            st = load_stage(path, s, torch.device("cpu"), policy=policy, device_memory=memory, draft_cache="off")
+            assert st.provider.inner.slots.pool_slots == r["pool_slots"], (policy, r)
+            st.close()
+    stages = make_stages(spec, 2, 4, drafts=True)
+    memory, fixed, slot = _device_memory(spec, stages, True, 0)
+    with pytest.raises(BudgetError, match=r"rank 0: device_memory .* cannot even hold .* draft"):
+        load_stage(path, stages[0], torch.device("cpu"), policy="specter", device_memory=fixed[0] - 1)
+    with pytest.raises(BudgetError, match=r"rank 0: device_memory .* leaves its expert pool .* top-2"):
+        load_stage(path, stages[0], torch.device("cpu"), policy="specter", device_memory=fixed[0] + slot)
+    with pytest.raises(specter.ConfigError, match="one budget"):
+        load_stage(path, stages[1], torch.device("cpu"), policy="on-demand", device_memory=memory, residency=0.5)
+
+
 def test_plan_ranks_compress_experts_says_what_each_rank_holds_as_the_ranks_load_it(tmp_path, capsys):
     """`plan --ranks --compress-experts`: each rank's host store is its own layers' coded bytes, and its
     slot pool and compressed device tier are the ones its load builds."""
@@ -671,11 +714,14 @@ def test_rank_0_drafts_at_the_draft_bits_one_process_drafts_at(ckpts):
         load_stage(path, first, torch.device("cpu"), policy="on-demand", residency=0.5, draft_bits=3)
 
 
-def test_bench_under_torchrun_reports_each_rank(ckpts, tmp_path):
+def test_bench_under_torchrun_reports_each_rank(ckpts, tmp_path, capsys):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([PROMPT, [3, 4, 5]]))
-    argv = ["-m", "specter", "bench", "--model", str(ckpts["deepseek_v2"]), "--prompts", str(prompts),
-            "--policies", "resident,on-demand", "--residency", "0.5", "--max-new-tokens", "6", "--json"]
+    path = ckpts["deepseek_v2"]
+    spec = open_checkpoint(path).spec
+    memory, _, _ = _device_memory(spec, make_stages(spec, 2, 4), False, 2)  # each rank's device, pools partial
+    argv = ["-m", "specter", "bench", "--model", str(path), "--prompts", str(prompts),
+            "--policies", "resident,on-demand", "--device-memory", str(memory), "--max-new-tokens", "6", "--json"]
     ranks = _launch([argv, argv], timeout=HANG)
     assert [r[0] for r in ranks] == [0, 0], [r[2][-2000:] for r in ranks]
     assert ranks[1][1] == ""
@@ -684,6 +730,14 @@ def test_bench_under_torchrun_reports_each_rank(ckpts, tmp_path):
     od = got["policies"]["on-demand"]
     assert od["lossless_vs_resident"] is True and len(od["per_rank"]) == 2
     assert sum(r["expert_hits"] + r["expert_misses"] for r in od["per_rank"]) == od["expert_hits"] + od["expert_misses"] > 0
+    # each rank's pool is what its own device leaves: here rank 0's a part of its layer's experts, rank 1's all
+    from specter.cli import main
+
+    assert main(["plan", "--model", str(path), "--ranks", "2", "--policy", "on-demand", "--device", "cpu", "--json",
+                 "--device-memory", str(memory)]) == 0
+    rows = json.loads(capsys.readouterr().out)["ranks"]
+    assert [r["pool_slots"] < r["experts"] for r in rows] == [r["expert_misses"] > 0 for r in od["per_rank"]] \
+        == [True, False]
 
 
 # ---------------------------------------------------------------------------------------- faults

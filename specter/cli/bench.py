@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from .. import pipeline
-from ..bench import format_table, read_prompts, run_bench
+from ..bench import budget_words, format_table, read_prompts, run_bench
 from ..errors import ConfigError
 from ..plot import residency_sweep
 from ..policy import BENCH_POLICIES
@@ -57,20 +57,25 @@ def cmd_bench(args) -> int:
     kw["sampling"] = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     kw.update(engine_options(args))
     if args.plot:
+        given = [f for f in ("residency", "expert_memory", "device_memory") if getattr(args, f) is not None]
+        if given:
+            raise ConfigError(f"--plot sweeps the residency itself (1/8, 1/4, 1/2, 1): drop --"
+                              f"{given[0].replace('_', '-')}")
         sweep = residency_sweep(args.model, policies, args.plot, **kw)
         if args.json:
             print(json.dumps(sweep))
         return 0
     residency = args.residency
-    if residency is None and args.expert_memory is None:
+    if residency is None and args.expert_memory is None and args.device_memory is None:
         residency = 0.25  # a budget where offloading matters; everything resident would tie every policy
     if args.compare_compressed:
         kw["compare_compressed"] = True
-    res = run_bench(args.model, policies, residency=residency, expert_memory=args.expert_memory, **kw)
+    res = run_bench(args.model, policies, residency=residency, expert_memory=args.expert_memory,
+                    device_memory=args.device_memory, **kw)
     if args.json:
         print(json.dumps(res))
     else:
-        budget = f"expert_memory {args.expert_memory}" if args.expert_memory else f"residency {residency:g}"
+        budget = budget_words(args, residency)
         mode = "greedy" if not args.temperature else f"sampling (temperature {args.temperature:g}, " \
             f"top-p {args.top_p:g}, top-k {args.top_k}, seed {args.seed})"
         workload = f"workload {args.workload or 'default'}" if args.prompts is None else args.prompts

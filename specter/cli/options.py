@@ -51,6 +51,10 @@ def model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
                         "(offloading policies)")
     p.add_argument("--expert-memory", default=None,
                    help="device bytes for the expert slot pool, e.g. 6GiB (offloading policies)")
+    p.add_argument("--device-memory", default=None,
+                   help="the whole device's bytes, e.g. 24GiB: the slot pool takes what the weights, KV cache and "
+                        "draft leave (offloading policies; default on CUDA: 90%% of what is free; under torchrun "
+                        "each rank's own device, see `specter plan --ranks`)")
     p.add_argument("--link", default=None, help="CPU only: link profile of the emulated PCIe link (see `specter profile`)")
     p.add_argument("--host-threads", type=positive_int, default=None,
                    help=f"policies {' and '.join(policy_names('host_lane'))}: threads of the host lane that "
@@ -153,4 +157,5 @@ def load_engine(args, policy: str | None = None):
             raise ConfigError(f"policy {policy!r} does not use {flag}, so it would be ignored; drop it or pick a "
                               f"policy that does ({users})")
     return specter.load(args.model, device=args.device, policy=policy, residency=args.residency,
-                        expert_memory=args.expert_memory, link=args.link, **engine_options(args))
+                        expert_memory=args.expert_memory, device_memory=args.device_memory, link=args.link,
+                        **engine_options(args))

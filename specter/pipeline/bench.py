@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from ..bench import SUM_KEYS, add_run, new_totals, read_prompts
+from ..bench import SUM_KEYS, add_run, budget_words, new_totals, read_prompts
 from ..errors import ConfigError
 from ..policy import BENCH_POLICIES, get as get_policy
 from ..sampling import SamplingParams
@@ -47,12 +47,13 @@ def run(args) -> int:
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     greedy = SamplingParams(**sampling).greedy
     residency = args.residency
-    if residency is None and args.expert_memory is None:
+    if residency is None and args.expert_memory is None and args.device_memory is None:
         residency = 0.25
     results, owner, ranks = {}, None, None
     try:
         for p in policies:
-            budget = dict(residency=residency, expert_memory=args.expert_memory, link=args.link) \
+            budget = dict(residency=residency, expert_memory=args.expert_memory, device_memory=args.device_memory,
+                          link=args.link) \
                 if get_policy(p).offloads else {}
             group, engine, stage = open_pipeline(args.model, device=args.device, policy=p, dtype=args.dtype,
                                                  backend=getattr(args, "pipeline_backend", None),
@@ -95,9 +96,8 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    budget = f"expert_memory {args.expert_memory}" if args.expert_memory else f"residency {residency:g}"
-    print(f"pipeline of {ranks} ranks, {budget}: {len(prompts)} prompts x {args.repeat}, "
-          f"{args.max_new_tokens} new tokens, {'greedy' if greedy else 'sampled'} (policies run in turn)")
+    print(f"pipeline of {ranks} ranks, {budget_words(args, residency, per_rank=True)}: {len(prompts)} prompts x "
+          f"{args.repeat}, {args.max_new_tokens} new tokens, {'greedy' if greedy else 'sampled'} (policies run in turn)")
     print(f"| policy | TPOT ms | vs {base} | hit rate | H2D MB | stall s | per rank (hit rate, H2D MB, stall s) "
           f"| same tokens as {first} |")
     print("|---|---|---|---|---|---|---|---|")

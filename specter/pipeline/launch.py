@@ -38,12 +38,12 @@ def check_options(policy: str, options: dict) -> None:
 
 
 def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residency=None, expert_memory=None,
-                  link=None, dtype=None, backend: str | None = None, timeout_s: float | None = None,
+                  device_memory=None, link=None, dtype=None, backend: str | None = None, timeout_s: float | None = None,
                   threads: int | None = None, k_max: int | None = None, draft_cache=None,
                   host_threads: int | None = None, draft_bits: int = 4, compress_experts: bool = False):
     """(group, rank 0's Engine or None, this rank's stage): joins the group (torchrun's environment, or
     the one torch.distributed already has) and loads this rank's stage. Every rank calls it with the
-    same arguments. Rank 0 generates with the Engine, then calls engine.decoder.finish(); the others
+    same arguments; a byte budget (`expert_memory`, `device_memory`) is each rank's own (load_stage). Rank 0 generates with the Engine, then calls engine.decoder.finish(); the others
     call decoder.serve_stage(stage, group), which returns when rank 0 finishes. `threads` (CPU): torch
     threads per rank (default: the cores less one, shared among this machine's ranks). `k_max`: the
     longest draft (drafting policies; default 32). `draft_cache`: rank 0's INT4 draft cache, as one
@@ -72,7 +72,8 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
         path = Path(model) if model is not None else default_model_path()
         ckpt = open_checkpoint(path)
         stages = make_stages(ckpt.spec, group.world, ckpt.dtype.itemsize, pol.drafts, draft_bits)
-        options = dict(policy=policy, residency=residency, expert_memory=expert_memory, link=link,
+        options = dict(policy=policy, residency=residency, expert_memory=expert_memory,
+                       device_memory=device_memory, link=link,
                        dtype=str(compute_dtype(group.device, ckpt.dtype, dtype)), world=group.world,
                        backend=group.backend, device_type=group.device.type,
                        k_max=k_max if pol.drafts else None, host_threads=host_threads, draft_bits=draft_bits,
@@ -83,7 +84,7 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
         if threads is None and group.device.type == "cpu":
             threads = max(1, ((os.cpu_count() or 2) - 1) // max(local, 1))
         stage = load_stage(path, stages[group.rank], group.device, policy=policy, residency=residency,
-                           expert_memory=expert_memory, link=link, dtype=dtype, threads=threads, k_max=k_max,
+                           expert_memory=expert_memory, device_memory=device_memory, link=link, dtype=dtype, threads=threads, k_max=k_max,
                            draft_cache=draft_cache, host_threads=host_threads, draft_bits=draft_bits,
                            compress_experts=compress_experts)
         # every rank loaded (so no rank's first step waits on a load), and whether any ever copies (the
@@ -122,6 +123,7 @@ def run(args, body, serving: bool = False, waits: bool = False) -> int:
     check_options(args.policy, opts)
     group, engine, stage = open_pipeline(args.model, device=args.device, policy=args.policy,
                                          residency=args.residency, expert_memory=args.expert_memory,
+                                         device_memory=args.device_memory,
                                          link=args.link, dtype=args.dtype, backend=args.pipeline_backend,
                                          timeout_s=args.pipeline_timeout, k_max=args.k_max,
                                          draft_cache=getattr(args, "draft_cache", None),

@@ -6,21 +6,24 @@ from types import SimpleNamespace
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import BudgetError, ConfigError
 from ..moe import ExpertWeights, ResidentExperts
 from ..policy import get as get_policy
+from ..sizes import format_size, parse_size
 from .stage import ShiftedExperts, StageModel, drop_others, lookahead_columns
-from .stages import Stage, stage_fixed_bytes, stage_pool, stage_quota, stage_tier
+from .stages import Stage, stage_expert_memory, stage_pool, stage_quota, stage_tier
 
 
 def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residency=None, expert_memory=None,
-               link=None, dtype=None, threads: int | None = None, k_max: int = 32, draft_cache=None,
+               device_memory=None, link=None, dtype=None, threads: int | None = None, k_max: int = 32, draft_cache=None,
                host_threads: int | None = None, draft_bits: int = 4, compress_experts: bool = False) -> StageModel:
     """Loads the checkpoint at `path` and keeps `stage` of it, with `policy`'s provider over its MoE
     layers: resident weights; or its own offload manager (on-demand), with next-layer guesses made
     within the stage (the last layer of a stage guesses nothing: the next layer is another rank's), or
     with the host lane computing every miss (host; `host_threads` sizes the lane, default `threads`,
-    as builder.load's host_threads: also the opt-in to specter's lane on CUDA). The drafting
+    as builder.load's host_threads: also the opt-in to specter's lane on CUDA). A byte budget is the
+    rank's own: `expert_memory` its pool's, `device_memory` its device's (the pool takes what the stage's
+    weights, KV cache and draft leave; on CUDA without a budget, 90% of what is free). The drafting
     policies add a lookahead of `k_max` rows over the stage's own MoE layers and, for specter, its
     planner, its host lane (LaneChoice over the planner's scores, on CPU as builder.uses_host_lane
     says) and its next-layer guesses for K = 0 steps; their first stage also reads every layer and
@@ -58,22 +61,31 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     dt = compute_dtype(device, ckpt.dtype, dtype)
     plan = lk = None
     if not pol.offloads:
-        if residency is not None or expert_memory is not None or link is not None:
+        if residency is not None or expert_memory is not None or device_memory is not None or link is not None:
             raise ConfigError(f"policy {policy!r} keeps every expert on the device, so a budget or --link would be "
                               "ignored; drop it or use --policy on-demand")
     else:
-        own = expert_memory is not None
-        if residency is None and expert_memory is None and device.type == "cuda":  # 90% of what is free,
-            free, _ = torch.cuda.mem_get_info(device)                              # less the stage's own
-            expert_memory = max(0, int(free * 0.9) - sum(stage_fixed_bytes(spec, stage, dt.itemsize)))
-            own = True
+        if sum(b is not None for b in (residency, expert_memory, device_memory)) > 1:
+            raise ConfigError("give one budget: residency, expert_memory or device_memory")
+        if device_memory is None and residency is None and expert_memory is None and device.type == "cuda":
+            device_memory = int(torch.cuda.mem_get_info(device)[0] * 0.9)  # 90% of what is free
+        own = expert_memory is not None or device_memory is not None
+        if device_memory is not None:  # the pool takes what the stage's weights, KV cache and draft leave
+            expert_memory = stage_expert_memory(spec, stage, dt.itemsize, device_memory, pol.drafts, draft_bits)
         # the plan of the whole model; each rank's pool is sized from it (stage_pool)
         from ..offload.coded_tier import PLAN_RATIO
 
-        plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
-                         draft=False, device=device, store_dtype=ckpt.dtype, compressed=compress_experts,
-                         coded_tier=PLAN_RATIO if compress_experts and device.type == "cpu"
-                         and pol.host_lane != "misses" else None)  # as builder.build_engine plans it
+        try:
+            plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
+                             draft=False, device=device, store_dtype=ckpt.dtype, compressed=compress_experts,
+                             coded_tier=PLAN_RATIO if compress_experts and device.type == "cpu"
+                             and pol.host_lane != "misses" else None)  # as builder.build_engine plans it
+        except BudgetError as e:
+            if device_memory is None:
+                raise
+            raise BudgetError(f"rank {stage.rank}: device_memory {format_size(parse_size(device_memory))} leaves "
+                              f"its expert pool {format_size(expert_memory)} after its stage's weights, KV cache and "
+                              f"draft; {e}; raise it, or run more ranks") from None
         pdt = getattr(torch, plan.pool_dtype)
         lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,
                                                       storage=pdt))

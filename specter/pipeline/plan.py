@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 
 from ..errors import BudgetError, ConfigError
-from ..offload.plan import draft_expert_bytes, make_plan, parse_budget
+from ..offload.plan import make_plan
 from ..policy import get as get_policy
 from ..sizes import format_size
-from .stages import Stage, make_stages, stage_fixed_bytes, stage_pool, stage_tier
+from .stages import make_stages, stage_device_bytes, stage_expert_memory, stage_pool, stage_tier
 
 PIPELINED = ("resident", "on-demand", "next-layer", "host", "spec-lru", "specter")  # launch.PIPELINED_POLICIES
 
@@ -36,7 +36,6 @@ def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str,
     stages = make_stages(spec, ranks, store_dtype.itemsize, drafts, draft_bits)
     item, E, k = dtype.itemsize, spec.n_experts, spec.top_k
     out = []
-    n_moe = len(spec.moe_layer_ids)
     compressed = coded_layers is not None
     coded_tier = None
     if compressed and device is not None and device.type == "cpu" and get_policy(policy).host_lane != "misses":
@@ -45,17 +44,15 @@ def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str,
         coded_tier = PLAN_RATIO  # as load_stage plans it
     for st in stages:
         mine = st.moe_last - st.moe_first
-        whole = drafts and st.is_first  # the whole draft: every layer, as one process holds it
-        non, kv = stage_fixed_bytes(spec, Stage(0, 1, 0, spec.n_layers, 0, n_moe) if whole else st, item, context)
-        draft = n_moe * E * draft_expert_bytes(spec, draft_bits) if whole else 0
+        non, kv, draft = stage_device_bytes(spec, st, item, drafts, draft_bits, context)
         tier = 0
         if policy == "resident":
             slots, expert = mine * E, spec.expert_numel() * item
         else:
             budget = expert_memory
-            if device_memory is not None:
-                budget = max(0, parse_budget(device_memory, "device_memory") - non - kv - draft)
             try:
+                if device_memory is not None:
+                    budget = stage_expert_memory(spec, st, item, device_memory, drafts, draft_bits, context)
                 plan = make_plan(spec, numel, dtype, residency=residency, expert_memory=budget, draft=False,
                                  device=device, store_dtype=store_dtype, context=context, compressed=compressed,
                                  coded_tier=coded_tier)

@@ -109,6 +109,38 @@ def stage_fixed_bytes(spec: ModelSpec, stage: Stage, itemsize: int, context: int
     return non, kv
 
 
+def stage_device_bytes(spec: ModelSpec, stage: Stage, itemsize: int, drafts: bool = False, draft_bits: int = 4,
+                       context: int | None = None) -> tuple[int, int, int]:
+    """(non-expert weight, KV cache, draft expert) bytes on a stage's device, before its expert pool. A
+    drafting policy's first rank runs the whole draft (stage.StageModel.whole): every layer's non-expert
+    weights and KV cache and every MoE layer's draft experts at `draft_bits`."""
+    from ..offload.plan import draft_expert_bytes
+
+    whole = drafts and stage.is_first
+    every = Stage(0, 1, 0, spec.n_layers, 0, spec.n_moe_layers)
+    non, kv = stage_fixed_bytes(spec, every if whole else stage, itemsize, context)
+    draft = spec.n_moe_layers * spec.n_experts * draft_expert_bytes(spec, draft_bits) if whole else 0
+    return non, kv, draft
+
+
+def stage_expert_memory(spec: ModelSpec, stage: Stage, itemsize: int, device_memory, drafts: bool = False,
+                        draft_bits: int = 4, context: int | None = None) -> int:
+    """The bytes a rank's device of `device_memory` (bytes, or a size such as "24GiB") leaves its expert
+    pool: less its stage's non-expert weights, KV cache and draft (stage_device_bytes). A BudgetError
+    where they alone do not fit."""
+    from ..errors import BudgetError
+    from ..offload.plan import parse_budget
+    from ..sizes import format_size
+
+    total = parse_budget(device_memory, "device_memory")
+    fixed = sum(stage_device_bytes(spec, stage, itemsize, drafts, draft_bits, context))
+    if fixed > total:
+        raise BudgetError(f"rank {stage.rank}: device_memory {format_size(total)} cannot even hold its stage's "
+                          f"non-expert weights, KV cache{' and draft' if drafts and stage.is_first else ''} "
+                          f"({format_size(fixed)}); raise it, or run more ranks")
+    return total - fixed
+
+
 def stage_pool(plan, spec: ModelSpec, n_mine: int, own_budget: bool) -> int:
     """Slots in a stage's expert pool: a byte budget (expert_memory, or what a device budget leaves the
     stage) is each rank's own, so its pool takes what that buys, up to every expert of its layers; a
