@@ -252,6 +252,83 @@ def test_a_burst_of_load_does_not_flip_the_arms():
     assert gov.arm == "plain" and gov.plain.rate > 0.9 / SLOWER.plain
 
 
+def test_plain_steps_that_copy_now_and_then_are_rated_at_their_mean_cost():
+    """Most plain steps copy nothing and take 4 ms, 40% copy and take 13 ms: plain decoding runs at 7.6 ms a
+    token. Speculation at 5.5 ms a token pays. The median plain step (4 ms) made plain decoding look 1.4x faster
+    than speculation, so the governor locked into it (two ranks, each device holding most of its layers' experts:
+    7.0 ms a token against 5.2 when it speculated). Rated as the mixture of the two kinds' medians, it speculates;
+    and it still decodes plainly where speculation is slower than that mean."""
+    def run(spec_s: float, seed: int) -> tuple[float, int]:
+        gov, rng = Governor(8), random.Random(seed)
+        jit = lambda t: t * rng.uniform(0.9, 1.1)  # noqa: E731
+        toks = secs = 0.0
+        plain = 0
+        for _ in range(1500):
+            k = gov.next_k(10 ** 6)
+            if k == 0:
+                copies = rng.random() < 0.4
+                t = jit(13e-3 if copies else 4e-3)
+                gov.observe_cycle(0, 0, 0.0, t, 0.0, copied=int(copies))
+                toks, secs, plain = toks + 1, secs + t, plain + 1
+            else:  # every draft accepted; a cycle of K + 1 tokens at spec_s a token
+                d, v = jit(k * spec_s / 2), jit((k + 1) * spec_s - k * spec_s / 2)
+                gov.observe_cycle(k, k, d, v, 0.0)
+                toks, secs = toks + k + 1, secs + d + v
+        return secs / toks, plain
+    mean_plain = 0.6 * 4e-3 + 0.4 * 13e-3
+    for seed in range(4):
+        tpot, plain = run(5.5e-3, seed)
+        assert tpot < min(0.8 * mean_plain, 1.05 * 5.5e-3), (seed, tpot, plain)
+        tpot, plain = run(9.5e-3, seed)  # speculation slower than plain decoding's mean: plain decoding runs
+        assert tpot < 1.03 * mean_plain, (seed, tpot, plain)
+
+
+def pipelined(gov: Governor, plain_s: float, draft_s: float, verify_s: float, seed: int, n: int = 6000):
+    """A pipeline's cycles (pipeline/optimistic.py): a speculative cycle right after one whose drafts were all
+    accepted (and whose guess held, 85%) begins on drafts made beside that verification, so its wall time is
+    its verification alone; any other pays its whole draft first (told as `dear`). -> (seconds a token, plain
+    steps)."""
+    rng = random.Random(seed)
+    jit = lambda t: t * rng.uniform(0.9, 1.1)  # noqa: E731
+    toks = secs = 0.0
+    kept, plain = False, 0
+    for _ in range(n):
+        k = gov.next_k(10 ** 6)
+        if k == 0:
+            t = jit(plain_s)
+            gov.observe_cycle(0, 0, 0.0, t, 0.0, copied=1)
+            toks, secs, kept, plain = toks + 1, secs + t, False, plain + 1
+            continue
+        m = geometric(0.85)(k, rng)
+        d, v = (0.0 if kept else jit(k * draft_s)), jit(verify_s + 0.3e-3 * (k + 1))
+        gov.observe_cycle(k, m, d, v, 0.0, dear=not kept)
+        toks, secs, kept = toks + m + 1, secs + d + v, m == k and rng.random() < 0.85
+    return secs / toks, plain
+
+
+def test_a_pipeline_probes_speculation_with_three_cycles():
+    """In a pipeline the first cycle of a speculation probe from plain decoding drafts while the other ranks
+    wait; the ones after it draft beside the last verification. Probed with one cycle, speculation always looked
+    as dear as that first cycle and plain decoding ran on (4 ms a token); probed with three (`spec_probe`), fresh
+    and kept cycles rated as their mixture (`dear`), it speculates where that pays, and where it does not
+    (speculation 2-3x slower even when kept) its probes still cost under 3%, as one-cycle probes do."""
+    for seed in range(4):
+        one, _ = pipelined(Governor(8), 4e-3, 4e-3, 4e-3, seed)
+        three, _ = pipelined(Governor(8, spec_probe=3), 4e-3, 4e-3, 4e-3, seed)
+        assert one > 0.98 * 4e-3 and three < 0.95 * 4e-3, (seed, one, three)
+        for verify_s in (9e-3, 15e-3):  # speculation loses even when kept
+            slower, _ = pipelined(Governor(8, spec_probe=3), 3e-3, 4e-3, verify_s, seed)
+            assert slower < 1.03 * 3e-3, (seed, verify_s, slower)
+    gov = Governor(8, spec_probe=3)  # speculation losing: each probe still runs three cycles in a row
+    gov.start_plain()
+    ks = []
+    for _ in range(40):
+        ks.append(k := gov.next_k(100))
+        gov.observe_cycle(k, 0, k * 8e-3, 5e-3, 0.0) if k else gov.observe_cycle(0, 0, 0.0, 4e-3, 0.0, steps=gov.steps)
+    first = next(i for i, k in enumerate(ks) if k)
+    assert all(ks[first:first + 3]) and ks[first + 3] == 0, ks
+
+
 def test_a_slower_stretch_of_text_does_not_switch_to_stale_speculation():
     """The text moves on to a stretch where every plain step misses more (1.4x slower) and speculation
     is slower still (2x): plain decoding's window drops below speculation's, whose cycles ran on

@@ -982,7 +982,7 @@ class _VirtualCycles:
 
 def _virtual_decoder(monkeypatch, told: list, **costs):
     """PipelineSpeculativeDecoder's optimistic cycles over _VirtualCycles: (decoder, clock); `told` gets
-    every observe_cycle(K, accepted, draft_s, verify_s, stall_s)."""
+    every observe_cycle(K, accepted, draft_s, verify_s, stall_s, dear)."""
     import collections
     import types
     from specter.pipeline import optimistic
@@ -997,7 +997,8 @@ def _virtual_decoder(monkeypatch, told: list, **costs):
     dec = object.__new__(type("Dec", (optimistic.OptimisticCycles, SpeculativeDecoder), {}))  # the real MRO, no init
     dec.stage, dec.model, dec.experts = fake, fake, fake
     dec.stages, dec.planner, dec.device = [types.SimpleNamespace(last=1)], None, torch.device("cpu")
-    dec.governor = types.SimpleNamespace(draft_s=None, fixed=None, arm="spec", observe_cycle=lambda *a: told.append(a))
+    dec.governor = types.SimpleNamespace(draft_s=None, fixed=None, arm="spec",
+                                         observe_cycle=lambda *a, dear: told.append(a + (dear,)))
     dec.pre, dec.k, dec.need, dec.cancel_leftovers = None, 0, 10 ** 6, False
     dec.send_rows = lambda upto: None
     dec._stats = dict(k_histogram=collections.Counter(), cycles=0, recall_hits=0, recall_total=0, drafted_tokens=0,
@@ -1032,9 +1033,10 @@ def test_optimistic_cycles_tell_the_governor_their_wall_time(monkeypatch, later)
     assert o["kept_cycles"] in (o["kept"], o["kept"] - 1) and o["kept_cycles"] + o["fresh_cycles"] == len(walls), o
     assert o["kept_tokens"] + o["fresh_tokens"] == n - 10, o
     assert o["kept_s"] + o["fresh_s"] == pytest.approx(sum(walls), abs=1e-9), o
-    for (k, m, draft_s, verify_s, stall_s), wall in zip(told, walls, strict=True):
+    for (k, m, draft_s, verify_s, stall_s, dear), wall in zip(told, walls, strict=True):
         assert draft_s >= 0 and verify_s > 0
         assert draft_s + verify_s == pytest.approx(wall, abs=1e-9), (k, m, draft_s, verify_s, wall)
+    assert sum(d for *_, d in told) == o["fresh_cycles"]  # dear: the fresh cycles, which the later stages waited out
 
 
 def test_a_fresh_draft_drafts_a_share_of_k_and_its_pre_draft_all_of_it(monkeypatch):

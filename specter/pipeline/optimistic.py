@@ -161,7 +161,7 @@ class OptimisticCycles:
         st["draft_s"] += draft_s  # the stats: the drafts' own seconds
         st["verify_s"] += verify_s
         self.governor.observe_cycle(k, m, max(0.0, (m2 - m0) - verify_s) if self.exposed_draft else draft_s, verify_s,
-                                    stall)
+                                    stall, dear=pre is None)  # a fresh draft: the later stages waited it out
         kind = "kept" if pre is not None else "fresh"  # the cycle's wall and tokens, by whether a pre-draft began it
         o[kind + "_cycles"] += 1
         o[kind + "_tokens"] += m + 1

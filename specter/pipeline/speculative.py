@@ -65,7 +65,7 @@ class PipelineSpeculativeDecoder(OptimisticCycles, SpeculativeDecoder):
         plan = PlanRelay(stage.planner or NoPlanner(), self) if planner else None
         fallback = object() if planner else None  # a K = 0 step guesses: each stage its own (GUESS)
         super().__init__(PipeModel(self), PipeExperts(stage, all_resident), DraftSlot(), stage.device, stage.dtype,
-                         governor=Governor(k_max), planner=plan, fallback=fallback)
+                         governor=Governor(k_max, spec_probe=3), planner=plan, fallback=fallback)
 
     def run(self, prompt, params, max_new):
         return self._generation(prompt, params, max_new)

@@ -15,14 +15,16 @@ arm (with or without next-layer prefetch: `PlainArms`, arms.py). Why: docs/ARCHI
    e a window's relative standard error (`_Window`), R_plain_3 the median of the newest 3 plain steps; leaving
    speculation takes only the margin. A plain step that copied, right after a speculative cycle, charges that
    cycle its excess over the plain window's median step (the experts its verification evicted, re-copied). The
-   losing arm is probed (`plain_probe` plain steps, or one speculative cycle at its best K) `probe_every` cycles
+   losing arm is probed (`plain_probe` plain steps, or `spec_probe` speculative cycles at its best K: one in a
+   process; a pipeline's first probe cycle pays its whole draft, which its later ones draft beside the last
+   verification, so it probes three) `probe_every` cycles
    after it lost, then at doubling intervals that keep the probes' loss under `budget` (a probe that alone beats
    the running arm by the same burden is followed up at once); with n cycles of t_o seconds at rate R_o against
    the running arm's t_r seconds and R_r (t an arm's median cycle seconds):
 
        interval >= n (t_o / t_r) (1 - R_o / R_r) / budget    (a plain probe's at once; the doubling a probe later)
 
-   capped at probe_max cycles while speculating and probe_max (t_o / t_r) while decoding plainly (twice that, at
+   capped at probe_max cycles while speculating and probe_max n (t_o / t_r) while decoding plainly (twice that, at
    half the budget, when plain steps copy nothing). While decoding plainly, speculation is probed every
    `probe_every` steps, without backing off, while it may yet win: R_spec^+ > R_plain (1 + margin), R_spec^+ its
    window rated by the upper bounds a_i^+ (z = z_hope), judged as each probe starts and again once it ran.
@@ -54,28 +56,57 @@ from .arms import PlainArms
 
 
 class _Window:
-    """The latest cycles of one arm, as (K verified, seconds). Recomputed at each add: rates, rate (their median: a
-    burst of load slows a cycle or two many times over), seconds (the median cycle; None before the first), error
-    (sqrt(pi/2) 1.4826 MAD / median / sqrt(n); None before two)."""
+    """The latest cycles of one arm, as (K verified, seconds, dear). Recomputed at each add: rates, rate (their
+    median: a burst of load slows a cycle or two many times over), seconds (the median cycle; None before the
+    first), error (sqrt(pi/2) 1.4826 MAD / median rate / sqrt(n); None before two).
+
+    `dear`: the cycle paid a cost only some cycles pay (a plain step's copies, a verification's stall, a
+    pipeline's fresh draft). Such a cycle costs several that do not, so where the window holds both kinds its
+    rate is their mixture: tokens over each kind's median seconds a token weighted by how often it came (robust
+    to a burst of load in either kind). The median of all cycles would rate the arm at its commoner kind: with
+    60% of plain steps copying nothing, at the no-copy step's speed however dear the copies."""
 
     def __init__(self, size: int, worth):
         self.ks, self.secs = deque(maxlen=size), deque(maxlen=size)  # each cycle's K and its seconds
+        self.dear: deque = deque(maxlen=size)  # ... and whether it was dear (None: not told)
         self.worth = worth
         self.rates: list[float] = []
         self.rate = self.seconds = self.error = None
 
-    def add(self, k: int, seconds: float) -> None:
+    def add(self, k: int, seconds: float, dear: bool | None = None) -> None:
         self.ks.append(k)
         self.secs.append(seconds)
-        self.rates = []
-        for k, s in zip(self.ks, self.secs):  # worth None: every cycle is one token
-            self.rates.append((1.0 if self.worth is None else self.worth(k)) / s if s > 0 else math.inf)
-        self.rate, self.seconds = statistics.median(self.rates), statistics.median(self.secs)
-        med, self.error, dev = self.rate, None, []
+        self.dear.append(dear)
+        self.rates = self._rates(self.worth)
+        med, self.seconds = statistics.median(self.rates), statistics.median(self.secs)
+        self.rate = self.rate_by(self.worth)
+        self.error, dev = None, []
         if len(self.secs) >= 2 and math.isfinite(med) and med > 0:
             for x in self.rates:
                 dev.append(abs(x - med))
             self.error = 1.858 * statistics.median(dev) / med / math.sqrt(len(self.secs))
+
+    def _rates(self, worth) -> list[float]:  # worth None: every cycle is one token
+        return [(1.0 if worth is None else worth(k)) / s if s > 0 else math.inf for k, s in zip(self.ks, self.secs)]
+
+    def rate_by(self, worth) -> float:
+        """The window's rate with each cycle worth worth(K) tokens: the median, or the mixture of the two kinds."""
+        rates = self._rates(worth)
+        if not (True in self.dear and False in self.dear and None not in self.dear):
+            return statistics.median(rates)
+        mix = sum(statistics.median(1 / r for r, d in zip(rates, self.dear) if d is kind) * self.dear.count(kind)
+                  for kind in (False, True))  # seconds a token, summed over the window's cycles
+        return len(rates) / mix if mix > 0 else math.inf
+
+    def charge_last(self, extra: float) -> None:
+        """The newest cycle `extra` seconds dearer (what it left to the cycle after it)."""
+        k, seconds, dear = self.ks.pop(), self.secs.pop(), self.dear.pop()
+        self.add(k, seconds + extra, dear)
+
+    def typical(self, dear: bool) -> float | None:
+        """The median seconds of the window's dear cycles (or cheap ones); of all of them where there are none."""
+        secs = [s for s, d in zip(self.secs, self.dear) if d is dear]
+        return statistics.median(secs) if secs else self.seconds
 
     def recent(self, n: int = 3) -> float | None:  # the median rate of its newest n cycles
         return statistics.median(self.rates[-n:]) if self.secs else None
@@ -83,12 +114,14 @@ class _Window:
 
 class Governor:
     def __init__(self, k_max: int, k_init: int = 4, alpha: float = 0.25, probe_every: int = 8,
-                 probe_max: int = 64, plain_probe: int = 2, windows: tuple[int, int] = (8, 4), z: float = 0.5,
+                 probe_max: int = 64, plain_probe: int = 2, spec_probe: int = 1, windows: tuple[int, int] = (8, 4),
+                 z: float = 0.5,
                  prior_weight: float = 4.0, bandwidth: float = 3.0, margin: float = 0.03, budget: float = 0.01,
                  proof: float = 1.0, proof_cap: float = 0.25, free_margin: float = 0.10, fixed: int | None = None,
                  z_hope: float = 1.0):
         self.k_max, self.alpha, self.fixed, self.k_init = k_max, alpha, fixed, max(1, min(k_init, k_max))
-        self.probe_every, self.probe_max, self.plain_probe = probe_every, probe_max, plain_probe
+        self.probe_every, self.probe_max = probe_every, probe_max
+        self.plain_probe, self.spec_probe = plain_probe, spec_probe
         self.z, self.m, self.bandwidth, self.margin, self.budget = z, prior_weight, bandwidth, margin, budget
         self.proof, self.proof_cap, self.free_margin, self.z_hope = proof, proof_cap, free_margin, z_hope
         # acceptance: decayed accepted / tried counts per drafted position (1..K_max) and pooled
@@ -120,11 +153,14 @@ class Governor:
 
     # ---------------------------------------------------------------------------- observe
     def observe_cycle(self, k: int, accepted: int, draft_s: float, verify_s: float, stall_s: float,
-                      verified: int | None = None, copied: int | None = None, steps: int = 1) -> None:
+                      verified: int | None = None, copied: int | None = None, steps: int = 1,
+                      dear: bool | None = None) -> None:
         """A cycle drafted K tokens (in draft_s), verified the first `verified` of them (default all), accepted
         `accepted` of those; verification took verify_s, stall_s of it waiting on copies or the host lane. `copied`:
         expert bytes a plain step (K = 0) found off the device, to copy or read on the host lane (None: unknown).
-        `steps`: K = 0 only, a run of that many plain steps (next_k's steps): verify_s their mean, copied their sum."""
+        `steps`: K = 0 only, a run of that many plain steps (next_k's steps): verify_s their mean, copied their sum.
+        `dear` (_Window): whether the cycle paid a cost only some cycles pay; default copied > 0 (K = 0), else
+        stall_s > 0 (a pipeline passes its fresh drafts: pipeline/optimistic.py)."""
         self.cycles += steps
         seconds = draft_s + verify_s
         drafted, k = k, (k if verified is None else verified)
@@ -136,9 +172,10 @@ class Governor:
         self._worth, self._bounds = {}, {}  # valid until the next observation
         after_spec, self._after_spec = self._after_spec, drafted > 0
         if after_spec and drafted == 0 and copied != 0 and len(self.plain.secs) >= self.plain_probe:
-            excess = seconds - self.plain.seconds  # what the last cycle's evictions cost this step
+            excess = seconds - self.plain.typical(True)  # what the last cycle's evictions cost this step, beyond a
+            # plain step's usual copies (not told which copied: every step's median)
             if excess > 0:
-                self.spec.add(self.spec.ks.pop(), self.spec.secs.pop() + excess)
+                self.spec.charge_last(excess)
                 seconds -= excess
         self._spec_fresh = self.window_tokens(k) / seconds if drafted > 0 and seconds > 0 else None
         if self._arm_probe and self._arm_probe_left == 0 and seconds > 0:
@@ -152,11 +189,12 @@ class Governor:
                     running = max(plain.rate, plain.recent()) if self.plain_copies_nothing else plain.rate
                 if running is not None and rate > running * (1 + need):
                     self._arm_next = self.cycles
-        (self.plain if drafted == 0 else self.spec).add(k, seconds)
         if drafted == 0:
+            self.plain.add(k, seconds, dear if dear is not None or copied is None else copied > 0)
             self.plain_copied.append(copied is None or copied > 0)
             self.plain_copies_nothing = len(self.plain_copied) >= self.plain_probe and not any(self.plain_copied)
             return
+        self.spec.add(k, seconds, stall_s > 0 if dear is None else dear)
         if self._arm_probe and self.hopeful():  # a probe that lifted the hopes: the next one at probe_every
             self._arm_interval, self._arm_next = self.probe_every, min(self._arm_next, self.cycles + self.probe_every)
         a = self.alpha  # moving averages (None: no value yet, so the first is taken as it is)
@@ -228,8 +266,9 @@ class Governor:
 
     def hopeful(self) -> bool:
         """Plain decoding runs, and speculation may yet win: R_spec^+ (window rated by a_i^+) > R_plain (1 + margin)."""
-        rates = [self.window_tokens(k, -self.z_hope) / s for k, s in zip(self.spec.ks, self.spec.secs) if s > 0]
-        return self.arm == "plain" and bool(rates) and statistics.median(rates) > self.plain.rate * (1 + self.margin)
+        if self.arm != "plain" or not self.spec.secs:
+            return False
+        return self.spec.rate_by(lambda k: self.window_tokens(k, -self.z_hope)) > self.plain.rate * (1 + self.margin)
 
     def stall_estimate(self, k: int) -> float:
         """s(K): kernel-smoothed measured stalls, clamped to the tried range, bounded by longer K's (the docstring)."""
@@ -309,7 +348,7 @@ class Governor:
             self.probe = True
             return "spec" if self.arm == "plain" else "plain"
         if self.arm is None:  # both arms measured first (start_plain: plain decoding runs)
-            if len(self.spec.secs) < 2:
+            if len(self.spec.secs) < max(2, self.spec_probe):
                 return "spec"
             if len(self.plain.secs) < self.plain_probe:
                 return "plain"
@@ -333,10 +372,10 @@ class Governor:
         if self.cycles >= self._arm_next:
             self._arm_next = self.cycles + self._arm_interval
             # probes that keep losing back off, and never cost more than `budget` of the time
-            n = self.plain_probe if self.arm == "spec" else 1
+            n = self.plain_probe if self.arm == "spec" else self.spec_probe
             weight = max(other.seconds or 0.0, 1e-12) / max(running.seconds, 1e-12)  # t_o / t_r
             loss = 0.0 if other.rate is None else n * weight * max(0.0, 1.0 - other.rate / max(running.rate, 1e-12))
-            cap = self.probe_max if self.arm == "spec" else round(self.probe_max * max(1.0, weight))
+            cap = self.probe_max if self.arm == "spec" else round(self.probe_max * max(1.0, weight) * n)  # in probes
             budget, free = self.budget, self.arm == "plain" and self.plain_copies_nothing
             cap, budget = (2 * cap, budget / 2) if free else (cap, budget)
             if self.hopeful():
@@ -345,7 +384,7 @@ class Governor:
                 self._arm_interval = min(max(2 * self._arm_interval, round(loss / budget)), cap)
             if self.arm == "spec":  # a costly plain probe puts the next off at once (speculation's hopes may return)
                 self._arm_next = max(self._arm_next, self.cycles + min(round(loss / budget), cap))
-            self._arm_probe_left = (self.plain_probe if self.arm == "spec" else 1) - 1
+            self._arm_probe_left = n - 1
             self.probe = True
             return "plain" if self.arm == "spec" else "spec"
         return self.arm
