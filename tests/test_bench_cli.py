@@ -119,6 +119,29 @@ def test_bench_json_three_policies(capsys, model, tmp_path):
     assert "slots_per_layer" not in pols["resident"]
 
 
+def test_bench_device_memory_is_the_whole_device(capsys, model, tmp_path):
+    """--device-memory: each offloading policy's pool takes what its weights and KV cache leave (the plan's
+    device budget), resident beside them takes none, and --plot (which sweeps the residency) refuses it."""
+    import torch
+
+    from specter.loader import open_checkpoint
+    from specter.offload.plan import make_plan
+
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS[:1]))
+    ck = open_checkpoint(model)
+    want = make_plan(ck.spec, ck.numel(), torch.float32, device_memory="700KiB", draft=False,
+                     device=torch.device("cpu"), store_dtype=ck.dtype).pool_slots
+    assert 2 <= want < 16 and want != 4  # a part of the 16 routed experts, not the default residency 0.25's
+    rc, out, err = run_cli(capsys, "bench", "--model", model, "--device", "cpu", "--policies", "resident,on-demand",
+                           "--device-memory", "700KiB", "--prompts", str(prompts), "--max-new-tokens", "4", "--json")
+    assert rc == 0, err
+    pols = json.loads(out)["policies"]
+    assert pols["on-demand"]["pool_slots"] == want and pols["on-demand"]["lossless_vs_resident"] is True
+    assert_one_line_error(*run_cli(capsys, "bench", "--model", model, "--device", "cpu", "--device-memory", "700KiB",
+                                   "--plot", str(tmp_path / "p.png")), "--plot sweeps the residency", "--device-memory")
+
+
 def test_bench_missing_prompts_file_exits_2(capsys, model, tmp_path):
     missing = tmp_path / "nope.json"
     assert_one_line_error(*run_cli(capsys, "bench", "--model", model, "--device", "cpu",

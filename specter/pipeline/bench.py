@@ -96,8 +96,9 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
+    mode = "greedy" if greedy else "sampled"
     print(f"pipeline of {ranks} ranks, {budget_words(args, residency, per_rank=True)}: {len(prompts)} prompts x "
-          f"{args.repeat}, {args.max_new_tokens} new tokens, {'greedy' if greedy else 'sampled'} (policies run in turn)")
+          f"{args.repeat}, {args.max_new_tokens} new tokens, {mode} (policies run in turn)")
     print(f"| policy | TPOT ms | vs {base} | hit rate | H2D MB | stall s | per rank (hit rate, H2D MB, stall s) "
           f"| same tokens as {first} |")
     print("|---|---|---|---|---|---|---|---|")

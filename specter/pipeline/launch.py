@@ -43,8 +43,9 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
                   host_threads: int | None = None, draft_bits: int = 4, compress_experts: bool = False):
     """(group, rank 0's Engine or None, this rank's stage): joins the group (torchrun's environment, or
     the one torch.distributed already has) and loads this rank's stage. Every rank calls it with the
-    same arguments; a byte budget (`expert_memory`, `device_memory`) is each rank's own (load_stage). Rank 0 generates with the Engine, then calls engine.decoder.finish(); the others
-    call decoder.serve_stage(stage, group), which returns when rank 0 finishes. `threads` (CPU): torch
+    same arguments; a byte budget (`expert_memory`, `device_memory`) is each rank's own (load_stage).
+    Rank 0 generates with the Engine, then calls engine.decoder.finish(); the others call
+    decoder.serve_stage(stage, group), which returns when rank 0 finishes. `threads` (CPU): torch
     threads per rank (default: the cores less one, shared among this machine's ranks). `k_max`: the
     longest draft (drafting policies; default 32). `draft_cache`: rank 0's INT4 draft cache, as one
     process's (None: $SPECTER_DRAFT_CACHE or the user cache; "off": none); the other ranks never use it.
@@ -84,8 +85,8 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
         if threads is None and group.device.type == "cpu":
             threads = max(1, ((os.cpu_count() or 2) - 1) // max(local, 1))
         stage = load_stage(path, stages[group.rank], group.device, policy=policy, residency=residency,
-                           expert_memory=expert_memory, device_memory=device_memory, link=link, dtype=dtype, threads=threads, k_max=k_max,
-                           draft_cache=draft_cache, host_threads=host_threads, draft_bits=draft_bits,
+                           expert_memory=expert_memory, device_memory=device_memory, link=link, dtype=dtype,
+                           threads=threads, k_max=k_max, draft_cache=draft_cache, host_threads=host_threads, draft_bits=draft_bits,
                            compress_experts=compress_experts)
         # every rank loaded (so no rank's first step waits on a load), and whether any ever copies (the
         # decoder's K = 0 steps guess only then)

@@ -3,8 +3,9 @@ arm (with or without next-layer prefetch: `PlainArms`, arms.py). Why: docs/ARCHI
 
 1. Arms, judged by realised throughput. Plain decoding (K = 0) and speculation (K >= 1) each keep a window of
    their latest cycles (W_plain steps, W_spec cycles); an arm's rate R is the median of worth(K) / seconds over
-   its window, worth(K) = E[tokens | K] by the estimates a_i of 2 (the bounds a_i^- pick K, not the arm),
-   seconds the cycle's wall time, stalls included. Both arms are measured first (`start_plain`, when the budget
+   its window (where it holds dear cycles and cheap ones, their mixture: `_Window`), worth(K) = E[tokens | K]
+   by the estimates a_i of 2 (the bounds a_i^- pick K, not the arm), seconds the cycle's wall time, stalls
+   included. Both arms are measured first (`start_plain`, when the budget
    holds every expert: plain decoding runs, speculation is probed 2 `probe_every` steps in). Speculation takes
    over only right after one of its own cycles, when that cycle's rate and its window's both clear
 
@@ -14,7 +15,8 @@ arm (with or without next-layer prefetch: `PlainArms`, arms.py). Why: docs/ARCHI
 
    e a window's relative standard error (`_Window`), R_plain_3 the median of the newest 3 plain steps; leaving
    speculation takes only the margin. A plain step that copied, right after a speculative cycle, charges that
-   cycle its excess over the plain window's median step (the experts its verification evicted, re-copied). The
+   cycle its excess over the plain window's median copying step (the experts its verification evicted,
+   re-copied). The
    losing arm is probed (`plain_probe` plain steps, or `spec_probe` speculative cycles at its best K: one in a
    process; a pipeline's first probe cycle pays its whole draft, which its later ones draft beside the last
    verification, so it probes three) `probe_every` cycles
@@ -79,7 +81,7 @@ class _Window:
         self.dear.append(dear)
         self.rates = self._rates(self.worth)
         med, self.seconds = statistics.median(self.rates), statistics.median(self.secs)
-        self.rate = self.rate_by(self.worth)
+        self.rate = self._mix(self.rates)
         self.error, dev = None, []
         if len(self.secs) >= 2 and math.isfinite(med) and med > 0:
             for x in self.rates:
@@ -90,8 +92,11 @@ class _Window:
         return [(1.0 if worth is None else worth(k)) / s if s > 0 else math.inf for k, s in zip(self.ks, self.secs)]
 
     def rate_by(self, worth) -> float:
-        """The window's rate with each cycle worth worth(K) tokens: the median, or the mixture of the two kinds."""
-        rates = self._rates(worth)
+        """The window's rate with each cycle worth worth(K) tokens (as `rate` is at self.worth)."""
+        return self._mix(self._rates(worth))
+
+    def _mix(self, rates: list[float]) -> float:
+        """The median of the cycles' rates, or where the window holds dear and cheap cycles their mixture."""
         if not (True in self.dear and False in self.dear and None not in self.dear):
             return statistics.median(rates)
         mix = sum(statistics.median(1 / r for r, d in zip(rates, self.dear) if d is kind) * self.dear.count(kind)
