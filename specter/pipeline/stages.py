@@ -135,9 +135,11 @@ def stage_expert_memory(spec: ModelSpec, stage: Stage, itemsize: int, device_mem
     total = parse_budget(device_memory, "device_memory")
     fixed = sum(stage_device_bytes(spec, stage, itemsize, drafts, draft_bits, context))
     if fixed > total:
+        whole = drafts and stage.is_first  # more ranks would not help: rank 0 holds the whole draft
         raise BudgetError(f"rank {stage.rank}: device_memory {format_size(total)} cannot even hold its stage's "
-                          f"non-expert weights, KV cache{' and draft' if drafts and stage.is_first else ''} "
-                          f"({format_size(fixed)}); raise it, or run more ranks")
+                          f"non-expert weights, KV cache{' and the whole draft' if whole else ''} "
+                          f"({format_size(fixed)}); raise it, or "
+                          + ("pick a policy without a draft (on-demand)" if whole else "run more ranks"))
     return total - fixed
 
 
