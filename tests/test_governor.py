@@ -12,7 +12,10 @@ function of K, the copy stall as a function of K, and how many drafted tokens ar
    it pays again (the cache or the text changed), the governor is speculating again within a
    bounded number of cycles -- both ways, because K = 0 keeps being re-measured; a stretch of text
    that slows plain decoding does not switch to speculation on cycles measured on earlier text; a
-   probe is charged the copies its evictions leave to the plain steps after it.
+   probe is charged the copies its evictions leave to the plain steps after it; plain steps that copy
+   now and then are rated at their mixture, not their commoner kind; a pipeline's speculation, whose
+   probe's first cycle drafts alone and its later ones beside a verification, is probed three cycles
+   at a time.
 2b. The burden of proof: with every expert resident (plain steps copy nothing) speculation at
    break-even or a few percent slower never costs over 2% under +-30% timing noise, and a batched
    verification that really pays is still taken; slightly slower speculation under heavy noise
