@@ -120,10 +120,9 @@ class _Window:
 class Governor:
     def __init__(self, k_max: int, k_init: int = 4, alpha: float = 0.25, probe_every: int = 8,
                  probe_max: int = 64, plain_probe: int = 2, spec_probe: int = 1, windows: tuple[int, int] = (8, 4),
-                 z: float = 0.5,
-                 prior_weight: float = 4.0, bandwidth: float = 3.0, margin: float = 0.03, budget: float = 0.01,
-                 proof: float = 1.0, proof_cap: float = 0.25, free_margin: float = 0.10, fixed: int | None = None,
-                 z_hope: float = 1.0):
+                 z: float = 0.5, prior_weight: float = 4.0, bandwidth: float = 3.0, margin: float = 0.03,
+                 budget: float = 0.01, proof: float = 1.0, proof_cap: float = 0.25, free_margin: float = 0.10,
+                 fixed: int | None = None, z_hope: float = 1.0):
         self.k_max, self.alpha, self.fixed, self.k_init = k_max, alpha, fixed, max(1, min(k_init, k_max))
         self.probe_every, self.probe_max = probe_every, probe_max
         self.plain_probe, self.spec_probe = plain_probe, spec_probe
