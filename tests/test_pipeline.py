@@ -405,6 +405,28 @@ def test_device_memory_is_each_ranks_whole_device(ckpts, capsys):
         load_stage(path, stages[1], torch.device("cpu"), policy="on-demand", device_memory=memory, residency=0.5)
 
 
+def test_a_gpu_without_a_budget_gives_each_rank_what_its_free_memory_leaves(ckpts, monkeypatch):
+    """On CUDA with no budget each rank's pool takes 90% of its GPU's free memory less its stage's weights, KV
+    cache and (rank 0 of a drafting policy) whole draft: the same sum as --device-memory. (It left the draft
+    out, over-filling rank 0's GPU by the draft's size: ~24 GB for Mixtral's.)"""
+    from specter.pipeline.stages import stage_budget, stage_device_bytes
+
+    spec = open_checkpoint(ckpts["qwen3_moe"]).spec
+    free = 10 << 20
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    cuda = torch.device("cuda")
+    for drafts in (False, True):
+        for s in make_stages(spec, 2, 2, drafts=drafts):
+            budget, own = stage_budget(spec, s, 2, cuda, drafts=drafts)
+            assert own and budget == int(free * 0.9) - sum(stage_device_bytes(spec, s, 2, drafts))
+            assert budget == stage_budget(spec, s, 2, cuda, device_memory=int(free * 0.9), drafts=drafts)[0]
+            if drafts and s.is_first:
+                assert stage_device_bytes(spec, s, 2, drafts)[2] > 0  # the draft is counted
+    s = make_stages(spec, 2, 2)[1]
+    assert stage_budget(spec, s, 2, cuda, residency=0.5) == (None, False)  # a residency: the model's pool shared
+    assert stage_budget(spec, s, 2, torch.device("cpu")) == (None, False)  # CPU with none: every expert resident
+
+
 def test_plan_ranks_compress_experts_says_what_each_rank_holds_as_the_ranks_load_it(tmp_path, capsys):
     """`plan --ranks --compress-experts`: each rank's host store is its own layers' coded bytes, and its
     slot pool and compressed device tier are the ones its load builds."""

@@ -11,7 +11,7 @@ from ..moe import ExpertWeights, ResidentExperts
 from ..policy import get as get_policy
 from ..sizes import format_size, parse_size
 from .stage import ShiftedExperts, StageModel, drop_others, lookahead_columns
-from .stages import Stage, stage_expert_memory, stage_pool, stage_quota, stage_tier
+from .stages import Stage, stage_budget, stage_pool, stage_quota, stage_tier
 
 
 def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residency=None, expert_memory=None,
@@ -65,13 +65,8 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
             raise ConfigError(f"policy {policy!r} keeps every expert on the device, so a budget or --link would be "
                               "ignored; drop it or use --policy on-demand")
     else:
-        if sum(b is not None for b in (residency, expert_memory, device_memory)) > 1:
-            raise ConfigError("give one budget: residency, expert_memory or device_memory")
-        if device_memory is None and residency is None and expert_memory is None and device.type == "cuda":
-            device_memory = int(torch.cuda.mem_get_info(device)[0] * 0.9)  # 90% of what is free
-        own = expert_memory is not None or device_memory is not None
-        if device_memory is not None:  # the pool takes what the stage's weights, KV cache and draft leave
-            expert_memory = stage_expert_memory(spec, stage, dt.itemsize, device_memory, pol.drafts, draft_bits)
+        expert_memory, own = stage_budget(spec, stage, dt.itemsize, device, residency, expert_memory, device_memory,
+                                          pol.drafts, draft_bits)
         # the plan of the whole model; each rank's pool is sized from it (stage_pool)
         from ..offload.coded_tier import PLAN_RATIO
 

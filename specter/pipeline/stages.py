@@ -143,6 +143,23 @@ def stage_expert_memory(spec: ModelSpec, stage: Stage, itemsize: int, device_mem
     return total - fixed
 
 
+def stage_budget(spec: ModelSpec, stage: Stage, itemsize: int, device: torch.device, residency=None,
+                 expert_memory=None, device_memory=None, drafts: bool = False,
+                 draft_bits: int = 4) -> tuple[int | str | None, bool]:
+    """(the expert pool's byte budget or None, whether it is the rank's own) from one budget: a residency
+    (None: the plan shares the whole model's pool), expert_memory (the rank's pool), or device_memory (the
+    rank's device: stage_expert_memory); on CUDA with none, the device's 90% of its free memory."""
+    from ..errors import ConfigError
+
+    if sum(b is not None for b in (residency, expert_memory, device_memory)) > 1:
+        raise ConfigError("give one budget: residency, expert_memory or device_memory")
+    if device_memory is None and residency is None and expert_memory is None and device.type == "cuda":
+        device_memory = int(torch.cuda.mem_get_info(device)[0] * 0.9)  # 90% of what is free
+    if device_memory is not None:
+        return stage_expert_memory(spec, stage, itemsize, device_memory, drafts, draft_bits), True
+    return expert_memory, expert_memory is not None
+
+
 def stage_pool(plan, spec: ModelSpec, n_mine: int, own_budget: bool) -> int:
     """Slots in a stage's expert pool: a byte budget (expert_memory, or what a device budget leaves the
     stage) is each rank's own, so its pool takes what that buys, up to every expert of its layers; a
