@@ -294,7 +294,7 @@ def _row_layout(P: int, bits: int) -> tuple[tuple[int, int, int, int], int]:
     return tuple(offsets), _cdiv(at, 64) * 64
 
 
-def expert_major_nbytes(p: LosslessExperts) -> int:
+def _laid_out_nbytes(p: LosslessExperts) -> int:  # p's rows (row_layout) and its escape runs, as _laid_out lays them
     return p.shape[0] * row_layout(p)[1] + p.escapes.numel()
 
 
@@ -331,7 +331,7 @@ class CodedPair:
 
 
 def layer_major_nbytes(a: LosslessExperts, b: LosslessExperts) -> int:
-    return expert_major_nbytes(a) + expert_major_nbytes(b)
+    return _laid_out_nbytes(a) + _laid_out_nbytes(b)
 
 
 def layer_major(a: LosslessExperts, b: LosslessExperts, buffer: torch.Tensor | None = None) -> CodedPair:

@@ -140,8 +140,8 @@ class Governor:
         self._bounds: dict[float, list[float]] = {}  # z -> [a_0 = 1, a_1^-, .., a_Kmax^-], until the next one
         self.plain_arms = PlainArms()        # K = 0's arm: with or without next-layer prefetch
         self.lane_arms = PlainArms()         # ... and with the host lane for its misses, or copying every one (True)
-        self.plain_copied: deque = deque(maxlen=windows[0])  # did each of the latest plain steps copy anything
-        self.plain_copies_nothing = False    # ... none of them (at least plain_probe): no bytes for speculation to save
+        self.plain_copies_nothing = False    # none of the plain window's steps (at least plain_probe) copied anything
+                                             # (or said: plain.dear): no bytes for speculation to save
         self.cycles = 0
         self.arm: str | None = None          # the running arm: "spec" or "plain" (None: both still measured)
         self._spec_fresh: float | None = None  # the rate of the latest cycle if it was speculative (a probe)
@@ -163,8 +163,8 @@ class Governor:
         `accepted` of those; verification took verify_s, stall_s of it waiting on copies or the host lane. `copied`:
         expert bytes a plain step (K = 0) found off the device, to copy or read on the host lane (None: unknown).
         `steps`: K = 0 only, a run of that many plain steps (next_k's steps): verify_s their mean, copied their sum.
-        `dear` (_Window): whether the cycle paid a cost only some cycles pay; default copied > 0 (K = 0), else
-        stall_s > 0 (a pipeline passes its fresh drafts: pipeline/optimistic.py)."""
+        `dear` (K >= 1; _Window): whether the cycle paid a cost only some cycles pay, default stall_s > 0 (a
+        pipeline passes its fresh drafts: pipeline/optimistic.py); a plain step's is copied > 0."""
         self.cycles += steps
         seconds = draft_s + verify_s
         drafted, k = k, (k if verified is None else verified)
@@ -194,9 +194,9 @@ class Governor:
                 if running is not None and rate > running * (1 + need):
                     self._arm_next = self.cycles
         if drafted == 0:
-            self.plain.add(k, seconds, dear if dear is not None or copied is None else copied > 0)
-            self.plain_copied.append(copied is None or copied > 0)
-            self.plain_copies_nothing = len(self.plain_copied) >= self.plain_probe and not any(self.plain_copied)
+            self.plain.add(k, seconds, None if copied is None else copied > 0)
+            self.plain_copies_nothing = len(self.plain.dear) >= self.plain_probe and all(
+                d is False for d in self.plain.dear)
             return
         self.spec.add(k, seconds, stall_s > 0 if dear is None else dear)
         if self._arm_probe and self.hopeful():  # a probe that lifted the hopes: the next one at probe_every
