@@ -23,6 +23,10 @@
 #                 widened 16x (bench/wide_experts.py: 4.7 MB an expert, the same function and routing;
 #                 not the bundled model), on-demand, spec-lru and specter, raw against coded, 1/4
 #                 residency over the real link -> compressed_wide.json
+#   codedtier   the compressed device tier on CUDA (opt-in there, SPECTER_CODED_TIER=1): on the wide16
+#                 model (as compressedwide builds it), on-demand and specter raw against coded with the
+#                 tier, 1/4 residency -> coded_tier_wide.json; compare with compressed_wide.json (coded
+#                 without the tier, the CUDA default) from the same run
 #   codedcopy   a raw and a coded expert copy through CudaLink, per model's expert shape: the
 #                 issuing thread's microseconds and the link's (bench/experiments/coded_copy_cost.py);
 #                 coded as the engine copies (one launch an expert), per tensor, and in place from
@@ -67,7 +71,7 @@ trap 'rm -rf "$SCRATCH"' EXIT
 SITE=${SITE:-/tmp/site}
 [[ $DRY_RUN == 1 ]] && SITE=$SCRATCH/site
 SUITE=(tests/test_triton_ops.py tests/test_lossless.py tests/test_link.py tests/test_profiling.py tests/test_slots.py tests/test_spec_lossless.py tests/test_spec_acceptance.py tests/test_spec_cycles.py tests/test_spec_planner.py
-       tests/test_coalesce.py tests/test_compressed.py tests/test_graphed.py tests/test_cuda.py)  # in this order: the quick ones first, the captured graphs (compiles) last
+       tests/test_coalesce.py tests/test_compressed.py tests/test_coded_tier.py tests/test_graphed.py tests/test_cuda.py)  # in this order: the quick ones first, the captured graphs (compiles) last
 mkdir -p "$OUT"
 STEPS=$SCRATCH/steps.tsv
 : > "$STEPS"
@@ -189,7 +193,11 @@ for part in $CHECKS; do
       step widen 60 "$PY" "$REPO/bench/wide_experts.py" "$SCRATCH/wide16" --factor 16
       JSON=1 step compressed_wide 200 "$PY" -m specter.cli bench --device cuda --model "$SCRATCH/wide16" \
         --residency 0.25 --policies on-demand,spec-lru,specter --compare-compressed --json ;;
-    *) echo "unknown check '$part' (suite, bench, kernels, tpot, tpot0, hostprof, firstrun, moehost, codedcopy, graphs, async, compressed, compressedwide)" ;;
+    codedtier)
+      [[ -d $SCRATCH/wide16 ]] || step widen 60 "$PY" "$REPO/bench/wide_experts.py" "$SCRATCH/wide16" --factor 16
+      JSON=1 step coded_tier_wide 200 env SPECTER_CODED_TIER=1 "$PY" -m specter.cli bench --device cuda \
+        --model "$SCRATCH/wide16" --residency 0.25 --policies on-demand,specter --compare-compressed --json ;;
+    *) echo "unknown check '$part' (suite, bench, kernels, tpot, tpot0, hostprof, firstrun, moehost, codedcopy, codedtier, graphs, async, compressed, compressedwide)" ;;
   esac
 done
 finish

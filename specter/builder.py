@@ -18,7 +18,7 @@ from .loader import Checkpoint, load_checkpoint, load_tokenizer, open_checkpoint
 from .model import MoETransformer
 from .moe import ExpertWeights, ResidentExperts
 from .offload.coded import DecodedStore, cache_entry, coded_store, emulate_from, read_cached, ready_on_cuda
-from .offload.coded_tier import PLAN_RATIO, attach as attach_tier, emulation_rows
+from .offload.coded_tier import PLAN_RATIO, attach as attach_tier, emulation_rows, tier_wanted
 from .offload.host_experts import HostExperts
 from .offload.host_lane import LaneChoice, host_params, make_host_lane
 from .offload.cuda_link import make_link
@@ -179,8 +179,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
                          device_memory=device_memory, draft=pol.drafts, device=device, store_dtype=ckpt.dtype,
                          compressed=compress_experts, pool=slot_pool, draft_bits=draft_bits,
-                         coded_tier=PLAN_RATIO if compress_experts and device.type == "cpu" and pol.host_lane != "misses"
-                         else None)  # the host policy copies nothing after warm-up: a tier would stay empty
+                         coded_tier=PLAN_RATIO if compress_experts and tier_wanted(pol, device, dt) else None)
         pdt = getattr(torch, plan.pool_dtype)
         # calibrating allocates a working set of experts: before the store exists, not beside it
         lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,
@@ -204,8 +203,8 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
                                alias=plan.aliased, rows=pool_rows, pool=plan.pool_slots)
         if graphed is not None:
             mgr.expert_rows, mgr.fused_moe = graphed, graphed.fused_moe
-        if plan.tier_bytes:  # the compressed device tier (CPU: emulated; its decode charged from the profile)
-            attach_tier(mgr, plan.tier_bytes, lk, rows=emulation_rows(shared))
+        if plan.tier_bytes:  # the compressed device tier (CPU: emulated, its decode charged from the profile)
+            attach_tier(mgr, plan.tier_bytes, lk, rows=emulation_rows(shared) if device.type == "cpu" else None)
         mgr.warm()
         if uses_host_lane(pol, device, host_threads, every_expert=every):  # misses may compute where the store holds them
             lane = make_host_lane(shared.host_rows(), device, lk, threads=host_threads, dtype=dt, charged_dtype=pdt)

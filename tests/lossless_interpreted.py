@@ -200,3 +200,18 @@ def test_the_coded_copy_experiment_runs_on_cpu(capsys):
     assert row["raw"]["exact"] and row["coded"]["exact"] and row["coded_unpaired"]["exact"], row
     assert in_place["coded_in_place"]["exact"] and in_place["coded_in_place"]["bytes"] == row["coded"]["bytes"], in_place
     assert row["raw"]["bytes"] == (384 * 256 + 256 * 192) * 2 and row["coded"]["bytes"] < 0.75 * row["raw"]["bytes"], row
+
+
+def test_a_cuda_tier_decodes_its_kept_bytes_with_the_kernel(monkeypatch):
+    """test_coded_tier's CUDA tier scenario (FakeCuda streams, the CPU as the device) with the pair
+    kernel itself decoding every copy and every hit: each slot holds its expert's bits."""
+    from test_coded_tier import cuda_tier_scenario
+
+    decoded, real = [], lossless.decode_staged_pair
+
+    def counted(pair, e, staged, out_a, out_b):
+        decoded.append(e)
+        return real(pair, e, staged, out_a, out_b)
+
+    monkeypatch.setattr(lossless, "decode_staged_pair", counted)
+    cuda_tier_scenario(decoded)

@@ -243,3 +243,151 @@ def test_plan_cli_shows_both_tiers(capsys, tiny):
                "--compress-experts"])
     out, _ = capsys.readouterr()
     assert rc == 0 and "coded tier" in out and "slot pool" in out
+
+
+# ---------------------------------------------------------------- the tier on CUDA, on fakes (test_link.FakeCuda)
+
+
+def torch_decode_staged_pair(calls: list):
+    """lossless.decode_staged_pair without a GPU: checks the staged bytes it is handed are exactly
+    stage_pair's for expert e (what the kernel decodes, bit for bit: lossless_interpreted.py), then
+    writes the expert with the torch decode."""
+    from specter.triton_ops import lossless
+
+    def decode(pair, e, staged, out_a, out_b):
+        assert torch.equal(staged, lossless.stage_pair(pair, e, staged.device)), f"not expert {e}'s staged bytes"
+        lossless.decode_torch(pair.a, e, out_a)
+        lossless.decode_torch(pair.b, e, out_b)
+        calls.append(e)
+
+    return decode
+
+
+def cuda_tier_scenario(decoded: list) -> None:
+    """A CUDA tier's life on a FakeCuda (the CPU as the device; `decoded`: the experts the pair decode
+    ran for): copies over the link fill it with the very buffers they staged, a hit decodes the kept
+    buffer into the slot on the decode link's own stream, ordered after the slot's last reader and the
+    fill's copy, and moves no PCIe byte; eviction drops the buffer; every slot holds its expert's bits."""
+    from specter.offload.cuda_link import CudaLink
+    from specter.offload.manager import OffloadedExperts
+    from test_link import FakeCuda
+
+    L, E, H, I = 2, 4, 32, 8
+    g = torch.Generator().manual_seed(3)
+    raw = [ExpertWeights((torch.randn(E, 2 * I, H, generator=g) * 0.1).bfloat16(),
+                         (torch.randn(E, H, I, generator=g) * 0.1).bfloat16()) for _ in range(L)]
+    store = encode_store([ExpertWeights(w.w13.clone(), w.w2.clone()) for w in raw], cuda=True)
+    cuda, dcuda = FakeCuda(pinned=True), FakeCuda(pinned=True)
+    with CudaLink("cpu", bandwidth=1e9, cuda=cuda) as link, \
+            CudaLink("cpu", bandwidth=1e12, cuda=dcuda, name="decode") as dec:
+        mgr = OffloadedExperts(store, None, torch.device("cpu"), link, dtype=torch.bfloat16, pool=2)
+        cost = store[0].w13.pair.staged_nbytes(0)
+        tier = coded_tier.attach(mgr, 3 * (cost + coded_tier.ALLOC_ROUND), link, decode_link=dec)
+        assert tier.on_device and all(c % coded_tier.ALLOC_ROUND == 0 and c >= cost for row in tier.cost for c in row)
+
+        def run(layer, experts):
+            x = torch.randn(1, H, generator=g).bfloat16()
+            ids, w = torch.tensor([experts]), torch.full((1, len(experts)), 1.0 / len(experts))
+            mgr(layer, x, ids, w.bfloat16())
+            for e in experts:
+                slot = mgr.slots.slot_of(layer, e)
+                assert torch.equal(mgr.pool[layer].w13[slot], raw[layer].w13[e]), (layer, e)
+                assert torch.equal(mgr.pool[layer].w2[slot], raw[layer].w2[e]), (layer, e)
+
+        run(0, [0, 1])                       # two copies over the link: both staged, both kept
+        assert tier.has(0, 0) and tier.has(0, 1) and decoded == [0, 1]
+        buf, filled = tier._held[(0, 0)]
+        assert buf.numel() == cost and filled.on in ("copy", "urgent") and filled.cuda is cuda
+        h2d = mgr.stats()["h2d_bytes"]
+        run(0, [2, 3])                       # evicts 0 and 1 from the two slots; fills (0, 2) over (0, 0)
+        assert tier.members == 3 and not tier.has(0, 0) and tier.has(0, 2)
+        tier.check()
+        readers = {mgr.last_read[mgr.slots.slot_of(0, e)] for e in (2, 3)}  # expert 1 lands in one of them
+        buf, filled = tier._held[(0, 1)]
+        mark, h2d = len(dcuda.log), mgr.stats()["h2d_bytes"]
+        run(0, [1])                          # a hit: decoded from the kept buffer, no PCIe byte
+        assert mgr.stats()["h2d_bytes"] == h2d and mgr.stats()["tier_hits"] == 1 and decoded[-1] == 1
+        waits = dcuda.copy_waits(mark)
+        assert len(waits) == 2 and waits[1] == ("wait_event", "urgent", filled), waits  # the fill's copy
+        assert waits[0][2] in readers, waits  # and the slot's last reader
+        del buf
+        run(1, [0])                          # a fourth member: the coldest, (0, 3) or (0, 2), goes
+        assert tier.members == 3 and tier.has(1, 0)
+        tier.check()
+        assert sorted(tier._held) == sorted((m, e) for m in range(L) for e in range(E) if tier.has(m, e))
+        link.synchronize()
+        dec.synchronize()
+
+
+def test_a_cuda_tier_keeps_the_staged_bytes_and_orders_each_hit(monkeypatch):
+    from specter.triton_ops import lossless
+
+    decoded = []
+    monkeypatch.setattr(lossless, "decode_staged_pair", torch_decode_staged_pair(decoded))
+    cuda_tier_scenario(decoded)
+
+
+def test_a_copy_that_staged_nothing_does_not_fill_a_cuda_tier():
+    """An in-place copy (or one into slots that are not bf16) leaves no staged bytes: the tier stays empty."""
+    from specter.offload.cuda_link import CudaLink
+    from test_link import FakeCuda
+
+    store = _coded_store()
+    with CudaLink("cpu", bandwidth=1e9, cuda=FakeCuda(pinned=True)) as dec, \
+            pytest.raises(ValueError, match="laid out for CUDA"):
+        CodedTier(store, 10**9, dec)
+    store = encode_store([ExpertWeights(layer.w13.decode(), layer.w2.decode()) for layer in store], cuda=True)
+    with CudaLink("cpu", bandwidth=1e9, cuda=FakeCuda(pinned=True)) as dec:
+        tier = CodedTier(store, 10**9, dec)
+        t = type("T", (), {"_event": None})()
+        tier.sources(0, 1)
+        tier.landed(0, 1, t)                 # its source never staged (staged None)
+        assert not tier.has(0, 1) and tier.members == 0
+        src = tier.sources(0, 2)
+        src[0].staged = torch.zeros(store[0].w13.pair.staged_nbytes(2), dtype=torch.uint8)
+        tier.landed(0, 2, t)
+        assert tier.has(0, 2) and tier._landing == {}  # both copies' notes taken
+        tier.check()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["on-demand", "specter"])
+def test_cuda_tier_gives_the_raw_stores_greedy_tokens(tiny, fixed_k, small_verify, monkeypatch, policy):
+    """On CUDA (SPECTER_CODED_TIER=1) the tier keeps what coded copies staged and decodes hits from it:
+    the raw store's greedy tokens at the same budget, hits served, the tier's invariants held."""
+    monkeypatch.setenv("SPECTER_CODED_TIER", "1")
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    got = {}
+    for compress in (False, True):
+        engine = specter.load(path, device="cuda", policy=policy, residency=0.5, compress_experts=compress)
+        try:
+            mgr = engine.decoder.experts
+            assert (engine.plan.tier_bytes > 0 and mgr.tier is not None and mgr.tier.on_device) == compress
+            ids, outs = _generate(engine)
+            if compress:
+                torch.cuda.synchronize()
+                mgr.tier.check()
+                mgr.slots.check()
+        finally:
+            engine.close()
+        got[compress] = ids, sum(o.stats["tier_hits"] for o in outs) if compress else 0
+    assert got[True][0] == got[False][0] and len({t for ts in got[False][0] for t in ts}) > 5, policy
+    assert got[True][1] > 0, policy
+
+
+def test_where_a_tier_is_wanted(monkeypatch):
+    """CPU: by default (the emulated device charges a hit from the profile); CUDA: opt-in, bf16 slots,
+    staged copies; never for the host policy; SPECTER_CODED_TIER=0: nowhere."""
+    from specter.policy import get
+
+    want = coded_tier.tier_wanted
+    od, host, bf16 = get("on-demand"), get("host"), torch.bfloat16
+    monkeypatch.delenv("SPECTER_CODED_TIER", raising=False)
+    monkeypatch.delenv("SPECTER_CODED_IN_PLACE", raising=False)
+    assert want(od, "cpu", torch.float32) and not want(od, "cuda", bf16) and not want(host, "cpu", torch.float32)
+    monkeypatch.setenv("SPECTER_CODED_TIER", "1")
+    assert want(od, "cuda", bf16) and not want(od, "cuda", torch.float16) and not want(host, "cuda", bf16)
+    monkeypatch.setenv("SPECTER_CODED_IN_PLACE", "1")
+    assert not want(od, "cuda", bf16)
+    monkeypatch.setenv("SPECTER_CODED_TIER", "0")
+    assert not want(od, "cpu", torch.float32)

@@ -317,12 +317,20 @@ class CodedPair:
     tables: torch.Tensor | None = None  # int32 [E, 2**a.bits + 2**b.bits] on the device (with_tables)
     in_place: bool = False   # copies decode in place (decode_pair_in_place), not from a staging copy
 
-    def decode_into(self, e: int, out_a: torch.Tensor, out_b: torch.Tensor) -> None:
-        """Expert e into bf16 slots on the device, as a copy does: in place where set, else staged."""
+    def decode_into(self, e: int, out_a: torch.Tensor, out_b: torch.Tensor) -> torch.Tensor | None:
+        """Expert e into bf16 slots on the device, as a copy does: in place where set (-> None), else
+        staged (-> the staged bytes on the device, stage_pair's: the compressed tier keeps them)."""
         if self.in_place:
             decode_pair_in_place(self, e, out_a, out_b)
-        else:
-            decode_staged_pair(self, e, stage_pair(self, e, out_a.device), out_a, out_b)
+            return None
+        staged = stage_pair(self, e, out_a.device)
+        decode_staged_pair(self, e, staged, out_a, out_b)
+        return staged
+
+    def staged_nbytes(self, e: int) -> int:
+        """The bytes stage_pair puts on the device for expert e: both rows and both escape runs."""
+        a, b = self.a._starts, self.b._starts
+        return self.rows.shape[1] + a[e + 1] - a[e] + b[e + 1] - b[e]
 
     def with_tables(self, device) -> "CodedPair":
         """Itself, with each expert's two code tables copied to `device` (decode_pair_in_place reads them there)."""
@@ -368,7 +376,7 @@ def stage_pair(pair: CodedPair, e: int, device) -> torch.Tensor:
     (decode_staged_pair's input)."""
     a, b, R = pair.a._starts, pair.b._starts, pair.rows.shape[1]
     na, nb = a[e + 1] - a[e], b[e + 1] - b[e]
-    staged = torch.empty(R + na + nb, dtype=torch.uint8, device=device)
+    staged = torch.empty(pair.staged_nbytes(e), dtype=torch.uint8, device=device)
     staged[:R].copy_(pair.rows[e], non_blocking=True)
     if na:
         staged[R:R + na].copy_(pair.a.escapes[a[e]:a[e + 1]], non_blocking=True)

@@ -120,7 +120,7 @@ def cmd_plan(args) -> int:
         return 0
     plan = make_plan(spec, numel, dtype, residency=args.residency, expert_memory=args.expert_memory,
                      context=args.context, draft=pol.drafts, device=device, store_dtype=store_dtype,
-                     compressed=args.compress_experts, coded_tier=tier_ratio(coded, host, device, pol),
+                     compressed=args.compress_experts, coded_tier=tier_ratio(coded, host, device, pol, dtype),
                      draft_bits=args.draft_bits or 4)
     lanes = _lane_split(spec, store_dtype, plan.residency, pol.host_lane) if pol.host_lane else None
     if lanes is not None and pol.host_lane == "misses":
@@ -151,10 +151,12 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def tier_ratio(coded: int | None, host, device, pol) -> float | None:
+def tier_ratio(coded: int | None, host, device, pol, dtype) -> float | None:
     """--compress-experts: the coded store's measured ratio, which sizes the compressed device tier
-    where the engine builds one (the emulated device, a policy that copies: offload/coded_tier.py), else None."""
-    return coded / host.raw_store_bytes if coded and device.type == "cpu" and pol.host_lane != "misses" else None
+    where the engine builds one (coded_tier.tier_wanted), else None."""
+    from ..offload.coded_tier import tier_wanted
+
+    return coded / host.raw_store_bytes if coded and tier_wanted(pol, device, dtype) else None
 
 
 def _coded_store(path, weights: bool, host) -> int:

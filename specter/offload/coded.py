@@ -29,8 +29,9 @@ What reads the store, and what it gets (the decision per reader):
   store beside the coded one (the PCIe saving stays, the host memory saving is lost).
 - the CPU aliased pool (plan.alias_pool, big models on CPU): not used with compress_experts:
   compute cannot read coded rows, so the pool is a real one that copies decode into.
-- the compressed device tier (offload/coded_tier.py, CPU): part of the expert budget holds coded
-  experts on the device; a miss among them is decoded into its slot instead of copied over PCIe.
+- the compressed device tier (offload/coded_tier.py; CUDA: opt-in): part of the expert budget holds
+  coded experts on the device; a miss among them is decoded into its slot instead of copied over PCIe.
+  On CUDA it keeps the buffer a pair copy staged (decode_all_on leaves it on the source: `staged`).
 - the emulated link's decode (CPU): where a decoded copy of the store is kept anyway or is small
   (coded_tier.emulation_rows: the host lane's rows, or a raw store up to ROWS_MAX_BYTES), a coded
   copy writes the slot from it (`emulate_from`: the same bits, tests/test_lossless.py) instead of
@@ -74,6 +75,7 @@ class CodedExpert:
 
     dtype = torch.bfloat16
     is_cuda = False
+    staged = None  # CUDA, a pair's first tensor once copied: its staged bytes on the device (decode_all_on)
 
     def __init__(self, packed: LosslessExperts, e: int, rows: torch.Tensor | None, nbytes: int,
                  pair: lossless.CodedPair | None = None):
@@ -106,13 +108,14 @@ class CodedExpert:
         """CUDA, on the current (copy) stream: each coded source into its destination, as decode_on does,
         except that an expert's two tensors listed side by side (w13 then w2, as the manager lists a
         copy's sources) from a layer laid out together (for_cuda_layer) into bf16 slots cross as one
-        copy of their rows (and one of each escape run) and decode in one launch."""
+        copy of their rows (and one of each escape run) and decode in one launch; the first source
+        then holds the staged bytes (`staged`: what the compressed tier keeps, offload/coded_tier.py)."""
         i = 0
         while i < len(srcs):
             s = srcs[i]
             if i + 1 < len(srcs) and s.pairs_with(srcs[i + 1]) and all(
                     d.dtype == torch.bfloat16 and d.is_contiguous() for d in dsts[i:i + 2]):
-                s.pair.decode_into(s.e, dsts[i], dsts[i + 1])
+                s.staged = s.pair.decode_into(s.e, dsts[i], dsts[i + 1])
                 i += 2
             else:
                 s.decode_on(dsts[i])

@@ -26,19 +26,50 @@ coded store through the torch decode (`rows=None`), or from a decoded copy of th
 (`rows`, Loaded.host_rows: the same bits, tests/test_lossless.py), so that this CPU's decode, tens of
 times slower than compute here, unlike a GPU's, does not stand in for the device's.
 
-On CUDA the tier is not built yet (its coded bytes would have to stay in device memory after the
-copy stream's decode): `plan(coded_tier=...)` is asked for on CPU only (builder).
+On CUDA the tier keeps real bytes in device memory: a coded copy stages an expert's bytes on the device
+before decoding them (lossless.stage_pair, one buffer for both tensors), and the tier keeps that buffer
+when the copy lands (the fill costs no second copy). A hit decodes the kept buffer into the slot on the
+decode link, a CudaLink of its own (its streams: a hit never queues behind PCIe copies), after two
+events: the slot's last reader (as any copy into it) and the fill's copy (its bytes may still be in
+flight when the manager marks it landed). Each hit records its stream on the buffer, so an eviction
+(dropping the buffer) hands the memory back to the allocator only once the hits queued on it are done.
+A member costs its staged bytes rounded up to the allocator's 512. A copy that did not stage (the
+in-place experiment, SPECTER_CODED_IN_PLACE=1, or slots that are not bf16) does not fill the tier.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
+from specter.triton_ops import lossless
+
+from .cuda_link import CudaLink
 from .link import EmulatedLink, Transfer
 
 # The coded size a plan assumes before the store is coded (builder): the fixed 3-bit exponent code's
 # 11 bits of 16, escapes not counted; `specter plan --compress-experts` uses the measured one.
 PLAN_RATIO = 11 / 16
 DECODE_LAUNCH_S = 2e-6  # a decode kernel launched behind others on a side stream, before scaling (an assumption)
+ALLOC_ROUND = 512  # CUDA: the caching allocator's granularity, what a kept buffer really takes
+
+
+def tier_wanted(policy, device, dtype: torch.dtype) -> bool:
+    """Whether a compressed store's budget is split with a tier (make_plan's coded_tier, where tier_split
+    finds it holds more experts). SPECTER_CODED_TIER=0 turns it off; on CUDA it is opt-in,
+    SPECTER_CODED_TIER=1, until a GPU run measures it: a hit there costs the issuing thread a kernel
+    launch (tens of microseconds on the H200 host measured), which a small expert's copy (the bundled
+    model's 295 KB: ~12 us on PCIe 4) does not, and the tier turns every raw-slot hit beyond one layer's
+    working set into a decode. Never for a policy that copies nothing after warm-up (host: every miss
+    computed on the host lane, a tier would stay empty), nor on CUDA with slots that are not bf16 (those
+    copies decode a tensor at a time and stage nothing the tier could keep) or in-place copies
+    (SPECTER_CODED_IN_PLACE=1: nothing staged either)."""
+    opt = os.environ.get("SPECTER_CODED_TIER")
+    if opt == "0" or policy.host_lane == "misses":
+        return False
+    if torch.device(device).type == "cpu":
+        return True
+    return opt == "1" and dtype == torch.bfloat16 and os.environ.get("SPECTER_CODED_IN_PLACE") != "1"
 
 
 class DecodeLink(EmulatedLink):
@@ -53,8 +84,16 @@ class DecodeLink(EmulatedLink):
         return self.latency + moved / self.bandwidth
 
 
-def make_decode_link(link, *, decode_bandwidth: float | None = None, clock=None) -> DecodeLink:
-    """The decode engine beside `link` (an EmulatedLink from make_link: its decode_bandwidth and time_scale)."""
+def make_decode_link(link, *, decode_bandwidth: float | None = None, clock=None) -> DecodeLink | CudaLink:
+    """The decode engine beside `link`: for a CudaLink another on the same device (its own streams; its
+    bandwidth the GPU's profile's memory bandwidth, which only sizes its metering window); for an
+    EmulatedLink from make_link a DecodeLink (its decode_bandwidth and time_scale)."""
+    if isinstance(link, CudaLink):
+        from .calibrate import load_profile, profile_for_gpu
+
+        gpu = profile_for_gpu(link._cuda.device_name(link.device))
+        bw = decode_bandwidth or load_profile(gpu).device_memory_bandwidth
+        return CudaLink(link.device, bandwidth=bw, latency=DECODE_LAUNCH_S, name="decode", cuda=link._cuda)
     bw = decode_bandwidth if decode_bandwidth is not None else getattr(link, "decode_bandwidth", None)
     bw = bw or float("inf")  # a link that charges no decode (tests' fixed links): a hit costs its launch
     scale = getattr(link, "time_scale", 1.0)
@@ -73,20 +112,58 @@ class _Decoded:
         return out.copy_(self.raw)
 
 
+class HeldExpert:
+    """A tier hit's source on CUDA: one of expert e's two tensors, whose staged bytes (stage_pair's, both
+    tensors in one buffer) the tier keeps on the device; `first`: w13, else w2."""
+
+    dtype = torch.bfloat16
+
+    def __init__(self, pair: lossless.CodedPair, e: int, buf: torch.Tensor, first: bool):
+        self.pair, self.e, self.buf = pair, e, buf
+        packed = pair.a if first else pair.b
+        self.shape = torch.Size(packed.shape[1:])
+        self.nbytes, self.raw_nbytes = packed.expert_nbytes(e), self.shape.numel() * 2  # read, written
+
+    @staticmethod
+    def decode_all_on(dsts: list[torch.Tensor], srcs: list["HeldExpert"]) -> None:
+        """On the current (decode) stream: each expert's kept bytes into its two slots (w13, w2 side by
+        side), one launch; slots that are not contiguous bf16 through temporaries, converted exactly."""
+        for i in range(0, len(srcs), 2):
+            s, pair = srcs[i], srcs[i].pair
+            if s.buf.is_cuda:  # freed on eviction only once this decode has read it
+                s.buf.record_stream(torch.cuda.current_stream(s.buf.device))
+            outs = [d if d.dtype == torch.bfloat16 and d.is_contiguous() else
+                    torch.empty(d.shape, dtype=torch.bfloat16, device=d.device) for d in dsts[i:i + 2]]
+            lossless.decode_staged_pair(pair, s.e, s.buf, *outs)
+            for d, o in zip(dsts[i:i + 2], outs):
+                if o is not d:
+                    d.copy_(o)
+
+
 class CodedTier:
     """Which (layer, expert) are held coded on the device, within `capacity` bytes (see the module doc)."""
 
-    def __init__(self, store, capacity: int, link: EmulatedLink, *, width: float = 1.0, rows=None):
-        """`store`: the coded store (CodedLayer per MoE layer); `link`: the DecodeLink hits run on;
+    def __init__(self, store, capacity: int, link: EmulatedLink | CudaLink, *, width: float = 1.0, rows=None):
+        """`store`: the coded store (CodedLayer per MoE layer); `link`: the link hits run on, a DecodeLink
+        (emulated) or a CudaLink (real bytes kept on the device: each layer laid out for CUDA, a CodedPair);
         `rows`: a decoded copy of the store (ExpertWeights per layer) a hit copies instead of decoding."""
         self.store, self.link, self.rows, self.capacity = store, link, rows, int(capacity)
         self.n_layers, self.n_experts = len(store), store[0].n_experts
-        self.cost = [[round((layer.w13[e].nbytes + layer.w2[e].nbytes) * width) for e in range(self.n_experts)]
-                     for layer in store]
+        self.on_device = isinstance(link, CudaLink)
+        if self.on_device:
+            if any(layer.w13.pair is None for layer in store):
+                raise ValueError("a CUDA coded tier needs the store laid out for CUDA (coded_store with cuda=True)")
+            self.cost = [[-(-layer.w13.pair.staged_nbytes(e) // ALLOC_ROUND) * ALLOC_ROUND
+                          for e in range(self.n_experts)] for layer in store]
+        else:
+            self.cost = [[round((layer.w13[e].nbytes + layer.w2[e].nbytes) * width) for e in range(self.n_experts)]
+                         for layer in store]
         self.reset()
 
     def reset(self) -> None:
         L, E = self.n_layers, self.n_experts
+        self._held: dict = {}     # CUDA: (layer, e) -> (its staged bytes on the device, the fill's event)
+        self._landing: dict = {}  # CUDA: (layer, e) -> the w13 source of its copy in flight (sources())
         self._member = [[False] * E for _ in range(L)]
         self._stamp = [[0] * E for _ in range(L)]   # the layer's call count at the member's last use
         self._reads = [0] * L
@@ -106,25 +183,48 @@ class CodedTier:
         return sum(map(sum, self.cost)) / (self.n_layers * self.n_experts)
 
     # ---- the manager's calls
-    def copy(self, layer: int, e: int, dst: list[torch.Tensor], *, urgent: bool = False) -> Transfer | None:
-        """A member's decode into `dst` (the slot's w13, w2) on the decode link; None if not a member."""
+    def copy(self, layer: int, e: int, dst: list[torch.Tensor], *, urgent: bool = False,
+             after=None) -> Transfer | None:
+        """A member's decode into `dst` (the slot's w13, w2) on the decode link; None if not a member.
+        `after` (CUDA): the slot's last reader, as for a copy into it."""
         if not self._member[layer][e]:
             return None
         ew = self.store[layer]
         src = [ew.w13[e], ew.w2[e]]
-        if self.rows is not None:
+        if self.on_device:
+            buf, filled = self._held[(layer, e)]
+            src = [HeldExpert(ew.w13.pair, e, buf, True), HeldExpert(ew.w13.pair, e, buf, False)]
+            after = [ev for ev in (after, filled) if ev is not None]  # the slot free, the kept bytes landed
+        elif self.rows is not None:
             raw = self.rows[layer]
             src = [_Decoded(src[0], raw.w13[e]), _Decoded(src[1], raw.w2[e])]
-        t = self.link.copy(dst, src, urgent=urgent, tag=(layer, e))
+        t = self.link.copy(dst, src, urgent=urgent, tag=(layer, e), after=after)
         t.tier_hit = True
         self.stats["tier_hits"] += 1
         self.stats["tier_decoded_bytes"] += t.nbytes
         return t
 
+    def sources(self, layer: int, e: int) -> list:
+        """The coded sources of (layer, e)'s copy over the link (the manager's); on CUDA noted, so that
+        landed() finds the bytes the copy staged on the device."""
+        ew = self.store[layer]
+        src = [ew.w13[e], ew.w2[e]]
+        if self.on_device:
+            self._landing[(layer, e)] = src[0]
+        return src
+
     def landed(self, layer: int, e: int, t: Transfer | None) -> None:
-        """(layer, e)'s copy landed: one that crossed the link leaves its coded bytes in the tier."""
-        if t is not None and not getattr(t, "tier_hit", False):
+        """(layer, e)'s copy landed: one that crossed the link leaves its coded bytes in the tier (on
+        CUDA the buffer it staged them in, if it staged: see the module doc)."""
+        if t is None or getattr(t, "tier_hit", False):
+            return
+        if not self.on_device:
             self.admit(layer, e)
+            return
+        src = self._landing.pop((layer, e), None)
+        buf = None if src is None else src.staged
+        if buf is not None and self.admit(layer, e):
+            self._held[(layer, e)] = (buf, t._event)
 
     def admit(self, layer: int, e: int) -> bool:
         """Keep (layer, e) coded, evicting the coldest members until it fits. False if it cannot fit."""
@@ -162,6 +262,7 @@ class CodedTier:
         return best
 
     def _evict(self, layer: int, e: int) -> None:
+        self._held.pop((layer, e), None)  # CUDA: the memory goes back once the hits queued on it are done
         self._member[layer][e] = False
         self.used -= self.cost[layer][e]
         self.members -= 1
@@ -175,6 +276,10 @@ class CodedTier:
         held = [(m, e) for m in range(self.n_layers) for e in range(self.n_experts) if self._member[m][e]]
         assert len(held) == self.members, (len(held), self.members)
         assert sum(self.cost[m][e] for m, e in held) == self.used <= self.capacity, (self.used, self.capacity)
+        if self.on_device:
+            assert sorted(self._held) == held, (sorted(self._held), held)
+            assert all(buf.numel() == self.store[m].w13.pair.staged_nbytes(e)
+                       for (m, e), (buf, _) in self._held.items())
 
 
 ROWS_MAX_BYTES = 1 << 30  # the largest raw store kept decoded (CPU) for tier hits and coded copies to write from
@@ -196,7 +301,7 @@ def attach(mgr, capacity: int, link, *, rows=None, width: float | None = None, d
 
     if not is_coded(mgr.store):
         raise ValueError("the coded device tier needs a coded store (compress_experts)")
-    if width is None:  # the slot dtype's bytes over bf16's
+    if width is None:  # the slot dtype's bytes over bf16's (emulated; on CUDA a member costs its real bytes)
         width = mgr.pool[0].w13.element_size() / 2
     tier = CodedTier(mgr.store, capacity, decode_link or make_decode_link(link), width=width, rows=rows)
     mgr.tier = tier

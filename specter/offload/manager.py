@@ -98,7 +98,8 @@ class OffloadedExperts:
                 if slot is None:
                     break
                 n += 1
-                t = None if tier is None else tier.copy(layer, e, [dst.w13[slot], dst.w2[slot]], urgent=urgent)
+                t = None if tier is None else tier.copy(layer, e, [dst.w13[slot], dst.w2[slot]], urgent=urgent,
+                                                        after=self.last_read[slot])  # CUDA: its last reader
                 if t is None:  # not held coded on the device: over the link
                     batch.append((e, slot))
                 else:
@@ -109,7 +110,7 @@ class OffloadedExperts:
                 for e, slot in batch[i:i + step]:
                     keys.append(e)
                     dsts += (dst.w13[slot], dst.w2[slot])
-                    srcs += (src.w13[e], src.w2[e])
+                    srcs += (src.w13[e], src.w2[e]) if tier is None else tier.sources(layer, e)
                     after.append(self.last_read[slot])  # CUDA: the slot's last reader, not all compute
                 order = {"after": after[0] if len(after) == 1 else after} if self._ordered else {}  # CPU: none
                 t = self.link.copy(dsts, srcs, urgent=urgent, tag=(layer, keys[0] if len(keys) == 1 else tuple(keys)),

@@ -68,13 +68,13 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
         expert_memory, own = stage_budget(spec, stage, dt.itemsize, device, residency, expert_memory, device_memory,
                                           pol.drafts, draft_bits)
         # the plan of the whole model; each rank's pool is sized from it (stage_pool)
-        from ..offload.coded_tier import PLAN_RATIO
+        from ..offload.coded_tier import PLAN_RATIO, tier_wanted
 
         try:
             plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
                              draft=False, device=device, store_dtype=ckpt.dtype, compressed=compress_experts,
-                             coded_tier=PLAN_RATIO if compress_experts and device.type == "cpu"
-                             and pol.host_lane != "misses" else None)  # as builder.build_engine plans it
+                             coded_tier=PLAN_RATIO if compress_experts and tier_wanted(pol, device, dt)
+                             else None)  # as builder.build_engine plans it
         except BudgetError as e:
             if device_memory is None:
                 raise
