@@ -30,7 +30,8 @@
 #   codedcopy   a raw and a coded expert copy through CudaLink, per model's expert shape: the
 #                 issuing thread's microseconds and the link's (bench/experiments/coded_copy_cost.py);
 #                 coded as the engine copies (one launch an expert), per tensor, and in place from
-#                 the locked arena (SPECTER_CODED_IN_PLACE's experiment) beside it
+#                 the locked arena (SPECTER_CODED_IN_PLACE's experiment) beside it, and a coded tier's
+#                 hit (the pair kernel from bytes kept on the device: tier_hit_over_raw)
 #   also: kernels (bench's first half alone), tpot (its second half alone), tpot0 (tpot with the MoE
 #   calls eager, SPECTER_MOE_GRAPHS=0: the baseline of triton_ops/graphed.py), hostprof (a generation
 #   under cProfile per policy: where a token's host time goes, bench/host_profile.py), firstrun

@@ -6,7 +6,10 @@ one copy of the expert's row, one of its escape run and one launch a tensor; now
 the expert's rows of both, one of each escape run and one launch (`coded`), the per-tensor path
 beside it (`coded_unpaired`, the same store), and the kernel reading the page-locked arena in place,
 no staging copy (`coded_in_place`, the engine's with SPECTER_CODED_IN_PLACE=1; a line of its own a
-shape, after all the others). This measures what is left.
+shape, after all the others). This measures what is left. `tier_hit`: a hit of the compressed device
+tier (offload/coded_tier.py, opt-in on CUDA): the pair kernel decoding bytes already on the device into
+the slots, no host-to-device copy, through the same link call, so that its issue_us beside raw's says
+whether a hit is cheaper for the issuing thread than the copy it replaces.
 
     python bench/experiments/coded_copy_cost.py [--copies 64]      # CUDA: through CudaLink
     TRITON_INTERPRET=1 python bench/experiments/coded_copy_cost.py --device cpu --shapes bundled --copies 2
@@ -136,7 +139,7 @@ def measure(link, slots, srcs, copies: int, device) -> tuple[float, float, float
         for t in ts:
             t.wait()
         sync()
-        if not hasattr(srcs[0][0], "decode_on"):  # raw: the same gated batch without the link
+        if isinstance(srcs[0][0], torch.Tensor):  # raw: the same gated batch without the link
             bare_gated(slots, srcs, copies)
     return issued / copies * 1e6, total / copies * 1e6, gated
 
@@ -164,8 +167,12 @@ def bare_gated(slots, srcs, copies: int) -> None:
 
 def shape_row(name: str, kinds: tuple, link, copies: int, device) -> dict:
     """One shape's figures for each of `kinds` (raw, coded: the pair as the engine copies, coded_unpaired:
-    the same store a tensor at a time, coded_in_place: the pair read in place; an in-place failure is
-    recorded as its error), and the coded/raw ratios where both ran."""
+    the same store a tensor at a time, tier_hit: the pair decoded from its staged bytes kept on the
+    device, coded_in_place: the pair read in place; an in-place failure is recorded as its error), and
+    the coded/raw ratios where both ran."""
+    from specter.offload.coded_tier import HeldExpert
+    from specter.triton_ops.lossless import stage_pair
+
     H, I = SHAPES[name]
     raw, coded, (w13, w2) = stores(H, I, device)
     slots = [torch.empty(2 * I, H, dtype=torch.bfloat16, device=device),
@@ -177,7 +184,12 @@ def shape_row(name: str, kinds: tuple, link, copies: int, device) -> dict:
     for kind in kinds:
         if kind == "coded_in_place":
             coded.w13.pair.with_tables(device).in_place = True
-        srcs = [(sources[kind].w13[e], sources[kind].w2[e]) for e in range(2)]
+        if kind == "tier_hit":  # each expert's bytes staged on the device once, as a tier keeps them
+            pair = coded.w13.pair
+            bufs = [stage_pair(pair, e, device) for e in range(2)]
+            srcs = [(HeldExpert(pair, e, bufs[e], True), HeldExpert(pair, e, bufs[e], False)) for e in range(2)]
+        else:
+            srcs = [(sources[kind].w13[e], sources[kind].w2[e]) for e in range(2)]
         slots[0].fill_(float("nan"))
         try:
             issue, copy, gated = min((measure(link, slots, srcs, copies, device)
@@ -197,6 +209,8 @@ def shape_row(name: str, kinds: tuple, link, copies: int, device) -> dict:
                                  "issue": round(out["coded"]["issue_us"] / out["raw"]["issue_us"], 2),
                                  "copy": round(out["coded"]["copy_us"] / out["raw"]["copy_us"], 2),
                                  "issue_unpaired": round(out["coded_unpaired"]["issue_us"] / out["raw"]["issue_us"], 2)}
+    if "raw" in out and "tier_hit" in out:
+        out["tier_hit_over_raw"] = {k: round(out["tier_hit"][k] / out["raw"][k], 2) for k in ("issue_us", "copy_us")}
     return out
 
 
@@ -217,7 +231,7 @@ def main(argv=None) -> int:
     try:
         raws = {}
         for name in args.shapes.split(","):  # then in place, every shape (a fault there on a GPU would not
-            out = shape_row(name, ("raw", "coded", "coded_unpaired"), link, args.copies, device)  # lose these)
+            out = shape_row(name, ("raw", "coded", "coded_unpaired", "tier_hit"), link, args.copies, device)  # lose these)
             raws[name] = out["raw"]
             print(json.dumps(out), flush=True)
         for name in args.shapes.split(","):
