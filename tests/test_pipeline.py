@@ -405,6 +405,26 @@ def test_device_memory_is_each_ranks_whole_device(ckpts, capsys):
         load_stage(path, stages[1], torch.device("cpu"), policy="on-demand", device_memory=memory, residency=0.5)
 
 
+def test_plan_ranks_tips_a_drafting_policy_whose_device_would_hold_every_expert_without_the_draft(capsys):
+    """At 33 MiB a rank (the bundled model, two ranks) on-demand holds every expert on both ranks and
+    specter's draft leaves rank 1 short: the plan says so (text and JSON); no tip for on-demand itself,
+    nor where neither holds everything."""
+    from specter.cli import main
+
+    def plan(policy, memory, *extra):
+        assert main(["plan", "--ranks", "2", "--policy", policy, "--device", "cpu", "--device-memory", memory,
+                     *extra]) == 0
+        return capsys.readouterr().out
+
+    got = json.loads(plan("specter", "33MiB", "--json"))
+    plain = json.loads(plan("on-demand", "33MiB", "--json"))
+    assert all(r["pool_slots"] == r["experts"] for r in plain["ranks"]) and "tip" not in plain
+    short = [r for r in got["ranks"] if r["pool_slots"] < r["experts"]]
+    assert short and f"rank {short[0]['rank']} {short[0]['pool_slots']} of {short[0]['experts']}" in got["tip"]
+    assert "tip: without a draft" in plan("specter", "33MiB")
+    assert "tip:" not in plan("specter", "20MiB")  # on-demand does not hold everything there either
+
+
 def test_a_gpu_without_a_budget_gives_each_rank_what_its_free_memory_leaves(ckpts, monkeypatch):
     """On CUDA with no budget each rank's pool takes 90% of its GPU's free memory less its stage's weights, KV
     cache and (rank 0 of a drafting policy) whole draft: the same sum as --device-memory. (It left the draft

@@ -9,8 +9,13 @@ what the stage's weights, KV cache and draft leave (it fits when that is at leas
 top-k). Drafting policies: the first rank runs the whole draft (stage.StageModel.whole), so it
 holds every layer's non-expert weights, every MoE layer's draft experts and a KV cache of every
 layer; the others hold no draft. --compress-experts: each rank's host store is its layers' coded
-bytes (measured from the weights), and on CPU its device also holds its share of the compressed
-tier, sized as the ranks size it (stages.stage_tier over a plan at the tier's planning ratio)."""
+bytes (measured from the weights), and where the engine builds one (coded_tier.tier_wanted) its device
+also holds its share of the compressed tier, sized as the ranks size it (stages.stage_tier over a
+plan at the tier's planning ratio).
+
+A drafting policy given --device-memory is also planned without its draft: where every rank would
+then hold all of its layers' experts and with the draft some rank does not, a tip says so (plain
+decoding then copies nothing after warm-up, and may beat speculation that misses)."""
 from __future__ import annotations
 
 import json
@@ -18,7 +23,7 @@ import json
 from ..errors import BudgetError, ConfigError
 from ..offload.plan import make_plan
 from ..policy import get as get_policy
-from ..sizes import format_size
+from ..sizes import format_size, parse_size
 from .stages import make_stages, stage_device_bytes, stage_expert_memory, stage_pool, stage_tier
 
 PIPELINED = ("resident", "on-demand", "next-layer", "host", "spec-lru", "specter")  # launch.PIPELINED_POLICIES
@@ -38,10 +43,10 @@ def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str,
     out = []
     compressed = coded_layers is not None
     coded_tier = None
-    if compressed and device is not None and device.type == "cpu" and get_policy(policy).host_lane != "misses":
-        from ..offload.coded_tier import PLAN_RATIO
+    if compressed and device is not None:
+        from ..offload.coded_tier import PLAN_RATIO, tier_wanted
 
-        coded_tier = PLAN_RATIO  # as load_stage plans it
+        coded_tier = PLAN_RATIO if tier_wanted(get_policy(policy), device, dtype) else None  # as load_stage
     for st in stages:
         mine = st.moe_last - st.moe_first
         non, kv, draft = stage_device_bytes(spec, st, item, drafts, draft_bits, context)
@@ -70,9 +75,25 @@ def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str,
     return out
 
 
-def print_rank_plans(rows: list[dict], as_json: bool, device_memory=None) -> None:
+def holds_all(rows: list[dict]) -> bool:
+    """Every rank's pool holds all of its layers' experts."""
+    return all(r["fits"] and r["pool_slots"] >= r["experts"] for r in rows)
+
+
+def draftless_tip(rows: list[dict], plain: list[dict], policy: str, device_memory: int) -> str | None:
+    """A tip when `plain` (the same ranks planned without a draft) holds every expert and `rows` does not."""
+    if not holds_all(plain) or holds_all(rows):
+        return None
+    short = ", ".join(f"rank {r['rank']} {r['pool_slots']} of {r['experts']}" for r in rows
+                      if r["pool_slots"] < r["experts"])
+    return (f"without a draft each rank's {format_size(device_memory)} holds all of its layers' experts (policy "
+            f"on-demand copies nothing after warm-up); {policy}'s draft on rank 0 ({format_size(rows[0]['draft_bytes'])}) "
+            f"leaves {short}. Compare both under torchrun: specter bench --policies on-demand,{policy}")
+
+
+def print_rank_plans(rows: list[dict], as_json: bool, device_memory=None, tip: str | None = None) -> None:
     if as_json:
-        print(json.dumps({"ranks": rows}))
+        print(json.dumps({"ranks": rows, **({"tip": tip} if tip else {})}))
         return
     for r in rows:
         a, b = r["layers"]
@@ -85,6 +106,8 @@ def print_rank_plans(rows: list[dict], as_json: bool, device_memory=None) -> Non
         if device_memory is not None:
             line += "; fits" if r["fits"] else "; does NOT fit (less than one layer's top-k experts left)"
         print(line)
+    if tip:
+        print(f"tip: {tip}")
 
 
 def cmd_plan_ranks(args, device) -> int:
@@ -105,11 +128,16 @@ def cmd_plan_ranks(args, device) -> int:
         coded = []
         coded_store_bytes(path, coded)
     dtype = compute_dtype(device, store_dtype)
-    rows = rank_plans(spec, numel, dtype, store_dtype, args.ranks, policy=args.policy, residency=args.residency,
-                      expert_memory=args.expert_memory, device_memory=args.device_memory, context=args.context,
-                      device=device, draft_bits=getattr(args, "draft_bits", None) or 4, coded_layers=coded)
+    def plan(policy):
+        return rank_plans(spec, numel, dtype, store_dtype, args.ranks, policy=policy, residency=args.residency,
+                          expert_memory=args.expert_memory, device_memory=args.device_memory, context=args.context,
+                          device=device, draft_bits=getattr(args, "draft_bits", None) or 4, coded_layers=coded)
+
+    rows, tip = plan(args.policy), None
+    if args.device_memory is not None and get_policy(args.policy).drafts:
+        tip = draftless_tip(rows, plan("on-demand"), args.policy, parse_size(args.device_memory))
     if not args.json:
         print(f"model {path} ({spec.arch}) over {args.ranks} ranks, policy {args.policy}, computed "
               f"{str(dtype)[6:]} on {device.type}" + (", experts losslessly coded" if coded is not None else ""))
-    print_rank_plans(rows, args.json, args.device_memory)
+    print_rank_plans(rows, args.json, args.device_memory, tip)
     return 0
