@@ -49,8 +49,8 @@
 # 2026-12-04 and goes back 30 s after a call, so a second call rarely finds it warm; at 17:42 suite,
 # codedcopy, tpot, compressed, firstrun and moehost took 360 s; at 18:03 suite 157 s, moehost 7 s,
 # codedcopy 12 s, tpot0 38 s). $OUT brings back 8 files at most, so the results travel as one
-# tarball beside summary.json:
-#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite codedcopy tpot tpot0 hostprof moehost compressedwide" BUDGET_S=540 bash
+# tarball beside summary.json (issue 24's figures right after the suite, the host-cost ones last):
+#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite codedcopy compressedwide codedtier tpot tpot0 moehost hostprof" BUDGET_S=540 bash
 #       bench/device_check.sh; cp $D/summary.json "$OUT"/; tar czf "$OUT/all.tgz" -C $D .',
 #       carry=[".whl"], timeout_s=600)
 # then give_back.
