@@ -67,6 +67,8 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = DE
     same bits): copies move the coded bytes and decode into the slot as they land (offload/coded.py).
     draft_bits: the draft experts' code width, 4 (default), 3 or 2: fewer bits, a smaller draft,
     fewer tokens accepted a cycle; the output is the same tokens either way.
+    context: the most tokens a generation holds (prompt + output; default the model's context), and
+    what a device_memory budget reserves KV cache for: a shorter one leaves those bytes to experts.
     """
     import torch
 

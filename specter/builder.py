@@ -23,7 +23,7 @@ from .offload.host_experts import HostExperts
 from .offload.host_lane import LaneChoice, host_params, make_host_lane
 from .offload.cuda_link import make_link
 from .offload.manager import OffloadedExperts
-from .offload.plan import compute_dtype, make_plan
+from .offload.plan import check_context, compute_dtype, make_plan
 from .offload.store import pin_wanted
 from .offload.oracle import OracleDecoder
 from .policy import Policy, get as get_policy, names as policy_names
@@ -142,7 +142,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
                  device_memory=None, k_max: int = 32, compile: bool | None = None, shared: Loaded | None = None,
                  draft_cache=None, host_threads: int | None = None,
                  compress_experts: bool = False, draft_bits: int = 4, slot_pool: str = "shared",
-                 **options) -> Engine:
+                 context: int | None = None, **options) -> Engine:
     """An engine for `policy` (a name in specter/policy.py's table). `shared`: a checkpoint already
     loaded (load_shared) to build on instead of loading it again; its store, model and draft are
     reused, never copied. `host_threads`: the host lane's threads (policies with a host lane, see
@@ -171,13 +171,15 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     if device.type == "cuda":
         cuda_attention_backends()
     spec = ckpt.spec
+    context = check_context(context, spec)
     plan = None
     if pol.offloads:
         if residency is None and expert_memory is None and device_memory is None and device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             device_memory = int(free * 0.9)
         plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
-                         device_memory=device_memory, draft=pol.drafts, device=device, store_dtype=ckpt.dtype,
+                         device_memory=device_memory, context=context, draft=pol.drafts, device=device,
+                         store_dtype=ckpt.dtype,
                          compressed=compress_experts, pool=slot_pool, draft_bits=draft_bits,
                          coded_tier=PLAN_RATIO if compress_experts and tier_wanted(pol, device, dt) else None)
         pdt = getattr(torch, plan.pool_dtype)
@@ -214,7 +216,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
                 mgr.host_lane = lane
         decoder = _decoder(pol, shared, mgr, k_max, compile, graphed)
     engine = Engine(model, experts, shared.tokenizer, path=path, device=device, dtype=dt, policy=policy,
-                    decoder=decoder, generation_defaults=defaults, plan=plan, shared=shared)
+                    decoder=decoder, generation_defaults=defaults, plan=plan, shared=shared, context=context)
     return engine
 
 

@@ -131,8 +131,11 @@ class Turns:
 
 class Engine:
     def __init__(self, model: MoETransformer, experts: list[ExpertWeights], tokenizer, *, path: Path,
-                 device: torch.device, dtype: torch.dtype, policy: str, decoder, generation_defaults: dict | None = None, plan=None, shared=None):
+                 device: torch.device, dtype: torch.dtype, policy: str, decoder,
+                 generation_defaults: dict | None = None, plan=None, shared=None, context: int | None = None):
         self.model, self.expert_weights, self.tokenizer = model, experts, tokenizer
+        self.context = context or model.spec.max_position  # most positions a generation holds (specter.load)
+        decoder.context = self.context  # a kept KV cache grows up to it (speculative/decoder.py KeptCache)
         self.path, self.device, self.dtype, self.policy = path, device, dtype, policy
         self.decoder = decoder
         self.plan, self.shared = plan, shared  # the memory plan it was built to; the loaded checkpoint (builder.Loaded)
@@ -275,11 +278,13 @@ class Engine:
         if stops and self.tokenizer is None:
             raise self._no_tokenizer("stop strings cannot be matched; stop on max_new_tokens or the EOS token")
         ids = self.encode(prompt)
-        limit = self.model.spec.max_position
+        limit, model = self.context, self.model.spec.max_position
         if len(ids) + max_new_tokens > limit:
+            whose = "the model's" if limit == model else "the engine's"
+            more = "" if limit == model else f" (the engine was loaded with context={limit}; the model's is {model})"
             raise ContextLengthError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "
-                f"exceeds the model's context of {limit} tokens; shorten the prompt or lower max_new_tokens"
+                f"exceeds {whose} context of {limit} tokens{more}; shorten the prompt or lower max_new_tokens"
             )
         return ids, params, list(stops)
 

@@ -93,6 +93,19 @@ def test_dtype_and_penalties_reach_the_engine(capsys):
 
 
 @needs_default
+def test_context_reaches_the_engine(capsys):
+    """--context bounds a generation (exit 2, the engine's message) and plans the KV cache it keeps."""
+    argv = ["generate", "def add(a, b):", "--policy", "on-demand", "--device", "cpu", "--context", "16", "--json"]
+    assert engine_options(build_parser().parse_args(argv)) == {"context": 16}
+    assert main(argv + ["--max-new-tokens", "12"]) == 2
+    assert "exceeds the engine's context of 16 tokens" in capsys.readouterr().err
+    assert main(argv + ["--max-new-tokens", "4"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 4
+    with pytest.raises(SystemExit):
+        main(["generate", "x", "--context", "0"])
+
+
+@needs_default
 def test_plan_refuses_a_negative_context(capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--context", "-5"])

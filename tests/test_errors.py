@@ -199,3 +199,28 @@ def test_a_budget_the_policy_would_ignore_is_refused(tiny, capsys):
 def test_bad_load_arguments_are_config_errors(kw, match):
     with pytest.raises(specter.ConfigError, match=match):
         specter.load(device="cpu", **kw)
+
+
+def test_a_context_shorter_than_the_models(tiny):
+    """context=N caps prompt + new tokens at N with an error naming both contexts, plans the KV cache
+    for N tokens (a device budget then buys more expert slots), and gives the same tokens; a context
+    that is not a positive integer, or longer than the model's, is refused."""
+    path, _ = tiny("qwen3_moe")
+    whole = specter.load(path, device="cpu", policy="on-demand", residency=0.5)
+    budget = whole.plan.total_bytes  # the whole context's KV cache and half the experts
+    short = specter.load(path, device="cpu", policy="on-demand", device_memory=budget, context=64)
+    try:
+        assert short.context == 64 and whole.context == 256 and short.plan.context == 64
+        assert short.plan.kv_bytes * 4 == whole.plan.kv_bytes and short.plan.pool_slots > whole.plan.pool_slots
+        want = whole.generate([1, 2, 3], max_new_tokens=20, temperature=0.0).token_ids
+        assert short.generate([1, 2, 3], max_new_tokens=20, temperature=0.0).token_ids == want
+        with pytest.raises(specter.ContextLengthError, match=r"context of 64 tokens \(the engine was loaded with "
+                                                             r"context=64; the model's is 256\)"):
+            short.generate([1, 2, 3], max_new_tokens=62)
+    finally:
+        whole.close()
+        short.close()
+    for bad, match in ((0, "integer >= 1"), (True, "integer >= 1"), ("64", "integer >= 1"),
+                       (257, "exceeds the model's")):
+        with pytest.raises(specter.ConfigError, match=match):
+            specter.load(path, device="cpu", policy="on-demand", context=bad)

@@ -395,6 +395,13 @@ def test_device_memory_is_each_ranks_whole_device(ckpts, capsys):
             st = load_stage(path, s, torch.device("cpu"), policy=policy, device_memory=memory, draft_cache="off")
             assert st.provider.inner.slots.pool_slots == r["pool_slots"], (policy, r)
             st.close()
+    stages = make_stages(spec, 2, 4)
+    memory, _, _ = _device_memory(spec, stages, False, 2)  # the fullest rank: its top-2 only
+    short, whole = (load_stage(path, stages[1], torch.device("cpu"), policy="on-demand", device_memory=memory,
+                               context=context, draft_cache="off") for context in (16, None))  # KV for 16 tokens
+    assert whole.provider.inner.slots.pool_slots < short.provider.inner.slots.pool_slots, "no slot for the KV saved"
+    short.close()
+    whole.close()
     stages = make_stages(spec, 2, 4, drafts=True)
     memory, fixed, slot = _device_memory(spec, stages, True, 0)
     with pytest.raises(BudgetError, match=r"rank 0: device_memory .* cannot even hold .* whole draft .*without a dr"):
@@ -619,7 +626,8 @@ def test_cli_under_torchrun_prints_once_with_pipeline_stats(ckpts):
     one could abort, docs/RESULTS.md)."""
     argv = ["-c", NO_COLLECTIVES, "generate", "--model", str(ckpts["qwen3_moe"]), "--prompt-ids", "1,5,9,17,33",
             "--max-new-tokens", str(NEW), "--greedy", "--residency", "0.5", "--json", "--pipeline-timeout", "60",
-            "--host-threads", "1", "--draft-bits", "2"]  # each rank's host lane (specter's); rank 0's draft width
+            "--host-threads", "1", "--draft-bits", "2",  # each rank's host lane (specter's); rank 0's draft width
+            "--context", "64"]  # each rank's KV cache planned for 64 tokens, rank 0's engine bounded by them
     ranks = _launch([argv, argv], timeout=HANG)
     assert [r[0] for r in ranks] == [0, 0], [r[2][-2000:] for r in ranks]
     assert ranks[1][1] == ""  # printed once, by rank 0

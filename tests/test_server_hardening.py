@@ -554,3 +554,21 @@ def test_cuda_graphs_are_recorded_on_the_engine_thread_before_any_request():
     scheduler.recorded.result(timeout=10)
     assert len(seen) == 1 and seen[0].startswith("specter-engine")
     scheduler.thread.shutdown()
+
+
+def test_a_shorter_context_is_the_servers_max_model_len_and_its_bound():
+    """An engine loaded with context=N: /v1/models says max_model_len N, and a request that cannot fit N
+    tokens is a 400 naming the context, not a 500."""
+    engine = specter.load(None, device="cpu", policy="resident", context=64)
+    try:
+        with ServerThread(create_app(engine)) as url:
+            card = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]
+            assert card["max_model_len"] == 64
+            r = httpx.post(url + "/v1/completions", timeout=60,
+                           json={"model": MODEL, "prompt": PROMPT, "max_tokens": 100})
+            assert r.status_code == 400 and "context" in r.json()["error"]["message"], r.text
+            r = httpx.post(url + "/v1/completions", timeout=60,
+                           json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+    finally:
+        engine.close()

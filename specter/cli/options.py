@@ -55,6 +55,10 @@ def model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
                    help="the whole device's bytes, e.g. 24GiB: the slot pool takes what the weights, KV cache and "
                         "draft leave (offloading policies; default on CUDA: 90%% of what is free; under torchrun "
                         "each rank's own device, see `specter plan --ranks`)")
+    p.add_argument("--context", type=positive_int, default=None,
+                   help="the most tokens a generation holds, prompt and output together, and what the KV cache "
+                        "is planned for (default: the model's context; a shorter one leaves a device budget's "
+                        "bytes to experts)")
     p.add_argument("--link", default=None, help="CPU only: link profile of the emulated PCIe link (see `specter profile`)")
     p.add_argument("--host-threads", type=positive_int, default=None,
                    help=f"policies {' and '.join(policy_names('host_lane'))}: threads of the host lane that "
@@ -135,6 +139,8 @@ def engine_options(args) -> dict:
         opts["draft_bits"] = args.draft_bits
     if getattr(args, "host_threads", None) is not None:
         opts["host_threads"] = args.host_threads
+    if getattr(args, "context", None) is not None:
+        opts["context"] = args.context
     return opts
 
 

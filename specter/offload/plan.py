@@ -201,11 +201,12 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
                  kv=kv_bytes_per_token(spec, item) * context)
     per = max(L, 1) if pool == "layer" else 1  # a slot is counted in every layer (the per-layer rule) or once
     most = E * (L // per)                       # slots in a layer (the rule), or in the pool, for every expert
-    slots, what = _slots(most, per * numel * item, fixed, residency, expert_memory, device_memory)
+    slots, what = _slots(most, per * numel * item, fixed, residency, expert_memory, device_memory, context)
     store = store_dtype if store_dtype is not None else dtype
     pdt = pool_dtype(device, store, dtype, per * slots, numel)
     if pdt != dtype:  # the same budget in bytes holds more experts of the narrower dtype
-        slots, what = _slots(most, per * numel * pdt.itemsize, fixed, residency, expert_memory, device_memory)
+        slots, what = _slots(most, per * numel * pdt.itemsize, fixed, residency, expert_memory, device_memory,
+                             context)
     expert = numel * pdt.itemsize
     if L and slots < k:
         need = k * per * expert
@@ -272,7 +273,8 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _slots(E: int, layer_bytes: int, fixed: dict, residency, expert_memory, device_memory) -> tuple[int, str]:
+def _slots(E: int, layer_bytes: int, fixed: dict, residency, expert_memory, device_memory,
+           context: int = 0) -> tuple[int, str]:
     """Expert slots (at most E: every expert a layer, or of the model) that the budget buys, a slot
     taking `layer_bytes` (one expert in every layer, or one in the shared pool); and the budget in words."""
     if residency is not None:
@@ -286,11 +288,27 @@ def _slots(E: int, layer_bytes: int, fixed: dict, residency, expert_memory, devi
         budget = parse_budget(device_memory, "device_memory")
         left = budget - sum(fixed.values())
         if left < 0:
+            parts = ", ".join(f"{what} {format_size(fixed[key])}" for key, what in
+                              (("non", "non-expert weights"), ("draft", "draft"), ("kv", "KV cache")) if fixed[key])
             raise BudgetError(
-                f"device_memory {format_size(budget)} cannot even hold the non-expert weights, draft and KV cache "
-                f"({format_size(sum(fixed.values()))}); raise it or shorten the context")
+                f"device_memory {format_size(budget)} cannot even hold what stays on the device besides the "
+                f"experts ({parts}: {format_size(sum(fixed.values()))}); raise it, or give a shorter context "
+                f"(--context; the KV cache is planned for {context} tokens)")
         return min(left // max(layer_bytes, 1), E), f"device_memory {format_size(budget)}"
     return E, "all resident"
+
+
+def check_context(context, spec) -> int | None:
+    """`context` (specter.load, --context): the most positions a generation may hold, prompt and new
+    tokens together, and what the plan reserves KV cache for (None: the model's whole context)."""
+    if context is None:
+        return None
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ConfigError(f"context must be an integer >= 1 (tokens: prompt + generated), got {context!r}")
+    if context > spec.max_position:
+        raise ConfigError(f"context {context} exceeds the model's context of {spec.max_position} tokens; "
+                          f"give at most {spec.max_position}, or drop it")
+    return context
 
 
 def parse_budget(value, name: str) -> int:

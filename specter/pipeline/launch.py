@@ -40,7 +40,8 @@ def check_options(policy: str, options: dict) -> None:
 def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residency=None, expert_memory=None,
                   device_memory=None, link=None, dtype=None, backend: str | None = None, timeout_s: float | None = None,
                   threads: int | None = None, k_max: int | None = None, draft_cache=None,
-                  host_threads: int | None = None, draft_bits: int = 4, compress_experts: bool = False):
+                  host_threads: int | None = None, draft_bits: int = 4, compress_experts: bool = False,
+                  context: int | None = None):
     """(group, rank 0's Engine or None, this rank's stage): joins the group (torchrun's environment, or
     the one torch.distributed already has) and loads this rank's stage. Every rank calls it with the
     same arguments; a byte budget (`expert_memory`, `device_memory`) is each rank's own (load_stage).
@@ -51,12 +52,14 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
     process's (None: $SPECTER_DRAFT_CACHE or the user cache; "off": none); the other ranks never use it.
     `host_threads` (policies host and specter): each rank's host lane's threads, as one process's.
     `draft_bits` (drafting policies): the width of rank 0's draft experts (4, 3 or 2), as one process's.
-    `compress_experts`: each rank holds its own layers' experts losslessly coded, as one process's store."""
+    `compress_experts`: each rank holds its own layers' experts losslessly coded, as one process's store.
+    `context`: the most tokens a generation holds, and what each rank's KV cache is planned for, as one
+    process's (None: the model's)."""
     from ..engine import Engine
     from ..generation_defaults import read_generation_defaults
     from .. import default_model_path
     from ..loader import open_checkpoint
-    from ..offload.plan import compute_dtype
+    from ..offload.plan import check_context, compute_dtype
 
     from .decoder import PipelineDecoder
     from .group import all_gather_objects, comm
@@ -72,13 +75,14 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
     try:
         path = Path(model) if model is not None else default_model_path()
         ckpt = open_checkpoint(path)
+        context = check_context(context, ckpt.spec)
         stages = make_stages(ckpt.spec, group.world, ckpt.dtype.itemsize, pol.drafts, draft_bits)
         options = dict(policy=policy, residency=residency, expert_memory=expert_memory,
                        device_memory=device_memory, link=link,
                        dtype=str(compute_dtype(group.device, ckpt.dtype, dtype)), world=group.world,
                        backend=group.backend, device_type=group.device.type,
                        k_max=k_max if pol.drafts else None, host_threads=host_threads, draft_bits=draft_bits,
-                       compress_experts=compress_experts)
+                       compress_experts=compress_experts, context=context)
         agree(group, {"fingerprint": fingerprint(ckpt, options), "options": options,
                       "layers": [[s.first, s.last] for s in stages]})
         local = int(os.environ.get("LOCAL_WORLD_SIZE", group.world))
@@ -86,8 +90,8 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
             threads = max(1, ((os.cpu_count() or 2) - 1) // max(local, 1))
         stage = load_stage(path, stages[group.rank], group.device, policy=policy, residency=residency,
                            expert_memory=expert_memory, device_memory=device_memory, link=link, dtype=dtype,
-                           threads=threads, k_max=k_max, draft_cache=draft_cache, host_threads=host_threads, draft_bits=draft_bits,
-                           compress_experts=compress_experts)
+                           threads=threads, k_max=k_max, draft_cache=draft_cache, host_threads=host_threads,
+                           draft_bits=draft_bits, compress_experts=compress_experts, context=context)
         # every rank loaded (so no rank's first step waits on a load), and whether any ever copies (the
         # decoder's K = 0 steps guess only then)
         with comm(group, "waiting for every rank to load its layers"):
@@ -105,7 +109,7 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
         decoder = PipelineDecoder(stage, group, stages)
     engine = Engine(stage.model, [], stage.tokenizer, path=path, device=group.device, dtype=stage.dtype,
                     policy=policy, decoder=decoder, generation_defaults=read_generation_defaults(path),
-                    plan=stage.plan)
+                    plan=stage.plan, context=context)
     return group, engine, stage
 
 
@@ -130,7 +134,8 @@ def run(args, body, serving: bool = False, waits: bool = False) -> int:
                                          draft_cache=getattr(args, "draft_cache", None),
                                          host_threads=getattr(args, "host_threads", None),
                                          draft_bits=getattr(args, "draft_bits", None) or 4,
-                                         compress_experts=bool(getattr(args, "compress_experts", False)))
+                                         compress_experts=bool(getattr(args, "compress_experts", False)),
+                                         context=getattr(args, "context", None))
     ok = False
     try:
         if engine is None:

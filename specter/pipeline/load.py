@@ -16,7 +16,8 @@ from .stages import Stage, stage_budget, stage_pool, stage_quota, stage_tier
 
 def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                device_memory=None, link=None, dtype=None, threads: int | None = None, k_max: int = 32, draft_cache=None,
-               host_threads: int | None = None, draft_bits: int = 4, compress_experts: bool = False) -> StageModel:
+               host_threads: int | None = None, draft_bits: int = 4, compress_experts: bool = False,
+               context: int | None = None) -> StageModel:
     """Loads the checkpoint at `path` and keeps `stage` of it, with `policy`'s provider over its MoE
     layers: resident weights; or its own offload manager (on-demand), with next-layer guesses made
     within the stage (the last layer of a stage guesses nothing: the next layer is another rank's), or
@@ -66,13 +67,14 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
                               "ignored; drop it or use --policy on-demand")
     else:
         expert_memory, own = stage_budget(spec, stage, dt.itemsize, device, residency, expert_memory, device_memory,
-                                          pol.drafts, draft_bits)
+                                          pol.drafts, draft_bits, context)
         # the plan of the whole model; each rank's pool is sized from it (stage_pool)
         from ..offload.coded_tier import PLAN_RATIO, tier_wanted
 
         try:
             plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
-                             draft=False, device=device, store_dtype=ckpt.dtype, compressed=compress_experts,
+                             context=context, draft=False, device=device, store_dtype=ckpt.dtype,
+                             compressed=compress_experts,
                              coded_tier=PLAN_RATIO if compress_experts and tier_wanted(pol, device, dt)
                              else None)  # as builder.build_engine plans it
         except BudgetError as e:

@@ -145,7 +145,7 @@ def stage_expert_memory(spec: ModelSpec, stage: Stage, itemsize: int, device_mem
 
 def stage_budget(spec: ModelSpec, stage: Stage, itemsize: int, device: torch.device, residency=None,
                  expert_memory=None, device_memory=None, drafts: bool = False,
-                 draft_bits: int = 4) -> tuple[int | str | None, bool]:
+                 draft_bits: int = 4, context: int | None = None) -> tuple[int | str | None, bool]:
     """(the expert pool's byte budget or None, whether it is the rank's own) from one budget: a residency
     (None: the plan shares the whole model's pool), expert_memory (the rank's pool), or device_memory (the
     rank's device: stage_expert_memory); on CUDA with none, the device's 90% of its free memory."""
@@ -156,7 +156,7 @@ def stage_budget(spec: ModelSpec, stage: Stage, itemsize: int, device: torch.dev
     if device_memory is None and residency is None and expert_memory is None and device.type == "cuda":
         device_memory = int(torch.cuda.mem_get_info(device)[0] * 0.9)  # 90% of what is free
     if device_memory is not None:
-        return stage_expert_memory(spec, stage, itemsize, device_memory, drafts, draft_bits), True
+        return stage_expert_memory(spec, stage, itemsize, device_memory, drafts, draft_bits, context), True
     return expert_memory, expert_memory is not None
 
 

@@ -65,7 +65,7 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
     scheduler = Scheduler(engine, max_queue, metrics)
     name = model_name or engine.path.name
     created = now()
-    context = engine.spec.max_position
+    context = engine.context
     max_chars = context * _longest_token(engine.tokenizer)   # a longer text cannot fit the context
     tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specter-tokenize")  # off the event loop
 
@@ -157,7 +157,7 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
 
     def model_card():
         return {"id": name, "object": "model", "created": created, "owned_by": "specter",
-                "max_model_len": engine.spec.max_position, "policy": engine.policy}
+                "max_model_len": engine.context, "policy": engine.policy}
 
     @app.get("/v1/models")
     async def models():

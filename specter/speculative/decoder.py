@@ -65,6 +65,7 @@ class KeptCache:
 
     _cache: KVCache | None = None  # the cache kept
     _caches = 0                    # how many made so far
+    context: int | None = None     # the most positions it grows to (the engine's context; None: the model's)
 
     def compiled_steps(self) -> tuple:
         return ()
@@ -72,7 +73,7 @@ class KeptCache:
     def _kv_cache(self, need: int) -> KVCache:
         cache = self._cache
         if cache is None or cache.max_len < need:  # grow geometrically, within the model's context
-            max_pos = self.model.spec.max_position
+            max_pos = self.context or self.model.spec.max_position
             size = need if cache is None else max(need, min(2 * cache.max_len, max_pos))
             if self.graphs.needed(self.compiled_steps()):  # each new cache is a new set of recordings: a useful size
                 size = max(size, min(self.graphs.CACHE_MIN, max_pos))
