@@ -414,3 +414,20 @@ def test_plan_cli_ranks_the_ways_and_says_specter_runs(capsys):
     assert res["host"]["draft_cache_bytes"] == spec.n_moe_layers * spec.n_experts * draft_expert_bytes(spec, res["draft_bits"])
     assert main(["plan", "--model", str(CONFIGS / "Mixtral-8x7B"), "--device-memory", "24GiB", "--draft-bits", "4"]) == 0
     assert "specter does NOT fit" in capsys.readouterr().out
+
+
+def test_a_long_context_plan_says_what_a_shorter_one_would_give_the_pool():
+    """Qwen3-30B-A3B on 24 GiB plans 3.75 GiB of KV cache for its 40960 tokens: the fit's tips say what
+    --context 8192 gives the pool instead (as make_plan computes it); the bundled model's 2048 get no tip."""
+    from specter.offload.plan import TIP_CONTEXT, fit, make_plan
+
+    spec, dtype, numel = described("Qwen3-30B-A3B")
+    f = fit(spec, numel, dtype, "24GiB", policy="specter")
+    short = make_plan(spec, numel, dtype, device_memory="24GiB", context=TIP_CONTEXT, draft_bits=f.draft_bits)
+    tip = [t for t in f.suggestions if "--context" in t]
+    assert f.plan.context == 40960 and f.plan.kv_bytes == 40960 * 96 * 1024
+    assert short.pool_slots > f.plan.pool_slots and len(tip) == 1
+    assert f"holds {short.pool_slots} slots ({short.pool_slots - f.plan.pool_slots} more)" in tip[0], tip
+    ckpt = specter.loader.open_checkpoint(specter.default_model_path())
+    small = fit(ckpt.spec, ckpt.numel(), torch.float32, "30MiB", policy="specter")
+    assert small.fits and not [t for t in small.suggestions if "--context" in t]

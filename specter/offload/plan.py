@@ -425,6 +425,13 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
                 f"predicted faster than INT{wider[-1]} (more slots for the target; acceptance assumed)"))
         if plan.pool_slots < L * E:
             tips.append(f"every expert resident needs {format_size(full)}")
+        if plan.pool_slots < L * E and context > TIP_CONTEXT:  # the KV cache of a long context, planned whole
+            short = make_plan(spec, total_numel, dtype, device_memory=budget, context=TIP_CONTEXT, draft=draft,
+                              draft_bits=plan.draft_bits)
+            if short.pool_slots > plan.pool_slots:
+                tips.append(f"the KV cache for {context} tokens takes {format_size(plan.kv_bytes)}; with --context "
+                            f"{TIP_CONTEXT} (a generation's prompt and output) it takes {format_size(short.kv_bytes)} "
+                            f"and the pool holds {short.pool_slots} slots ({short.pool_slots - plan.pool_slots} more)")
     return Fit(policy, budget, context, plan, minimum(draft_b, context), full, tips,
                draft_bits=plan.draft_bits if plan is not None and draft else None)
 # ------------------------------------------------------------------------------ a way to run (specter plan)
@@ -434,6 +441,7 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
 ASSUMED_ACCEPTANCE = {4: 0.80, 3: 0.75, 2: 0.65}
 ASSUMED_COVERAGE = 0.8
 MIN_CONTEXT = 2048
+TIP_CONTEXT = 8192  # a long-context model's plan (fit) says what --context this long would give the pool
 
 
 def _profile(profile):
