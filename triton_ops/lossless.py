@@ -172,23 +172,21 @@ CHUNK = 1 << 20  # elements encoded at a time (a multiple of BLOCK): temporaries
 
 def _fields(flat: torch.Tensor, c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Elements c0 .. c1 of one expert's bf16 [numel] (zeros past its end) -> (exponent fields,
-    sign/mantissa bytes), uint8 [c1 - c0] each, from the two bytes of each weight (little endian:
-    lo = exponent bit 0 << 7 | mantissa, hi = sign << 7 | exponent bits 1 .. 7)."""
-    two = flat[c0:c1].view(torch.uint8).view(-1, 2)
-    if two.shape[0] < c1 - c0:
-        two = torch.nn.functional.pad(two, (0, 0, 0, c1 - c0 - two.shape[0]))
-    lo, hi = two[:, 0], two[:, 1]
-    return (hi << 1) | (lo >> 7), (hi & 0x80) | (lo & 0x7F)
+    sign/mantissa bytes), uint8 [c1 - c0] each. Read as int16 (bit 15 sign, 14 .. 7 exponent, 6 .. 0
+    mantissa), contiguous: the uint8 casts keep the low byte (an arithmetic shift's sign bits drop)."""
+    x = flat[c0:c1].view(torch.int16)
+    if x.numel() < c1 - c0:
+        x = torch.nn.functional.pad(x, (0, c1 - c0 - x.numel()))
+    return (x >> 7).to(torch.uint8), ((x >> 8) & 0x80 | x & 0x7F).to(torch.uint8)
 
 
 def histograms(w: torch.Tensor) -> torch.Tensor:
     """int64 [E, 256]: each expert's exponent counts, of bf16 w [E, N, K]."""
-    E, flat = w.shape[0], w.reshape(w.shape[0], -1)
+    E, flat = w.shape[0], w.reshape(w.shape[0], -1).view(torch.int16)
     hist = torch.zeros(E, 256, dtype=torch.int64, device=w.device)
     for e in range(E):
         for c0 in range(0, flat.shape[1], CHUNK):
-            c1 = min(c0 + CHUNK, flat.shape[1])
-            hist[e] += torch.bincount(_fields(flat[e], c0, c1)[0], minlength=256)
+            hist[e] += torch.bincount((flat[e, c0:c0 + CHUNK] >> 7).to(torch.uint8), minlength=256)  # _fields' exponents
     return hist
 
 
