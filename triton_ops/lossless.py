@@ -474,10 +474,9 @@ def decode_torch(packed: LosslessExperts, e: int, out: torch.Tensor) -> torch.Te
     numel = out.numel()
     codes = codes_of(packed, e)[:numel]
     exp = torch.take(packed.table[e].to(torch.int16) << 7, codes.long())  # [numel] exponent fields
-    flags = codes == (1 << packed.bits) - 1
-    n_esc = int(flags.sum())
-    if n_esc:
-        exp.masked_scatter_(flags, packed.expert_escapes(e)[:n_esc].to(torch.int16) << 7)
+    run = packed.expert_escapes(e)                            # its escapes in order, padded to 4 bytes
+    if run.numel():  # masked_scatter_ takes one a flag, in order: the padding is never read
+        exp.masked_scatter_(codes == (1 << packed.bits) - 1, run.to(torch.int16) << 7)
     bits = out.view(-1).view(torch.int16)
     sm = packed.signman[e, :numel].view(torch.int8).to(torch.int16)  # sign-extended: bit 7 into 7 .. 15
     torch.bitwise_and(sm, -0x8000 | 0x7F, out=bits)           # sign in bit 15, mantissa in 0 .. 6
