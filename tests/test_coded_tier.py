@@ -298,19 +298,17 @@ def cuda_tier_scenario(decoded: list) -> None:
         assert tier.has(0, 0) and tier.has(0, 1) and decoded == [0, 1]
         buf, filled = tier._held[(0, 0)]
         assert buf.numel() == cost and filled.on in ("copy", "urgent") and filled.cuda is cuda
-        h2d = mgr.stats()["h2d_bytes"]
         run(0, [2, 3])                       # evicts 0 and 1 from the two slots; fills (0, 2) over (0, 0)
         assert tier.members == 3 and not tier.has(0, 0) and tier.has(0, 2)
         tier.check()
         readers = {mgr.last_read[mgr.slots.slot_of(0, e)] for e in (2, 3)}  # expert 1 lands in one of them
-        buf, filled = tier._held[(0, 1)]
+        filled = tier._held[(0, 1)][1]
         mark, h2d = len(dcuda.log), mgr.stats()["h2d_bytes"]
         run(0, [1])                          # a hit: decoded from the kept buffer, no PCIe byte
         assert mgr.stats()["h2d_bytes"] == h2d and mgr.stats()["tier_hits"] == 1 and decoded[-1] == 1
         waits = dcuda.copy_waits(mark)
         assert len(waits) == 2 and waits[1] == ("wait_event", "urgent", filled), waits  # the fill's copy
         assert waits[0][2] in readers, waits  # and the slot's last reader
-        del buf
         run(1, [0])                          # a fourth member: the coldest, (0, 3) or (0, 2), goes
         assert tier.members == 3 and tier.has(1, 0)
         tier.check()
