@@ -430,3 +430,23 @@ def test_a_cuda_tier_stays_exact_over_random_calls_and_prefetches(monkeypatch):
         mgr.slots.check()
         st = mgr.stats()
         assert st["tier_hits"] > 5 and st["tier_evictions"] > 5 and len(decoded) > st["tier_hits"], st
+
+
+def test_plan_on_cuda_says_what_the_opt_in_tier_would_hold(capsys, tiny, monkeypatch):
+    """On CUDA the tier is opt-in: `plan --compress-experts` keeps the budget raw and says what
+    SPECTER_CODED_TIER=1 would hold; with it set, the plan splits the budget as the engine would."""
+    import json
+
+    from specter.cli import main
+
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    argv = ["plan", "--model", str(path), "--device", "cuda", "--residency", "0.5", "--policy", "on-demand",
+            "--compress-experts"]
+    monkeypatch.delenv("SPECTER_CODED_TIER", raising=False)
+    assert main(argv) == 0
+    line = [t for t in capsys.readouterr().out.splitlines() if t.startswith("coded device tier")]
+    monkeypatch.setenv("SPECTER_CODED_TIER", "1")
+    assert main(argv + ["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["tier_bytes"] > 0 and len(line) == 1
+    assert f"~{d['tier_experts']} experts coded beside {d['pool_slots']} raw slots" in line[0], line

@@ -4,6 +4,7 @@ fits and what to change."""
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 
@@ -137,6 +138,14 @@ def cmd_plan(args) -> int:
                   f"{v['tokens']} tokens ~{format_size(v['pcie_bytes_per_token'])} and " \
                   f"~{format_size(v['host_bytes_per_token'])} a token (the host's per-job latency is paid once " \
                   f"for all of them)"
+    if coded and not plan.tier_bytes and device.type == "cuda" and pol.host_lane != "misses" \
+            and os.environ.get("SPECTER_CODED_TIER") is None:  # the CUDA tier is opt-in: say what it would hold
+        opt = make_plan(spec, numel, dtype, residency=args.residency, expert_memory=args.expert_memory,
+                        context=args.context, draft=pol.drafts, device=device, store_dtype=store_dtype,
+                        compressed=True, coded_tier=coded / host.raw_store_bytes, draft_bits=args.draft_bits or 4)
+        if opt.tier_bytes:
+            copies += f"\ncoded device tier: opt-in on CUDA; SPECTER_CODED_TIER=1 would keep ~{opt.tier_experts} " \
+                      f"experts coded beside {opt.pool_slots} raw slots in the same budget"
     if device.type == "cpu":  # the emulated device lives in host memory
         host.device_bytes = emulated_device_bytes(plan, spec, store_dtype, dtype)
         hosts += f", emulated device {format_size(host.device_bytes)} (host memory on cpu: a big model's slot " \
