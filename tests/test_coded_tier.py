@@ -383,6 +383,7 @@ def test_where_a_tier_is_wanted(monkeypatch):
     monkeypatch.delenv("SPECTER_CODED_TIER", raising=False)
     monkeypatch.delenv("SPECTER_CODED_IN_PLACE", raising=False)
     assert want(od, "cpu", torch.float32) and not want(od, "cuda", bf16) and not want(host, "cpu", torch.float32)
+    assert want(od, "cuda", bf16, opt="1") and not want(od, "cpu", torch.float32, opt="0")  # asked, not the env
     monkeypatch.setenv("SPECTER_CODED_TIER", "1")
     assert want(od, "cuda", bf16) and not want(od, "cuda", torch.float16) and not want(host, "cuda", bf16)
     monkeypatch.setenv("SPECTER_CODED_IN_PLACE", "1")

@@ -177,7 +177,12 @@ def _fields(flat: torch.Tensor, c0: int, c1: int) -> tuple[torch.Tensor, torch.T
     x = flat[c0:c1].view(torch.int16)
     if x.numel() < c1 - c0:
         x = torch.nn.functional.pad(x, (0, c1 - c0 - x.numel()))
-    return (x >> 7).to(torch.uint8), ((x >> 8) & 0x80 | x & 0x7F).to(torch.uint8)
+    return _exponents(x), ((x >> 8) & 0x80 | x & 0x7F).to(torch.uint8)
+
+
+def _exponents(x: torch.Tensor) -> torch.Tensor:
+    """bf16 weights read as int16 -> their exponent fields, uint8."""
+    return (x >> 7).to(torch.uint8)
 
 
 def histograms(w: torch.Tensor) -> torch.Tensor:
@@ -186,7 +191,7 @@ def histograms(w: torch.Tensor) -> torch.Tensor:
     hist = torch.zeros(E, 256, dtype=torch.int64, device=w.device)
     for e in range(E):
         for c0 in range(0, flat.shape[1], CHUNK):
-            hist[e] += torch.bincount((flat[e, c0:c0 + CHUNK] >> 7).to(torch.uint8), minlength=256)  # _fields' exponents
+            hist[e] += torch.bincount(_exponents(flat[e, c0:c0 + CHUNK]), minlength=256)
     return hist
 
 

@@ -230,8 +230,9 @@ def main(argv=None) -> int:
         link = Direct()
     try:
         raws = {}
+        kinds = ("raw", "coded", "coded_unpaired", "tier_hit")
         for name in args.shapes.split(","):  # then in place, every shape (a fault there on a GPU would not
-            out = shape_row(name, ("raw", "coded", "coded_unpaired", "tier_hit"), link, args.copies, device)  # lose these)
+            out = shape_row(name, kinds, link, args.copies, device)            # lose these)
             raws[name] = out["raw"]
             print(json.dumps(out), flush=True)
         for name in args.shapes.split(","):

@@ -14,6 +14,7 @@ from ..errors import ConfigError
 from ..loader import describe
 from ..offload.calibrate import emulated_host_params, load_profile
 from ..offload.coded import coded_store_bytes
+from ..offload.coded_tier import tier_wanted
 from ..offload.plan import DRAFT_BITS, compute_dtype, emulated_device_bytes, fit, host_needs, make_plan, options_table, search
 from ..offload.staging import describe as describe_staging
 from ..pipeline.plan import cmd_plan_ranks
@@ -119,10 +120,12 @@ def cmd_plan(args) -> int:
         else:
             print(f"nothing runs in {format_size(f.device_memory)}, at any context down to the shortest tried")
         return 0
-    plan = make_plan(spec, numel, dtype, residency=args.residency, expert_memory=args.expert_memory,
-                     context=args.context, draft=pol.drafts, device=device, store_dtype=store_dtype,
-                     compressed=args.compress_experts, coded_tier=tier_ratio(coded, host, device, pol, dtype),
-                     draft_bits=args.draft_bits or 4)
+    def plan_at(tier):  # the engine's plan, its budget split with a coded tier at `tier` (None: none)
+        return make_plan(spec, numel, dtype, residency=args.residency, expert_memory=args.expert_memory,
+                         context=args.context, draft=pol.drafts, device=device, store_dtype=store_dtype,
+                         compressed=args.compress_experts, coded_tier=tier, draft_bits=args.draft_bits or 4)
+
+    plan = plan_at(tier_ratio(coded, host, device, pol, dtype))
     lanes = _lane_split(spec, store_dtype, plan.residency, pol.host_lane) if pol.host_lane else None
     if lanes is not None and pol.host_lane == "misses":
         copies += f"\nhost lane (policy {args.policy}): ~{format_size(lanes['host_bytes_per_token'])} of expert weights a " \
@@ -138,11 +141,9 @@ def cmd_plan(args) -> int:
                   f"{v['tokens']} tokens ~{format_size(v['pcie_bytes_per_token'])} and " \
                   f"~{format_size(v['host_bytes_per_token'])} a token (the host's per-job latency is paid once " \
                   f"for all of them)"
-    if coded and not plan.tier_bytes and device.type == "cuda" and pol.host_lane != "misses" \
-            and os.environ.get("SPECTER_CODED_TIER") is None:  # the CUDA tier is opt-in: say what it would hold
-        opt = make_plan(spec, numel, dtype, residency=args.residency, expert_memory=args.expert_memory,
-                        context=args.context, draft=pol.drafts, device=device, store_dtype=store_dtype,
-                        compressed=True, coded_tier=coded / host.raw_store_bytes, draft_bits=args.draft_bits or 4)
+    if coded and os.environ.get("SPECTER_CODED_TIER") is None and not tier_wanted(pol, device, dtype) \
+            and tier_wanted(pol, device, dtype, opt="1"):  # the CUDA tier is opt-in: say what it would hold
+        opt = plan_at(coded / host.raw_store_bytes)
         if opt.tier_bytes:
             copies += f"\ncoded device tier: opt-in on CUDA; SPECTER_CODED_TIER=1 would keep ~{opt.tier_experts} " \
                       f"experts coded beside {opt.pool_slots} raw slots in the same budget"
@@ -163,8 +164,6 @@ def cmd_plan(args) -> int:
 def tier_ratio(coded: int | None, host, device, pol, dtype) -> float | None:
     """--compress-experts: the coded store's measured ratio, which sizes the compressed device tier
     where the engine builds one (coded_tier.tier_wanted), else None."""
-    from ..offload.coded_tier import tier_wanted
-
     return coded / host.raw_store_bytes if coded and tier_wanted(pol, device, dtype) else None
 
 

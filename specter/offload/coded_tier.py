@@ -54,17 +54,15 @@ DECODE_LAUNCH_S = 2e-6  # a decode kernel launched behind others on a side strea
 ALLOC_ROUND = 512  # CUDA: the caching allocator's granularity, what a kept buffer really takes
 
 
-def tier_wanted(policy, device, dtype: torch.dtype) -> bool:
+def tier_wanted(policy, device, dtype: torch.dtype, opt: str | None = None) -> bool:
     """Whether a compressed store's budget is split with a tier (make_plan's coded_tier, where tier_split
-    finds it holds more experts). SPECTER_CODED_TIER=0 turns it off; on CUDA it is opt-in,
-    SPECTER_CODED_TIER=1, until a GPU run measures it: a hit there costs the issuing thread a kernel
-    launch (tens of microseconds on the H200 host measured), which a small expert's copy (the bundled
-    model's 295 KB: ~12 us on PCIe 4) does not, and the tier turns every raw-slot hit beyond one layer's
-    working set into a decode. Never for a policy that copies nothing after warm-up (host: every miss
-    computed on the host lane, a tier would stay empty), nor on CUDA with slots that are not bf16 (those
-    copies decode a tensor at a time and stage nothing the tier could keep) or in-place copies
-    (SPECTER_CODED_IN_PLACE=1: nothing staged either)."""
-    opt = os.environ.get("SPECTER_CODED_TIER")
+    finds it holds more experts). `opt` (default $SPECTER_CODED_TIER): "0" turns it off; on CUDA it is
+    opt-in, "1", until a GPU run measures it (a hit costs the issuing thread a kernel launch, which a
+    small expert's copy may not repay: docs/RESULTS.md). Never for a policy that copies nothing after
+    warm-up (host: every miss computed on the host lane, a tier would stay empty), nor on CUDA with slots
+    that are not bf16 (those copies decode a tensor at a time and stage nothing the tier could keep) or
+    in-place copies (SPECTER_CODED_IN_PLACE=1: nothing staged either)."""
+    opt = os.environ.get("SPECTER_CODED_TIER") if opt is None else opt
     if opt == "0" or policy.host_lane == "misses":
         return False
     if torch.device(device).type == "cpu":

@@ -274,7 +274,7 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def _slots(E: int, layer_bytes: int, fixed: dict, residency, expert_memory, device_memory,
-           context: int = 0) -> tuple[int, str]:
+           context: int) -> tuple[int, str]:
     """Expert slots (at most E: every expert a layer, or of the model) that the budget buys, a slot
     taking `layer_bytes` (one expert in every layer, or one in the shared pool); and the budget in words."""
     if residency is not None:

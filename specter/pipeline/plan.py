@@ -86,9 +86,10 @@ def draftless_tip(rows: list[dict], plain: list[dict], policy: str, device_memor
         return None
     short = ", ".join(f"rank {r['rank']} {r['pool_slots']} of {r['experts']}" for r in rows
                       if r["pool_slots"] < r["experts"])
+    draft = format_size(rows[0]["draft_bytes"])
     return (f"without a draft each rank's {format_size(device_memory)} holds all of its layers' experts (policy "
-            f"on-demand copies nothing after warm-up); {policy}'s draft on rank 0 ({format_size(rows[0]['draft_bytes'])}) "
-            f"leaves {short}. Compare both under torchrun: specter bench --policies on-demand,{policy}")
+            f"on-demand copies nothing after warm-up); {policy}'s draft on rank 0 ({draft}) leaves {short}. "
+            f"Compare both under torchrun: specter bench --policies on-demand,{policy}")
 
 
 def print_rank_plans(rows: list[dict], as_json: bool, device_memory=None, tip: str | None = None) -> None:
@@ -128,6 +129,7 @@ def cmd_plan_ranks(args, device) -> int:
         coded = []
         coded_store_bytes(path, coded)
     dtype = compute_dtype(device, store_dtype)
+
     def plan(policy):
         return rank_plans(spec, numel, dtype, store_dtype, args.ranks, policy=policy, residency=args.residency,
                           expert_memory=args.expert_memory, device_memory=args.device_memory, context=args.context,
