@@ -109,11 +109,12 @@ def lossless_launches(models=MODELS, widths=lossless.WIDTHS) -> list[Launch]:
             rows = sum(lossless.row_layout(p)[1] for p in (a, b))
             pair = lossless.CodedPair(a, b, None, torch.empty((2 * rows + 16) // 4, dtype=torch.int32),
                                       torch.empty(2, (1 << ba) + (1 << bb), dtype=torch.int32))
-            staged = torch.empty(rows + 8, dtype=torch.uint8)
-            slots = torch.empty(2 * I, H, dtype=torch.bfloat16), torch.empty(H, I, dtype=torch.bfloat16)
-            with recording(lossless, ("_decode_pair_kernel",)) as more:
-                lossless.decode_staged_pair(pair, 1, staged, *slots)
-                lossless.decode_pair_in_place(pair, 1, *slots)
+            staged = [torch.empty(rows + 8, dtype=torch.uint8) for _ in range(2)]
+            slots = torch.empty(2, 2 * I, H, dtype=torch.bfloat16), torch.empty(2, H, I, dtype=torch.bfloat16)
+            with recording(lossless, ("_decode_pair_kernel", "_decode_pairs_kernel")) as more:
+                lossless.decode_staged_pair(pair, 1, staged[0], slots[0][0], slots[1][0])
+                lossless.decode_pair_in_place(pair, 1, slots[0][0], slots[1][0])
+                lossless.decode_staged_pairs(pair, [(e, staged[e], slots[0][e], slots[1][e]) for e in (0, 1)])
             log += more
         for launch in log:
             key = _key(launch, 90)
@@ -330,8 +331,9 @@ def variant(launch: Launch) -> str:
         return str(launch.args[0].dtype).removeprefix("torch.")
     if name == "_decode_kernel":
         return f"lossless {kw['BITS']}-bit codes"
-    if name == "_decode_pair_kernel":
-        return f"lossless pair, {kw['A_BITS']}- and {kw['B_BITS']}-bit codes"
+    if name in ("_decode_pair_kernel", "_decode_pairs_kernel"):
+        batch = ", a batch" if name == "_decode_pairs_kernel" else ""
+        return f"lossless pair{batch}, {kw['A_BITS']}- and {kw['B_BITS']}-bit codes"
     x = launch.args[0]
     words = (f"INT{kw['BITS']}" + (" group-tile" if kw["GROUP_TILE"] else "") if kw["BITS"]
              else str(x.dtype).removeprefix("torch."))

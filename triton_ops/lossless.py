@@ -404,6 +404,35 @@ def decode_staged_pair(pair: CodedPair, e: int, staged: torch.Tensor, out_a: tor
                               **kw)
 
 
+def decode_staged_pairs(pair: CodedPair, jobs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """Several experts of one pair, each (e, staged, out_a, out_b) as decode_staged_pair's arguments, in one
+    launch (a layer's hits in the compressed tier: offload/coded_tier.py). The kernel reads each expert's
+    addresses from a job table, int64 [n, 4] on the device (one small copy from pinned memory, which
+    the caching host allocator keeps until the copy is done): its staged bytes, its two slots, its w13 escape run's length in words.
+    A buffer off the allocator's 64-byte alignment or a slot off 16 bytes (the kernel's wide loads and
+    stores assume them) falls back to a launch an expert: the same bits."""
+    if len(jobs) == 1:
+        return decode_staged_pair(pair, *jobs[0])
+    for _, _, out_a, out_b in jobs:
+        for p, out in ((pair.a, out_a), (pair.b, out_b)):
+            _check_out(p, out, "decode_staged_pairs")
+    _require_launch(jobs[0][2])
+    table, ok = [], True
+    for e, staged, out_a, out_b in jobs:
+        ok &= staged.data_ptr() % 64 == 0 and out_a.data_ptr() % 16 == 0 and out_b.data_ptr() % 16 == 0
+        table += (staged.data_ptr(), out_a.data_ptr(), out_b.data_ptr(), (pair.a._starts[e + 1] - pair.a._starts[e]) // 4)
+    if not ok:
+        for job in jobs:
+            decode_staged_pair(pair, *job)
+        return
+    a, b = pair.a, pair.b
+    (blocks,), (rows, tab_a, tab_b, n_a, n_b), kw = _pair_launch(a.padded, a.bits, b.padded, b.bits)
+    device = jobs[0][2].device  # pinned (the caching host allocator's), so the copy never waits on the stream
+    table = torch.tensor(table, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    _decode_pairs_kernel[(blocks, len(jobs))](table, A_NUMEL=a.shape[1] * a.shape[2], B_NUMEL=b.shape[1] * b.shape[2],
+                                              A_WORDS=n_a, B_WORDS=n_b, A_TAB=tab_a, B_TAB=tab_b, ROWS=rows, **kw)
+
+
 def decode_pair_in_place(pair: CodedPair, e: int, out_a: torch.Tensor, out_b: torch.Tensor) -> None:
     """Expert e of both of a pair's tensors decoded into out_a and out_b (contiguous bf16 slots, on the
     device) straight from the layer's arena on the host (`pair.words`: page-locked, so mapped into the
@@ -524,9 +553,51 @@ def _decode_pair_kernel(base_ptr, table_ptr, a_out, b_out, row, a_tab, b_tab, a_
 
 
 @triton.jit
+def _decode_pairs_kernel(jobs_ptr, A_NUMEL: tl.constexpr, B_NUMEL: tl.constexpr, A_WORDS: tl.constexpr,
+                         B_WORDS: tl.constexpr, A_TAB: tl.constexpr, B_TAB: tl.constexpr,
+                         ROWS: tl.constexpr, A_PLANES: tl.constexpr, A_ESC_OFF: tl.constexpr, B_SIGNMAN: tl.constexpr,
+                         B_PLANES: tl.constexpr, B_ESC_OFF: tl.constexpr, A_BLOCKS: tl.constexpr,
+                         A_BITS: tl.constexpr, B_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """_decode_pair_kernel's program pid (from staged bytes) for expert program_id(1) of a batch, whose
+    addresses are a row of jobs_ptr, int64 [n, 4] (decode_staged_pairs): its staged bytes (64-byte
+    aligned), its w13 and w2 slots (16-byte aligned: the loads and stores stay 16 bytes wide), and its
+    w13 escape run's words (its w2 run follows it, after the rows' ROWS words). Loaded addresses take
+    registers that parameters would not: the layout's offsets (the tables' A_TAB, B_TAB) are constexprs,
+    one compile a kind of layer as for the single kernel, so that none spills (aot.py's reports)."""
+    pid, at = tl.program_id(0), jobs_ptr + 4 * tl.program_id(1)
+    src = tl.multiple_of(tl.load(at).to(tl.pointer_type(tl.int32)), 64)
+    if pid < A_BLOCKS:
+        bits = _block_bits(pid, src, src + A_PLANES, src + A_TAB, src + A_ESC_OFF, src, ROWS, A_WORDS, A_BITS, BLOCK)
+        _store_block(pid, bits, at + 1, A_NUMEL, BLOCK)
+    else:
+        bits = _block_bits(pid - A_BLOCKS, src + B_SIGNMAN, src + B_PLANES, src + B_TAB, src + B_ESC_OFF, src,
+                           ROWS + tl.load(at + 3).to(tl.int32), B_WORDS, B_BITS, BLOCK)
+        _store_block(pid - A_BLOCKS, bits, at + 2, B_NUMEL, BLOCK)
+
+
+@triton.jit
+def _store_block(b, bits, out_at, numel, BLOCK: tl.constexpr):
+    """The batch kernel's block b of bits into the slot whose address is at out_at (loaded only now: a
+    64-bit value held through the decode would take two registers more)."""
+    out = tl.multiple_of(tl.load(out_at).to(tl.pointer_type(tl.int16)), 16)
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out + offs, bits, mask=offs < numel)
+
+
+@triton.jit
 def _decode_block(b, signman_ptr, planes_ptr, table_ptr, esc_off_ptr, esc_ptr, out_ptr, numel, n_words,
                   BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """Elements b * BLOCK .. + BLOCK of one expert (the decode kernels' program b)."""
+    """Elements b * BLOCK .. + BLOCK of one expert (the decode kernels' program b) into out_ptr."""
+    bits = _block_bits(b, signman_ptr, planes_ptr, table_ptr, esc_off_ptr, esc_ptr, 0, n_words, BITS, BLOCK)
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, bits, mask=offs < numel)
+
+
+@triton.jit
+def _block_bits(b, signman_ptr, planes_ptr, table_ptr, esc_off_ptr, esc_ptr, esc_at, n_words, BITS: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """int16 [BLOCK]: the bf16 bits of elements b * BLOCK .. + BLOCK of one expert; its escape run at
+    esc_ptr + esc_at words (the batch kernel's: an offset from the expert's bytes, no pointer of its own)."""
     # sign/mantissa bytes: BLOCK / 4 words, byte j of a word is element 4w + j
     offs_w = b * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
     smw = tl.load(signman_ptr + offs_w, mask=offs_w < n_words * 8, other=0)
@@ -542,11 +613,9 @@ def _decode_block(b, signman_ptr, planes_ptr, table_ptr, esc_off_ptr, esc_ptr, o
     # escapes: the k-th escape of the block is the raw exponent at esc_off[b] + k, read from its word
     flags = code == (1 << BITS) - 1
     at = tl.load(esc_off_ptr + b) + tl.cumsum(flags.to(tl.int32), 0) - 1
-    word = tl.load(esc_ptr + at // 4, mask=flags, other=0)
+    word = tl.load(esc_ptr + (esc_at + at // 4), mask=flags, other=0)
     exp = tl.where(flags, (word >> ((at % 4) * 8)) & 0xFF, exp)
-    bits = ((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F)
-    offs = b * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out_ptr + offs, bits.to(tl.int16), mask=offs < numel)
+    return (((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F)).to(tl.int16)
 
 
 def decode_triton(packed: LosslessExperts, e: int, out: torch.Tensor) -> torch.Tensor:
