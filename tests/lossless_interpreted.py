@@ -81,6 +81,37 @@ def test_a_pair_decodes_every_case_bit_exact():
                 assert _bits(out_a).equal(_bits(wa[e])) and _bits(out_b).equal(_bits(wb[e])), (na, nb, ba, bb, e, in_place)
 
 
+def test_a_batch_of_staged_pairs_decodes_in_one_launch_bit_exact(monkeypatch):
+    """decode_staged_pairs (a layer's tier hits): every case's experts, in a shuffled order, each from its
+    own staged buffer into its slots of a pool (w13 and w2 pools, as the engine's), one launch for them
+    all, every slot bit exact; slots off the kernel's 16-byte alignment decode a launch an expert, exact."""
+    import itertools
+
+    launches = []
+    for name in ("_decode_pair_kernel", "_decode_pairs_kernel"):
+        monkeypatch.setattr(lossless, name, _Counted(getattr(lossless, name), name, launches))
+    cases = special_weights()
+    for (na, wa), (nb, wb) in itertools.product(cases.items(), cases.items()):
+        if wa.shape[0] != wb.shape[0] or na > nb:
+            continue
+        E, (ba, bb) = wa.shape[0], (lossless.WIDTHS[len(na) % 3], lossless.WIDTHS[len(nb) % 3])
+        pair = lossless.layer_major(lossless.encode(wa, ba), lossless.encode(wb, bb))
+        order = torch.randperm(2 * E, generator=torch.Generator().manual_seed(E)).tolist()
+        for skew in (0, 1):  # 1: every w2 slot one element off the w13 slots' alignment
+            pool_a = torch.full((2 * E * wa[0].numel(),), float("nan"), dtype=torch.bfloat16)
+            pool_b = torch.full((2 * E * wb[0].numel() + skew,), float("nan"), dtype=torch.bfloat16)
+            slot_a = [pool_a[i * wa[0].numel():][:wa[0].numel()].view(wa.shape[1:]) for i in range(2 * E)]
+            slot_b = [pool_b[skew + i * wb[0].numel():][:wb[0].numel()].view(wb.shape[1:]) for i in range(2 * E)]
+            jobs = [(i % E, lossless.stage_pair(pair, i % E, "cpu"), slot_a[i], slot_b[i]) for i in order]
+            launches.clear()
+            lossless.decode_staged_pairs(pair, jobs)
+            want = ["_decode_pair_kernel"] * len(jobs) if skew else ["_decode_pairs_kernel"]
+            assert launches == want, (na, nb, skew, launches)
+            for i in range(2 * E):
+                assert _bits(slot_a[i]).equal(_bits(wa[i % E])) and _bits(slot_b[i]).equal(_bits(wb[i % E])), \
+                    (na, nb, ba, bb, skew, i)
+
+
 def test_cudalink_copies_a_coded_expert_in_one_launch(monkeypatch):
     """CudaLink (on the fake CUDA API of test_link.py, the CPU as the device) copying coded experts of a
     CUDA store (encode_store(cuda=True): each layer laid out together): an expert's w13 and w2 into
@@ -125,7 +156,8 @@ def test_cudalink_copies_a_coded_expert_in_one_launch(monkeypatch):
 
 def test_a_cuda_store_warms_each_kind_of_layer_once(monkeypatch):
     """warm_decode (a CUDA load, after the store is laid out: ready_on_cuda): one pair decode for each
-    kind of layer (w13's and w2's shapes and widths), so each kernel specialization compiles at load;
+    kind of layer (w13's and w2's shapes and widths), so each kernel specialization compiles at load (and
+    one batch decode, for a CUDA tier);
     the copies decode in place only with SPECTER_CODED_IN_PLACE=1."""
     from specter.moe import ExpertWeights
     from specter.offload.coded import encode_store, warm_decode
@@ -142,6 +174,9 @@ def test_a_cuda_store_warms_each_kind_of_layer_once(monkeypatch):
     launches = []
     monkeypatch.setattr(lossless, "_decode_pair_kernel", _Counted(lossless._decode_pair_kernel, "pair", launches))
     assert warm_decode(store, "cpu") == 2 and launches == ["pair", "pair"]
+    monkeypatch.setattr(lossless, "_decode_pairs_kernel", _Counted(lossless._decode_pairs_kernel, "batch", launches))
+    launches.clear()  # a CUDA tier's (coded_tier.attach): the batch kernel, once a kind
+    assert warm_decode(store, "cpu", batch=True) == 2 and launches == ["batch", "batch"]
     from specter.offload import coded as coded_mod  # what a CUDA load runs (ready_on_cuda): in place where asked
     monkeypatch.setattr(coded_mod, "is_locked", lambda t: True)
     for flag, in_place in ((None, False), ("1", True)):
@@ -216,3 +251,26 @@ def test_a_cuda_tier_decodes_its_kept_bytes_with_the_kernel(monkeypatch):
 
     monkeypatch.setattr(lossless, "decode_staged_pair", counted)
     cuda_tier_scenario(decoded)
+
+
+def test_a_cuda_tier_over_random_calls_with_the_kernels(monkeypatch):
+    """test_coded_tier's 60 random calls on FakeCuda with the pair kernels themselves decoding every copy
+    and every hit, a call's hits in one launch of the batch kernel: every slot holds its expert's bits."""
+    from test_coded_tier import cuda_tier_random
+
+    decoded, batches = [], []
+    one, many = lossless.decode_staged_pair, lossless.decode_staged_pairs
+
+    def counted_one(pair, e, staged, out_a, out_b):
+        decoded.append(e)
+        return one(pair, e, staged, out_a, out_b)
+
+    def counted_many(pair, jobs):
+        batches.append(len(jobs))
+        decoded.extend(job[0] for job in jobs if len(jobs) > 1)  # one job: counted_one notes it
+        return many(pair, jobs)
+
+    monkeypatch.setattr(lossless, "decode_staged_pair", counted_one)
+    monkeypatch.setattr(lossless, "decode_staged_pairs", counted_many)
+    cuda_tier_random(decoded, batches)
+

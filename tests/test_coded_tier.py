@@ -115,9 +115,10 @@ def test_tier_hits_move_no_pcie_bytes(tiny, plain_link):  # noqa: F811
     path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
     engine = _engine(path, "on-demand", True)
     try:
-        mgr, link, carried = engine.decoder.experts, plain_link[0], []  # experts each transfer carried
-        real = link.copy
+        mgr, link, carried, decoded = engine.decoder.experts, plain_link[0], [], []  # experts each transfer carried
+        real, real_decode = link.copy, mgr.tier.link.copy
         link.copy = lambda dst, src, **kw: carried.append(len(dst) // 2) or real(dst, src, **kw)
+        mgr.tier.link.copy = lambda dst, src, **kw: decoded.append(len(dst) // 2) or real_decode(dst, src, **kw)
         link.reset_stats()
         out = engine.generate(PROMPTS[1], max_new_tokens=NEW, temperature=0.0)
         mgr.link.synchronize()
@@ -125,7 +126,8 @@ def test_tier_hits_move_no_pcie_bytes(tiny, plain_link):  # noqa: F811
         assert st["h2d_bytes"] == link.stats["bytes"] > 0 and link.stats["transfers"] == len(carried)
         assert st["expert_misses"] == st["tier_hits"] + sum(carried)
         assert len(carried) < sum(carried)  # a call's misses crossed together (coalesced)
-        assert mgr.tier.link.stats["transfers"] >= st["tier_hits"] > 0
+        assert mgr.tier.link.stats["transfers"] == len(decoded) and sum(decoded) == st["tier_hits"] > 0
+        assert max(decoded) > 1  # a call's hits decode together (on CUDA: one launch)
     finally:
         engine.close()
 
@@ -157,10 +159,18 @@ def test_tier_fills_hits_and_evicts_the_coldest():
         tier.check()
         # a hit: the decode of the member into a slot, the bits of the expert
         d13, d2 = torch.zeros(16, 32), torch.zeros(32, 8)
-        t = tier.copy(0, 2, [d13, d2])
+        t = tier.copy(0, [2], [d13, d2])
         t.wait()
         assert torch.equal(d13, store[0].w13.decode()[2].float()) and torch.equal(d2, store[0].w2.decode()[2].float())
-        assert tier.stats["tier_hits"] == 1 and tier.copy(0, 1, [d13, d2]) is None  # not a member: no decode
+        assert tier.stats["tier_hits"] == 1
+        with pytest.raises(KeyError, match="not held"):
+            tier.copy(0, [1], [d13, d2])
+        # two members of a layer: one transfer, each slot its expert's bits
+        s13, s2 = torch.zeros(16, 32), torch.zeros(32, 8)
+        tier.copy(1, [3, 0], [d13, d2, s13, s2]).wait()
+        for (a, b), e in (((d13, d2), 3), ((s13, s2), 0)):
+            assert torch.equal(a, store[1].w13.decode()[e].float()) and torch.equal(b, store[1].w2.decode()[e].float())
+        assert tier.stats["tier_hits"] == 3 and link.stats["transfers"] == 2
         # a copy that crossed the link fills; a tier hit landing does not fill again
         tier.landed(0, 1, t)
         assert not tier.has(0, 1)
@@ -248,10 +258,10 @@ def test_plan_cli_shows_both_tiers(capsys, tiny):
 # ---------------------------------------------------------------- the tier on CUDA, on fakes (test_link.FakeCuda)
 
 
-def torch_decode_staged_pair(calls: list):
-    """lossless.decode_staged_pair without a GPU: checks the staged bytes it is handed are exactly
-    stage_pair's for expert e (what the kernel decodes, bit for bit: lossless_interpreted.py), then
-    writes the expert with the torch decode."""
+def torch_decode(monkeypatch, calls: list, batches: list | None = None) -> None:
+    """lossless.decode_staged_pair and decode_staged_pairs without a GPU: each checks the staged bytes it
+    is handed are exactly stage_pair's for expert e (what the kernels decode, bit for bit:
+    lossless_interpreted.py), then writes the expert with the torch decode; `batches`: each batch's size."""
     from specter.triton_ops import lossless
 
     def decode(pair, e, staged, out_a, out_b):
@@ -260,7 +270,14 @@ def torch_decode_staged_pair(calls: list):
         lossless.decode_torch(pair.b, e, out_b)
         calls.append(e)
 
-    return decode
+    def decode_batch(pair, jobs):
+        if batches is not None:
+            batches.append(len(jobs))
+        for job in jobs:
+            decode(pair, *job)
+
+    monkeypatch.setattr(lossless, "decode_staged_pair", decode)
+    monkeypatch.setattr(lossless, "decode_staged_pairs", decode_batch)
 
 
 def cuda_tier_scenario(decoded: list) -> None:
@@ -284,6 +301,7 @@ def cuda_tier_scenario(decoded: list) -> None:
         cost = store[0].w13.pair.staged_nbytes(0)
         tier = coded_tier.attach(mgr, 3 * (cost + coded_tier.ALLOC_ROUND), link, decode_link=dec)
         assert tier.on_device and all(c % coded_tier.ALLOC_ROUND == 0 and c >= cost for row in tier.cost for c in row)
+        decoded.clear()  # attach's warm-up of the batch kernel
 
         def run(layer, experts):
             x = torch.randn(1, H, generator=g).bfloat16()
@@ -318,11 +336,10 @@ def cuda_tier_scenario(decoded: list) -> None:
 
 
 def test_a_cuda_tier_keeps_the_staged_bytes_and_orders_each_hit(monkeypatch):
-    from specter.triton_ops import lossless
-
-    decoded = []
-    monkeypatch.setattr(lossless, "decode_staged_pair", torch_decode_staged_pair(decoded))
+    decoded, batches = [], []
+    torch_decode(monkeypatch, decoded, batches)
     cuda_tier_scenario(decoded)
+    assert batches[0] == 2  # attach compiled the batch kernel (one kind of layer) before any hit
 
 
 def test_a_copy_that_staged_nothing_does_not_fill_a_cuda_tier():
@@ -393,16 +410,20 @@ def test_where_a_tier_is_wanted(monkeypatch):
 
 
 def test_a_cuda_tier_stays_exact_over_random_calls_and_prefetches(monkeypatch):
-    """FakeCuda, the torch decode: 60 layer calls of random routing with prefetches between them (a
-    three-slot pool, a tier of about four members): after each call every expert it used holds its
-    bits in its slot, every hit decoded the bytes its copy staged, and the tier's invariants hold."""
+    decoded, batches = [], []
+    torch_decode(monkeypatch, decoded, batches)
+    cuda_tier_random(decoded, batches)
+
+
+def cuda_tier_random(decoded: list, batches: list) -> None:
+    """FakeCuda (`decoded`: each expert decoded, `batches`: each batched decode's size): 60 layer calls of
+    random routing with prefetches between them (a three-slot pool, a tier of about four members):
+    after each call every expert it used holds its bits in its slot, every hit decoded the bytes its
+    copy staged, a call's two hits decoded in one batch, and the tier's invariants hold."""
     from specter.offload.cuda_link import CudaLink
     from specter.offload.manager import OffloadedExperts
-    from specter.triton_ops import lossless
     from test_link import FakeCuda
 
-    decoded = []
-    monkeypatch.setattr(lossless, "decode_staged_pair", torch_decode_staged_pair(decoded))
     L, E, H, I = 3, 6, 32, 8
     g = torch.Generator().manual_seed(11)
     raw = [ExpertWeights((torch.randn(E, 2 * I, H, generator=g) * 0.1).bfloat16(),
@@ -411,8 +432,9 @@ def test_a_cuda_tier_stays_exact_over_random_calls_and_prefetches(monkeypatch):
     with CudaLink("cpu", bandwidth=1e9, cuda=FakeCuda(pinned=True)) as link, \
             CudaLink("cpu", bandwidth=1e12, cuda=FakeCuda(pinned=True), name="decode") as dec:
         mgr = OffloadedExperts(store, None, torch.device("cpu"), link, dtype=torch.bfloat16, pool=3)
-        tier = coded_tier.attach(mgr, 4 * max(map(max, coded_tier.CodedTier(store, 1, dec).cost)), link,
+        tier = coded_tier.attach(mgr, 8 * max(map(max, coded_tier.CodedTier(store, 1, dec).cost)), link,
                                  decode_link=dec)
+        decoded.clear(), batches.clear()  # attach's warm-up of the batch kernel
         for i in range(60):
             layer = i % L
             experts = torch.randperm(E, generator=g)[:2].tolist()
@@ -431,6 +453,7 @@ def test_a_cuda_tier_stays_exact_over_random_calls_and_prefetches(monkeypatch):
         mgr.slots.check()
         st = mgr.stats()
         assert st["tier_hits"] > 5 and st["tier_evictions"] > 5 and len(decoded) > st["tier_hits"], st
+        assert batches.count(2) > 0 and sum(batches) <= st["tier_hits"], (batches, st)
 
 
 def test_plan_on_cuda_says_what_the_opt_in_tier_would_hold(capsys, tiny, monkeypatch):

@@ -9,7 +9,9 @@ no staging copy (`coded_in_place`, the engine's with SPECTER_CODED_IN_PLACE=1; a
 shape, after all the others). This measures what is left. `tier_hit`: a hit of the compressed device
 tier (offload/coded_tier.py, opt-in on CUDA): the pair kernel decoding bytes already on the device into
 the slots, no host-to-device copy, through the same link call, so that its issue_us beside raw's says
-whether a hit is cheaper for the issuing thread than the copy it replaces.
+whether a hit is cheaper for the issuing thread than the copy it replaces. `tier_batch`: a layer call's
+BATCH hits as the engine issues them, one link call and one launch of the batch kernel
+(lossless.decode_staged_pairs); its figures are per expert.
 
     python bench/experiments/coded_copy_cost.py [--copies 64]      # CUDA: through CudaLink
     TRITON_INTERPRET=1 python bench/experiments/coded_copy_cost.py --device cpu --shapes bundled --copies 2
@@ -42,6 +44,7 @@ import time
 
 import torch
 
+BATCH = 8  # tier_batch: a layer call's hits (a verification of a top-8 model reads more)
 SHAPES = {"bundled": (256, 192), "qwen3-30b-a3b": (2048, 768), "deepseek-v2-lite": (2048, 1408),
           "mixtral-8x7b": (4096, 14336)}  # (hidden, expert intermediate)
 
@@ -103,6 +106,7 @@ def stub_the_decode_launch() -> None:
 
     lossless._decode_kernel, lossless.LAUNCHES_ON_CPU = Noop(), True
     lossless._decode_pair_kernel = Noop()
+    lossless._decode_pairs_kernel = Noop()
     os.environ["TRITON_INTERPRET"] = "1"  # read at call time by commits whose decode_into checks it
 
 
@@ -177,6 +181,11 @@ def shape_row(name: str, kinds: tuple, link, copies: int, device) -> dict:
     raw, coded, (w13, w2) = stores(H, I, device)
     slots = [torch.empty(2 * I, H, dtype=torch.bfloat16, device=device),
              torch.empty(H, I, dtype=torch.bfloat16, device=device)]
+    batch_slots = slots
+    if "tier_batch" in kinds:  # BATCH experts' slots, rows of a pool as the engine's
+        pools = (torch.empty(BATCH, 2 * I, H, dtype=torch.bfloat16, device=device),
+                 torch.empty(BATCH, H, I, dtype=torch.bfloat16, device=device))
+        batch_slots = [p[j] for j in range(BATCH) for p in pools]
     out = {"shape": name, "hidden": H, "inter": I}
     copies = copies if device.type == "meta" else max(4, min(copies, int(8e9 // (w13[0].nbytes + w2[0].nbytes))))
     unpaired = type(coded)(coded.w13.packed, coded.w2.packed)  # the same store, each tensor alone
@@ -184,33 +193,38 @@ def shape_row(name: str, kinds: tuple, link, copies: int, device) -> dict:
     for kind in kinds:
         if kind == "coded_in_place":
             coded.w13.pair.with_tables(device).in_place = True
-        if kind == "tier_hit":  # each expert's bytes staged on the device once, as a tier keeps them
+        n, dst = (BATCH, batch_slots) if kind == "tier_batch" else (1, slots)
+        if kind.startswith("tier_"):  # each expert's bytes staged on the device once, as a tier keeps them
             pair = coded.w13.pair
             bufs = [stage_pair(pair, e, device) for e in range(2)]
-            srcs = [(HeldExpert(pair, e, bufs[e], True), HeldExpert(pair, e, bufs[e], False)) for e in range(2)]
+            held = [(HeldExpert(pair, e, bufs[e], True), HeldExpert(pair, e, bufs[e], False)) for e in range(2)]
+            srcs = held if n == 1 else [tuple(h for j in range(n) for h in held[j % 2])] * 2  # experts 0, 1, 0, ..
         else:
             srcs = [(sources[kind].w13[e], sources[kind].w2[e]) for e in range(2)]
-        slots[0].fill_(float("nan"))
+        dst[0].fill_(float("nan"))
         try:
-            issue, copy, gated = min((measure(link, slots, srcs, copies, device)
+            issue, copy, gated = min((measure(link, dst, srcs, max(4, copies // n), device)
                                       for _ in range(3 if device.type == "meta" else 1)), key=lambda r: r[0])
         except Exception as e:  # noqa: BLE001 -- the in-place experiment may not run on a host: say why
             if kind != "coded_in_place":
                 raise
             out[kind] = {"error": f"{type(e).__name__}: {e}"[:400]}
             continue
-        out[kind] = {"bytes": sum(s.nbytes for s in srcs[1]), "issue_us": round(issue, 1),
-                     "copy_us": round(copy, 1), "gated_issue_us": gated and round(gated, 1),
-                     "exact": device.type == "meta" or bool(torch.equal(slots[0].cpu(), w13[(copies - 1) % 2])
-                                                            and torch.equal(slots[1].cpu(), w2[(copies - 1) % 2]))}
+        last = (max(4, copies // n) - 1) % 2 if n == 1 else 0  # the expert in the first slots
+        out[kind] = {"bytes": sum(s.nbytes for s in srcs[1]) // n, "issue_us": round(issue / n, 1),
+                     "copy_us": round(copy / n, 1), "gated_issue_us": gated and round(gated / n, 1),
+                     "exact": device.type == "meta" or all(
+                         torch.equal(dst[2 * j].cpu(), w13[(last + j) % 2]) and torch.equal(dst[2 * j + 1].cpu(), w2[(last + j) % 2])
+                         for j in range(n))}
     out["copies"] = copies
     if "raw" in out and "coded" in out:
         out["coded_over_raw"] = {"bytes": round(out["coded"]["bytes"] / out["raw"]["bytes"], 3),
                                  "issue": round(out["coded"]["issue_us"] / out["raw"]["issue_us"], 2),
                                  "copy": round(out["coded"]["copy_us"] / out["raw"]["copy_us"], 2),
                                  "issue_unpaired": round(out["coded_unpaired"]["issue_us"] / out["raw"]["issue_us"], 2)}
-    if "raw" in out and "tier_hit" in out:
-        out["tier_hit_over_raw"] = {k: round(out["tier_hit"][k] / out["raw"][k], 2) for k in ("issue_us", "copy_us")}
+    for tier in ("tier_hit", "tier_batch"):
+        if "raw" in out and tier in out:
+            out[f"{tier}_over_raw"] = {k: round(out[tier][k] / out["raw"][k], 2) for k in ("issue_us", "copy_us")}
     return out
 
 
@@ -230,7 +244,7 @@ def main(argv=None) -> int:
         link = Direct()
     try:
         raws = {}
-        kinds = ("raw", "coded", "coded_unpaired", "tier_hit")
+        kinds = ("raw", "coded", "coded_unpaired", "tier_hit", "tier_batch")
         for name in args.shapes.split(","):  # then in place, every shape (a fault there on a GPU would not
             out = shape_row(name, kinds, link, args.copies, device)            # lose these)
             raws[name] = out["raw"]

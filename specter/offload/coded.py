@@ -274,17 +274,23 @@ def ready_on_cuda(store: list[CodedLayer], device) -> None:
     warm_decode(store, device)
 
 
-def warm_decode(store: list[CodedLayer], device) -> int:
+def warm_decode(store: list[CodedLayer], device, *, batch: bool = False) -> int:
     """Runs the pair decode once for each kind of layer of a CUDA store (w13's and w2's shapes and code
     widths: one kernel specialization each), so Triton compiles them at load, not on the copy thread
-    in the middle of the first generation. -> the kinds run."""
+    in the middle of the first generation; `batch`: the batch kernel instead (two experts), what a
+    CUDA tier's hits run (coded_tier.attach). -> the kinds run."""
     kinds = {}
     for layer in store:
         pair = layer.w13.pair
         if pair is not None:
             kinds.setdefault((pair.a.padded, pair.a.bits, pair.b.padded, pair.b.bits), pair)
     for pair in kinds.values():
-        pair.decode_into(0, *(torch.empty(p.shape[1:], dtype=torch.bfloat16, device=device) for p in (pair.a, pair.b)))
+        outs = [[torch.empty(p.shape[1:], dtype=torch.bfloat16, device=device) for p in (pair.a, pair.b)]
+                for _ in range(2 if batch else 1)]
+        if batch:
+            lossless.decode_staged_pairs(pair, [(0, lossless.stage_pair(pair, 0, device), *o) for o in outs])
+        else:
+            pair.decode_into(0, *outs[0])
     return len(kinds)
 
 

@@ -125,17 +125,23 @@ class HeldExpert:
     @staticmethod
     def decode_all_on(dsts: list[torch.Tensor], srcs: list["HeldExpert"]) -> None:
         """On the current (decode) stream: each expert's kept bytes into its two slots (w13, w2 side by
-        side), one launch; slots that are not contiguous bf16 through temporaries, converted exactly."""
+        side), the experts of a layer in one launch (lossless.decode_staged_pairs); slots that are not
+        contiguous bf16 through temporaries, converted exactly."""
+        jobs, converts, pair = [], [], srcs[0].pair
         for i in range(0, len(srcs), 2):
-            s, pair = srcs[i], srcs[i].pair
+            s = srcs[i]
+            if s.pair is not pair:  # a layer's hits share its pair (the manager's); any other, a batch each
+                HeldExpert.decode_all_on(dsts[i:], srcs[i:])
+                break
             if s.buf.is_cuda:  # freed on eviction only once this decode has read it
                 s.buf.record_stream(torch.cuda.current_stream(s.buf.device))
             outs = [d if d.dtype == torch.bfloat16 and d.is_contiguous() else
                     torch.empty(d.shape, dtype=torch.bfloat16, device=d.device) for d in dsts[i:i + 2]]
-            lossless.decode_staged_pair(pair, s.e, s.buf, *outs)
-            for d, o in zip(dsts[i:i + 2], outs):
-                if o is not d:
-                    d.copy_(o)
+            jobs.append((s.e, s.buf, *outs))
+            converts += [(d, o) for d, o in zip(dsts[i:i + 2], outs) if o is not d]
+        lossless.decode_staged_pairs(pair, jobs)
+        for d, o in converts:
+            d.copy_(o)
 
 
 class CodedTier:
@@ -181,24 +187,30 @@ class CodedTier:
         return sum(map(sum, self.cost)) / (self.n_layers * self.n_experts)
 
     # ---- the manager's calls
-    def copy(self, layer: int, e: int, dst: list[torch.Tensor], *, urgent: bool = False,
-             after=None) -> Transfer | None:
-        """A member's decode into `dst` (the slot's w13, w2) on the decode link; None if not a member.
-        `after` (CUDA): the slot's last reader, as for a copy into it."""
-        if not self._member[layer][e]:
-            return None
-        ew = self.store[layer]
-        src = [ew.w13[e], ew.w2[e]]
-        if self.on_device:
-            buf, filled = self._held[(layer, e)]
-            src = [HeldExpert(ew.w13.pair, e, buf, True), HeldExpert(ew.w13.pair, e, buf, False)]
-            after = [ev for ev in (after, filled) if ev is not None]  # the slot free, the kept bytes landed
-        elif self.rows is not None:
-            raw = self.rows[layer]
-            src = [_Decoded(src[0], raw.w13[e]), _Decoded(src[1], raw.w2[e])]
-        t = self.link.copy(dst, src, urgent=urgent, tag=(layer, e), after=after)
+    def copy(self, layer: int, experts: list[int], dsts: list[torch.Tensor], *, urgent: bool = False,
+             after: list | None = None) -> Transfer:
+        """Members `experts` of `layer` decoded into `dsts` (each one's slot w13, w2, in order) on the decode
+        link, in one transfer (on CUDA one launch). `after` (CUDA): each slot's last reader, as for a copy
+        into it."""
+        ew, src, waits = self.store[layer], [], list(after or ())
+        for e in experts:
+            if not self._member[layer][e]:
+                raise KeyError(f"({layer}, {e}) is not held in the coded tier")
+            if self.on_device:
+                buf, filled = self._held[(layer, e)]
+                src += (HeldExpert(ew.w13.pair, e, buf, True), HeldExpert(ew.w13.pair, e, buf, False))
+                waits.append(filled)  # the kept bytes landed
+            elif self.rows is not None:
+                raw = self.rows[layer]
+                src += (_Decoded(ew.w13[e], raw.w13[e]), _Decoded(ew.w2[e], raw.w2[e]))
+            else:
+                src += (ew.w13[e], ew.w2[e])
+        waits = [ev for ev in waits if ev is not None]
+        order = {"after": waits} if self.on_device else {}
+        t = self.link.copy(dsts, src, urgent=urgent, tag=(layer, experts[0] if len(experts) == 1 else tuple(experts)),
+                           **order)
         t.tier_hit = True
-        self.stats["tier_hits"] += 1
+        self.stats["tier_hits"] += len(experts)
         self.stats["tier_decoded_bytes"] += t.nbytes
         return t
 
@@ -302,5 +314,9 @@ def attach(mgr, capacity: int, link, *, rows=None, width: float | None = None, d
     if width is None:  # the slot dtype's bytes over bf16's (emulated; on CUDA a member costs its real bytes)
         width = mgr.pool[0].w13.element_size() / 2
     tier = CodedTier(mgr.store, capacity, decode_link or make_decode_link(link), width=width, rows=rows)
+    if tier.on_device:  # its batched hits' kernel compiled now, not on the decode thread mid-generation
+        from .coded import warm_decode
+
+        warm_decode(mgr.store, mgr.pool[0].w13.device, batch=True)
     mgr.tier = tier
     return tier

@@ -88,21 +88,22 @@ class OffloadedExperts:
     # ------------------------------------------------------------------------------- copies
     def _issue(self, layer: int, experts, *, urgent: bool, protect=()) -> int:
         """Reserve a slot for each of `experts`, in order, never evicting `protect`, and start their
-        copies: a tier member decodes on the tier's own link (offload/coded_tier.py); the others cross
-        the link in one transfer when it coalesces (one fixed cost), else one each. Stops at the first
-        expert no slot can be freed for; returns how many were issued."""
-        src, dst, tier, n, batch = self.store[layer], self.pool[layer], self.tier, 0, []  # batch: (expert, slot)
+        copies: the tier's members decode on the tier's own link, all in one transfer (offload/coded_tier.py);
+        the others cross the link in one transfer when it coalesces (one fixed cost), else one each. Stops
+        at the first expert no slot can be freed for; returns how many were issued."""
+        src, dst, tier, n = self.store[layer], self.pool[layer], self.tier, 0
+        batch, hits = [], []  # (expert, slot): over the link; decoded from the tier
         with span("copy issue") if profiling.ON else NULL:
             for e in experts:
                 slot = self.slots.reserve(layer, e, protect=protect)
                 if slot is None:
                     break
                 n += 1
-                t = None if tier is None else tier.copy(layer, e, [dst.w13[slot], dst.w2[slot]], urgent=urgent,
-                                                        after=self.last_read[slot])  # CUDA: its last reader
-                if t is None:  # not held coded on the device: over the link
-                    batch.append((e, slot))
-                else:
+                (hits if tier is not None and tier.has(layer, e) else batch).append((e, slot))
+            if hits:  # one decode of them all (CUDA: one launch), after each slot's last reader
+                t = tier.copy(layer, [e for e, _ in hits], [w for _, s in hits for w in (dst.w13[s], dst.w2[s])],
+                              urgent=urgent, after=[self.last_read[s] for _, s in hits])
+                for e, _ in hits:
                     self.inflight[(layer, e)] = t
             step = max(1, len(batch)) if self.coalesce else 1
             for i in range(0, len(batch), step):
