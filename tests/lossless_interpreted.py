@@ -222,7 +222,8 @@ def test_a_coded_store_for_cuda_decodes_on_copy(dtype):
 def test_the_coded_copy_experiment_runs_on_cpu(capsys):
     """bench/experiments/coded_copy_cost.py (a device check, CHECKS=codedcopy) end to end with the CPU
     as the device: both stores land exact (the coded one as the engine copies, a tensor at a time, in
-    place, and as a tier hit from bytes kept on the device), the coded copy moves fewer bytes."""
+    place, and as a tier hit from bytes kept on the device, alone and a batch), the coded copy moves
+    fewer bytes."""
     import json
     import sys
     from pathlib import Path
@@ -230,10 +231,11 @@ def test_the_coded_copy_experiment_runs_on_cpu(capsys):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "experiments"))
     import coded_copy_cost
 
-    assert coded_copy_cost.main(["--device", "cpu", "--shapes", "bundled", "--copies", "2"]) == 0
+    assert coded_copy_cost.main(["--device", "cpu", "--shapes", "bundled", "--copies", "2", "--batch", "2"]) == 0
     row, in_place = (json.loads(line) for line in capsys.readouterr().out.strip().splitlines()[-2:])
     assert row["raw"]["exact"] and row["coded"]["exact"] and row["coded_unpaired"]["exact"], row
     assert row["tier_hit"]["exact"] and row["tier_hit"]["bytes"] == row["coded"]["bytes"], row
+    assert row["tier_batch"]["exact"] and "tier_batch_over_raw" in row, row  # expert 0 and 1 in one launch
     assert in_place["coded_in_place"]["exact"] and in_place["coded_in_place"]["bytes"] == row["coded"]["bytes"], in_place
     assert row["raw"]["bytes"] == (384 * 256 + 256 * 192) * 2 and row["coded"]["bytes"] < 0.75 * row["raw"]["bytes"], row
 

@@ -10,7 +10,7 @@ shape, after all the others). This measures what is left. `tier_hit`: a hit of t
 tier (offload/coded_tier.py, opt-in on CUDA): the pair kernel decoding bytes already on the device into
 the slots, no host-to-device copy, through the same link call, so that its issue_us beside raw's says
 whether a hit is cheaper for the issuing thread than the copy it replaces. `tier_batch`: a layer call's
-BATCH hits as the engine issues them, one link call and one launch of the batch kernel
+--batch hits as the engine issues them, one link call and one launch of the batch kernel
 (lossless.decode_staged_pairs); its figures are per expert.
 
     python bench/experiments/coded_copy_cost.py [--copies 64]      # CUDA: through CudaLink
@@ -44,7 +44,6 @@ import time
 
 import torch
 
-BATCH = 8  # tier_batch: a layer call's hits (a verification of a top-8 model reads more)
 SHAPES = {"bundled": (256, 192), "qwen3-30b-a3b": (2048, 768), "deepseek-v2-lite": (2048, 1408),
           "mixtral-8x7b": (4096, 14336)}  # (hidden, expert intermediate)
 
@@ -169,7 +168,7 @@ def bare_gated(slots, srcs, copies: int) -> None:
     torch.cuda.synchronize()
 
 
-def shape_row(name: str, kinds: tuple, link, copies: int, device) -> dict:
+def shape_row(name: str, kinds: tuple, link, copies: int, device, batch: int = 8) -> dict:
     """One shape's figures for each of `kinds` (raw, coded: the pair as the engine copies, coded_unpaired:
     the same store a tensor at a time, tier_hit: the pair decoded from its staged bytes kept on the
     device, coded_in_place: the pair read in place; an in-place failure is recorded as its error), and
@@ -182,10 +181,10 @@ def shape_row(name: str, kinds: tuple, link, copies: int, device) -> dict:
     slots = [torch.empty(2 * I, H, dtype=torch.bfloat16, device=device),
              torch.empty(H, I, dtype=torch.bfloat16, device=device)]
     batch_slots = slots
-    if "tier_batch" in kinds:  # BATCH experts' slots, rows of a pool as the engine's
-        pools = (torch.empty(BATCH, 2 * I, H, dtype=torch.bfloat16, device=device),
-                 torch.empty(BATCH, H, I, dtype=torch.bfloat16, device=device))
-        batch_slots = [p[j] for j in range(BATCH) for p in pools]
+    if "tier_batch" in kinds:  # `batch` experts' slots, rows of a pool as the engine's
+        pools = (torch.empty(batch, 2 * I, H, dtype=torch.bfloat16, device=device),
+                 torch.empty(batch, H, I, dtype=torch.bfloat16, device=device))
+        batch_slots = [p[j] for j in range(batch) for p in pools]
     out = {"shape": name, "hidden": H, "inter": I}
     copies = copies if device.type == "meta" else max(4, min(copies, int(8e9 // (w13[0].nbytes + w2[0].nbytes))))
     unpaired = type(coded)(coded.w13.packed, coded.w2.packed)  # the same store, each tensor alone
@@ -193,7 +192,7 @@ def shape_row(name: str, kinds: tuple, link, copies: int, device) -> dict:
     for kind in kinds:
         if kind == "coded_in_place":
             coded.w13.pair.with_tables(device).in_place = True
-        n, dst = (BATCH, batch_slots) if kind == "tier_batch" else (1, slots)
+        n, dst = (batch, batch_slots) if kind == "tier_batch" else (1, slots)
         if kind.startswith("tier_"):  # each expert's bytes staged on the device once, as a tier keeps them
             pair = coded.w13.pair
             bufs = [stage_pair(pair, e, device) for e in range(2)]
@@ -232,6 +231,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--copies", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8, help="tier_batch's hits a call (a layer call's; a top-8 "
+                                                           "model's verification reads more)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -246,7 +247,7 @@ def main(argv=None) -> int:
         raws = {}
         kinds = ("raw", "coded", "coded_unpaired", "tier_hit", "tier_batch")
         for name in args.shapes.split(","):  # then in place, every shape (a fault there on a GPU would not
-            out = shape_row(name, kinds, link, args.copies, device)            # lose these)
+            out = shape_row(name, kinds, link, args.copies, device, args.batch)  # lose these)
             raws[name] = out["raw"]
             print(json.dumps(out), flush=True)
         for name in args.shapes.split(","):
