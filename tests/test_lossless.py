@@ -328,3 +328,21 @@ def test_compiled_pair_decode_on_cuda(in_place):
                 pair.decode_into(e, out_a, out_b)
                 assert _bits(out_a).cpu().equal(_bits(w[e])) and _bits(out_b).cpu().equal(_bits(other[e])), (name, e)
             torch.cuda.synchronize()  # the arena is read until the kernels end
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_batch_decode_on_cuda():
+    """The batch kernel compiled (a CUDA tier's hits of one layer call: decode_staged_pairs), every
+    special case's experts, twice each in a shuffled order, from buffers staged on the device into rows
+    of two slot pools: one launch, bit exact."""
+    g = torch.Generator().manual_seed(2)
+    for name, w in special_weights().items():
+        E, other = w.shape[0], (torch.randn(w.shape[0], 24, 40, generator=g) * 0.02).bfloat16()
+        pair = lossless.layer_major(encode(w), encode(other))
+        pools = [torch.full((2 * E, *t.shape[1:]), float("nan"), dtype=torch.bfloat16, device="cuda") for t in (w, other)]
+        order = torch.randperm(2 * E, generator=g).tolist()
+        lossless.decode_staged_pairs(pair, [(i % E, lossless.stage_pair(pair, i % E, "cuda"), pools[0][i], pools[1][i])
+                                            for i in order])
+        for i in range(2 * E):
+            assert _bits(pools[0][i]).cpu().equal(_bits(w[i % E])), (name, i)
+            assert _bits(pools[1][i]).cpu().equal(_bits(other[i % E])), (name, i)
