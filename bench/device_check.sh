@@ -31,7 +31,8 @@
 #                 issuing thread's microseconds and the link's (bench/experiments/coded_copy_cost.py);
 #                 coded as the engine copies (one launch an expert), per tensor, and in place from
 #                 the locked arena (SPECTER_CODED_IN_PLACE's experiment) beside it, and a coded tier's
-#                 hit (the pair kernel from bytes kept on the device: tier_hit_over_raw)
+#                 hit (the pair kernel from bytes kept on the device: tier_hit_over_raw) and a layer
+#                 call's 8 hits in one launch (the batch kernel: tier_batch_over_raw, per expert)
 #   also: kernels (bench's first half alone), tpot (its second half alone), tpot0 (tpot with the MoE
 #   calls eager, SPECTER_MOE_GRAPHS=0: the baseline of triton_ops/graphed.py), hostprof (a generation
 #   under cProfile per policy: where a token's host time goes, bench/host_profile.py), firstrun
