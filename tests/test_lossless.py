@@ -339,7 +339,8 @@ def test_compiled_batch_decode_on_cuda():
     for name, w in special_weights().items():
         E, other = w.shape[0], (torch.randn(w.shape[0], 24, 40, generator=g) * 0.02).bfloat16()
         pair = lossless.layer_major(encode(w), encode(other))
-        pools = [torch.full((2 * E, *t.shape[1:]), float("nan"), dtype=torch.bfloat16, device="cuda") for t in (w, other)]
+        pools = [torch.full((2 * E, *t.shape[1:]), float("nan"), dtype=torch.bfloat16, device="cuda")
+                 for t in (w, other)]
         order = torch.randperm(2 * E, generator=g).tolist()
         lossless.decode_staged_pairs(pair, [(i % E, lossless.stage_pair(pair, i % E, "cuda"), pools[0][i], pools[1][i])
                                             for i in order])

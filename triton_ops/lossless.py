@@ -407,10 +407,10 @@ def decode_staged_pair(pair: CodedPair, e: int, staged: torch.Tensor, out_a: tor
 def decode_staged_pairs(pair: CodedPair, jobs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
     """Several experts of one pair, each (e, staged, out_a, out_b) as decode_staged_pair's arguments, in one
     launch (a layer's hits in the compressed tier: offload/coded_tier.py). The kernel reads each expert's
-    addresses from a job table, int64 [n, 4] on the device (one small copy from pinned memory, which
-    the caching host allocator keeps until the copy is done): its staged bytes, its two slots, its w13 escape run's length in words.
-    A buffer off the allocator's 64-byte alignment or a slot off 16 bytes (the kernel's wide loads and
-    stores assume them) falls back to a launch an expert: the same bits."""
+    addresses from a job table, int64 [n, 4] on the device (one small copy from pinned memory, which the
+    caching host allocator keeps until the copy is done): its staged bytes, its two slots, its w13 escape
+    run's length in words. A buffer off the allocator's 64-byte alignment or a slot off 16 bytes (the
+    kernel's wide loads and stores assume them) falls back to a launch an expert: the same bits."""
     if len(jobs) == 1:
         return decode_staged_pair(pair, *jobs[0])
     for _, _, out_a, out_b in jobs:
@@ -420,7 +420,8 @@ def decode_staged_pairs(pair: CodedPair, jobs: list[tuple[int, torch.Tensor, tor
     table, ok = [], True
     for e, staged, out_a, out_b in jobs:
         ok &= staged.data_ptr() % 64 == 0 and out_a.data_ptr() % 16 == 0 and out_b.data_ptr() % 16 == 0
-        table += (staged.data_ptr(), out_a.data_ptr(), out_b.data_ptr(), (pair.a._starts[e + 1] - pair.a._starts[e]) // 4)
+        run_a = pair.a._starts[e + 1] - pair.a._starts[e]
+        table += (staged.data_ptr(), out_a.data_ptr(), out_b.data_ptr(), run_a // 4)
     if not ok:
         for job in jobs:
             decode_staged_pair(pair, *job)
@@ -562,8 +563,9 @@ def _decode_pairs_kernel(jobs_ptr, A_NUMEL: tl.constexpr, B_NUMEL: tl.constexpr,
     addresses are a row of jobs_ptr, int64 [n, 4] (decode_staged_pairs): its staged bytes (64-byte
     aligned), its w13 and w2 slots (16-byte aligned: the loads and stores stay 16 bytes wide), and its
     w13 escape run's words (its w2 run follows it, after the rows' ROWS words). Loaded addresses take
-    registers that parameters would not: the layout's offsets (the tables' A_TAB, B_TAB) are constexprs,
-    one compile a kind of layer as for the single kernel, so that none spills (aot.py's reports)."""
+    registers that parameters would not, so everything that is one layer's layout (offsets, words,
+    numels) is a constexpr: one compile a kind of layer (warm_decode), at most one spilled word
+    (test_lossless.BATCH_SPILL)."""
     pid, at = tl.program_id(0), jobs_ptr + 4 * tl.program_id(1)
     src = tl.multiple_of(tl.load(at).to(tl.pointer_type(tl.int32)), 64)
     if pid < A_BLOCKS:

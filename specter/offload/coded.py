@@ -283,7 +283,7 @@ def warm_decode(store: list[CodedLayer], device, *, batch: bool = False) -> int:
     for layer in store:
         pair = layer.w13.pair
         if pair is not None:
-            kinds.setdefault((pair.a.padded, pair.a.bits, pair.b.padded, pair.b.bits), pair)
+            kinds.setdefault((pair.a.shape[1:], pair.a.bits, pair.b.shape[1:], pair.b.bits), pair)
     for pair in kinds.values():
         outs = [[torch.empty(p.shape[1:], dtype=torch.bfloat16, device=device) for p in (pair.a, pair.b)]
                 for _ in range(2 if batch else 1)]

@@ -205,10 +205,8 @@ class CodedTier:
                 src += (_Decoded(ew.w13[e], raw.w13[e]), _Decoded(ew.w2[e], raw.w2[e]))
             else:
                 src += (ew.w13[e], ew.w2[e])
-        waits = [ev for ev in waits if ev is not None]
-        order = {"after": waits} if self.on_device else {}
         t = self.link.copy(dsts, src, urgent=urgent, tag=(layer, experts[0] if len(experts) == 1 else tuple(experts)),
-                           **order)
+                           after=[ev for ev in waits if ev is not None])  # CPU: none, nothing to order
         t.tier_hit = True
         self.stats["tier_hits"] += len(experts)
         self.stats["tier_decoded_bytes"] += t.nbytes
