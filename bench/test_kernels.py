@@ -3,7 +3,8 @@
 One MoE layer of Mixtral-8x7B, Qwen3-30B-A3B and DeepSeek-V2-Lite (bf16 and INT4 experts) at
 T = 1, 8 and 33 tokens, beside the per-expert loop (the torch backend) and optimum-quanto's own
 INT4 matmul (TinyGemm, one expert at a time), and the lossless decode of one expert into a slot
-(decode-w13 / decode-w2: bytes = coded read + bf16 written). Bytes = the weights of the distinct experts the
+(decode-w13 / decode-w2: bytes = coded read + bf16 written), and a coded tier's hits of one layer call
+(pairs-1by1: a launch each, pairs-batch: one launch for 8). Bytes = the weights of the distinct experts the
 routing touches (what must cross HBM at least once); the bandwidth is the datasheet figure of the
 matching profile in profiles/. CUDA only (skipped without).
 
@@ -36,6 +37,7 @@ MODELS = {"mixtral-8x7b": (8, 4096, 14336, 2),
           "qwen3-30b-a3b": (128, 2048, 768, 8),
           "deepseek-v2-lite": (64, 2048, 1408, 6)}
 TOKENS = (1, 8, 33)
+BATCH = 8  # test_lossless_batch_decode_bandwidth: a layer call's tier hits
 RESULTS: list[tuple] = []
 
 
@@ -159,6 +161,34 @@ def test_lossless_decode_bandwidth(benchmark, layer, tensor):
                                 ratio=packed.expert_nbytes(1) / (slot.numel() * 2))
     RESULTS.append((layer["name"], 1, f"decode-{tensor}", 1, seconds * 1e6, gbs, share))
     benchmark.pedantic(lambda: (fn(), torch.cuda.synchronize()), rounds=3, iterations=3)
+
+
+def test_lossless_batch_decode_bandwidth(benchmark, layer):
+    """A coded tier's hits of one layer call (offload/coded_tier.py): BATCH experts' pairs (w13 and w2)
+    from buffers staged on the device into rows of two slot pools, one launch a pair (decode_staged_pair)
+    against one launch for all (decode_staged_pairs), checked bit for bit. Bytes = the staged bytes
+    read + the bf16 slots written."""
+    from specter.triton_ops import lossless
+    w13, w2 = (w[:BATCH].contiguous() for w in layer["dense"])
+    n = w13.shape[0]
+    pair = lossless.layer_major(lossless.encode(w13).to("cpu"), lossless.encode(w2).to("cpu"))
+    staged = [lossless.stage_pair(pair, e, "cuda") for e in range(n)]
+    pools = [torch.empty(w.shape, dtype=torch.bfloat16, device="cuda") for w in (w13, w2)]
+    jobs = [(e, staged[e], pools[0][e], pools[1][e]) for e in range(n)]
+    nbytes = sum(b.numel() for b in staged) + (w13.numel() + w2.numel()) * 2
+    profile = profile_for_gpu(torch.cuda.get_device_name())
+    bw = load_profile(profile).device_memory_bandwidth if profile else float("nan")
+    for impl, fn in (("pairs-1by1", lambda: [lossless.decode_staged_pair(pair, *job) for job in jobs]),
+                     ("pairs-batch", lambda: lossless.decode_staged_pairs(pair, jobs))):
+        pools[0].fill_(float("nan"))
+        fn()
+        assert torch.equal(pools[0].view(torch.int16), w13.view(torch.int16)), impl
+        assert torch.equal(pools[1].view(torch.int16), w2.view(torch.int16)), impl
+        seconds = cuda_time(fn)
+        gbs = nbytes / seconds / 1e9
+        benchmark.extra_info.update({f"{impl}_us": seconds * 1e6, f"{impl}_GBps": gbs})
+        RESULTS.append((layer["name"], 1, impl, n, seconds * 1e6, gbs, gbs * 1e9 / bw))
+    benchmark.pedantic(lambda: (lossless.decode_staged_pairs(pair, jobs), torch.cuda.synchronize()), rounds=3, iterations=3)
 
 
 def test_summary(capsys):
