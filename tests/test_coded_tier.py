@@ -417,7 +417,7 @@ def test_a_cuda_tier_stays_exact_over_random_calls_and_prefetches(monkeypatch):
 
 def cuda_tier_random(decoded: list, batches: list) -> None:
     """FakeCuda (`decoded`: each expert decoded, `batches`: each batched decode's size): 60 layer calls of
-    random routing with prefetches between them (a three-slot pool, a tier of about four members):
+    random routing with prefetches between them (a three-slot pool, a tier of about eight members):
     after each call every expert it used holds its bits in its slot, every hit decoded the bytes its
     copy staged, a call's two hits decoded in one batch, and the tier's invariants hold."""
     from specter.offload.cuda_link import CudaLink
@@ -434,7 +434,8 @@ def cuda_tier_random(decoded: list, batches: list) -> None:
         mgr = OffloadedExperts(store, None, torch.device("cpu"), link, dtype=torch.bfloat16, pool=3)
         tier = coded_tier.attach(mgr, 8 * max(map(max, coded_tier.CodedTier(store, 1, dec).cost)), link,
                                  decode_link=dec)
-        decoded.clear(), batches.clear()  # attach's warm-up of the batch kernel
+        decoded.clear()  # attach's warm-up of the batch kernel
+        batches.clear()
         for i in range(60):
             layer = i % L
             experts = torch.randperm(E, generator=g)[:2].tolist()
