@@ -459,7 +459,8 @@ def cuda_tier_random(decoded: list, batches: list) -> None:
 
 def test_plan_on_cuda_says_what_the_opt_in_tier_would_hold(capsys, tiny, monkeypatch):
     """On CUDA the tier is opt-in: `plan --compress-experts` keeps the budget raw and says what
-    SPECTER_CODED_TIER=1 would hold; with it set, the plan splits the budget as the engine would."""
+    SPECTER_CODED_TIER=1 would hold (for a drafting policy: that its prefetches would find few raw
+    slots); with it set, the plan splits the budget as the engine would."""
     import json
 
     from specter.cli import main
@@ -475,3 +476,12 @@ def test_plan_on_cuda_says_what_the_opt_in_tier_would_hold(capsys, tiny, monkeyp
     d = json.loads(capsys.readouterr().out)
     assert d["tier_bytes"] > 0 and len(line) == 1
     assert f"~{d['tier_experts']} experts coded beside {d['pool_slots']} raw slots" in line[0], line
+    assert "prefetches" not in line[0]
+    # a drafting policy (more experts a layer, so its verification's working set leaves room for a tier):
+    # the tip says its prefetches would find few raw slots
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16, num_experts=32)
+    monkeypatch.delenv("SPECTER_CODED_TIER")
+    assert main(["plan", "--model", str(path), "--device", "cuda", "--residency", "0.5", "--policy", "specter",
+                 "--compress-experts"]) == 0
+    line = [t for t in capsys.readouterr().out.splitlines() if t.startswith("coded device tier")]
+    assert len(line) == 1 and "beside 10 raw slots" in line[0] and "prefetches, which need raw slots" in line[0], line
