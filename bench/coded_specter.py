@@ -2,7 +2,7 @@
 
     python bench/coded_specter.py [--model DIR] [--device cpu] [--expert-memory 144MiB | --residency R]
                                   [--policy specter] [--k K] [--raw-slots N] [--max-new-tokens 64]
-                                  [--prompts N] [--prompts-file FILE] [--json]
+                                  [--prompts N] [--prompts-file FILE] [--no-host-lane] [--no-fills] [--json]
 
 Builds the policy twice in one process (raw store, then compress_experts), as `specter bench
 --compare-compressed` does, and runs the default workload greedily, alternating the two prompt by
@@ -17,7 +17,9 @@ then a function of the weights and the routing, the same in every run on any loa
 seconds divided by the link's time scale (`*_profile_us_per_token`: the profile's GPU figures) too.
 Without --k the governor chooses as in `specter bench`, by this machine's timing.
 `--raw-slots N` (a probe of the tier for drafting policies): the coded engine's budget split into N
-raw slots and a coded tier, instead of tier_split's choice.
+raw slots and a coded tier, instead of tier_split's choice. `--no-host-lane`: every miss copied (specter's
+shape on CUDA without --host-threads), where the planner fetches predicted experts with no slot into the
+tier (OffloadedExperts.fill); `--no-fills` turns that off.
 On CUDA the link's copies are real (no charged seconds; the profile columns are then None).
 """
 from __future__ import annotations
@@ -28,7 +30,9 @@ import statistics
 
 import specter
 from specter.bench import read_prompts
+from specter import builder
 from specter.offload import plan
+from specter.offload.manager import OffloadedExperts
 from specter.offload.plan import tier_split
 from specter.speculative.governor import Governor
 from specter.workloads import workload_prompts
@@ -166,8 +170,16 @@ def main() -> None:
                     "(default: the default workload)")
     ap.add_argument("--raw-slots", type=int, default=None,
                     help="the coded engine's raw slots (the rest of the budget its coded tier), not tier_split's")
+    ap.add_argument("--no-host-lane", action="store_true", help="both engines copy every miss (as specter on "
+                    "CUDA without --host-threads; on CPU it has a host lane)")
+    ap.add_argument("--no-fills", action="store_true", help="predicted experts with no slot are not fetched "
+                    "into the coded tier (OffloadedExperts.fill)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.no_host_lane:
+        builder.uses_host_lane = lambda *args, **kw: False
+    if a.no_fills:
+        OffloadedExperts.fill = lambda self, layer, experts, urgent=False: 0
     prompts = (read_prompts(a.prompts_file) if a.prompts_file else workload_prompts("default"))[:a.prompts]
     budget = dict(residency=a.residency) if a.residency is not None else dict(expert_memory=a.expert_memory or "144MiB")
     kw = dict(device=a.device, policy=a.policy, **budget)

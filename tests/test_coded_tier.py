@@ -459,8 +459,7 @@ def cuda_tier_random(decoded: list, batches: list) -> None:
 
 def test_plan_on_cuda_says_what_the_opt_in_tier_would_hold(capsys, tiny, monkeypatch):
     """On CUDA the tier is opt-in: `plan --compress-experts` keeps the budget raw and says what
-    SPECTER_CODED_TIER=1 would hold (for a drafting policy: that its prefetches would find few raw
-    slots); with it set, the plan splits the budget as the engine would."""
+    SPECTER_CODED_TIER=1 would hold; with it set, the plan splits the budget as the engine would."""
     import json
 
     from specter.cli import main
@@ -476,12 +475,88 @@ def test_plan_on_cuda_says_what_the_opt_in_tier_would_hold(capsys, tiny, monkeyp
     d = json.loads(capsys.readouterr().out)
     assert d["tier_bytes"] > 0 and len(line) == 1
     assert f"~{d['tier_experts']} experts coded beside {d['pool_slots']} raw slots" in line[0], line
-    assert "prefetches" not in line[0]
-    # a drafting policy (more experts a layer, so its verification's working set leaves room for a tier):
-    # the tip says its prefetches would find few raw slots
-    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16, num_experts=32)
-    monkeypatch.delenv("SPECTER_CODED_TIER")
-    assert main(["plan", "--model", str(path), "--device", "cuda", "--residency", "0.5", "--policy", "specter",
-                 "--compress-experts"]) == 0
-    line = [t for t in capsys.readouterr().out.splitlines() if t.startswith("coded device tier")]
-    assert len(line) == 1 and "beside 10 raw slots" in line[0] and "prefetches, which need raw slots" in line[0], line
+
+
+# ---------------------------------------------------------------- prefetches that land in the tier alone
+
+
+def test_a_fill_lands_in_the_tier_and_the_need_decodes_it(tiny):  # noqa: ARG001
+    """OffloadedExperts.fill (the drafting planner's prefetch with no slot to land in): the coded bytes
+    cross the link (counted), no slot is taken, the experts join the tier when they land; the call that
+    needs them decodes them from the tier (no more PCIe bytes) and counts the prefetches used. Residents,
+    members and fills in flight are not fetched again."""
+    from specter.offload.manager import OffloadedExperts
+
+    store = _coded_store(L=2, E=4)
+    raw = [(layer.w13.decode().float(), layer.w2.decode().float()) for layer in store]
+    with EmulatedLink(1e12, clock=VirtualClock()) as link:
+        mgr = OffloadedExperts(store, None, torch.device("cpu"), link, dtype=torch.float32, pool=2)
+        tier = coded_tier.attach(mgr, 10**9, link, decode_link=DecodeLink(1e12, clock=VirtualClock()))
+        x = torch.randn(1, 32)
+
+        def run(layer, experts):
+            mgr(layer, x, torch.tensor([experts]), torch.full((1, len(experts)), 0.5))
+            for e in experts:
+                slot = mgr.slots.slot_of(layer, e)
+                assert torch.equal(mgr.pool[layer].w13[slot], raw[layer][0][e]), (layer, e)
+                assert torch.equal(mgr.pool[layer].w2[slot], raw[layer][1][e]), (layer, e)
+
+        run(0, [0, 1])
+        h2d, issued = mgr.stats()["h2d_bytes"], mgr.stats()["prefetch_issued"]
+        assert mgr.fill(1, [2, 3]) == 2 and sorted(mgr.filling) == [(1, 2), (1, 3)]
+        assert not mgr.is_resident(1, 2) and not mgr.is_resident(1, 3)  # no slot taken
+        coded = sum(store[1].w13[e].nbytes + store[1].w2[e].nbytes for e in (2, 3))
+        assert mgr.stats()["h2d_bytes"] == h2d + coded and mgr.stats()["prefetch_issued"] == issued + 2
+        assert mgr.fill(1, [2, 3]) == 0 and mgr.fill(0, [0, 1]) == 0  # in flight; resident
+        link.synchronize()
+        mgr.poll()
+        assert not mgr.filling and tier.has(1, 2) and tier.has(1, 3)
+        assert mgr.fill(1, [2]) == 0  # a member
+        hits = mgr.stats()["tier_hits"]
+        run(1, [2, 3])
+        st = mgr.stats()
+        assert st["h2d_bytes"] == h2d + coded and st["tier_hits"] == hits + 2 and st["prefetch_used"] >= 2
+        tier.check()
+        mgr.close()
+
+
+def test_a_fill_on_cuda_stages_the_bytes_and_decodes_only_at_need(monkeypatch):
+    """FakeCuda (held prefetches, window 0): a fill stages its expert's bytes on the device and launches
+    no decode; the tier keeps that buffer when it lands; a fill still held when the cycle ends is
+    withdrawn (its bytes uncounted, nothing kept); the need decodes the kept bytes into the slot."""
+    from specter.offload.cuda_link import CudaLink
+    from specter.offload.manager import OffloadedExperts
+    from test_link import FakeCuda
+
+    decoded = []
+    torch_decode(monkeypatch, decoded)
+    L, E, H, I = 3, 4, 32, 8
+    g = torch.Generator().manual_seed(5)
+    raw = [ExpertWeights((torch.randn(E, 2 * I, H, generator=g) * 0.1).bfloat16(),
+                         (torch.randn(E, H, I, generator=g) * 0.1).bfloat16()) for _ in range(L)]
+    store = encode_store([ExpertWeights(w.w13.clone(), w.w2.clone()) for w in raw], cuda=True)
+    cuda = FakeCuda(pinned=True, gated=True)
+    with CudaLink("cpu", bandwidth=1e9, latency=0.0, cuda=cuda, window_bytes=0) as link, \
+            CudaLink("cpu", bandwidth=1e12, cuda=FakeCuda(pinned=True), name="decode") as dec:
+        mgr = OffloadedExperts(store, None, torch.device("cpu"), link, dtype=torch.bfloat16, pool=2)
+        tier = coded_tier.attach(mgr, 10**6, link, decode_link=dec)
+        decoded.clear()  # attach's warm-up
+        h2d = mgr.stats()["h2d_bytes"]
+        assert [mgr.fill(layer, [1]) for layer in range(L)] == [1, 1, 1]
+        assert not decoded  # staged, not decoded
+        assert mgr.cancel_prefetches() == 1 and sorted(mgr.filling) == [(0, 1), (1, 1)]  # two on the stream
+        assert mgr.stats()["h2d_bytes"] == h2d + sum(store[m].w13[1].nbytes + store[m].w2[1].nbytes for m in (0, 1))
+        cuda.land(2)
+        link.synchronize()
+        mgr.poll()
+        assert tier.has(0, 1) and tier.has(1, 1) and not tier.has(2, 1) and not mgr.filling
+        tier.check()  # each member's kept buffer is its staged bytes
+        assert not decoded
+        x = torch.randn(1, H, generator=g).bfloat16()
+        mgr(1, x, torch.tensor([[1]]), torch.ones(1, 1).bfloat16())
+        assert decoded == [1] and mgr.stats()["tier_hits"] == 1
+        slot = mgr.slots.slot_of(1, 1)
+        assert torch.equal(mgr.pool[1].w13[slot], raw[1].w13[1]) and torch.equal(mgr.pool[1].w2[slot], raw[1].w2[1])
+        cuda.land(10)
+        link.synchronize()
+        dec.synchronize()

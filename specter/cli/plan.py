@@ -147,9 +147,6 @@ def cmd_plan(args) -> int:
         if opt.tier_bytes:
             copies += f"\ncoded device tier: opt-in on CUDA; SPECTER_CODED_TIER=1 would keep ~{opt.tier_experts} " \
                       f"experts coded beside {opt.pool_slots} raw slots in the same budget"
-            if pol.drafts:  # docs/RESULTS.md, "a tier starves a drafting policy's prefetches"
-                copies += f" (then the draft's prefetches, which need raw slots, would find few: a prefetch " \
-                          f"that lands in the tier alone is not built)"
     if device.type == "cpu":  # the emulated device lives in host memory
         host.device_bytes = emulated_device_bytes(plan, spec, store_dtype, dtype)
         hosts += f", emulated device {format_size(host.device_bytes)} (host memory on cpu: a big model's slot " \

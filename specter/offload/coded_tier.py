@@ -144,6 +144,27 @@ class HeldExpert:
             d.copy_(o)
 
 
+class Fill:
+    """One of expert e's two coded tensors copied for the tier alone (a prefetch with no slot to land in):
+    its coded bytes cross the link and nothing is decoded until a need (a tier hit). Emulated: its
+    destination is on meta (the copy is timed only) and the link charges no decode (`decodes`). CUDA:
+    decode_all_on stages the pair's bytes on the device (lossless.stage_pair) and keeps them (`staged`,
+    what landed() hands the tier), launching nothing."""
+
+    dtype = torch.bfloat16
+    decodes = False
+    staged = None
+
+    def __init__(self, src, device):
+        self.src, self.device = src, device
+        self.nbytes, self.raw_nbytes, self.shape = src.nbytes, src.raw_nbytes, src.shape
+
+    @staticmethod
+    def decode_all_on(dsts: list[torch.Tensor], srcs: list["Fill"]) -> None:
+        for s in srcs[::2]:  # an expert's w13, then its w2: one staging copy of both
+            s.staged = lossless.stage_pair(s.src.pair, s.src.e, s.device)
+
+
 class CodedTier:
     """Which (layer, expert) are held coded on the device, within `capacity` bytes (see the module doc)."""
 
@@ -220,6 +241,19 @@ class CodedTier:
         if self.on_device:
             self._landing[(layer, e)] = src[0]
         return src
+
+    def fill_sources(self, layer: int, e: int) -> list[Fill]:
+        """The sources of a copy of (layer, e) for the tier alone (the manager's prefetch with no slot);
+        noted, as sources() notes a copy's, so that landed() finds what it staged (CUDA)."""
+        ew, device = self.store[layer], getattr(self.link, "device", None)  # CUDA: where it stages
+        src = [Fill(ew.w13[e], device), Fill(ew.w2[e], device)]
+        if self.on_device:
+            self._landing[(layer, e)] = src[0]
+        return src
+
+    def forget(self, layer: int, e: int) -> None:
+        """(layer, e)'s copy was withdrawn before it ran: nothing of it will land."""
+        self._landing.pop((layer, e), None)
 
     def landed(self, layer: int, e: int, t: Transfer | None) -> None:
         """(layer, e)'s copy landed: one that crossed the link leaves its coded bytes in the tier (on

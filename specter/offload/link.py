@@ -321,7 +321,7 @@ class EmulatedLink(Link):
                 continue
             width = d.numel() * d.element_size() / raw  # 2 for an fp32 slot of bf16 weights, 1 for bf16
             wire += s.nbytes * width
-            if self.decode_bandwidth:
+            if self.decode_bandwidth and getattr(s, "decodes", True):  # a tier fill decodes later (coded_tier.Fill)
                 decode += (s.nbytes + raw) * width / self.decode_bandwidth
         return self.latency + wire / self.bandwidth + decode
 

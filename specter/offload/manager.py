@@ -65,6 +65,8 @@ class OffloadedExperts:
         self.host_expert_bytes = getattr(store[0], "raw_expert_nbytes", store[0].expert_nbytes)()  # a host lane's read
         self.inflight: dict[tuple[int, int], Transfer] = {}
         self.prefetched: set[tuple[int, int]] = set()   # copies issued ahead of need, not yet used
+        self.filling: dict[tuple[int, int], Transfer] = {}  # prefetches landing in the tier alone (fill)
+        self._fill_dst = [torch.empty(w.shape[1:], dtype=dtype or w.dtype, device="meta") for w in (w13, w2)]
         self.use_hook = None                            # use_hook(layer, experts) after each layer computes
         self.keep_rank = None                           # keep_rank(layer, e): late experts load lowest ranked first
         self.host_lane = None                           # both lanes (host_experts.LaneChoice): a HostLane, and
@@ -150,11 +152,15 @@ class OffloadedExperts:
                 done.append(key)
         for layer, e in done:
             self._land(layer, e)
+        if self.filling:
+            self._land_fills()
 
-    def prefetch(self, layer: int, experts, *, protect=(), urgent: bool = False) -> int:
+    def prefetch(self, layer: int, experts, *, protect=(), urgent: bool = False, fill: bool = False) -> int:
         """Start copies for those of `experts` not resident or in flight, in the given order, never
-        evicting `protect`, `prefetch_batch` a transfer. Returns how many were issued (it stops when no
-        slot can be freed)."""
+        evicting `protect`, `prefetch_batch` a transfer. Where no slot can be freed it stops, or with
+        `fill` and a coded tier the rest land in the tier alone (fill: the drafting planner's, whose
+        predictions a verification reads). Returns how many were issued (the first of `experts` in
+        slots, then any fills)."""
         where, todo, n, step = self.slots.slot[layer], [], 0, self.prefetch_batch
         for e in experts:
             if where[e] < 0 and e not in todo:  # not resident nor in flight
@@ -167,7 +173,51 @@ class OffloadedExperts:
             if got < len(batch):
                 break
         self._stats["prefetch_issued"] += n
+        if fill and self.tier is not None and n < len(todo):
+            n += self.fill(layer, todo[n:], urgent=urgent)
         return n
+
+    def fill(self, layer: int, experts, *, urgent: bool = False) -> int:
+        """Prefetches with no slot to land in, beside a coded tier: their coded bytes cross the link and
+        stay in the tier (no slot, no decode: coded_tier.Fill), so that the need decodes them into a slot
+        instead of copying them then. Residents, members and fills in flight are skipped. -> how many were
+        issued."""
+        tier, todo, where = self.tier, [], self.slots.slot[layer]
+        for e in experts:
+            if where[e] < 0 and not tier.has(layer, e) and (layer, e) not in self.filling:
+                todo.append(e)
+        step = max(1, len(todo)) if self.coalesce else 1
+        for i in range(0, len(todo), step):
+            batch = todo[i:i + step]
+            srcs = [s for e in batch for s in tier.fill_sources(layer, e)]
+            t = self.link.copy(self._fill_dst * len(batch), srcs, urgent=urgent, after=None,  # writes no slot
+                               tag=(layer, batch[0] if len(batch) == 1 else tuple(batch)))
+            self._stats["h2d_bytes"] += t.nbytes
+            for e in batch:
+                self.filling[(layer, e)] = t
+                self.prefetched.add((layer, e))
+        self._stats["prefetch_issued"] += len(todo)
+        return len(todo)
+
+    def _land_fills(self, layer: int | None = None, need=()) -> None:
+        """Fills that have landed (and `layer`'s for the experts in `need`, waited for) join the tier."""
+        for key, t in list(self.filling.items()):
+            if key not in self.filling or not ((key[0] == layer and key[1] in need) or t.done()):
+                continue
+            carried = [k for k, other in self.filling.items() if other is t]  # a coalesced fill lands whole
+            for k in carried:
+                del self.filling[k]
+            try:
+                self._stats["stall_s"] += t.wait()
+            except BaseException:
+                if t.failed():  # its bytes never arrived: a later need copies anew
+                    for k in carried:
+                        self.tier.forget(*k)
+                        self.prefetched.discard(k)
+                    continue
+                raise
+            for k in carried:
+                self.tier.landed(*k, t)
 
     def withdraw(self, layer: int, experts) -> int:
         """Prefetches of `layer` no longer wanted: each copy the link has not started is withdrawn
@@ -178,6 +228,8 @@ class OffloadedExperts:
                 n += w
             elif self.slots.slot[layer][e] >= 0:
                 late.append(e)
+        if self.filling:
+            n += self._unfill([key for key in gone if key in self.filling])
         self.slots.demote(layer, late)
         self._stats["prefetch_cancelled"] += n
         return n
@@ -189,7 +241,23 @@ class OffloadedExperts:
         withdrawn (Link.cancel)."""
         queued = {key for key in self.inflight if key in self.prefetched}
         n = sum(self._unissue(key, queued) for key in sorted(queued))
+        n += self._unfill(list(self.filling))
         self._stats["prefetch_cancelled"] += n
+        return n
+
+    def _unfill(self, keys) -> int:
+        """Withdraw the fills of `keys` the link has not started (a coalesced one goes whole). -> how many"""
+        n = 0
+        for key in keys:
+            t = self.filling.get(key)
+            if t is None or not self.link.cancel(t):
+                continue
+            self._stats["h2d_bytes"] -= t.nbytes  # never crossed the link
+            for k in [k for k, other in self.filling.items() if other is t]:
+                del self.filling[k]
+                self.tier.forget(*k)
+                self.prefetched.discard(k)
+                n += 1
         return n
 
     def _unissue(self, key: tuple[int, int], gone=frozenset()) -> int:
@@ -243,6 +311,8 @@ class OffloadedExperts:
             self.poll()
         if guess is not None:  # its guesses for this layer that the routing did not ask for go now
             guess.settle(layer, need)
+        if self.filling:  # its experts' fills join the tier first (a miss among them is then a decode)
+            self._land_fills(layer, need)
         ready, flying, missing = [], [], []
         st, prefetched, inflight, where = self._stats, self.prefetched, self.inflight, slots.slot[layer]
         for e in need:  # sort by state, and count hits, misses and prefetches used
@@ -250,7 +320,7 @@ class OffloadedExperts:
             resident = where[e] >= 0  # ready, or loading (then its copy is in `inflight`)
             if key in prefetched:
                 prefetched.discard(key)
-                st["prefetch_used"] += resident  # evicted unused before it served: not a use
+                st["prefetch_used"] += resident or (self.tier is not None and self.tier.has(layer, e))  # (a fill)
             if not resident:
                 st["expert_misses"] += 1
                 missing.append(e)
@@ -377,6 +447,7 @@ class OffloadedExperts:
         self.slots.reset()
         if self.tier is not None:
             self.tier.reset()
+        self.filling.clear()
         self.prefetched.clear()
         self._routed.clear()
         self.all_resident = False

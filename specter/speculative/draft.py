@@ -170,27 +170,36 @@ class PrefetchPlanner:
         plain steps slower than on-demand's at the same misses (docs/RESULTS.md)."""
         return self.scores.value(layer, e) if self.k else 0.0
 
-    def _admit(self, layer: int, counts: Counter) -> list[int]:
-        """The predicted experts worth a copy, most demanded first and at most a layer's slots of them:
-        each one not resident takes a free slot, else displaces a resident this cycle does not predict
-        and whose score (decayed predicted + actual demand) is lower than its own; the others are
-        skipped. A prefetch that evicts something more likely to be needed costs two copies instead
-        of saving one; one that evicts an expert this cycle predicts only swaps two copies."""
-        slots, score = self.mgr.slots, self.scores.raw[layer]  # raw: ordered as the layer's scores
+    def _admit(self, layer: int, counts: Counter) -> tuple[list[int], list[int]]:
+        """(The predicted experts worth a copy into a slot, those for the coded tier alone.) Most demanded
+        first and at most a layer's slots of them: each one not resident takes a free slot, else
+        displaces a resident this cycle does not predict and whose score (decayed predicted + actual
+        demand) is lower than its own. A prefetch that evicts something more likely to be needed costs
+        two copies instead of saving one; one that evicts an expert this cycle predicts only swaps two
+        copies. The others are skipped, or fetched into the coded tier (offload/coded_tier.py, where
+        _fill_tier gives one): they take no slot, and the verification decodes them instead of copying."""
+        slots, score, tier = self.mgr.slots, self.scores.raw[layer], self._fill_tier()  # raw: the layer's scores
         free, others = slots.room(layer, counts)
         victims = sorted(map(score.__getitem__, others))  # scores of the residents a prefetch may displace
-        where, out = slots.slot[layer], []
-        for e, _ in counts.most_common(slots.n_slots):
+        where, out, coded = slots.slot[layer], [], []
+        for i, (e, _) in enumerate(counts.most_common()):
             if where[e] >= 0:  # resident or in flight
                 continue
-            if free > 0:
+            if i < slots.n_slots and free > 0:
                 free -= 1
-            elif victims and score[e] > victims[0]:
+            elif i < slots.n_slots and victims and score[e] > victims[0]:
                 victims.pop(0)
             else:
+                if tier is not None and not tier.has(layer, e):
+                    coded.append(e)
                 continue
             out.append(e)
-        return out
+        return out, coded
+
+    def _fill_tier(self):
+        """The coded tier predicted experts with no slot are fetched into, if any: none beside a host lane,
+        where such a miss may compute for less than its copy (docs/RESULTS.md)."""
+        return self.mgr.tier if self.mgr.host_choice is None else None
 
     def observe_use(self, layer: int, experts) -> None:
         """Verification or a plain step used these: actual demand counts like predicted demand (and a
@@ -259,7 +268,10 @@ class PrefetchPlanner:
                 self.scores.add(layer, ids, 1.0)
         issued = 0
         for layer, counts in enumerate(self.demand):  # earliest layer first; every predicted expert is
-            issued += self.mgr.prefetch(layer, self._admit(layer, counts), protect=counts)  # protected
+            copy, coded = self._admit(layer, counts)       # protected (no slot for one: the tier, if any)
+            issued += self.mgr.prefetch(layer, copy, protect=counts, fill=self._fill_tier() is not None)
+            if coded:
+                issued += self.mgr.fill(layer, coded)
         self.new_per_token = 0.8 * self.new_per_token + 0.2 * (issued / len(rows))
         return issued
 
