@@ -480,7 +480,7 @@ def test_plan_on_cuda_says_what_the_opt_in_tier_would_hold(capsys, tiny, monkeyp
 # ---------------------------------------------------------------- prefetches that land in the tier alone
 
 
-def test_a_fill_lands_in_the_tier_and_the_need_decodes_it(tiny):  # noqa: ARG001
+def test_a_fill_lands_in_the_tier_and_the_need_decodes_it():
     """OffloadedExperts.fill (the drafting planner's prefetch with no slot to land in): the coded bytes
     cross the link (counted), no slot is taken, the experts join the tier when they land; the call that
     needs them decodes them from the tier (no more PCIe bytes) and counts the prefetches used. Residents,
@@ -560,3 +560,35 @@ def test_a_fill_on_cuda_stages_the_bytes_and_decodes_only_at_need(monkeypatch):
         cuda.land(10)
         link.synchronize()
         dec.synchronize()
+
+
+def test_the_planner_fills_the_tier_with_what_gets_no_slot():
+    """PrefetchPlanner (specter's draft-time fetches) over a coded store with a tier: the predicted experts
+    a layer's slots cannot take go to the tier alone (fills), the others into slots as before; beside a
+    host lane (host_choice set) nothing is filled."""
+    from specter.offload.manager import OffloadedExperts
+    from specter.speculative.draft import Lookahead, PrefetchPlanner
+
+    for lane in (False, True):
+        store = _coded_store(L=2, E=8)
+        with EmulatedLink(20e6, latency=5e-3) as link:
+            mgr = OffloadedExperts(store, 3, torch.device("cpu"), link, dtype=torch.float32)
+            coded_tier.attach(mgr, 10**9, link, decode_link=DecodeLink(1e12, clock=VirtualClock()))
+            mgr.prefetch_batch = 1
+            mgr.host_choice = (lambda layer, missing, routed: []) if lane else None
+            la = Lookahead(4, 2, 2, "cpu")
+            for r, ids in enumerate([(4, 5), (4, 6), (4, 7), (5, 6)]):  # layer 0: 4 x3, 5 x2, 6 x2, 7 x1
+                for layer in range(2):
+                    la.ids[r, layer] = torch.tensor(ids)
+                    la.weights[r, layer] = torch.tensor([0.6, 0.4])
+            planner = PrefetchPlanner(mgr, la)
+            planner.begin_cycle()
+            issued = planner.plan(4)
+            slotted = {(m, e) for (m, e) in mgr.inflight}
+            assert slotted == {(m, e) for m in range(2) for e in (4, 5, 6)}, slotted  # the three most demanded
+            want = set() if lane else {(0, 7), (1, 7)}
+            assert set(mgr.filling) == want and issued == 6 + len(want), (lane, mgr.filling, issued)
+            link.synchronize()
+            mgr.poll()
+            assert all(mgr.tier.has(*key) for key in want) and not mgr.filling
+            mgr.close()

@@ -26,13 +26,12 @@ def counted_run(args: list[str]) -> dict:
     real = host_lane.LaneChoice.__call__
 
     def choose(self, layer, missing, routed):
+        room = self.room(layer, missing, set(routed))  # before the call: it may start copies
         hosted = real(self, layer, missing, routed)
-        slots = self.mgr.slots
-        held = sum(slots.slot[layer][e] >= 0 for e in set(routed))
         counts["calls"] += 1
         counts["missing"] += len(missing)
         counts["hosted"] += len(hosted)
-        counts["no_room"] += len(missing) - max(0, min(len(missing), slots.n_slots - held))
+        counts["no_room"] += len(missing) - room
         return hosted
 
     host_lane.LaneChoice.__call__ = choose

@@ -293,15 +293,21 @@ class LaneChoice:
         self.item = mgr.pool[0].w13.element_size()  # the width copies are timed at
         self.rank_prompt = True  # a prompt's misses ranked by its own tokens (False: by the planner's scores)
 
+    def room(self, layer: int, missing: list[int], distinct) -> int:
+        """How many of `missing` may be copied: the layer's quota less the experts of this call
+        (`distinct`, its routed experts once each) already in its slots."""
+        slots = self.mgr.slots
+        held, where = 0, slots.slot[layer]
+        for e in distinct:
+            held += where[e] >= 0
+        return max(0, min(len(missing), slots.n_slots - held))
+
     def __call__(self, layer: int, missing: list[int], routed: list[int]) -> list[int]:
         slots = self.mgr.slots
         counts: dict = {}
         for e in routed:
             counts[e] = counts.get(e, 0) + 1
-        held, where = 0, slots.slot[layer]
-        for e in counts:
-            held += where[e] >= 0
-        room = max(0, min(len(missing), slots.n_slots - held))
+        room = self.room(layer, missing, counts)
         order = list(missing)
         pl = self.planner
         if pl is not None:  # stable: equal scores keep their order

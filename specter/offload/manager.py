@@ -186,7 +186,7 @@ class OffloadedExperts:
         for e in experts:
             if where[e] < 0 and not tier.has(layer, e) and (layer, e) not in self.filling:
                 todo.append(e)
-        step = max(1, len(todo)) if self.coalesce else 1
+        step = self.prefetch_batch  # as prefetch's: a miss never queues behind a long batch
         for i in range(0, len(todo), step):
             batch = todo[i:i + step]
             srcs = [s for e in batch for s in tier.fill_sources(layer, e)]

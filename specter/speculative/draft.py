@@ -170,19 +170,19 @@ class PrefetchPlanner:
         plain steps slower than on-demand's at the same misses (docs/RESULTS.md)."""
         return self.scores.value(layer, e) if self.k else 0.0
 
-    def _admit(self, layer: int, counts: Counter) -> tuple[list[int], list[int]]:
+    def _admit(self, layer: int, counts: Counter, tier=None) -> tuple[list[int], list[int]]:
         """(The predicted experts worth a copy into a slot, those for the coded tier alone.) Most demanded
         first and at most a layer's slots of them: each one not resident takes a free slot, else
         displaces a resident this cycle does not predict and whose score (decayed predicted + actual
         demand) is lower than its own. A prefetch that evicts something more likely to be needed costs
         two copies instead of saving one; one that evicts an expert this cycle predicts only swaps two
-        copies. The others are skipped, or fetched into the coded tier (offload/coded_tier.py, where
-        _fill_tier gives one): they take no slot, and the verification decodes them instead of copying."""
-        slots, score, tier = self.mgr.slots, self.scores.raw[layer], self._fill_tier()  # raw: the layer's scores
+        copies. The others are skipped, or fetched into `tier` (the coded tier, _fill_tier's): they take
+        no slot, and the verification decodes them instead of copying them."""
+        slots, score = self.mgr.slots, self.scores.raw[layer]  # raw: ordered as the layer's scores
         free, others = slots.room(layer, counts)
         victims = sorted(map(score.__getitem__, others))  # scores of the residents a prefetch may displace
         where, out, coded = slots.slot[layer], [], []
-        for i, (e, _) in enumerate(counts.most_common()):
+        for i, (e, _) in enumerate(counts.most_common(None if tier is not None else slots.n_slots)):
             if where[e] >= 0:  # resident or in flight
                 continue
             if i < slots.n_slots and free > 0:
@@ -266,10 +266,10 @@ class PrefetchPlanner:
             for layer, ids in enumerate(row):
                 self.demand[layer].update(ids)
                 self.scores.add(layer, ids, 1.0)
-        issued = 0
+        issued, tier = 0, self._fill_tier()
         for layer, counts in enumerate(self.demand):  # earliest layer first; every predicted expert is
-            copy, coded = self._admit(layer, counts)       # protected (no slot for one: the tier, if any)
-            issued += self.mgr.prefetch(layer, copy, protect=counts, fill=self._fill_tier() is not None)
+            copy, coded = self._admit(layer, counts, tier)  # protected (no slot for one: the tier, if any)
+            issued += self.mgr.prefetch(layer, copy, protect=counts, fill=tier is not None)
             if coded:
                 issued += self.mgr.fill(layer, coded)
         self.new_per_token = 0.8 * self.new_per_token + 0.2 * (issued / len(rows))
