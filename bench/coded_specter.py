@@ -2,7 +2,8 @@
 
     python bench/coded_specter.py [--model DIR] [--device cpu] [--expert-memory 144MiB | --residency R]
                                   [--policy specter] [--k K] [--raw-slots N] [--max-new-tokens 64]
-                                  [--prompts N] [--prompts-file FILE] [--no-host-lane] [--no-fills] [--json]
+                                  [--prompts N] [--prompts-file FILE] [--no-host-lane] [--no-fills]
+                                  [--prefetch-batch N] [--json]
 
 Builds the policy twice in one process (raw store, then compress_experts), as `specter bench
 --compare-compressed` does, and runs the default workload greedily, alternating the two prompt by
@@ -19,7 +20,8 @@ Without --k the governor chooses as in `specter bench`, by this machine's timing
 `--raw-slots N` (a probe of the tier for drafting policies): the coded engine's budget split into N
 raw slots and a coded tier, instead of tier_split's choice. `--no-host-lane`: every miss copied (specter's
 shape on CUDA without --host-threads), where the planner fetches predicted experts with no slot into the
-tier (OffloadedExperts.fill); `--no-fills` turns that off.
+tier (OffloadedExperts.fill); `--no-fills` turns that off. `--prefetch-batch N`: both engines' prefetches
+and fills N experts a transfer (default: the manager's prefetch_batch, from the link's latency).
 On CUDA the link's copies are real (no charged seconds; the profile columns are then None).
 """
 from __future__ import annotations
@@ -77,18 +79,19 @@ def instrument(eng, k: int | None) -> dict:
     charge LaneChoice's copies their emulated seconds (the pinned mode: no timed choice left)."""
     dec = eng.decoder
     mgr = dec.experts
-    if k is not None:
+    if k is not None and hasattr(dec, "governor"):
         dec.governor = Governor(dec.governor.k_max, fixed=k)
         dec.governor.plain_arms, dec.governor.lane_arms = Pinned(False), Pinned(False)
         charged_copy_seconds(mgr.link)
     log = {"cycles": [], "copies": [], "host": [], "tier": []}
-    gov = dec.governor
-    observe = gov.observe_cycle
+    gov = getattr(dec, "governor", None)  # None: a plain decoder (on-demand), no cycles to log
+    if gov is not None:
+        observe = gov.observe_cycle
 
-    def logged_cycle(k, accepted, draft_s, verify_s, stall_s, verified=None, copied=None, steps=1):
-        log["cycles"].append((k, accepted, draft_s, verify_s, stall_s, steps))
-        return observe(k, accepted, draft_s, verify_s, stall_s, verified=verified, copied=copied, steps=steps)
-    gov.observe_cycle = logged_cycle
+        def logged_cycle(k, accepted, draft_s, verify_s, stall_s, verified=None, copied=None, steps=1):
+            log["cycles"].append((k, accepted, draft_s, verify_s, stall_s, steps))
+            return observe(k, accepted, draft_s, verify_s, stall_s, verified=verified, copied=copied, steps=steps)
+        gov.observe_cycle = logged_cycle
 
     def wrap(lk, key):
         copy = lk.copy
@@ -174,6 +177,7 @@ def main() -> None:
                     "CUDA without --host-threads; on CPU it has a host lane)")
     ap.add_argument("--no-fills", action="store_true", help="predicted experts with no slot are not fetched "
                     "into the coded tier (OffloadedExperts.fill)")
+    ap.add_argument("--prefetch-batch", type=int, default=None, help="experts a prefetch or fill transfer")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.no_host_lane:
@@ -193,6 +197,8 @@ def main() -> None:
         finally:
             plan.tier_split = tier_split
         for name, eng in engines.items():
+            if a.prefetch_batch is not None:
+                eng.decoder.experts.prefetch_batch = a.prefetch_batch
             eng.generate(prompts[0], max_new_tokens=4, temperature=0.0)  # the bench's warm-up
             logs[name] = instrument(eng, a.k)
         outs = {n: [] for n in engines}
