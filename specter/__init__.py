@@ -62,7 +62,7 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = DE
     None (default): on CUDA (CUDA graphs), off on CPU; True/False force it.
     host_threads: policies host and specter, the threads of the host lane that computes experts not
     on the device (default: physical cores less one). specter uses the lane on CPU, and on CUDA only
-    when host_threads is given.
+    when host_threads is given; host_threads=0 runs specter without it (every miss copied).
     compress_experts: keep the host store's experts losslessly coded (bf16 checkpoints only; the
     same bits): copies move the coded bytes and decode into the slot as they land (offload/coded.py).
     draft_bits: the draft experts' code width, 4 (default), 3 or 2: fewer bits, a smaller draft,

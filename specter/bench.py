@@ -104,15 +104,18 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
     engines, runs, coded_shared = {}, [], None
     try:
         for p in policies:
-            budget = dict(residency=residency, expert_memory=expert_memory, device_memory=device_memory) \
-                if get_policy(p).offloads else {}
-            engines[p] = specter.load(model, device=device, policy=p, link=link, shared=shared, **budget, **load_kw)
+            pol, kw = get_policy(p), dict(load_kw)
+            if pol.offloads:
+                kw.update(residency=residency, expert_memory=expert_memory, device_memory=device_memory)
+            if not pol.host_lane:  # host_threads sizes the lane policies' lanes, as a budget the offloaders'
+                kw.pop("host_threads", None)
+            engines[p] = specter.load(model, device=device, policy=p, link=link, shared=shared, **kw)
             shared = engines[p].shared
             runs.append(p)
             if compare_compressed:  # the same policy on the coded store, right after it
                 name = p + CODED
                 engines[name] = specter.load(model, device=device, policy=p, link=link, shared=coded_shared,
-                                             compress_experts=True, **budget, **load_kw)
+                                             compress_experts=True, **kw)
                 coded_shared = engines[name].shared
                 runs.append(name)
         policies = runs

@@ -117,14 +117,19 @@ def check_draft_bits(draft_bits) -> None:
 
 
 def check_host_threads(policy: str, host_threads) -> None:
-    """host_threads: None, or an integer >= 1 for a policy that computes experts on the host."""
+    """host_threads: None, or an integer >= 1 for a policy that computes experts on the host; 0 (no
+    lane: every miss copied) for one that splits its misses between the lanes (specter)."""
     if host_threads is None:
         return
-    if isinstance(host_threads, bool) or not isinstance(host_threads, int) or host_threads < 1:
-        raise ConfigError(f"host_threads must be an integer >= 1, got {host_threads!r}")
-    if not get_policy(policy).host_lane:
+    if isinstance(host_threads, bool) or not isinstance(host_threads, int) or host_threads < 0:
+        raise ConfigError(f"host_threads must be an integer >= 0, got {host_threads!r}")
+    lane = get_policy(policy).host_lane
+    if not lane:
         raise ConfigError(f"policy {policy!r} computes no expert on the host, so host_threads would be ignored; "
                           f"drop it, or use policy {' or '.join(map(repr, policy_names('host_lane')))}")
+    if host_threads == 0 and lane == "misses":
+        raise ConfigError(f"policy {policy!r} computes every miss on the host lane, so it needs host_threads >= 1; "
+                          f"for no lane at all (every miss copied) use policy 'on-demand'")
 
 
 def check_compressible(ckpt: Checkpoint, compress_experts) -> None:
@@ -236,12 +241,14 @@ def uses_host_lane(policy: Policy | str, device: torch.device, host_threads: int
     "split" (specter) on CPU (the emulated machine, where greedy decoding on both lanes is
     resident's bits, tested) and on CUDA only when host_threads is given (opt-in: the lane's CUDA
     path has not yet run on a GPU, and there the host's and the GPU's arithmetic round differently),
-    unless the budget holds `every_expert` (nothing is ever missing: it then runs exactly as the
-    copy-only policy, no lane thread). Every other policy only copies."""
+    never with host_threads 0 (every miss copied: CUDA's default shape, on CPU too), and not where
+    the budget holds `every_expert` (nothing is ever missing: it then runs exactly as the copy-only
+    policy, no lane thread). Every other policy only copies."""
     lane = (get_policy(policy) if isinstance(policy, str) else policy).host_lane
     if lane == "misses":
         return True
-    return lane == "split" and not every_expert and (device.type == "cpu" or host_threads is not None)
+    return (lane == "split" and not every_expert and host_threads != 0
+            and (device.type == "cpu" or host_threads is not None))
 
 
 def _compiled_steps(model, draft, compile: bool | None, device: torch.device, k_max: int):

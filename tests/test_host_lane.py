@@ -6,6 +6,7 @@ The greedy-equality loops over policies live in tests/test_offload.py (LOSSLESS_
 from __future__ import annotations
 
 import asyncio
+import json
 import types
 
 import pytest
@@ -280,8 +281,40 @@ def test_only_host_and_specter_compute_on_the_host(tiny):
     cuda = torch.device("cuda")
     assert uses_host_lane("host", cuda) and not uses_host_lane("specter", cuda)
     assert uses_host_lane("specter", cuda, host_threads=4) and not uses_host_lane("spec-lru", torch.device("cpu"))
+    assert not uses_host_lane("specter", cuda, host_threads=0) and not uses_host_lane("specter", full.device, 0)
     with pytest.raises(specter.SpecterError, match="host_threads"):
         specter.load(path, device="cpu", policy="spec-lru", residency=0.25, host_threads=2)
+
+
+def test_host_threads_0_is_specter_without_the_lane(tiny, capsys, tmp_path):
+    """host_threads=0: specter copies every miss on CPU too (its CUDA default shape), the same greedy
+    tokens as on-demand; policy host, which has no other lane, refuses it, and so does a negative count.
+    `specter bench --host-threads` sizes only the lane policies' lanes (on-demand beside it loads)."""
+    path, _ = tiny("mixtral")
+    prompt = [1, 5, 9, 2]
+    plain = specter.load(path, device="cpu", policy="on-demand", residency=0.25)
+    copy_only = specter.load(path, device="cpu", policy="specter", residency=0.25, host_threads=0, k_max=4)
+    try:
+        mgr = copy_only.decoder.experts
+        assert mgr.host_lane is None and mgr.host_choice is None
+        out = copy_only.generate(prompt, max_new_tokens=12, temperature=0.0)
+        assert out.token_ids == plain.generate(prompt, max_new_tokens=12, temperature=0.0).token_ids
+        assert out.stats["host_experts"] == 0 and out.stats["expert_misses"] > 0 and out.stats["h2d_bytes"] > 0
+    finally:
+        plain.close()
+        copy_only.close()
+    for policy, threads in (("host", 0), ("specter", -1)):
+        with pytest.raises(specter.ConfigError, match="host_threads"):
+            specter.load(path, device="cpu", policy=policy, residency=0.5, host_threads=threads)
+    (tmp_path / "prompts.json").write_text(json.dumps([prompt]))
+    assert main(["bench", "--model", str(path), "--device", "cpu", "--policies", "on-demand,specter",
+                 "--host-threads", "0", "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens", "3",
+                 "--json"]) == 0
+    pols = json.loads(capsys.readouterr().out)["policies"]
+    assert pols["specter"]["host_experts"] == 0 and pols["specter"]["lossless_vs_on-demand"] is True
+    assert main(["generate", "--model", str(path), "--prompt-ids", "1,2", "--policy", "host",
+                 "--host-threads", "0"]) == 2
+    assert "host_threads >= 1" in capsys.readouterr().err
 
 
 def test_a_plain_step_on_the_host_lane_is_not_a_resident_step(tiny, monkeypatch):

@@ -11,15 +11,20 @@ from ..policy import BENCH_POLICIES, DEFAULT as DEFAULT_POLICY, POLICIES, get as
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-    return v
+def int_at_least(lo: int):
+    """argparse type: an integer >= lo."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {v}")
+        return v
+    return parse
+
+
+positive_int, nonnegative_int = int_at_least(1), int_at_least(0)
 
 
 def token_ids(text: str) -> list[int]:
@@ -60,10 +65,11 @@ def model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
                         "is planned for (default: the model's context; a shorter one leaves a device budget's "
                         "bytes to experts)")
     p.add_argument("--link", default=None, help="CPU only: link profile of the emulated PCIe link (see `specter profile`)")
-    p.add_argument("--host-threads", type=positive_int, default=None,
+    p.add_argument("--host-threads", type=nonnegative_int, default=None,
                    help=f"policies {' and '.join(policy_names('host_lane'))}: threads of the host lane that "
                         "computes experts not on the device (default: physical cores less one; specter on CUDA "
-                        "uses the lane only when given)")
+                        "uses the lane only when given; 0: specter without the lane, every miss copied, as on "
+                        "CUDA by default)")
     p.add_argument("--k-max", type=int, default=None,
                    help="longest draft the governor may choose (default 32; 0 = never speculate)")
     p.add_argument("--draft-cache", default=None,
