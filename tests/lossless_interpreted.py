@@ -116,8 +116,9 @@ def test_cudalink_copies_a_coded_expert_in_one_launch(monkeypatch):
     """CudaLink (on the fake CUDA API of test_link.py, the CPU as the device) copying coded experts of a
     CUDA store (encode_store(cuda=True): each layer laid out together): an expert's w13 and w2 into
     bf16 slots are one launch of the pair kernel (staged, or in place: decode_in_place, the arena taken
-    as locked), a coalesced copy of two experts two; into fp32 slots (no pair path) each tensor decodes
-    alone and converts exactly. The slots hold the weights' bits."""
+    as locked); a coalesced copy of several experts one launch of the batch kernel staged, one an expert
+    in place; into fp32 slots (no pair path) each tensor decodes alone and converts exactly. The slots
+    hold the weights' bits, and each expert's first source its staged bytes (what a tier keeps)."""
     from specter.offload import coded as coded_mod
     from test_link import FakeCuda
 
@@ -130,12 +131,12 @@ def test_cudalink_copies_a_coded_expert_in_one_launch(monkeypatch):
     w13.view(3, -1)[:, ::97] = 1e30                                      # escapes in every expert's w13
     layer = encode_store([ExpertWeights(w13.clone(), w2.clone())], cuda=True)[0]
     launches = []
-    for name in ("_decode_kernel", "_decode_pair_kernel"):
+    for name in ("_decode_kernel", "_decode_pair_kernel", "_decode_pairs_kernel"):
         kernel = getattr(lossless, name)
         monkeypatch.setattr(lossless, name, _Counted(kernel, name, launches))
     link = CudaLink("cpu", bandwidth=1e9, cuda=FakeCuda(True))
     assert coded_mod.decode_in_place([layer], "cpu") == 0  # not locked: staged copies
-    cases = ((torch.bfloat16, [0]), (torch.bfloat16, [1, 2]), (torch.float32, [2]))
+    cases = ((torch.bfloat16, [0]), (torch.bfloat16, [1, 2]), (torch.bfloat16, [2, 0, 1]), (torch.float32, [2]))
     with link:
         for dtype, experts in cases + (("in place", [2, 0]),):
             if dtype == "in place":
@@ -150,8 +151,16 @@ def test_cudalink_copies_a_coded_expert_in_one_launch(monkeypatch):
             link.copy(dsts, srcs, urgent=True).wait()
             for (s13, s2), e in zip(slots, experts):
                 assert s13.equal(w13[e].to(dtype)) and s2.equal(w2[e].to(dtype)), (dtype, e)
-            want = ["_decode_pair_kernel"] * len(experts) if dtype == torch.bfloat16 else ["_decode_kernel"] * 2
+            in_place = layer.w13.pair.in_place
+            if dtype != torch.bfloat16:
+                want = ["_decode_kernel"] * 2
+            elif len(experts) == 1 or in_place:
+                want = ["_decode_pair_kernel"] * len(experts)
+            else:
+                want = ["_decode_pairs_kernel"]
             assert launches == want, (dtype, experts, launches)
+            if dtype == torch.bfloat16:  # staged: each expert's first source holds its bytes on the device
+                assert all((srcs[2 * j].staged is None) == in_place for j in range(len(experts)))
 
 
 def test_a_cuda_store_warms_each_kind_of_layer_once(monkeypatch):
@@ -236,22 +245,19 @@ def test_the_coded_copy_experiment_runs_on_cpu(capsys):
     assert row["raw"]["exact"] and row["coded"]["exact"] and row["coded_unpaired"]["exact"], row
     assert row["tier_hit"]["exact"] and row["tier_hit"]["bytes"] == row["coded"]["bytes"], row
     assert row["tier_batch"]["exact"] and "tier_batch_over_raw" in row, row  # expert 0 and 1 in one launch
+    assert row["raw_batch"]["exact"] and row["coded_batch"]["exact"] and "coded_batch_over_raw_batch" in row, row
+    assert row["raw_batch"]["bytes"] == row["raw"]["bytes"] and row["coded_batch"]["bytes"] < 0.75 * row["raw"]["bytes"]
     assert in_place["coded_in_place"]["exact"] and in_place["coded_in_place"]["bytes"] == row["coded"]["bytes"], in_place
     assert row["raw"]["bytes"] == (384 * 256 + 256 * 192) * 2 and row["coded"]["bytes"] < 0.75 * row["raw"]["bytes"], row
 
 
 def test_a_cuda_tier_decodes_its_kept_bytes_with_the_kernel(monkeypatch):
     """test_coded_tier's CUDA tier scenario (FakeCuda streams, the CPU as the device) with the pair
-    kernel itself decoding every copy and every hit: each slot holds its expert's bits."""
+    kernels themselves decoding every copy and every hit: each slot holds its expert's bits."""
     from test_coded_tier import cuda_tier_scenario
 
-    decoded, real = [], lossless.decode_staged_pair
-
-    def counted(pair, e, staged, out_a, out_b):
-        decoded.append(e)
-        return real(pair, e, staged, out_a, out_b)
-
-    monkeypatch.setattr(lossless, "decode_staged_pair", counted)
+    decoded = []
+    _count_decodes(monkeypatch, decoded, [])
     cuda_tier_scenario(decoded)
 
 
@@ -261,6 +267,12 @@ def test_a_cuda_tier_over_random_calls_with_the_kernels(monkeypatch):
     from test_coded_tier import cuda_tier_random
 
     decoded, batches = [], []
+    _count_decodes(monkeypatch, decoded, batches)
+    cuda_tier_random(decoded, batches)
+
+
+def _count_decodes(monkeypatch, decoded: list, batches: list) -> None:
+    """The staged decodes, the kernels themselves, noting each expert decoded and each batch's size."""
     one, many = lossless.decode_staged_pair, lossless.decode_staged_pairs
 
     def counted_one(pair, e, staged, out_a, out_b):
@@ -274,5 +286,4 @@ def test_a_cuda_tier_over_random_calls_with_the_kernels(monkeypatch):
 
     monkeypatch.setattr(lossless, "decode_staged_pair", counted_one)
     monkeypatch.setattr(lossless, "decode_staged_pairs", counted_many)
-    cuda_tier_random(decoded, batches)
 

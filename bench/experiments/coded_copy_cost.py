@@ -11,7 +11,9 @@ tier (offload/coded_tier.py, opt-in on CUDA): the pair kernel decoding bytes alr
 the slots, no host-to-device copy, through the same link call, so that its issue_us beside raw's says
 whether a hit is cheaper for the issuing thread than the copy it replaces. `tier_batch`: a layer call's
 --batch hits as the engine issues them, one link call and one launch of the batch kernel
-(lossless.decode_staged_pairs); its figures are per expert.
+(lossless.decode_staged_pairs); its figures are per expert. `raw_batch` / `coded_batch`: a coalesced
+copy of --batch experts over the link (a layer call's misses), per expert: coded, each expert staged
+and all of them decoded in one launch of the batch kernel.
 
     python bench/experiments/coded_copy_cost.py [--copies 64]      # CUDA: through CudaLink
     TRITON_INTERPRET=1 python bench/experiments/coded_copy_cost.py --device cpu --shapes bundled --copies 2
@@ -181,7 +183,7 @@ def shape_row(name: str, kinds: tuple, link, copies: int, device, batch: int = 8
     slots = [torch.empty(2 * I, H, dtype=torch.bfloat16, device=device),
              torch.empty(H, I, dtype=torch.bfloat16, device=device)]
     batch_slots = slots
-    if "tier_batch" in kinds:  # `batch` experts' slots, rows of a pool as the engine's
+    if any(k.endswith("_batch") for k in kinds):  # `batch` experts' slots, rows of a pool as the engine's
         pools = (torch.empty(batch, 2 * I, H, dtype=torch.bfloat16, device=device),
                  torch.empty(batch, H, I, dtype=torch.bfloat16, device=device))
         batch_slots = [p[j] for j in range(batch) for p in pools]
@@ -192,12 +194,15 @@ def shape_row(name: str, kinds: tuple, link, copies: int, device, batch: int = 8
     for kind in kinds:
         if kind == "coded_in_place":
             coded.w13.pair.with_tables(device).in_place = True
-        n, dst = (batch, batch_slots) if kind == "tier_batch" else (1, slots)
+        n, dst = (batch, batch_slots) if kind.endswith("_batch") else (1, slots)
         if kind.startswith("tier_"):  # each expert's bytes staged on the device once, as a tier keeps them
             pair = coded.w13.pair
             bufs = [stage_pair(pair, e, device) for e in range(2)]
             held = [(HeldExpert(pair, e, bufs[e], True), HeldExpert(pair, e, bufs[e], False)) for e in range(2)]
             srcs = held if n == 1 else [tuple(h for j in range(n) for h in held[j % 2])] * 2  # experts 0, 1, 0, ..
+        elif n > 1:  # a coalesced copy of n experts (a layer call's misses): 0, 1, 0, ...
+            store = sources[kind.removesuffix("_batch")]
+            srcs = [tuple(t for j in range(n) for t in (store.w13[j % 2], store.w2[j % 2]))] * 2
         else:
             srcs = [(sources[kind].w13[e], sources[kind].w2[e]) for e in range(2)]
         dst[0].fill_(float("nan"))
@@ -224,6 +229,9 @@ def shape_row(name: str, kinds: tuple, link, copies: int, device, batch: int = 8
     for tier in ("tier_hit", "tier_batch"):
         if "raw" in out and tier in out:
             out[f"{tier}_over_raw"] = {k: round(out[tier][k] / out["raw"][k], 2) for k in ("issue_us", "copy_us")}
+    if "raw_batch" in out and "coded_batch" in out:
+        out["coded_batch_over_raw_batch"] = {k: round(out["coded_batch"][k] / out["raw_batch"][k], 2)
+                                             for k in ("issue_us", "copy_us")}
     return out
 
 
@@ -245,7 +253,7 @@ def main(argv=None) -> int:
         link = Direct()
     try:
         raws = {}
-        kinds = ("raw", "coded", "coded_unpaired", "tier_hit", "tier_batch")
+        kinds = ("raw", "coded", "coded_unpaired", "tier_hit", "tier_batch", "raw_batch", "coded_batch")
         for name in args.shapes.split(","):  # then in place, every shape (a fault there on a GPU would not
             out = shape_row(name, kinds, link, args.copies, device, args.batch)  # lose these)
             raws[name] = out["raw"]

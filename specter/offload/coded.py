@@ -108,18 +108,34 @@ class CodedExpert:
         """CUDA, on the current (copy) stream: each coded source into its destination, as decode_on does,
         except that an expert's two tensors listed side by side (w13 then w2, as the manager lists a
         copy's sources) from a layer laid out together (for_cuda_layer) into bf16 slots cross as one
-        copy of their rows (and one of each escape run) and decode in one launch; the first source
-        then holds the staged bytes (`staged`: what the compressed tier keeps, offload/coded_tier.py)."""
+        copy of their rows (and one of each escape run), and the experts of one layer then decode in one
+        launch (lossless.decode_staged_pairs; in place: a launch each); the first source then holds the
+        staged bytes (`staged`: what the compressed tier keeps, offload/coded_tier.py)."""
+        jobs: list = []  # (e, staged, out_a, out_b) of jobs[0]'s pair, staged, not yet decoded
         i = 0
         while i < len(srcs):
             s = srcs[i]
             if i + 1 < len(srcs) and s.pairs_with(srcs[i + 1]) and all(
                     d.dtype == torch.bfloat16 and d.is_contiguous() for d in dsts[i:i + 2]):
-                s.staged = s.pair.decode_into(s.e, dsts[i], dsts[i + 1])
+                if s.pair.in_place:
+                    s.pair.decode_into(s.e, dsts[i], dsts[i + 1])
+                else:
+                    if jobs and jobs[0][0].pair is not s.pair:
+                        CodedExpert._decode_staged(jobs)
+                    s.staged = lossless.stage_pair(s.pair, s.e, dsts[i].device)
+                    jobs.append((s, s.staged, dsts[i], dsts[i + 1]))
                 i += 2
             else:
                 s.decode_on(dsts[i])
                 i += 1
+        if jobs:
+            CodedExpert._decode_staged(jobs)
+
+    @staticmethod
+    def _decode_staged(jobs: list) -> None:
+        """One launch for staged experts of one pair: jobs as decode_all_on gathers them."""
+        lossless.decode_staged_pairs(jobs[0][0].pair, [(s.e, staged, a, b) for s, staged, a, b in jobs])
+        jobs.clear()
 
     def pairs_with(self, other) -> bool:
         """`other` is this expert's second tensor (w2, this one w13) in one CodedPair."""
