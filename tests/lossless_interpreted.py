@@ -165,9 +165,9 @@ def test_cudalink_copies_a_coded_expert_in_one_launch(monkeypatch):
 
 def test_a_cuda_store_warms_each_kind_of_layer_once(monkeypatch):
     """warm_decode (a CUDA load, after the store is laid out: ready_on_cuda): one pair decode for each
-    kind of layer (w13's and w2's shapes and widths), so each kernel specialization compiles at load (and
-    one batch decode, for a CUDA tier);
-    the copies decode in place only with SPECTER_CODED_IN_PLACE=1."""
+    kind of layer (w13's and w2's shapes and widths), and one batch decode (a coalesced copy's experts, a
+    CUDA tier's hits), so each kernel specialization compiles at load; the copies decode in place only
+    with SPECTER_CODED_IN_PLACE=1."""
     from specter.moe import ExpertWeights
     from specter.offload.coded import encode_store, warm_decode
 
@@ -192,8 +192,9 @@ def test_a_cuda_store_warms_each_kind_of_layer_once(monkeypatch):
         if flag:
             monkeypatch.setenv("SPECTER_CODED_IN_PLACE", flag)
         launches.clear()
-        coded_mod.ready_on_cuda(store, "cpu")
-        assert launches == ["pair", "pair"] and all(layer.w13.pair.in_place == in_place for layer in store), flag
+        coded_mod.ready_on_cuda(store, "cpu")  # a copy of one expert, and of several (one batch launch)
+        assert launches == ["pair", "pair", "batch", "batch"], (flag, launches)
+        assert all(layer.w13.pair.in_place == in_place for layer in store), flag
 
 
 class _Counted:

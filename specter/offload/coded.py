@@ -111,7 +111,7 @@ class CodedExpert:
         copy of their rows (and one of each escape run), and the experts of one layer then decode in one
         launch (lossless.decode_staged_pairs; in place: a launch each); the first source then holds the
         staged bytes (`staged`: what the compressed tier keeps, offload/coded_tier.py)."""
-        jobs: list = []  # (e, staged, out_a, out_b) of jobs[0]'s pair, staged, not yet decoded
+        jobs: list = []  # (source, staged, out_a, out_b): experts of jobs[0]'s pair staged, not yet decoded
         i = 0
         while i < len(srcs):
             s = srcs[i]
@@ -284,17 +284,19 @@ def for_cuda_layer(w13: LosslessExperts, w2: LosslessExperts, *, pin: bool, refu
 
 def ready_on_cuda(store: list[CodedLayer], device) -> None:
     """A CUDA store, once coded and laid out: decoding in place where SPECTER_CODED_IN_PLACE=1 (an
-    experiment: decode_in_place), and every decode kernel compiled now (warm_decode)."""
+    experiment: decode_in_place), and every decode kernel compiled now (warm_decode): the pair kernel
+    (a copy of one expert) and the batch kernel (a coalesced copy's experts, a tier's hits)."""
     if os.environ.get("SPECTER_CODED_IN_PLACE") == "1":
         decode_in_place(store, device)
     warm_decode(store, device)
+    warm_decode(store, device, batch=True)
 
 
 def warm_decode(store: list[CodedLayer], device, *, batch: bool = False) -> int:
     """Runs the pair decode once for each kind of layer of a CUDA store (w13's and w2's shapes and code
     widths: one kernel specialization each), so Triton compiles them at load, not on the copy thread
     in the middle of the first generation; `batch`: the batch kernel instead (two experts), what a
-    CUDA tier's hits run (coded_tier.attach). -> the kinds run."""
+    coalesced copy's experts and a CUDA tier's hits run. -> the kinds run."""
     kinds = {}
     for layer in store:
         pair = layer.w13.pair
