@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -319,6 +319,7 @@ class CodedPair:
     words: torch.Tensor | None = None   # int32: the whole arena (rows, a's runs, b's runs), for decode_pair_in_place
     tables: torch.Tensor | None = None  # int32 [E, 2**a.bits + 2**b.bits] on the device (with_tables)
     in_place: bool = False   # copies decode in place (decode_pair_in_place), not from a staging copy
+    _segments: dict = field(default_factory=dict, repr=False, compare=False)  # expert -> its views (segments)
 
     def decode_into(self, e: int, out_a: torch.Tensor, out_b: torch.Tensor) -> torch.Tensor | None:
         """Expert e into bf16 slots on the device, as a copy does: in place where set (-> None), else
@@ -334,6 +335,15 @@ class CodedPair:
         """The bytes stage_pair puts on the device for expert e: both rows and both escape runs."""
         a, b = self.a._starts, self.b._starts
         return self.rows.shape[1] + a[e + 1] - a[e] + b[e + 1] - b[e]
+
+    def segments(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert e's rows of both tensors and its two escape runs, the views stage_pair copies from, made
+        once an expert (a view costs the issuing thread about a microsecond; a copy makes three)."""
+        views = self._segments.get(e)
+        if views is None:
+            a, b = self.a._starts, self.b._starts
+            views = self._segments[e] = (self.rows[e], self.a.escapes[a[e]:a[e + 1]], self.b.escapes[b[e]:b[e + 1]])
+        return views
 
     def with_tables(self, device) -> "CodedPair":
         """Itself, with each expert's two code tables copied to `device` (decode_pair_in_place reads them there)."""
@@ -377,14 +387,14 @@ def stage_pair(pair: CodedPair, e: int, device) -> torch.Tensor:
     """Expert e of both of a pair's tensors into one new uint8 [Ra + Rb + run_a + run_b] buffer on `device`,
     on the current stream: one non-blocking copy of its rows, one of each escape run it has
     (decode_staged_pair's input)."""
-    a, b, R = pair.a._starts, pair.b._starts, pair.rows.shape[1]
-    na, nb = a[e + 1] - a[e], b[e + 1] - b[e]
-    staged = torch.empty(pair.staged_nbytes(e), dtype=torch.uint8, device=device)
-    staged[:R].copy_(pair.rows[e], non_blocking=True)
+    row, run_a, run_b = pair.segments(e)
+    R, na, nb = row.numel(), run_a.numel(), run_b.numel()
+    staged = torch.empty(R + na + nb, dtype=torch.uint8, device=device)
+    staged[:R].copy_(row, non_blocking=True)
     if na:
-        staged[R:R + na].copy_(pair.a.escapes[a[e]:a[e + 1]], non_blocking=True)
+        staged[R:R + na].copy_(run_a, non_blocking=True)
     if nb:
-        staged[R + na:].copy_(pair.b.escapes[b[e]:b[e + 1]], non_blocking=True)
+        staged[R + na:].copy_(run_b, non_blocking=True)
     return staged
 
 
