@@ -79,12 +79,12 @@ def instrument(eng, k: int | None) -> dict:
     charge LaneChoice's copies their emulated seconds (the pinned mode: no timed choice left)."""
     dec = eng.decoder
     mgr = dec.experts
-    if k is not None and hasattr(dec, "governor"):
-        dec.governor = Governor(dec.governor.k_max, fixed=k)
-        dec.governor.plain_arms, dec.governor.lane_arms = Pinned(False), Pinned(False)
+    gov = getattr(dec, "governor", None)  # None: a plain decoder (on-demand), no cycles to log
+    if k is not None and gov is not None:
+        gov = dec.governor = Governor(gov.k_max, fixed=k)
+        gov.plain_arms, gov.lane_arms = Pinned(False), Pinned(False)
         charged_copy_seconds(mgr.link)
     log = {"cycles": [], "copies": [], "host": [], "tier": []}
-    gov = getattr(dec, "governor", None)  # None: a plain decoder (on-demand), no cycles to log
     if gov is not None:
         observe = gov.observe_cycle
 

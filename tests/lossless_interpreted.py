@@ -184,7 +184,7 @@ def test_a_cuda_store_warms_each_kind_of_layer_once(monkeypatch):
     monkeypatch.setattr(lossless, "_decode_pair_kernel", _Counted(lossless._decode_pair_kernel, "pair", launches))
     assert warm_decode(store, "cpu") == 2 and launches == ["pair", "pair"]
     monkeypatch.setattr(lossless, "_decode_pairs_kernel", _Counted(lossless._decode_pairs_kernel, "batch", launches))
-    launches.clear()  # a CUDA tier's (coded_tier.attach): the batch kernel, once a kind
+    launches.clear()  # the batch kernel, once a kind
     assert warm_decode(store, "cpu", batch=True) == 2 and launches == ["batch", "batch"]
     from specter.offload import coded as coded_mod  # what a CUDA load runs (ready_on_cuda): in place where asked
     monkeypatch.setattr(coded_mod, "is_locked", lambda t: True)

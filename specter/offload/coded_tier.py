@@ -346,9 +346,5 @@ def attach(mgr, capacity: int, link, *, rows=None, width: float | None = None, d
     if width is None:  # the slot dtype's bytes over bf16's (emulated; on CUDA a member costs its real bytes)
         width = mgr.pool[0].w13.element_size() / 2
     tier = CodedTier(mgr.store, capacity, decode_link or make_decode_link(link), width=width, rows=rows)
-    if tier.on_device:  # its batched hits' kernel compiled now, not on the decode thread mid-generation
-        from .coded import warm_decode
-
-        warm_decode(mgr.store, mgr.pool[0].w13.device, batch=True)
-    mgr.tier = tier
+    mgr.tier = tier  # on CUDA its hits' batch kernel was compiled with the store (coded.ready_on_cuda)
     return tier
