@@ -11,6 +11,8 @@ bf16 bytes of:
     chosen    the width encode() picks
 and the torch decode's speed (bf16 bytes written per second, one expert at a time, as the emulated
 device decodes a landed copy), checked bit for bit, and the encode's (bf16 bytes read per second).
+Then the bundled model's store as a CUDA load lays it out (lossless.layer_major: each expert's rows
+and escape runs in one record, records padded to the layer's longest) against its coded bytes.
 """
 from __future__ import annotations
 
@@ -116,6 +118,17 @@ def decode_speed(tensors: list[torch.Tensor], repeat: int) -> tuple[float, float
     return raw / best / 1e9, comp / best / 1e9
 
 
+def laid_out(tensors: list[torch.Tensor]) -> tuple[float, int, int]:
+    """(arena bytes over coded bytes, layers laid out in records, layers) of [w13, w2, w13, w2, ...]."""
+    arena = coded = inline = 0
+    for w13, w2 in zip(tensors[0::2], tensors[1::2]):
+        a, b = lossless.encode(w13), lossless.encode(w2)
+        arena += lossless.layer_major_nbytes(a, b)
+        coded += sum(p.shape[0] * lossless.row_layout(p)[1] + p._starts[-1] for p in (a, b))
+        inline += lossless._record(a, b) is not None
+    return arena / coded, inline, len(tensors) // 2
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=5)
@@ -136,6 +149,9 @@ def main() -> None:
         mib = sum(t.numel() * 2 for t in tensors) / 2**20
         print(f"| {name} | {mib:.1f} | " + " | ".join(f"{s[c]:.4f}" for c in cols)
               + f" | {s['widths']} | {out_gbs:.2f} | {in_gbs:.2f} | {enc_gbs:.2f} |")
+    ratio, inline, layers = laid_out(cases["bundled model experts"])
+    print(f"\nCUDA layout of the bundled store: {inline} of {layers} layers in records, arena {ratio:.4f}x its rows "
+          f"and escape runs (records padded to the layer's longest)")
 
 
 if __name__ == "__main__":

@@ -60,12 +60,17 @@ def test_a_staged_copy_decodes_every_case_bit_exact(bits):
             assert _bits(slot).equal(_bits(w[e])), (name, e, bits)
 
 
-def test_a_pair_decodes_every_case_bit_exact():
+@pytest.mark.parametrize("slack", [None, 0.0])
+def test_a_pair_decodes_every_case_bit_exact(slack, monkeypatch):
     """A layer's two tensors laid out together (layer_major), each expert decoded in one launch from its
     copy (stage_pair, decode_staged_pair) and in place from the arena (decode_pair_in_place, the tables
     on the device), the CPU as the device: every special case against every other (the same expert
-    count), at every pair of widths, into slots filled with garbage first."""
+    count), at every pair of widths, into slots filled with garbage first. Laid out in records (these
+    cases pad little) and, slack 0, with the runs after all rows wherever records would pad."""
     import itertools
+
+    if slack is not None:
+        monkeypatch.setattr(lossless, "INLINE_SLACK", slack)
 
     cases = special_weights()
     for (na, wa), (nb, wb) in itertools.product(cases.items(), cases.items()):

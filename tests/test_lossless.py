@@ -142,21 +142,34 @@ def test_one_tensors_copy_from_a_laid_out_layer_is_its_row_and_run(bits):
                 assert staged[:R].equal(em.by_expert[e]) and staged[R:].equal(run), name
 
 
-def test_layer_major_lays_an_experts_two_tensors_side_by_side():
+@pytest.mark.parametrize("slack", [None, 0.0, float("inf")])
+def test_layer_major_lays_an_experts_two_tensors_side_by_side(slack, monkeypatch):
     """layer_major (a CUDA store's layout, a layer's w13 and w2 together): each tensor keeps its format
     and bits (by_expert a strided view, its fields at row_layout's offsets), expert e's rows of both
-    are one contiguous run (a's then b's), and a copy of the expert (stage_pair) is one copy of that
-    run and one of each escape run it has: [a's row | b's row | a's run | b's run]."""
+    are one contiguous run (a's then b's), and a copy of the expert (stage_pair) puts [a's row | b's row |
+    a's run | b's run] on the device: one copy where the layer is laid out inline (each record's runs
+    right after its rows), else one of the rows and one of each run it has. slack 0 puts the runs after
+    all rows wherever records would pad; inf, and the default here, lay records (the next test: the choice)."""
+    if slack is not None:
+        monkeypatch.setattr(lossless, "INLINE_SLACK", slack)
     weights = special_weights()
+    layouts = set()
     for (na, wa), (nb, wb) in zip(weights.items(), list(weights.items())[1:] + list(weights.items())[:1]):
         if wa.shape[0] != wb.shape[0]:
             continue
         a, b = encode(wa), encode(wb)
         pair = lossless.layer_major(a, b)
         (off_a, Ra), (off_b, Rb) = lossless.row_layout(a), lossless.row_layout(b)
-        assert pair.rows.shape == (wa.shape[0], Ra + Rb) and pair.rows.is_contiguous(), (na, nb)
+        inline = lossless._record(a, b) is not None
+        layouts.add(inline)
+        stride = pair.rows.stride(0)
+        assert pair.rows.shape == (wa.shape[0], Ra + Rb) and pair.rows.stride(1) == 1, (na, nb)
+        assert (stride % 64 == 0 and stride >= Ra + Rb) if inline else stride == Ra + Rb, (na, nb)
+        assert pair.words.numel() * 4 == lossless.layer_major_nbytes(a, b), (na, nb)
         assert _bits(pair.a.decode()).equal(_bits(wa)) and _bits(pair.b.decode()).equal(_bits(wb)), (na, nb)
         assert pair.a.nbytes == a.nbytes and pair.b.nbytes == b.nbytes
+        for mine, theirs in ((pair.a.compact(), a), (pair.b.compact(), b)):
+            assert all(x.equal(y) for x, y in zip(mine.tensors(), theirs.tensors())), (na, nb)
         for e in range(wa.shape[0]):
             row = pair.rows[e]
             for mine, theirs, at in zip(pair.a.tensors()[:4], a.tensors()[:4], off_a):
@@ -166,10 +179,32 @@ def test_layer_major_lays_an_experts_two_tensors_side_by_side():
             with _Copies() as copies:
                 staged = lossless.stage_pair(pair, e, "cpu")
             runs = [a.expert_escapes(e), b.expert_escapes(e)]
-            assert copies.n == 1 + sum(r.numel() > 0 for r in runs), (na, nb, e)
-            assert staged.equal(torch.cat([row] + runs)), (na, nb, e)
+            assert copies.n == (1 if inline else 1 + sum(r.numel() > 0 for r in runs)), (na, nb, e)
+            assert staged.numel() == pair.staged_nbytes(e) and staged.equal(torch.cat([row] + runs)), (na, nb, e)
+            if inline:
+                assert pair.a.expert_escapes(e).data_ptr() == row.data_ptr() + Ra + Rb, (na, nb, e)
+    assert (False in layouts) if slack == 0 else layouts == {True}, layouts  # these weights pad little
     with pytest.raises(ConfigError, match="experts"):
         lossless.layer_major(encode(weights["normal*1"]), encode(weights["one expert, all zero"]))
+
+
+def test_records_are_inline_unless_one_expert_would_pad_them_all():
+    """Trained-like experts escape alike, so padding each record to the longest costs a fraction of a
+    percent: laid out inline. One expert escaping far more than the rest would pad every record to its
+    run: its layer keeps the runs after the rows, within INLINE_SLACK of the compact bytes either way."""
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(8, 64, 96, generator=g) * 0.02).bfloat16()
+    a = encode(w, 3)
+    compact = 8 * (2 * lossless.row_layout(a)[1]) + 2 * a._starts[-1]
+    assert lossless._record(a, a) is not None
+    assert compact <= lossless.layer_major_nbytes(a, a) <= compact * (1 + lossless.INLINE_SLACK)
+    odd = w.clone()
+    odd[3].view(-1)[::2] = torch.logspace(-30, 30, odd[3].numel() // 2).bfloat16()  # many exponents: escapes
+    o = encode(odd, 3)
+    assert o.expert_escapes(3).numel() > 8 * max(o.expert_escapes(e).numel() for e in range(8) if e != 3)
+    assert lossless._record(o, o) is None
+    assert lossless.layer_major_nbytes(o, o) == 8 * (2 * lossless.row_layout(o)[1]) + 2 * o._starts[-1]
+    assert _bits(lossless.layer_major(o, o).a.decode()).equal(_bits(odd))
 
 
 def test_encoding_in_chunks_gives_the_same_tensors(monkeypatch):

@@ -22,7 +22,7 @@ import re
 import subprocess
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -107,7 +107,9 @@ def lossless_launches(models=MODELS, widths=lossless.WIDTHS) -> list[Launch]:
         for ba, bb in zip(widths, widths[1:] + widths[:1]):
             a, b = stand_in_lossless(2, 2 * I, H, ba), stand_in_lossless(2, H, I, bb)
             rows = sum(lossless.row_layout(p)[1] for p in (a, b))
-            pair = lossless.CodedPair(a, b, None, torch.empty((2 * rows + 16) // 4, dtype=torch.int32),
+            arena = torch.empty(2 * rows + 16, dtype=torch.uint8)  # two rows, then 4-byte runs: a's, b's
+            a, b = (replace(p, run_at=(2 * rows + at, 2 * rows + at + 4)) for p, at in ((a, 0), (b, 8)))
+            pair = lossless.CodedPair(a, b, arena[:2 * rows].view(2, rows), arena.view(torch.int32),
                                       torch.empty(2, (1 << ba) + (1 << bb), dtype=torch.int32))
             staged = [torch.empty(rows + 8, dtype=torch.uint8) for _ in range(2)]
             slots = torch.empty(2, 2 * I, H, dtype=torch.bfloat16), torch.empty(2, H, I, dtype=torch.bfloat16)

@@ -17,12 +17,13 @@ to P = a multiple of 32; BITS the code width, one for the whole tensor; ESC = 2*
     by_expert uint8  [E, R] or None         layer_major(): the four tensors above are views of
                                             it, expert e's rows one after another in by_expert[e]
                                             (row_layout), itself a view of CodedPair.rows [E, Ra +
-                                            Rb] (a layer's w13 and w2 rows side by side), so a
-                                            copy of one tensor's expert is one copy of by_expert[e]
-                                            and one of its escape run
+                                            Rb] (a layer's w13 and w2 rows side by side)
+    run_at    tuple of E ints or None       layer_major(): `escapes` is then the layer's whole
+                                            arena and expert e's run starts at byte run_at[e] of
+                                            it (in its record, right after its rows: CodedPair)
 
-    exponent(i) = table[code(i)]  unless code(i) == ESC: escapes[esc_start[e] + rank of i among the
-                                  expert's escapes]
+    exponent(i) = table[code(i)]  unless code(i) == ESC: escapes[esc_start[e] (laid out: run_at[e])
+                                  + rank of i among the expert's escapes]
     bf16 bits   = (signman & 0x80) << 8 | exponent << 7 | (signman & 0x7F)
 
 Every bit pattern round-trips (±0, subnormals, inf, NaN payloads: the exponent field is coded as
@@ -48,8 +49,8 @@ fp16 (5-bit exponent, 10-bit mantissa) and fp32 are refused: their split differs
 `decode()` (torch, any device) and `decode_into(out, e)` (one expert into a slot: the Triton
 kernel on CUDA or under TRITON_INTERPRET=1, torch elsewhere) return the identical bf16 bits.
 `layer_major(w13, w2)` (a CUDA host store: offload/coded.py) lays a layer's two tensors out for
-copies, together, so that `stage_pair` copies an expert's rows of both at once and
-`decode_staged_pair` decodes both in one launch (the issuing host's cost a copy is mostly its CUDA
+copies, together, an expert's record its rows of both then its escape runs, so that `stage_pair`
+copies an expert in one copy and `decode_staged_pair` decodes both tensors in one launch (the issuing host's cost a copy is mostly its CUDA
 calls: docs/RESULTS.md); `decode_pair_in_place` is that launch reading the page-locked arena itself,
 no staging copy (an experiment until a GPU times it: offload/coded.py's decode_in_place). One
 tensor's expert alone (a slot of another dtype) is `stage` (its row and escape run) and
@@ -86,9 +87,10 @@ class LosslessExperts:
     planes: torch.Tensor    # int32 [E, BITS, P // 32]
     table: torch.Tensor     # int32 [E, 2**BITS]
     esc_off: torch.Tensor   # int32 [E, cdiv(P, BLOCK)]
-    escapes: torch.Tensor   # uint8 [total], expert runs padded to 4 bytes
-    esc_start: torch.Tensor  # int64 [E + 1] (host)
+    escapes: torch.Tensor   # uint8 [total], expert runs padded to 4 bytes (laid out: the arena, runs at run_at)
+    esc_start: torch.Tensor  # int64 [E + 1] (host): expert e's run is esc_start[e + 1] - esc_start[e] bytes
     by_expert: torch.Tensor | None = None  # uint8 [E, R]: the four tensors above are views of it (layer_major)
+    run_at: tuple | None = None  # layer_major: where each expert's run starts in `escapes` (else esc_start)
 
     def __post_init__(self):
         E, N, K = self.shape
@@ -96,7 +98,8 @@ class LosslessExperts:
         if (self.signman.shape != (E, P) or self.planes.dim() != 3 or self.planes.shape[0] != E
                 or self.planes.shape[2] != P // 32 or self.table.shape != (E, 1 << self.bits)
                 or self.esc_off.shape != (E, _cdiv(P, BLOCK)) or self.esc_start.shape != (E + 1,)
-                or (self.by_expert is not None and self.by_expert.shape != (E, row_layout(self)[1]))):
+                or (self.by_expert is not None and self.by_expert.shape != (E, row_layout(self)[1]))
+                or (self.run_at is not None and len(self.run_at) != E)):
             raise ConfigError(f"LosslessExperts: tensors do not match shape {self.shape}")
 
     @property
@@ -113,17 +116,28 @@ class LosslessExperts:
         return self.signman.device
 
     def to(self, device) -> "LosslessExperts":
-        """The coded tensors on `device` (esc_start, an index the launch code reads, stays on the host)."""
-        *moved, _ = (t.to(device) for t in self.tensors())
+        """The coded tensors on `device`, as encode lays them out (esc_start, an index the launch code
+        reads, stays on the host)."""
+        *moved, _ = (t.to(device) for t in self.compact().tensors())
         return LosslessExperts(self.shape, *moved, self.esc_start)
+
+    def compact(self) -> "LosslessExperts":
+        """Itself as encode lays it out (each tensor its own, the runs back to back in `escapes`): a copy
+        where laid out (layer_major), else itself. What the disk cache writes."""
+        if self.by_expert is None and self.run_at is None:
+            return self
+        runs = [self.expert_escapes(e) for e in range(self.shape[0])]
+        fixed = (t.contiguous() for t in (self.signman, self.planes, self.table, self.esc_off))
+        return LosslessExperts(self.shape, *fixed, torch.cat(runs) if runs else self.escapes[:0], self.esc_start)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.signman, self.planes, self.table, self.esc_off, self.escapes, self.esc_start]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every tensor of the format (tables and offsets included)."""
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        """Bytes of the format (tables and offsets included; the escape runs, not a laid-out one's arena)."""
+        fixed = (self.signman, self.planes, self.table, self.esc_off, self.esc_start)
+        return sum(t.numel() * t.element_size() for t in fixed) + self._starts[-1]
 
     def expert_nbytes(self, e: int) -> int:
         """Bytes an expert's copy moves: its rows of the fixed tensors and its escape run."""
@@ -137,7 +151,9 @@ class LosslessExperts:
 
     def expert_escapes(self, e: int) -> torch.Tensor:
         """uint8: expert e's escape run (a multiple of 4 bytes)."""
-        return self.escapes[self._starts[e]:self._starts[e + 1]]
+        start, end = self._starts[e], self._starts[e + 1]
+        at = start if self.run_at is None else self.run_at[e]
+        return self.escapes[at:at + end - start]
 
     @functools.cached_property
     def _starts(self) -> list[int]:
@@ -297,26 +313,29 @@ def _row_layout(P: int, bits: int) -> tuple[tuple[int, int, int, int], int]:
     return tuple(offsets), _cdiv(at, 64) * 64
 
 
-def _laid_out_nbytes(p: LosslessExperts) -> int:  # p's rows (row_layout) and its escape runs, as _laid_out lays them
-    return p.shape[0] * row_layout(p)[1] + p.escapes.numel()
-
-
-def _laid_out(p: LosslessExperts, by_expert: torch.Tensor, escapes: torch.Tensor) -> LosslessExperts:
-    """p's bits copied into `by_expert` (uint8 [E, R], each row one expert's: row_layout) and `escapes`."""
+def _laid_out(p: LosslessExperts, by_expert: torch.Tensor, arena: torch.Tensor, run_at: list[int]) -> LosslessExperts:
+    """p's bits copied into `by_expert` (uint8 [E, R], each row one expert's: row_layout) and its escape
+    runs into `arena` (uint8, the layer's) at run_at."""
     fields = [by_expert[:, at:at + t[0].nbytes].view(t.dtype).view(t.shape).copy_(t)
               for t, at in zip((p.signman, p.planes, p.table, p.esc_off), row_layout(p)[0])]
-    return LosslessExperts(p.shape, *fields, escapes.copy_(p.escapes), p.esc_start, by_expert)
+    for e, at in enumerate(run_at):
+        run = p.expert_escapes(e)
+        arena[at:at + run.numel()].copy_(run)
+    return LosslessExperts(p.shape, *fields, arena, p.esc_start, by_expert, tuple(run_at))
 
 
 @dataclass
 class CodedPair:
-    """A layer's two coded tensors laid out together for copies (layer_major): expert e's rows of both,
-    a's then b's, are rows[e], one contiguous run, so an expert's copy is one copy of rows[e] and one of
-    each escape run, and one launch decodes both (stage_pair, decode_staged_pair)."""
+    """A layer's two coded tensors laid out together for copies (layer_major) in one arena: expert e's
+    record is its rows of both, a's then b's (rows[e]), then its escape run of a, then of b, so a copy
+    of the expert is one copy of its record's head (stage_pair) and one launch decodes both
+    (decode_staged_pair). Records are padded to the layer's longest; where that padding would cost
+    more than INLINE_SLACK of the arena, the runs follow all rows instead (a's, then b's) and a copy
+    is one copy of the rows and one of each run."""
     a: LosslessExperts       # w13: by_expert = rows[:, :Ra]
     b: LosslessExperts       # w2:  by_expert = rows[:, Ra:]
-    rows: torch.Tensor       # uint8 [E, Ra + Rb]
-    words: torch.Tensor | None = None   # int32: the whole arena (rows, a's runs, b's runs), for decode_pair_in_place
+    rows: torch.Tensor       # uint8 [E, Ra + Rb], row e at byte e * rows.stride(0) of the arena
+    words: torch.Tensor | None = None   # int32: the whole arena, for decode_pair_in_place
     tables: torch.Tensor | None = None  # int32 [E, 2**a.bits + 2**b.bits] on the device (with_tables)
     in_place: bool = False   # copies decode in place (decode_pair_in_place), not from a staging copy
     _segments: dict = field(default_factory=dict, repr=False, compare=False)  # expert -> its views (segments)
@@ -336,13 +355,21 @@ class CodedPair:
         a, b = self.a._starts, self.b._starts
         return self.rows.shape[1] + a[e + 1] - a[e] + b[e + 1] - b[e]
 
-    def segments(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Expert e's rows of both tensors and its two escape runs, the views stage_pair copies from, made
-        once an expert (a view costs the issuing thread about a microsecond; a copy makes three)."""
+    def segments(self, e: int) -> tuple[torch.Tensor, ...]:
+        """The host views stage_pair copies for expert e, whose bytes back to back are its staged bytes
+        [rows | a's run | b's run]: one (its record's head) when the layer is laid out inline, else its
+        rows and each run it has. Made once an expert (a view costs the issuing thread about a microsecond)."""
         views = self._segments.get(e)
         if views is None:
-            a, b = self.a._starts, self.b._starts
-            views = self._segments[e] = (self.rows[e], self.a.escapes[a[e]:a[e + 1]], self.b.escapes[b[e]:b[e + 1]])
+            spans: list[list[int]] = []  # [byte in the arena, length], adjacent ones merged
+            for at, n in ((e * self.rows.stride(0), self.rows.shape[1]),
+                          *((p.run_at[e], p._starts[e + 1] - p._starts[e]) for p in (self.a, self.b))):
+                if spans and spans[-1][0] + spans[-1][1] == at:
+                    spans[-1][1] += n
+                elif n:
+                    spans.append([at, n])
+            arena = self.a.escapes
+            views = self._segments[e] = tuple(arena[at:at + n] for at, n in spans)
         return views
 
     def with_tables(self, device) -> "CodedPair":
@@ -351,24 +378,43 @@ class CodedPair:
         return self
 
 
+INLINE_SLACK = 1 / 64  # the padding inline records may add to a layer's arena (measured: docs/RESULTS.md)
+
+
+def _record(a: LosslessExperts, b: LosslessExperts) -> int | None:
+    """The stride of a layer's inline records (an expert's rows of a and b, then its two runs, padded to
+    the longest record and to 64 bytes), or None where the padding would exceed INLINE_SLACK."""
+    E, R = a.shape[0], row_layout(a)[1] + row_layout(b)[1]
+    runs = [a._starts[e + 1] - a._starts[e] + b._starts[e + 1] - b._starts[e] for e in range(E)]
+    stride = _cdiv(R + max(runs, default=0), 64) * 64
+    return stride if E * stride <= (E * R + sum(runs)) * (1 + INLINE_SLACK) else None
+
+
 def layer_major_nbytes(a: LosslessExperts, b: LosslessExperts) -> int:
-    return _laid_out_nbytes(a) + _laid_out_nbytes(b)
+    stride = _record(a, b)
+    rows = row_layout(a)[1] + row_layout(b)[1]
+    return a.shape[0] * stride if stride else a.shape[0] * rows + a._starts[-1] + b._starts[-1]
 
 
 def layer_major(a: LosslessExperts, b: LosslessExperts, buffer: torch.Tensor | None = None) -> CodedPair:
-    """a's and b's bits (one layer's w13 and w2, the same experts) in one uint8 buffer of
-    layer_major_nbytes (`buffer`; else allocated): rows [E, Ra + Rb] (expert e's rows of a, then of b:
-    row_layout each), then a's escape runs, then b's."""
+    """a's and b's bits (one layer's w13 and w2, the same experts) in one uint8 arena of layer_major_nbytes
+    (`buffer`; else allocated): CodedPair's records, expert e's [a's row | b's row | a's run | b's run]
+    (row_layout each), or where records would pad too much, rows [E, Ra + Rb] then a's runs then b's."""
     E, Ra, Rb = a.shape[0], row_layout(a)[1], row_layout(b)[1]
     if b.shape[0] != E:
         raise ConfigError(f"layer_major: {E} experts in one tensor, {b.shape[0]} in the other")
-    if buffer is None:
-        buffer = torch.empty(layer_major_nbytes(a, b), dtype=torch.uint8)
-    rows, at = buffer[:E * (Ra + Rb)].view(E, Ra + Rb), E * (Ra + Rb)
-    a = _laid_out(a, rows[:, :Ra], buffer[at:at + a.escapes.numel()])
-    at += a.escapes.numel()
-    b = _laid_out(b, rows[:, Ra:], buffer[at:at + b.escapes.numel()])
-    return CodedPair(a, b, rows, buffer[:at + b.escapes.numel()].view(torch.int32))
+    nbytes, stride = layer_major_nbytes(a, b), _record(a, b)
+    arena = (torch.empty(nbytes, dtype=torch.uint8) if buffer is None else buffer)[:nbytes]
+    if stride:   # inline: each expert's runs right after its rows
+        rows = arena.view(E, stride)[:, :Ra + Rb]
+        at_a = [e * stride + Ra + Rb for e in range(E)]
+        at_b = [at + a._starts[e + 1] - a._starts[e] for e, at in enumerate(at_a)]
+    else:        # after all rows
+        rows = arena[:E * (Ra + Rb)].view(E, Ra + Rb)
+        at_a = [E * (Ra + Rb) + s for s in a._starts[:-1]]
+        at_b = [E * (Ra + Rb) + a._starts[-1] + s for s in b._starts[:-1]]
+    a, b = _laid_out(a, rows[:, :Ra], arena, at_a), _laid_out(b, rows[:, Ra:], arena, at_b)
+    return CodedPair(a, b, rows, arena.view(torch.int32))
 
 
 def stage(p: LosslessExperts, e: int, device) -> torch.Tensor:
@@ -385,16 +431,16 @@ def stage(p: LosslessExperts, e: int, device) -> torch.Tensor:
 
 def stage_pair(pair: CodedPair, e: int, device) -> torch.Tensor:
     """Expert e of both of a pair's tensors into one new uint8 [Ra + Rb + run_a + run_b] buffer on `device`,
-    on the current stream: one non-blocking copy of its rows, one of each escape run it has
+    on the current stream: non-blocking copies of its segments, one when laid out inline
     (decode_staged_pair's input)."""
-    row, run_a, run_b = pair.segments(e)
-    R, na, nb = row.numel(), run_a.numel(), run_b.numel()
-    staged = torch.empty(R + na + nb, dtype=torch.uint8, device=device)
-    staged[:R].copy_(row, non_blocking=True)
-    if na:
-        staged[R:R + na].copy_(run_a, non_blocking=True)
-    if nb:
-        staged[R + na:].copy_(run_b, non_blocking=True)
+    parts = pair.segments(e)
+    staged = torch.empty(pair.staged_nbytes(e), dtype=torch.uint8, device=device)
+    if len(parts) == 1:
+        return staged.copy_(parts[0], non_blocking=True)
+    at = 0
+    for part in parts:
+        staged[at:at + part.numel()].copy_(part, non_blocking=True)
+        at += part.numel()
     return staged
 
 
@@ -453,12 +499,11 @@ def decode_pair_in_place(pair: CodedPair, e: int, out_a: torch.Tensor, out_b: to
         _check_out(p, out, "decode_pair_in_place")
     _require_launch(out_a)
     a, b = pair.a, pair.b
-    grid, (rows, tab_a, _, n_a, n_b), kw = _pair_launch(a.padded, a.bits, b.padded, b.bits)
-    E, tables = a.shape[0], pair.tables.shape[1]
+    grid, (_, tab_a, _, n_a, n_b), kw = _pair_launch(a.padded, a.bits, b.padded, b.bits)
+    tables = pair.tables.shape[1]
     _decode_pair_kernel[grid](pair.words, pair.tables, out_a.view(torch.int16), out_b.view(torch.int16),
-                              e * rows, e * tables, e * tables + (1 << a.bits), E * rows + a._starts[e] // 4,
-                              E * rows + (a._starts[E] + b._starts[e]) // 4, a.shape[1] * a.shape[2], n_a,
-                              b.shape[1] * b.shape[2], n_b, **kw)
+                              e * pair.rows.stride(0) // 4, e * tables, e * tables + (1 << a.bits), a.run_at[e] // 4,
+                              b.run_at[e] // 4, a.shape[1] * a.shape[2], n_a, b.shape[1] * b.shape[2], n_b, **kw)
 
 
 @functools.lru_cache(maxsize=None)

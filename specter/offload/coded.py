@@ -7,11 +7,13 @@
                     before the copy completes (before any reader can see the slot)
 
 On CUDA a layer's two coded tensors are laid out together in one page-aligned arena locked in place
-(lossless.layer_major: expert e's rows of the four fixed tensors of w13, then of w2, in one
-contiguous run; the escape runs after the rows), so a copy of an expert into bf16 slots is one
-host-to-device copy of its rows, one of each escape run and one decode launch for both tensors
+(lossless.layer_major: expert e's record is its rows of the four fixed tensors of w13, then of w2,
+then its two escape runs, one contiguous run of bytes), so a copy of an expert into bf16 slots is
+one host-to-device copy and a share of one decode launch for a layer call's experts
 (CodedExpert.decode_all_on), not five copies a tensor: each copy and each launch costs the issuing
 thread tens of microseconds on a GPU's host, more than a small expert takes to cross the link.
+(Records are padded to the layer's longest, 0.2-0.3% of the arena on the bundled model; a layer where
+one expert escapes far more than the rest keeps its runs after all rows: a copy is then three.)
 
 What reads the store, and what it gets (the decision per reader):
 - the offload manager's copies: coded bytes over the link, decoded into the slot when they land
@@ -108,7 +110,7 @@ class CodedExpert:
         """CUDA, on the current (copy) stream: each coded source into its destination, as decode_on does,
         except that an expert's two tensors listed side by side (w13 then w2, as the manager lists a
         copy's sources) from a layer laid out together (for_cuda_layer) into bf16 slots cross as one
-        copy of their rows (and one of each escape run), and the experts of one layer then decode in one
+        copy (lossless.stage_pair: its record), and the experts of one layer then decode in one
         launch (lossless.decode_staged_pairs; in place: a launch each); the first source then holds the
         staged bytes (`staged`: what the compressed tier keeps, offload/coded_tier.py)."""
         jobs: list = []  # (source, staged, out_a, out_b): experts of jobs[0]'s pair staged, not yet decoded
@@ -440,7 +442,7 @@ def coded_store(store: list[ExpertWeights], cached: list[CodedLayer | None], ent
 
 def _tensors(layer: CodedLayer) -> dict[str, torch.Tensor]:
     return {f"{m}.{k}": t.contiguous() for m in ("w13", "w2")
-            for k, t in zip(_FIELDS, getattr(layer, m).packed.tensors())}
+            for k, t in zip(_FIELDS, getattr(layer, m).packed.compact().tensors())}
 
 
 def _write_layer(path: Path, key: str, i: int, layer: CodedLayer) -> None:
