@@ -26,7 +26,7 @@ from .offload.manager import OffloadedExperts
 from .offload.plan import check_context, compute_dtype, make_plan
 from .offload.store import pin_wanted
 from .offload.oracle import OracleDecoder
-from .policy import Policy, get as get_policy, names as policy_names
+from .policy import Policy, get as get_policy
 from .speculative.decoder import PlainDecoder, SpeculativeDecoder
 from .speculative.draft import DraftExperts, Lookahead, keep_packed
 from .speculative.draft_cache import draft_int4
@@ -116,22 +116,6 @@ def check_draft_bits(draft_bits) -> None:
         raise ConfigError(f"draft_bits must be 4, 3 or 2 (the draft experts' code width), got {draft_bits!r}")
 
 
-def check_host_threads(policy: str, host_threads) -> None:
-    """host_threads: None, or an integer >= 1 for a policy that computes experts on the host; 0 (no
-    lane: every miss copied) for one that splits its misses between the lanes (specter)."""
-    if host_threads is None:
-        return
-    if isinstance(host_threads, bool) or not isinstance(host_threads, int) or host_threads < 0:
-        raise ConfigError(f"host_threads must be an integer >= 0, got {host_threads!r}")
-    lane = get_policy(policy).host_lane
-    if not lane:
-        raise ConfigError(f"policy {policy!r} computes no expert on the host, so host_threads would be ignored; "
-                          f"drop it, or use policy {' or '.join(map(repr, policy_names('host_lane')))}")
-    if host_threads == 0 and lane == "misses":
-        raise ConfigError(f"policy {policy!r} computes every miss on the host lane, so it needs host_threads >= 1; "
-                          f"for no lane at all (every miss copied) use policy 'on-demand'")
-
-
 def check_compressible(ckpt: Checkpoint, compress_experts) -> None:
     """compress_experts is a bool, and the checkpoint bf16 when it is set."""
     if not isinstance(compress_experts, bool):
@@ -156,7 +140,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     pol = get_policy(policy)
     if options:
         raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}")
-    check_host_threads(policy, host_threads)
+    get_policy(policy).check_host_threads(host_threads)
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
         raise ConfigError(f"k_max must be an integer >= 0 (0 = no speculation), got {k_max!r}")
     if compile is not None and not isinstance(compile, bool):
@@ -237,18 +221,9 @@ def moe_graphs(device: torch.device, compile: bool | None):
 
 def uses_host_lane(policy: Policy | str, device: torch.device, host_threads: int | None = None,
                    every_expert: bool = False) -> bool:
-    """Whether `policy` computes experts on the host lane: host_lane "misses" (policy host) always;
-    "split" (specter) on CPU (the emulated machine, where greedy decoding on both lanes is
-    resident's bits, tested) and on CUDA only when host_threads is given (opt-in: the lane's CUDA
-    path has not yet run on a GPU, and there the host's and the GPU's arithmetic round differently),
-    never with host_threads 0 (every miss copied: CUDA's default shape, on CPU too), and not where
-    the budget holds `every_expert` (nothing is ever missing: it then runs exactly as the copy-only
-    policy, no lane thread). Every other policy only copies."""
-    lane = (get_policy(policy) if isinstance(policy, str) else policy).host_lane
-    if lane == "misses":
-        return True
-    return (lane == "split" and not every_expert and host_threads != 0
-            and (device.type == "cpu" or host_threads is not None))
+    """Whether `policy` computes experts on the host lane on `device` (Policy.computes_on_host)."""
+    pol = get_policy(policy) if isinstance(policy, str) else policy
+    return pol.computes_on_host(device.type, host_threads, every_expert)
 
 
 def _compiled_steps(model, draft, compile: bool | None, device: torch.device, k_max: int):

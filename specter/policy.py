@@ -32,6 +32,33 @@ class Policy:
         verifier (the oracle replays a recording eagerly)."""
         return self.decoder != "oracle"
 
+    def computes_on_host(self, device_type: str, host_threads: int | None = None, every_expert: bool = False) -> bool:
+        """Whether it computes experts on the host lane on a `device_type` ("cpu", "cuda") device:
+        host_lane "misses" (policy host) always; "split" (specter) on CPU (the emulated machine, where
+        greedy decoding on both lanes is resident's bits, tested) and on CUDA only when host_threads is
+        given (opt-in: the lane's CUDA path has not yet run on a GPU, and there the host's and the GPU's
+        arithmetic round differently), never with host_threads 0 (every miss copied: CUDA's default
+        shape, on CPU too), and not where the budget holds `every_expert` (nothing is ever missing: it
+        then runs exactly as the copy-only policy, no lane thread). Every other policy only copies."""
+        if self.host_lane == "misses":
+            return True
+        return (self.host_lane == "split" and not every_expert and host_threads != 0
+                and (device_type == "cpu" or host_threads is not None))
+
+    def check_host_threads(self, host_threads) -> None:
+        """host_threads: None, or an integer >= 1 for a policy that computes experts on the host; 0 (no
+        lane: every miss copied) for one that splits its misses between the lanes (specter)."""
+        if host_threads is None:
+            return
+        if isinstance(host_threads, bool) or not isinstance(host_threads, int) or host_threads < 0:
+            raise ConfigError(f"host_threads must be an integer >= 0, got {host_threads!r}")
+        if not self.host_lane:
+            raise ConfigError(f"policy {self.name!r} computes no expert on the host, so host_threads would be "
+                              f"ignored; drop it, or use policy {' or '.join(map(repr, names('host_lane')))}")
+        if host_threads == 0 and self.host_lane == "misses":
+            raise ConfigError(f"policy {self.name!r} computes every miss on the host lane, so it needs host_threads "
+                              f">= 1; for no lane at all (every miss copied) use policy 'on-demand'")
+
 
 TABLE = (
     Policy("resident", "every expert on the device: the upper bound, where memory allows", offloads=False,

@@ -416,6 +416,53 @@ def test_plan_cli_ranks_the_ways_and_says_specter_runs(capsys):
     assert "specter does NOT fit" in capsys.readouterr().out
 
 
+def test_the_plan_predicts_specter_with_its_host_lane_only_where_it_runs_one(capsys):
+    """specter on CUDA copies every miss unless --host-threads is given (Policy.computes_on_host): the
+    ranking predicts it so, and says what the lane would give; with --host-threads (or on CPU) it is
+    predicted with the lane; 0 turns it off on CPU too; host always has its lane. Mixtral-8x7B on a
+    24 GiB RTX 4090 is where it decides the ranking: specter's 5.9% residency is slower than
+    on-demand without the lane and fastest with it."""
+    from specter.cli import main
+    from specter.offload.plan import predict_tpot, search
+
+    spec, dtype, numel = described("Mixtral-8x7B")
+    ranked = {}
+    for device, threads in (("cuda", None), ("cuda", 4), ("cpu", None), ("cpu", 0)):
+        ways = search(spec, numel, dtype, "24GiB", profile="RTX4090-PCIe4", device=device, host_threads=threads)
+        lanes = {o.policy: o.host_lane for o in ways}
+        assert lanes["host"] and not lanes["on-demand"] and not lanes["spec-lru"], (device, threads)
+        ranked[device, threads] = ([o.policy for o in ways], lanes["specter"])
+    order, lane = ranked["cuda", None]
+    assert not lane and order.index("specter") > order.index("on-demand") and order[0] == "host"
+    assert ranked["cuda", 4] == ranked["cpu", None] and ranked["cpu", None][0][0] == "specter"
+    assert ranked["cpu", 0] == ranked["cuda", None]
+    plan = search(spec, numel, dtype, "24GiB", profile="RTX4090-PCIe4", policies=["specter"])[0].plan
+    with_lane, without = (predict_tpot(spec, plan, "specter", plan.draft_bits, _profile("RTX4090-PCIe4"), lane)[0]
+                          for lane in (True, False))
+    assert with_lane < without
+
+    args = ["plan", "--model", str(CONFIGS / "Mixtral-8x7B"), "--device", "cuda", "--link", "RTX4090-PCIe4"]
+    assert main(args + ["--device-memory", "24GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "specter without its host lane" in out and "with its host lane (`--host-threads N`" in out
+    assert main(args + ["--device-memory", "24GiB", "--host-threads", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "specter without its host lane" not in out and "with its host lane (`--host-threads N`" not in out
+    assert main(args + ["--expert-memory", "6GiB"]) == 0  # the plan alone: what each lane carries
+    assert "no host lane (policy specter on cuda: opt-in there with --host-threads)" in capsys.readouterr().out
+    assert main(args + ["--expert-memory", "6GiB", "--host-threads", "4"]) == 0
+    assert "two lanes (policy specter)" in capsys.readouterr().out
+    for bad, why in ((["--policy", "on-demand", "--host-threads", "2"], "computes no expert on the host"),
+                     (["--policy", "host", "--host-threads", "0"], "needs host_threads >= 1")):
+        assert main(args + ["--expert-memory", "6GiB"] + bad) != 0 and why in capsys.readouterr().err
+
+
+def _profile(name):
+    from specter.offload.calibrate import load_profile
+
+    return load_profile(name)
+
+
 def test_a_long_context_plan_says_what_a_shorter_one_would_give_the_pool():
     """Qwen3-30B-A3B on 24 GiB plans 3.75 GiB of KV cache for its 40960 tokens: the fit's tips say what
     --context 8192 gives the pool instead (as make_plan computes it); the bundled model's 2048 get no tip."""

@@ -20,7 +20,7 @@ from ..offload.staging import describe as describe_staging
 from ..pipeline.plan import cmd_plan_ranks
 from ..policy import DEFAULT as DEFAULT_POLICY, get as get_policy, names as policy_names
 from ..sizes import format_size
-from .options import policy_help, positive_int
+from .options import nonnegative_int, policy_help, positive_int
 
 
 def add_parsers(sub) -> None:
@@ -41,6 +41,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--link", default=None, metavar="PROFILE",
                    help="with --device-memory: the machine (link profile, see `specter profile`) whose bandwidths "
                         "rank the ways to run (default: the default profile)")
+    p.add_argument("--host-threads", type=nonnegative_int, default=None,
+                   help=f"policies {' and '.join(policy_names('host_lane'))}: plan as `specter generate "
+                        "--host-threads N` runs (specter on CUDA uses its host lane only when given; 0: without "
+                        "it, every miss copied)")
     p.add_argument("--compress-experts", action="store_true",
                    help="the host store losslessly coded (bf16 checkpoints): its size, measured from the weights")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
@@ -62,6 +66,7 @@ def _host_line(host, coded: int | None) -> str:
 
 def cmd_plan(args) -> int:
     pol = get_policy(args.policy)
+    pol.check_host_threads(args.host_threads)
     if args.ranks > 1:  # a layer pipeline: per-rank table (specter/pipeline/plan.py)
         return cmd_plan_ranks(args, _plan_device(args.device, args.device_memory is not None))
     path = args.model or default_model_path()
@@ -88,11 +93,12 @@ def cmd_plan(args) -> int:
     if args.device_memory is not None:
         profile = load_profile(args.link)
         f = fit(spec, numel, dtype, args.device_memory, policy=args.policy, context=args.context,
-                draft_bits=args.draft_bits, profile=profile)
+                draft_bits=args.draft_bits, profile=profile, device=device.type, host_threads=args.host_threads)
         if f.draft_bits and f.draft_bits != (args.draft_bits or 4):  # the width the fit chose: its cache's size
             host = host_needs(spec, store_dtype, device.type, draft=pol.drafts, draft_bits=f.draft_bits)
             hosts = _host_line(host, coded)
-        ways = search(spec, numel, dtype, args.device_memory, context=args.context, profile=profile)
+        ways = search(spec, numel, dtype, args.device_memory, context=args.context, profile=profile,
+                      device=device.type, host_threads=args.host_threads)
         if args.json:
             print(json.dumps({**f.as_dict(), "host": vars(host), "dtype": str(dtype)[6:], "cuda_graphs": graphs,
                               "options": [o.as_dict() for o in ways], "profile": profile.name}))
@@ -117,6 +123,8 @@ def cmd_plan(args) -> int:
             print(f"ways to run in {format_size(f.device_memory)}, fastest predicted first (the longest context "
                   f"that fits, up to {f.context}):")
             print(options_table(ways, profile.name))
+            if lane_note := _with_lane(ways, spec, numel, dtype, args, profile, device):
+                print(lane_note)
         else:
             print(f"nothing runs in {format_size(f.device_memory)}, at any context down to the shortest tried")
         return 0
@@ -126,14 +134,19 @@ def cmd_plan(args) -> int:
                          compressed=args.compress_experts, coded_tier=tier, draft_bits=args.draft_bits or 4)
 
     plan = plan_at(tier_ratio(coded, host, device, pol, dtype))
-    lanes = _lane_split(spec, store_dtype, plan.residency, pol.host_lane) if pol.host_lane else None
+    lane = pol.computes_on_host(device.type, args.host_threads)
+    lanes = _lane_split(spec, store_dtype, plan.residency, pol.host_lane) if lane else None
+    if pol.host_lane and not lane:
+        copies += f"\nno host lane (policy {args.policy} on {device.type}" + \
+                  (", --host-threads 0" if args.host_threads == 0 else ": opt-in there with --host-threads") + \
+                  "): every miss copied over PCIe"
     if lanes is not None and pol.host_lane == "misses":
         copies += f"\nhost lane (policy {args.policy}): ~{format_size(lanes['host_bytes_per_token'])} of expert weights a " \
                   f"token read in place on the host ({1 - plan.residency:.0%} of expert uses if routing were " \
                   f"uniform), 0 B over PCIe after warm-up"
     elif lanes is not None:
         v = lanes["verification"]
-        copies += f"\ntwo lanes (policy {args.policy}; on CUDA with --host-threads): each layer's misses split so that " \
+        copies += f"\ntwo lanes (policy {args.policy}): each layer's misses split so that " \
                   f"both lanes finish together, the ones the draft predicts reuse for copied first " \
                   f"({lanes['profile']}'s link and host, routing uniform): a plain step " \
                   f"~{format_size(lanes['pcie_bytes_per_token'])} over PCIe and " \
@@ -159,6 +172,19 @@ def cmd_plan(args) -> int:
         print(hosts)
         print(copies)
     return 0
+
+
+def _with_lane(ways, spec, numel, dtype, args, profile, device) -> str:
+    """Where a lane policy was ranked without its host lane (CUDA, no --host-threads): how fast the best of
+    it would be predicted with the lane (opt-in there), so the choice is the user's."""
+    opt_in = sorted({o.policy for o in ways if not o.host_lane and get_policy(o.policy).host_lane})
+    if not opt_in or args.host_threads == 0:
+        return ""
+    best = search(spec, numel, dtype, args.device_memory, context=args.context, profile=profile,
+                  policies=opt_in, device=device.type, host_threads=1)[0]
+    draft = f" INT{best.draft_bits}" if best.draft_bits else ""
+    return f"with its host lane (`--host-threads N`, opt-in on {device.type}), {best.policy}{draft} would be " \
+           f"predicted at {best.tokens_per_s:.2f} tok/s"
 
 
 def tier_ratio(coded: int | None, host, device, pol, dtype) -> float | None:

@@ -378,10 +378,13 @@ class Fit:
 
 
 def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *, policy: str = "specter",
-        context: int | None = None, draft_bits: int | None = None, profile=None) -> Fit:
+        context: int | None = None, draft_bits: int | None = None, profile=None, device: str = "cpu",
+        host_threads: int | None = None) -> Fit:
     """`draft_bits` None: of the draft widths that fit (the drafting policies), the one predicted
-    fastest (predict_tpot on `profile`, a LinkProfile or its name; None: the default profile)."""
+    fastest (predict_tpot on `profile`, a LinkProfile or its name; None: the default profile), with the
+    host lane where the policy runs one on a `device` ("cpu", "cuda") device with `host_threads`."""
     draft = get_policy(policy).drafts
+    lane = get_policy(policy).computes_on_host(device, host_threads)
     budget = parse_budget(device_memory, "device_memory")
     item = torch.empty((), dtype=dtype).element_size()
     L, E, k, expert = spec.n_moe_layers, spec.n_experts, spec.top_k, spec.expert_numel() * item
@@ -400,7 +403,7 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
             plan = make_plan(spec, total_numel, dtype, device_memory=budget, context=context, draft=draft, draft_bits=b)
         except BudgetError:
             continue
-        fitting.append((predict_tpot(spec, plan, policy, b if draft else None, profile)[0], -b, plan))
+        fitting.append((predict_tpot(spec, plan, policy, b if draft else None, profile, lane)[0], -b, plan))
     plan = min(fitting, key=lambda f: f[:2])[2] if fitting else None
     width = f"INT{narrow} " if draft else ""
     tips = []
@@ -461,6 +464,7 @@ class Option:
     tpot_s: float               # predicted seconds a token (see predict_tpot)
     k: int                      # the draft length the prediction chose (0: plain steps pay more)
     acceptance: float | None    # assumed (ASSUMED_ACCEPTANCE)
+    host_lane: bool = False     # predicted with its host lane (Policy.computes_on_host)
 
     @property
     def tokens_per_s(self) -> float:
@@ -471,17 +475,19 @@ class Option:
                     pool_slots=self.plan.pool_slots, residency=self.plan.residency, draft_bytes=self.plan.draft_bytes,
                     slot_pool_bytes=self.plan.slot_pool_bytes, total_bytes=self.plan.total_bytes,
                     predicted_tpot_s=self.tpot_s, predicted_tokens_per_s=self.tokens_per_s, k=self.k,
-                    assumed_acceptance=self.acceptance)
+                    assumed_acceptance=self.acceptance, host_lane=self.host_lane)
 
 
-def predict_tpot(spec: ModelSpec, plan: MemoryPlan, policy: str, bits: int | None, profile) -> tuple[float, int]:
+def predict_tpot(spec: ModelSpec, plan: MemoryPlan, policy: str, bits: int | None, profile,
+                 host_lane: bool = True) -> tuple[float, int]:
     """(seconds a token, K) on `profile`'s machine (a LinkProfile), if routing were uniform. A step is
     memory-bound: it reads the non-expert weights and each expert its tokens route to once,
     (non_expert + L x u(T) x expert bytes) / device bandwidth, u(T) = E (1 - (1 - k/E)^T) the
     distinct experts a layer's T tokens route to. A share `residency` of them is on the device; the
     m others of a layer are copies in series with compute, latency + expert bytes / PCIe each, or
     with a host lane computed on the host at its roofline (host_lane "misses": all of them; "split":
-    c copied and m - c hosted so that both lanes finish together, as LaneChoice splits them).
+    c copied and m - c hosted so that both lanes finish together, as LaneChoice splits them; `host_lane`
+    False: specter's lane does not run, every miss copied, as on CUDA without --host-threads).
     Speculative (draft at `bits`, acceptance a assumed): a cycle drafts K tokens (K draft steps over
     the draft's expert bytes), then verifies K + 1 tokens; it yields (1 - a^(K+1)) / (1 - a) tokens;
     with the planner ASSUMED_COVERAGE of the verification's miss time is spent while the draft runs
@@ -502,7 +508,7 @@ def predict_tpot(spec: ModelSpec, plan: MemoryPlan, policy: str, bits: int | Non
         return read(1, eb), 0
     copy = lat + eb / pcie
     host = None
-    if pol.host_lane:
+    if pol.host_lane and host_lane:
         from .calibrate import emulated_host_params
 
         try:
@@ -548,10 +554,12 @@ def contexts_to_try(spec: ModelSpec, context: int | None) -> list[int]:
 
 
 def search(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *, context: int | None = None,
-           profile=None, policies=None) -> list[Option]:
+           profile=None, policies=None, device: str = "cpu", host_threads: int | None = None) -> list[Option]:
     """Every way to run in `device_memory` bytes: each policy (the drafted ones at each draft width)
     at the longest context that fits (the one asked for, or the model's halved down to MIN_CONTEXT),
-    with the shared pool taking what is left; fastest predicted first. Nothing that does not fit."""
+    with the shared pool taking what is left; fastest predicted first. Nothing that does not fit. Each
+    policy with its host lane where it runs one on a `device` device with `host_threads` (given for
+    specter and host alike: 0 is specter's no-lane shape and leaves host its lane)."""
     from ..policy import POLICIES
 
     profile = _profile(profile)
@@ -570,8 +578,9 @@ def search(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory,
                                          draft=bits is not None, draft_bits=bits or 4)
                 except BudgetError:
                     continue
-                t, K = predict_tpot(spec, plan, policy, bits, profile)
-                out.append(Option(policy, bits, plan, t, K, ASSUMED_ACCEPTANCE.get(bits)))
+                lane = get_policy(policy).computes_on_host(device, host_threads)
+                t, K = predict_tpot(spec, plan, policy, bits, profile, lane)
+                out.append(Option(policy, bits, plan, t, K, ASSUMED_ACCEPTANCE.get(bits), lane))
                 break
     out.sort(key=lambda o: (o.tpot_s, -o.plan.context))
     return out
@@ -592,6 +601,16 @@ def options_table(options: list[Option], profile_name: str) -> str:
                 f"to rank by, not a measurement); drafted policies at assumed acceptance "
                 f"{', '.join(f'INT{b} {a:.2f}' for b, a in ASSUMED_ACCEPTANCE.items())}, specter with "
                 f"{ASSUMED_COVERAGE:.0%} of a verification's misses fetched while it drafts; K 0: plain steps predicted "
-                f"faster than any draft length. host and specter compute misses on the host too (specter on CUDA: "
-                f"with --host-threads)")
+                f"faster than any draft length." + _lanes_note(options))
     return "\n".join(rows)
+
+
+def _lanes_note(options: list[Option]) -> str:
+    """Which ranked policies were predicted computing misses on the host, and which without their lane."""
+    hosted = sorted({o.policy for o in options if o.host_lane})
+    copied = sorted({o.policy for o in options if not o.host_lane and get_policy(o.policy).host_lane})
+    note = f" {' and '.join(hosted)} compute{'s' if len(hosted) == 1 else ''} misses on the host too." if hosted else ""
+    if copied:
+        note += f" {' and '.join(copied)} without its host lane (on CUDA unless --host-threads is given; " \
+                f"--host-threads 0): every miss copied."
+    return note

@@ -48,12 +48,12 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     from ..offload.store import pin_wanted
 
     pol = get_policy(policy)
-    from ..builder import check_draft_bits, check_host_threads
+    from ..builder import check_draft_bits
 
     check_draft_bits(draft_bits)
     if draft_bits != 4 and not pol.drafts:
         raise ConfigError(f"policy {policy!r} runs no draft, so draft_bits would be ignored; drop it")
-    check_host_threads(policy, host_threads)
+    pol.check_host_threads(host_threads)
     ckpt = open_checkpoint(path)
     spec = ckpt.spec
     from ..builder import check_compressible
