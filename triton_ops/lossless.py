@@ -50,11 +50,11 @@ fp16 (5-bit exponent, 10-bit mantissa) and fp32 are refused: their split differs
 kernel on CUDA or under TRITON_INTERPRET=1, torch elsewhere) return the identical bf16 bits.
 `layer_major(w13, w2)` (a CUDA host store: offload/coded.py) lays a layer's two tensors out for
 copies, together, an expert's record its rows of both then its escape runs, so that `stage_pair`
-copies an expert in one copy and `decode_staged_pair` decodes both tensors in one launch (the issuing host's cost a copy is mostly its CUDA
-calls: docs/RESULTS.md); `decode_pair_in_place` is that launch reading the page-locked arena itself,
-no staging copy (an experiment until a GPU times it: offload/coded.py's decode_in_place). One
-tensor's expert alone (a slot of another dtype) is `stage` (its row and escape run) and
-`decode_staged`.
+copies an expert in one copy and `decode_staged_pair` decodes both tensors in one launch (the
+issuing host's cost a copy is mostly its CUDA calls: docs/RESULTS.md); `decode_pair_in_place` is
+that launch reading the page-locked arena itself, no staging copy (an experiment until a GPU times
+it: offload/coded.py's decode_in_place). One tensor's expert alone (a slot of another dtype) is
+`stage` (its row and escape run) and `decode_staged`.
 """
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 (issue 24). The first GPU run (2026-12-04, H200) saw specter's draft time double with a coded store
 (inferred: ~140 us more per coded expert copied, each copy then five host-to-device copies a
 tensor and a decode launch). Then a CUDA store laid each coded tensor out expert-major: a copy was
-one copy of the expert's row, one of its escape run and one launch a tensor; now a layer's two tensors are laid out together
-(lossless.layer_major), each expert's record its rows of both then its escape runs: one copy and one launch (`coded`), the per-tensor path
-beside it (`coded_unpaired`, the same store), and the kernel reading the page-locked arena in place,
+one copy of the expert's row, one of its escape run and one launch a tensor; now a layer's two
+tensors are laid out together (lossless.layer_major), each expert's record its rows of both then its
+escape runs: one copy and one launch (`coded`), the per-tensor path beside it (`coded_unpaired`, the
+same store), and the kernel reading the page-locked arena in place,
 no staging copy (`coded_in_place`, the engine's with SPECTER_CODED_IN_PLACE=1; a line of its own a
 shape, after all the others). This measures what is left. `tier_hit`: a hit of the compressed device
 tier (offload/coded_tier.py, opt-in on CUDA): the pair kernel decoding bytes already on the device into
