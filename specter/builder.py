@@ -140,7 +140,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     pol = get_policy(policy)
     if options:
         raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}")
-    get_policy(policy).check_host_threads(host_threads)
+    pol.check_host_threads(host_threads)
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
         raise ConfigError(f"k_max must be an integer >= 0 (0 = no speculation), got {k_max!r}")
     if compile is not None and not isinstance(compile, bool):
