@@ -111,7 +111,9 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden)
+        # A skeleton the loader fills: no random init (normal_ on the meta device imports torch._dynamo, ~1 s a load)
+        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(spec.vocab_size, spec.hidden, device="meta"),
+                                                         freeze=False)
         moe_ids = {l: i for i, l in enumerate(spec.moe_layer_ids)}
         self.layers = nn.ModuleList(DecoderLayer(spec, l, moe_ids.get(l)) for l in range(spec.n_layers))
         self.norm = make_norm(spec)

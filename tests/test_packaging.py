@@ -2,6 +2,7 @@
 package-dir), profiles and the default model ship as package data: in a wheel and editable. The
 package's imports form no cycle (tests/import_graph.py)."""
 import importlib.util
+import os
 import subprocess
 import sys
 import zipfile
@@ -79,3 +80,18 @@ def test_the_import_graph_sees_cycles(tmp_path):
     assert edges["specter.a"] == {"specter.b"} and edges["specter.compiled.k"] == {"specter.a"}
     assert ig.cycles(edges) == [["specter.a", "specter.b", "specter.c", "specter.compiled.k"]]
     assert local == [("specter.c", "specter.b", 2)] and ig.hidden_cycles(edges, local) == [("specter.c", "specter.b")]
+
+
+def test_loading_and_generating_on_cpu_never_imports_the_compiler(tmp_path):
+    """specter.load on CPU builds its model skeleton on the meta device and fills it from the checkpoint;
+    nothing there needs torch._dynamo (an nn.Embedding's random init did: normal_ on meta imports it,
+    about a second of every load here), and a CPU generation without compile=True never compiles. The
+    second load: the first builds the INT4 draft's cache (quantizing may import it, once a checkpoint)."""
+    code = ("import sys, specter; e = specter.load(specter.default_model_path()); "
+            "e.generate('def f(', max_new_tokens=4, temperature=0.0); "
+            "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor'))))")
+    env = dict(os.environ, SPECTER_DRAFT_CACHE=str(tmp_path))
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout[-2000:]
