@@ -452,6 +452,10 @@ def test_the_plan_predicts_specter_with_its_host_lane_only_where_it_runs_one(cap
     assert "no host lane (policy specter on cuda: opt-in there with --host-threads)" in capsys.readouterr().out
     assert main(args + ["--expert-memory", "6GiB", "--host-threads", "4"]) == 0
     assert "two lanes (policy specter)" in capsys.readouterr().out
+    for threads, lane in (([], False), (["--host-threads", "4"], True)):  # --json says which
+        assert main(args + ["--expert-memory", "6GiB", "--json"] + threads) == 0
+        res = json.loads(capsys.readouterr().out)
+        assert res["host_lane"] is lane and (res["lanes"] is not None) is lane
     for bad, why in ((["--policy", "on-demand", "--host-threads", "2"], "computes no expert on the host"),
                      (["--policy", "host", "--host-threads", "0"], "needs host_threads >= 1")):
         assert main(args + ["--expert-memory", "6GiB"] + bad) != 0 and why in capsys.readouterr().err

@@ -165,7 +165,8 @@ def cmd_plan(args) -> int:
         hosts += f", emulated device {format_size(host.device_bytes)} (host memory on cpu: a big model's slot " \
                  f"pool aliases the store)"
     if args.json:
-        print(json.dumps({**plan.as_dict(), "host": vars(host), "cuda_graphs": graphs, "lanes": lanes}))
+        print(json.dumps({**plan.as_dict(), "host": vars(host), "cuda_graphs": graphs, "host_lane": lane,
+                          "lanes": lanes}))
     else:
         print(head)
         print(plan.table())
