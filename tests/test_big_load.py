@@ -340,7 +340,7 @@ def test_plan_from_config_alone(tmp_path, bf16):
                           "0.25", "--json"], capture_output=True, text=True, check=True).stdout
     plan = json.loads(out)
     assert plan == {**make_plan(spec_w, numel_w, torch.float32, residency=0.25).as_dict(), "host": plan["host"],
-                    "cuda_graphs": None, "lanes": plan["lanes"]}  # no CUDA graphs on CPU
+                    "cuda_graphs": None, "host_lane": True, "lanes": plan["lanes"]}  # no CUDA graphs on CPU
     assert plan["lanes"]["pcie_bytes_per_token"] + plan["lanes"]["host_bytes_per_token"] > 0  # specter's two lanes
     assert plan["host"]["store_bytes"] == spec.n_moe_layers * spec.n_experts * spec.expert_numel() * 2
 
