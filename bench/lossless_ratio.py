@@ -125,7 +125,7 @@ def laid_out(tensors: list[torch.Tensor]) -> tuple[float, int, int]:
         a, b = lossless.encode(w13), lossless.encode(w2)
         arena += lossless.layer_major_nbytes(a, b)
         coded += sum(p.shape[0] * lossless.row_layout(p)[1] + p._starts[-1] for p in (a, b))
-        inline += lossless._record(a, b) is not None
+        inline += lossless._arena(a, b)[0] is not None
     return arena / coded, inline, len(tensors) // 2
 
 

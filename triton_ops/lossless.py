@@ -124,7 +124,7 @@ class LosslessExperts:
     def compact(self) -> "LosslessExperts":
         """Itself as encode lays it out (each tensor its own, the runs back to back in `escapes`): a copy
         where laid out (layer_major), else itself. What the disk cache writes."""
-        if self.by_expert is None and self.run_at is None:
+        if self.run_at is None:  # as encode laid it out (layer_major sets run_at)
             return self
         runs = [self.expert_escapes(e) for e in range(self.shape[0])]
         fixed = (t.contiguous() for t in (self.signman, self.planes, self.table, self.esc_off))
@@ -381,19 +381,18 @@ class CodedPair:
 INLINE_SLACK = 1 / 64  # the padding inline records may add to a layer's arena (measured: docs/RESULTS.md)
 
 
-def _record(a: LosslessExperts, b: LosslessExperts) -> int | None:
-    """The stride of a layer's inline records (an expert's rows of a and b, then its two runs, padded to
-    the longest record and to 64 bytes), or None where the padding would exceed INLINE_SLACK."""
+def _arena(a: LosslessExperts, b: LosslessExperts) -> tuple[int | None, int]:
+    """(stride, nbytes) of a layer's arena: the stride of its inline records (an expert's rows of a and b,
+    then its two runs, padded to the longest record and to 64 bytes), or None where that padding would
+    exceed INLINE_SLACK of the compact bytes (every row, then every run), which the arena then holds."""
     E, R = a.shape[0], row_layout(a)[1] + row_layout(b)[1]
     runs = [a._starts[e + 1] - a._starts[e] + b._starts[e + 1] - b._starts[e] for e in range(E)]
-    stride = _cdiv(R + max(runs, default=0), 64) * 64
-    return stride if E * stride <= (E * R + sum(runs)) * (1 + INLINE_SLACK) else None
+    stride, compact = _cdiv(R + max(runs, default=0), 64) * 64, E * R + sum(runs)
+    return (stride, E * stride) if E * stride <= compact * (1 + INLINE_SLACK) else (None, compact)
 
 
 def layer_major_nbytes(a: LosslessExperts, b: LosslessExperts) -> int:
-    stride = _record(a, b)
-    rows = row_layout(a)[1] + row_layout(b)[1]
-    return a.shape[0] * stride if stride else a.shape[0] * rows + a._starts[-1] + b._starts[-1]
+    return _arena(a, b)[1]
 
 
 def layer_major(a: LosslessExperts, b: LosslessExperts, buffer: torch.Tensor | None = None) -> CodedPair:
@@ -403,7 +402,7 @@ def layer_major(a: LosslessExperts, b: LosslessExperts, buffer: torch.Tensor | N
     E, Ra, Rb = a.shape[0], row_layout(a)[1], row_layout(b)[1]
     if b.shape[0] != E:
         raise ConfigError(f"layer_major: {E} experts in one tensor, {b.shape[0]} in the other")
-    nbytes, stride = layer_major_nbytes(a, b), _record(a, b)
+    stride, nbytes = _arena(a, b)
     arena = (torch.empty(nbytes, dtype=torch.uint8) if buffer is None else buffer)[:nbytes]
     if stride:   # inline: each expert's runs right after its rows
         rows = arena.view(E, stride)[:, :Ra + Rb]

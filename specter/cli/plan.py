@@ -178,7 +178,7 @@ def cmd_plan(args) -> int:
 def _with_lane(ways, spec, numel, dtype, args, profile, device) -> str:
     """Where a lane policy was ranked without its host lane (CUDA, no --host-threads): how fast the best of
     it would be predicted with the lane (opt-in there), so the choice is the user's."""
-    opt_in = sorted({o.policy for o in ways if not o.host_lane and get_policy(o.policy).host_lane})
+    opt_in = sorted({o.policy for o in ways if o.without_its_lane})
     if not opt_in or args.host_threads == 0:
         return ""
     best = search(spec, numel, dtype, args.device_memory, context=args.context, profile=profile,

@@ -470,6 +470,11 @@ class Option:
     def tokens_per_s(self) -> float:
         return 1.0 / self.tpot_s if self.tpot_s > 0 else math.inf
 
+    @property
+    def without_its_lane(self) -> bool:
+        """A policy with a host lane, predicted without it (specter on CUDA unless --host-threads is given)."""
+        return not self.host_lane and bool(get_policy(self.policy).host_lane)
+
     def as_dict(self) -> dict:
         return dict(policy=self.policy, draft_bits=self.draft_bits, context=self.plan.context,
                     pool_slots=self.plan.pool_slots, residency=self.plan.residency, draft_bytes=self.plan.draft_bytes,
@@ -608,7 +613,7 @@ def options_table(options: list[Option], profile_name: str) -> str:
 def _lanes_note(options: list[Option]) -> str:
     """Which ranked policies were predicted computing misses on the host, and which without their lane."""
     hosted = sorted({o.policy for o in options if o.host_lane})
-    copied = sorted({o.policy for o in options if not o.host_lane and get_policy(o.policy).host_lane})
+    copied = sorted({o.policy for o in options if o.without_its_lane})
     note = f" {' and '.join(hosted)} compute{'s' if len(hosted) == 1 else ''} misses on the host too." if hosted else ""
     if copied:
         note += f" {' and '.join(copied)} without its host lane (on CUDA unless --host-threads is given; " \
