@@ -127,7 +127,8 @@ def test_the_lowest_allowed_triton_passes_these_tests_too():
     lossless = Path(__file__).with_name("test_lossless.py")  # the decode kernel's compiles (the GPU image has 3.6)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                         f"{lossless}::test_decode_kernel_compiles_for_every_target_without_spills",
-                        f"{lossless}::test_decode_kernel_reads_words_never_bytes"],
+                        f"{lossless}::test_decode_kernel_reads_words_never_bytes",
+                        str(Path(__file__).with_name("test_launch.py"))],  # its stub driver and direct launches
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     check = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"], env=env,

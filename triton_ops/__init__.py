@@ -6,6 +6,7 @@
     expert_rows / combine_rows / merge_rows     its two halves, for callers that split the experts
     lossless.encode(w) -> LosslessExperts       bf16 experts coded losslessly, decoded into slots (lossless.py)
     graphed.GraphedRows()                       expert_rows / fused_moe replayed from CUDA graphs (graphed.py)
+    launch.launch(kernel, grid, *args, **kw)    kernel[grid](...) without the JIT's binding each launch (launch.py)
 """
 from .fused_moe import BACKENDS, combine_rows, default_backend, expert_rows, fused_moe, merge_rows
 from .int4 import Int4Experts, QuantExperts, group_size_for, pack_experts, pack_int4, packed_nbytes, quantize_int4

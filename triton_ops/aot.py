@@ -15,6 +15,10 @@ the very launches the engine makes, without a GPU (the Triton wheel ships ptxas)
 
 `python -m specter.triton_ops.aot` prints the table for the shapes of MODELS. `lossless_launches()`
 records lossless.py's decode kernel the same way (one expert of each shape into a slot).
+
+    with stub_driver(cc) as calls:           Triton's own launch path, JIT and all, on CPU tensors:
+        kernel[grid](...)                    it compiles for `cc`, and each launch's arguments, as
+                                             the compiled launcher receives them, are recorded
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import triton
 
 from . import kernels, lossless
 from .int4 import WIDTHS, QuantExperts, group_size_for
+from .launch import forget as forget_launches
 
 TARGETS = {80: "A100", 89: "L4 / RTX 4090", 90: "H100 / H200"}
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # bytes a block may hold
@@ -189,6 +194,83 @@ def compile_launch(launch: Launch, cc: int):
         src = ASTSource(launch.kernel, signature, constexprs, attrs)
         _compiled[key] = triton.compile(src, target=target, options=options.__dict__)
     return _compiled[key]
+
+
+STUB_DEVICE = 1000  # the device index a stub driver reports: no machine's, so its kernels never mix with a GPU's
+
+
+@dataclass
+class StubCall:
+    kernel: str
+    grid: tuple[int, int, int]
+    stream: int
+    function: int    # one number a compiled kernel loaded: equal when the same compiled kernel ran
+    args: tuple      # what the launcher received after the function: metadata, two hooks, the arguments
+
+
+@contextmanager
+def stub_driver(cc: int = 90, record: bool = True):
+    """Triton's active driver, inside the block, is one that compiles for compute capability `cc` (no
+    GPU: ptxas) and records each launch the compiled launcher is handed (StubCall), running nothing
+    (`record=False`: nothing kept, for timing the host's side of launches).
+    Its device is STUB_DEVICE: on exit every kernel it compiled forgets that device's cache, and
+    launch.py its kept kernels, so nothing of the stub outlives the block (a GPU machine's tests run
+    in the same process)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    calls: list[StubCall] = []
+    touched: set = set()
+    loaded: list[int] = []
+
+    class Launcher:
+        def __init__(self, src, metadata):
+            self.name = src.fn.__name__
+            touched.add(src.fn)
+
+        def __call__(self, gx, gy, gz, stream, function, *args):
+            enter, leave = args[2:4]                      # after the packed and the launch metadata
+            if enter is not None:                         # as the compiled launcher does
+                enter(args[1])
+            if record:
+                calls.append(StubCall(self.name, (gx, gy, gz), stream, function, args))
+            if leave is not None:
+                leave(args[1])
+
+    class Utils:
+        def load_binary(self, name, kernel, shared, device):
+            loaded.append(len(loaded) + 1)
+            return object(), loaded[-1], 64, 0, 1024        # module, function, registers, spills, max threads
+
+        def get_device_properties(self, device):
+            return {"max_shared_mem": SHARED_LIMIT[cc], "multiprocessor_count": 132}
+
+        def unload_module(self, module):
+            pass
+
+    class Stub:
+        utils, launcher_cls = Utils(), Launcher
+
+        def get_current_device(self):
+            return STUB_DEVICE
+
+        def get_current_stream(self, device):
+            return 7
+
+        def get_current_target(self):
+            return GPUTarget("cuda", cc, 32)
+
+    saved = driver._active              # None until first asked (asking would raise on a machine without a GPU)
+    driver.set_active(Stub())
+    forget_launches()
+    try:
+        yield calls
+    finally:
+        driver._active = saved
+        forget_launches()
+        for fn in touched:
+            for kernel in fn.device_caches.pop(STUB_DEVICE, ({},))[0].values():
+                kernel.module = None                # else its __del__ unloads a stub module through the real driver
 
 
 @dataclass

@@ -29,6 +29,7 @@ from specter.errors import ConfigError
 
 from .align import BLOCK_M, Alignment, align_rows, max_blocks
 from .int4 import Int4Experts
+from .launch import launch
 
 BLOCK_N, BLOCK_H = 32, 128
 BLOCK_K = 64         # 16-bit weights: a [32, 64] tile is 32 bytes a thread (4 warps), two 16-byte loads
@@ -248,9 +249,9 @@ def align_rows_triton(ids: torch.Tensor, n_weight_rows: int, remap: torch.Tensor
     block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
     row_slot = torch.empty(M, dtype=torch.int64, device=dev)
     n_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    _align_kernel[(1,)](ids.reshape(-1).contiguous(), remap if remap is not None else ids, slot_row, block_expert,
-                        row_slot, n_padded, M, R, nb, HAS_REMAP=remap is not None, BLOCK_M=BLOCK_M, BLOCK=32,
-                        R_BLOCK=1 << R.bit_length())  # the power of two above R (triton.next_power_of_2(R + 1))
+    launch(_align_kernel, (1,), ids.reshape(-1).contiguous(), remap if remap is not None else ids, slot_row,
+           block_expert, row_slot, n_padded, M, R, nb, HAS_REMAP=remap is not None, BLOCK_M=BLOCK_M, BLOCK=32,
+           R_BLOCK=1 << R.bit_length())  # the power of two above R (triton.next_power_of_2(R + 1))
     return Alignment(slot_row, block_expert, row_slot, n_padded)
 
 
@@ -304,16 +305,16 @@ def moe_rows_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     ieee = x.dtype == torch.float32
     q13, s13, z13, se13, sn13, g13 = _parts(w13, x.dtype)
     tiles = _tiles(w13, H)
-    _gate_up_kernel[(nb, -(-I // tiles["BLOCK_N"]))](
-        x, q13, s13, z13, act, a.slot_row, a.block_expert, a.n_padded,
-        H, I, M, k, x.stride(0), q13.stride(0), q13.stride(1), se13, sn13, g13,
-        IEEE=ieee, BLOCK_M=BLOCK_M, **tiles)
+    launch(_gate_up_kernel, (nb, -(-I // tiles["BLOCK_N"])),
+           x, q13, s13, z13, act, a.slot_row, a.block_expert, a.n_padded,
+           H, I, M, k, x.stride(0), q13.stride(0), q13.stride(1), se13, sn13, g13,
+           IEEE=ieee, BLOCK_M=BLOCK_M, **tiles)
     q2, s2, z2, se2, sn2, g2 = _parts(w2, x.dtype)
     tiles = _tiles(w2, I)
-    _down_kernel[(nb, -(-H // tiles["BLOCK_N"]))](
-        act, q2, s2, z2, out, rw, a.slot_row, a.block_expert, a.n_padded,
-        H, I, M, q2.stride(0), q2.stride(1), se2, sn2, g2,
-        IEEE=ieee, BLOCK_M=BLOCK_M, **tiles)
+    launch(_down_kernel, (nb, -(-H // tiles["BLOCK_N"])),
+           act, q2, s2, z2, out, rw, a.slot_row, a.block_expert, a.n_padded,
+           H, I, M, q2.stride(0), q2.stride(1), se2, sn2, g2,
+           IEEE=ieee, BLOCK_M=BLOCK_M, **tiles)
     return out.view(T, k, H)
 
 
@@ -321,5 +322,5 @@ def combine_triton(rows: torch.Tensor) -> torch.Tensor:
     T, k, H = rows.shape
     rows = rows.contiguous()
     y = rows.new_empty(T, H)
-    _combine_kernel[(T, -(-H // BLOCK_H))](rows, y, H, k, BLOCK_H=BLOCK_H)
+    launch(_combine_kernel, (T, -(-H // BLOCK_H)), rows, y, H, k, BLOCK_H=BLOCK_H)
     return y

@@ -68,6 +68,8 @@ import triton.language as tl
 
 from specter.errors import ConfigError
 
+from .launch import launch
+
 BLOCK = 1024            # elements a decode program handles; esc_off counts escapes per BLOCK
 NUM_WARPS = 2           # 64 threads: 16 bytes of sign/mantissa a thread (one vector load), no spills
 WIDTHS = (2, 3, 4)      # code widths encode chooses from (the smallest encoding wins)
@@ -454,9 +456,8 @@ def decode_staged_pair(pair: CodedPair, e: int, staged: torch.Tensor, out_a: tor
     grid, (rows, tab_a, tab_b, n_a, n_b), kw = _pair_launch(a.padded, a.bits, b.padded, b.bits)
     run_a = a._starts[e + 1] - a._starts[e]                   # b's escape run follows a's (stage_pair)
     words = staged.view(torch.int32)
-    _decode_pair_kernel[grid](words, words, out_a.view(torch.int16), out_b.view(torch.int16), 0, tab_a, tab_b,
-                              rows, rows + run_a // 4, a.shape[1] * a.shape[2], n_a, b.shape[1] * b.shape[2], n_b,
-                              **kw)
+    launch(_decode_pair_kernel, grid, words, words, out_a.view(torch.int16), out_b.view(torch.int16), 0, tab_a, tab_b,
+           rows, rows + run_a // 4, a.shape[1] * a.shape[2], n_a, b.shape[1] * b.shape[2], n_b, **kw)
 
 
 def decode_staged_pairs(pair: CodedPair, jobs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
@@ -485,8 +486,8 @@ def decode_staged_pairs(pair: CodedPair, jobs: list[tuple[int, torch.Tensor, tor
     (blocks,), (rows, tab_a, tab_b, n_a, n_b), kw = _pair_launch(a.padded, a.bits, b.padded, b.bits)
     device = jobs[0][2].device  # pinned (the caching host allocator's), so the copy never waits on the stream
     table = torch.tensor(table, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
-    _decode_pairs_kernel[(blocks, len(jobs))](table, A_NUMEL=a.shape[1] * a.shape[2], B_NUMEL=b.shape[1] * b.shape[2],
-                                              A_WORDS=n_a, B_WORDS=n_b, A_TAB=tab_a, B_TAB=tab_b, ROWS=rows, **kw)
+    launch(_decode_pairs_kernel, (blocks, len(jobs)), table, A_NUMEL=a.shape[1] * a.shape[2],
+           B_NUMEL=b.shape[1] * b.shape[2], A_WORDS=n_a, B_WORDS=n_b, A_TAB=tab_a, B_TAB=tab_b, ROWS=rows, **kw)
 
 
 def decode_pair_in_place(pair: CodedPair, e: int, out_a: torch.Tensor, out_b: torch.Tensor) -> None:

@@ -19,13 +19,17 @@ and all of them decoded in one launch of the batch kernel.
     python bench/experiments/coded_copy_cost.py [--copies 64]      # CUDA: through CudaLink
     TRITON_INTERPRET=1 python bench/experiments/coded_copy_cost.py --device cpu --shapes bundled --copies 2
                                                                     # the same code on CPU (a smoke run)
-    python bench/experiments/coded_copy_cost.py --device meta --copies 2000
+    python bench/experiments/coded_copy_cost.py --device meta --copies 2000 [--launches stub]
                                                                     # the host's Python and dispatch alone
 
 --device meta: the slots on the meta device (no byte moves) and the decode launch stubbed, the
 copies run on the calling thread: what issuing a copy costs in Python and torch's dispatcher before
 any CUDA call's own cost (a CPU figure; it also runs on commits before the layout, whose coded store
-encode_store made without `cuda`).
+encode_store made without `cuda`). `--launches noop` (the default, as before): the decode kernels
+swapped for objects whose launch does nothing; `stub`: Triton's own launch path, on a stub driver
+that compiles for sm_90 and whose compiled launcher does nothing (aot.stub_driver), the decode
+launches as the engine makes them (launch.py's direct launches); `jit`: the same, every launch
+through Triton's JIT (`kernel[grid]`, the engine before launch.py).
 
 Per expert shape (the bundled model's, Qwen3-30B-A3B's, DeepSeek-V2-Lite's, Mixtral-8x7B's; two
 experts of random normal weights at 0.02, the stores pinned as a CUDA load pins them), raw, coded and
@@ -41,6 +45,7 @@ coded_unpaired:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -96,20 +101,31 @@ def stores(H: int, I: int, device: torch.device):
     return ExpertWeights(*raw), coded, (w13, w2)
 
 
-def stub_the_decode_launch() -> None:
-    """--device meta: the decode kernel's launch does nothing (the launch code before it still runs)."""
+def stub_the_decode_launch(launches: str) -> contextlib.AbstractContextManager:
+    """--device meta: the decode kernels' launches do nothing. `noop`: the kernels swapped for objects
+    whose launch does nothing (the launch code before it still runs); `stub`: Triton's own launch path
+    on a stub driver (aot.stub_driver: compiled for sm_90, the compiled launcher does nothing): Triton's
+    own host cost a launch, short of the driver's launch call itself; `jit`: the same with every
+    launch through Triton's JIT (`kernel[grid]`), as before launch.py. -> the context to run in."""
     import os
 
-    from specter.triton_ops import lossless
+    from specter.triton_ops import aot, lossless
+
+    lossless.LAUNCHES_ON_CPU = True
+    os.environ["TRITON_INTERPRET"] = "1"  # read at call time by commits whose decode_into checks it
+    if launches != "noop":
+        if launches == "jit":
+            lossless.launch = lambda kernel, grid, *args, **kw: kernel[grid](*args, **kw)
+        return aot.stub_driver(90, record=False)
 
     class Noop:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
-    lossless._decode_kernel, lossless.LAUNCHES_ON_CPU = Noop(), True
+    lossless._decode_kernel = Noop()
     lossless._decode_pair_kernel = Noop()
     lossless._decode_pairs_kernel = Noop()
-    os.environ["TRITON_INTERPRET"] = "1"  # read at call time by commits whose decode_into checks it
+    return contextlib.nullcontext()
 
 
 def measure(link, slots, srcs, copies: int, device) -> tuple[float, float, float | None]:
@@ -243,10 +259,16 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="tier_batch's hits a call (a layer call's; a top-8 "
                                                            "model's verification reads more)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--launches", choices=("noop", "stub", "jit"), default="noop",
+                    help="--device meta: the decode launches do nothing (noop), go through Triton's launch path "
+                         "on a stub driver as the engine launches (stub), or all through Triton's JIT (jit)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "meta":
-        stub_the_decode_launch()
+    with stub_the_decode_launch(args.launches) if device.type == "meta" else contextlib.nullcontext():
+        return run(args, device)
+
+
+def run(args, device) -> int:
     if device.type == "cuda":
         from specter.offload.cuda_link import CudaLink
         link = CudaLink(device)

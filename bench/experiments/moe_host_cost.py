@@ -8,6 +8,9 @@ verifier runs its experts eagerly between its compiled pieces.
     TRITON_INTERPRET=1 python bench/experiments/moe_host_cost.py --device cpu --iters 2000
                                   # the call's Python and dispatch alone: host tensors on the CPU, the
                                   # weights on meta, the four kernel launches stubbed (host_us only)
+    python bench/experiments/moe_host_cost.py --device cpu --launches stub|jit
+                                  # the same with Triton's launch path on a stub driver (compiled for
+                                  # sm_90, nothing launched): the engine's launches, or the JIT's
 
 Per model shape at T = 1 and 8 (bf16 experts, routing as bench/test_kernels.py's):
   host_us    perf_counter per call, calls enqueued back to back without a sync (the host's cost);
@@ -23,7 +26,9 @@ A host_us far above graph_us says the call is launch-bound: fewer launches, or c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import time
 
 import torch
@@ -66,17 +71,27 @@ def graph_us(fn, iters: int) -> float | str:
     return start.elapsed_time(end) / iters * 1e3
 
 
-def python_only(iters: int) -> int:
+def python_only(iters: int, launches: str = "noop") -> int:
     """--device cpu: fused_moe's own host cost without a GPU (see the module docstring)."""
+
     from specter.triton_ops import aot, fused_moe, kernels
 
     class Noop:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
-    for name in aot.KERNELS:
-        setattr(kernels, name, Noop())
     kernels.LAUNCHES_ON_CPU = True
+    os.environ["TRITON_INTERPRET"] = "1"  # fused_moe's check, read at call time (the kernels stay compiled ones)
+    if launches == "noop":
+        for name in aot.KERNELS:
+            setattr(kernels, name, Noop())
+    elif launches == "jit":
+        kernels.launch = lambda kernel, grid, *args, **kw: kernel[grid](*args, **kw)
+    with aot.stub_driver(90, record=False) if launches != "noop" else contextlib.nullcontext():
+        return _python_only(iters, launches, fused_moe)
+
+
+def _python_only(iters: int, launches: str, fused_moe) -> int:
     sync = time.perf_counter  # nothing to wait for
     for name, (E, H, I, k) in SHAPES.items():
         w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device="meta")
@@ -93,7 +108,7 @@ def python_only(iters: int) -> int:
                 for _ in range(iters):
                     call()
                 best = min(best, (sync() - t0) / iters * 1e6)
-            print(json.dumps({"model": name, "T": T, "host_us": round(best, 1), "launches": "stubbed"}), flush=True)
+            print(json.dumps({"model": name, "T": T, "host_us": round(best, 1), "launches": launches}), flush=True)
     return 0
 
 
@@ -105,9 +120,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--launches", choices=("noop", "stub", "jit"), default="noop",
+                    help="--device cpu: the launches do nothing (noop), go through Triton's launch path on a stub "
+                         "driver as the engine launches (stub), or all through Triton's JIT (jit)")
     args = ap.parse_args()
     if args.device == "cpu":
-        return python_only(args.iters)
+        return python_only(args.iters, args.launches)
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (E, H, I, k) in SHAPES.items():
         w13 = torch.randn(E, 2 * I, H, device="cuda", generator=g).mul_(0.02).bfloat16()
