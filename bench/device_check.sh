@@ -32,7 +32,8 @@
 #                 coded as the engine copies (one launch an expert), per tensor, and in place from
 #                 the locked arena (SPECTER_CODED_IN_PLACE's experiment) beside it, and a coded tier's
 #                 hit (the pair kernel from bytes kept on the device: tier_hit_over_raw) and a layer
-#                 call's 8 hits in one launch (the batch kernel: tier_batch_over_raw, per expert)
+#                 call's 8 hits in one launch (the batch kernel: tier_batch_over_raw, per expert); then
+#                 codedcopy_jit, the same with every decode launch through Triton's JIT (before launch.py)
 #   also: kernels (bench's first half alone), tpot (its second half alone), tpot0 (tpot with the MoE
 #   calls eager, SPECTER_MOE_GRAPHS=0: the baseline of triton_ops/graphed.py), hostprof (a generation
 #   under cProfile per policy: where a token's host time goes, bench/host_profile.py), firstrun
@@ -180,9 +181,13 @@ for part in $CHECKS; do
         --residency 0.25 --policies resident,on-demand,specter --json ;;
     kernels) step kernels 110 "${kernels_cmd[@]}" ;;  # bench's first half alone
     firstrun) step firstrun 90 "$PY" "$REPO/bench/experiments/first_run_cost.py" ;;
-    moehost) step moehost 60 "$PY" "$REPO/bench/experiments/moe_host_cost.py" ;;
+    moehost)  # then every launch through Triton's JIT, as before triton_ops/launch.py: its A/B on the GPU
+      step moehost 60 "$PY" "$REPO/bench/experiments/moe_host_cost.py"
+      step moehost_jit 60 "$PY" "$REPO/bench/experiments/moe_host_cost.py" --launches jit ;;
     hostprof) step hostprof 90 "$PY" "$REPO/bench/host_profile.py" --device cuda ;;
-    codedcopy) step codedcopy 60 "$PY" "$REPO/bench/experiments/coded_copy_cost.py" ;;
+    codedcopy)  # the same A/B as moehost's
+      step codedcopy 60 "$PY" "$REPO/bench/experiments/coded_copy_cost.py"
+      step codedcopy_jit 60 "$PY" "$REPO/bench/experiments/coded_copy_cost.py" --launches jit ;;
     graphs) step graphs 200 "$PY" "$REPO/bench/graph_check.py" --residency 0.5 --repeat 1 ;;
     async) step async 200 "$PY" "$REPO/bench/async_vs_sync.py" --device cuda --policies specter \
              --workloads default --prompts 2 --rounds 1 --max-new-tokens 32 ;;

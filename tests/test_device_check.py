@@ -188,17 +188,33 @@ def test_the_summary_reads_pytest_reports(tmp_path):
     assert doc["steps"]["bench"]["bench"]["policies"] == {"resident": {"tpot_s": 0.01, "lossless_vs_resident": True}}
 
 
-def test_the_moehost_experiment_runs_on_cpu():
+@pytest.mark.parametrize("launches", ["noop", "stub"])
+def test_the_moehost_experiment_runs_on_cpu(launches):
     """bench/experiments/moe_host_cost.py (CHECKS=moehost) in its CPU mode: fused_moe's own host cost,
-    one line a model and width, every call through the real launch code up to the stubbed launches."""
+    one line a model and width, every call through the real launch code up to the stubbed launches
+    (noop: the kernels swapped for do-nothing objects; stub: Triton's launch path on aot.stub_driver)."""
+    env = dict(os.environ, TRITON_INTERPRET="1") if launches == "noop" else {
+        k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, str(REPO / "bench" / "experiments" / "moe_host_cost.py"), "--device", "cpu",
-                        "--iters", "5"], cwd="/tmp", env=dict(os.environ, TRITON_INTERPRET="1"),
+                        "--iters", "5", "--launches", launches], cwd="/tmp", env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert {(row["model"], row["T"]) for row in rows} == {(m, T) for m in ("qwen3-30b-a3b", "deepseek-v2-lite",
                                                                           "mixtral-8x7b") for T in (1, 8)}
-    assert all(row["host_us"] > 0 for row in rows), rows
+    assert all(row["host_us"] > 0 and row["launches"] == launches for row in rows), rows
+
+
+def test_the_codedcopy_experiment_times_the_engines_launches_on_a_stub_driver():
+    """bench/experiments/coded_copy_cost.py --device meta --launches stub: the coded copies' decode launches
+    through Triton's launch path (aot.stub_driver), as the engine launches them; a line a shape."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "experiments" / "coded_copy_cost.py"), "--device", "meta",
+                        "--shapes", "bundled", "--copies", "8", "--batch", "2", "--launches", "stub"], cwd="/tmp",
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads(r.stdout.splitlines()[0])
+    assert row["launches"] == "stub" and row["coded"]["issue_us"] > 0 and row["coded_batch"]["issue_us"] > 0, row
 
 
 def test_the_host_profile_runs_on_cpu():

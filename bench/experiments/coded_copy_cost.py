@@ -16,7 +16,8 @@ whether a hit is cheaper for the issuing thread than the copy it replaces. `tier
 copy of --batch experts over the link (a layer call's misses), per expert: coded, each expert staged
 and all of them decoded in one launch of the batch kernel.
 
-    python bench/experiments/coded_copy_cost.py [--copies 64]      # CUDA: through CudaLink
+    python bench/experiments/coded_copy_cost.py [--copies 64] [--launches jit]
+                                                                    # CUDA: through CudaLink
     TRITON_INTERPRET=1 python bench/experiments/coded_copy_cost.py --device cpu --shapes bundled --copies 2
                                                                     # the same code on CPU (a smoke run)
     python bench/experiments/coded_copy_cost.py --device meta --copies 2000 [--launches stub]
@@ -115,7 +116,7 @@ def stub_the_decode_launch(launches: str) -> contextlib.AbstractContextManager:
     os.environ["TRITON_INTERPRET"] = "1"  # read at call time by commits whose decode_into checks it
     if launches != "noop":
         if launches == "jit":
-            lossless.launch = lambda kernel, grid, *args, **kw: kernel[grid](*args, **kw)
+            lossless.launch = _through_the_jit
         return aot.stub_driver(90, record=False)
 
     class Noop:
@@ -259,13 +260,27 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="tier_batch's hits a call (a layer call's; a top-8 "
                                                            "model's verification reads more)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
-    ap.add_argument("--launches", choices=("noop", "stub", "jit"), default="noop",
-                    help="--device meta: the decode launches do nothing (noop), go through Triton's launch path "
-                         "on a stub driver as the engine launches (stub), or all through Triton's JIT (jit)")
+    ap.add_argument("--launches", choices=("noop", "stub", "jit"),
+                    help="--device meta: the decode launches do nothing (noop, the default), go through Triton's "
+                         "launch path on a stub driver as the engine launches (stub), or all through Triton's JIT "
+                         "(jit); CUDA: jit sends the real launches through the JIT (the engine before launch.py)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    with stub_the_decode_launch(args.launches) if device.type == "meta" else contextlib.nullcontext():
-        return run(args, device)
+    if device.type == "meta":
+        args.launches = args.launches or "noop"
+        with stub_the_decode_launch(args.launches):
+            return run(args, device)
+    if args.launches not in (None, "jit"):
+        ap.error(f"--launches {args.launches} needs --device meta")
+    if args.launches == "jit":
+        from specter.triton_ops import lossless
+        lossless.launch = _through_the_jit
+    return run(args, device)
+
+
+def _through_the_jit(kernel, grid, *args, **kw):
+    """launch.launch as it was before launch.py: every launch bound by Triton's JIT."""
+    kernel[grid](*args, **kw)
 
 
 def run(args, device) -> int:
@@ -279,6 +294,7 @@ def run(args, device) -> int:
         kinds = ("raw", "coded", "coded_unpaired", "tier_hit", "tier_batch", "raw_batch", "coded_batch")
         for name in args.shapes.split(","):  # then in place, every shape (a fault there on a GPU would not
             out = shape_row(name, kinds, link, args.copies, device, args.batch)  # lose these)
+            out["launches"] = args.launches or "engine"
             raws[name] = out["raw"]
             print(json.dumps(out), flush=True)
         for name in args.shapes.split(","):

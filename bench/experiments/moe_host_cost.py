@@ -4,7 +4,7 @@ and DeepSeek-V2-Lite layers at ~200 us whatever the bytes (bench/test_kernels.py
 calls, so a host-bound call shows its host cost): x 48 MoE layers that is ~10 ms a token, and the
 verifier runs its experts eagerly between its compiled pieces.
 
-    python bench/experiments/moe_host_cost.py [--iters 200]       # CUDA
+    python bench/experiments/moe_host_cost.py [--iters 200] [--launches jit]   # CUDA
     TRITON_INTERPRET=1 python bench/experiments/moe_host_cost.py --device cpu --iters 2000
                                   # the call's Python and dispatch alone: host tensors on the CPU, the
                                   # weights on meta, the four kernel launches stubbed (host_us only)
@@ -71,6 +71,11 @@ def graph_us(fn, iters: int) -> float | str:
     return start.elapsed_time(end) / iters * 1e3
 
 
+def _through_the_jit(kernel, grid, *args, **kw):
+    """launch.launch as it was before launch.py: every launch bound by Triton's JIT."""
+    kernel[grid](*args, **kw)
+
+
 def python_only(iters: int, launches: str = "noop") -> int:
     """--device cpu: fused_moe's own host cost without a GPU (see the module docstring)."""
 
@@ -86,7 +91,7 @@ def python_only(iters: int, launches: str = "noop") -> int:
         for name in aot.KERNELS:
             setattr(kernels, name, Noop())
     elif launches == "jit":
-        kernels.launch = lambda kernel, grid, *args, **kw: kernel[grid](*args, **kw)
+        kernels.launch = _through_the_jit
     with aot.stub_driver(90, record=False) if launches != "noop" else contextlib.nullcontext():
         return _python_only(iters, launches, fused_moe)
 
@@ -120,12 +125,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--launches", choices=("noop", "stub", "jit"), default="noop",
-                    help="--device cpu: the launches do nothing (noop), go through Triton's launch path on a stub "
-                         "driver as the engine launches (stub), or all through Triton's JIT (jit)")
+    ap.add_argument("--launches", choices=("noop", "stub", "jit"),
+                    help="--device cpu: the launches do nothing (noop, the default), go through Triton's launch path "
+                         "on a stub driver as the engine launches (stub), or all through Triton's JIT (jit); CUDA: "
+                         "jit sends the real launches through the JIT (the engine before launch.py)")
     args = ap.parse_args()
     if args.device == "cpu":
-        return python_only(args.iters, args.launches)
+        return python_only(args.iters, args.launches or "noop")
+    if args.launches not in (None, "jit"):
+        ap.error(f"--launches {args.launches} needs --device cpu")
+    if args.launches == "jit":
+        from specter.triton_ops import kernels
+        kernels.launch = _through_the_jit
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (E, H, I, k) in SHAPES.items():
         w13 = torch.randn(E, 2 * I, H, device="cuda", generator=g).mul_(0.02).bfloat16()
@@ -140,7 +151,8 @@ def main() -> int:
                       "expert_rows": lambda: moe_rows_triton(x, ids, w, w13, w2, None),
                       "combine": lambda: combine_triton(rows),
                       "alloc": lambda: (x.new_empty(64, I), x.new_zeros(T * k, H))}
-            out = {"model": name, "T": T, "host_us": round(host_us(call, args.iters), 1)}
+            out = {"model": name, "T": T, "launches": args.launches or "engine",
+                   "host_us": round(host_us(call, args.iters), 1)}
             gu = graph_us(call, args.iters)
             out["graph_us"] = round(gu, 1) if isinstance(gu, float) else gu
             out["pieces_host_us"] = {p: round(host_us(f, args.iters), 1) for p, f in pieces.items()}
