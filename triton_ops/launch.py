@@ -27,7 +27,9 @@ from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
 _specialized: dict[int, tuple[list[str], list[bool]]] = {}  # id(kernel) -> (its parameters, which Triton specializes)
-_compiled: dict[tuple, tuple] = {}  # (id(kernel), device, signature, named) -> (launcher, function, metadata, tail)
+# (id(kernel), device, signature, named) -> (launcher, function, metadata, tail, the CompiledKernel: held, so that
+# the module its function lives in is never unloaded under us: Triton 3.9 unloads it when the kernel is freed)
+_compiled: dict[tuple, tuple] = {}
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **constexprs) -> None:
@@ -42,7 +44,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **constexprs) -> None:
     if hit is None:
         _compiled[full] = _first(kernel, grid, args, constexprs)
         return
-    run, function, metadata, tail = hit
+    run, function, metadata, tail, _ = hit
     run(*grid, driver.active.get_current_stream(device), function, metadata, None, None, None, *args, *tail)
 
 
@@ -63,8 +65,9 @@ def _idle(hook) -> bool:
 
 def _signature(kernel: JITFunction, args) -> tuple:
     """What Triton specializes a launch's positional arguments on, as its binder does (jit.py): each
-    tensor's dtype and address mod 16, each integer's value (a `do_not_specialize` one's: i32 or not)."""
-    names, specialized = _specialized.get(id(kernel)) or _learn(kernel)
+    tensor's dtype and whether its address is 16-byte aligned, each integer's value (a `do_not_specialize`
+    one's: i32 or not)."""
+    _, specialized = _specialized.get(id(kernel)) or _learn(kernel)
     sig = []
     for arg, spec in zip(args, specialized):
         if isinstance(arg, torch.Tensor):
@@ -92,4 +95,4 @@ def _first(kernel: JITFunction, grid, args, constexprs) -> tuple:
     compiled = kernel[grid](*args, **constexprs)
     if hasattr(compiled, "result"):                      # an asynchronous compile (a Triton knob)
         compiled = compiled.result()
-    return compiled.run, compiled.function, compiled.packed_metadata, tuple(constexprs[n] for n in rest)
+    return compiled.run, compiled.function, compiled.packed_metadata, tuple(constexprs[n] for n in rest), compiled
