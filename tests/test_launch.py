@@ -25,7 +25,7 @@ def _pair(E: int = 4, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     w13 = (torch.randn(E, 48, 32, generator=g) * 0.02).bfloat16()
     w2 = (torch.randn(E, 32, 24, generator=g) * torch.linspace(0.001, 1, E).view(E, 1, 1)).bfloat16()
-    return lossless.layer_major(lossless.encode(w13, 3), lossless.encode(w2, 2))
+    return lossless.layer_major(lossless.encode(w13, 3), lossless.encode(w2, 2)).with_tables("cpu")
 
 
 def _buffers(pair):
@@ -39,7 +39,8 @@ def _buffers(pair):
 
 def _calls(pair, buffers, monkeypatch, via) -> list[aot.StubCall]:
     """Every expert of `pair` decoded alone, then the layer's experts in one batch, then a slot pair
-    off 16 bytes and an aligned one again: the launches as recorded on the stub driver."""
+    off 16 bytes and an aligned one again, then each expert in place and each w2 alone: the launches
+    as recorded on the stub driver."""
     monkeypatch.setattr(lossless, "LAUNCHES_ON_CPU", True)
     monkeypatch.setattr(lossless, "launch", via)
     (staged, slots, off), E = buffers, pair.a.shape[0]
@@ -49,6 +50,10 @@ def _calls(pair, buffers, monkeypatch, via) -> list[aot.StubCall]:
         lossless.decode_staged_pairs(pair, [(e, staged[e], slots[0][e], slots[1][e]) for e in range(E)])
         lossless.decode_staged_pair(pair, 1, staged[1], *off)
         lossless.decode_staged_pair(pair, E - 1, staged[-1], slots[0][-1], slots[1][-1])
+        for e in range(E):  # in place from the arena (SPECTER_CODED_IN_PLACE's), then a tensor alone (decode_into)
+            lossless.decode_pair_in_place(pair, e, slots[0][e], slots[1][e])
+        for e in range(E):
+            lossless.decode_triton(pair.b, e, slots[1][e])
     return calls
 
 
@@ -66,14 +71,16 @@ def test_direct_launches_are_the_jits_launches(monkeypatch):
         len({pair.b.expert_escapes(e).numel() for e in range(4)}) > 1, "the experts' escape runs should differ"
     buffers = _buffers(pair)
     jit, direct = (_calls(pair, buffers, monkeypatch, via) for via in (_jit, launch.launch))
-    assert len(jit) == len(direct) == 4 + 1 + 2
+    assert len(jit) == len(direct) == 4 + 1 + 2 + 4 + 4
     for i, (j, d) in enumerate(zip(jit, direct)):
         assert (j.kernel, j.grid, j.stream) == (d.kernel, d.grid, d.stream), i
         # the launcher's arguments: packed metadata, launch metadata, two hooks, then the kernel's
         assert j.args[0] == d.args[0] and len(j.args) == len(d.args), i
         assert all(_same(x, y) for x, y in zip(j.args[4:], d.args[4:])), i
     # a specialization's first launch went through the JIT (its launch metadata), the rest straight on
-    assert [i for i, d in enumerate(direct) if d.args[1:4] != (None, None, None)] == [0, 4, 5]
+    firsts = [i for i, d in enumerate(direct) if d.args[1:4] != (None, None, None)]
+    assert firsts[:3] == [0, 4, 5] and 11 in firsts and not {1, 2, 3, 6, 7} & set(firsts), firsts
+    # (7: in place, expert 0, row 0: the staged launches' specialization; the next rows are multiples of 16)
     # the same compiled kernel wherever the JIT chose the same one: the functions' numbers say which
     by_jit = {}
     for j, d in zip(jit, direct):
@@ -121,7 +128,7 @@ def test_a_launch_hook_sends_every_launch_through_the_jit(monkeypatch):
         calls = _calls(pair, _buffers(pair), monkeypatch, launch.launch)
     finally:
         hook.remove(seen.append)
-    assert len(seen) == len(calls) == 2 + 1 + 2
+    assert len(seen) == len(calls) == 2 + 1 + 2 + 2 + 2
     assert all(c.args[1] is not None for c in calls)             # the JIT's launch metadata, for the hook
 
 

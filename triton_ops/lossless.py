@@ -501,9 +501,9 @@ def decode_pair_in_place(pair: CodedPair, e: int, out_a: torch.Tensor, out_b: to
     a, b = pair.a, pair.b
     grid, (_, tab_a, _, n_a, n_b), kw = _pair_launch(a.padded, a.bits, b.padded, b.bits)
     tables = pair.tables.shape[1]
-    _decode_pair_kernel[grid](pair.words, pair.tables, out_a.view(torch.int16), out_b.view(torch.int16),
-                              e * pair.rows.stride(0) // 4, e * tables, e * tables + (1 << a.bits), a.run_at[e] // 4,
-                              b.run_at[e] // 4, a.shape[1] * a.shape[2], n_a, b.shape[1] * b.shape[2], n_b, **kw)
+    launch(_decode_pair_kernel, grid, pair.words, pair.tables, out_a.view(torch.int16), out_b.view(torch.int16),
+           e * pair.rows.stride(0) // 4, e * tables, e * tables + (1 << a.bits), a.run_at[e] // 4, b.run_at[e] // 4,
+           a.shape[1] * a.shape[2], n_a, b.shape[1] * b.shape[2], n_b, **kw)
 
 
 @functools.lru_cache(maxsize=None)
@@ -696,6 +696,6 @@ def _launch(p: LosslessExperts, signman, planes, table, esc_off, escapes, out: t
     """One expert's fields (int32 views of its rows) decoded into out: one launch, BLOCK elements a program."""
     _require_launch(out)
     P = p.padded
-    _decode_kernel[(_cdiv(P, BLOCK),)](signman, planes, table, esc_off, escapes, out.view(torch.int16),
-                                      out.numel(), P // 32, BITS=p.bits, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    launch(_decode_kernel, (_cdiv(P, BLOCK),), signman, planes, table, esc_off, escapes, out.view(torch.int16),
+           out.numel(), P // 32, BITS=p.bits, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return out
