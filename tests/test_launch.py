@@ -16,10 +16,6 @@ from specter.triton_ops import aot, launch, lossless
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # Triton 3.9's FP-fusion default notice
 
 
-def _jit(kernel, grid, *args, **constexprs):
-    kernel[grid](*args, **constexprs)
-
-
 def _pair(E: int = 4, seed: int = 0):
     """A CPU layer_major pair of trained-like experts: escape runs that differ by expert."""
     g = torch.Generator().manual_seed(seed)
@@ -70,7 +66,7 @@ def test_direct_launches_are_the_jits_launches(monkeypatch):
     assert len({pair.a.run_at[e + 1] - pair.a.run_at[e] for e in range(3)}) > 1 or \
         len({pair.b.expert_escapes(e).numel() for e in range(4)}) > 1, "the experts' escape runs should differ"
     buffers = _buffers(pair)
-    jit, direct = (_calls(pair, buffers, monkeypatch, via) for via in (_jit, launch.launch))
+    jit, direct = (_calls(pair, buffers, monkeypatch, via) for via in (launch.through_the_jit, launch.launch))
     assert len(jit) == len(direct) == 4 + 1 + 2 + 4 + 4
     for i, (j, d) in enumerate(zip(jit, direct)):
         assert (j.kernel, j.grid, j.stream) == (d.kernel, d.grid, d.stream), i
@@ -169,7 +165,7 @@ def test_a_moe_calls_launches_are_the_jits_too(int4, monkeypatch):
     remap = torch.arange(E, dtype=torch.int32)
     monkeypatch.setattr(kernels, "LAUNCHES_ON_CPU", True)
     runs = []
-    for via in (_jit, launch.launch):
+    for via in (launch.through_the_jit, launch.launch):
         monkeypatch.setattr(kernels, "launch", via)
         with aot.stub_driver(90) as calls:
             for x, ids, weights in inputs:

@@ -48,6 +48,11 @@ def launch(kernel, grid: tuple[int, ...], *args, **constexprs) -> None:
     run(*grid, driver.active.get_current_stream(device), function, metadata, None, None, None, *args, *tail)
 
 
+def through_the_jit(kernel, grid: tuple[int, ...], *args, **constexprs) -> None:
+    """launch() as Triton's JIT makes every launch: the reference tests and experiments compare it with."""
+    kernel[grid](*args, **constexprs)
+
+
 def forget() -> None:
     """Drops every kept kernel (tests that swap Triton's driver)."""
     _compiled.clear()

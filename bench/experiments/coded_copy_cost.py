@@ -111,12 +111,13 @@ def stub_the_decode_launch(launches: str) -> contextlib.AbstractContextManager:
     import os
 
     from specter.triton_ops import aot, lossless
+    from specter.triton_ops.launch import through_the_jit
 
     lossless.LAUNCHES_ON_CPU = True
     os.environ["TRITON_INTERPRET"] = "1"  # read at call time by commits whose decode_into checks it
     if launches != "noop":
         if launches == "jit":
-            lossless.launch = _through_the_jit
+            lossless.launch = through_the_jit
         return aot.stub_driver(90, record=False)
 
     class Noop:
@@ -274,13 +275,9 @@ def main(argv=None) -> int:
         ap.error(f"--launches {args.launches} needs --device meta")
     if args.launches == "jit":
         from specter.triton_ops import lossless
-        lossless.launch = _through_the_jit
+        from specter.triton_ops.launch import through_the_jit
+        lossless.launch = through_the_jit
     return run(args, device)
-
-
-def _through_the_jit(kernel, grid, *args, **kw):
-    """launch.launch as it was before launch.py: every launch bound by Triton's JIT."""
-    kernel[grid](*args, **kw)
 
 
 def run(args, device) -> int:

@@ -71,15 +71,10 @@ def graph_us(fn, iters: int) -> float | str:
     return start.elapsed_time(end) / iters * 1e3
 
 
-def _through_the_jit(kernel, grid, *args, **kw):
-    """launch.launch as it was before launch.py: every launch bound by Triton's JIT."""
-    kernel[grid](*args, **kw)
-
-
 def python_only(iters: int, launches: str = "noop") -> int:
     """--device cpu: fused_moe's own host cost without a GPU (see the module docstring)."""
-
     from specter.triton_ops import aot, fused_moe, kernels
+    from specter.triton_ops.launch import through_the_jit
 
     class Noop:
         def __getitem__(self, grid):
@@ -91,7 +86,7 @@ def python_only(iters: int, launches: str = "noop") -> int:
         for name in aot.KERNELS:
             setattr(kernels, name, Noop())
     elif launches == "jit":
-        kernels.launch = _through_the_jit
+        kernels.launch = through_the_jit
     with aot.stub_driver(90, record=False) if launches != "noop" else contextlib.nullcontext():
         return _python_only(iters, launches, fused_moe)
 
@@ -136,7 +131,8 @@ def main() -> int:
         ap.error(f"--launches {args.launches} needs --device cpu")
     if args.launches == "jit":
         from specter.triton_ops import kernels
-        kernels.launch = _through_the_jit
+        from specter.triton_ops.launch import through_the_jit
+        kernels.launch = through_the_jit
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (E, H, I, k) in SHAPES.items():
         w13 = torch.randn(E, 2 * I, H, device="cuda", generator=g).mul_(0.02).bfloat16()
