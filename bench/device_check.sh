@@ -37,7 +37,8 @@
 #   also: kernels (bench's first half alone), tpot (its second half alone), tpot0 (tpot with the MoE
 #   calls eager, SPECTER_MOE_GRAPHS=0: the baseline of triton_ops/graphed.py), hostprof (a generation
 #   under cProfile per policy: where a token's host time goes, bench/host_profile.py), firstrun
-#   (bench/experiments/first_run_cost.py), moehost (bench/experiments/moe_host_cost.py), graphs
+#   (bench/experiments/first_run_cost.py), moehost (bench/experiments/moe_host_cost.py), decodetune
+#   (bench/experiments/decode_tune.py: the lossless decode kernel's BLOCK x NUM_WARPS variants), graphs
 #   (bench/graph_check.py), async (bench/async_vs_sync.py) -> NAME.log; any mix, one time budget:
 #   each step's limit is cut to what is left of BUDGET_S (default 285 s).
 #
@@ -52,7 +53,7 @@
 # codedcopy, tpot, compressed, firstrun and moehost took 360 s; at 18:03 suite 157 s, moehost 7 s,
 # codedcopy 12 s, tpot0 38 s). $OUT brings back 8 files at most, so the results travel as one
 # tarball beside summary.json (issue 24's figures right after the suite, the host-cost ones last):
-#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite codedcopy compressedwide codedtier tpot tpot0 moehost hostprof" BUDGET_S=540 bash
+#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite codedcopy decodetune compressedwide codedtier tpot tpot0 moehost hostprof" BUDGET_S=540 bash
 #       bench/device_check.sh; cp $D/summary.json "$OUT"/; tar czf "$OUT/all.tgz" -C $D .',
 #       carry=[".whl"], timeout_s=600)
 # then give_back.
@@ -185,6 +186,7 @@ for part in $CHECKS; do
       step moehost 60 "$PY" "$REPO/bench/experiments/moe_host_cost.py"
       step moehost_jit 60 "$PY" "$REPO/bench/experiments/moe_host_cost.py" --launches jit ;;
     hostprof) step hostprof 90 "$PY" "$REPO/bench/host_profile.py" --device cuda ;;
+    decodetune) step decodetune 90 "$PY" "$REPO/bench/experiments/decode_tune.py" ;;
     codedcopy)  # the same A/B as moehost's
       step codedcopy 60 "$PY" "$REPO/bench/experiments/coded_copy_cost.py"
       step codedcopy_jit 60 "$PY" "$REPO/bench/experiments/coded_copy_cost.py" --launches jit ;;
@@ -204,7 +206,7 @@ for part in $CHECKS; do
       [[ -d $SCRATCH/wide16 ]] || step widen 60 "$PY" "$REPO/bench/wide_experts.py" "$SCRATCH/wide16" --factor 16
       JSON=1 step coded_tier_wide 200 env SPECTER_CODED_TIER=1 "$PY" -m specter.cli bench --device cuda \
         --model "$SCRATCH/wide16" --residency 0.25 --policies on-demand,specter --compare-compressed --json ;;
-    *) echo "unknown check '$part' (suite, bench, kernels, tpot, tpot0, hostprof, firstrun, moehost, codedcopy, codedtier, graphs, async, compressed, compressedwide)" ;;
+    *) echo "unknown check '$part' (suite, bench, kernels, tpot, tpot0, hostprof, firstrun, moehost, codedcopy, decodetune, codedtier, graphs, async, compressed, compressedwide)" ;;
   esac
 done
 finish

@@ -293,3 +293,23 @@ def _count_decodes(monkeypatch, decoded: list, batches: list) -> None:
     monkeypatch.setattr(lossless, "decode_staged_pair", counted_one)
     monkeypatch.setattr(lossless, "decode_staged_pairs", counted_many)
 
+
+
+def test_the_decode_tune_experiment_decodes_every_variant_exactly(capsys):
+    """bench/experiments/decode_tune.py (CHECKS=decodetune) with the CPU as the device: each (BLOCK,
+    NUM_WARPS) encodes and decodes the same bits, alone and as a batch, and lossless.py's constants are
+    put back afterwards."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "experiments"))
+    import decode_tune
+
+    before = (lossless.BLOCK, lossless.NUM_WARPS)
+    assert decode_tune.main(["--device", "cpu", "--shapes", "tiny", "--batch", "2", "--variants",
+                             "1024x2,1024x4,2048x4"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [(r["block"], r["warps"]) for r in rows] == [(1024, 2), (1024, 4), (2048, 4)]
+    assert all(r["exact"] for r in rows) and [r["current"] for r in rows] == [True, False, False], rows
+    assert (lossless.BLOCK, lossless.NUM_WARPS) == before

@@ -217,6 +217,19 @@ def test_the_codedcopy_experiment_times_the_engines_launches_on_a_stub_driver():
     assert row["launches"] == "stub" and row["coded"]["issue_us"] > 0 and row["coded_batch"]["issue_us"] > 0, row
 
 
+def test_the_decode_tune_experiment_compiles_a_variant_ahead_of_time():
+    """bench/experiments/decode_tune.py --aot: a (BLOCK, NUM_WARPS) variant of the decode kernel compiled
+    for sm_90 on this machine, its registers and spills reported."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "experiments" / "decode_tune.py"), "--aot",
+                        "--variants", "1024x4", "--targets", "90"], cwd="/tmp", env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads(r.stdout.splitlines()[0])
+    assert (row["block"], row["warps"], row["cc"]) == (1024, 4, 90) and row["registers"] > 0, row
+    assert row["spill_bytes"] == 0, row
+
+
 def test_the_host_profile_runs_on_cpu():
     """bench/host_profile.py (CHECKS=hostprof) on CPU: a line a policy, its top functions by own time."""
     r = subprocess.run([sys.executable, str(REPO / "bench" / "host_profile.py"), "--device", "cpu",
