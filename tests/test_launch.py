@@ -4,7 +4,8 @@ No GPU needed: aot.stub_driver compiles for sm_90 (ptxas) and records each launc
 launcher receives. Each case runs the same calls twice, once through the JIT (`kernel[grid]`) and
 once through launch(), and compares the two records: the same compiled kernel, grid, stream and
 arguments, launch after launch, across experts whose escape runs differ, slots off 16-byte
-alignment (another specialization) and both of the decode paths that launch through it.
+alignment (another specialization), integer specializations, every lossless decode path and the
+fused MoE call's four kernels.
 """
 from __future__ import annotations
 
