@@ -675,6 +675,65 @@ def test_prefetches_are_metered_so_an_urgent_copy_queues_behind_the_window_not_t
     assert all(torch.equal(d, s) for d, s in pairs + [small])
 
 
+def test_pump_issues_held_prefetches_once_the_device_completed_earlier_ones_watcher_or_not():
+    """A prefetch whose copy the device has completed (its event queries done) no longer holds the
+    window, whether or not the watcher has woken to land it (it needs the GIL, which a decode thread
+    running Python keeps): pump(), on the calling thread (the manager calls it between layers), counts
+    it out and issues the held ones behind it, oldest first; the watcher lands everything later as
+    usual. copy() pumps too: a prefetch after the held ones it would otherwise overtake, an urgent copy
+    after issuing itself (ahead of the prefetches its call lets go)."""
+    class DeviceDone(FakeEvent):  # done on the device (query) apart from the watcher's wake (synchronize)
+        device_done = False
+
+        def query(self):
+            return self.device_done or super().query()
+
+    class Cuda(FakeCuda):
+        def event(self, timing=False, blocking=False):
+            return DeviceDone(self)
+
+    cuda = Cuda(pinned=True, gated=True)  # the watcher waits in the first copy's synchronize until land()
+    link = CudaLink("cpu", bandwidth=1e9, cuda=cuda, window_bytes=64 * KiB)
+    pairs = [pair(32 * KiB) for _ in range(8)]
+    with link:
+        ts = [link.copy(d, s, tag=k) for k, (d, s) in enumerate(pairs[:6])]
+        assert on_copy_stream(link, ts) == [0, 1]
+        link.pump()
+        assert on_copy_stream(link, ts) == [0, 1], "pump issued past a window whose copies had not completed"
+        for t in ts[:2]:
+            t._event.device_done = True  # the device finished them; the watcher has not woken
+        link.pump()
+        assert on_copy_stream(link, ts) == [2, 3] and not ts[4].ready(), "the held ones waited for the watcher"
+        ts[2]._event.device_done = True
+        ts += [link.copy(*pairs[6], tag=6)]  # copy() pumps: the oldest held one (4) goes first
+        assert on_copy_stream(link, ts) == [3, 4] and not ts[5].ready() and not ts[6].ready()
+        ts += [link.copy(*pairs[7], tag=7)]
+        ts[3]._event.device_done = True
+        small = pair(4 * KiB)
+        urgent = link.copy(*small, urgent=True, tag="urgent")  # then it pumps: the miss ahead of the room's
+        assert on_copy_stream(link, ts) == [4, 5] and urgent._event.at < ts[5]._event.at
+        cuda.land(8)
+        link.synchronize()
+        assert all(t.done() for t in ts + [urgent]) and link.pending() == 0 and link.stats["transfers"] == 9
+    assert [t.tag for t in sorted(ts, key=lambda t: t._event.at)] == list(range(8))  # FIFO
+    assert all(torch.equal(d, s) for d, s in pairs + [small])
+
+
+def test_the_manager_pumps_its_link_when_it_polls_between_layers(monkeypatch):
+    from specter.offload.manager import OffloadedExperts
+
+    g = torch.Generator().manual_seed(0)
+    store = [ExpertWeights(torch.randn(4, 8, 16, generator=g), torch.randn(4, 16, 4, generator=g)) for _ in range(2)]
+    link, _ = fake_link(pinned=True)
+    with link:
+        mgr = OffloadedExperts(store, 2, torch.device("cpu"), link)
+        pumped = []
+        monkeypatch.setattr(link, "pump", lambda: pumped.append(1))
+        mgr.poll()
+        mgr.close()
+    assert pumped == [1]
+
+
 def test_waiting_for_a_held_prefetch_puts_it_on_the_urgent_stream_ahead_of_the_rest():
     """A prefetch someone waits for (a miss on an expert still held) leaves the FIFO for the urgent
     stream at once: the wait does not block the host behind the guesses queued before it, and the

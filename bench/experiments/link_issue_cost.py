@@ -4,6 +4,7 @@ dispatch of two copy_ calls, not a driver's. On the H200 (2026-12-04) a raw copy
 thread 70-160 us; this says how much of that the link's Python could be.
 
     python bench/experiments/link_issue_cost.py [--copies 20000]
+    python bench/experiments/link_issue_cost.py --busy     # the watcher beside a decode thread running Python
 
 Lines (us a copy of a bundled expert's two tensors, best of three batches):
   urgent    copies issued back to back on the urgent stream, each dropped once issued (as the engine
@@ -11,6 +12,13 @@ Lines (us a copy of a bundled expert's two tensors, best of three batches):
   prefetch  the same on the metered copy stream (held ones issued by the watcher)
   gated     every event held until the whole batch is issued (the watcher idle), the transfers kept
   gated_nogc  the same with the garbage collector off: what is left is the issuing thread's own code
+
+--busy: 200 prefetches of a bundled expert on the metered copy stream (a 4-expert window), each copy
+done COPY_S after the previous one on a simulated copy engine (events query done then; synchronize
+sleeps until then), while the issuing thread, once they are issued, is idle (waits on the last one),
+or runs pure Python (a decode thread's bookkeeping: it keeps the GIL), calling `link.pump()` every
+millisecond as the manager does between layers, or never (the link's watcher alone issues the held
+ones, and needs the GIL to). ms until the last lands, against the copies' own time.
 """
 from __future__ import annotations
 
@@ -112,10 +120,81 @@ def timed(link: CudaLink, cuda: NullCuda, copies: int, mode: str) -> float:
     return best
 
 
+COPY_S = 20e-6  # --busy: a copy's time on the simulated copy engine
+
+
+class _Engine:
+    """--busy: copies done one after another, COPY_S each, in the order their events were recorded."""
+
+    def __init__(self):
+        self.free_at, self.lock = 0.0, threading.Lock()
+
+    def schedule(self) -> float:
+        with self.lock:
+            self.free_at = max(self.free_at, time.perf_counter()) + COPY_S
+            return self.free_at
+
+
+class _TimedEvent:
+    def __init__(self, engine: _Engine):
+        self.engine, self.at = engine, None
+
+    def record(self, stream=None):
+        self.at = self.engine.schedule()
+
+    def query(self):
+        return self.at is not None and time.perf_counter() >= self.at
+
+    def synchronize(self):
+        if (wait := self.at - time.perf_counter()) > 0:
+            time.sleep(wait)
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+class TimedCuda(NullCuda):
+    def __init__(self):
+        super().__init__()
+        self.engine = _Engine()
+
+    def event(self, timing=False, blocking=False):
+        return _TimedEvent(self.engine)
+
+
+def busy_row(mode: str, n: int = 200) -> dict:
+    """ms until n metered prefetches land with the issuing thread `idle`, `busy` (pure Python) or
+    `busy_pump` (the same, pump() every millisecond)."""
+    expert = 384 * 256 * 2 + 256 * 192 * 2
+    link = CudaLink("meta", bandwidth=25e9, cuda=TimedCuda(), window_bytes=4 * expert)
+    dst, src = ([torch.empty(384, 256, dtype=torch.bfloat16, device="meta"),
+                 torch.empty(256, 192, dtype=torch.bfloat16, device="meta")] for _ in range(2))
+    try:
+        t0 = time.perf_counter()
+        last = [link.copy(dst, src, urgent=False, after=None) for _ in range(n)][-1]
+        while mode != "idle" and not last._future.done():
+            t = time.perf_counter()
+            x = 0
+            while time.perf_counter() - t < 1e-3:  # a millisecond of Python between two layers
+                for i in range(100):
+                    x += i
+            if mode == "busy_pump":
+                link.pump()
+        last._future.result()
+        return {"mode": mode, "ms": round((time.perf_counter() - t0) * 1e3, 1), "copies_ms": round(n * COPY_S * 1e3, 1)}
+    finally:
+        link.close()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--copies", type=int, default=20000)
+    ap.add_argument("--busy", action="store_true", help="prefetches landing beside a busy issuing thread instead")
     args = ap.parse_args(argv)
+    if args.busy:
+        for mode in ("idle", "busy", "busy_pump", "idle", "busy", "busy_pump"):
+            print(json.dumps(busy_row(mode)), flush=True)
+        return 0
     cuda = NullCuda()
     link = CudaLink("meta", bandwidth=25e9, cuda=cuda)
     try:

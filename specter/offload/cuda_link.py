@@ -69,7 +69,9 @@ class CudaLink(Link):
     stream, captured at copy() (a held copy waits on that same event once issued). A small host
     thread a stream resolves its transfers' futures (for await / callbacks / stats) in issue order;
     the copy stream's also issues held prefetches, so an urgent copy whose `after` is long (compute
-    queued far ahead) never holds up the prefetches landing behind it.
+    queued far ahead) never holds up the prefetches landing behind it. So does whoever calls `pump()`
+    or `copy()` (the manager pumps between layers), counting out the copies whose events query done:
+    a watcher woken by a landing needs the GIL, which a decode thread running Python keeps.
 
     A source that is not pinned (the store could not be pinned, or SPECTER_PIN_STORE=0) goes through
     two pinned staging buffers the link owns (staging.py): a stager thread copies it into the next
@@ -148,6 +150,8 @@ class CudaLink(Link):
             self._collect_stalls()
         if isinstance(after, str):  # "all": whatever compute has queued so far may still read dst
             after = self.read_event()
+        if self._held and not urgent:  # older held prefetches whose room has come go first, then this one
+            self.pump()
         stream = self.urgent_stream if urgent else self.stream
         pinned = all(not isinstance(s, torch.Tensor) or s.is_cuda or self._cuda.is_pinned(s) for s in src)
         if not pinned:
@@ -176,6 +180,8 @@ class CudaLink(Link):
                 self._land(t)
                 self._idle.notify_all()
             raise
+        if urgent and self._held:  # held prefetches whose room has come, behind this copy
+            self.pump()
         return t
 
     # --- the prefetch window (all under self._lock)
@@ -201,6 +207,19 @@ class CudaLink(Link):
                 t, (after, src) = self._held.popitem(last=False)
                 self._fly(t)
             self._unhold(t, self.stream, after, src)
+
+    def pump(self) -> None:
+        """Held prefetches go on the copy stream from the calling thread as the window has room, every
+        flying prefetch whose event has completed (a query, no wait) no longer counted in it. Else only
+        the watcher issues them, once it has landed one, and a caller that keeps the GIL (the decode
+        thread's Python between its torch calls) keeps it from doing so: the copy stream idles with
+        prefetches held (bench/experiments/link_issue_cost.py --busy)."""
+        if not self._held:  # a hint read without the lock: a prefetch held meanwhile waits for the next call
+            return
+        with self._lock:
+            for t in [t for t in self._flying if t._event is not None and t._event.query()]:
+                self._land(t)  # the watcher's own _land later finds it gone (it still resolves the future)
+        self._release()
 
     def hurry(self, t: Transfer) -> None:
         """Someone waits for held prefetch t: it leaves the FIFO for the urgent stream now, ahead of

@@ -221,6 +221,10 @@ class Link(abc.ABC):
         usual). This base answers False: a copy the link has handed on cannot be recalled."""
         return False
 
+    def pump(self) -> None:
+        """Move copies along on the calling thread where the link would otherwise wait for one of its
+        own threads (CudaLink: held prefetches; the manager calls it between layers); nothing here."""
+
     def copy_seconds(self, nbytes: int) -> float:
         """Seconds one copy of `nbytes` takes: the measured busy time per byte once there is any, times
         nbytes (a transfer of one expert: its time; of several, coalesced: each its share of one fixed

@@ -145,7 +145,9 @@ class OffloadedExperts:
                 self._read_done(layer, [e])  # CUDA: compute now waits for the copy; a later one waits for that
 
     def poll(self) -> None:
-        """Mark every completed copy ready (cheap; called between layers; nothing waits)."""
+        """Mark every completed copy ready (cheap; called between layers; nothing waits), and let the
+        link issue what it holds (Link.pump: CudaLink's held prefetches)."""
+        self.link.pump()
         done = []
         for key, t in self.inflight.items():
             if t.done():
