@@ -109,6 +109,7 @@ class CudaLink(Link):
         self._flying: set = set()  # prefetches on self.stream, not yet completed (guarded by _lock)
         self._flying_bytes = 0     # their bytes
         self._hurrying = 0         # held prefetches a waiter took out, not yet on the urgent stream
+        self._releasing = threading.Lock()  # one thread at a time issues held prefetches (_release)
         self._staged = StagedCopies(cuda.pinned_empty, self._issue, self._complete, name)  # unpinned sources
         # One watcher a stream, each waiting for its stream's transfers in issue order: an urgent copy
         # waiting on a long `after` never delays the landing of the prefetches (nor the release of held ones).
@@ -199,14 +200,16 @@ class CudaLink(Link):
             self._flying_bytes -= t.nbytes
 
     def _release(self) -> None:
-        """Issue held prefetches, oldest first, while the window has room (on the watcher thread)."""
-        while True:
-            with self._lock:
-                if not self._held or not self._room(next(iter(self._held)).nbytes):
-                    return
-                t, (after, src) = self._held.popitem(last=False)
-                self._fly(t)
-            self._unhold(t, self.stream, after, src)
+        """Issue held prefetches, oldest first, while the window has room (the watcher, or pump's
+        caller: one at a time, so that they reach the copy stream in FIFO order)."""
+        with self._releasing:
+            while True:
+                with self._lock:
+                    if not self._held or not self._room(next(iter(self._held)).nbytes):
+                        return
+                    t, (after, src) = self._held.popitem(last=False)
+                    self._fly(t)
+                self._unhold(t, self.stream, after, src)
 
     def pump(self) -> None:
         """Held prefetches go on the copy stream from the calling thread as the window has room, every
