@@ -30,7 +30,8 @@ def _buffers(pair):
     E = pair.a.shape[0]
     staged = [lossless.stage_pair(pair, e, "cpu") for e in range(E)]
     slots = [torch.zeros(E, *p.shape[1:], dtype=torch.bfloat16) for p in (pair.a, pair.b)]
-    off = [torch.zeros(p.shape[1] * p.shape[2] + 4, dtype=torch.bfloat16)[4:].view(p.shape[1:]) for p in (pair.a, pair.b)]
+    off = [torch.zeros(p.shape[1] * p.shape[2] + 4, dtype=torch.bfloat16)[4:].view(p.shape[1:])
+           for p in (pair.a, pair.b)]
     return staged, slots, off
 
 
