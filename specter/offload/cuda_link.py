@@ -106,7 +106,7 @@ class CudaLink(Link):
         # window of two); large experts go two at a time (the floor), so a miss waits for <= 2 of them.
         self.window_bytes = self.bandwidth * 150e-6 if window_bytes is None else float(window_bytes)
         self._held: collections.OrderedDict = collections.OrderedDict()  # Transfer -> (after, src), FIFO
-        self._flying: set = set()  # prefetches on self.stream, not yet completed (guarded by _lock)
+        self._flying: dict = {}    # prefetches on self.stream, not yet completed, in issue order (guarded by _lock)
         self._flying_bytes = 0     # their bytes
         self._hurrying = 0         # held prefetches a waiter took out, not yet on the urgent stream
         self._releasing = threading.Lock()  # one thread at a time issues held prefetches (_release)
@@ -191,12 +191,12 @@ class CudaLink(Link):
         return len(self._flying) < 2 or self._flying_bytes + nbytes <= self.window_bytes
 
     def _fly(self, t: Transfer) -> None:
-        self._flying.add(t)
+        self._flying[t] = None
         self._flying_bytes += t.nbytes
 
     def _land(self, t: Transfer) -> None:
         if t in self._flying:
-            self._flying.discard(t)
+            del self._flying[t]
             self._flying_bytes -= t.nbytes
 
     def _release(self) -> None:
@@ -219,8 +219,10 @@ class CudaLink(Link):
         prefetches held (bench/experiments/link_issue_cost.py --busy)."""
         if not self._held:  # a hint read without the lock: a prefetch held meanwhile waits for the next call
             return
-        with self._lock:
-            for t in [t for t in self._flying if t._event is not None and t._event.query()]:
+        with self._lock:  # a stream completes its copies in order: query the oldest until one is not done
+            for t in list(self._flying):
+                if t._event is None or not t._event.query():
+                    break
                 self._land(t)  # the watcher's own _land later finds it gone (it still resolves the future)
         self._release()
 
