@@ -61,6 +61,39 @@ def test_lane_rows_are_the_devices_bits(threads, T, storage):
     assert lane.stats["jobs"] == 1 and lane.stats["experts"] == len(cold)
 
 
+@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_lanes_cuda_branch_orders_its_copies_and_returns_the_inputs_dtype(compute):
+    """The lane as it runs beside a GPU, on a CPU: FakeCuda's streams and events log what is ordered
+    after what (tests/test_link.py), the CPU playing the device. The inputs are staged after an event
+    on the compute stream that the lane's thread waits for before it reads them; it computes over the
+    bf16 store in the store's dtype (make_host_lane's choice on CUDA); the rows come back on the lane's
+    own stream, in the inputs' dtype (merge_rows would otherwise promote a float16 step's rows to
+    float32), and wait() orders the compute stream after their event."""
+    from test_link import FakeCuda
+
+    store = _store(torch.bfloat16)
+    x, ids, w = _routing(3)
+    x, w = x.to(compute), w.to(compute)
+    cold = sorted(set(ids.flatten().tolist()))[::2]
+    remap = torch.full((E,), -1, dtype=torch.int32)
+    remap[cold] = torch.tensor(cold, dtype=torch.int32)
+    cuda = FakeCuda(pinned=True)
+    lane = HostLane([store], "cpu", threads=2, cuda=cuda)
+    try:
+        job = lane.submit(0, x, ids, w, cold)
+        assert job.wait() >= 0.0 and not job.failed()
+    finally:
+        lane.close()
+    want = expert_rows(x.bfloat16(), ids, w, store.w13, store.w2, remap=remap)
+    assert job.rows.dtype == compute and torch.equal(job.rows, want.to(compute))
+    log = cuda.log
+    inputs = log.index(("record", "compute", job._inputs))
+    read = log.index(("sync", "specter-host", job._inputs))  # the lane's thread, before it computes
+    back = log.index(("record", "copy", job._event))          # the rows' copy, on the lane's stream
+    assert inputs < read < back < log.index(("wait_event", "compute", job._event))
+    assert job._event is not job._inputs
+
+
 def test_a_job_completes_no_earlier_than_its_charge_and_jobs_queue():
     """Injected costs: each job takes at least its charge after the previous one's completion."""
     store = _store()

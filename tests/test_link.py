@@ -504,6 +504,9 @@ class FakeCuda(CudaApi):
         self.pinned_allocs += 1
         return torch.empty(nbytes, dtype=torch.uint8)
 
+    def pinned_empty_like(self, t):
+        return torch.empty(t.shape, dtype=t.dtype)
+
     def land(self, n: int = 1) -> None:
         """The next `n` prefetch copies waited for complete (gated)."""
         self.landing.release(n)

@@ -52,6 +52,11 @@ class CudaApi:
         """uint8 [nbytes] of page-locked host memory (a staging buffer)."""
         return pinned_buffer(nbytes)
 
+    def pinned_empty_like(self, t: torch.Tensor) -> torch.Tensor:
+        """An empty host tensor of t's shape and dtype, page-locked (the caching host allocator: the
+        host lane's activations and rows, a few KB a job)."""
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
 
 class CudaLink(Link):
     """Copies on dedicated CUDA streams from pinned host memory; one event per transfer.

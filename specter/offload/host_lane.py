@@ -19,9 +19,10 @@ expert at a time into each thread's reused buffer, as the torch backend does).
 
 CPU (the emulated device): a job completes no earlier than its emulated time, `charge(job)`, from the
 link profile's host slowed by the link's time scale (calibrate.emulated_host_params), so host time :
-device time : copy time is the real machine's. CUDA (written, not yet run on a GPU): inputs go to
-pinned host buffers on the compute stream (an event the dispatcher waits on), the rows come back on
-the lane's own stream, and `wait()` makes the compute stream wait for that copy's event.
+device time : copy time is the real machine's. CUDA (not yet run on a GPU; its calls go through a
+CudaApi, so tests/test_host_lane.py runs this branch on a CPU with a fake one): inputs go to pinned
+host buffers on the compute stream (an event the dispatcher waits on), the rows come back, in the
+inputs' dtype, on the lane's own stream, and `wait()` makes the compute stream wait for that copy's event.
 """
 from __future__ import annotations
 
@@ -73,14 +74,16 @@ class HostLane:
     """Computes jobs one after another on `threads` host threads (see the module docstring).
 
     `charge(job) -> seconds`: the job's emulated time (CPU); it then completes no earlier than
-    start + charge, start = max(enqueued, the previous job's completion). None: real time only."""
+    start + charge, start = max(enqueued, the previous job's completion). None: real time only.
+    `cuda`: the CUDA calls of a lane whose inputs and rows cross to a GPU (default CudaApi() on a
+    CUDA device, none elsewhere; tests hand a fake to run that branch on a CPU)."""
 
     def __init__(self, store: list[ExpertWeights], device, *, threads: int = 1, dtype: torch.dtype | None = None,
-                 charge: Callable[[HostJob], float] | None = None, name: str = "host"):
+                 charge: Callable[[HostJob], float] | None = None, name: str = "host", cuda: CudaApi | None = None):
         if threads < 1:
             raise ValueError(f"HostLane needs threads >= 1, got {threads}")
         self.store, self.device, self.threads, self.charge, self.name = store, torch.device(device), threads, charge, name
-        self.cuda = self.device.type == "cuda"
+        self._cuda = cuda or (CudaApi() if self.device.type == "cuda" else None)
         self.dtype = dtype or store[0].w13.dtype  # the host computes in this dtype
         self.n_experts = store[0].w13.shape[0]
         self.stats = {"jobs": 0, "experts": 0, "busy_s": 0.0}
@@ -92,7 +95,7 @@ class HostLane:
         self._pool = concurrent.futures.ThreadPoolExecutor(threads - 1, thread_name_prefix=f"specter-{name}",
                                                            initializer=torch.set_num_threads,
                                                            initargs=(1,)) if threads > 1 else None
-        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._stream = self._cuda.stream(self.device) if self._cuda else None
         self._worker = daemon(self._run, f"specter-{name}", self)
 
     def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -101,13 +104,13 @@ class HostLane:
         zero (job.remap_device maps exactly those experts, for merge_rows)."""
         remap = torch.full((self.n_experts,), -1, dtype=torch.int32)  # expert -> its store row
         remap[experts] = torch.tensor(experts, dtype=torch.int32)
-        if self.cuda:  # to pinned host memory on the compute stream; the dispatcher waits for the event
-            hx, hids, hw = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (x, ids, weights))
+        if cuda := self._cuda:  # to pinned host memory on the compute stream; the dispatcher waits for the event
+            hx, hids, hw = (cuda.pinned_empty_like(t) for t in (x, ids, weights))
             for h, t in ((hx, x), (hids, ids), (hw, weights)):
                 h.copy_(t, non_blocking=True)
             job = HostJob(layer, hx, hids, hw, remap, experts, self.device)
-            job._cuda, job._consumer = CudaApi(), torch.cuda.current_stream(self.device)  # Transfer.wait's
-            job._inputs = job._cuda.event()
+            job._cuda, job._consumer = cuda, cuda.current_stream(self.device)  # Transfer.wait's
+            job._inputs = cuda.event()
             job._inputs.record(job._consumer)
             job._issued = threading.Event()
             job.remap_device = remap.to(self.device, non_blocking=True)
@@ -150,11 +153,11 @@ class HostLane:
             job.t_started = time.perf_counter()
             error = None
             try:
-                if self.cuda:
+                if self._cuda:
                     job._inputs.synchronize()
                 with torch.inference_mode(), span(f"host job layer {job.layer}"):  # on the lane's thread
                     rows = self._compute(job)
-                if self.cuda:
+                if self._cuda:
                     rows = self._to_device(job, rows)
                 job.rows = rows
             except Exception as e:  # reported to whoever waits on the job
@@ -173,27 +176,31 @@ class HostLane:
             job._finish(error)
 
     def _compute(self, job: HostJob) -> torch.Tensor:
-        """[T, k, H]: the job's rows, its experts split over the lane's threads (merged by row)."""
+        """[T, k, H] in the inputs' dtype: the job's rows, computed in the lane's dtype, its experts split
+        over the lane's threads (merged by row)."""
         x = job.x if job.x.dtype == self.dtype else job.x.to(self.dtype)
         ew = self.store[job.layer]
         parts = _split(job.experts, self.threads)
         if len(parts) == 1:
-            return expert_rows(x, job.ids, job.weights, ew.w13, ew.w2, remap=job.remap, backend="torch")
-        remaps = [_only(job.remap, p) for p in parts]
-        futures = [self._pool.submit(_rows, x, job.ids, job.weights, ew, r) for r in remaps[1:]]
-        rows = _rows(x, job.ids, job.weights, ew, remaps[0])
-        for r, f in zip(remaps[1:], futures):
-            rows = merge_rows(rows, f.result(), job.ids, r)
-        return rows
+            rows = expert_rows(x, job.ids, job.weights, ew.w13, ew.w2, remap=job.remap, backend="torch")
+        else:
+            remaps = [_only(job.remap, p) for p in parts]
+            futures = [self._pool.submit(_rows, x, job.ids, job.weights, ew, r) for r in remaps[1:]]
+            rows = _rows(x, job.ids, job.weights, ew, remaps[0])
+            for r, f in zip(remaps[1:], futures):
+                rows = merge_rows(rows, f.result(), job.ids, r)
+        return rows.to(job.x.dtype)  # CUDA computes in the store's dtype, whatever the device's (a no-op on CPU)
 
     def _to_device(self, job: HostJob, rows: torch.Tensor) -> torch.Tensor:
         """CUDA: the rows from a pinned buffer to the device on the lane's stream; job._event after it."""
-        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows)
-        with torch.cuda.stream(self._stream):
+        cuda = self._cuda
+        host = cuda.pinned_empty_like(rows).copy_(rows)
+        with cuda.use(self._stream):
             out = torch.empty(rows.shape, dtype=rows.dtype, device=self.device)
             out.copy_(host, non_blocking=True)
-            out.record_stream(job._consumer)  # read there after its wait: its memory outlives that
-            job._event = torch.cuda.Event()
+            if out.is_cuda:
+                out.record_stream(job._consumer)  # read there after its wait: its memory outlives that
+            job._event = cuda.event()
             job._event.record(self._stream)
         job._host_rows = host  # alive until the copy has run (the job outlives its wait)
         return out
