@@ -34,6 +34,9 @@
 #                 hit (the pair kernel from bytes kept on the device: tier_hit_over_raw) and a layer
 #                 call's 8 hits in one launch (the batch kernel: tier_batch_over_raw, per expert); then
 #                 codedcopy_jit, the same with every decode launch through Triton's JIT (before launch.py)
+#   hostlane    the host lane beside the GPU over the real link, on a real host: `specter bench` at 1/4
+#                 residency, on-demand, host (every miss computed on the host) and specter with its lane
+#                 (--host-threads 8: opt-in on CUDA) -> bench_hostlane.json; specter without it is tpot's
 #   also: kernels (bench's first half alone), tpot (its second half alone), tpot0 (tpot with the MoE
 #   calls eager, SPECTER_MOE_GRAPHS=0: the baseline of triton_ops/graphed.py), hostprof (a generation
 #   under cProfile per policy: where a token's host time goes, bench/host_profile.py), firstrun
@@ -53,7 +56,7 @@
 # codedcopy, tpot, compressed, firstrun and moehost took 360 s; at 18:03 suite 157 s, moehost 7 s,
 # codedcopy 12 s, tpot0 38 s). $OUT brings back 8 files at most, so the results travel as one
 # tarball beside summary.json (issue 24's figures right after the suite, the host-cost ones last):
-#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite codedcopy decodetune compressedwide codedtier tpot tpot0 moehost hostprof" BUDGET_S=540 bash
+#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite codedcopy decodetune compressedwide codedtier tpot hostlane tpot0 moehost hostprof" BUDGET_S=540 bash
 #       bench/device_check.sh; cp $D/summary.json "$OUT"/; tar czf "$OUT/all.tgz" -C $D .',
 #       carry=[".whl"], timeout_s=600)
 # then give_back.
@@ -180,6 +183,9 @@ for part in $CHECKS; do
     tpot0)  # tpot with every MoE call eager (SPECTER_MOE_GRAPHS=0): tpot's baseline for triton_ops/graphed.py
       JSON=1 step bench_eager_moe 200 env SPECTER_MOE_GRAPHS=0 "$PY" -m specter.cli bench --device cuda \
         --residency 0.25 --policies resident,on-demand,specter --json ;;
+    hostlane)
+      JSON=1 step bench_hostlane 200 "$PY" -m specter.cli bench --device cuda --residency 0.25 \
+        --policies on-demand,host,specter --host-threads 8 --json ;;
     kernels) step kernels 110 "${kernels_cmd[@]}" ;;  # bench's first half alone
     firstrun) step firstrun 90 "$PY" "$REPO/bench/experiments/first_run_cost.py" ;;
     moehost)  # then every launch through Triton's JIT, as before triton_ops/launch.py: its A/B on the GPU
@@ -206,7 +212,7 @@ for part in $CHECKS; do
       [[ -d $SCRATCH/wide16 ]] || step widen 60 "$PY" "$REPO/bench/wide_experts.py" "$SCRATCH/wide16" --factor 16
       JSON=1 step coded_tier_wide 200 env SPECTER_CODED_TIER=1 "$PY" -m specter.cli bench --device cuda \
         --model "$SCRATCH/wide16" --residency 0.25 --policies on-demand,specter --compare-compressed --json ;;
-    *) echo "unknown check '$part' (suite, bench, kernels, tpot, tpot0, hostprof, firstrun, moehost, codedcopy, decodetune, codedtier, graphs, async, compressed, compressedwide)" ;;
+    *) echo "unknown check '$part' (suite, bench, kernels, tpot, tpot0, hostlane, hostprof, firstrun, moehost, codedcopy, decodetune, codedtier, graphs, async, compressed, compressedwide)" ;;
   esac
 done
 finish

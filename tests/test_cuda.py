@@ -13,6 +13,7 @@ timer (test_profiling.py) and the `[cuda]` cases of conftest's `device` fixture.
 2. One lossless greedy run per policy on a tiny bf16 checkpoint (eager steps): the tokens of plain
    resident decoding, or parted from them only at a near-tie (tests/test_bf16.py's criterion).
 3. astream against generate, K fixed: the very same text.
+3b. The host lane beside the GPU (policy host, and specter with host_threads), as 2.
 4. The captured draft step and verifier (compile=True, CUDA graphs): both ran compiled, no host
    sync inside them (bench/graph_check.py's checks), and the tokens lossless as in 2.
 5. The pinned host store (bench/pinned_check.py): exact-size pinning and its fallback.
@@ -237,6 +238,36 @@ def test_astream_gives_generates_text_on_cuda(checkpoint, shared, plain):
     finally:
         engine.close()
     assert texts == [o.text for o in outs]
+
+
+# ------------------------------------------------------------------------- 3b. the host lane beside a GPU
+@pytest.mark.parametrize("policy, dtype, compile", [("host", "bfloat16", False), ("host", "bfloat16", None),
+                                                    ("host", "float16", None), ("specter", "bfloat16", False)])
+def test_the_host_lane_is_lossless_on_cuda(checkpoint, shared, plain, policy, dtype, compile):
+    """offload/host_lane.py's CUDA branch on a GPU: `host` computes every miss on the host (eager steps,
+    and the CUDA default: MoE calls from graphs), also in float16 over the bf16 store (the lane computes
+    in bf16 and hands back float16 rows); specter with `host_threads` splits the misses between the
+    lanes, K fixed. The host's kernels round otherwise than the GPU's, so the criterion is 2's: resident
+    decoding's tokens, or parted from them at a near-tie (float16: resident float16 decoding's)."""
+    import specter
+
+    kw = {"residency": 0.5, "host_threads": 2} | ({"k_max": 6} if policy == "specter" else {})
+    ref = plain
+    if dtype != "bfloat16":
+        resident = specter.load(checkpoint, device="cuda", policy="resident", dtype=dtype)
+        ref = (resident, [resident.generate(p, max_new_tokens=NEW, temperature=0.0).token_ids for p in PROMPTS])
+    engine = specter.load(checkpoint, device="cuda", policy=policy, dtype=dtype, compile=compile,
+                          shared=shared if dtype == "bfloat16" else None, **kw)
+    try:
+        _fix_k(engine)
+        outs = _lossless(ref, engine, f"{policy} with its host lane ({dtype}, compile={compile})")
+        hosted = sum(o.stats["host_experts"] for o in outs)
+        assert hosted > 0 or policy == "specter", [o.stats for o in outs]  # host: every miss; specter: its choice
+        print(f"{policy} {dtype}: {hosted} experts computed on the host")
+    finally:
+        engine.close()
+        if ref is not plain:
+            ref[0].close()
 
 
 # -------------------------------------------------------------------------------- 5. pinned store
