@@ -79,7 +79,8 @@ class HostLane:
     CUDA device, none elsewhere; tests hand a fake to run that branch on a CPU)."""
 
     def __init__(self, store: list[ExpertWeights], device, *, threads: int = 1, dtype: torch.dtype | None = None,
-                 charge: Callable[[HostJob], float] | None = None, name: str = "host", cuda: CudaApi | None = None):
+                 charge: Callable[[HostJob], float] | None = None, name: str = "host",
+                 cuda: CudaApi | None = None):
         if threads < 1:
             raise ValueError(f"HostLane needs threads >= 1, got {threads}")
         self.store, self.device, self.threads, self.charge, self.name = store, torch.device(device), threads, charge, name
