@@ -81,6 +81,9 @@ def kernels(path: Path) -> list[dict]:
     return rows
 
 
+BENCH_JSON = ("compressed", "compressed_wide", "coded_tier_wide")  # `specter bench --json` steps not named bench*
+
+
 def bench(path: Path) -> dict:
     text = path.read_text()
     start = text.find("\n{") + 1 if not text.startswith("{") else 0  # lines printed before it are skipped
@@ -105,9 +108,10 @@ def summary(out: Path, facts_path: Path, steps_path: Path) -> int:
         step: dict = {"exit": int(rc), "seconds": int(seconds), "limit_s": int(limit),
                       "timed_out": int(rc) in (124, 130, 137)}
         readers = [(out / f"{name}.xml", "tests", junit), (out / "kernels.json", "kernels", kernels),
-                   (out / f"{name}.json", "bench", bench)]  # bench, bench_eager_moe
+                   (out / f"{name}.json", "bench", bench)]  # bench, bench_*, and BENCH_JSON's
         for path, key, read in readers:
-            mine = key == "tests" or name == key or (key == "bench" and name.startswith("bench_"))
+            mine = key == "tests" or name == key or (key == "bench" and (name.startswith("bench_")
+                                                                         or name in BENCH_JSON))
             if mine and path.exists() and path.stat().st_size:
                 try:
                     step[key] = read(path)
@@ -141,6 +145,10 @@ def summary(out: Path, facts_path: Path, steps_path: Path) -> int:
                 tpot = r.get("tpot_s")
                 same = {k: v for k, v in r.items() if k.startswith(("lossless", "speedup"))}
                 print(f"    {pol:11} TPOT {'n/a' if tpot is None else f'{tpot * 1e3:7.2f} ms'}  {same}")
+            for pol, c in (b.get("coded_vs_raw") or {}).items():  # --compare-compressed: issue 24's figure
+                ratio = c.get("h2d_bytes_ratio")
+                print(f"    {pol:11} coded/raw bytes a token {'n/a' if ratio is None else f'{ratio:.3f}'}, "
+                      f"coded speed-up {c['tpot_speedup']:.3f}x, same tokens {c.get('same_tokens')}")
         for line in s.get("log_tail", [])[-4:]:
             print(f"    | {line[:200]}")
     print(f"results: {out / 'summary.json'}")

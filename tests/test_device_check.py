@@ -167,7 +167,8 @@ def test_a_missing_wheel_stops_the_check_with_what_to_do(bare_env, tmp_path):
 
 
 def test_the_summary_reads_pytest_reports(tmp_path):
-    """device_summary.py: counts and failures from JUnit XML, rows from `specter bench --json`."""
+    """device_summary.py: counts and failures from JUnit XML, rows from `specter bench --json` (with
+    --compare-compressed: the coded store against the raw one)."""
     (tmp_path / "suite.xml").write_text(
         '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
         '<testcase classname="tests.test_cuda" name="test_a"/>'
@@ -176,7 +177,10 @@ def test_the_summary_reads_pytest_reports(tmp_path):
         '</testsuite></testsuites>')
     (tmp_path / "bench.json").write_text('specter: compiling\n{"policies": {"resident": {"tpot_s": 0.01, '
                                          '"lossless_vs_resident": true, "outputs": [1]}}, "repeat": 1}\n')
-    (tmp_path / "steps.tsv").write_text("suite\t1\t12\t240\nbench\t0\t30\t150\n")
+    (tmp_path / "compressed_wide.json").write_text(
+        '{"policies": {"on-demand": {"tpot_s": 0.02}, "on-demand+coded": {"tpot_s": 0.016}}, "coded_vs_raw": '
+        '{"on-demand": {"h2d_bytes_ratio": 0.663, "tpot_speedup": 1.25, "same_tokens": true}}}')
+    (tmp_path / "steps.tsv").write_text("suite\t1\t12\t240\nbench\t0\t30\t150\ncompressed_wide\t0\t40\t200\n")
     (tmp_path / "facts.json").write_text('{"device": "stand-in"}')
     r = subprocess.run([sys.executable, str(REPO / "bench" / "device_summary.py"), "summary", str(tmp_path),
                         str(tmp_path / "facts.json"), str(tmp_path / "steps.tsv")], capture_output=True, text=True)
@@ -186,6 +190,8 @@ def test_the_summary_reads_pytest_reports(tmp_path):
     assert (tests["passed"], tests["skipped"], tests["skip_reasons"]) == (1, 1, {"needs CUDA": 1})
     assert tests["failed"] == [{"test": "tests.test_cuda::test_b", "kind": "failure", "message": "bits differ"}]
     assert doc["steps"]["bench"]["bench"]["policies"] == {"resident": {"tpot_s": 0.01, "lossless_vs_resident": True}}
+    assert doc["steps"]["compressed_wide"]["bench"]["coded_vs_raw"]["on-demand"]["tpot_speedup"] == 1.25
+    assert "coded/raw bytes a token 0.663, coded speed-up 1.250x, same tokens True" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("launches", ["noop", "stub"])
