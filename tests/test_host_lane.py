@@ -37,6 +37,15 @@ def _routing(T, k=2, seed=1):
     return torch.randn(T, H, generator=g), ids, w
 
 
+def _resident_tokens(path, prompts, n: int) -> list[list[int]]:
+    """Plain resident decoding's greedy tokens: what every policy here must give."""
+    ref = specter.load(path, device="cpu", policy="resident")
+    try:
+        return [ref.generate(p, max_new_tokens=n).token_ids for p in prompts]
+    finally:
+        ref.close()
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
@@ -180,11 +189,7 @@ def test_make_host_lane_charges_only_a_profiled_cpu_link():
 def test_host_policy_copies_nothing_and_decodes_residents_tokens(tiny):
     path, _ = tiny("qwen2_moe", mlp_only_layers=[0])
     prompts = [[1, 5, 9, 33, 2], list(range(10, 40))]
-    ref = specter.load(path, device="cpu", policy="resident")
-    try:
-        want = [ref.generate(p, max_new_tokens=12).token_ids for p in prompts]
-    finally:
-        ref.close()
+    want = _resident_tokens(path, prompts, 12)
     engine = specter.load(path, device="cpu", policy="host", residency=0.25, host_threads=2)
     try:
         mgr = engine.decoder.experts
@@ -270,11 +275,7 @@ def test_specter_greedy_equals_resident_on_both_lanes(tiny, monkeypatch, arch, k
 
     path, _ = tiny(arch, **kw)
     prompts = [[1, 5, 9, 33, 2], list(range(10, 40))]
-    ref = specter.load(path, device="cpu", policy="resident")
-    try:
-        want = [ref.generate(p, max_new_tokens=16).token_ids for p in prompts]
-    finally:
-        ref.close()
+    want = _resident_tokens(path, prompts, 16)
     monkeypatch.setattr(builder, "LaneChoice", _HalfToHost)
     for residency, k_max, fixed in ((0.25, 4, None), (0.5, 8, None), (0.375, 0, None), (0.25, 8, 0), (0.25, 8, 1),
                                     (0.375, 8, 3), (0.25, 8, 7)):
@@ -291,6 +292,44 @@ def test_specter_greedy_equals_resident_on_both_lanes(tiny, monkeypatch, arch, k
         assert sum(o.stats["host_experts"] for o in outs) > 0 and sum(o.stats["h2d_bytes"] for o in outs) > 0
         if fixed:
             assert sum(o.stats["drafted_tokens"] for o in outs) > 0
+
+
+@pytest.mark.parametrize("policy", ["host", "specter"])
+def test_the_lanes_cuda_branch_in_the_engine_gives_residents_tokens(tiny, monkeypatch, policy):
+    """Every host lane the builder makes takes its CUDA branch on FakeCuda (the CPU plays the device):
+    pinned inputs after an event, the rows back on the lane's stream, a stream wait for each job, over
+    whole generations (host: every miss; specter: half of them, K fixed at 3, then the governor).
+    The CPU computes in the device's dtype, so the tokens are resident's exactly."""
+    import specter.builder as builder
+    from specter.speculative.governor import Governor
+    from test_link import FakeCuda
+
+    path, _ = tiny("qwen3_moe")
+    prompts = [[1, 5, 9, 33, 2], list(range(10, 40))]
+    want = _resident_tokens(path, prompts, 16)
+    fakes, make = [], builder.make_host_lane
+
+    def on_fake_cuda(*args, **kw):
+        fakes.append(FakeCuda(pinned=True))
+        return make(*args, cuda=fakes[-1], **kw)
+
+    monkeypatch.setattr(builder, "make_host_lane", on_fake_cuda)
+    monkeypatch.setattr(builder, "LaneChoice", _HalfToHost)
+    kw = {"k_max": 8} if policy == "specter" else {}
+    for fixed in ((3, None) if policy == "specter" else (None,)):
+        engine = specter.load(path, device="cpu", policy=policy, residency=0.25, host_threads=2, **kw)
+        if fixed is not None:
+            engine.decoder.governor = Governor(8, fixed=fixed)
+        try:
+            outs = [engine.generate(p, max_new_tokens=16) for p in prompts]
+        finally:
+            engine.close()
+        assert [o.token_ids for o in outs] == want, (policy, fixed)
+        log = fakes[-1].log
+        jobs = [e[2] for e in log if e[:2] == ("record", "copy")]  # each job's rows: one copy back
+        waited = {id(e[2]) for e in log if e[:2] == ("wait_event", "compute")}
+        assert sum(o.stats["host_experts"] for o in outs) > 0 and jobs
+        assert all(id(ev) in waited for ev in jobs), "a job's rows were read without a stream wait"
 
 
 def test_only_host_and_specter_compute_on_the_host(tiny):

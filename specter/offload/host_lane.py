@@ -244,12 +244,14 @@ def physical_cores() -> int:
 
 
 def make_host_lane(store: list[ExpertWeights], device, link, *, threads: int | None = None,
-                   dtype: torch.dtype | None = None, charged_dtype: torch.dtype | None = None) -> HostLane:
+                   dtype: torch.dtype | None = None, charged_dtype: torch.dtype | None = None,
+                   cuda: CudaApi | None = None) -> HostLane:
     """The host lane for `device`. CPU: each job is charged its emulated time from the link's profile
     and time scale (calibrate.emulated_host_params), weights counted at `charged_dtype`'s width (the one
     the emulated link times copies at), so that host : device : copy times are the profiled machine's.
     A link without a profile (a test's plain EmulatedLink) gives a lane that takes real time only.
-    dtype: what the host computes in (CPU: the device's compute dtype, for identical bits; CUDA: the store's)."""
+    dtype: what the host computes in (CPU: the device's compute dtype, for identical bits; CUDA: the store's).
+    cuda: HostLane's (tests: its CUDA branch on a CPU)."""
     device = torch.device(device)
     threads = threads or default_host_threads()
     profile, scale = getattr(link, "profile", None), getattr(link, "time_scale", None)
@@ -265,7 +267,7 @@ def make_host_lane(store: list[ExpertWeights], device, link, *, threads: int | N
             return params.seconds(weight_bytes=experts * 3 * H * I * item, flops=rows * 6 * H * I,
                                   act_bytes=(job.ids.shape[0] + rows) * H * item)
     lane = HostLane(store, device, threads=threads, dtype=dtype if device.type == "cpu" else store[0].w13.dtype,
-                    charge=charge, name="host" if charge is None else f"host:{profile.name}")
+                    charge=charge, name="host" if charge is None else f"host:{profile.name}", cuda=cuda)
     if device.type == "cuda":  # real seconds: the GPU's own profile, unscaled (for LaneChoice's estimates)
         from .calibrate import load_profile, profile_for_gpu
 
