@@ -37,10 +37,6 @@
 #   hostlane    the host lane beside the GPU over the real link, on a real host: `specter bench` at 1/4
 #                 residency, on-demand, host (every miss computed on the host) and specter with its lane
 #                 (--host-threads 8: opt-in on CUDA) -> bench_hostlane.json; specter without it is tpot's
-#   prefetchbatch  specter on the bundled model, raw against coded, K fixed at 4, prefetches one expert a
-#                 transfer (the CUDA default: the profile's 10 us latency pays for no more) and 8 (a coded
-#                 batch decodes in one launch) -> prefetch_batch_1.json, prefetch_batch_8.json
-#                 (bench/coded_specter.py): whether a small expert's copies are worth coalescing on a GPU
 #   also: kernels (bench's first half alone), tpot (its second half alone), tpot0 (tpot with the MoE
 #   calls eager, SPECTER_MOE_GRAPHS=0: the baseline of triton_ops/graphed.py), hostprof (a generation
 #   under cProfile per policy: where a token's host time goes, bench/host_profile.py), firstrun
@@ -60,7 +56,7 @@
 # codedcopy, tpot, compressed, firstrun and moehost took 360 s; at 18:03 suite 157 s, moehost 7 s,
 # codedcopy 12 s, tpot0 38 s). $OUT brings back 8 files at most, so the results travel as one
 # tarball beside summary.json (issue 24's figures right after the suite, the host-cost ones last):
-#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite codedcopy decodetune compressedwide codedtier tpot hostlane tpot0 moehost hostprof prefetchbatch" BUDGET_S=540 bash
+#   run(command='D=/tmp/dc; OUT=$D CHECKS="suite codedcopy decodetune compressedwide codedtier tpot hostlane tpot0 moehost hostprof" BUDGET_S=540 bash
 #       bench/device_check.sh; cp $D/summary.json "$OUT"/; tar czf "$OUT/all.tgz" -C $D .',
 #       carry=[".whl"], timeout_s=600)
 # then give_back.
@@ -190,11 +186,6 @@ for part in $CHECKS; do
     hostlane)
       JSON=1 step bench_hostlane 200 "$PY" -m specter.cli bench --device cuda --residency 0.25 \
         --policies on-demand,host,specter --host-threads 8 --json ;;
-    prefetchbatch)
-      for n in 1 8; do
-        JSON=1 step prefetch_batch_$n 90 "$PY" "$REPO/bench/coded_specter.py" --device cuda --residency 0.25 \
-          --policy specter --k 4 --prefetch-batch $n --json
-      done ;;
     kernels) step kernels 110 "${kernels_cmd[@]}" ;;  # bench's first half alone
     firstrun) step firstrun 90 "$PY" "$REPO/bench/experiments/first_run_cost.py" ;;
     moehost)  # then every launch through Triton's JIT, as before triton_ops/launch.py: its A/B on the GPU
@@ -221,7 +212,7 @@ for part in $CHECKS; do
       [[ -d $SCRATCH/wide16 ]] || step widen 60 "$PY" "$REPO/bench/wide_experts.py" "$SCRATCH/wide16" --factor 16
       JSON=1 step coded_tier_wide 200 env SPECTER_CODED_TIER=1 "$PY" -m specter.cli bench --device cuda \
         --model "$SCRATCH/wide16" --residency 0.25 --policies on-demand,specter --compare-compressed --json ;;
-    *) echo "unknown check '$part' (suite, bench, kernels, tpot, tpot0, hostlane, prefetchbatch, hostprof, firstrun, moehost, codedcopy, decodetune, codedtier, graphs, async, compressed, compressedwide)" ;;
+    *) echo "unknown check '$part' (suite, bench, kernels, tpot, tpot0, hostlane, hostprof, firstrun, moehost, codedcopy, decodetune, codedtier, graphs, async, compressed, compressedwide)" ;;
   esac
 done
 finish
