@@ -13,7 +13,8 @@ timer (test_profiling.py) and the `[cuda]` cases of conftest's `device` fixture.
 2. One lossless greedy run per policy on a tiny bf16 checkpoint (eager steps): the tokens of plain
    resident decoding, or parted from them only at a near-tie (tests/test_bf16.py's criterion).
 3. astream against generate, K fixed: the very same text.
-3b. The host lane beside the GPU (policy host, and specter with host_threads), as 2.
+3b. The host lane beside the GPU: its rows back on the device bit for bit as the CPU computes them,
+   after inputs still queued at submit; policy host, and specter with host_threads, as 2.
 4. The captured draft step and verifier (compile=True, CUDA graphs): both ran compiled, no host
    sync inside them (bench/graph_check.py's checks), and the tokens lossless as in 2.
 5. The pinned host store (bench/pinned_check.py): exact-size pinning and its fallback.
@@ -241,6 +242,40 @@ def test_astream_gives_generates_text_on_cuda(checkpoint, shared, plain):
 
 
 # ------------------------------------------------------------------------- 3b. the host lane beside a GPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_host_lanes_rows_cross_to_the_gpu_bit_for_bit_on_cuda(dtype):
+    """HostLane's CUDA branch alone, exactly: the inputs a GPU op has just written (queued, not yet run when
+    the job is submitted) reach the lane, and the rows it computes on the host from the bf16 store come
+    back to the device with the very bits the same computation gives on the CPU, in the inputs' dtype."""
+    from specter.moe import ExpertWeights
+    from specter.offload.host_lane import HostLane
+    from specter.triton_ops import expert_rows
+
+    E, H, I, T, k = 8, 256, 192, 5, 2
+    g = torch.Generator().manual_seed(0)
+    store = ExpertWeights((torch.randn(E, 2 * I, H, generator=g) * 0.05).bfloat16(),
+                          (torch.randn(E, H, I, generator=g) * 0.05).bfloat16())
+    base = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, k, generator=g), -1)
+    cold = sorted(set(ids.flatten().tolist()))[::2]
+    lane = HostLane([store], "cuda", threads=2)
+    try:
+        x = torch.empty(T, H, device="cuda", dtype=dtype)
+        torch.cuda._sleep(100_000_000)  # tens of ms of work queued on the compute stream ahead of x's bytes
+        x.copy_(base.to(dtype).pin_memory(), non_blocking=True)  # still queued when the job is submitted
+        job = lane.submit(0, x, ids.cuda(), w.cuda().to(dtype), cold)
+        job.wait()  # a stream wait: the rows are read on the device after their copy
+        got = (job.rows * 1).cpu()
+    finally:
+        lane.close()
+    remap = torch.full((E,), -1, dtype=torch.int32)
+    remap[cold] = torch.tensor(cold, dtype=torch.int32)
+    want = expert_rows(base.to(dtype).bfloat16(), ids, w.to(dtype), store.w13, store.w2, remap=remap,
+                       backend="torch")
+    assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+
+
 @pytest.mark.parametrize("policy, dtype, compile", [("host", "bfloat16", False), ("host", "bfloat16", None),
                                                     ("host", "float16", None), ("specter", "bfloat16", False)])
 def test_the_host_lane_is_lossless_on_cuda(checkpoint, shared, plain, policy, dtype, compile):
