@@ -16,9 +16,21 @@ from typing import AsyncIterator, Callable, Iterator
 
 
 def held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest end of `text` that could be the start of a stop string (not yet printable)."""
-    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
-               default=0)
+    """Length of the longest end of `text` that could be the start of a stop string (not yet printable).
+
+    For each stop s, the end of `text` shorter than s that s starts with: its first position is the first
+    place in that tail where s[0] occurs and s goes on as the tail does (a scan, not one comparison per
+    length: a long stop string costs a request the length of its tail, not its square)."""
+    best = 0
+    for s in stops:
+        tail = text[len(text) - min(len(s) - 1, len(text)):]
+        i = tail.find(s[0]) if tail else -1
+        while i >= 0 and len(tail) - i > best:
+            if s.startswith(tail[i:]):
+                best = len(tail) - i
+                break
+            i = tail.find(s[0], i + 1)
+    return best
 
 
 class Printer:

@@ -2,6 +2,7 @@
 strings, stats keys, the CLI's --json, and plain-decoding equivalence of every policy."""
 import asyncio
 import json
+import random
 
 import pytest
 
@@ -218,6 +219,15 @@ def test_held_back():
 
     assert held_back("abc k.c", ["k.ca"]) == 3 and held_back("abc k", ["k.ca", "zz"]) == 1
     assert held_back("abc", ["k.ca"]) == 0 and held_back("", ["ab"]) == 0 and held_back("a", ["a"]) == 0
+    # against its definition, every k tried, on texts and stops over two or three letters (overlaps abound)
+    rng = random.Random(0)
+    for n in range(3000):
+        letters = "ab" if n % 2 else "abc"
+        word = lambda lo, hi: "".join(rng.choice(letters) for _ in range(rng.randrange(lo, hi)))  # noqa: E731
+        text, stops = word(0, 12), [word(1, 8) for _ in range(rng.randrange(1, 4))]
+        want = max((k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:k])),
+                   default=0)
+        assert held_back(text, stops) == want, (text, stops)
 
 
 def test_stats_are_none_where_not_applicable(engine, spec_engine):
