@@ -204,19 +204,25 @@ BAD = [  # (request fields, status, param)
     (dict(max_tokens=0), 400, "max_tokens"),
     (dict(max_tokens=1.5), 400, "max_tokens"),
     (dict(max_tokens=2048), 400, "max_tokens"),          # prompt + max_tokens past the 2048-token context
+    (dict(prompt=[1] * 2048), 400, "prompt"),            # the prompt alone fills the context, whatever max_tokens
     (dict(model="gpt-4o"), 404, "model"),
     (dict(n=2), 400, "n"),
     (dict(best_of=3), 400, "best_of"),
+    (dict(best_of=0), 400, "best_of"),                   # not "best_of > 1 is not supported"
     (dict(echo=True), 400, "echo"),
     (dict(logprobs=2), 400, "logprobs"),
     (dict(suffix="x"), 400, "suffix"),
     (dict(logit_bias={"5": 10}), 400, "logit_bias"),
     (dict(stop=""), 400, "stop"),
     (dict(stop=[5]), 400, "stop"),
+    (dict(stop=[f"s{i}" for i in range(17)]), 400, "stop"),  # each is searched for after every chunk: bounded
+    (dict(stop="x" * 1001), 400, "stop"),
     (dict(seed="1"), 400, "seed"),
     (dict(stream="yes"), 400, "stream"),
     (dict(prompt=["a", "b"]), 400, "prompt"),
-    (dict(prompt=[99999]), 400, None),                    # a token id outside the vocabulary
+    (dict(prompt=[99999]), 400, "prompt"),                # a token id outside the vocabulary
+    (dict(prompt=[]), 400, "prompt"),
+    (dict(prompt=""), 400, "prompt"),
     (dict(extra_body={"best_effort": 1}), 400, "best_effort"),
 ]
 BAD_CHAT = [
@@ -225,6 +231,7 @@ BAD_CHAT = [
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400, None),
     (dict(messages=CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     (dict(messages=CHAT, max_completion_tokens=-1), 400, "max_completion_tokens"),
+    (dict(messages=CHAT, max_completion_tokens=2048), 400, "max_completion_tokens"),  # past the context
     (dict(messages=[{"role": "assistant", "content": "hi"}]), 400, "messages"),  # the template's raise_exception
 ]
 
@@ -247,6 +254,13 @@ def test_every_bad_request_gets_an_openai_error_and_the_server_keeps_serving(mai
         assert e.value.status_code == status, fields
         if param is not None:
             assert e.value.response.json()["error"]["param"] == param, fields
+    for value, param in (("Infinity", "temperature"), ("1e400", "temperature"), ("NaN", "temperature")):
+        body = b'{"prompt": "x", "max_tokens": 4, "%s": %s}' % (param.encode(), value.encode())  # JSON as Python reads it
+        r = httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (value, r.json())
+    r = httpx.post(url + "/v1/completions", content=b'{"prompt": "x", "repetition_penalty": Infinity}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.json()
     for body in (b"{not json", b"[1, 2]", b""):
         r = httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["message"], body

@@ -274,6 +274,9 @@ def test_max_tokens_default_bounds_requests_without_max_tokens(engine, tmp_path)
             assert r.usage.completion_tokens <= 5
             r = c.completions.create(model="m", prompt=PROMPT, temperature=0, max_tokens=9)
             assert r.usage.completion_tokens == 9    # a request's own max_tokens still wins
+            # a default never asks past the context: 3 tokens of room take 3 (a request's own asking more is a 400)
+            r = c.completions.create(model="m", prompt=[1] * (chat_engine.context - 3), temperature=0)
+            assert r.usage.completion_tokens == 3
     finally:
         chat_engine.close()
 
@@ -421,7 +424,13 @@ def test_cli_api_keys_from_flags_or_environment_and_a_warning_off_loopback(monke
         return [m.kwargs["limit"] for m in app.user_middleware if m.cls is LimitBody]
 
     assert (limit(flag.app), limit(bare.app)) == ([1000], [4 * 2 ** 20])
-    assert (flag.timeout_keep_alive, flag.limit_concurrency) == (3, 50)
+    from specter.server.app import LimitConcurrency
+
+    def most(app):
+        return [m.kwargs["limit"] for m in app.user_middleware if m.cls is LimitConcurrency]
+
+    assert (most(flag.app), most(bare.app)) == ([50], [])
+    assert (flag.timeout_keep_alive, flag.limit_concurrency) == (3, None)  # the app's limit, not uvicorn's
     assert main(["serve", "--api-key", ""]) == 2
 
 
@@ -529,11 +538,34 @@ def test_a_request_that_arrives_in_time_is_not_cut_by_the_deadlines(strict_url):
             time.sleep(0.5)
 
 
-def test_oversized_headers_get_431(url):
-    raw = read_all(send_raw(url, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n"))
+@pytest.mark.parametrize("size", [70_000, 100_000, 200_000])  # whole in one read up to ~128 KiB: the app's check
+def test_oversized_headers_get_431(url, size):
+    raw = read_all(send_raw(url, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * size + b"\r\n\r\n"))
     status, err, head = status_and_json(raw)
     assert status == 431 and err["error"]["code"] == "headers_too_large"
-    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/health", headers={"X-Big": "a" * 60_000}).status_code == 200  # under 64 KiB
+
+
+def test_limit_concurrency_answers_the_request_past_the_limit_503_in_json(engine):
+    with ServerThread(create_app(engine, max_queue=4, limit_concurrency=2)) as url:
+        c = client(url)
+        with c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1500, temperature=0, stream=True) as running:
+            next(iter(running))
+            assert httpx.get(url + "/health").status_code == 200        # the second request at once: answered
+            with send_raw(url, post_bytes(json.dumps(dict(prompt=PROMPT, max_tokens=4)).encode())):  # queued: 2
+                assert until(lambda: health_or_none(url) is None)       # /health is the third: refused
+                r = httpx.get(url + "/health")
+                assert r.status_code == 503 and r.headers["retry-after"] == "1"
+                assert r.json()["error"]["code"] == "too_many_requests"
+                assert "2" in r.json()["error"]["message"]
+        # each request, the refused ones too, gave its place back as it ended
+        assert until(lambda: (h := health_or_none(url)) is not None and h["running"] == h["queue_depth"] == 0)
+        assert httpx.get(url + "/health").status_code == 200
+
+
+def health_or_none(url):
+    r = httpx.get(url + "/health", timeout=10)
+    return r.json() if r.status_code == 200 else None
 
 
 def test_cuda_graphs_are_recorded_on_the_engine_thread_before_any_request():

@@ -40,7 +40,8 @@ def add_parsers(sub) -> None:
                     help="close a connection whose request (headers and body) takes longer than this to arrive "
                          "(default 60)")
     sv.add_argument("--limit-concurrency", type=positive_int, default=None, metavar="N",
-                    help="most open connections and tasks; more get 503 (default: no limit)")
+                    help="most requests answered at once, on any route (a stream until it ends); more get 503 "
+                         "(default: no limit)")
     pipeline_args(sv)
     sv.set_defaults(func=cmd_serve)
 

@@ -58,11 +58,11 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | N
     connections or generations, queued requests answered 503, the running generation given
     `shutdown_grace` seconds before it is stopped (its stream still ends with a final chunk and
     [DONE]), and return normally. `options`: create_app's keywords, plus `request_timeout` (see
-    specter.server.http) and uvicorn's `timeout_keep_alive` and `limit_concurrency`."""
+    specter.server.http) and uvicorn's `timeout_keep_alive`."""
     from . import http
     from .app import SHUTDOWN_GRACE
 
-    uv = {k: options.pop(k) for k in ("request_timeout", "timeout_keep_alive", "limit_concurrency") if k in options}
+    uv = {k: options.pop(k) for k in ("request_timeout", "timeout_keep_alive") if k in options}
     app = create_app(engine, model_name=model_name, max_queue=max_queue, **options)
     grace = options.get("shutdown_grace", SHUTDOWN_GRACE)
     config = http.config(app, host, port, log_level=log_level, timeout_graceful_shutdown=grace + 10, **uv)

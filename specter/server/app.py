@@ -46,13 +46,14 @@ SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequ
 OPENAI_NEUTRAL = dict(temperature=1.0, top_p=1.0)
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 MAX_REQUEST_BYTES = 4 * 2 ** 20   # default body limit: several times a typical 128k-token prompt
+MAX_HEADER_BYTES = 64 * 1024      # request line + headers; larger ones get 431
 SHUTDOWN_GRACE = 10.0             # default seconds a running generation may go on after SIGINT/SIGTERM
 
 
 def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
                max_request_bytes: int | None = MAX_REQUEST_BYTES, max_tokens_default: int | None = None,
                api_keys=(), protect_all: bool = False, allowed_hosts=None, docs: bool = False,
-               shutdown_grace: float = SHUTDOWN_GRACE) -> FastAPI:
+               shutdown_grace: float = SHUTDOWN_GRACE, limit_concurrency: int | None = None) -> FastAPI:
     """An OpenAI-compatible app over one loaded engine (which the caller keeps and closes).
 
     max_request_bytes: larger bodies get 413 (None: no limit). max_tokens_default: what a request
@@ -60,7 +61,8 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
     api_keys: if any, every /v1 route (every route with protect_all) wants `Authorization: Bearer KEY`.
     allowed_hosts: Host header patterns (starlette's TrustedHostMiddleware); None: any. docs: serve
     /docs and /openapi.json. shutdown_grace: seconds a running generation may go on once app.state.drain()
-    is called (`serve` calls it on SIGINT/SIGTERM)."""
+    is called (`serve` calls it on SIGINT/SIGTERM). limit_concurrency: requests answered at once, on any
+    route (a stream until its end); more get 503 (None: no limit)."""
     metrics = Metrics()
     scheduler = Scheduler(engine, max_queue, metrics)
     name = model_name or engine.path.name
@@ -91,6 +93,9 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
         app.add_middleware(RequireKey, keys=keys, protect_all=protect_all)
     if max_request_bytes:
         app.add_middleware(LimitBody, limit=max_request_bytes)
+    if limit_concurrency:
+        app.add_middleware(LimitConcurrency, limit=limit_concurrency)
+    app.add_middleware(LimitHeaders, limit=MAX_HEADER_BYTES)
     app.add_middleware(CountRequests, metrics=metrics)
     if allowed_hosts:
         app.add_middleware(AllowedHosts, allowed_hosts=list(allowed_hosts))
@@ -173,8 +178,9 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
         check_request(req)
         prompt = req.single_prompt()
         check_length(len(prompt), "tokens" if isinstance(prompt, list) else "characters", param="prompt")
-        ids = await encode(prompt)
-        max_tokens = req.max_tokens or max_tokens_default or 16   # past the context: a 400 that says so
+        ids = await encode(prompt, param="prompt")
+        room = max(context - len(ids), 1)  # a default never asks past the context; a request's own max_tokens may
+        max_tokens = req.max_tokens or min(max_tokens_default or 16, room)
         return await answer(request, req, ids, max_tokens, chat=False)
 
     class Chat(ChatRequest):
@@ -191,14 +197,14 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
         messages = [m.as_template_dict() for m in req.messages]
         check_length(sum(len(m["content"]) for m in messages), "characters", param="messages")
         try:
-            ids = await encode(messages)
-        except SpecterError:
+            ids = await encode(messages, param="messages")
+        except APIError:
             raise
         except Exception as e:  # the template's own checks (jinja's raise_exception: "roles must alternate" ...)
             raise APIError(400, f"the chat template of {name!r} refused these messages: {e}", param="messages",
                            code="invalid_messages") from None
-        rest = max(context - len(ids), 1)
-        max_tokens = req.max_completion_tokens or req.max_tokens or min(max_tokens_default or rest, rest)
+        room = max(context - len(ids), 1)
+        max_tokens = req.max_completion_tokens or req.max_tokens or min(max_tokens_default or room, room)
         return await answer(request, req, ids, max_tokens, chat=True)
 
     chat.__annotations__.update(req=Chat)  # this app's own model (a string annotation would name the module's)
@@ -222,10 +228,14 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
                                 f"in it (at most {bound} {unit} could); shorten the prompt", param=param,
                            code="context_length_exceeded")
 
-    async def encode(prompt) -> list[int]:
+    async def encode(prompt, param: str) -> list[int]:
         """Token ids, tokenized (or templated) on a thread of its own so that the event loop, /health and
-        running streams never wait for another request's input."""
-        return await asyncio.get_running_loop().run_in_executor(tokenizing, engine.encode, prompt)
+        running streams never wait for another request's input; the engine's refusal (an empty prompt, a
+        token id outside the vocabulary) names `param`."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(tokenizing, engine.encode, prompt)
+        except SpecterError as e:
+            raise APIError(400, str(e), param=param) from None
 
     # ---------------------------------------------------------------------------- generation
     def check_model(model_id):
@@ -233,11 +243,16 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
             raise APIError(404, f"the model {model_id!r} does not exist; this server serves {name!r}",
                            param="model", code="model_not_found", type="not_found_error")
 
-    def sampling(req, ids: list[int], max_tokens: int) -> dict:
+    def sampling(req, ids: list[int], max_tokens: int, chat: bool) -> dict:
+        if len(ids) >= context:
+            raise APIError(400, f"this model's context is {context} tokens, and the prompt takes {len(ids)} of them, "
+                                f"leaving none to generate; shorten the prompt", param="messages" if chat else "prompt",
+                           code="context_length_exceeded")
         if len(ids) + max_tokens > context:
+            which = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
             raise APIError(400, f"this model's context is {context} tokens, but {len(ids) + max_tokens} were "
                                 f"requested ({len(ids)} in the prompt, {max_tokens} to generate); shorten the "
-                                f"prompt or lower max_tokens", param="max_tokens", code="context_length_exceeded")
+                                f"prompt or lower {which}", param=which, code="context_length_exceeded")
         if req.stop and engine.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; this model ships none", param="stop")
         kw = dict(max_new_tokens=max_tokens, seed=req.seed, stop=req.stop)
@@ -247,7 +262,7 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
         return kw  # none: the engine applies the model's own (its generation_config.json; greedy if none)
 
     async def answer(request: Request, req, ids: list[int], max_tokens: int, chat: bool):
-        kw = sampling(req, ids, max_tokens)
+        kw = sampling(req, ids, max_tokens, chat)
         if (down := broken()) is not None:
             raise down
         try:
@@ -396,6 +411,53 @@ class LimitBody:
             await asyncio.wait_for(drop(), self.DRAIN_SECONDS)
         except asyncio.TimeoutError:
             pass
+
+
+class LimitHeaders:
+    """ASGI middleware: a request whose request line and headers take more than `limit` bytes gets 431.
+    (The protocol answers 431 to headers that arrive in pieces over the limit, h11's incomplete-event cap;
+    headers that arrive whole in one read pass it, up to about twice the limit, and are measured here.)"""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and header_bytes(scope) > self.limit:
+            error = APIError(431, f"the request line and headers are larger than this server accepts ({self.limit} "
+                                  f"bytes)", code="headers_too_large")
+            return await JSONResponse(error.body(), 431, headers={"Connection": "close"})(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def header_bytes(scope) -> int:
+    """The request line and headers' size on the wire: `METHOD PATH?QUERY HTTP/1.1` and CRLF, `name: value`
+    and CRLF a header, a blank line."""
+    path = scope.get("raw_path") or scope["path"].encode()
+    query = scope.get("query_string") or b""
+    line = len(scope["method"]) + 1 + len(path) + (len(query) + 1 if query else 0) + 1 + 10
+    return line + sum(len(k) + 2 + len(v) + 2 for k, v in scope["headers"]) + 2
+
+
+class LimitConcurrency:
+    """ASGI middleware: at most `limit` requests answered at once (a stream counts until it ends); one
+    more gets an OpenAI-style 503 with Retry-After (uvicorn's own limit counts connections, the refused one
+    among them, and answers in plain text)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit, self.open = app, limit, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.open >= self.limit:
+            error = APIError(503, f"the server is answering {self.open} requests, as many as --limit-concurrency "
+                                  f"{self.limit} allows; retry shortly", type="server_error", code="too_many_requests")
+            return await JSONResponse(error.body(), 503, headers={"Retry-After": "1"})(scope, receive, send)
+        self.open += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.open -= 1
 
 
 class AllowedHosts:

@@ -5,7 +5,8 @@ request headers (h11_max_incomplete_event_size), but a connection that never sen
 sends its request a byte at a time, is kept forever, and oversized headers get a generic 400. This
 protocol closes a connection that sends nothing within timeout_keep_alive of opening, or whose
 request is not all received within `request_timeout` of its first byte (slow headers or a slow
-body), and answers oversized headers 431.
+body), and answers oversized headers 431 (those h11 holds incomplete over the cap; headers that
+arrive whole are measured by the app, app.LimitHeaders).
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-MAX_HEADER_BYTES = 64 * 1024   # request line + headers; larger ones get 431
-REQUEST_TIMEOUT = 60.0         # seconds to receive a whole request (headers and body)
+from .app import MAX_HEADER_BYTES  # request line + headers; larger ones get 431 (here, or app.LimitHeaders)
+
+REQUEST_TIMEOUT = 60.0  # seconds to receive a whole request (headers and body)
 
 
 class Protocol(H11Protocol):

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1   # what a 64-bit generator seed holds (torch's manual_seed range)
+MAX_STOPS, MAX_STOP_CHARS = 16, 1000          # each stop string is searched for after every chunk: bounded
 
 
 def _unicode(text: str) -> str:
@@ -52,7 +53,7 @@ class _Sampling(_Strict):
     """Fields both endpoints share. None means "the default"."""
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)                          # extension (as vLLM): 0 = off
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)       # 64 bits, as OpenAI's
@@ -62,16 +63,22 @@ class _Sampling(_Strict):
     n: int | None = Field(None, ge=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)          # extension (as vLLM)
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)  # extension (as vLLM)
     min_p: float | None = Field(None, ge=0, le=1)                 # extension (as vLLM)
     logit_bias: dict[str, float] | None = None
     user: Text | None = None                                       # identifies the caller; not used
 
     @field_validator("stop")
     @classmethod
-    def _stops_not_empty(cls, v):
-        if v is not None and any(s == "" for s in ([v] if isinstance(v, str) else v)):
+    def _stops(cls, v):
+        stops = [] if v is None else [v] if isinstance(v, str) else v
+        if any(s == "" for s in stops):
             raise ValueError("a stop string must not be empty")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings a request, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string may be at most {MAX_STOP_CHARS} characters long, got one of "
+                             f"{max(map(len, stops))}")
         return v
 
     def unsupported(self) -> list[tuple[str, str]]:
@@ -95,7 +102,7 @@ class CompletionRequest(_Sampling):
     suffix: Text | None = None
     echo: bool = False
     logprobs: int | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1)
 
     def unsupported(self):
         out = super().unsupported()
