@@ -112,5 +112,15 @@ async def in_thread(make: Callable[[], Iterator], name: str = "specter-generatio
             yield item
     finally:
         stop.set()
-        while thread.is_alive():  # the chunk in progress ends (a cycle at most), then the thread
-            await asyncio.sleep(1e-3)
+        # The engine is the thread's until it ends (the chunk in progress, a cycle at most), however this is left:
+        cancelled = False
+        while thread.is_alive():
+            try:
+                await asyncio.sleep(1e-3)
+            except asyncio.CancelledError:  # cancelled while closing: still wait, then honour it
+                cancelled = True
+            except GeneratorExit:  # closed with no loop to wait on: asyncio.run ended while the task closing
+                thread.join()      # an abandoned stream was pending, and the task is being destroyed
+                raise
+        if cancelled:
+            raise asyncio.CancelledError

@@ -3,6 +3,7 @@ strings, stats keys, the CLI's --json, and plain-decoding equivalence of every p
 import asyncio
 import json
 import random
+import threading
 
 import pytest
 
@@ -176,6 +177,51 @@ def test_leaving_an_astream_early_frees_the_engine(engine):
     t.join(timeout=60)
     assert done, "the abandoned astream kept the engine"
     assert engine.turns.waiting == 0
+
+
+@pytest.mark.parametrize("policy", ["resident", "on-demand"])
+def test_an_astream_abandoned_at_the_loops_end_stops_before_the_next_generation(policy):
+    """Breaking out of an astream and leaving asyncio.run: the stream is closed by a task that asyncio.run
+    cancels at its end, and its generation thread must still end before the engine's turn is handed on
+    (it went on decoding beside the next generation, whose greedy tokens then differed on on-demand)."""
+    e = specter.load(None, device="cpu", policy=policy, residency=None if policy == "resident" else 0.25)
+    try:
+        want = e.generate(PROMPT, max_new_tokens=32, **GREEDY).token_ids
+
+        async def first_piece():
+            async for piece in e.astream(PROMPT, max_new_tokens=64, **GREEDY):
+                return piece
+
+        def generating() -> list:
+            return [t for t in threading.enumerate() if t.name == "specter-generation" and t.is_alive()]
+
+        for _ in range(3):
+            assert asyncio.run(first_piece())
+            assert not generating()
+            assert e.generate(PROMPT, max_new_tokens=32, **GREEDY).token_ids == want
+
+        async def cancelled_twice():
+            """A task consuming a stream, cancelled, and cancelled again while it closes the stream."""
+            first = asyncio.Event()
+
+            async def consume():
+                async for _ in e.astream(PROMPT, max_new_tokens=64, **GREEDY):
+                    first.set()
+
+            task = asyncio.create_task(consume())
+            await first.wait()
+            task.cancel()
+            for _ in range(3):  # the stream's cleanup is waiting for the thread now (a cycle): cancel it there
+                await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return generating()
+
+        assert asyncio.run(cancelled_twice()) == []
+        assert e.generate(PROMPT, max_new_tokens=32, **GREEDY).token_ids == want
+    finally:
+        e.close()
 
 
 def _stops(engine):
