@@ -327,10 +327,12 @@ def _in_stage(name: str, layers: tuple[int, int], n_layers: int) -> bool:
 
 def _source(name: str, spec: ModelSpec, reader: _Reader) -> str:
     src = _checkpoint_name(name, spec)
-    if name == "lm_head.weight" and not reader.has(src):
-        src = "model.embed_tokens.weight"  # tied embeddings
+    if name == "lm_head.weight" and spec.tie_embeddings:
+        src = "model.embed_tokens.weight"  # tied, as transformers ties them: a stored lm_head is not read
     if not reader.has(src):
-        raise CheckpointError(f"tensor {src!r} is missing from the checkpoint in {reader.ckpt.path}")
+        untied = " (config.json's tie_word_embeddings is false: it is not the embedding table)" \
+            if name == "lm_head.weight" else ""
+        raise CheckpointError(f"tensor {src!r} is missing from the checkpoint in {reader.ckpt.path}{untied}")
     return src
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import specter
 from specter.cli import main
@@ -56,6 +57,27 @@ def test_missing_shard_names_the_file(tiny, tmp_path):
     victim.unlink()
     with pytest.raises(specter.CheckpointError, match=victim.name):
         specter.load(tmp_path / "m", device="cpu", policy="resident")
+
+
+def test_a_missing_lm_head_is_refused_unless_the_config_ties_it(tiny, tmp_path):
+    """An untied lm_head missing from the checkpoint was read from the embedding table instead: nonsense
+    text from a broken checkpoint. Tied (tie_word_embeddings true), the table is the head, as transformers has it."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = tiny("qwen3_moe")
+    shutil.copytree(path, tmp_path / "m")
+    tensors = load_file(tmp_path / "m" / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(specter.CheckpointError, match="'lm_head.weight' is missing.*tie_word_embeddings is false"):
+        specter.load(tmp_path / "m", device="cpu", policy="resident")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    e = specter.load(tmp_path / "m", device="cpu", policy="resident")
+    try:
+        assert torch.equal(e.model.lm_head.weight, e.model.model.embed_tokens.weight)
+    finally:
+        e.close()
 
 
 @pytest.fixture(scope="module")
