@@ -40,6 +40,7 @@ from .errors import ConfigError
 
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as vLLM's _SAMPLING_EPS)
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what a 64-bit generator seed holds (torch's manual_seed range)
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,9 @@ class SamplingParams:
             raise ConfigError(f"top_p must be in (0, 1], got {p!r}")
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int)):
-            raise ConfigError(f"seed must be an integer or None, got {s!r}")
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not SEED_MIN <= s <= SEED_MAX):
+            raise ConfigError(f"seed must be None or an integer in [-2**63, 2**64 - 1] (what a 64-bit generator "
+                              f"seed holds), got {s!r}")
         if "min_p" in bad or not (0 <= self.min_p <= 1):
             raise ConfigError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         if "repetition_penalty" in bad or self.repetition_penalty <= 0:

@@ -94,6 +94,8 @@ def engine(tiny):
     (dict(top_k=-2), "top_k"),
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(seed="x"), "seed"),
+    (dict(seed=2 ** 64, temperature=1.0), "seed"),         # past a 64-bit seed: torch's overflow, before
+    (dict(seed=-(2 ** 63) - 1, temperature=1.0), "seed"),
 ])
 def test_invalid_sampling_values(engine, kw, match):
     with pytest.raises(specter.ConfigError, match=match):

@@ -11,7 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1   # what a 64-bit generator seed holds (torch's manual_seed range)
+from ..sampling import SEED_MAX, SEED_MIN
+
 MAX_STOPS, MAX_STOP_CHARS = 16, 1000          # each stop string is searched for after every chunk: bounded
 
 
