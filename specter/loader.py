@@ -62,8 +62,13 @@ def read_config(path: str | os.PathLike):
         raw = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path / 'config.json'} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path / 'config.json'} holds a JSON {type(raw).__name__}, not the object of a "
+                              f"model's settings")
     model_type = raw.get("model_type")
-
+    if model_type is None:
+        raise CheckpointError(f"{path / 'config.json'} has no model_type, so its architecture is unknown; "
+                              f"supported: {supported_list()}")
     if model_type not in SUPPORTED:
         raise UnsupportedModelError(f"architecture {model_type!r} is not supported; supported: {supported_list()}")
     check_not_quantized(raw, path)

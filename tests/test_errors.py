@@ -2,6 +2,7 @@
 CLI one line on stderr with exit code 2 (never a traceback)."""
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,27 @@ def test_unsupported_architecture_names_it_and_lists_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
     with pytest.raises(specter.UnsupportedModelError, match="'llama'.*supported: mixtral"):
         specter.load(tmp_path, device="cpu", policy="resident")
+
+
+@pytest.mark.parametrize("patch, match", [
+    ({"num_experts_per_tok": 32}, "num_experts_per_tok \\(32\\) is more than the 16 routed experts"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be an integer >= 1, got 0"),
+    ({"hidden_size": -256}, "hidden_size must be an integer >= 1, got -256"),
+    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
+    ({"moe_intermediate_size": 0}, "intermediate size must be an integer >= 1"),
+    ({"model_type": None}, "has no model_type"),
+    ([1, 2, 3], "holds a JSON list"),
+])
+def test_a_config_of_impossible_sizes_is_refused_naming_the_field(tmp_path, patch, match):
+    """Each crashed in the model's construction (k out of range, store[0], a negative dimension, a list's
+    missing .get) or gave `specter plan` negative bytes; now the same CheckpointError for load and plan."""
+    config = json.loads((specter.default_model_path() / "config.json").read_text())
+    config = patch if isinstance(patch, list) else {k: v for k, v in {**config, **patch}.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(specter.CheckpointError, match=match):
+        specter.load(tmp_path, device="cpu", policy="resident")
+    code, _, err = cli("plan", "--model", str(tmp_path))
+    assert code == 2 and "Traceback" not in err and re.search(match, err), err
 
 
 def test_missing_weights(tiny, tmp_path):
