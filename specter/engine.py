@@ -169,7 +169,15 @@ class Engine:
             if not getattr(tok, "chat_template", None):
                 raise TokenizerError(f"the tokenizer in {self.path} has no chat template, so chat messages cannot be "
                                      "rendered; pass a plain string prompt (CLI: drop --chat/--system)")
-            ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+            for i, m in enumerate(prompt):
+                if not isinstance(m.get("role"), str) or not m["role"] or not isinstance(m.get("content"), str):
+                    raise ConfigError(f"chat message {i} must have a non-empty string 'role' and a string 'content', "
+                                      f"got {m!r}")
+            try:
+                ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+            except Exception as e:  # the template's own checks (jinja's raise_exception: "roles must alternate" ...)
+                raise ConfigError(f"the model's chat template refused these messages ({type(e).__name__}: {e})") \
+                    from None
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)

@@ -102,6 +102,26 @@ def test_a_missing_lm_head_is_refused_unless_the_config_ties_it(tiny, tmp_path):
         e.close()
 
 
+def test_chat_messages_the_template_cannot_render_are_a_config_error(chat_model):
+    """As real templates do (Qwen's, Mixtral's), this one raises on a role it does not know: that, and a
+    message without a role or with no text, came out as jinja's own exceptions."""
+    config = json.loads((chat_model / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+                               "{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}"
+                               "<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}")
+    (chat_model / "tokenizer_config.json").write_text(json.dumps(config))
+    e = specter.load(chat_model, device="cpu", policy="resident")
+    try:
+        with pytest.raises(specter.ConfigError, match="chat template refused these messages.*Unknown role: wizard"):
+            e.generate([{"role": "wizard", "content": "hi"}], max_new_tokens=2)
+        for bad in ({"content": "hi"}, {"role": "user", "content": None}, {"role": "", "content": "hi"}):
+            with pytest.raises(specter.ConfigError, match="chat message 0 must have a non-empty string 'role'"):
+                e.generate([bad], max_new_tokens=2)
+        assert e.generate([{"role": "user", "content": "hi"}], max_new_tokens=2).token_ids
+    finally:
+        e.close()
+
+
 @pytest.fixture(scope="module")
 def engine(tiny):
     path, _ = tiny("qwen3_moe")

@@ -196,13 +196,7 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
                            param="messages", code="no_chat_template")
         messages = [m.as_template_dict() for m in req.messages]
         check_length(sum(len(m["content"]) for m in messages), "characters", param="messages")
-        try:
-            ids = await encode(messages, param="messages")
-        except APIError:
-            raise
-        except Exception as e:  # the template's own checks (jinja's raise_exception: "roles must alternate" ...)
-            raise APIError(400, f"the chat template of {name!r} refused these messages: {e}", param="messages",
-                           code="invalid_messages") from None
+        ids = await encode(messages, param="messages", code="invalid_messages")  # the template's refusal too
         room = max(context - len(ids), 1)
         max_tokens = req.max_completion_tokens or req.max_tokens or min(max_tokens_default or room, room)
         return await answer(request, req, ids, max_tokens, chat=True)
@@ -228,14 +222,14 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
                                 f"in it (at most {bound} {unit} could); shorten the prompt", param=param,
                            code="context_length_exceeded")
 
-    async def encode(prompt, param: str) -> list[int]:
+    async def encode(prompt, param: str, code: str | None = None) -> list[int]:
         """Token ids, tokenized (or templated) on a thread of its own so that the event loop, /health and
         running streams never wait for another request's input; the engine's refusal (an empty prompt, a
-        token id outside the vocabulary) names `param`."""
+        token id outside the vocabulary, messages the chat template refuses) names `param`."""
         try:
             return await asyncio.get_running_loop().run_in_executor(tokenizing, engine.encode, prompt)
         except SpecterError as e:
-            raise APIError(400, str(e), param=param) from None
+            raise APIError(400, str(e), param=param, code=code) from None
 
     # ---------------------------------------------------------------------------- generation
     def check_model(model_id):
