@@ -140,6 +140,7 @@ class Engine:
         self.decoder = decoder
         self.plan, self.shared = plan, shared  # the memory plan it was built to; the loaded checkpoint (builder.Loaded)
         self.turns = Turns()
+        self.closed = False
         self._generation_defaults = dict(generation_defaults or {})
         SamplingParams(**self._generation_defaults)  # valid, or a ConfigError now rather than at each call
 
@@ -272,6 +273,9 @@ class Engine:
     def _prepare(self, prompt, max_new_tokens, stop, sampling, stats: dict) -> tuple[list[int], SamplingParams, list]:
         """Validated (prompt ids, sampling params, stop strings: `stop` is None, a string or a list of
         non-empty strings); `stats` gets the sampling settings."""
+        if self.closed:
+            raise ConfigError("this engine is closed (its copy threads and host lane are stopped); load another "
+                              "with specter.load(...)")
         # the caller's sampling keywords when they give any (a seed alone does not count), else the model's
         params, source = choose(sampling, self._generation_defaults)
         stats.update(sampling=describe(params), sampling_from=source)
@@ -355,6 +359,8 @@ class Engine:
         )
 
     def close(self) -> None:
+        """Stop the engine's threads and links; a generation after this is a ConfigError."""
+        self.closed = True
         if hasattr(self.decoder, "close"):
             self.decoder.close()
 

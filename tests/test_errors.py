@@ -122,6 +122,18 @@ def test_chat_messages_the_template_cannot_render_are_a_config_error(chat_model)
         e.close()
 
 
+@pytest.mark.parametrize("policy", ["resident", "on-demand", "specter"])
+def test_a_closed_engine_refuses_to_generate(policy):
+    """resident generated on after close(); on-demand and specter raised their link's or lane's RuntimeError."""
+    e = specter.load(None, device="cpu", policy=policy, residency=None if policy == "resident" else 0.5)
+    assert e.generate("x", max_new_tokens=2).token_ids
+    e.close()
+    e.close()  # twice is fine
+    for call in (lambda: e.generate("x", max_new_tokens=2), lambda: list(e.stream("x", max_new_tokens=2))):
+        with pytest.raises(specter.ConfigError, match="this engine is closed"):
+            call()
+
+
 @pytest.fixture(scope="module")
 def engine(tiny):
     path, _ = tiny("qwen3_moe")
