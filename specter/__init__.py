@@ -42,6 +42,15 @@ def resolve_device(device: str | None):
     return dev
 
 
+def refuse_unused_budget(policy: str, **budgets) -> None:
+    """A budget given to a policy that keeps every expert on the device would be ignored: refused."""
+    given = {k: v for k, v in budgets.items() if v is not None}
+    if not get_policy(policy).offloads and given:
+        k, v = next(iter(given.items()))
+        raise ConfigError(f"policy {policy!r} keeps every expert on the device, so {k}={v!r} would be ignored; "
+                          f"drop the budget, or pick an offloading policy ({', '.join(policy_names('offloads'))})")
+
+
 def load(model: str | Path | None = None, device: str = "auto", policy: str = DEFAULT_POLICY,
          residency: float | None = None, expert_memory: str | int | None = None, link: str | None = None,
          dtype=None, **options) -> Engine:
@@ -74,7 +83,7 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = DE
 
     from .builder import build_engine
 
-    offloads = get_policy(policy).offloads
+    get_policy(policy)  # an unknown policy fails before anything else
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise ConfigError(f"model must be a directory path (a str or a Path), got {type(model).__name__}")
     if dtype is not None and not isinstance(dtype, str) and not isinstance(dtype, torch.dtype):
@@ -82,12 +91,8 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = DE
     threads = options.get("threads")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
-    budgets = dict(residency=residency, expert_memory=expert_memory, device_memory=options.get("device_memory"))
-    given = {k: v for k, v in budgets.items() if v is not None}
-    if not offloads and given:  # a budget it would silently ignore
-        k, v = next(iter(given.items()))
-        raise ConfigError(f"policy {policy!r} keeps every expert on the device, so {k}={v!r} would be ignored; "
-                          f"drop the budget, or pick an offloading policy ({', '.join(policy_names('offloads'))})")
+    refuse_unused_budget(policy, residency=residency, expert_memory=expert_memory,
+                         device_memory=options.get("device_memory"))
     path = Path(model) if model is not None else default_model_path()
     return build_engine(path, resolve_device(device), policy=policy, residency=residency,
                         expert_memory=expert_memory, link=link, dtype=dtype, **options)

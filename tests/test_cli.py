@@ -113,6 +113,23 @@ def test_plan_refuses_a_negative_context(capsys):
 
 
 @needs_default
+@pytest.mark.parametrize("args, says", [
+    (["--policy", "resident", "--residency", "0.5"], "residency=0.5 would be ignored"),
+    (["--policy", "resident", "--expert-memory", "1MiB"], "expert_memory='1MiB' would be ignored"),
+    (["--context", "999999999"], "exceeds the model's context of 2048 tokens"),
+    (["--policy", "on-demand", "--draft-bits", "3"], "does not use --draft-bits"),
+    (["--policy", "resident", "--compress-experts"], "does not use --compress-experts"),
+])
+def test_plan_refuses_what_generate_refuses(capsys, args, says):
+    """plan planned these (50% resident for resident, a context silently capped, a draft width ignored)
+    where generate refuses them."""
+    assert main(["plan", *args]) == 2
+    assert says in capsys.readouterr().err
+    assert main(["generate", "x", "--max-new-tokens", "1", "--device", "cpu", *args]) == 2
+    assert says in capsys.readouterr().err
+
+
+@needs_default
 def test_a_closed_pipe_ends_quietly():
     """`specter generate ... | head -2`: head leaves early; specter stops without a traceback."""
     gen = subprocess.Popen([sys.executable, "-m", "specter", "generate", "def f(x):\n    return x\n\n\ndef g(",
@@ -182,7 +199,8 @@ def test_the_policy_table_decides_which_flags_each_policy_takes(tmp_path, capsys
     from specter.cli.options import FLAG_USERS
     from specter.policy import POLICIES, POLICY
 
-    values = {"--k-max": ["4"], "--compile": [], "--host-threads": ["2"], "--link": ["H100-PCIe5"], "--draft-bits": ["3"]}
+    values = {"--k-max": ["4"], "--compile": [], "--host-threads": ["2"], "--link": ["H100-PCIe5"], "--draft-bits": ["3"],
+              "--compress-experts": []}
     base = ["generate", "--prompt-ids", "1,2", "--model", str(tmp_path / "nothing-here"), "--device", "cpu"]
     refused = []
     for flag, _, field in FLAG_USERS:

@@ -154,20 +154,26 @@ def engine_options(args) -> dict:
 # policy they would be ignored, so they are refused.
 FLAG_USERS = (("--k-max", "k_max", "drafts"), ("--compile", "compile", "compiles"),
               ("--draft-bits", "draft_bits", "drafts"),
-              ("--host-threads", "host_threads", "host_lane"), ("--link", "link", "offloads"))
+              ("--host-threads", "host_threads", "host_lane"), ("--link", "link", "offloads"),
+              ("--compress-experts", "compress_experts", "offloads"))
 
 
-def load_engine(args, policy: str | None = None):
-    """specter.load from model_args' flags, refusing a flag the policy would ignore."""
-    policy = policy or args.policy
+def refuse_unused_flags(args, policy: str, flags=FLAG_USERS) -> None:
+    """A flag of `flags` given to a policy that would ignore it: a ConfigError saying which policies use it."""
     pol = get_policy(policy)
-    for flag, dest, field in FLAG_USERS:
-        value = getattr(args, dest)
+    for flag, dest, field in flags:
+        value = getattr(args, dest, None)
         if (value is not None and value is not False) and not getattr(pol, field):
             users = "; ".join(f"{'/'.join(f for f, _, w in FLAG_USERS if w == fld)}: {', '.join(policy_names(fld))}"
                               for fld in dict.fromkeys(w for _, _, w in FLAG_USERS))
             raise ConfigError(f"policy {policy!r} does not use {flag}, so it would be ignored; drop it or pick a "
                               f"policy that does ({users})")
+
+
+def load_engine(args, policy: str | None = None):
+    """specter.load from model_args' flags, refusing a flag the policy would ignore."""
+    policy = policy or args.policy
+    refuse_unused_flags(args, policy)
     return specter.load(args.model, device=args.device, policy=policy, residency=args.residency,
                         expert_memory=args.expert_memory, device_memory=args.device_memory, link=args.link,
                         **engine_options(args))

@@ -8,19 +8,20 @@ import os
 
 import torch
 
-from .. import default_model_path, resolve_device
+from .. import default_model_path, refuse_unused_budget, resolve_device
 from ..compiled.verify_step import graph_plan
 from ..errors import ConfigError
 from ..loader import describe
 from ..offload.calibrate import emulated_host_params, load_profile
 from ..offload.coded import coded_store_bytes
 from ..offload.coded_tier import tier_wanted
-from ..offload.plan import DRAFT_BITS, compute_dtype, emulated_device_bytes, fit, host_needs, make_plan, options_table, search
+from ..offload.plan import (DRAFT_BITS, check_context, compute_dtype, emulated_device_bytes, fit, host_needs,
+                            make_plan, options_table, search)
 from ..offload.staging import describe as describe_staging
 from ..pipeline.plan import cmd_plan_ranks
 from ..policy import DEFAULT as DEFAULT_POLICY, get as get_policy, names as policy_names
 from ..sizes import format_size
-from .options import nonnegative_int, policy_help, positive_int
+from .options import FLAG_USERS, nonnegative_int, policy_help, positive_int, refuse_unused_flags
 
 
 def add_parsers(sub) -> None:
@@ -67,10 +68,14 @@ def _host_line(host, coded: int | None) -> str:
 def cmd_plan(args) -> int:
     pol = get_policy(args.policy)
     pol.check_host_threads(args.host_threads)
+    # as generate refuses them (--draft-bits, --compress-experts ...); plan's --link ranks every policy's ways
+    refuse_unused_flags(args, args.policy, [f for f in FLAG_USERS if f[0] != "--link"])
+    refuse_unused_budget(args.policy, residency=args.residency, expert_memory=args.expert_memory)
     if args.ranks > 1:  # a layer pipeline: per-rank table (specter/pipeline/plan.py)
         return cmd_plan_ranks(args, _plan_device(args.device, args.device_memory is not None))
     path = args.model or default_model_path()
     spec, store_dtype, numel, weights = describe(path)
+    check_context(args.context, spec)
     device = _plan_device(args.device, args.device_memory is not None)
     dtype = compute_dtype(device, store_dtype)
     host = host_needs(spec, store_dtype, device.type, draft=pol.drafts, draft_bits=args.draft_bits or 4)
