@@ -40,6 +40,8 @@ def compute_dtype(device: torch.device, storage: torch.dtype, dtype=None) -> tor
             if dtype not in _DTYPES:
                 raise ConfigError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
             return _DTYPES[dtype]
+        if dtype not in _DTYPES.values():  # float64, int8 ...: no kernel, reference or test computes in them
+            raise ConfigError(f"dtype must be one of {', '.join(_DTYPES)} (or that torch.dtype), got {dtype!r}")
         return dtype
     if device.type == "cpu":
         return torch.float32
