@@ -25,10 +25,11 @@ def parse_size(text: str | int) -> int:
     m = _PATTERN.fullmatch(text)
     if m is None or m.group(2).lower() not in _UNITS | {"": 1}:
         raise ValueError(f"cannot parse size {text!r}: expected {_FORMS}")
-    nbytes = Fraction(m.group(1)) * _UNITS.get(m.group(2).lower(), 1)
-    if nbytes.denominator != 1:
+    unit = _UNITS.get(m.group(2).lower(), 1)
+    nbytes = Fraction(m.group(1)) * unit
+    if nbytes.denominator != 1 and unit == 1:
         raise ValueError(f"size {text!r} is not a whole number of bytes")
-    return int(nbytes)
+    return int(nbytes)  # with a unit, whole bytes down: '10.1GiB' is 10844792422
 
 
 def format_size(nbytes: int) -> str:

@@ -28,6 +28,8 @@ GiB, MiB, KiB = 2**30, 2**20, 2**10
     ("12B", 12),
     ("12 b", 12),
     ("1.", 1),
+    ("0.1KiB", 102),               # with a unit, whole bytes down (a natural budget: 10.1GiB)
+    ("10.1GiB", 10844792422),
 ])
 def test_parse_size(text, nbytes):
     assert parse_size(text) == nbytes
@@ -36,7 +38,7 @@ def test_parse_size(text, nbytes):
 
 @pytest.mark.parametrize("bad", [
     "", "   ", "GiB", "6 GiBs", "6G", "6 gigabytes", "-1GiB", "1e9", "1,024", "6 Gi B", "1.5 B",
-    "0.1KiB", -1, 1.5, None, True, "6GiB6",
+    "1.5", -1, 1.5, None, True, "6GiB6",
 ])
 def test_parse_size_errors(bad):
     with pytest.raises(ValueError) as info:
