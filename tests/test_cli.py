@@ -129,6 +129,20 @@ def test_plan_refuses_what_generate_refuses(capsys, args, says):
     assert says in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["bench", "--policies", "resident", "--plot"], ["profile", "--trace"]])
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_work(tmp_path, capsys, command):
+    """bench --plot ran its whole residency sweep, then died on the path with a traceback."""
+    (tmp_path / "a-file").write_text("")
+    for path, says in ((tmp_path / "a-file" / "out.png", "a-file is a file, not a folder"),
+                       (tmp_path, "is a directory")):
+        assert main([*command, str(path), "--model", str(tmp_path / "no-model")]) == 2  # the check comes first
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "deeper").exists()
+    from specter.cli.options import output_file
+
+    assert output_file(str(tmp_path / "deeper" / "x.json"), "--trace").parent.is_dir()  # made, as the command would
+
+
 @needs_default
 def test_a_closed_pipe_ends_quietly():
     """`specter generate ... | head -2`: head leaves early; specter stops without a traceback."""

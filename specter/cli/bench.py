@@ -8,7 +8,7 @@ from ..bench import budget_words, format_table, read_prompts, run_bench
 from ..errors import ConfigError
 from ..plot import residency_sweep
 from ..policy import BENCH_POLICIES
-from .options import engine_options, model_args, pipeline_args, policy_help
+from .options import engine_options, model_args, output_file, pipeline_args, policy_help
 
 
 def add_parsers(sub) -> None:
@@ -61,6 +61,7 @@ def cmd_bench(args) -> int:
         if given:
             raise ConfigError(f"--plot sweeps the residency itself (1/8, 1/4, 1/2, 1): drop --"
                               f"{given[0].replace('_', '-')}")
+        output_file(args.plot, "--plot")  # before the sweep, not after it
         sweep = residency_sweep(args.model, policies, args.plot, **kw)
         if args.json:
             print(json.dumps(sweep))

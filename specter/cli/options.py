@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 import specter
 
@@ -25,6 +27,23 @@ def int_at_least(lo: int):
 
 
 positive_int, nonnegative_int = int_at_least(1), int_at_least(0)
+
+
+def output_file(path: str, flag: str) -> Path:
+    """A file a command writes at its end, checked before the work: not a directory, its folder made
+    (with any missing above it) and writable."""
+    out = Path(path)
+    if out.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; give a file name")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as e:
+        raise ConfigError(f"{flag} {path}: {e.filename} is a file, not a folder") from None
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot make its folder ({e.strerror}: {e.filename})") from None
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: {out.parent} is not writable")
+    return out
 
 
 def token_ids(text: str) -> list[int]:

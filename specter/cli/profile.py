@@ -17,7 +17,7 @@ from ..offload.calibrate import available_profiles, emulated_host_params, emulat
 from ..offload.host_lane import default_host_threads
 from ..policy import DEFAULT as DEFAULT_POLICY, get as get_policy
 from ..profiling import trace
-from .options import policy_help, positive_int
+from .options import output_file, policy_help, positive_int
 
 
 def add_parsers(sub) -> None:
@@ -98,6 +98,7 @@ def host_lane_table(lane: dict) -> str:
 def cmd_trace(args) -> int:
     if args.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens must be >= 1")
+    output_file(args.trace, "--trace")
     engine = specter.load(args.model, device=args.device, policy=args.policy,
                           residency=args.residency if get_policy(args.policy).offloads else None)
     try:
