@@ -101,7 +101,7 @@ def describe(path: str | os.PathLike) -> tuple[ModelSpec, torch.dtype, int, bool
     if any(path.glob("*.safetensors")):
         ckpt = open_checkpoint(path)
         return ckpt.spec, ckpt.dtype, ckpt.numel(), True
-    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
+    dtype = getattr(cfg, "dtype", None) or torch.float32  # transformers >= 5 reads torch_dtype into dtype
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.replace("torch.", ""), None)
     if dtype not in _DTYPES.values():

@@ -5,7 +5,7 @@ import json
 import sys
 
 from .. import pipeline
-from ..errors import ConfigError, SpecterError
+from ..errors import ConfigError, SpecterError, TokenizerError
 from .options import load_engine, model_args, pipeline_args, sampling_args, sampling_kwargs, token_ids
 
 
@@ -117,8 +117,12 @@ def cmd_chat(args) -> int:
 
 def _chat(args, engine) -> int:
     try:
-        if not getattr(engine.tokenizer, "chat_template", None):
+        if engine.tokenizer is None:
             engine.encode([{"role": "user", "content": ""}])  # raises the engine's own clear error
+        if not getattr(engine.tokenizer, "chat_template", None):
+            raise TokenizerError(f"the tokenizer in {engine.path} has no chat template, so `specter chat` cannot "
+                                 f"render turns; use `specter generate` with a plain prompt, or add a chat_template "
+                                 f"to its tokenizer_config.json")
         start = [] if args.system is None else [{"role": "system", "content": args.system}]
         messages = list(start)
         kw = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, **sampling_kwargs(args))
