@@ -83,7 +83,9 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = DE
 
     from .builder import build_engine
 
-    get_policy(policy)  # an unknown policy fails before anything else
+    if "k_max" in options and not get_policy(policy).drafts:  # (an unknown policy fails here too)
+        raise ConfigError(f"policy {policy!r} does not draft, so k_max={options['k_max']!r} would be ignored; drop "
+                          f"it, or pick a drafting policy ({', '.join(policy_names('drafts'))})")
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise ConfigError(f"model must be a directory path (a str or a Path), got {type(model).__name__}")
     if dtype is not None and not isinstance(dtype, str) and not isinstance(dtype, torch.dtype):

@@ -109,6 +109,8 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
                 kw.update(residency=residency, expert_memory=expert_memory, device_memory=device_memory)
             if not pol.host_lane:  # host_threads sizes the lane policies' lanes, as a budget the offloaders'
                 kw.pop("host_threads", None)
+            if not pol.drafts:  # and k_max the drafting policies' drafts
+                kw.pop("k_max", None)
             engines[p] = specter.load(model, device=device, policy=p, link=link, shared=shared, **kw)
             shared = engines[p].shared
             runs.append(p)

@@ -200,7 +200,8 @@ def _arun(decoder, prompt, n=NEW, params=SamplingParams()):
 
 @pytest.mark.parametrize("policy", ["on-demand", "spec-lru", "specter"])
 def test_async_greedy_tokens_are_the_sync_ones_and_plain_decodings(checkpoint, plain_tokens, fast_link, policy):
-    eng = specter.load(checkpoint, device="cpu", policy=policy, residency=0.25, k_max=6)
+    eng = specter.load(checkpoint, device="cpu", policy=policy, residency=0.25,
+                       **({} if policy == "on-demand" else {"k_max": 6}))  # on-demand does not draft
     if policy != "on-demand":
         eng.decoder.governor = Governor(6, fixed=4)  # speculate every cycle (this random model's draft is poor)
     try:

@@ -129,6 +129,12 @@ def test_plan_refuses_what_generate_refuses(capsys, args, says):
     assert says in capsys.readouterr().err
 
 
+def test_bench_refuses_a_flag_none_of_its_policies_reads(capsys):
+    for policies, flag in (("resident,on-demand", ["--k-max", "4"]), ("resident,spec-lru", ["--host-threads", "2"])):
+        assert main(["bench", "--policies", policies, *flag]) == 2
+        assert f"uses {flag[0]}, so it would be ignored" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", [["bench", "--policies", "resident", "--plot"], ["profile", "--trace"]])
 def test_an_output_file_that_cannot_be_written_is_refused_before_the_work(tmp_path, capsys, command):
     """bench --plot ran its whole residency sweep, then died on the path with a traceback."""

@@ -134,6 +134,13 @@ def test_a_closed_engine_refuses_to_generate(policy):
             call()
 
 
+def test_k_max_for_a_policy_that_does_not_draft_is_refused():
+    """The CLI refused --k-max for resident and on-demand; load() took k_max and ignored it."""
+    for policy in ("resident", "on-demand"):
+        with pytest.raises(specter.ConfigError, match=f"policy '{policy}' does not draft, so k_max=4"):
+            specter.load(None, device="cpu", policy=policy, k_max=4)
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float64, "float64"])
 def test_a_compute_dtype_outside_the_three_is_refused(dtype):
     """torch.int8 passed the check and failed in silu ("not implemented for 'Char'"); float64 ran untested."""
