@@ -400,7 +400,7 @@ def test_predicted_speed_follows_the_bytes():
 
 def test_plan_cli_ranks_the_ways_and_says_specter_runs(capsys):
     from specter.cli import main
-    from specter.offload.plan import draft_expert_bytes
+    from specter.offload.plan import draft_cache_expert_bytes
 
     assert main(["plan", "--model", str(CONFIGS / "Qwen3-30B-A3B"), "--device-memory", "16GiB"]) == 0
     out = capsys.readouterr().out
@@ -411,7 +411,8 @@ def test_plan_cli_ranks_the_ways_and_says_specter_runs(capsys):
     assert res["fits"] and res["draft_bits"] in (3, 2) and res["profile"] == "RTX4090-PCIe4"
     assert res["options"] and all(o["total_bytes"] <= 24 * 2**30 and o["context"] == 4096 for o in res["options"])
     spec = described("Mixtral-8x7B")[0]  # the host's draft cache is the chosen width's
-    assert res["host"]["draft_cache_bytes"] == spec.n_moe_layers * spec.n_experts * draft_expert_bytes(spec, res["draft_bits"])
+    assert res["host"]["draft_cache_bytes"] == \
+        spec.n_moe_layers * spec.n_experts * draft_cache_expert_bytes(spec, res["draft_bits"])
     assert main(["plan", "--model", str(CONFIGS / "Mixtral-8x7B"), "--device-memory", "24GiB", "--draft-bits", "4"]) == 0
     assert "specter does NOT fit" in capsys.readouterr().out
 
@@ -482,3 +483,21 @@ def test_a_long_context_plan_says_what_a_shorter_one_would_give_the_pool():
     ckpt = specter.loader.open_checkpoint(specter.default_model_path())
     small = fit(ckpt.spec, ckpt.numel(), torch.float32, "30MiB", policy="specter")
     assert small.fits and not [t for t in small.suggestions if "--context" in t]
+
+
+def test_the_plans_draft_cache_is_the_bytes_the_cache_holds(tmp_path):
+    """plan said 4.88 MiB for the bundled model's draft cache, counting bf16 scales; the cache keeps fp32."""
+    from safetensors import safe_open
+
+    from specter.loader import describe
+    from specter.offload.plan import host_needs
+
+    engine = specter.load(None, device="cpu", policy="specter", residency=0.5, draft_cache=str(tmp_path))
+    engine.close()
+    files = sorted(tmp_path.rglob("layer-*.safetensors"))
+    held = 0
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            held += sum(st.get_tensor(k).nbytes for k in st.keys())
+    spec, dtype, _, _ = describe(specter.default_model_path())
+    assert len(files) == spec.n_moe_layers and held == host_needs(spec, dtype, "cpu").draft_cache_bytes

@@ -90,6 +90,13 @@ def draft_expert_bytes(spec: ModelSpec, bits: int = 4) -> int:
     return draft_expert_nbytes(spec, bits, scale_bytes=2)
 
 
+def draft_cache_expert_bytes(spec: ModelSpec, bits: int = 4) -> int:
+    """One routed draft expert in the draft cache on disk: its scales and shifts kept in fp32."""
+    from ..speculative.draft_cache import draft_expert_nbytes
+
+    return draft_expert_nbytes(spec, bits, scale_bytes=4)
+
+
 @dataclass
 class MemoryPlan:
     dtype: str
@@ -346,7 +353,7 @@ def host_needs(spec: ModelSpec, store_dtype: torch.dtype, device_type: str, draf
     through CudaLink's two staging buffers, each one expert of the store. `draft_bits`: the cached
     draft's width."""
     store = store_bytes(spec, store_dtype)
-    drafts = spec.n_moe_layers * spec.n_experts * draft_expert_bytes(spec, draft_bits) if draft else 0
+    drafts = spec.n_moe_layers * spec.n_experts * draft_cache_expert_bytes(spec, draft_bits) if draft else 0
     if device_type != "cuda":
         return HostNeeds(store, 0, drafts, h2d_path="emulated (host memory)")
     item = store_dtype.itemsize
