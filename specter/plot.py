@@ -1,6 +1,7 @@
 """`specter bench --plot`: TPOT per policy across residencies, one picture."""
 from __future__ import annotations
 
+import os
 import sys
 
 from .bench import load_once, run_bench
@@ -10,6 +11,7 @@ RESIDENCIES = (0.125, 0.25, 0.5, 1.0)
 
 
 def residency_sweep(model, policies: list[str], out_png: str, *, residencies=RESIDENCIES, **bench_kw) -> dict:
+    check_format(out_png)  # before the sweep, not after it
     sweep, link = {}, None
     shared = load_once(model, **{k: v for k, v in bench_kw.items()  # one load under every residency
                                  if k in ("device", "dtype", "threads", "draft_cache", "compress_experts",
@@ -31,12 +33,29 @@ def residency_sweep(model, policies: list[str], out_png: str, *, residencies=RES
     return {"residencies": sweep, "link": link, "plot": out_png}
 
 
-def draw(sweep: dict, out_png: str, link: str | None = None) -> None:
+def _matplotlib():
     try:  # an optional dependency (specter[plot]): imported only when a plot is drawn
         import matplotlib
     except ImportError:
         raise ConfigError("--plot needs matplotlib: pip install 'specter[plot]'") from None
     matplotlib.use("Agg")
+    return matplotlib
+
+
+def check_format(out: str) -> None:
+    """A file name matplotlib can write (by its extension; none: PNG, the extension appended)."""
+    _matplotlib()
+    from matplotlib.figure import Figure
+
+    kinds = Figure().canvas.get_supported_filetypes()
+    suffix = os.path.splitext(out)[1].lower().lstrip(".")
+    if suffix and suffix not in kinds:
+        raise ConfigError(f"--plot {out}: matplotlib cannot write .{suffix} files; use one of "
+                          f"{', '.join('.' + k for k in sorted(kinds))} (e.g. .png)")
+
+
+def draw(sweep: dict, out_png: str, link: str | None = None) -> None:
+    _matplotlib()
     import matplotlib.pyplot as plt
 
     xs = [float(r) for r in sweep]

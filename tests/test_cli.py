@@ -140,13 +140,18 @@ def test_an_output_file_that_cannot_be_written_is_refused_before_the_work(tmp_pa
     """bench --plot ran its whole residency sweep, then died on the path with a traceback."""
     (tmp_path / "a-file").write_text("")
     for path, says in ((tmp_path / "a-file" / "out.png", "a-file is a file, not a folder"),
-                       (tmp_path, "is a directory")):
+                       (tmp_path, "is a directory"), ("/proc/out.png", "cannot write it")):
         assert main([*command, str(path), "--model", str(tmp_path / "no-model")]) == 2  # the check comes first
         assert says in capsys.readouterr().err
     assert not (tmp_path / "deeper").exists()
     from specter.cli.options import output_file
 
     assert output_file(str(tmp_path / "deeper" / "x.json"), "--trace").parent.is_dir()  # made, as the command would
+    assert not (tmp_path / "deeper" / "x.json").exists()  # and the file left as it was
+    if command[0] == "bench":  # a format matplotlib cannot write, before the sweep too
+        pytest.importorskip("matplotlib")
+        assert main([*command, str(tmp_path / "plot.txt"), "--model", str(tmp_path / "no-model")]) == 2
+        assert "matplotlib cannot write .txt files" in capsys.readouterr().err
 
 
 @needs_default

@@ -31,7 +31,7 @@ positive_int, nonnegative_int = int_at_least(1), int_at_least(0)
 
 def output_file(path: str, flag: str) -> Path:
     """A file a command writes at its end, checked before the work: not a directory, its folder made
-    (with any missing above it) and writable."""
+    (with any missing above it), the file openable for writing (and left as it was)."""
     out = Path(path)
     if out.is_dir():
         raise ConfigError(f"{flag} {path}: is a directory; give a file name")
@@ -41,8 +41,14 @@ def output_file(path: str, flag: str) -> Path:
         raise ConfigError(f"{flag} {path}: {e.filename} is a file, not a folder") from None
     except OSError as e:
         raise ConfigError(f"{flag} {path}: cannot make its folder ({e.strerror}: {e.filename})") from None
-    if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag} {path}: {out.parent} is not writable")
+    existed = out.exists()
+    try:  # what the command will do at its end, now: /proc, a read-only mount, permissions ...
+        with open(out, "ab"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot write it ({e.strerror})") from None
+    if not existed:
+        out.unlink()
     return out
 
 
