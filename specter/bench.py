@@ -98,6 +98,9 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
     unknown = [p for p in policies if p not in BENCH_POLICIES]
     if unknown:
         raise ConfigError(f"unknown policy {unknown[0]!r}; choose from {', '.join(BENCH_POLICIES)}")
+    twice = [p for i, p in enumerate(policies) if p in policies[:i]]
+    if twice:  # one row a policy: a second run would be added into the first's, and its engine left open
+        raise ConfigError(f"policy {twice[0]!r} is listed twice; list each policy once (--repeat runs them again)")
     if compare_compressed and (load_kw.get("compress_experts") or shared is not None):
         raise ConfigError("compare_compressed runs each policy on the raw store and on the coded one: "
                           "give neither compress_experts nor shared")

@@ -129,6 +129,12 @@ def test_plan_refuses_what_generate_refuses(capsys, args, says):
     assert says in capsys.readouterr().err
 
 
+def test_bench_refuses_a_policy_listed_twice(capsys):
+    """on-demand,on-demand gave one row of both runs' tokens added, the first engine never closed."""
+    assert main(["bench", "--policies", "on-demand,resident,on-demand"]) == 2
+    assert "'on-demand' is listed twice" in capsys.readouterr().err
+
+
 def test_bench_refuses_a_flag_none_of_its_policies_reads(capsys):
     for policies, flag in (("resident,on-demand", ["--k-max", "4"]), ("resident,spec-lru", ["--host-threads", "2"])):
         assert main(["bench", "--policies", policies, *flag]) == 2
