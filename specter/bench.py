@@ -12,7 +12,7 @@ import specter
 
 from . import default_model_path, resolve_device, workloads
 from .builder import load_shared
-from .errors import ConfigError
+from .errors import ConfigError, ContextLengthError
 from .policy import BENCH_POLICIES, get as get_policy
 from .sampling import SamplingParams
 from .speculative.decoder import acceptance_stats
@@ -124,8 +124,13 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
                 coded_shared = engines[name].shared
                 runs.append(name)
         policies = runs
+        first = engines[policies[0]]
+        for i, prompt in enumerate(prompts):  # the run's own lengths, checked before the warm-up's shorter one
+            if (n := len(first.encode(prompt))) + max_new_tokens > first.context:
+                raise ContextLengthError(f"prompt {i + 1} of {len(prompts)} ({n} tokens) + max_new_tokens "
+                                         f"({max_new_tokens}) = {n + max_new_tokens} exceeds the context of "
+                                         f"{first.context} tokens; shorten the prompt or lower max_new_tokens")
         if warmup:  # first-call costs (allocator, lazy init) out of the measurement
-            first = engines[policies[0]]
             if torch.device(first.device).type == "cuda":  # each new length's one-time costs, which every
                 for prompt in prompts:                      # engine of the process shares: else the first
                     first.generate(prompt, max_new_tokens=max_new_tokens, **sampling)  # policy pays them

@@ -129,6 +129,12 @@ def test_plan_refuses_what_generate_refuses(capsys, args, says):
     assert says in capsys.readouterr().err
 
 
+def test_bench_names_the_runs_own_lengths_when_a_prompt_cannot_fit(capsys):
+    """It named the warm-up's 4 new tokens, not the 16 asked for."""
+    assert main(["bench", "--policies", "on-demand", "--context", "12", "--max-new-tokens", "16"]) == 2
+    assert "+ max_new_tokens (16) =" in capsys.readouterr().err
+
+
 def test_bench_refuses_a_policy_listed_twice(capsys):
     """on-demand,on-demand gave one row of both runs' tokens added, the first engine never closed."""
     assert main(["bench", "--policies", "on-demand,resident,on-demand"]) == 2
