@@ -186,6 +186,8 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
             result[p]["speedup_vs_" + base] = result[base]["tpot_s"] / result[p]["tpot_s"]
         out = {"policies": result, "max_new_tokens": max_new_tokens, "prompts": len(prompts), "repeat": repeat,
                "link": _link_name(engines), "speedup_baseline": base, "sampling": "greedy" if greedy else sampling}
+        if (calibration := _calibration(engines)) is not None:
+            out["link_calibration"] = calibration
         if compare_compressed:
             out["coded_vs_raw"] = coded_vs_raw(result, agg, greedy)
         return out
@@ -220,13 +222,28 @@ def load_once(model, device: str = "auto", **load_kw):
                        draft_bits=load_kw.get("draft_bits", 4))
 
 
-def _link_name(engines) -> str | None:
+def _link(engines):
     for e in engines.values():
         mgr = getattr(e.decoder, "experts", None) or getattr(e.decoder, "mgr", None)
-        link = getattr(mgr, "link", None)
-        if link is not None:
-            return link.name
+        if (link := getattr(mgr, "link", None)) is not None:
+            return link
     return None
+
+
+def _link_name(engines) -> str | None:
+    link = _link(engines)
+    return None if link is None else link.name
+
+
+def _calibration(engines) -> dict | None:
+    """An emulated link's calibration: the expert throughput this CPU measured at load (a busy machine
+    measures less, and its link is slower in proportion: compare runs calibrated alike, or fix it with
+    SPECTER_EXPERT_THROUGHPUT), and the bandwidth and latency it gave."""
+    link = _link(engines)
+    if getattr(link, "expert_throughput", None) is None:
+        return None
+    return {"expert_throughput_GBps": link.expert_throughput / 1e9, "bandwidth_GBps": link.bandwidth / 1e9,
+            "latency_us": link.latency * 1e6}
 
 
 def speedup_baseline(policies) -> str:

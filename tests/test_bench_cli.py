@@ -100,6 +100,8 @@ def test_bench_json_three_policies(capsys, model, tmp_path):
     assert out.count("\n") == 1
     assert res["max_new_tokens"] == 8 and res["prompts"] == len(PROMPTS) and res["repeat"] == 1
     assert res["speedup_baseline"] == "on-demand"
+    c = res["link_calibration"]  # what the emulated link was calibrated at, as the table's header says
+    assert c["expert_throughput_GBps"] > 0 and c["bandwidth_GBps"] > 0 and c["latency_us"] > 0
     pols = res["policies"]
     assert list(pols) == ["resident", "on-demand", "next-layer"]
     for name, r in pols.items():

@@ -88,5 +88,9 @@ def cmd_bench(args) -> int:
         drafts = f", draft INT{bits.pop()}" if bits else ""
         print(f"link: {res['link']}, {budget}, {workload}: {res['prompts']} prompts x {res['repeat']}, "
               f"{res['max_new_tokens']} new tokens, {mode}{drafts}")
+        if (c := res.get("link_calibration")) is not None:
+            print(f"calibrated on this CPU at load: {c['expert_throughput_GBps']:.1f} GB/s of expert compute -> "
+                  f"{c['bandwidth_GBps'] * 1e3:.0f} MB/s + {c['latency_us']:.0f} us a transfer (a busy machine "
+                  f"calibrates slower; SPECTER_EXPERT_THROUGHPUT fixes it)")
         print(format_table(res))
     return 0
