@@ -135,6 +135,15 @@ def test_bench_names_the_runs_own_lengths_when_a_prompt_cannot_fit(capsys):
     assert "+ max_new_tokens (16) =" in capsys.readouterr().err
 
 
+def test_profile_refuses_trace_flags_without_trace_and_a_budget_for_resident(tmp_path, capsys):
+    """Without --trace, --policy/--residency/--max-new-tokens were silently ignored; with it, resident took
+    --residency 0.5 (and ignored it)."""
+    assert main(["profile", "--policy", "resident"]) == 2
+    assert "--policy applies to --trace only" in capsys.readouterr().err
+    assert main(["profile", "--trace", str(tmp_path / "t.json"), "--policy", "resident", "--residency", "0.5"]) == 2
+    assert "residency=0.5 would be ignored" in capsys.readouterr().err
+
+
 def test_bench_refuses_a_policy_listed_twice(capsys):
     """on-demand,on-demand gave one row of both runs' tokens added, the first engine never closed."""
     assert main(["bench", "--policies", "on-demand,resident,on-demand"]) == 2

@@ -32,19 +32,27 @@ def add_parsers(sub) -> None:
     pr.add_argument("--trace", default=None, metavar="FILE.json",
                     help="write a Chrome/Perfetto trace (open in ui.perfetto.dev) of a short generation, with the "
                          "ranges draft step, plan, copy issue, verify, layer N, accept")
-    pr.add_argument("--device", default="auto", help="--trace: auto | cpu | cuda[:N] (default: auto)")
-    pr.add_argument("--policy", default=DEFAULT_POLICY,
+    pr.add_argument("--device", default=None, help="--trace: auto | cpu | cuda[:N] (default: auto)")
+    pr.add_argument("--policy", default=None,
                     help="--trace: the policy traced, " + policy_help(f"default: {DEFAULT_POLICY}"))
-    pr.add_argument("--residency", type=float, default=0.25,
-                    help="--trace: fraction of each layer's experts on the device (default 0.25)")
-    pr.add_argument("--max-new-tokens", type=int, default=16, help="--trace: tokens generated (default 16)")
-    pr.add_argument("--prompt", default="def fibonacci(n):", help="--trace: the prompt (default: def fibonacci(n):)")
+    pr.add_argument("--residency", type=float, default=None,
+                    help="--trace: fraction of each layer's experts on the device (default 0.25; offloading "
+                         "policies)")
+    pr.add_argument("--max-new-tokens", type=int, default=None, help="--trace: tokens generated (default 16)")
+    pr.add_argument("--prompt", default=None, help="--trace: the prompt (default: def fibonacci(n):)")
     pr.set_defaults(func=cmd_profile)
+
+
+TRACE_ONLY = ("device", "policy", "residency", "max_new_tokens", "prompt")  # flags only --trace reads
 
 
 def cmd_profile(args) -> int:
     if args.trace:
         return cmd_trace(args)
+    given = [f for f in TRACE_ONLY if getattr(args, f) is not None]
+    if given:
+        raise ConfigError(f"--{given[0].replace('_', '-')} applies to --trace only (the calibration measures this "
+                          f"machine, not a generation); add --trace FILE.json or drop it")
     spec = open_checkpoint(args.model or default_model_path()).spec
     configure_threads(torch.device("cpu"), None)  # calibrate exactly as the engine does
     tput = calibrate.measure_expert_throughput(spec.hidden, spec.expert_inter)
@@ -96,18 +104,20 @@ def host_lane_table(lane: dict) -> str:
 
 
 def cmd_trace(args) -> int:
-    if args.max_new_tokens < 1:
+    policy, new = args.policy or DEFAULT_POLICY, 16 if args.max_new_tokens is None else args.max_new_tokens
+    if new < 1:
         raise ConfigError("--max-new-tokens must be >= 1")
     output_file(args.trace, "--trace")
-    engine = specter.load(args.model, device=args.device, policy=args.policy,
-                          residency=args.residency if get_policy(args.policy).offloads else None)
+    # the default share for an offloading policy; one given to resident is refused by load, as everywhere
+    residency = args.residency if args.residency is not None or not get_policy(policy).offloads else 0.25
+    engine = specter.load(args.model, device=args.device or "auto", policy=policy, residency=residency)
     try:
-        prompt = args.prompt if engine.tokenizer is not None else [1, 2, 3]
+        prompt = (args.prompt or "def fibonacci(n):") if engine.tokenizer is not None else [1, 2, 3]
         engine.generate(prompt, max_new_tokens=2)  # warm up outside the trace
-        out = trace(args.trace, lambda: engine.generate(prompt, max_new_tokens=args.max_new_tokens),
+        out = trace(args.trace, lambda: engine.generate(prompt, max_new_tokens=new),
                     cuda=engine.device.type == "cuda")
     finally:
         engine.close()
-    print(f"wrote {args.trace}: {out.stats['new_tokens']} tokens, policy {args.policy} on {engine.device} "
+    print(f"wrote {args.trace}: {out.stats['new_tokens']} tokens, policy {policy} on {engine.device} "
           f"(open in https://ui.perfetto.dev or chrome://tracing)")
     return 0
