@@ -117,16 +117,21 @@ def cmd_plan(args) -> int:
                   f"one pool for all layers{draft})")
         else:
             shorter = [o.plan.context for o in ways if o.policy == args.policy]
+            need = format_size(f.minimum)
+            if need == format_size(f.device_memory):  # the same at this precision: say by how much
+                need += f" ({f.minimum - f.device_memory:,} bytes more)"
             print(f"{args.policy} does NOT fit in {format_size(f.device_memory)}: it needs at least "
-                  f"{format_size(f.minimum)} at {f.context} tokens of context"
+                  f"{need} at {f.context} tokens of context"
                   + (f" (it runs at {max(shorter)}: see the ways to run below)" if shorter else ""))
         print(hosts)
         print(copies)
         for tip in f.suggestions:
             print(f"  - {tip}")
         if ways:
-            print(f"ways to run in {format_size(f.device_memory)}, fastest predicted first (the longest context "
-                  f"that fits, up to {f.context}):")
+            at = f"at --context {args.context}" if args.context else \
+                f"each at the longest context tried that fits: {f.context}, halved until one does; a tip above may " \
+                f"give a longer one"
+            print(f"ways to run in {format_size(f.device_memory)}, fastest predicted first ({at}):")
             print(options_table(ways, profile.name))
             if lane_note := _with_lane(ways, spec, numel, dtype, args, profile, device):
                 print(lane_note)
