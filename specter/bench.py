@@ -279,6 +279,14 @@ def format_table(res: dict) -> str:
             ratio = "-" if c["h2d_bytes_ratio"] is None else f"{c['h2d_bytes_ratio']:.3f}x"
             same = "n/a" if c["same_tokens"] is None else "same" if c["same_tokens"] else "DIFFERENT"
             lines.append(f"  {p:<11} bytes {ratio:>7}  speed-up {c['tpot_speedup']:.3f}x  tokens {same}")
+    tiered = [(p, r) for p, r in pols.items() if r.get("tier_hits") or r.get("tier_fills")]
+    if tiered:  # the hit rate counts raw slots only: a use decoded from the coded tier crossed no PCIe
+        lines += ["", "the compressed device tier (its share of the budget beside the raw slots that residency "
+                      "counts): misses decoded from it on the device, no PCIe bytes"]
+        for p, r in tiered:
+            misses = r.get("expert_misses", 0)
+            share = f" ({r['tier_hits'] / misses:.1%} of the misses)" if misses else ""
+            lines.append(f"  {p:<{w}} tier hits {r.get('tier_hits', 0)}{share}, fills {r.get('tier_fills', 0)}")
     return "\n".join(lines)
 
 

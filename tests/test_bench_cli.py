@@ -199,3 +199,6 @@ def test_time_split_and_table_sections():
     assert time_split(dict(r, draft_s=0.0)) == "copy stall 50% | compute 50%"
     table = format_table({"policies": {"a": r}})
     assert "where decode time goes" in table and "a           draft 25%" in table
+    assert "compressed device tier" not in table
+    coded = dict(r, expert_misses=528, tier_hits=166, tier_fills=362)  # its hit rate counts the raw slots only
+    assert "a           tier hits 166 (31.4% of the misses), fills 362" in format_table({"policies": {"a": coded}})
