@@ -501,3 +501,16 @@ def test_the_plans_draft_cache_is_the_bytes_the_cache_holds(tmp_path):
             held += sum(st.get_tensor(k).nbytes for k in st.keys())
     spec, dtype, _, _ = describe(specter.default_model_path())
     assert len(files) == spec.n_moe_layers and held == host_needs(spec, dtype, "cpu").draft_cache_bytes
+
+
+def test_plan_over_ranks_narrows_the_draft_where_the_default_does_not_fit(capsys):
+    """As the one-rank plan picks a draft width that fits: Mixtral over 2 ranks of 24 GiB fits at INT2, and
+    the INT4 default does not (rank 0 holds the whole draft)."""
+    from specter.cli import main
+
+    args = ["plan", "--model", str(CONFIGS / "Mixtral-8x7B"), "--device-memory", "24GiB", "--ranks", "2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "draft INT2 (the widest that fits)" in out and out.count("; fits") == 2
+    assert main(args + ["--draft-bits", "4"]) == 0
+    assert "does NOT fit" in capsys.readouterr().out

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 
 from ..errors import BudgetError, ConfigError
-from ..offload.plan import make_plan
+from ..offload.plan import DRAFT_BITS, make_plan
 from ..policy import get as get_policy
 from ..sizes import format_size, parse_size
 from .stages import make_stages, stage_device_bytes, stage_expert_memory, stage_pool, stage_tier
@@ -130,16 +130,23 @@ def cmd_plan_ranks(args, device) -> int:
         coded_store_bytes(path, coded)
     dtype = compute_dtype(device, store_dtype)
 
-    def plan(policy):
+    def plan(policy, bits=getattr(args, "draft_bits", None) or 4):
         return rank_plans(spec, numel, dtype, store_dtype, args.ranks, policy=policy, residency=args.residency,
                           expert_memory=args.expert_memory, device_memory=args.device_memory, context=args.context,
-                          device=device, draft_bits=getattr(args, "draft_bits", None) or 4, coded_layers=coded)
+                          device=device, draft_bits=bits, coded_layers=coded)
 
-    rows, tip = plan(args.policy), None
+    rows, tip, chosen = plan(args.policy), None, ""
+    if args.device_memory is not None and get_policy(args.policy).drafts and getattr(args, "draft_bits", None) is None:
+        for bits in DRAFT_BITS[1:]:  # as the one-rank plan: a narrower draft where the default does not fit
+            if all(r["fits"] for r in rows):
+                break
+            narrower = plan(args.policy, bits)
+            if all(r["fits"] for r in narrower):
+                rows, chosen = narrower, f", draft INT{bits} (the widest that fits)"
     if args.device_memory is not None and get_policy(args.policy).drafts:
         tip = draftless_tip(rows, plan("on-demand"), args.policy, parse_size(args.device_memory))
     if not args.json:
-        print(f"model {path} ({spec.arch}) over {args.ranks} ranks, policy {args.policy}, computed "
+        print(f"model {path} ({spec.arch}) over {args.ranks} ranks, policy {args.policy}{chosen}, computed "
               f"{str(dtype)[6:]} on {device.type}" + (", experts losslessly coded" if coded is not None else ""))
     print_rank_plans(rows, args.json, args.device_memory, tip)
     return 0
