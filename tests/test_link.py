@@ -308,6 +308,34 @@ def test_measure_expert_throughput_is_positive_and_cached():
     assert measure_expert_throughput(64, 128) == r  # cached: a second measurement would differ in its last bits
 
 
+def test_one_pause_at_calibration_does_not_set_the_time_scale(monkeypatch):
+    """A busy machine paused the process during the first timed pass: that pass ran past the time budget, was
+    cut after one expert, and was the only sample; a link calibrated 400x slow made every copy crawl for the
+    engine's life. On a fake clock (each expert 100 us; one 10 s pause in the first timed expert), the
+    calibration with the pause is within 2x of the one without."""
+    from types import SimpleNamespace
+
+    from specter.offload import calibrate
+
+    def calibrated(pause_at: int | None) -> float:
+        clock, experts = [0.0], [0]
+
+        def silu(t):
+            experts[0] += 1
+            clock[0] += 1e-4 + (10.0 if experts[0] == pause_at else 0.0)
+            return torch.nn.functional.silu(t)
+
+        monkeypatch.setattr(calibrate, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+        monkeypatch.setattr(calibrate, "F", SimpleNamespace(silu=silu))
+        calibrate._THROUGHPUT_CACHE.clear()
+        return measure_expert_throughput(64, 128)
+
+    steady = calibrated(None)
+    paused = calibrated(3)  # the warm-up runs 2 experts: the first timed one pauses
+    assert steady / 2 < paused <= steady * 1.01, (steady, paused)
+    calibrate._THROUGHPUT_CACHE.clear()
+
+
 def test_make_link_cpu():
     link = make_link(torch.device("cpu"), "H100-PCIe5", calibration=5e9)
     try:

@@ -96,7 +96,9 @@ def profile_for_gpu(device_name: str) -> str | None:
 _THROUGHPUT_CACHE: dict[tuple, float] = {}
 _WORKING_SET = 64 << 20   # bytes of expert weights per pass: larger than any last-level cache
 _MAX_EXPERTS = 256
-_TIME_BUDGET = 0.25       # s for warm-up and timed passes together
+_TIME_BUDGET = 0.25       # s for warm-up and timed passes together, past the minimum below
+_MIN_PASSES, _MIN_EXPERTS = 3, 8  # timed passes, and experts a pass, whatever the budget: one pause of the
+                                  # process (a busy machine) is one slow sample of several, not the median
 
 
 def measure_expert_throughput(hidden: int, intermediate: int, dtype=torch.float32, device="cpu",
@@ -127,7 +129,8 @@ def measure_expert_throughput(hidden: int, intermediate: int, dtype=torch.float3
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def one_pass(experts: range, t_stop: float) -> float:
-        """bytes/s over one pass, cut short at t_stop (a loaded machine can be very slow)."""
+        """bytes/s over one pass, cut short at t_stop once it has run _MIN_EXPERTS (a loaded machine can be
+        very slow)."""
         sync()
         t0, done = time.perf_counter(), 0
         with torch.inference_mode():
@@ -135,7 +138,7 @@ def measure_expert_throughput(hidden: int, intermediate: int, dtype=torch.float3
                 g, u = (x @ (w13[e] if b13 is None else b13.copy_(w13[e])).T).chunk(2, dim=-1)  # [1, I] each
                 y = (F.silu(g) * u) @ (w2[e] if b2 is None else b2.copy_(w2[e])).T             # [1, H]
                 done += 1
-                if time.perf_counter() > t_stop:
+                if done >= _MIN_EXPERTS and time.perf_counter() > t_stop:
                     break
             sync()
         return done * expert_bytes / (time.perf_counter() - t0)
@@ -143,7 +146,7 @@ def measure_expert_throughput(hidden: int, intermediate: int, dtype=torch.float3
     t_stop = time.perf_counter() + _TIME_BUDGET
     one_pass(range(min(n, 2)), t_stop)  # warm-up: allocator, kernel selection
     rates = []
-    while len(rates) < max(1, repeats) and (not rates or time.perf_counter() < t_stop):
+    while len(rates) < max(_MIN_PASSES, repeats) and (len(rates) < _MIN_PASSES or time.perf_counter() < t_stop):
         rates.append(one_pass(range(n), t_stop))
     _THROUGHPUT_CACHE[key] = rate = statistics.median(rates)
     return rate
