@@ -42,13 +42,18 @@ def resolve_device(device: str | None):
     return dev
 
 
-def refuse_unused_budget(policy: str, **budgets) -> None:
-    """A budget given to a policy that keeps every expert on the device would be ignored: refused."""
-    given = {k: v for k, v in budgets.items() if v is not None}
-    if not get_policy(policy).offloads and given:
-        k, v = next(iter(given.items()))
-        raise ConfigError(f"policy {policy!r} keeps every expert on the device, so {k}={v!r} would be ignored; "
-                          f"drop the budget, or pick an offloading policy ({', '.join(policy_names('offloads'))})")
+# load() options only some policies read (the Policy field that says which), and what the others do instead
+READ_BY = {"residency": "offloads", "expert_memory": "offloads", "device_memory": "offloads", "k_max": "drafts"}
+INSTEAD = {"offloads": "keeps every expert on the device", "drafts": "does not draft"}
+
+
+def refuse_unused(policy: str, **options) -> None:
+    """An option (READ_BY) given to a policy that would ignore it: a ConfigError naming the policies that read it."""
+    pol = get_policy(policy)
+    for k, v in options.items():
+        if v is not None and not getattr(pol, field := READ_BY[k]):
+            raise ConfigError(f"policy {policy!r} {INSTEAD[field]}, so {k}={v!r} would be ignored; drop it, or pick "
+                              f"a policy that reads it ({', '.join(policy_names(field))})")
 
 
 def load(model: str | Path | None = None, device: str = "auto", policy: str = DEFAULT_POLICY,
@@ -83,9 +88,8 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = DE
 
     from .builder import build_engine
 
-    if "k_max" in options and not get_policy(policy).drafts:  # (an unknown policy fails here too)
-        raise ConfigError(f"policy {policy!r} does not draft, so k_max={options['k_max']!r} would be ignored; drop "
-                          f"it, or pick a drafting policy ({', '.join(policy_names('drafts'))})")
+    refuse_unused(policy, residency=residency, expert_memory=expert_memory,  # (an unknown policy fails here too)
+                  device_memory=options.get("device_memory"), k_max=options.get("k_max"))
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise ConfigError(f"model must be a directory path (a str or a Path), got {type(model).__name__}")
     if dtype is not None and not isinstance(dtype, str) and not isinstance(dtype, torch.dtype):
@@ -93,8 +97,6 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = DE
     threads = options.get("threads")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
-    refuse_unused_budget(policy, residency=residency, expert_memory=expert_memory,
-                         device_memory=options.get("device_memory"))
     path = Path(model) if model is not None else default_model_path()
     return build_engine(path, resolve_device(device), policy=policy, residency=residency,
                         expert_memory=expert_memory, link=link, dtype=dtype, **options)

@@ -95,8 +95,8 @@ class ModelSpec:
                 f"architecture {arch!r} is not supported; supported: {supported_list()}"
             )
         g = lambda name, default=None: getattr(cfg, name, default)  # noqa: E731
-        _require_positive(cfg, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                          "max_position_embeddings")
+        _require_positive((n, getattr(cfg, n, None)) for n in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                                               "num_attention_heads", "max_position_embeddings"))
         n_layers = cfg.num_hidden_layers
         n_heads = cfg.num_attention_heads
         head_dim = g("head_dim") or cfg.hidden_size // n_heads
@@ -169,22 +169,19 @@ class ModelSpec:
         return spec
 
 
-def _require_positive(cfg, *names: str) -> None:
-    """config.json's sizes: integers >= 1, else a CheckpointError naming the field (not a crash deep in the
-    model's construction, nor a plan of negative bytes)."""
-    for name in names:
-        v = getattr(cfg, name, None)
+def _require_positive(named) -> None:
+    """config.json's sizes, (name, value) pairs: integers >= 1, else a CheckpointError naming the field (not a
+    crash deep in the model's construction, nor a plan of negative bytes)."""
+    for name, v in named:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise CheckpointError(f"config.json: {name} must be an integer >= 1, got {v!r}")
 
 
 def _check_experts(spec: "ModelSpec") -> None:
     """The routed experts' sizes, once each architecture's names for them are read."""
-    for name, v in (("the number of routed experts", spec.n_experts), ("num_experts_per_tok", spec.top_k),
-                    ("the experts' intermediate size", spec.expert_inter), ("num_key_value_heads", spec.n_kv_heads),
-                    ("head_dim", spec.head_dim)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise CheckpointError(f"config.json: {name} must be an integer >= 1, got {v!r}")
+    _require_positive((("the number of routed experts", spec.n_experts), ("num_experts_per_tok", spec.top_k),
+                       ("the experts' intermediate size", spec.expert_inter),
+                       ("num_key_value_heads", spec.n_kv_heads), ("head_dim", spec.head_dim)))
     if spec.top_k > spec.n_experts:
         raise CheckpointError(f"config.json: num_experts_per_tok ({spec.top_k}) is more than the {spec.n_experts} "
                               f"routed experts a layer has")

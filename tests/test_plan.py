@@ -400,7 +400,7 @@ def test_predicted_speed_follows_the_bytes():
 
 def test_plan_cli_ranks_the_ways_and_says_specter_runs(capsys):
     from specter.cli import main
-    from specter.offload.plan import draft_cache_expert_bytes
+    from specter.offload.plan import draft_expert_bytes
 
     assert main(["plan", "--model", str(CONFIGS / "Qwen3-30B-A3B"), "--device-memory", "16GiB"]) == 0
     out = capsys.readouterr().out
@@ -412,7 +412,7 @@ def test_plan_cli_ranks_the_ways_and_says_specter_runs(capsys):
     assert res["options"] and all(o["total_bytes"] <= 24 * 2**30 and o["context"] == 4096 for o in res["options"])
     spec = described("Mixtral-8x7B")[0]  # the host's draft cache is the chosen width's
     assert res["host"]["draft_cache_bytes"] == \
-        spec.n_moe_layers * spec.n_experts * draft_cache_expert_bytes(spec, res["draft_bits"])
+        spec.n_moe_layers * spec.n_experts * draft_expert_bytes(spec, res["draft_bits"], scale_bytes=4)
     assert main(["plan", "--model", str(CONFIGS / "Mixtral-8x7B"), "--device-memory", "24GiB", "--draft-bits", "4"]) == 0
     assert "specter does NOT fit" in capsys.readouterr().out
 

@@ -7,8 +7,8 @@ from .. import pipeline
 from ..bench import budget_words, format_table, read_prompts, run_bench
 from ..errors import ConfigError
 from ..plot import residency_sweep
-from ..policy import BENCH_POLICIES, get as get_policy, names as policy_names
-from .options import FLAG_USERS, engine_options, model_args, output_file, pipeline_args, policy_help
+from ..policy import BENCH_POLICIES
+from .options import engine_options, model_args, output_file, pipeline_args, policy_help, refuse_unused_flags
 
 
 def add_parsers(sub) -> None:
@@ -51,10 +51,7 @@ def cmd_bench(args) -> int:
         raise ConfigError("--policies is empty")
     if args.repeat < 1 or args.max_new_tokens < 1:
         raise ConfigError("--repeat and --max-new-tokens must be >= 1")
-    for flag, dest, field in FLAG_USERS:  # a flag that no policy of the run reads would be ignored
-        if getattr(args, dest, None) not in (None, False) and not any(getattr(get_policy(p), field) for p in policies):
-            raise ConfigError(f"none of the policies {', '.join(policies)} uses {flag}, so it would be ignored; drop "
-                              f"it or add a policy that does ({', '.join(policy_names(field))})")
+    refuse_unused_flags(args, policies)  # a flag that no policy of the run reads would be ignored
     prompts = read_prompts(args.prompts, args.workload)
     kw = dict(prompts=prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat, device=args.device,
               link=args.link)

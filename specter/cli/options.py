@@ -183,22 +183,24 @@ FLAG_USERS = (("--k-max", "k_max", "drafts"), ("--compile", "compile", "compiles
               ("--compress-experts", "compress_experts", "offloads"))
 
 
-def refuse_unused_flags(args, policy: str, flags=FLAG_USERS) -> None:
-    """A flag of `flags` given to a policy that would ignore it: a ConfigError saying which policies use it."""
-    pol = get_policy(policy)
+def refuse_unused_flags(args, policies: list[str], flags=FLAG_USERS) -> None:
+    """A flag of `flags` that none of `policies` reads (one: generate's; several: bench's run) would be ignored:
+    a ConfigError saying which policies use it."""
+    pols = [get_policy(p) for p in policies]
     for flag, dest, field in flags:
         value = getattr(args, dest, None)
-        if (value is not None and value is not False) and not getattr(pol, field):
+        if (value is not None and value is not False) and not any(getattr(pol, field) for pol in pols):
             users = "; ".join(f"{'/'.join(f for f, _, w in FLAG_USERS if w == fld)}: {', '.join(policy_names(fld))}"
                               for fld in dict.fromkeys(w for _, _, w in FLAG_USERS))
-            raise ConfigError(f"policy {policy!r} does not use {flag}, so it would be ignored; drop it or pick a "
-                              f"policy that does ({users})")
+            who = f"policy {policies[0]!r} does not use" if len(policies) == 1 else \
+                f"none of the policies {', '.join(policies)} uses"
+            raise ConfigError(f"{who} {flag}, so it would be ignored; drop it or pick a policy that does ({users})")
 
 
 def load_engine(args, policy: str | None = None):
     """specter.load from model_args' flags, refusing a flag the policy would ignore."""
     policy = policy or args.policy
-    refuse_unused_flags(args, policy)
+    refuse_unused_flags(args, [policy])
     return specter.load(args.model, device=args.device, policy=policy, residency=args.residency,
                         expert_memory=args.expert_memory, device_memory=args.device_memory, link=args.link,
                         **engine_options(args))

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from .. import default_model_path, refuse_unused_budget, resolve_device
+from .. import default_model_path, refuse_unused, resolve_device
 from ..compiled.verify_step import graph_plan
 from ..errors import ConfigError
 from ..loader import describe
@@ -69,8 +69,8 @@ def cmd_plan(args) -> int:
     pol = get_policy(args.policy)
     pol.check_host_threads(args.host_threads)
     # as generate refuses them (--draft-bits, --compress-experts ...); plan's --link ranks every policy's ways
-    refuse_unused_flags(args, args.policy, [f for f in FLAG_USERS if f[0] != "--link"])
-    refuse_unused_budget(args.policy, residency=args.residency, expert_memory=args.expert_memory)
+    refuse_unused_flags(args, [args.policy], [f for f in FLAG_USERS if f[0] != "--link"])
+    refuse_unused(args.policy, residency=args.residency, expert_memory=args.expert_memory)
     if args.ranks > 1:  # a layer pipeline: per-rank table (specter/pipeline/plan.py)
         return cmd_plan_ranks(args, _plan_device(args.device, args.device_memory is not None))
     path = args.model or default_model_path()

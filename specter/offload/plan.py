@@ -82,19 +82,13 @@ def alias_pool(device, compute: torch.dtype, slots: int, expert_numel: int, ever
     return _is_cpu(device) and (every_expert or slots * expert_numel * compute.itemsize > POOL_UPCAST_MIN_BYTES)
 
 
-def draft_expert_bytes(spec: ModelSpec, bits: int = 4) -> int:
-    """One routed draft expert at `bits` (4, 3 or 2), group size 128: b/8 bytes a weight + a bf16 scale
-    and shift per group (speculative.draft_cache.draft_expert_nbytes: the draft's own packing)."""
+def draft_expert_bytes(spec: ModelSpec, bits: int = 4, scale_bytes: int = 2) -> int:
+    """One routed draft expert at `bits` (4, 3 or 2), group size 128: b/8 bytes a weight + a scale and shift
+    per group of `scale_bytes` each (2: the CUDA draft's bf16; 4: the cache on disk's fp32), as
+    speculative.draft_cache.draft_expert_nbytes (the draft's own packing) counts them."""
     from ..speculative.draft_cache import draft_expert_nbytes
 
-    return draft_expert_nbytes(spec, bits, scale_bytes=2)
-
-
-def draft_cache_expert_bytes(spec: ModelSpec, bits: int = 4) -> int:
-    """One routed draft expert in the draft cache on disk: its scales and shifts kept in fp32."""
-    from ..speculative.draft_cache import draft_expert_nbytes
-
-    return draft_expert_nbytes(spec, bits, scale_bytes=4)
+    return draft_expert_nbytes(spec, bits, scale_bytes=scale_bytes)
 
 
 @dataclass
@@ -353,7 +347,7 @@ def host_needs(spec: ModelSpec, store_dtype: torch.dtype, device_type: str, draf
     through CudaLink's two staging buffers, each one expert of the store. `draft_bits`: the cached
     draft's width."""
     store = store_bytes(spec, store_dtype)
-    drafts = spec.n_moe_layers * spec.n_experts * draft_cache_expert_bytes(spec, draft_bits) if draft else 0
+    drafts = spec.n_moe_layers * spec.n_experts * draft_expert_bytes(spec, draft_bits, scale_bytes=4) if draft else 0
     if device_type != "cuda":
         return HostNeeds(store, 0, drafts, h2d_path="emulated (host memory)")
     item = store_dtype.itemsize
