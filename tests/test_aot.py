@@ -89,6 +89,24 @@ def test_real_model_shapes_are_recorded_at_their_sizes():
     assert log[1].grid[1] == -(-I // log[1].kwargs["BLOCK_N"]) and log[2].grid[1] == H // log[2].kwargs["BLOCK_N"]
 
 
+def test_float_fusion_is_named_by_every_launch_not_left_to_the_environment(launches, monkeypatch):
+    """The INT4 dequantization ((q - shift) * scale into the dot) compiles to fused multiply-adds, one rounding,
+    where Triton's default allows it; Triton 3.10 turns that default (TRITON_DEFAULT_FP_FUSION) off. Every
+    launch names launch.FP_FUSION, so the draft's kernels round the same under any Triton and environment."""
+    import dataclasses
+
+    from specter.triton_ops import launch as launcher
+
+    assert {launch.kwargs.get("enable_fp_fusion") for launch in launches} == {launcher.FP_FUSION} == {True}
+    int4 = next(launch for launch in launches
+                if launch.kernel.fn.__name__ == "_gate_up_kernel" and launch.kwargs.get("BITS") == 4)
+    unnamed = dataclasses.replace(int4, kwargs={k: v for k, v in int4.kwargs.items() if k != "enable_fp_fusion"})
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    fma = re.compile(r"\bfma\.rn")
+    assert fma.search(aot.compile_launch(int4, 90).asm["ptx"])
+    assert not fma.search(aot.compile_launch(unnamed, 90).asm["ptx"])  # what the environment alone would give
+
+
 def test_a_kernel_that_only_the_interpreter_accepts_fails_here():
     """The fault class this guards: an `if C: return a` then `return b` of another type runs under
     the interpreter and does not compile."""

@@ -105,7 +105,7 @@ def test_an_integers_value_is_part_of_what_a_launch_is_keyed_by():
     cases = [(0, 0), (1, 0), (7, 0), (32, 0), (0, 1), (0, 7), (0, 2 ** 31)]  # row: specialized; esc: not
     with aot.stub_driver(90) as calls:
         for row, esc in cases:
-            lossless._decode_pair_kernel[grid](*args(row, esc), **kw)
+            launch.through_the_jit(lossless._decode_pair_kernel, grid, *args(row, esc), **kw)
         for row, esc in cases:
             launch.launch(lossless._decode_pair_kernel, grid, *args(row, esc), **kw)
     jit, direct = calls[:len(cases)], calls[len(cases):]
@@ -148,7 +148,7 @@ def test_a_kernel_that_is_not_a_jit_function_is_launched_as_it_is():
             return lambda *args, **kw: seen.append((grid, args, kw))
 
     launch.launch(Recorder(), (3,), 1, 2.5, X=4)
-    assert seen == [((3,), (1, 2.5), {"X": 4})]
+    assert seen == [((3,), (1, 2.5), {"X": 4, "enable_fp_fusion": launch.FP_FUSION})]
 
 
 @pytest.mark.parametrize("int4", [False, 4])

@@ -17,6 +17,11 @@ their values. Anything else positional (a float, None, a bool) is refused. Trito
 knobs (debug, instrumentation) are read at a specialization's first launch only. With a launch hook
 set (a profiler), or a kernel that is not a JITFunction (TRITON_INTERPRET=1's, aot.py's recorder),
 every launch goes through `kernel[grid]`.
+
+Both paths name `enable_fp_fusion=FP_FUSION` unless the caller does: a float multiply and add may compile to one
+fused multiply-add (one rounding instead of two). Triton 3.9 leaves that to TRITON_DEFAULT_FP_FUSION, default on,
+and Triton 3.10 turns the default off; named here, the kernels' rounding is the same under every Triton and
+environment. (The lossless decode kernels are integer-only; the fused MoE kernels' epilogues are float.)
 tests/test_launch.py records both paths' launches on a stub driver and finds them identical.
 """
 from __future__ import annotations
@@ -30,10 +35,12 @@ _specialized: dict[int, tuple[list[str], list[bool]]] = {}  # id(kernel) -> (its
 # (id(kernel), device, signature, named) -> (launcher, function, metadata, tail, the CompiledKernel: held, so that
 # the module its function lives in is never unloaded under us: Triton 3.9 unloads it when the kernel is freed)
 _compiled: dict[tuple, tuple] = {}
+FP_FUSION = True  # what every launch compiles with (module docstring); Triton <= 3.9's default, so no numbers moved
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **constexprs) -> None:
     """kernel[grid](*args, **constexprs), straight to the compiled kernel once this specialization ran."""
+    constexprs.setdefault("enable_fp_fusion", FP_FUSION)
     if not isinstance(kernel, JITFunction) or not _hooks_idle():
         kernel[grid](*args, **constexprs)
         return
@@ -50,6 +57,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **constexprs) -> None:
 
 def through_the_jit(kernel, grid: tuple[int, ...], *args, **constexprs) -> None:
     """launch() as Triton's JIT makes every launch: the reference tests and experiments compare it with."""
+    constexprs.setdefault("enable_fp_fusion", FP_FUSION)
     kernel[grid](*args, **constexprs)
 
 
