@@ -2,6 +2,7 @@
 token-id prompts for tokenizer-less checkpoints, chat, --dtype, penalties, argument checks, and
 a closed pipe (`| head`) ending quietly."""
 import json
+import os
 import subprocess
 import sys
 
@@ -188,6 +189,18 @@ def test_a_closed_pipe_ends_quietly():
     assert len(head_out.decode().splitlines()) <= 2
     assert "Traceback" not in err and "BrokenPipe" not in err, err
     assert gen.returncode in (0, 141), (gen.returncode, err)
+
+
+@needs_default
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_full_disk_under_the_output_is_one_line_not_a_traceback():
+    """`specter generate ... > file` on a full disk: the write fails with ENOSPC; one line says so, exit 1."""
+    with open("/dev/full", "w") as full:
+        gen = subprocess.run([sys.executable, "-m", "specter", "generate", "def f(x):", "--device", "cpu",
+                              "--policy", "resident", "--max-new-tokens", "8"],
+                             stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert gen.returncode == 1, gen.stderr
+    assert gen.stderr.strip().splitlines() == ["specter: error: could not write the output: No space left on device"]
 
 
 def test_readme_lists_the_architectures_and_the_docs_stand_alone():

@@ -12,6 +12,7 @@ User errors print one line on stderr and exit 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import textwrap
@@ -65,8 +66,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # the reader left (`specter generate ... | head -2`): stop quietly, like any filter
-        try:  # and keep Python's final flush of stdout from failing again at exit
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
+        _stdout_to_devnull()
         return 141  # 128 + SIGPIPE, what a shell reports for a filter stopped by a closed pipe
+    except OSError as e:
+        if e.errno not in _FULL:
+            raise
+        print(f"specter: error: could not write {e.filename or 'the output'}: {e.strerror}", file=sys.stderr)
+        _stdout_to_devnull()
+        return 1
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk or quota: `specter generate > file` on one
+
+
+def _stdout_to_devnull() -> None:
+    """Keeps Python's final flush of stdout from failing again at exit, after the reader left or the disk filled."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
