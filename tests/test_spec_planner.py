@@ -323,3 +323,15 @@ def test_a_cycle_plans_every_chunk_of_drafts_that_link_and_draft_speed_allow(pla
     assert planner.begin_cycle(6, draft_step_s=copy_s / 10) == 6   # 4 x 3 layers / 1 new expert a token: 12
     planner.new_per_token = 6.0
     assert planner.begin_cycle(6, draft_step_s=copy_s / 10) == 2   # 12 / 6
+
+
+def test_a_cycle_after_thousands_without_a_new_expert_reads_once(planner_setup):
+    """Every expert resident: each plan issues nothing, and the EMA of new experts a token decays toward 0.
+    After ~3200 cycles it is subnormal and draft_step_s / copy_s overflowed (OverflowError in every later
+    cycle: the engine was broken for good). Now: one read a cycle, K whatever the EMA."""
+    store, mgr, la, planner, link = planner_setup
+    copy_s = mgr.expert_bytes / link.bandwidth + link.latency
+    for n in range(3000, 3400, 2):  # the EMA after n cycles without one, until it is 0
+        planner.new_per_token = 0.8 ** n
+        assert planner.begin_cycle(6, draft_step_s=copy_s / 10) == 6
+        assert planner.begin_cycle(1, draft_step_s=copy_s / 10) == 1
