@@ -89,6 +89,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     p = torch.softmax(z, dim=-1)
     sorted_p = p.gather(-1, order)
     drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p                        # mass of more likely tokens
+    drop[..., 0] = False                             # the likeliest always kept (a top_p fp32 rounds to 0)
     p = p.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), 0.0)
     p = p / p.sum(-1, keepdim=True)
     p = p.masked_fill(p < min_p * p.amax(-1, keepdim=True), 0.0)

@@ -294,9 +294,12 @@ def test_plain_policies_step_through_their_one_token_step(tiny_path, monkeypatch
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=0.7), dict(temperature=1.3, top_k=5), dict(temperature=1.0, top_p=0.8),
-                                dict(temperature=0.9, top_k=7, top_p=0.6, min_p=0.1)], ids=str)
+                                dict(temperature=0.9, top_k=7, top_p=0.6, min_p=0.1),
+                                dict(temperature=1.0, top_p=1e-50), dict(temperature=0.5, top_p=1e-30, top_k=4)],
+                         ids=str)
 def test_step_filters_as_sampling_probs(kw):
-    """The step's tensor-parameter filter keeps the tokens, and the probabilities, of sampling.probs."""
+    """The step's tensor-parameter filter keeps the tokens, and the probabilities, of sampling.probs; at a
+    top_p below fp32's range too (it compared as 0 and dropped every token: NaN, every draft rejected)."""
     from specter.compiled.draft_step import filtered_probs
     from specter.sampling import probs
 
