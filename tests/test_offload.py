@@ -452,6 +452,29 @@ def test_link_cancel_withdraws_only_copies_not_started():
 
 
 @ALIAS
+def test_warm_fills_the_pool_without_the_emulated_links_time(alias):
+    """A load's warm-up is no copy the emulation is about: on an emulated link it lands at once, uncounted
+    (it used to sleep ~10 s a GB of pool, aliased pools too), and the link's first real copy is charged."""
+    from test_link import VirtualClock
+
+    store, clock = make_store(), VirtualClock()
+    with EmulatedLink(bandwidth=1e3, latency=1e-3, clock=clock) as link:  # 6 KiB expert: 6 s a copy
+        mgr = OffloadedExperts(store, 3, torch.device("cpu"), link, alias=alias)
+        mgr.warm()
+        assert clock.now() == 0.0 and link.stats == {"transfers": 0, "bytes": 0, "busy_s": 0.0}
+        assert all(mgr.slots.is_ready(layer, e) for layer in range(2) for e in range(3))
+        x, w = torch.randn(1, 32, generator=torch.Generator().manual_seed(0)), torch.tensor([[0.25, 0.75]])
+        for layer in range(2):  # the bytes are in the slots all the same: a call on them hits and is exact
+            ids = torch.tensor([[0, 2]])
+            torch.testing.assert_close(mgr(layer, x, ids, w), ResidentExperts(store)(layer, x, ids, w), rtol=0, atol=0)
+        assert mgr.stats()["expert_misses"] == 0 and clock.now() == 0.0
+        assert link.copy_seconds(mgr.expert_bytes) == pytest.approx(mgr.expert_bytes / 1e3 + 1e-3)
+        assert mgr.prefetch(0, [5]) == 1
+        link.synchronize()
+        assert clock.now() == pytest.approx(mgr.expert_bytes / 1e3 + 1e-3) and link.stats["transfers"] == 1
+
+
+@ALIAS
 def test_cancel_prefetches_undoes_reservations_and_never_lands(watch, alias):
     """Prefetches still queued when a cycle ends are withdrawn: out of flight, their reservations
     undone (the experts they evicted ready again, bytes intact), their bytes not counted; the one

@@ -22,6 +22,7 @@ import abc
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import threading
 import time
 
@@ -61,6 +62,7 @@ class Transfer:
         self.tag = tag
         self.t_enqueued = time.perf_counter()  # host clock (s); t_started/t_finished filled in by the link
         self.seconds: float | None = None      # EmulatedLink: the time it is charged (latency included)
+        self.counted = True                    # False: left out of the link's stats (EmulatedLink.untimed)
         self.t_started: float | None = None
         self.t_finished: float | None = None
         self._dst, self._src = dst, src        # held until the bytes are in place
@@ -221,6 +223,11 @@ class Link(abc.ABC):
         usual). This base answers False: a copy the link has handed on cannot be recalled."""
         return False
 
+    def untimed(self):
+        """A context whose copies are not the link's to emulate (the load's warm-up: EmulatedLink lands them
+        at once, uncounted); a real link's copies take what they take."""
+        return contextlib.nullcontext()
+
     def pump(self) -> None:
         """Move copies along on the calling thread where the link would otherwise wait for one of its
         own threads (CudaLink: held prefetches; the manager calls it between layers); nothing here."""
@@ -267,9 +274,10 @@ class Link(abc.ABC):
     def _complete(self, t: Transfer, busy_s: float, error: BaseException | None = None) -> None:
         t._finish(error)  # done() turns True and callbacks run before pending() drops
         with self._lock:
-            self.stats["transfers"] += 1
-            self.stats["bytes"] += t.nbytes
-            self.stats["busy_s"] += busy_s
+            if t.counted:
+                self.stats["transfers"] += 1
+                self.stats["bytes"] += t.nbytes
+                self.stats["busy_s"] += busy_s
             self._pending -= 1
             self._idle.notify_all()
 
@@ -298,12 +306,14 @@ class EmulatedLink(Link):
         self._normal: collections.deque[Transfer] = collections.deque()
         self._urgent: collections.deque[Transfer] = collections.deque()
         self._closing = threading.Event()              # cuts the worker's sleep short
+        self._untimed = False                          # copies land without their emulated time (untimed)
         self._worker = daemon(self._run, f"specter-link-{name}", self)
 
     def copy(self, dst, src, *, urgent: bool = False, tag=None, after="all") -> Transfer:
         t = Transfer(dst, src, tag)
         t.t_enqueued = self._now()
-        t.seconds = self.seconds(t._dst, t._src)
+        t.seconds = 0.0 if self._untimed else self.seconds(t._dst, t._src)
+        t.counted = not self._untimed
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name}: copy() on a closed link")
@@ -328,6 +338,18 @@ class EmulatedLink(Link):
             if self.decode_bandwidth and getattr(s, "decodes", True):  # a tier fill decodes later (coded_tier.Fill)
                 decode += (s.nbytes + raw) * width / self.decode_bandwidth
         return self.latency + wire / self.bandwidth + decode
+
+    @contextlib.contextmanager
+    def untimed(self):
+        """Copies issued inside (by the calling thread) are made as soon as the worker reaches them, with no
+        emulated time, and left out of the stats. The load's warm-up fills the slot pool this way: the
+        emulated bandwidth is scaled to this CPU's compute (some 100x below a real link's), which would
+        make a load sleep ~10 s a GB of pool for copies a GPU makes at 25 GB/s, or (an aliased pool) none."""
+        self._untimed = True
+        try:
+            yield self
+        finally:
+            self._untimed = False
 
     def cancel(self, t: Transfer) -> bool:
         with self._lock:  # the worker pops under this lock: a queued transfer has not started
