@@ -14,10 +14,10 @@ from .engine import Engine
 from .errors import ConfigError
 from .generation_defaults import read_generation_defaults
 from .layers import cuda_attention_backends
-from .loader import Checkpoint, load_checkpoint, load_tokenizer, open_checkpoint
+from .loader import Checkpoint, StoredExperts, load_checkpoint, load_tokenizer, open_checkpoint
 from .model import MoETransformer
 from .moe import ExpertWeights, ResidentExperts
-from .offload.coded import DecodedStore, cache_entry, coded_store, emulate_from, read_cached, ready_on_cuda
+from .offload.coded import cache_entry, coded_store, emulate_from, read_cached, ready_on_cuda
 from .offload.coded_tier import PLAN_RATIO, attach as attach_tier, emulation_rows, tier_wanted
 from .offload.host_experts import HostExperts
 from .offload.host_lane import LaneChoice, host_params, make_host_lane
@@ -60,20 +60,24 @@ class Loaded:
     draft_bits: int = 4              # the draft experts' code width (4, 3 or 2)
     resident: list[ExpertWeights] | None = None  # every expert on the device in the compute dtype (resident_experts)
     compressed: bool = False         # the store is losslessly coded (compress_experts)
-    raw: list[ExpertWeights] | None = None  # compressed only: the decoded store a host lane reads (host_rows)
+    raw: list[ExpertWeights] | None = None  # compressed only: the raw store a host lane reads (host_rows)
 
-    def decoded_store(self) -> list:
-        """The store as bf16 ExpertWeights: itself, or (compressed) a view decoding each layer as it is
-        read, nothing kept (the draft's quantisation, resident_experts)."""
-        return DecodedStore(self.store) if self.compressed else self.store
+    def decoded_store(self):
+        """The store as bf16 ExpertWeights: itself, or (compressed) the raw copy if one is kept, else the
+        checkpoint's experts read a layer at a time as they are indexed, nothing kept (loader.StoredExperts:
+        the draft's quantisation, resident_experts)."""
+        if not self.compressed:
+            return self.store
+        return self.raw if self.raw is not None else StoredExperts(self.ckpt)
 
     def host_rows(self) -> list[ExpertWeights]:
-        """What a host lane computes from: the store, or (compressed) its decoded copy, made once and
-        kept: the lane reads experts in place at memory speed, which a decode per job would not."""
+        """What a host lane computes from: the store, or (compressed) the raw experts, read from the
+        checkpoint once and kept: the lane reads experts in place at memory speed, which a decode per
+        job would not (and reading is faster than decoding the coded store)."""
         if not self.compressed:
             return self.store
         if self.raw is None:
-            self.raw = [layer.decoded() for layer in self.store]
+            self.raw = list(StoredExperts(self.ckpt))
         return self.raw
 
     def resident_experts(self) -> list[ExpertWeights]:
@@ -102,9 +106,8 @@ def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | 
     else:
         entry = cache_entry(ckpt.files.values(), draft_cache)
         cached = read_cached(entry, ckpt.spec.n_moe_layers)
-        hit = all(layer is not None for layer in cached)
-        model, store, _ = load_checkpoint(path, device, dt, experts=not hit)
-        store = coded_store(store, cached, entry, cuda=device.type == "cuda", pin=pin)
+        model, _, _ = load_checkpoint(path, device, dt, experts=False)  # a layer the cache misses: read, coded
+        store = coded_store(StoredExperts(ckpt), cached, entry, cuda=device.type == "cuda", pin=pin)  # one by one
         if device.type == "cuda":
             ready_on_cuda(store, device)
     return Loaded(Path(path), ckpt, device, dt, model, store, load_tokenizer(path), draft_cache,

@@ -359,6 +359,49 @@ def _expert_names(reader: _Reader, spec: ModelSpec) -> list[list[str]]:
     return out
 
 
+class StoredExperts:
+    """A checkpoint's routed experts as the store's readers see them: one ExpertWeights per MoE layer,
+    read from the files (pread, the stored dtype) each time a layer is indexed, nothing kept, so a
+    reader that walks the layers holds one at a time. What a coded store's readers read where they need
+    raw bits (the draft's quantisation, resident rows, the host lane's copy, coding a layer the cache
+    misses): reading is ~8x faster than decoding here (docs/RESULTS.md), and the same bits."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt, spec = ckpt, ckpt.spec
+        reader = _Reader(ckpt)
+        try:
+            self.names = _expert_names(reader, spec)
+        finally:
+            reader.close()
+        E, I, H = spec.n_experts, spec.expert_inter, spec.hidden
+        self.shapes = ((E, 2 * I, H), (E, H, I))  # (w13, w2), without reading a layer
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, i: int) -> ExpertWeights:
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        (s13, s2), dt = self.shapes, self.ckpt.dtype
+        ew = ExpertWeights(torch.empty(s13, dtype=dt), torch.empty(s2, dtype=dt))
+        layer = self.names[i]
+        reader = _Reader(self.ckpt)
+        try:
+            for name, dst in zip(layer, iter((ew.w13, ew.w2)) if len(layer) == 2 else _per_expert_views(ew)):
+                reader.read_into(name, dst)
+        finally:
+            reader.close()
+        return ew
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    @property
+    def nbytes(self) -> int:
+        (s13, s2), size = self.shapes, self.ckpt.dtype.itemsize
+        return len(self) * (math.prod(s13) + math.prod(s2)) * size
+
+
 def _per_expert_views(ew: ExpertWeights):
     I = ew.w2.shape[2]
     for e in range(ew.n_experts):

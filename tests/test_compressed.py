@@ -3,6 +3,7 @@ link moves (and the emulated link charges) the coded bytes, and a non-bf16 check
 from __future__ import annotations
 
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -193,15 +194,30 @@ def test_cuda_link_decodes_coded_copies_into_the_slot(dtype):
 
 
 def test_coded_store_cache_miss_hit_corrupt_stale(tiny, tmp_path, monkeypatch):
-    """Coded once per checkpoint: a miss codes and writes every layer; a hit codes nothing and reads no
-    expert from the checkpoint; a corrupt or truncated layer file, or one of another key, is coded anew."""
+    """Coded once per checkpoint: a miss reads, codes and writes every layer, one at a time; a hit codes
+    nothing and reads no expert from the checkpoint; a corrupt or truncated layer file, or one of another
+    key, is read and coded anew, alone."""
+    from specter import loader
     from specter.offload import coded as coded_mod
 
     path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
-    encodes, reads = [], []
-    real_encode, real_load = coded_mod.encode, builder.load_checkpoint
+    encodes, reads, alive = [], [], []
+    real_encode, real_load, real_read = coded_mod.encode, builder.load_checkpoint, loader.StoredExperts.__getitem__
     monkeypatch.setattr(coded_mod, "encode", lambda w, *a, **k: encodes.append(1) or real_encode(w, *a, **k))
-    monkeypatch.setattr(builder, "load_checkpoint", lambda *a, **k: reads.append(k.get("experts", True)) or real_load(*a, **k))
+    monkeypatch.setattr(builder, "load_checkpoint", lambda *a, **k: assert_no_arena(k) or real_load(*a, **k))
+
+    def assert_no_arena(kw):  # the raw store is never loaded whole beside the coded one
+        assert kw.get("experts", True) is False
+
+    def read(self, i):  # a raw layer read from the checkpoint; alive: how many such layers exist at once
+        layer = real_read(self, i)
+        alive.append(1)
+        weakref.finalize(layer.w13, alive.pop)
+        reads.append(i)
+        assert len(alive) == 1, "a raw layer was kept while the next was read"
+        return layer
+
+    monkeypatch.setattr(loader.StoredExperts, "__getitem__", read)
 
     def load():
         encodes.clear()
@@ -211,7 +227,7 @@ def test_coded_store_cache_miss_hit_corrupt_stale(tiny, tmp_path, monkeypatch):
 
     first = load()
     L = len(first)
-    assert len(encodes) == 2 * L and reads == [True]  # miss: every layer coded from the raw store
+    assert len(encodes) == 2 * L and reads == list(range(L)) and not alive  # miss: each layer read, coded, freed
     entry = next(tmp_path.glob("coded-*"))
     assert sorted(p.name for p in entry.iterdir()) == [f"layer-{i}.safetensors" for i in range(L)]
 
@@ -220,7 +236,7 @@ def test_coded_store_cache_miss_hit_corrupt_stale(tiny, tmp_path, monkeypatch):
                    for x, y in zip(getattr(a, m).packed.tensors(), getattr(b, m).packed.tensors()))
 
     again = load()
-    assert encodes == [] and reads == [False]  # hit: nothing coded, no expert read
+    assert encodes == [] and reads == []  # hit: nothing coded, no expert read
     assert all(same(a, b) for a, b in zip(first, again))
 
     f = entry / "layer-1.safetensors"  # corrupt: one flipped byte in the last tensor's data
@@ -229,10 +245,10 @@ def test_coded_store_cache_miss_hit_corrupt_stale(tiny, tmp_path, monkeypatch):
     f.write_bytes(bytes(raw))
     (entry / "layer-0.safetensors").write_bytes(b"\0" * 10)  # truncated
     rebuilt = load()
-    assert len(encodes) == 4 and reads == [True]  # the two bad layers coded anew, the rest read
+    assert len(encodes) == 4 and reads == [0, 1]  # the two bad layers read and coded anew, the rest from the cache
     assert all(same(a, b) for a, b in zip(first, rebuilt))
     load()
-    assert encodes == [] and reads == [False]
+    assert encodes == [] and reads == []
 
     # stale: a layer file of another key (another checkpoint) under this one's name is not trusted
     monkeypatch.setattr(coded_mod, "cache_key", lambda files: "another-key")
@@ -246,6 +262,28 @@ def test_coded_store_cache_miss_hit_corrupt_stale(tiny, tmp_path, monkeypatch):
     key = coded_mod.cache_key([path / "model.safetensors"])
     monkeypatch.setattr(coded_mod.lossless, "WIDTHS", (3, 4))
     assert coded_mod.cache_key([path / "model.safetensors"]) != key
+
+
+def test_raw_readers_of_a_coded_store_read_the_checkpoint_not_decode_it(tiny, tmp_path, monkeypatch):
+    """The host lane's raw copy, the draft's quantisation and resident rows read the checkpoint's bits
+    (loader.StoredExperts), several times faster than decoding on the CPU: equal to the decoded store,
+    and no decode runs (it used to decode every layer twice, and layer 0 once more for a shape)."""
+    from specter.offload import coded as coded_mod
+
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    shared = builder.load_shared(path, torch.device("cpu"), draft_cache=str(tmp_path), compress_experts=True)
+    decoded = [layer.decoded() for layer in shared.store]
+    monkeypatch.setattr(coded_mod.CodedTensor, "decode", lambda *a, **k: pytest.fail("decoded"))
+    first = list(shared.decoded_store())  # nothing kept yet: read a layer at a time
+    rows = shared.host_rows()
+    assert shared.decoded_store() is rows  # once kept, the readers share it
+    for got in (first, rows, shared.resident_experts()):
+        assert all(torch.equal(a.w13, b.w13.to(a.w13.dtype)) and torch.equal(a.w2, b.w2.to(a.w2.dtype))
+                   for a, b in zip(got, decoded))
+    engine = specter.load(path, device="cpu", policy="specter", residency=0.5, compress_experts=True,
+                          draft_cache=str(tmp_path))
+    engine.generate([1, 2, 3], max_new_tokens=4)  # the draft quantised, no decode outside the link's copies
+    engine.close()
 
 
 def test_coded_store_cache_off(tiny, tmp_path, monkeypatch):

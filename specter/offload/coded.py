@@ -22,13 +22,16 @@ What reads the store, and what it gets (the decision per reader):
   bytes into device memory on the copy stream (lossless.stage_pair), then the Triton decode kernel
   into both slots on that stream (lossless.decode_staged_pair; a slot of another dtype: each tensor
   alone, lossless.stage and decode_staged, then converted), before the event readers wait on).
-- the INT4 draft: `DecodedStore`, each layer decoded when quantisation reads it (a draft cache hit
-  reads nothing), one layer at a time; so is `Loaded.resident_experts` (resident, oracle).
-- the host lane (policy host; specter on CPU, or on CUDA with host_threads): a decoded copy of the
-  whole store, made once and kept (builder.Loaded.host_rows). The lane reads experts in place at
-  memory speed; decoding each one per job on the CPU would cost it more than its GEMV, and such
-  policies move few bytes over the link anyway. The price: with a host lane the host holds the raw
-  store beside the coded one (the PCIe saving stays, the host memory saving is lost).
+- the INT4 draft: the checkpoint's own experts (loader.StoredExperts), each layer read from the files
+  when quantisation reads it (a draft cache hit reads nothing), one layer at a time; so is
+  `Loaded.resident_experts` (resident, oracle). Reading is the same bits, and several times faster
+  than decoding on the CPU. (A pipeline stage decodes: `DecodedStore`.)
+- the host lane (policy host; specter on CPU, or on CUDA with host_threads): a raw copy of the
+  whole store, read from the checkpoint once and kept (builder.Loaded.host_rows). The lane reads
+  experts in place at memory speed; decoding each one per job on the CPU would cost it more than its
+  GEMV, and such policies move few bytes over the link anyway. The price: with a host lane the host
+  holds the raw store beside the coded one (the PCIe saving stays, the host memory saving is lost;
+  `specter plan` counts both).
 - the CPU aliased pool (plan.alias_pool, big models on CPU): not used with compress_experts:
   compute cannot read coded rows, so the pool is a real one that copies decode into.
 - the compressed device tier (offload/coded_tier.py; CUDA: opt-in): part of the expert budget holds
@@ -48,9 +51,9 @@ draft_cache's root, content fingerprint, safetensors writer and CRCs):
 
 key = sha256 of the format's settings and the checkpoint's fingerprint. A file that is missing,
 unreadable, for another key or layer, of the wrong shape or failing its CRC is not trusted. When
-every layer hits, the loader reads no expert at all; otherwise it fills the raw store and the layers
-that missed are coded from it (and written), the others read from the cache (raw and coded stores
-both exist until coding ends). `draft_cache` (--draft-cache, $SPECTER_DRAFT_CACHE) places or
+every layer hits, the loader reads no expert at all; otherwise each layer that missed is read from
+the checkpoint, coded (and written) and dropped before the next is read, so a first load holds the
+coded store and one raw layer, not the raw store beside the coded one. `draft_cache` (--draft-cache, $SPECTER_DRAFT_CACHE) places or
 disables both caches.
 """
 from __future__ import annotations
@@ -346,30 +349,21 @@ def coded_store_bytes(path, per_layer: list | None = None) -> tuple[int, int]:
     each tensor's exponent histograms, a layer at a time (`specter plan --compress-experts`: it reads
     every expert once, without coding them). `per_layer`: a list each MoE layer's coded bytes are
     appended to (plan --ranks: each rank's own layers')."""
-    from ..loader import _expert_names, _per_expert_views, _Reader, open_checkpoint
+    from ..loader import StoredExperts, open_checkpoint
     from ..triton_ops.lossless import best_width, encoded_nbytes, histograms
 
     ckpt = open_checkpoint(path)
     if ckpt.dtype != torch.bfloat16:
         raise ConfigError(f"compress_experts codes bf16 checkpoints; {path} stores {str(ckpt.dtype)[6:]}")
-    spec, reader = ckpt.spec, _Reader(ckpt)
-    E, I, H = spec.n_experts, spec.expert_inter, spec.hidden
     coded = raw = 0
-    try:
-        for layer in _expert_names(reader, spec):
-            ew = ExpertWeights(torch.empty(E, 2 * I, H, dtype=torch.bfloat16), torch.empty(E, H, I, dtype=torch.bfloat16))
-            dsts = iter((ew.w13, ew.w2)) if len(layer) == 2 else _per_expert_views(ew)
-            for name, dst in zip(layer, dsts):
-                reader.read_into(name, dst)
-            before = coded
-            for w in (ew.w13, ew.w2):
-                hist, numel = histograms(w), w[0].numel()
-                coded += encoded_nbytes(hist, numel, best_width(hist, numel))
-                raw += w.nbytes
-            if per_layer is not None:
-                per_layer.append(coded - before)
-    finally:
-        reader.close()
+    for ew in StoredExperts(ckpt):
+        before = coded
+        for w in (ew.w13, ew.w2):
+            hist, numel = histograms(w), w[0].numel()
+            coded += encoded_nbytes(hist, numel, best_width(hist, numel))
+            raw += w.nbytes
+        if per_layer is not None:
+            per_layer.append(coded - before)
     return coded, raw
 
 
@@ -417,22 +411,22 @@ def read_cached(entry: Path | None, n_layers: int, first: int = 0) -> list[Coded
     return [_read_layer(entry / f"layer-{i}.safetensors", entry.name, i) for i in range(first, first + n_layers)]
 
 
-def coded_store(store: list[ExpertWeights], cached: list[CodedLayer | None], entry: Path | None, *,
+def coded_store(store, cached: list[CodedLayer | None], entry: Path | None, *,
                 cuda: bool = False, pin: bool = False, first: int = 0) -> list[CodedLayer]:
-    """The coded store: cached layers as they are, the others coded from `store` (the raw store, [] when
-    every layer hit) and written to `entry`. Raw layers are dropped from `store` as they are passed.
-    `cuda`, `pin`: as encode_store's. `first`: the MoE layer `cached[0]` is (a pipeline stage's own
-    layers; the cache is one process's)."""
+    """The coded store: cached layers as they are, the others coded from `store[i]` (the raw store, or a
+    loader.StoredExperts that reads a layer when indexed; [] when every layer hit) and written to `entry`.
+    Only the layers that missed are read, one at a time. `cuda`, `pin`: as encode_store's. `first`: the
+    MoE layer `cached[0]` is (a pipeline stage's own layers; the cache is one process's)."""
     out, refused = [], []
     for i, hit in enumerate(cached):
-        raw = store.pop(0) if store else None
         if hit is None:
-            if raw is None:
+            if not len(store):
                 raise ConfigError("coded_store: a layer missed the cache and no raw store was loaded")
+            raw = store[i]
             hit = encode_store([raw])[0]
             if entry is not None:
                 _write_layer(entry / f"layer-{first + i}.safetensors", entry.name, first + i, hit)
-        del raw
+            del raw  # (a StoredExperts' layer: freed here, before the next is read)
         if cuda or pin:
             hit = for_cuda_layer(hit.w13.packed, hit.w2.packed, pin=pin, refused=refused)
         out.append(hit)

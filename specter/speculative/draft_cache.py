@@ -104,12 +104,17 @@ def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache
     the cache or quantised from `store` (on `device`) and written to it: one layer at a time, so a
     consumer that moves or dequantises each as it comes never holds the whole draft on the host."""
     check_bits(bits)
-    for ew in store[:1]:  # before any work: a width the expert shapes cannot be packed at
-        sizes = {ew.w13.shape[2], ew.w2.shape[2]}  # hidden size, expert intermediate size: the K of w13, w2
+    # before any work: a width the expert shapes cannot be packed at
+    if hasattr(store, "shapes"):  # a StoredExperts (loader.py): its shapes, no layer read
+        pairs = [store.shapes]
+    else:
+        pairs = [(ew.w13.shape, ew.w2.shape) for ew in store[:1]]
+    for s13, s2 in pairs:
+        sizes = {s13[2], s2[2]}  # hidden size, expert intermediate size: the K of w13, w2
         if any(k % K_MULTIPLE[bits] for k in sizes):
             raise ConfigError(f"a {bits}-bit draft needs the hidden and expert intermediate sizes divisible by "
                               f"{K_MULTIPLE[bits]} (whole int32 words of codes); this model's are "
-                              f"{ew.w13.shape[2]} and {ew.w2.shape[2]}: use another --draft-bits "
+                              f"{s13[2]} and {s2[2]}: use another --draft-bits "
                               f"({', '.join(str(b) for b in K_MULTIPLE if not any(k % K_MULTIPLE[b] for k in sizes))})")
     root = cache_root(cache)
     entry = root / cache_key(files, bits) if root is not None else None
@@ -123,7 +128,7 @@ def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache
             warnings.warn(f"draft cache {root} is not writable ({e}); quantising without a cache "
                           f"(set SPECTER_DRAFT_CACHE to a writable directory)")
             entry = None
-    nbytes = sum(ew.n_experts * ew.expert_nbytes() for ew in store)  # a DecodedStore decodes nothing here
+    nbytes = getattr(store, "nbytes", None) or sum(ew.n_experts * ew.expert_nbytes() for ew in store)  # unread
     if progress is None:
         progress = nbytes > (256 << 20)
     bar = tqdm(store, desc=f"draft (INT{bits})", unit="layer", disable=not progress)
