@@ -364,17 +364,25 @@ class StoredExperts:
     read from the files (pread, the stored dtype) each time a layer is indexed, nothing kept, so a
     reader that walks the layers holds one at a time. What a coded store's readers read where they need
     raw bits (the draft's quantisation, resident rows, the host lane's copy, coding a layer the cache
-    misses): reading is ~8x faster than decoding here (docs/RESULTS.md), and the same bits."""
+    misses): reading is several times faster than decoding on a CPU, and the same bits. Made, it has
+    checked every expert tensor's shape against the config (a load whose coded store came whole from its
+    cache reads no expert, and would not have)."""
 
     def __init__(self, ckpt: Checkpoint):
         self.ckpt, spec = ckpt, ckpt.spec
+        E, I, H = spec.n_experts, spec.expert_inter, spec.hidden
+        self.shapes = ((E, 2 * I, H), (E, H, I))  # (w13, w2), without reading a layer
+        meta = ExpertWeights(torch.empty(self.shapes[0], device="meta"), torch.empty(self.shapes[1], device="meta"))
         reader = _Reader(ckpt)
         try:
             self.names = _expert_names(reader, spec)
+            for layer in self.names:  # every tensor's stored shape against the config's, from the headers
+                for name, view in zip(layer, iter((meta.w13, meta.w2)) if len(layer) == 2 else _per_expert_views(meta)):
+                    if reader.shape(name) != tuple(view.shape):
+                        raise CheckpointError(f"{name}: shape {reader.shape(name)} does not match the config's "
+                                              f"{tuple(view.shape)}")
         finally:
             reader.close()
-        E, I, H = spec.n_experts, spec.expert_inter, spec.hidden
-        self.shapes = ((E, 2 * I, H), (E, H, I))  # (w13, w2), without reading a layer
 
     def __len__(self) -> int:
         return len(self.names)

@@ -269,6 +269,33 @@ def test_cache_key_follows_content_and_settings(tmp_path, monkeypatch):
     assert draft_cache.cache_key(open_checkpoint(a).files.values()) != ka
 
 
+def test_an_edit_between_the_sampled_blocks_is_a_new_key(tmp_path):
+    """A fine-tuned expert re-saved in place, its bytes away from the 32 sampled blocks: the key changes (the
+    coded store's cache, keyed the same way, served the old experts: wrong tokens). A copy keeping the
+    times keeps the key."""
+    from specter.offload import coded
+
+    src = tmp_path / "m"
+    shutil.copytree(specter.default_model_path(), src)
+    f = src / "model.safetensors"
+    keys = lambda: (draft_cache.cache_key([f]), coded.cache_key([f]))  # noqa: E731
+    before = keys()
+    kept = tmp_path / "kept"
+    shutil.copytree(src, kept)  # copy2: times kept
+    assert (draft_cache.cache_key([kept / "model.safetensors"]), coded.cache_key([kept / "model.safetensors"])) == before
+    size, n = f.stat().st_size, int.from_bytes(f.read_bytes()[:8], "little")
+    data, block = 8 + n, 64 << 10
+    sampled = [data + (size - data - block) * i // 31 for i in range(32)]
+    at = (sampled[10] + block + sampled[11]) // 2  # between two samples
+    assert sampled[10] + block < at < sampled[11]
+    with open(f, "r+b") as fh:
+        fh.seek(at)
+        byte = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([byte[0] ^ 0x80]))  # a sign bit of one weight
+    assert keys()[0] != before[0] and keys()[1] != before[1]
+
+
 def test_unwritable_draft_cache(monkeypatch, tmp_path, bf16):
     _, store, ckpt = load_checkpoint(bf16, CPU, torch.float32)
     blocker = tmp_path / "file"

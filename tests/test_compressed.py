@@ -286,6 +286,24 @@ def test_raw_readers_of_a_coded_store_read_the_checkpoint_not_decode_it(tiny, tm
     engine.close()
 
 
+def test_a_config_that_does_not_match_the_experts_is_refused_on_a_cache_hit(tiny, tmp_path):
+    """A whole-cache hit reads no expert; the headers' shapes are still checked against config.json (it ran
+    before, on the cached shapes, copying experts the config did not describe)."""
+    import json
+
+    from specter.errors import CheckpointError
+
+    path = tmp_path / "model"  # a copy: the session's checkpoint is shared
+    shutil.copytree(tiny("qwen3_moe", dtype=torch.bfloat16)[0], path)
+    builder.load_shared(path, torch.device("cpu"), draft_cache=str(tmp_path), compress_experts=True)  # cached
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["moe_intermediate_size"] //= 2
+    (path / "config.json").write_text(json.dumps(cfg))
+    for cache in (str(tmp_path), "off"):
+        with pytest.raises(CheckpointError, match="does not match the config's"):
+            builder.load_shared(path, torch.device("cpu"), draft_cache=cache, compress_experts=True)
+
+
 def test_coded_store_cache_off(tiny, tmp_path, monkeypatch):
     path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
     monkeypatch.setenv("SPECTER_DRAFT_CACHE", "off")

@@ -3,9 +3,11 @@
     <cache>/<key>/layer-<i>.safetensors    w13.{qweight,scale,shift}, w2.{...}: QuantExperts, fp32 scales
 
 key = sha256 of the quantiser's settings (the format, the code width among them) and the checkpoint's
-content fingerprint (every shard's size and safetensors header, which holds every tensor's name,
-dtype, shape and offsets, plus 32 blocks of 64 KiB sampled across its data), so a re-saved or
-edited checkpoint gets a new entry. Each layer file records the key, its layer, its code width and
+content fingerprint (every shard's size, modification time and safetensors header, which holds every
+tensor's name, dtype, shape and offsets, plus 32 blocks of 64 KiB sampled across its data), so a
+re-saved or edited checkpoint gets a new entry: the samples alone miss most edits of a few experts
+(a Qwen3-30B-A3B expert is 9 MB; samples of a 4 GB shard lie 130 MB apart), the time does not. A
+copy that keeps the times (cp -p, rsync -a) keeps its entries; any other copy is coded anew once. Each layer file records the key, its layer, its code width and
 a CRC32 of every tensor in its metadata; a file that is missing, unreadable, truncated, for another
 key, layer or width, or whose bytes fail the CRC is rebuilt from the host store, never trusted. An
 entry written by an older format (another FORMAT) has another key: it is never read, so stale, and
@@ -81,10 +83,12 @@ def fingerprint(files) -> str:
     """Content fingerprint of safetensors shards (see the module docstring); reads ~2 MiB a shard."""
     h = hashlib.sha256()
     for f in sorted({Path(f) for f in files}):
-        size = f.stat().st_size
+        st = f.stat()  # (a hub snapshot's symlink: its blob's)
+        size = st.st_size
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
-            h.update(f.name.encode() + size.to_bytes(8, "little") + fh.read(n))
+            h.update(f.name.encode() + size.to_bytes(8, "little") + st.st_mtime_ns.to_bytes(16, "little", signed=True)
+                     + fh.read(n))
             data = 8 + n
             for i in range(_SAMPLES):
                 fh.seek(data + (size - data - _BLOCK) * i // max(_SAMPLES - 1, 1) if size - data > _BLOCK else data)
