@@ -120,14 +120,18 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index} is malformed ({e})") from None
-        shards = {name: path / f for name, f in weight_map.items()}
-        for f in sorted(set(shards.values())):
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index} is malformed ({type(e).__name__}: {e}); re-download or re-save it") from None
+        if not isinstance(weight_map, dict) or not weight_map or \
+                not all(isinstance(f, str) and f for f in weight_map.values()):
+            raise CheckpointError(f"{index} is malformed: its weight_map must map tensor names to shard file "
+                                  f"names; re-download or re-save it")
+        shards = sorted({path / f for f in weight_map.values()})
+        for f in shards:
             if not f.is_file():
                 raise CheckpointError(f"shard {f} listed in {index.name} is missing")
-        files = shards
-        _check_headers(sorted(set(shards.values())))
+        for f, names in _check_headers(shards).items():  # the shards' own headers say where a tensor is,
+            files.update({n: f for n in names})          # as the reader reads them, not the index
     else:
         shard_files = sorted(path.glob("*.safetensors"))
         if not shard_files:
@@ -151,7 +155,12 @@ def _check_headers(shards: list[Path]) -> dict[Path, list[str]]:
 
 
 def _storage_dtype(files: dict[str, Path]) -> torch.dtype:
-    name = next((n for n in files if n.endswith("embed_tokens.weight")), next(iter(files)))
+    """The routed experts' stored dtype (the store keeps it: another would round or widen them), else the
+    embedding's; a checkpoint may keep other tensors in another dtype (they load in the compute dtype)."""
+    if not files:
+        raise CheckpointError("the checkpoint's shards hold no tensors; re-download or re-save it")
+    name = next((n for n in sorted(files) if ".experts." in n),
+                next((n for n in files if n.endswith("embed_tokens.weight")), next(iter(files))))
     with safe_open(str(files[name]), framework="pt") as h:
         return _DTYPES.get(h.get_slice(name).get_dtype(), torch.float32)
 

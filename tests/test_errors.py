@@ -1,6 +1,7 @@
 """Every user error: a SpecterError with an actionable message through the API, and through the
 CLI one line on stderr with exit code 2 (never a traceback)."""
 import asyncio
+import copy
 import json
 import re
 import shutil
@@ -79,6 +80,48 @@ def test_missing_shard_names_the_file(tiny, tmp_path):
     victim.unlink()
     with pytest.raises(specter.CheckpointError, match=victim.name):
         specter.load(tmp_path / "m", device="cpu", policy="resident")
+
+
+@pytest.mark.parametrize("index", [{"weight_map": [["a", "b"]]}, {"weight_map": {"x": None}}, [1, 2],
+                                   {"weight_map": {}}, {"weight_map": {"x": 3}}, {"metadata": {}}], ids=str)
+def test_a_malformed_shard_index_is_a_checkpoint_error(tiny, tmp_path, index):
+    """A weight_map that is a list, empty, or maps to non-names; an index that is a list or lacks the map:
+    one CheckpointError naming the index (they were AttributeError, TypeError, StopIteration tracebacks)."""
+    from specter.errors import CheckpointError
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny("mixtral", max_shard_size="100KB")[0], path)
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json is malformed"):
+        specter.load(path, device="cpu", policy="resident")
+
+
+def test_tensors_are_found_in_the_shard_holding_them_and_experts_set_the_store_dtype(tiny, tmp_path):
+    """The index names a wrong shard for the embedding: the shards' headers decide, as for every other tensor
+    (it was a SafetensorError). Experts stored in fp32 beside a bf16 embedding keep fp32 in the store (they
+    were rounded to bf16, and greedy tokens left transformers' at token 14)."""
+    from safetensors.torch import load_file, save_file
+
+    from test_parity import hf_greedy
+
+    from specter.loader import open_checkpoint
+
+    src, ref = tiny("mixtral", max_shard_size="100KB")
+    ref = copy.deepcopy(ref)  # the session's; its embedding is rounded below
+    path = tmp_path / "m"
+    shutil.copytree(src, path)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    embed = index["weight_map"]["model.embed_tokens.weight"]
+    index["weight_map"]["model.embed_tokens.weight"] = next(f for f in index["weight_map"].values() if f != embed)
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    shard = path / embed
+    tensors = load_file(shard)
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].bfloat16()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    assert open_checkpoint(path).dtype == torch.float32
+    engine = specter.load(path, device="cpu", policy="on-demand", residency=0.5)
+    ref.model.embed_tokens.weight.data = ref.model.embed_tokens.weight.data.bfloat16().float()
+    assert engine.generate([1, 2, 3], max_new_tokens=20).token_ids == hf_greedy(ref, [1, 2, 3], 20)
 
 
 def test_a_missing_lm_head_is_refused_unless_the_config_ties_it(tiny, tmp_path):
