@@ -315,6 +315,30 @@ def test_draft_cache_location(monkeypatch, tmp_path):
     monkeypatch.delenv("SPECTER_DRAFT_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert draft_cache.cache_root() == tmp_path / "xdg" / "specter" / "drafts"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # ~ as Docker's ENV or systemd's Environment= leave it
+    monkeypatch.setenv("SPECTER_DRAFT_CACHE", "~/c")
+    assert draft_cache.cache_root() == tmp_path / "home" / "c"
+    assert draft_cache.cache_root("~/d") == tmp_path / "home" / "d"
+    for bad in (False, 3, ["x"]):  # was a TypeError from Path(False), after the whole load
+        with pytest.raises(specter.ConfigError, match="draft_cache must be a directory"):
+            draft_cache.cache_root(bad)
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_named_cache_that_cannot_be_written_is_refused_before_the_load(bf16, tmp_path, monkeypatch, compress):
+    """--draft-cache naming a place that cannot be written: a ConfigError before any weight is read (the draft's
+    came after the whole load and coding; the coded store's only warned). A default place only warns."""
+    from specter import builder
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setattr(builder, "load_shared", lambda *a, **k: pytest.fail("the load began"))
+    with pytest.raises(specter.ConfigError, match="not writable"):
+        specter.load(bf16, device="cpu", policy="specter", draft_cache=str(blocker / "c"), compress_experts=compress)
+    monkeypatch.undo()
+    monkeypatch.setenv("SPECTER_DRAFT_CACHE", str(blocker / "c"))
+    with pytest.warns(UserWarning, match="without a cache"):
+        specter.load(bf16, device="cpu", policy="on-demand", residency=0.5, compress_experts=True).close()
 
 
 def test_cached_draft_is_the_quantised_draft(bf16, tmp_path):

@@ -388,19 +388,10 @@ def cache_key(files) -> str:
 
 def cache_entry(files, cache=None) -> Path | None:
     """The cache directory of this checkpoint's coded store (created), or None: caching off, or the
-    place not writable (warned)."""
-    from ..speculative.draft_cache import cache_root
+    default place not writable (warned); a named one not writable: ConfigError (draft_cache.make_entry)."""
+    from ..speculative.draft_cache import make_entry
 
-    root = cache_root(cache)
-    if root is None:
-        return None
-    entry = root / f"coded-{cache_key(files)}"
-    try:
-        entry.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        warnings.warn(f"coded expert cache {root} is not writable ({e}); coding at every load")
-        return None
-    return entry
+    return make_entry(cache, f"coded-{cache_key(files)}", "coding at every load")
 
 
 def read_cached(entry: Path | None, n_layers: int, first: int = 0) -> list[CodedLayer | None]:

@@ -56,14 +56,38 @@ def draft_expert_nbytes(spec, bits: int = 4, scale_bytes: int = 2) -> int:
 
 
 def cache_root(override: str | os.PathLike | None = None) -> Path | None:
-    """The cache directory: `override`, else $SPECTER_DRAFT_CACHE, else the user cache; None = off."""
+    """The cache directory: `override`, else $SPECTER_DRAFT_CACHE, else the user cache; None = off. A
+    leading ~ is the home directory (an environment set by Docker or systemd does not expand it)."""
+    if override is not None and not isinstance(override, (str, os.PathLike)):
+        raise ConfigError(f"draft_cache must be a directory (a str or path), 'off' or None, got {override!r}")
     where = override if override is not None else os.environ.get("SPECTER_DRAFT_CACHE")
     if where is None:
         base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-        return Path(base) / "specter" / "drafts"
+        return Path(base).expanduser() / "specter" / "drafts"
     if str(where).lower() in ("", "off", "none", "0"):
         return None
-    return Path(where)
+    return Path(where).expanduser()
+
+
+def make_entry(cache, name: str, what: str) -> Path | None:
+    """<root>/<name>, created; None when caching is off, or when the place (the default or
+    $SPECTER_DRAFT_CACHE's) cannot be written: warned, and `what` is made without a cache. A place the
+    caller named (`draft_cache=`, --draft-cache) that cannot be written is the caller's to fix: a
+    ConfigError. An entry that already exists is used as it is (a read-only cache filled beforehand)."""
+    root = cache_root(cache)
+    if root is None:
+        return None
+    entry = root / name
+    try:
+        entry.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if cache is not None:
+            raise ConfigError(f"draft cache {root} is not writable ({e}); pass another --draft-cache "
+                              f"or 'off'") from None
+        warnings.warn(f"draft cache {root} is not writable ({e}); {what} without a cache "
+                      f"(set SPECTER_DRAFT_CACHE to a writable directory)")
+        return None
+    return entry
 
 
 QUANTIZERS = {4: "optimum-quanto MaxOptimizer qint4 float-shift", 2: "optimum-quanto MaxOptimizer qint2 float-shift",
@@ -120,18 +144,7 @@ def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache
                               f"{K_MULTIPLE[bits]} (whole int32 words of codes); this model's are "
                               f"{s13[2]} and {s2[2]}: use another --draft-bits "
                               f"({', '.join(str(b) for b in K_MULTIPLE if not any(k % K_MULTIPLE[b] for k in sizes))})")
-    root = cache_root(cache)
-    entry = root / cache_key(files, bits) if root is not None else None
-    if entry is not None:
-        try:
-            entry.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            if cache is not None:  # asked for by name: the caller's mistake to fix
-                raise ConfigError(f"draft cache {root} is not writable ({e}); pass another --draft-cache "
-                                  f"or 'off'") from None
-            warnings.warn(f"draft cache {root} is not writable ({e}); quantising without a cache "
-                          f"(set SPECTER_DRAFT_CACHE to a writable directory)")
-            entry = None
+    entry = make_entry(cache, cache_key(files, bits), "quantising")
     nbytes = getattr(store, "nbytes", None) or sum(ew.n_experts * ew.expert_nbytes() for ew in store)  # unread
     if progress is None:
         progress = nbytes > (256 << 20)
