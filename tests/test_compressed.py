@@ -354,6 +354,10 @@ def test_bench_and_plan_cli_with_compress_experts(capsys, tiny, tmp_path, plain_
     out, err = capsys.readouterr()
     host = json.loads(out)["host"]
     assert rc == 0 and 0 < host["store_bytes"] < host["raw_store_bytes"]
+    assert host["raw_rows_bytes"] == host["raw_store_bytes"]  # specter's host lane (CPU) reads a raw copy beside it
+    engine = specter.load(path, device="cpu", residency=0.25, compress_experts=True)  # what the plan counts
+    assert sum(e.w13.nbytes + e.w2.nbytes for e in engine.shared.raw) == host["raw_rows_bytes"]
+    engine.close()
     rc = main(["plan", "--model", str(path), "--device", "cpu", "--residency", "0.25", "--compress-experts"])
     out, _ = capsys.readouterr()
     assert rc == 0 and "losslessly coded" in out

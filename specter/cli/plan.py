@@ -14,7 +14,7 @@ from ..errors import ConfigError
 from ..loader import describe
 from ..offload.calibrate import emulated_host_params, load_profile
 from ..offload.coded import coded_store_bytes
-from ..offload.coded_tier import tier_wanted
+from ..offload.coded_tier import ROWS_MAX_BYTES, tier_wanted
 from ..offload.plan import (DRAFT_BITS, check_context, compute_dtype, emulated_device_bytes, fit, host_needs,
                             make_plan, options_table, search)
 from ..offload.staging import describe as describe_staging
@@ -170,6 +170,10 @@ def cmd_plan(args) -> int:
         if opt.tier_bytes:
             copies += f"\ncoded device tier: opt-in on CUDA; SPECTER_CODED_TIER=1 would keep ~{opt.tier_experts} " \
                       f"experts coded beside {opt.pool_slots} raw slots in the same budget"
+    if coded and (lane or (device.type == "cpu" and host.raw_store_bytes <= ROWS_MAX_BYTES)):
+        host.raw_rows_bytes = host.raw_store_bytes  # kept beside the coded store (coded.py: the lane's price)
+        hosts += f", raw copy of the store {format_size(host.raw_rows_bytes)} (" + \
+                 ("the host lane reads raw weights" if lane else "coded copies on the emulated link write from it") + ")"
     if device.type == "cpu":  # the emulated device lives in host memory
         host.device_bytes = emulated_device_bytes(plan, spec, store_dtype, dtype)
         hosts += f", emulated device {format_size(host.device_bytes)} (host memory on cpu: a big model's slot " \

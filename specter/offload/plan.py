@@ -330,6 +330,8 @@ class HostNeeds:
     device_bytes: int = 0   # CPU: the emulated device's share of host memory (emulated_device_bytes)
     h2d_path: str = ""      # how expert bytes reach the device: "pinned store" | "staging buffers (2 x N)" | emulated
     staging_bytes: int = 0  # CUDA: one staging buffer (the largest expert), used if the store is not pinned
+    raw_rows_bytes: int = 0  # a coded store's raw copy beside it: a host lane's rows (CPU: also the emulated
+                             # link's, up to coded_tier.ROWS_MAX_BYTES); builder.Loaded.host_rows
 
 
 def emulated_device_bytes(plan: MemoryPlan, spec: ModelSpec, store_dtype: torch.dtype, compute: torch.dtype) -> int:
