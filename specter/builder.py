@@ -23,7 +23,7 @@ from .offload.host_experts import HostExperts
 from .offload.host_lane import LaneChoice, host_params, make_host_lane
 from .offload.cuda_link import make_link
 from .offload.manager import OffloadedExperts
-from .offload.plan import check_context, compute_dtype, make_plan
+from .offload.plan import check_context, compute_dtype, make_plan, pool_dtype
 from .offload.store import pin_wanted
 from .offload.oracle import OracleDecoder
 from .policy import Policy, get as get_policy
@@ -85,8 +85,12 @@ class Loaded:
         policy's weights, the oracle's, and what a CPU budget holding every expert computes on when
         the store is narrower (tensors of the store itself where no conversion or move is needed)."""
         if self.resident is None:
-            self.resident = [ExpertWeights(e.w13.to(self.device, self.dtype), e.w2.to(self.device, self.dtype))
-                             for e in self.decoded_store()]
+            store, spec = self.decoded_store(), self.ckpt.spec
+            # CPU, past POOL_UPCAST_MIN_BYTES: a narrower store's rows as they are, as a pool reads them then
+            # (plan.pool_dtype: the torch backend converts each expert it runs, exactly), not a second copy
+            dt = pool_dtype(self.device, self.ckpt.dtype, self.dtype, spec.n_moe_layers * spec.n_experts,
+                            spec.expert_numel())
+            self.resident = [ExpertWeights(e.w13.to(self.device, dt), e.w2.to(self.device, dt)) for e in store]
         return self.resident
 
 

@@ -99,6 +99,23 @@ def test_offloaded_bf16_store_decodes_like_resident(bf16, monkeypatch, pool):
         off.close()
 
 
+def test_resident_on_cpu_past_the_upcast_size_reads_the_store_in_place(bf16, monkeypatch):
+    """resident on CPU kept an fp32 copy of every expert beside the bf16 store (3.1x the experts' bytes on a
+    1.1 GiB checkpoint, where plan said 1x). Past POOL_UPCAST_MIN_BYTES it reads the store's rows as an
+    aliased pool does, upcast as each expert runs: no second copy, the same tokens."""
+    import specter.offload.plan as plan
+
+    ref = specter.load(bf16, device="cpu", policy="resident")  # small: fp32 copies
+    monkeypatch.setattr(plan, "POOL_UPCAST_MIN_BYTES", 0)
+    big = specter.load(bf16, device="cpu", policy="resident")
+    assert ref.shared.resident[0].w13.dtype == torch.float32 and big.dtype == torch.float32
+    assert all(r.w13.data_ptr() == s.w13.data_ptr() and r.w2.data_ptr() == s.w2.data_ptr()
+               for r, s in zip(big.shared.resident, big.shared.store))
+    for prompt in ([1, 2, 3, 4], [9, 8, 7]):
+        assert big.generate(prompt, max_new_tokens=12, temperature=0).token_ids == \
+            ref.generate(prompt, max_new_tokens=12, temperature=0).token_ids
+
+
 def test_pool_dtype():
     from specter.offload.plan import POOL_UPCAST_MIN_BYTES as big, pool_dtype
 
