@@ -103,6 +103,7 @@ def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | 
     check_compressible(ckpt, compress_experts)
     check_draft_bits(draft_bits)
     dt = compute_dtype(device, ckpt.dtype, dtype)
+    tokenizer = load_tokenizer(path)  # a broken one fails before the weights load, not after
     configure_threads(device, threads)
     pin = device.type == "cuda" and pin_wanted()
     if not compress_experts:
@@ -114,7 +115,7 @@ def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | 
         store = coded_store(StoredExperts(ckpt), cached, entry, cuda=device.type == "cuda", pin=pin)  # one by one
         if device.type == "cuda":
             ready_on_cuda(store, device)
-    return Loaded(Path(path), ckpt, device, dt, model, store, load_tokenizer(path), draft_cache,
+    return Loaded(Path(path), ckpt, device, dt, model, store, tokenizer, draft_cache,
                   compressed=bool(compress_experts), draft_bits=draft_bits)
 
 

@@ -124,6 +124,17 @@ def test_tensors_are_found_in_the_shard_holding_them_and_experts_set_the_store_d
     assert engine.generate([1, 2, 3], max_new_tokens=20).token_ids == hf_greedy(ref, [1, 2, 3], 20)
 
 
+def test_a_broken_tokenizer_fails_before_the_weights_load(tiny, tmp_path, monkeypatch):
+    from specter import builder
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny("qwen3_moe")[0], path)
+    (path / "tokenizer.json").write_text("{not json")
+    monkeypatch.setattr(builder, "load_checkpoint", lambda *a, **k: pytest.fail("the weights began to load"))
+    with pytest.raises(specter.CheckpointError, match="the tokenizer in .* could not be loaded"):
+        specter.load(path, device="cpu", policy="resident")
+
+
 def test_a_missing_lm_head_is_refused_unless_the_config_ties_it(tiny, tmp_path):
     """An untied lm_head missing from the checkpoint was read from the embedding table instead: nonsense
     text from a broken checkpoint. Tied (tie_word_embeddings true), the table is the head, as transformers has it."""
