@@ -94,14 +94,23 @@ def write_checkpoint(path: Path, cfg, dtype=torch.bfloat16, seed: int = 0) -> in
     return (path / "model.safetensors").stat().st_size
 
 
-def measure(model: str, policy: str, residency: float) -> dict:
+def _load(model: str, policy: str, residency: float, compress: bool):
+    import specter
+
+    from specter.policy import POLICY
+
+    budget = dict(residency=residency) if POLICY[policy].offloads else {}  # resident takes none
+    return specter.load(model, device="cpu", policy=policy, compress_experts=compress, **budget)
+
+
+def measure(model: str, policy: str, residency: float, compress: bool = False) -> dict:
     """One load in this process: seconds to load, peak RSS, what the emulated device holds."""
     import specter
 
     torch.manual_seed(0)
     base = int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
     t0 = time.perf_counter()
-    engine = specter.load(model, device="cpu", policy=policy, residency=residency)
+    engine = _load(model, policy, residency, compress)
     load_s = time.perf_counter() - t0
     engine.generate([1, 2, 3], max_new_tokens=2)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -120,7 +129,7 @@ def measure(model: str, policy: str, residency: float) -> dict:
                 specter=specter.__file__)
 
 
-def side_by_side(model: str, policies: list[str], residency: float, repeat: int) -> dict:
+def side_by_side(model: str, policies: list[str], residency: float, repeat: int, compress: bool = False) -> dict:
     """Load times measured alternately in one process (imports done, draft cache warm): the honest
     ratio on a machine whose load drifts. Median seconds per policy."""
     import gc
@@ -131,7 +140,7 @@ def side_by_side(model: str, policies: list[str], residency: float, repeat: int)
     for i in range(repeat + 1):  # the first round warms imports and caches and is not counted
         for p in policies:
             t0 = time.perf_counter()
-            engine = specter.load(model, device="cpu", policy=p, residency=residency)
+            engine = _load(model, p, residency, compress)
             if i:
                 times[p].append(time.perf_counter() - t0)
             engine.close()
@@ -140,9 +149,9 @@ def side_by_side(model: str, policies: list[str], residency: float, repeat: int)
     return {p: statistics.median(t) for p, t in times.items()}
 
 
-def run_child(model: Path, policy: str, residency: float, env: dict) -> dict:
+def run_child(model: Path, policy: str, residency: float, env: dict, compress: bool = False) -> dict:
     cmd = ["nice", sys.executable, __file__, "--measure", str(model), "--policies", policy,
-           "--residency", str(residency)]
+           "--residency", str(residency)] + ["--compress-experts"] * compress
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{policy}: child failed\n{out.stderr[-3000:]}")
@@ -161,6 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--specter-src", default=None, help="import specter from this checkout (e.g. main, for 'before')")
     ap.add_argument("--repeat", type=int, default=1, help="loads per row: median load time, highest peak")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--compress-experts", action="store_true",
+                    help="the store losslessly coded; its first load codes (a cold coded cache), the next reads it")
     ap.add_argument("--side-by-side", type=int, default=0, metavar="R",
                     help="also time loads of the policies alternately in one process, R rounds (cached draft)")
     ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # internal: one load in this process
@@ -168,9 +179,10 @@ def main(argv=None) -> int:
     policies = [p for p in args.policies.split(",") if p]
     if args.measure:
         if args.side_by_side:
-            print(json.dumps(side_by_side(args.measure, policies, args.residency, args.side_by_side)))
+            print(json.dumps(side_by_side(args.measure, policies, args.residency, args.side_by_side,
+                                          args.compress_experts)))
         else:
-            print(json.dumps(measure(args.measure, policies[0], args.residency)))
+            print(json.dumps(measure(args.measure, policies[0], args.residency, args.compress_experts)))
         return 0
 
     path = Path(args.dir or tempfile.mkdtemp(prefix="specter-big-", dir="/tmp"))
@@ -187,13 +199,14 @@ def main(argv=None) -> int:
         size = (path / "model.safetensors").stat().st_size
         rows = []
         for p in policies:
-            loads = ("first", "cached") if POLICY[p].drafts else ("first",)  # a draft: quantised, then cached
+            cached = POLICY[p].drafts or args.compress_experts  # a draft or coded store: made, then cached
+            loads = ("first", "cached") if cached else ("first",)
             for which in loads:
                 runs = []
                 for _ in range(args.repeat):
                     if which == "first":  # every draft policy's first load quantises (the same key otherwise hits)
                         shutil.rmtree(cache, ignore_errors=True)
-                    runs.append(run_child(path, p, args.residency, env))
+                    runs.append(run_child(path, p, args.residency, env, args.compress_experts))
                 r = max(runs, key=lambda x: x["peak_rss"])
                 r.update(load=which, checkpoint_bytes=size, load_s=statistics.median(x["load_s"] for x in runs))
                 rows.append(r)
@@ -201,7 +214,8 @@ def main(argv=None) -> int:
         side = None
         if args.side_by_side:
             cmd = ["nice", sys.executable, __file__, "--measure", str(path), "--policies", ",".join(policies),
-                   "--residency", str(args.residency), "--side-by-side", str(args.side_by_side)]
+                   "--residency", str(args.residency), "--side-by-side", str(args.side_by_side)] + \
+                ["--compress-experts"] * args.compress_experts
             out = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if out.returncode:
                 raise SystemExit(f"side by side: child failed\n{out.stderr[-3000:]}")
