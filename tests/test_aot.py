@@ -124,7 +124,7 @@ def test_a_kernel_that_only_the_interpreter_accepts_fails_here():
         tl.store(y_ptr, two_returns(x_ptr, C).to(tl.float32))
 
     x = torch.zeros(4)
-    launch = aot.Launch(kern, (1,), (x, x), {"C": True})
+    launch = aot.Launch(kern, (1,), (x, x), {"C": True, "enable_fp_fusion": True})  # as launch() names it
     with pytest.raises(Exception) as failed:
         aot.compile_launch(launch, 90)
     chain, e = [], failed.value
