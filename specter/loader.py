@@ -318,8 +318,7 @@ def load_checkpoint(
         model.rope.to(device)
         store = allocate_store(spec, ckpt.dtype, pin=pin_experts, n_layers=len(names)) if experts and names else []
         for ew, layer in zip(store, names):
-            dsts = iter((ew.w13, ew.w2)) if len(layer) == 2 else _per_expert_views(ew)
-            for name, dst in zip(layer, dsts):
+            for name, dst in _destinations(layer, ew):
                 reader.read_into(name, dst)
                 bar.update(reader.entries[name][4])
         bar.close()
@@ -386,7 +385,7 @@ class StoredExperts:
         try:
             self.names = _expert_names(reader, spec)
             for layer in self.names:  # every tensor's stored shape against the config's, from the headers
-                for name, view in zip(layer, iter((meta.w13, meta.w2)) if len(layer) == 2 else _per_expert_views(meta)):
+                for name, view in _destinations(layer, meta):
                     if reader.shape(name) != tuple(view.shape):
                         raise CheckpointError(f"{name}: shape {reader.shape(name)} does not match the config's "
                                               f"{tuple(view.shape)}")
@@ -404,7 +403,7 @@ class StoredExperts:
         layer = self.names[i]
         reader = _Reader(self.ckpt)
         try:
-            for name, dst in zip(layer, iter((ew.w13, ew.w2)) if len(layer) == 2 else _per_expert_views(ew)):
+            for name, dst in _destinations(layer, ew):
                 reader.read_into(name, dst)
         finally:
             reader.close()
@@ -417,6 +416,11 @@ class StoredExperts:
     def nbytes(self) -> int:
         (s13, s2), size = self.shapes, self.ckpt.dtype.itemsize
         return len(self) * (math.prod(s13) + math.prod(s2)) * size
+
+
+def _destinations(names: list[str], ew: ExpertWeights):
+    """(stored tensor name, the view of `ew` it fills) for one MoE layer's names (_expert_names)."""
+    return zip(names, iter((ew.w13, ew.w2)) if len(names) == 2 else _per_expert_views(ew))
 
 
 def _per_expert_views(ew: ExpertWeights):
