@@ -685,6 +685,30 @@ def test_with_every_expert_resident_plain_decoding_runs_from_the_first_token():
         assert gov.arm is None and gov.next_k(10) == min(fixed, 9) and (fixed or gov.steps == 10)
 
 
+def test_a_new_prompt_probes_speculation_again_after_a_long_plain_phase():
+    """A long generation ended in a loop whose plain steps copied nothing: plain decoding won, its probes of
+    speculation backed off to intervals sized by that phase (t_o / t_r = 14 here: ~1800 steps). A new prompt
+    whose plain steps copy again (32x slower) ran all plain for as long (a helper's soak: 299 of 300 tokens,
+    3-9x the TPOT of a fresh engine). new_context (the decoder's, at each prefill) probes speculation again
+    2 probe_every steps in."""
+    hot = World(plain=2.5e-3, draft=6e-3, verify=lambda k: 9e-3 + 0.5e-3 * (k + 1), stall=lambda k: 0.0,
+                accepted=geometric(0.9))
+    cold = World(plain=80e-3, draft=6e-3, verify=lambda k: 9e-3 + 0.5e-3 * (k + 1), stall=lambda k: 20e-3,
+                 accepted=geometric(0.9))
+    for seed in range(3):
+        gov = Governor(16)
+        drive_runs(gov, hot, 3000, seed=seed, copied=0)
+        assert gov.arm == "plain" and gov._arm_next - gov.cycles > 300, gov._arm_next - gov.cycles  # the premise
+        gov.new_context()
+        d = drive_runs(gov, cold, 300, seed=seed, copied=1)
+        assert realised(d) * cold.plain > 3, realised(d) * cold.plain
+        gov = Governor(16)  # where speculation keeps losing, a new prompt costs it one probe
+        drive_runs(gov, hot, 3000, seed=seed, copied=0)
+        gov.new_context()
+        d = drive_runs(gov, hot, 300, seed=seed, copied=0)
+        assert sum(k > 0 for k, *_ in d) == gov.spec_probe, d
+
+
 def test_a_cold_first_reading_does_not_keep_an_arm_losing():
     """An arm's first step ran on a cold cache (3x its real cost): its later probes replace that
     figure rather than average into it, so where it is really faster it takes over at its first

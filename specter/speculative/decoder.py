@@ -181,6 +181,7 @@ class SpeculativeDecoder(KeptCache):
         n, produced = len(prompt), 1
         yield [t]
         gov, mgr = self.governor, self.experts
+        gov.new_context()  # an earlier prompt's backed-off probes must not keep speculation out of this one
         if gov.arm is None and mgr.all_resident:  # a prior: nothing to copy, so nothing for a draft to hide
             gov.start_plain()
         # K = 0 runs plain decoding's own loop (plain_steps) for as many steps as the governor will not

@@ -238,6 +238,16 @@ class Governor:
             self.arm = "plain"
             self._arm_next = self.cycles + 2 * self.probe_every
 
+    def new_context(self) -> None:
+        """A new prompt: while plain decoding runs, speculation is probed again 2 `probe_every` steps in, as in a new
+        engine (start_plain). Probes that kept losing back off to intervals sized by the phase they lost in (up to
+        probe_max n (t_o / t_r) steps: thousands when plain steps copied nothing), and plain decoding's steps run as
+        one observation up to the next probe, so a new prompt whose plain steps copy again (many times slower)
+        would otherwise run without speculation for as long. One probe a generation at most; the backed-off
+        interval holds after it while speculation keeps losing."""
+        if self.arm == "plain" and self.fixed is None:
+            self._arm_next = min(self._arm_next, self.cycles + 2 * self.probe_every)
+
     def burden(self) -> float:
         """How much faster speculation must be before it runs: margin (+ extra when plain copies nothing)."""
         if not self.plain_copies_nothing:
