@@ -121,7 +121,8 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{index} is malformed ({type(e).__name__}: {e}); re-download or re-save it") from None
+            raise CheckpointError(f"{index} is malformed ({type(e).__name__}: {e}); "
+                                  f"re-download or re-save it") from None
         if not isinstance(weight_map, dict) or not weight_map or \
                 not all(isinstance(f, str) and f for f in weight_map.values()):
             raise CheckpointError(f"{index} is malformed: its weight_map must map tensor names to shard file "

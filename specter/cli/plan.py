@@ -172,8 +172,8 @@ def cmd_plan(args) -> int:
                       f"experts coded beside {opt.pool_slots} raw slots in the same budget"
     if coded and (lane or (device.type == "cpu" and host.raw_store_bytes <= ROWS_MAX_BYTES)):
         host.raw_rows_bytes = host.raw_store_bytes  # kept beside the coded store (coded.py: the lane's price)
-        hosts += f", raw copy of the store {format_size(host.raw_rows_bytes)} (" + \
-                 ("the host lane reads raw weights" if lane else "coded copies on the emulated link write from it") + ")"
+        why = "the host lane reads raw weights" if lane else "coded copies on the emulated link write from it"
+        hosts += f", raw copy of the store {format_size(host.raw_rows_bytes)} ({why})"
     if device.type == "cpu":  # the emulated device lives in host memory
         host.device_bytes = emulated_device_bytes(plan, spec, store_dtype, dtype)
         hosts += f", emulated device {format_size(host.device_bytes)} (host memory on cpu: a big model's slot " \

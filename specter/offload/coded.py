@@ -53,8 +53,8 @@ key = sha256 of the format's settings and the checkpoint's fingerprint. A file t
 unreadable, for another key or layer, of the wrong shape or failing its CRC is not trusted. When
 every layer hits, the loader reads no expert at all; otherwise each layer that missed is read from
 the checkpoint, coded (and written) and dropped before the next is read, so a first load holds the
-coded store and one raw layer, not the raw store beside the coded one. `draft_cache` (--draft-cache, $SPECTER_DRAFT_CACHE) places or
-disables both caches.
+coded store and one raw layer, not the raw store beside the coded one. `draft_cache` (--draft-cache,
+$SPECTER_DRAFT_CACHE) places or disables both caches.
 """
 from __future__ import annotations
 

@@ -7,12 +7,12 @@ content fingerprint (every shard's size, modification time and safetensors heade
 tensor's name, dtype, shape and offsets, plus 32 blocks of 64 KiB sampled across its data), so a
 re-saved or edited checkpoint gets a new entry: the samples alone miss most edits of a few experts
 (a Qwen3-30B-A3B expert is 9 MB; samples of a 4 GB shard lie 130 MB apart), the time does not. A
-copy that keeps the times (cp -p, rsync -a) keeps its entries; any other copy is coded anew once. Each layer file records the key, its layer, its code width and
-a CRC32 of every tensor in its metadata; a file that is missing, unreadable, truncated, for another
-key, layer or width, or whose bytes fail the CRC is rebuilt from the host store, never trusted. An
-entry written by an older format (another FORMAT) has another key: it is never read, so stale, and
-quantised afresh. Files are written to a temporary name and renamed, so a crash never leaves half
-a file under the real name.
+copy that keeps the times (cp -p, rsync -a) keeps its entries; any other copy is made anew once.
+Each layer file records the key, its layer, its code width and a CRC32 of every tensor in its
+metadata; a file that is missing, unreadable, truncated, for another key, layer or width, or whose
+bytes fail the CRC is rebuilt from the host store, never trusted. An entry written by an older
+format (another FORMAT) has another key: it is never read, so stale, and quantised afresh. Files are
+written to a temporary name and renamed, so a crash never leaves half a file under the real name.
 
 Quantisation runs layer by layer, on the device when there is one: one layer's experts in full
 precision exist beside the store at a time, never all of them.
