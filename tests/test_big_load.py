@@ -353,6 +353,12 @@ def test_a_named_cache_that_cannot_be_written_is_refused_before_the_load(bf16, t
     monkeypatch.setattr(builder, "load_shared", lambda *a, **k: pytest.fail("the load began"))
     with pytest.raises(specter.ConfigError, match="not writable"):
         specter.load(bf16, device="cpu", policy="specter", draft_cache=str(blocker / "c"), compress_experts=compress)
+    monkeypatch.setattr(builder, "load_checkpoint", lambda *a, **k: pytest.fail("a weight was read"))
+    monkeypatch.setattr(builder, "load_shared", load_shared)
+    if compress:  # no draft: the coded store's cache is refused before a weight is read
+        with pytest.raises(specter.ConfigError, match="not writable"):
+            specter.load(bf16, device="cpu", policy="on-demand", residency=0.5, draft_cache=str(blocker / "c"),
+                         compress_experts=True)
     monkeypatch.undo()
     monkeypatch.setenv("SPECTER_DRAFT_CACHE", str(blocker / "c"))
     with pytest.warns(UserWarning, match="without a cache"):

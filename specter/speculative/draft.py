@@ -250,9 +250,9 @@ class PrefetchPlanner:
         self.scores.decay_all(self.decay)
         self.rows, self.read_upto = [], 0
         copy_s, batch = self.new_per_token * self.mgr.link.copy_seconds(self.mgr.expert_bytes), self.mgr.prefetch_batch
-        fill = math.ceil(batch * len(self.scores) / max(self.new_per_token, 1e-3)) if batch > 1 else 0
         if draft_step_s >= k * copy_s:  # copy_s 0 or tiny (no new expert for thousands of cycles: the EMA
             return k                    # near 0, a quotient that would overflow): one read a cycle
+        fill = math.ceil(batch * len(self.scores) / max(self.new_per_token, 1e-3)) if batch > 1 else 0
         return max(1, min(k, max(round(draft_step_s / copy_s), fill)))
 
     def plan(self, upto: int, host: bool = False) -> int:
