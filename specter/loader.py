@@ -227,15 +227,8 @@ class _Reader:
 
     def _pread(self, name: str, dst: torch.Tensor, offset: int) -> None:
         """The stored bytes at `offset` into `dst` (contiguous, 1-D, of the stored dtype)."""
-        f, nbytes = self._entry(name)[0], dst.numel() * dst.element_size()
-        buf = memoryview(dst.view(torch.uint8).numpy())
-        fd, done = self._fd(f), 0
-        while done < nbytes:
-            n = os.preadv(fd, [buf[done:]], offset + done)
-            if n <= 0:
-                raise CheckpointError(f"{f}: tensor {name!r} could not be read (the file is truncated); "
-                                      f"re-download or re-save it")
-            done += n
+        f = self._entry(name)[0]
+        _pread(self._fd(f), dst, offset, f"{f}: tensor {name!r}")
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -251,6 +244,16 @@ class _Reader:
         if f not in self.fds:
             self.fds[f] = os.open(f, os.O_RDONLY)
         return self.fds[f]
+
+
+def _pread(fd: int, dst: torch.Tensor, offset: int, what: str) -> None:
+    """The file's bytes at `offset` into `dst` (contiguous); `what` names them in the error."""
+    buf, done = memoryview(dst.view(-1).view(torch.uint8).numpy()), 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise CheckpointError(f"{what} could not be read (the file is truncated); re-download or re-save it")
+        done += n
 
 
 def _checkpoint_name(name: str, spec: ModelSpec) -> str:
@@ -417,6 +420,49 @@ class StoredExperts:
     def nbytes(self) -> int:
         (s13, s2), size = self.shapes, self.ckpt.dtype.itemsize
         return len(self) * (math.prod(s13) + math.prod(s2)) * size
+
+    def expert_reads(self) -> list[ExpertWeights] | None:
+        """Per MoE layer, its w13 and w2 as ExpertReads (`w13[e]`: expert e's rows, read when indexed),
+        nothing read now; None where an expert tensor is stored in another dtype than the store's."""
+        reader = _Reader(self.ckpt)
+        try:
+            if any(reader.dtype(n) != self.ckpt.dtype for layer in self.names for n in layer):
+                return None
+            files = {f: open(f, "rb", buffering=0) for f in sorted(set(self.ckpt.files.values()))}
+            (s13, s2), out = self.shapes, []
+            for layer in self.names:
+                where = {n: (files[reader.entries[n][0]], reader.entries[n][3]) for n in layer}
+                if len(layer) == 2:  # fused [E, N, K]: expert e's rows are one run
+                    parts = [[[(*where[n], e * math.prod(s[1:]))] for e in range(s[0])] for n, s in zip(layer, (s13, s2))]
+                else:  # gate, up, down of each expert: w13[e] is its gate's rows then its up's
+                    parts = [[[(*where[n], 0) for n in layer[3 * e:3 * e + 2]] for e in range(s13[0])],
+                             [[(*where[layer[3 * e + 2]], 0)] for e in range(s13[0])]]
+                out.append(ExpertWeights(*(ExpertReads(p, s[1:], self.ckpt.dtype) for p, s in zip(parts, (s13, s2)))))
+            return out
+        finally:
+            reader.close()
+
+
+class ExpertReads:
+    """One MoE layer's stored w13 or w2 indexed by expert: `reads[e]` is expert e's rows [N, K] (the stored
+    dtype), read from the checkpoint (pread) into a new tensor each time; nothing kept. What the emulated
+    link's coded copies write from where no decoded store is kept (coded_tier.emulation_rows): the same
+    bits as the decode, read in a few ms where this CPU's decode takes ~10x longer. Reads from any thread
+    (pread on files opened once: a file replaced by a rename, as a hub download does, is still read as
+    loaded; one rewritten in place is not)."""
+
+    def __init__(self, parts: list[list[tuple]], shape, dtype: torch.dtype):
+        self.parts, self.shape, self.dtype = parts, torch.Size(shape), dtype  # parts[e]: (file, byte offset, element offset)
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def __getitem__(self, e) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype)
+        flat, n = out.view(-1), self.shape.numel() // len(self.parts[e])
+        for i, (fh, offset, first) in enumerate(self.parts[e]):
+            _pread(fh.fileno(), flat[i * n:(i + 1) * n], offset + first * self.dtype.itemsize, f"{fh.name}: expert {e}")
+        return out
 
 
 def _destinations(names: list[str], ew: ExpertWeights):

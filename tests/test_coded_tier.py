@@ -98,16 +98,24 @@ def test_no_tier_where_nothing_would_fill_it(tiny, plain_link):  # noqa: F811
         engine.close()
 
 
-def test_a_big_store_decodes_on_each_hit_instead_of_a_decoded_copy(tiny, plain_link, monkeypatch):  # noqa: F811
+def test_a_big_stores_hits_read_the_checkpoint_instead_of_a_decoded_copy(tiny, plain_link, monkeypatch):  # noqa: F811
+    from specter.loader import ExpertReads
+
     path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    tokens = []
     for limit, decoded in ((1, False), (1 << 30, True)):
         monkeypatch.setattr(coded_tier, "ROWS_MAX_BYTES", limit)
         engine = _engine(path, "on-demand", True)
         try:
-            assert (engine.decoder.experts.tier.rows is not None) == decoded
+            rows = engine.decoder.experts.tier.rows[0].w13
+            assert isinstance(rows, torch.Tensor if decoded else ExpertReads)
             assert (engine.shared.raw is not None) == decoded  # no decoded copy of the store made
+            out = engine.generate(PROMPTS[1], max_new_tokens=NEW, temperature=0.0)
+            assert out.stats["tier_hits"] > 0
+            tokens.append(out.token_ids)
         finally:
             engine.close()
+    assert tokens[0] == tokens[1]
 
 
 def test_tier_hits_move_no_pcie_bytes(tiny, plain_link):  # noqa: F811

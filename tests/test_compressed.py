@@ -378,26 +378,77 @@ def test_host_lane_bytes_are_the_raw_experts_it_reads(tiny, plain_link):
         engine.close()
 
 
-def test_coded_copies_write_the_decoded_rows_or_decode(tiny, plain_link, monkeypatch):
-    """CPU: where the store's decoded copy is kept (or small), coded copies write their slot from it
-    (offload/coded.py, emulate_from); past ROWS_MAX_BYTES without a host lane they decode on the link.
-    The same tokens either way."""
+def test_coded_copies_write_raw_rows_or_decode(tiny, plain_link, monkeypatch):
+    """CPU: coded copies write their slot from raw rows (offload/coded.py, emulate_from): a decoded copy
+    of the store up to ROWS_MAX_BYTES, else each expert read from the checkpoint as its copy runs
+    (loader.ExpertReads: no copy kept); without either they decode on the link. The same tokens each way."""
+    from specter.loader import ExpertReads, StoredExperts
     from specter.offload import coded_tier
 
     path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
     raw, _, _ = _run(path, "on-demand", False, 0.25)
-    for limit, from_rows in ((1 << 30, True), (0, False)):
+    for limit, reads, rows in ((1 << 30, True, torch.Tensor), (0, True, ExpertReads), (0, False, type(None))):
         monkeypatch.setattr(coded_tier, "ROWS_MAX_BYTES", limit)
+        if not reads:  # as where an expert tensor is stored in another dtype than the store's
+            monkeypatch.setattr(StoredExperts, "expert_reads", lambda self: None)
         engine = specter.load(path, device="cpu", policy="on-demand", residency=0.25, compress_experts=True)
         try:
-            assert all((layer.w13.rows is not None) == (layer.w2.rows is not None) == from_rows
+            assert all(isinstance(layer.w13.rows, rows) and isinstance(layer.w2.rows, rows)
                        for layer in engine.shared.store)
+            assert (engine.shared.raw is not None) == (rows is torch.Tensor)  # kept only under the limit
             outs = [engine.generate(p, max_new_tokens=NEW, temperature=0.0) for p in PROMPTS]
             tokens = [o.token_ids for o in outs]
             assert sum(o.stats["h2d_bytes"] for o in outs) > 0  # coded copies crossed the link
         finally:
             engine.close()
-        assert tokens == raw, limit
+        assert tokens == raw, (limit, rows)
+
+
+def _fused(src, dst):
+    """dst: the checkpoint at `src` saved with transformers-v5's in-memory expert layout (one
+    gate_up_proj [E, 2I, H] and down_proj [E, H, I] a layer) instead of published per-expert names."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors*"):
+        f.unlink()
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16)
+    state = {k: v.contiguous().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"
+             or not model.config.tie_word_embeddings}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_expert_reads_are_the_stored_experts_of_either_layout(tiny, tmp_path):
+    """loader.ExpertReads: expert e's rows as StoredExperts reads its layer, for published per-expert
+    tensors and for a fused layer (an offset into one tensor); from several threads at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specter.loader import StoredExperts, open_checkpoint
+
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    per_expert = StoredExperts(open_checkpoint(path))
+    for ckpt_path in (path, _fused(path, tmp_path / "fused")):
+        stored = StoredExperts(open_checkpoint(ckpt_path))
+        assert len(stored.names[0]) == (2 if ckpt_path != path else 3 * 8)
+        reads = stored.expert_reads()
+        assert len(reads) == len(stored) > 1
+        for i, layer in enumerate(stored):
+            assert torch.equal(layer.w13.view(torch.int16), per_expert[i].w13.view(torch.int16))  # same bits
+            for want, got in ((layer.w13, reads[i].w13), (layer.w2, reads[i].w2)):
+                with ThreadPoolExecutor(4) as pool:
+                    rows = list(pool.map(got.__getitem__, range(len(got))))
+                assert len(got) == want.shape[0] and all(r.dtype == torch.bfloat16 for r in rows)
+                assert torch.equal(torch.stack(rows).view(torch.int16), want.view(torch.int16))
+
+
+def test_a_fused_checkpoint_generates_the_per_expert_ones_tokens(tiny, tmp_path, plain_link):
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    fused = _fused(path, tmp_path / "fused")
+    for compress in (False, True):
+        assert _run(fused, "on-demand", compress, 0.25)[0] == _run(path, "on-demand", compress, 0.25)[0]
 
 
 def test_a_coded_expert_from_rows_writes_its_decoded_bits():

@@ -37,12 +37,13 @@ What reads the store, and what it gets (the decision per reader):
 - the compressed device tier (offload/coded_tier.py; CUDA: opt-in): part of the expert budget holds
   coded experts on the device; a miss among them is decoded into its slot instead of copied over PCIe.
   On CUDA it keeps the buffer a pair copy staged (decode_all_on leaves it on the source: `staged`).
-- the emulated link's decode (CPU): where a decoded copy of the store is kept anyway or is small
-  (coded_tier.emulation_rows: the host lane's rows, or a raw store up to ROWS_MAX_BYTES), a coded
-  copy writes the slot from it (`emulate_from`: the same bits, tests/test_lossless.py) instead of
-  running the torch decode on the link's thread. The decode is charged from the profile either way;
-  this keeps this CPU's own decode (tens of times slower than a GPU's, and on a core compute shares)
-  out of the emulated device's time, as the tier's hits do. Without such a copy the link decodes.
+- the emulated link's decode (CPU): a coded copy writes the slot from raw rows (`emulate_from`: the same
+  bits, tests/test_lossless.py) instead of running the torch decode on the link's thread: the host
+  lane's rows, a decoded copy when the raw store is at most ROWS_MAX_BYTES, else the expert read from
+  the checkpoint as the copy runs (coded_tier.emulation_rows, loader.ExpertReads). The decode is charged
+  from the profile either way; this keeps this CPU's own decode (tens of times slower than a GPU's, and
+  on a core compute shares) out of the emulated device's time, as the tier's hits do. Where the
+  checkpoint cannot be read as stored (an expert tensor in another dtype) the link decodes.
 
 Encoding happens once per checkpoint and is cached on disk beside the INT4 draft (its machinery:
 draft_cache's root, content fingerprint, safetensors writer and CRCs):
@@ -166,7 +167,7 @@ class CodedTensor:
     def __init__(self, packed: LosslessExperts, pair: lossless.CodedPair | None = None):
         self.packed, self.pair = packed, pair  # pair: its layer's two tensors laid out together (for_cuda_layer)
         self.shape = torch.Size(packed.shape)
-        self.rows: torch.Tensor | None = None  # its decoded bf16 [E, N, K] (emulate_from), or None
+        self.rows = None  # emulate_from: its raw rows, rows[e] expert e's (a bf16 [E, N, K] or loader.ExpertReads)
         self._nbytes = [packed.expert_nbytes(e) for e in range(self.shape[0])]  # each copy's, asked per copy
 
     def __getitem__(self, e) -> CodedExpert:
@@ -242,8 +243,9 @@ class DecodedStore(list):
 
 
 def emulate_from(store: list[CodedLayer], rows: list[ExpertWeights] | None) -> None:
-    """CPU: coded copies write their slot from `rows`, the store decoded (each layer's w13 and w2 equal
-    to its decode, bf16), instead of decoding on the link's thread; None: they decode (see the module doc)."""
+    """CPU: coded copies write their slot from `rows`, the store's raw experts (each layer's w13 and w2:
+    bf16 tensors or loader.ExpertReads, equal to its decode) instead of decoding on the link's thread;
+    None: they decode (see the module doc)."""
     for i, layer in enumerate(store):
         layer.w13.rows, layer.w2.rows = (None, None) if rows is None else (rows[i].w13, rows[i].w2)
 

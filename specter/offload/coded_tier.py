@@ -22,9 +22,10 @@ DecodeLink is the engine a tier hit runs on, separate from the PCIe link (a deco
 behind copies): it charges a kernel launch plus the coded bytes read and the bf16 bytes written at
 the profile's device memory bandwidth, scaled to this machine like the link (make_link's
 decode_bandwidth), never this CPU's decode speed. On CPU the bytes a hit writes come either from the
-coded store through the torch decode (`rows=None`), or from a decoded copy of the store made once
-(`rows`, Loaded.host_rows: the same bits, tests/test_lossless.py), so that this CPU's decode, tens of
-times slower than compute here, unlike a GPU's, does not stand in for the device's.
+coded store through the torch decode (`rows=None`), or from `rows` (emulation_rows: a decoded copy of
+the store made once, Loaded.host_rows, or past ROWS_MAX_BYTES each expert read from the checkpoint; the
+same bits, tests/test_lossless.py), so that this CPU's decode, tens of times slower than compute here,
+unlike a GPU's, does not stand in for the device's.
 
 On CUDA the tier keeps real bytes in device memory: a coded copy stages an expert's bytes on the device
 before decoding them (lossless.stage_pair, one buffer for both tensors), and the tier keeps that buffer
@@ -44,6 +45,7 @@ import torch
 
 from specter.triton_ops import lossless
 
+from ..loader import StoredExperts
 from .cuda_link import CudaLink
 from .link import EmulatedLink, Transfer
 
@@ -102,12 +104,12 @@ class _Decoded:
     """A tier hit's source on CPU with `rows`: the expert's coded size (what the decode is charged for)
     and its decoded bf16 rows (what is written)."""
 
-    def __init__(self, coded, raw: torch.Tensor):
+    def __init__(self, coded, rows, e: int):
         self.nbytes, self.raw_nbytes, self.shape = coded.nbytes, coded.raw_nbytes, coded.shape
-        self.raw = raw
+        self.rows, self.e = rows, e  # rows[e], asked on the link's thread (loader.ExpertReads reads it then)
 
     def decode_into(self, out: torch.Tensor) -> torch.Tensor:
-        return out.copy_(self.raw)
+        return out.copy_(self.rows[self.e])
 
 
 class HeldExpert:
@@ -223,7 +225,7 @@ class CodedTier:
                 waits.append(filled)  # the kept bytes landed
             elif self.rows is not None:
                 raw = self.rows[layer]
-                src += (_Decoded(ew.w13[e], raw.w13[e]), _Decoded(ew.w2[e], raw.w2[e]))
+                src += (_Decoded(ew.w13[e], raw.w13, e), _Decoded(ew.w2[e], raw.w2, e))
             else:
                 src += (ew.w13[e], ew.w2[e])
         t = self.link.copy(dsts, src, urgent=urgent, tag=(layer, experts[0] if len(experts) == 1 else tuple(experts)),
@@ -329,11 +331,12 @@ ROWS_MAX_BYTES = 1 << 30  # the largest raw store kept decoded (CPU) for tier hi
 
 def emulation_rows(loaded):
     """What tier hits and coded copies write from on CPU (`rows`; coded.emulate_from): the decoded store a
-    host lane already keeps, or one made for them when the raw store is at most ROWS_MAX_BYTES; None
-    past that (each then decodes the coded store: slower here, the same bits, no second copy of a big
-    model's experts in host memory)."""
+    host lane already keeps, or one made for them when the raw store is at most ROWS_MAX_BYTES; past
+    that, each expert read from the checkpoint when its copy runs (loader.ExpertReads: no second copy of
+    a big model's experts in host memory, and ~10x faster here than decoding); None (decode the coded
+    store) where the checkpoint's experts cannot be read as they are."""
     if loaded.raw is None and sum(layer.w13.raw_nbytes + layer.w2.raw_nbytes for layer in loaded.store) > ROWS_MAX_BYTES:
-        return None
+        return StoredExperts(loaded.ckpt).expert_reads()
     return loaded.host_rows()
 
 
