@@ -488,4 +488,7 @@ def load_tokenizer(path: str | os.PathLike):
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except Exception as e:
-        raise CheckpointError(f"the tokenizer in {path} could not be loaded: {e}") from None
+        why = " ".join(line.strip() for line in str(e).splitlines() if line.strip())  # one line, as every error
+        hint = "" if (path / "tokenizer.json").is_file() else \
+            " (the directory has no tokenizer.json: copy the model's own next to config.json)"
+        raise CheckpointError(f"the tokenizer in {path} could not be loaded{hint}: {why}") from None

@@ -135,6 +135,15 @@ def test_a_broken_tokenizer_fails_before_the_weights_load(tiny, tmp_path, monkey
         specter.load(path, device="cpu", policy="resident")
 
 
+def test_a_tokenizer_config_without_its_tokenizer_is_one_line_naming_the_file(tmp_path):
+    path = tmp_path / "m"
+    shutil.copytree(specter.default_model_path(), path)
+    (path / "tokenizer.json").unlink()  # tokenizer_config.json alone: transformers' five-line message
+    with pytest.raises(specter.CheckpointError, match="no tokenizer.json") as e:
+        specter.load(path, device="cpu", policy="resident")
+    assert "\n" not in str(e.value)
+
+
 def test_a_missing_lm_head_is_refused_unless_the_config_ties_it(tiny, tmp_path):
     """An untied lm_head missing from the checkpoint was read from the embedding table instead: nonsense
     text from a broken checkpoint. Tied (tie_word_embeddings true), the table is the head, as transformers has it."""
