@@ -110,7 +110,7 @@ def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | 
         model, store, _ = load_checkpoint(path, device, dt, pin_experts=pin)
     else:
         entry = cache_entry(ckpt.files.values(), draft_cache)
-        cached = read_cached(entry, ckpt.spec.n_moe_layers)
+        cached = read_cached(entry, ckpt.spec.n_moe_layers, ckpt.spec.expert_shapes())
         model, _, _ = load_checkpoint(path, device, dt, experts=False)  # a layer the cache misses: read, coded
         store = coded_store(StoredExperts(ckpt), cached, entry, cuda=device.type == "cuda", pin=pin)  # one by one
         if device.type == "cuda":

@@ -83,6 +83,11 @@ class ModelSpec:
     def moe_layer_ids(self) -> list[int]:
         return [i for i, m in enumerate(self.moe_layers) if m]
 
+    def expert_shapes(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """A MoE layer's routed experts as the store holds them: (w13 [E, 2I, H], w2 [E, H, I])."""
+        E, I, H = self.n_experts, self.expert_inter, self.hidden
+        return (E, 2 * I, H), (E, H, I)
+
     def expert_numel(self) -> int:
         """Parameters of one routed expert (gate, up, down)."""
         return 3 * self.hidden * self.expert_inter

@@ -382,8 +382,7 @@ class StoredExperts:
 
     def __init__(self, ckpt: Checkpoint):
         self.ckpt, spec = ckpt, ckpt.spec
-        E, I, H = spec.n_experts, spec.expert_inter, spec.hidden
-        self.shapes = ((E, 2 * I, H), (E, H, I))  # (w13, w2), without reading a layer
+        self.shapes = spec.expert_shapes()  # (w13, w2), without reading a layer
         meta = ExpertWeights(torch.empty(self.shapes[0], device="meta"), torch.empty(self.shapes[1], device="meta"))
         reader = _Reader(ckpt)
         try:

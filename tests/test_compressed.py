@@ -2,6 +2,7 @@
 link moves (and the emulated link charges) the coded bytes, and a non-bf16 checkpoint is refused."""
 from __future__ import annotations
 
+import json
 import shutil
 import weakref
 
@@ -249,6 +250,21 @@ def test_coded_store_cache_miss_hit_corrupt_stale(tiny, tmp_path, monkeypatch):
     assert all(same(a, b) for a, b in zip(first, rebuilt))
     load()
     assert encodes == [] and reads == []
+
+    # the shapes in the metadata (outside the tensors' CRCs) edited to another of as many elements
+    f = entry / "layer-1.safetensors"
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    shapes = json.loads(header["__metadata__"]["shapes"])
+    E, N, K = shapes["w13"]
+    header["__metadata__"]["shapes"] = json.dumps({**shapes, "w13": [E, N // 2, K * 2]})
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    f.write_bytes(len(blob).to_bytes(8, "little") + blob + raw[8 + n:])
+    rebuilt = load()
+    assert len(encodes) == 2 and reads == [1]  # not trusted: read and coded anew
+    assert all(same(a, b) and a.w13.shape == b.w13.shape for a, b in zip(first, rebuilt))
 
     # stale: a layer file of another key (another checkpoint) under this one's name is not trusted
     monkeypatch.setattr(coded_mod, "cache_key", lambda files: "another-key")

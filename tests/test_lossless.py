@@ -232,6 +232,24 @@ def test_other_dtypes_are_refused(dtype):
         encode(torch.zeros(2, 4, 32, dtype=dtype))
 
 
+def test_an_expert_is_indexed_from_the_end_as_a_tensor_is():
+    """A negative index read the escape run as empty: expert -1's escapes dropped, its bytes undercounted."""
+    from specter.offload.coded import CodedTensor
+
+    torch.manual_seed(0)
+    w = (torch.randn(4, 8, 32) * 0.02).bfloat16()
+    w[-1, 0, 0], w[-1, 1, 1] = 1e30, -1e-30  # escapes (at width 2) in the last expert only
+    packed, out = encode(w, bits=2), torch.empty(8, 32, dtype=torch.bfloat16)
+    assert packed.expert_escapes(-1).numel() > 0
+    for e in (-1, 3):
+        assert packed.expert_nbytes(e) == packed.expert_nbytes(3)
+        assert torch.equal(packed.decode_into(out, e).view(torch.int16), w[3].view(torch.int16))
+        assert torch.equal(CodedTensor(packed)[e].decode_into(out).view(torch.int16), w[3].view(torch.int16))
+    for e in (4, -5):
+        with pytest.raises(IndexError):
+            packed.expert_nbytes(e)
+
+
 def test_bad_shapes_and_outputs_are_refused():
     with pytest.raises(ConfigError, match=r"\[E, N, K\]"):
         encode(torch.zeros(4, 32, dtype=torch.bfloat16))
@@ -240,8 +258,12 @@ def test_bad_shapes_and_outputs_are_refused():
         packed.decode_into(torch.empty(4, 32, dtype=torch.float32), 0)
     with pytest.raises(ConfigError, match="on meta"):
         packed.decode_into(torch.empty(4, 32, dtype=torch.bfloat16, device="meta"), 0)
-    with pytest.raises(ConfigError, match="width"):
-        encode(torch.zeros(2, 4, 32, dtype=torch.bfloat16), bits=5)
+    for bits in (5, 0):  # 0 is no width (it chose one)
+        with pytest.raises(ConfigError, match="width"):
+            encode(torch.zeros(2, 4, 32, dtype=torch.bfloat16), bits=bits)
+    for shape in ((0, 4, 32), (2, 0, 32)):  # (a RuntimeError from deep inside)
+        with pytest.raises(ConfigError, match="none of them 0"):
+            encode(torch.zeros(shape, dtype=torch.bfloat16))
     with pytest.raises(ConfigError):
         LosslessExperts((2, 4, 32), *packed.tensors()[:-1], packed.esc_start[:2])
     em = lossless.layer_major(packed, packed).a

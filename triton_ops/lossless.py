@@ -141,8 +141,16 @@ class LosslessExperts:
         fixed = (self.signman, self.planes, self.table, self.esc_off, self.esc_start)
         return sum(t.numel() * t.element_size() for t in fixed) + self._starts[-1]
 
+    def expert(self, e: int) -> int:
+        """Expert index e in [0, E) (negative from the end, as a tensor's); else IndexError."""
+        E = self.shape[0]
+        if not -E <= e < E:
+            raise IndexError(f"expert {e} of {E}")
+        return e % E
+
     def expert_nbytes(self, e: int) -> int:
         """Bytes an expert's copy moves: its rows of the fixed tensors and its escape run."""
+        e = self.expert(e)
         fixed = sum(t[e].numel() * t.element_size() for t in (self.signman, self.planes, self.table, self.esc_off))
         return fixed + self._starts[e + 1] - self._starts[e]
 
@@ -153,6 +161,7 @@ class LosslessExperts:
 
     def expert_escapes(self, e: int) -> torch.Tensor:
         """uint8: expert e's escape run (a multiple of 4 bytes)."""
+        e = self.expert(e)
         start, end = self._starts[e], self._starts[e + 1]
         at = start if self.run_at is None else self.run_at[e]
         return self.escapes[at:at + end - start]
@@ -179,6 +188,7 @@ class LosslessExperts:
                               f"{out.dtype} {tuple(out.shape)}")
         if out.device != self.device:
             raise ConfigError(f"decode_into: the coded experts are on {self.device}, the output on {out.device}")
+        e = self.expert(e)
         if out.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
             return decode_triton(self, e, out)
         return decode_torch(self, e, out)
@@ -239,12 +249,12 @@ def encode(w: torch.Tensor, bits: int | None = None) -> LosslessExperts:
     if w.dtype != torch.bfloat16:
         raise ConfigError(f"lossless expert compression codes bf16 weights; got {w.dtype} (fp16 and fp32 "
                           f"checkpoints are not supported: load them without compress_experts)")
-    if w.dim() != 3:
-        raise ConfigError(f"encode expects expert weights [E, N, K]; got {tuple(w.shape)}")
+    if w.dim() != 3 or not w.numel():
+        raise ConfigError(f"encode expects expert weights [E, N, K], none of them 0; got {tuple(w.shape)}")
     E, N, K = w.shape
     w = w.contiguous()
     hist = histograms(w)
-    bits = bits or best_width(hist, N * K)
+    bits = best_width(hist, N * K) if bits is None else bits
     if bits not in WIDTHS:
         raise ConfigError(f"code width must be one of {WIDTHS}; got {bits}")
     top = _tables(hist, bits)                                 # [E, ESC]

@@ -171,7 +171,7 @@ class CodedTensor:
         self._nbytes = [packed.expert_nbytes(e) for e in range(self.shape[0])]  # each copy's, asked per copy
 
     def __getitem__(self, e) -> CodedExpert:
-        e = int(e)
+        e = self.packed.expert(int(e))  # (a negative index from the end)
         return CodedExpert(self.packed, e, self.rows, self._nbytes[e], self.pair)
 
     @property
@@ -396,12 +396,13 @@ def cache_entry(files, cache=None) -> Path | None:
     return make_entry(cache, f"coded-{cache_key(files)}", "coding at every load")
 
 
-def read_cached(entry: Path | None, n_layers: int, first: int = 0) -> list[CodedLayer | None]:
-    """Each layer's cached coding, or None where it is missing, stale or corrupt. `first`: the MoE
-    layer the list starts at (a pipeline stage's own layers)."""
+def read_cached(entry: Path | None, n_layers: int, shapes, first: int = 0) -> list[CodedLayer | None]:
+    """Each layer's cached coding, or None where it is missing, stale or corrupt (or not of `shapes`,
+    the config's (w13, w2): ModelSpec.expert_shapes). `first`: the MoE layer the list starts at (a
+    pipeline stage's own layers)."""
     if entry is None:
         return [None] * n_layers
-    return [_read_layer(entry / f"layer-{i}.safetensors", entry.name, i) for i in range(first, first + n_layers)]
+    return [_read_layer(entry / f"layer-{i}.safetensors", entry.name, i, shapes) for i in range(first, first + n_layers)]
 
 
 def coded_store(store, cached: list[CodedLayer | None], entry: Path | None, *,
@@ -439,7 +440,7 @@ def _write_layer(path: Path, key: str, i: int, layer: CodedLayer) -> None:
                      {"shapes": json.dumps({m: list(getattr(layer, m).shape) for m in ("w13", "w2")})})
 
 
-def _read_layer(path: Path, key: str, i: int) -> CodedLayer | None:
+def _read_layer(path: Path, key: str, i: int, shapes) -> CodedLayer | None:
     from ..speculative.draft_cache import read_layer_file
 
     read = read_layer_file(path, key, i)
@@ -447,8 +448,10 @@ def _read_layer(path: Path, key: str, i: int) -> CodedLayer | None:
         return None
     tensors, meta = read
     try:
-        shapes = json.loads(meta["shapes"])
-        return CodedLayer(*(LosslessExperts(tuple(shapes[m]), *(tensors[f"{m}.{k}"] for k in _FIELDS))
+        stored = json.loads(meta["shapes"])  # (not under the tensors' CRCs)
+        if [tuple(stored[m]) for m in ("w13", "w2")] != [tuple(s) for s in shapes]:
+            return None
+        return CodedLayer(*(LosslessExperts(tuple(stored[m]), *(tensors[f"{m}.{k}"] for k in _FIELDS))
                             for m in ("w13", "w2")))
     except Exception:  # malformed shapes, wrong tensors: rebuild
         return None

@@ -101,7 +101,7 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
         from ..offload.coded import cache_entry, read_cached
 
         entry = cache_entry(ckpt.files.values(), draft_cache)
-        hits = read_cached(entry, stage.moe_last - stage.moe_first, first=stage.moe_first)
+        hits = read_cached(entry, stage.moe_last - stage.moe_first, spec.expert_shapes(), first=stage.moe_first)
     model, mine, _ = load_checkpoint(path, device, dt, pin_experts=pin and not compress_experts,
                                      layers=None if whole else (stage.first, stage.last),  # this stage's only
                                      expert_layers=(stage.first, stage.last) if cached is not None else None,
