@@ -206,7 +206,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         if graphed is not None:
             mgr.expert_rows, mgr.fused_moe = graphed, graphed.fused_moe
         if plan.tier_bytes:  # the compressed device tier (CPU: emulated, its decode charged from the profile)
-            attach_tier(mgr, plan.tier_bytes, lk, rows=emulation_rows(shared) if device.type == "cpu" else None)
+            attach_tier(mgr, plan.tier_bytes, lk)  # (CPU: its hits write from emulate_from's rows, as copies)
         mgr.warm()
         if uses_host_lane(pol, device, host_threads, every_expert=every):  # misses may compute where the store holds them
             lane = make_host_lane(shared.host_rows(), device, lk, threads=host_threads, dtype=dt, charged_dtype=pdt)

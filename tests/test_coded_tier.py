@@ -16,6 +16,7 @@ from specter.offload.link import EmulatedLink
 from specter.offload import plan as plan_mod
 from specter.offload.plan import make_plan, tier_split
 from specter.moe import ExpertWeights
+from specter.triton_ops import lossless
 from specter.triton_ops.lossless import encode
 
 from test_compressed import PROMPTS, plain_link  # noqa: F401  (the fixture)
@@ -36,9 +37,8 @@ def _generate(engine):
 
 @pytest.fixture
 def real_decode(monkeypatch):
-    """Tier hits decode the coded store (the torch decode) instead of copying a decoded copy of it."""
-    attach = coded_tier.attach
-    monkeypatch.setattr(builder, "attach_tier", lambda mgr, cap, link, rows=None: attach(mgr, cap, link))
+    """Tier hits (and coded copies) decode the coded store (the torch decode) instead of writing raw rows."""
+    monkeypatch.setattr(builder, "emulation_rows", lambda shared: None)
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def test_tier_gives_the_resident_greedy_tokens(tiny, plain_link, fixed_k, small_
 
 @pytest.mark.parametrize("policy", ["on-demand", "specter"])
 def test_tier_decoding_the_coded_store_gives_the_same_tokens(tiny, plain_link, fixed_k, real_decode, small_verify,
-                                                             policy):  # noqa: F811
+                                                             policy, monkeypatch):  # noqa: F811
     path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
     raw = _engine(path, policy, False)
     try:
@@ -81,11 +81,13 @@ def test_tier_decoding_the_coded_store_gives_the_same_tokens(tiny, plain_link, f
         raw.close()
     engine = _engine(path, policy, True)
     try:
-        assert engine.decoder.experts.tier.rows is None
+        assert all(layer.w13.rows is None for layer in engine.decoder.experts.tier.store)
+        decodes, real = [], lossless.decode_torch
+        monkeypatch.setattr(lossless, "decode_torch", lambda *a: decodes.append(1) or real(*a))
         got, outs = _generate(engine)
     finally:
         engine.close()
-    assert got == want and sum(o.stats["tier_hits"] for o in outs) > 0
+    assert got == want and sum(o.stats["tier_hits"] for o in outs) > 0 and decodes
 
 
 def test_no_tier_where_nothing_would_fill_it(tiny, plain_link):  # noqa: F811
@@ -107,7 +109,7 @@ def test_a_big_stores_hits_read_the_checkpoint_instead_of_a_decoded_copy(tiny, p
         monkeypatch.setattr(coded_tier, "ROWS_MAX_BYTES", limit)
         engine = _engine(path, "on-demand", True)
         try:
-            rows = engine.decoder.experts.tier.rows[0].w13
+            rows = engine.decoder.experts.tier.store[0].w13.rows
             assert isinstance(rows, torch.Tensor if decoded else ExpertReads)
             assert (engine.shared.raw is not None) == decoded  # no decoded copy of the store made
             out = engine.generate(PROMPTS[1], max_new_tokens=NEW, temperature=0.0)

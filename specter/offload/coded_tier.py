@@ -21,11 +21,11 @@ link applies to the bytes it times, so the split between the tiers is the GPU's.
 DecodeLink is the engine a tier hit runs on, separate from the PCIe link (a decode does not queue
 behind copies): it charges a kernel launch plus the coded bytes read and the bf16 bytes written at
 the profile's device memory bandwidth, scaled to this machine like the link (make_link's
-decode_bandwidth), never this CPU's decode speed. On CPU the bytes a hit writes come either from the
-coded store through the torch decode (`rows=None`), or from `rows` (emulation_rows: a decoded copy of
-the store made once, Loaded.host_rows, or past ROWS_MAX_BYTES each expert read from the checkpoint; the
-same bits, tests/test_lossless.py), so that this CPU's decode, tens of times slower than compute here,
-unlike a GPU's, does not stand in for the device's.
+decode_bandwidth), never this CPU's decode speed. On CPU a hit writes what a coded copy does (the
+store's CodedExperts): raw rows where coded.emulate_from gave the store some (emulation_rows: a decoded
+copy of the store made once, Loaded.host_rows, or past ROWS_MAX_BYTES each expert read from the
+checkpoint; the same bits, tests/test_lossless.py), so that this CPU's decode, tens of times slower
+than compute here, unlike a GPU's, does not stand in for the device's; else the torch decode.
 
 On CUDA the tier keeps real bytes in device memory: a coded copy stages an expert's bytes on the device
 before decoding them (lossless.stage_pair, one buffer for both tensors), and the tier keeps that buffer
@@ -100,18 +100,6 @@ def make_decode_link(link, *, decode_bandwidth: float | None = None, clock=None)
     return DecodeLink(bw, DECODE_LAUNCH_S * scale, name="decode", clock=clock)
 
 
-class _Decoded:
-    """A tier hit's source on CPU with `rows`: the expert's coded size (what the decode is charged for)
-    and its decoded bf16 rows (what is written)."""
-
-    def __init__(self, coded, rows, e: int):
-        self.nbytes, self.raw_nbytes, self.shape = coded.nbytes, coded.raw_nbytes, coded.shape
-        self.rows, self.e = rows, e  # rows[e], asked on the link's thread (loader.ExpertReads reads it then)
-
-    def decode_into(self, out: torch.Tensor) -> torch.Tensor:
-        return out.copy_(self.rows[self.e])
-
-
 class HeldExpert:
     """A tier hit's source on CUDA: one of expert e's two tensors, whose staged bytes (stage_pair's, both
     tensors in one buffer) the tier keeps on the device; `first`: w13, else w2."""
@@ -170,11 +158,12 @@ class Fill:
 class CodedTier:
     """Which (layer, expert) are held coded on the device, within `capacity` bytes (see the module doc)."""
 
-    def __init__(self, store, capacity: int, link: EmulatedLink | CudaLink, *, width: float = 1.0, rows=None):
+    def __init__(self, store, capacity: int, link: EmulatedLink | CudaLink, *, width: float = 1.0):
         """`store`: the coded store (CodedLayer per MoE layer); `link`: the link hits run on, a DecodeLink
-        (emulated) or a CudaLink (real bytes kept on the device: each layer laid out for CUDA, a CodedPair);
-        `rows`: a decoded copy of the store (ExpertWeights per layer) a hit copies instead of decoding."""
-        self.store, self.link, self.rows, self.capacity = store, link, rows, int(capacity)
+        (emulated: a hit's sources are the store's CodedExperts, written from raw rows where emulate_from
+        gave the store some) or a CudaLink (real bytes kept on the device: each layer laid out for CUDA, a
+        CodedPair)."""
+        self.store, self.link, self.capacity = store, link, int(capacity)
         self.n_layers, self.n_experts = len(store), store[0].n_experts
         self.on_device = isinstance(link, CudaLink)
         if self.on_device:
@@ -223,9 +212,6 @@ class CodedTier:
                 buf, filled = self._held[(layer, e)]
                 src += (HeldExpert(ew.w13.pair, e, buf, True), HeldExpert(ew.w13.pair, e, buf, False))
                 waits.append(filled)  # the kept bytes landed
-            elif self.rows is not None:
-                raw = self.rows[layer]
-                src += (_Decoded(ew.w13[e], raw.w13, e), _Decoded(ew.w2[e], raw.w2, e))
             else:
                 src += (ew.w13[e], ew.w2[e])
         t = self.link.copy(dsts, src, urgent=urgent, tag=(layer, experts[0] if len(experts) == 1 else tuple(experts)),
@@ -340,7 +326,7 @@ def emulation_rows(loaded):
     return loaded.host_rows()
 
 
-def attach(mgr, capacity: int, link, *, rows=None, width: float | None = None, decode_link=None) -> CodedTier:
+def attach(mgr, capacity: int, link, *, width: float | None = None, decode_link=None) -> CodedTier:
     """Give the offload manager `mgr` (its store coded) a tier of `capacity` device bytes."""
     from .coded import is_coded
 
@@ -348,6 +334,6 @@ def attach(mgr, capacity: int, link, *, rows=None, width: float | None = None, d
         raise ValueError("the coded device tier needs a coded store (compress_experts)")
     if width is None:  # the slot dtype's bytes over bf16's (emulated; on CUDA a member costs its real bytes)
         width = mgr.pool[0].w13.element_size() / 2
-    tier = CodedTier(mgr.store, capacity, decode_link or make_decode_link(link), width=width, rows=rows)
+    tier = CodedTier(mgr.store, capacity, decode_link or make_decode_link(link), width=width)
     mgr.tier = tier  # on CUDA its hits' batch kernel was compiled with the store (coded.ready_on_cuda)
     return tier
