@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -427,7 +428,7 @@ class StoredExperts:
         try:
             if any(reader.dtype(n) != self.ckpt.dtype for layer in self.names for n in layer):
                 return None
-            files = {f: open(f, "rb", buffering=0) for f in sorted(set(self.ckpt.files.values()))}
+            files = {f: _OpenedFile(f) for f in sorted(set(self.ckpt.files.values()))}
             (s13, s2), out = self.shapes, []
             for layer in self.names:
                 where = {n: (files[reader.entries[n][0]], reader.entries[n][3]) for n in layer}
@@ -448,7 +449,8 @@ class ExpertReads:
     link's coded copies write from where no decoded store is kept (coded_tier.emulation_rows): the same
     bits as the decode, read in a few ms where this CPU's decode takes ~10x longer. Reads from any thread
     (pread on files opened once: a file replaced by a rename, as a hub download does, is still read as
-    loaded; one rewritten in place is not)."""
+    loaded). A file changed in place since raises CheckpointChanged (and warns once): its bytes are no
+    longer the loaded weights, and the coded copy decodes its store instead (offload/coded.py)."""
 
     def __init__(self, parts: list[list[tuple]], shape, dtype: torch.dtype):
         self.parts, self.shape, self.dtype = parts, torch.Size(shape), dtype  # parts[e]: (file, byte offset, element offset)
@@ -459,9 +461,41 @@ class ExpertReads:
     def __getitem__(self, e) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=self.dtype)
         flat, n = out.view(-1), self.shape.numel() // len(self.parts[e])
-        for i, (fh, offset, first) in enumerate(self.parts[e]):
-            _pread(fh.fileno(), flat[i * n:(i + 1) * n], offset + first * self.dtype.itemsize, f"{fh.name}: expert {e}")
+        for i, (f, offset, first) in enumerate(self.parts[e]):
+            f.read(flat[i * n:(i + 1) * n], offset + first * self.dtype.itemsize, f"{f.path}: expert {e}")
         return out
+
+
+class CheckpointChanged(CheckpointError):
+    """A checkpoint file changed on disk after the load (ExpertReads): its bytes are not the loaded weights."""
+
+
+class _OpenedFile:
+    """A checkpoint file opened once, read with pread from any thread, and its size, mtime and ctime then:
+    a read that finds them changed (a write in place; a rename-replace leaves this file as it was) raises
+    CheckpointChanged, as every later read does, and warns once."""
+
+    def __init__(self, path: Path):
+        self.path, self.fh = path, open(path, "rb", buffering=0)
+        self.state, self.changed = self._state(), False
+
+    def _state(self) -> tuple[int, int, int]:
+        st = os.fstat(self.fh.fileno())
+        return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+    def read(self, dst: torch.Tensor, offset: int, what: str) -> None:
+        if not self.changed:
+            try:
+                _pread(self.fh.fileno(), dst, offset, what)
+            except CheckpointError:  # truncated: since the load, or (state unchanged) corrupt
+                if self._state() == self.state:
+                    raise
+            if self._state() == self.state:
+                return
+            self.changed = True
+            warnings.warn(f"{self.path} changed on disk after the load; coded copies decode the experts as loaded "
+                          f"from now on (the same weights; slower on this CPU)", stacklevel=2)
+        raise CheckpointChanged(f"{self.path} changed on disk after the load")
 
 
 def _destinations(names: list[str], ew: ExpertWeights):

@@ -420,6 +420,40 @@ def test_coded_copies_write_raw_rows_or_decode(tiny, plain_link, monkeypatch):
         assert tokens == raw, (limit, rows)
 
 
+def test_a_checkpoint_changed_in_place_after_the_load_changes_no_token(tiny, tmp_path, plain_link, monkeypatch):
+    """Coded copies past ROWS_MAX_BYTES read each expert from the checkpoint as they run (ExpertReads). A
+    file written in place since the load (same inode: cp onto it, dd, r+b) must not change the weights
+    computed with: the reads notice (size, mtime, ctime), warn once, and the copies decode the store."""
+    from specter.offload import coded_tier
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny("qwen3_moe", dtype=torch.bfloat16)[0], path)
+    monkeypatch.setattr(coded_tier, "ROWS_MAX_BYTES", 0)
+    engine = specter.load(path, device="cpu", policy="on-demand", residency=0.25, compress_experts=True,
+                          draft_cache="off")
+    try:
+        want = [engine.generate(p, max_new_tokens=NEW, temperature=0.0).token_ids for p in PROMPTS]
+        f = path / "model.safetensors"
+        raw = f.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + n])
+        with open(f, "r+b") as fh:  # every routed expert's weights negated, in place
+            for name, t in header.items():
+                if ".experts." in name:
+                    begin, end = (8 + n + o for o in t["data_offsets"])
+                    w = torch.frombuffer(bytearray(raw[begin:end]), dtype=torch.int16) ^ -0x8000
+                    fh.seek(begin)
+                    fh.write(w.numpy().tobytes())
+        with pytest.warns(UserWarning, match="changed on disk after the load"):
+            got = [engine.generate(p, max_new_tokens=NEW, temperature=0.0) for p in PROMPTS]
+        assert [o.token_ids for o in got] == want and sum(o.stats["expert_misses"] for o in got) > 0
+        with open(f, "r+b") as fh:  # truncated too: still the loaded weights, no error
+            fh.truncate(n + 64)
+        assert [engine.generate(p, max_new_tokens=NEW, temperature=0.0).token_ids for p in PROMPTS] == want
+    finally:
+        engine.close()
+
+
 def _fused(src, dst):
     """dst: the checkpoint at `src` saved with transformers-v5's in-memory expert layout (one
     gate_up_proj [E, 2I, H] and down_proj [E, H, I] a layer) instead of published per-expert names."""

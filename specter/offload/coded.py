@@ -40,7 +40,8 @@ What reads the store, and what it gets (the decision per reader):
 - the emulated link's decode (CPU): a coded copy writes the slot from raw rows (`emulate_from`: the same
   bits, tests/test_lossless.py) instead of running the torch decode on the link's thread: the host
   lane's rows, a decoded copy when the raw store is at most ROWS_MAX_BYTES, else the expert read from
-  the checkpoint as the copy runs (coded_tier.emulation_rows, loader.ExpertReads). The decode is charged
+  the checkpoint as the copy runs (coded_tier.emulation_rows, loader.ExpertReads; a file written in place
+  since the load is noticed, and its experts decoded instead). The decode is charged
   from the profile either way; this keeps this CPU's own decode (tens of times slower than a GPU's, and
   on a core compute shares) out of the emulated device's time, as the tier's hits do. Where the
   checkpoint cannot be read as stored (an expert tensor in another dtype) the link decodes.
@@ -71,6 +72,7 @@ from specter.triton_ops import lossless
 from specter.triton_ops.lossless import LosslessExperts, encode
 
 from ..errors import ConfigError
+from ..loader import CheckpointChanged
 from ..moe import ExpertWeights
 from .store import host_limits, is_locked, page_aligned, register
 
@@ -95,8 +97,11 @@ class CodedExpert:
         if self.rows is not None:
             from .link import _copy_serial  # chunked, on the calling (link) thread only
 
-            _copy_serial(out, self.rows[self.e])
-            return out
+            try:
+                _copy_serial(out, self.rows[self.e])
+                return out
+            except CheckpointChanged:  # ExpertReads of a file changed since the load (warned): decode instead
+                pass
         return self._bf16_into(out, lambda slot: self.packed.decode_into(slot, self.e))
 
     def decode_on(self, out: torch.Tensor) -> torch.Tensor:
