@@ -456,16 +456,23 @@ class OffloadedExperts:
 
     def warm(self) -> None:
         """Fill every slot with the first experts of each layer (a deterministic start): expert 0 of
-        every layer, then expert 1, ..., up to each layer's quota, until the pool is full. An emulated link
-        makes these copies without charging their time (Link.untimed): a load is not what it emulates."""
-        slots, L = self.slots, len(self.store)
+        every layer, then expert 1, ..., up to each layer's quota, until the pool is full; then a coded
+        tier with the next ones in the same order, each that fits. An emulated link makes
+        these copies without charging their time (Link.untimed): a load is not what it emulates."""
+        slots, L, tier = self.slots, len(self.store), self.tier
         with self.link.untimed():
             for e in range(slots.n_slots):
                 for layer in range(L):
                     if slots.used_slots < slots.pool_slots:
                         self.prefetch(layer, [e])
+            used = 0 if tier is None else tier.used
+            for e in range(slots.n_experts if tier is not None else 0):  # (raw slots' experts: kept there)
+                for layer in range(L):
+                    if slots.slot[layer][e] < 0 and used + tier.cost[layer][e] <= tier.capacity:
+                        used += tier.cost[layer][e] * self.fill(layer, [e])
         self.link.synchronize()
         self.poll()
+        self._land_fills()
         self.prefetched.clear()
         self.all_resident = slots.pool_slots >= L * slots.n_experts
         self._in_order = self.all_resident and all(self.slots.row(layer, e) == e for layer in range(len(self.store))
