@@ -104,6 +104,13 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
     if compare_compressed and (load_kw.get("compress_experts") or shared is not None):
         raise ConfigError("compare_compressed runs each policy on the raw store and on the coded one: "
                           "give neither compress_experts nor shared")
+    if compare_compressed:  # (else the coded load's refusal would say to drop a flag not given)
+        from .loader import open_checkpoint
+
+        ckpt = open_checkpoint(model if model is not None else default_model_path())
+        if ckpt.dtype != torch.bfloat16:
+            raise ConfigError(f"compare_compressed (--compare-compressed) runs a losslessly coded store, which needs a "
+                              f"bf16 checkpoint; {ckpt.path} stores {str(ckpt.dtype)[6:]}: drop it")
     engines, runs, coded_shared = {}, [], None
     try:
         for p in policies:

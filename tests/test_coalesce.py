@@ -132,6 +132,9 @@ def test_bench_compare_compressed(capsys, tiny, tmp_path, plain_link):  # noqa: 
     with pytest.raises(ConfigError, match="compare_compressed"):
         run_bench(str(path), ["on-demand"], prompts=PROMPTS[:1], max_new_tokens=2, residency=0.25, device="cpu",
                   compare_compressed=True, compress_experts=True)
+    with pytest.raises(ConfigError, match="compare-compressed.*bf16 checkpoint; .* stores float32: drop it"):
+        run_bench(str(tiny("qwen3_moe")[0]), ["on-demand"], prompts=PROMPTS[:1], max_new_tokens=2, residency=0.25,
+                  device="cpu", compare_compressed=True)
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(PROMPTS[:1]))
     argv = ["bench", "--model", str(path), "--device", "cpu", "--policies", "on-demand", "--residency", "0.25",
