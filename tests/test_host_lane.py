@@ -197,6 +197,8 @@ def test_host_policy_copies_nothing_and_decodes_residents_tokens(tiny):
         mgr = engine.decoder.experts
         assert isinstance(mgr, HostExperts) and mgr.lane.threads == 2
         outs = [engine.generate(p, max_new_tokens=12) for p in prompts]
+        st = mgr.stats()  # the last generation's; what the pipeline's per-rank counters read
+        assert st["offloaded_bytes"] == st["h2d_bytes"] + st["host_bytes"] > 0
     finally:
         engine.close()
     assert [o.token_ids for o in outs] == want

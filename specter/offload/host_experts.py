@@ -72,6 +72,7 @@ class HostExperts:
             out[k] = out.get(k, 0) + v
         out["host_busy_s"] = self.lane.stats["busy_s"] - self._busy0
         out["host_threads"] = self.lane.threads
+        out["offloaded_bytes"] = out["h2d_bytes"] + out["host_bytes"]  # (the manager's sum left out the lane's)
         return out
 
     def reset(self) -> None:
