@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -149,8 +150,10 @@ def test_device_memory_to_slots(case):
         assert plan.slots_per_layer == 3 and plan.total_bytes == fixed + 3 * per_slot
         assert make_plan(spec, numel, torch.float32, device_memory=fixed + 3 * per_slot - 1, context=ctx,
                          draft=draft).slots_per_layer == 2
-        with pytest.raises(specter.BudgetError):  # one slot short of top-k
+        with pytest.raises(specter.BudgetError) as err:  # one slot short of top-k
             make_plan(spec, numel, torch.float32, device_memory=fixed + h["k"] * per_slot - 1, context=ctx, draft=draft)
+        total = re.search(r"device_memory [^(]*\(([\d,]+) bytes\) in all", str(err.value)).group(1)
+        assert int(total.replace(",", "")) == fixed + h["k"] * per_slot  # what runs, named
         with pytest.raises(specter.BudgetError, match="device_memory"):  # not even the fixed part
             make_plan(spec, numel, torch.float32, device_memory=fixed - 1, context=ctx, draft=draft)
 
@@ -177,6 +180,11 @@ def test_budgets_below_top_k_are_refused(case):
             make_plan(spec, numel, torch.float32, **kw)
         assert isinstance(err.value, specter.SpecterError)
         assert f"top-{k}" in str(err.value) and "\n" not in str(err.value)
+        # the figures it asks for, given back, are enough (a residency rounded down, or a size rounded to
+        # the budget's own figure, was not: "at least 48.0 KiB" for a budget of 48.0 KiB less a byte)
+        pool, residency = re.search(r"\(([\d,]+) bytes\) of slot pool.*\(([\d.e-]+) residency\)", str(err.value)).groups()
+        assert make_plan(spec, numel, torch.float32, expert_memory=int(pool.replace(",", ""))).slots_per_layer == k
+        assert make_plan(spec, numel, torch.float32, residency=float(residency)).slots_per_layer >= k
     # exactly top-k is enough
     assert make_plan(spec, numel, torch.float32, expert_memory=k * per_slot).slots_per_layer == k
     assert make_plan(spec, numel, torch.float32, residency=k / h["E"]).slots_per_layer == k

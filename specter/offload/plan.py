@@ -214,9 +214,10 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
     if L and slots < k:
         need = k * per * expert
         where = "expert slot(s) per layer" if pool == "layer" else "expert slot(s) in the shared pool"
+        total = f": device_memory {_exactly(need + sum(fixed.values()))} in all" if device_memory is not None else ""
         raise BudgetError(
             f"{what} gives {slots} {where}, but one layer needs its top-{k} = {k} experts at once: at least "
-            f"{format_size(need)} of slot pool ({k * per / (L * E):.3f} residency) is required")
+            f"{_exactly(need)} of slot pool ({_up(k * per / (L * E))} residency) is required{total}")
     tier_bytes = tier_n = 0
     ratio = 0.0
     if coded_tier and pool == "shared":
@@ -270,6 +271,17 @@ def _quota(pool: str, slots: int, L: int, E: int, k: int) -> int:
     if pool == "open" or not L:
         return min(E, slots)
     return min(E, slots, max(k, -(-slots // L)))
+
+
+def _exactly(nbytes: int) -> str:
+    """format_size and, past a KiB, the exact bytes (a budget one byte short rounds to the same figure)."""
+    return format_size(nbytes) + (f" ({nbytes:,} bytes)" if nbytes >= 1024 else "")
+
+
+def _up(x: float, digits: int = 3) -> str:
+    """x > 0 rounded up to `digits` significant digits: a figure that, given back, is enough."""
+    q = 10.0 ** (math.floor(math.log10(x)) - digits + 1)
+    return f"{math.ceil(x / q - 1e-9) * q:.{digits}g}"
 
 
 def _name(dtype: torch.dtype) -> str:
