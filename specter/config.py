@@ -155,7 +155,7 @@ class ModelSpec:
             spec.norm_topk_prob = bool(g("norm_topk_prob", False))
             spec.routed_scale = float(g("routed_scaling_factor", 1.0) or 1.0)
             spec.topk_method = g("topk_method", "greedy") or "greedy"
-            spec.n_group, spec.topk_group = g("n_group", 1) or 1, g("topk_group", 1) or 1
+            spec.n_group, spec.topk_group = (1 if g(n) is None else g(n) for n in ("n_group", "topk_group"))
             first_dense, freq = g("first_k_dense_replace", 0) or 0, g("moe_layer_freq", 1) or 1
             spec.moe_layers = [i >= first_dense and i % freq == 0 for i in range(n_layers)]
             spec.q_lora_rank, spec.kv_lora_rank = g("q_lora_rank"), cfg.kv_lora_rank
@@ -167,9 +167,25 @@ class ModelSpec:
             spec.attn_scale = spec.head_dim ** -0.5 * _yarn_mscale_sq(cfg)
             if spec.topk_method not in ("greedy", "group_limited_greedy"):
                 raise UnsupportedModelError(f"DeepSeek topk_method {spec.topk_method!r} is not supported")
+            if spec.norm_topk_prob and spec.top_k > 1:
+                raise UnsupportedModelError(
+                    "DeepSeek-V2 with norm_topk_prob true is not supported: transformers' implementation ignores "
+                    "it (it scales by routed_scaling_factor) where DeepSeek's own code renormalises, so there is no "
+                    "one reference output to match (released DeepSeek-V2 checkpoints set it false)")
+
+        if g("mlp_bias", False):
+            raise UnsupportedModelError("mlp_bias (biases in the MLPs) is not supported: no supported release has them")
         if spec.act != "silu":
             raise UnsupportedModelError(f"expert activation {spec.act!r} is not supported (silu only)")
         _check_experts(spec)
+        if spec.topk_method == "group_limited_greedy":
+            _require_positive((("n_group", spec.n_group), ("topk_group", spec.topk_group)))
+            G, E = spec.n_group, spec.n_experts
+            if E % G or spec.topk_group > G or spec.top_k > spec.topk_group * (E // G):
+                raise CheckpointError(
+                    f"config.json: group-limited routing needs n_group ({G}) to divide the {E} routed experts, "
+                    f"topk_group ({spec.topk_group}) <= n_group, and num_experts_per_tok ({spec.top_k}) experts "
+                    f"within topk_group groups")
         spec.eos_token_ids = _as_list(g("eos_token_id"))
         return spec
 
@@ -204,7 +220,7 @@ def _as_list(x) -> list[int]:
 def _sliding_windows(cfg, n_layers: int) -> list[int | None]:
     window = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None)
-    if cfg.model_type in ("phimoe", "deepseek_v2", "olmoe"):  # their attention ignores sliding_window
+    if cfg.model_type in ("deepseek_v2", "olmoe"):  # their attention ignores sliding_window (PhiMoE's masks to it)
         return [None] * n_layers
     if cfg.model_type in ("qwen2_moe", "qwen3_moe") and not getattr(cfg, "use_sliding_window", False):
         return [None] * n_layers

@@ -300,6 +300,7 @@ def load_checkpoint(
     try:
         params = [(n, _source(n, spec, reader)) for n, _ in model.named_parameters()
                   if layers is None or _in_stage(n, layers, spec.n_layers)]
+        _check_all_read(reader, spec, model)
         names = _expert_names(reader, spec) if experts else []
         span = expert_layers if expert_layers is not None else layers
         if span is not None:
@@ -331,6 +332,28 @@ def load_checkpoint(
         reader.close()
     model.eval()
     return model, store, ckpt
+
+
+def _check_all_read(reader: _Reader, spec: ModelSpec, model: MoETransformer) -> None:
+    """Every stored tensor of a module the model computes is one it reads: a tensor left over there (a
+    bias the config does not declare, or declares through an option Specter does not read) would make
+    the output another model's, so it is a CheckpointError. Others (past the last decoder layer, e.g. a
+    multi-token-prediction head) are warned about; rotary inv_freq buffers and a tied lm_head are not."""
+    read = {_checkpoint_name(n, spec) for n, _ in model.named_parameters()}
+    read.update(n for layer in _expert_names(reader, spec) for n in layer)
+    left = [n for n in reader.entries if n not in read and not n.endswith("rotary_emb.inv_freq")
+            and not (n == "lm_head.weight" and spec.tie_embeddings)]
+    if not left:
+        return
+    ours = [n for n in left if n.startswith(("model.embed_tokens.", "model.norm.", "lm_head."))
+            or (n.startswith("model.layers.") and n.split(".")[2].isdigit() and int(n.split(".")[2]) < spec.n_layers)]
+    if ours:
+        raise CheckpointError(f"{reader.ckpt.path}: {len(ours)} tensor(s) of the layers Specter computes are not in "
+                              f"its {spec.arch} model ({', '.join(map(repr, ours[:3]))}"
+                              f"{', ...' if len(ours) > 3 else ''}): config.json describes another model (an "
+                              f"option Specter does not support, e.g. mlp_bias), so the output would not be this one's")
+    warnings.warn(f"{reader.ckpt.path}: {len(left)} tensor(s) outside the layers Specter computes are not read "
+                  f"({', '.join(map(repr, left[:3]))}{', ...' if len(left) > 3 else ''})", stacklevel=3)
 
 
 def _in_stage(name: str, layers: tuple[int, int], n_layers: int) -> bool:

@@ -44,8 +44,9 @@ def route_sparsemixer(logits: torch.Tensor, eps: float):
 
 
 def route_deepseek(logits: torch.Tensor, spec: ModelSpec):
-    """DeepSeek-V2: softmax scores in fp32, greedy or group-limited top-k, then either
-    renormalise (norm_topk_prob) or scale by routed_scaling_factor, as the original release does."""
+    """DeepSeek-V2: softmax scores in fp32, greedy or group-limited top-k, scaled by routed_scaling_factor,
+    as transformers does (norm_topk_prob, which DeepSeek's own code honours and transformers ignores, is
+    refused: config.py)."""
     scores = torch.softmax(logits.float(), dim=-1)
     if spec.topk_method == "group_limited_greedy":
         T, E = scores.shape
@@ -54,11 +55,7 @@ def route_deepseek(logits: torch.Tensor, spec: ModelSpec):
         mask = torch.zeros_like(group_best, dtype=torch.bool).scatter_(1, keep, True)
         scores = scores.masked_fill(~mask.repeat_interleave(E // spec.n_group, dim=1), 0.0)
     w, ids = torch.topk(scores, spec.top_k, dim=-1, sorted=False)
-    if spec.top_k > 1 and spec.norm_topk_prob:
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    else:
-        w = w * spec.routed_scale
-    return ids, w
+    return ids, w * spec.routed_scale
 
 
 class MoEBlock(nn.Module):

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -55,6 +56,58 @@ def test_a_config_of_impossible_sizes_is_refused_naming_the_field(tmp_path, patc
         specter.load(tmp_path, device="cpu", policy="resident")
     code, _, err = cli("plan", "--model", str(tmp_path))
     assert code == 2 and "Traceback" not in err and re.search(match, err), err
+
+
+@pytest.mark.parametrize("patch, error, match", [
+    ({"norm_topk_prob": True}, specter.UnsupportedModelError, "norm_topk_prob true is not supported"),
+    ({"mlp_bias": True}, specter.UnsupportedModelError, "mlp_bias"),
+    ({"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 1}, specter.CheckpointError,
+     r"n_group \(3\) to divide the 8 routed experts"),
+    ({"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 3}, specter.CheckpointError,
+     r"topk_group \(3\) <= n_group"),
+    ({"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 0}, specter.CheckpointError,
+     "topk_group must be an integer >= 1"),
+])
+def test_deepseek_options_specter_cannot_match_are_refused(tiny, tmp_path, patch, error, match):
+    """They loaded and then gave other tokens than transformers (norm_topk_prob: DeepSeek's own code
+    renormalises, transformers' does not; mlp_bias: biases never read) or crashed in generate (groups)."""
+    path = tmp_path / "m"
+    shutil.copytree(tiny("deepseek_v2")[0], path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **patch}))
+    with pytest.raises(error, match=match):
+        specter.load(path, device="cpu", policy="resident")
+    code, _, err = cli("plan", "--model", str(path))
+    assert code == 2 and "Traceback" not in err and re.search(match, err), err
+
+
+def test_stored_tensors_the_model_does_not_read(tiny, tmp_path):
+    """A tensor of a layer Specter computes that it does not read (here a bias the config does not
+    declare) would make the output another model's: refused, named. One past the last layer is warned
+    about; rotary inv_freq buffers are ignored."""
+    from safetensors.torch import load_file, save_file
+
+    src, ref = tiny("qwen3_moe")
+    path = tmp_path / "m"
+    shutil.copytree(src, path)
+    tensors = load_file(src / "model.safetensors")
+    n = ref.config.num_hidden_layers
+    for extra, outcome in (("model.layers.1.mlp.experts.0.down_proj.bias", "error"),
+                           ("model.norm.bias", "error"),
+                           (f"model.layers.{n}.eh_proj.weight", "warning"),
+                           ("model.layers.0.self_attn.rotary_emb.inv_freq", "silent")):
+        save_file({**tensors, extra: torch.zeros(4)}, path / "model.safetensors", metadata={"format": "pt"})
+        if outcome == "error":
+            with pytest.raises(specter.CheckpointError, match=re.escape(repr(extra)) + ".*describes another model"):
+                specter.load(path, device="cpu", policy="resident")
+            continue
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            engine = specter.load(path, device="cpu", policy="resident")
+        engine.close()
+        assert [str(w.message) for w in seen if "not read" in str(w.message)] == \
+            ([] if outcome == "silent" else [f"{path}: 1 tensor(s) outside the layers Specter computes are not read "
+                                            f"({extra!r})"]), extra
 
 
 def test_missing_weights(tiny, tmp_path):

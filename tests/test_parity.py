@@ -69,8 +69,10 @@ def test_bf16_checkpoint(tiny):
 
 
 def test_tied_embeddings_and_variants(tiny):
-    """Tied lm_head, mlp-only (dense) layers in Qwen2-MoE, group-limited routing and q-LoRA in DeepSeek."""
+    """Tied lm_head, mlp-only (dense) layers in Qwen2-MoE, group-limited routing and q-LoRA in DeepSeek,
+    PhiMoE's sliding window (21 positions through a window of 8: transformers masks to it)."""
     cases = [
+        ("phimoe", dict(sliding_window=8)),
         ("qwen3_moe", dict(tie_word_embeddings=True)),
         ("qwen2_moe", dict(mlp_only_layers=[1], norm_topk_prob=True)),
         ("deepseek_v2", dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2,
