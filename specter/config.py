@@ -35,7 +35,7 @@ class ModelSpec:
     n_heads: int
     n_kv_heads: int
     head_dim: int                  # q/k/v head dim (GQA); for MLA: qk_nope + qk_rope
-    max_position: int
+    max_position: int              # the context Specter computes exactly (_exact_context; else config.json's)
     norm: str                      # "rms" | "layer" (PhiMoE uses LayerNorm with bias)
     norm_eps: float
     act: str                       # expert / MLP activation (silu for all supported models)
@@ -74,6 +74,7 @@ class ModelSpec:
     lm_head_bias: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
     hf_config: object = None       # the transformers config (rope parameters are read from it)
+    context_note: str = ""         # why max_position is below config.json's, for errors that name it
 
     @property
     def n_moe_layers(self) -> int:
@@ -114,6 +115,7 @@ class ModelSpec:
         )
         spec.attn_scale = head_dim ** -0.5
         spec.sliding_window = _sliding_windows(cfg, n_layers)
+        spec.max_position, spec.context_note = _exact_context(cfg, arch, spec.max_position)
 
         if arch in ("mixtral", "phimoe"):
             spec.n_experts, spec.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
@@ -227,6 +229,25 @@ def _sliding_windows(cfg, n_layers: int) -> list[int | None]:
     if types:
         return [window if t == "sliding_attention" else None for t in types]
     return [window] * n_layers
+
+
+def _exact_context(cfg, arch: str, max_position: int) -> tuple[int, str]:
+    """(the context Specter computes as transformers does, why it is shorter than config.json's). Under
+    rope_type 'longrope' transformers switches, per forward, every position's rotation to the long set
+    (generic models: long_factor; PhiMoE: long_mscale) once the forward's last position passes
+    original_max_position_embeddings: a prompt that crosses it rotates all its positions the long way,
+    a generation that crosses it only the later ones. Specter rotates each position one way whatever the
+    batch (a verification's positions as one-token steps would): exact up to that point only, so that
+    is the context, where the two sets differ. (Phi-3.5-MoE's mscales are equal: its whole context.)"""
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    original = rope.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+    if rope.get("rope_type") != "longrope" or not original or original >= max_position:
+        return max_position, ""
+    long, short = ("long_mscale", "short_mscale") if arch == "phimoe" else ("long_factor", "short_factor")
+    if rope.get(long) == rope.get(short):
+        return max_position, ""
+    return original, (f" (longrope: past original_max_position_embeddings, {original}, transformers rotates by "
+                      f"{long} per forward, which Specter does not reproduce exactly)")
 
 
 def _yarn_mscale_sq(cfg) -> float:

@@ -293,7 +293,8 @@ class Engine:
         limit, model = self.context, self.model.spec.max_position
         if len(ids) + max_new_tokens > limit:
             whose = "the model's" if limit == model else "the engine's"
-            more = "" if limit == model else f" (the engine was loaded with context={limit}; the model's is {model})"
+            more = self.model.spec.context_note if limit == model else \
+                f" (the engine was loaded with context={limit}; the model's is {model})"
             raise ContextLengthError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "
                 f"exceeds {whose} context of {limit} tokens{more}; shorten the prompt or lower max_new_tokens"

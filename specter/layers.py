@@ -38,7 +38,9 @@ def make_norm(spec: ModelSpec, dim: int | None = None) -> nn.Module:
 class Rope(nn.Module):
     """Rotary embedding. `inv_freq` and `scale` come from transformers' own RoPE initialisers for
     scaled variants (yarn, longrope, llama3, linear), so long-context checkpoints rotate exactly as
-    their reference does. Two layouts: halves (Llama family) and interleaved pairs (DeepSeek)."""
+    their reference does (longrope: up to original_max_position_embeddings where its long and short
+    sets differ, the context then: config._exact_context). Two layouts: halves (Llama family) and
+    interleaved pairs (DeepSeek)."""
 
     def __init__(self, spec: ModelSpec, dim: int, max_len: int | None = None):
         super().__init__()

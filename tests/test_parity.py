@@ -85,6 +85,37 @@ def test_tied_embeddings_and_variants(tiny):
         assert engine.generate(PROMPTS[0], max_new_tokens=16).token_ids == hf_greedy(ref, PROMPTS[0], 16), arch
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "phimoe"])
+def test_longrope_is_exact_up_to_where_transformers_switches(tiny, arch):
+    """rope_type longrope: transformers rotates a whole forward the long way once its last position passes
+    original_max_position_embeddings (qwen3: long_factor; PhiMoE: long_mscale), a switch by batch that
+    Specter does not make. Where the two sets differ the context ends there, and is exact up to it; where
+    they are equal (Phi-3.5-MoE's mscales) the whole context is, a generation crossing it included."""
+    from specter.testing import tiny_config
+
+    cfg = tiny_config(arch)
+    half = (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) // 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+            "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [2.0 + 0.5 * i for i in range(half)]}
+    if arch == "phimoe":
+        rope.update(short_mscale=1.1, long_mscale=1.3)
+    for differ in (True, False):
+        if not differ:
+            rope.update(long_factor=rope["short_factor"]) if arch == "qwen3_moe" else rope.update(long_mscale=1.1)
+        path, ref = tiny(arch, rope_parameters=dict(rope), max_position_embeddings=128)
+        engine = specter.load(path, device="cpu", policy="resident")
+        try:
+            assert engine.context == (32 if differ else 128)
+            assert engine.generate(PROMPTS[0], max_new_tokens=27).token_ids == hf_greedy(ref, PROMPTS[0], 27)
+            if differ:
+                with pytest.raises(specter.ContextLengthError, match="longrope: past original_max_position_embed"):
+                    engine.generate(PROMPTS[2], max_new_tokens=12)
+            else:  # 30 + 12 crosses 32 in both the prompt's and the generation's forwards
+                assert engine.generate(PROMPTS[2], max_new_tokens=12).token_ids == hf_greedy(ref, PROMPTS[2], 12)
+        finally:
+            engine.close()
+
+
 def test_eos_stops_generation(tiny):
     path, ref = tiny("qwen3_moe")
     engine = specter.load(path, device="cpu", policy="resident")

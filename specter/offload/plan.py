@@ -321,8 +321,8 @@ def check_context(context, spec) -> int | None:
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise ConfigError(f"context must be an integer >= 1 (tokens: prompt + generated), got {context!r}")
     if context > spec.max_position:
-        raise ConfigError(f"context {context} exceeds the model's context of {spec.max_position} tokens; "
-                          f"give at most {spec.max_position}, or drop it")
+        raise ConfigError(f"context {context} exceeds the model's context of {spec.max_position} tokens"
+                          f"{spec.context_note}; give at most {spec.max_position}, or drop it")
     return context
 
 
