@@ -421,8 +421,27 @@ def test_plan_cli_ranks_the_ways_and_says_specter_runs(capsys):
     spec = described("Mixtral-8x7B")[0]  # the host's draft cache is the chosen width's
     assert res["host"]["draft_cache_bytes"] == \
         spec.n_moe_layers * spec.n_experts * draft_expert_bytes(spec, res["draft_bits"], scale_bytes=4)
-    assert main(["plan", "--model", str(CONFIGS / "Mixtral-8x7B"), "--device-memory", "24GiB", "--draft-bits", "4"]) == 0
-    assert "specter does NOT fit" in capsys.readouterr().out
+    assert main(["plan", "--model", str(CONFIGS / "Mixtral-8x7B"), "--device-memory", "24GiB", "--draft-bits", "4",
+                 "--context", "4096"]) == 0
+    out = capsys.readouterr().out  # (it said "it runs at 4096", an INT2 or INT3 way's context)
+    assert "specter does NOT fit" in out and "it runs at" not in out
+
+
+def test_plan_of_resident_in_a_budget_says_whether_every_expert_fits(capsys):
+    """fit() planned resident as an offloading policy: "resident runs in 24.0 GiB: residency 24.2%". It
+    keeps every expert on the device (search leaves it out where that does not fit)."""
+    from specter.cli import main
+    from specter.offload.plan import fit, search
+
+    spec, dtype, numel = described("Mixtral-8x7B")
+    for size, fits in (("24GiB", False), ("120GiB", True)):
+        f = fit(spec, numel, dtype, size, policy="resident", context=4096)
+        assert f.fits == fits == bool(search(spec, numel, dtype, size, context=4096, policies=["resident"]))
+        assert f.minimum == f.full == plan_of(spec, numel, dtype, context=4096, draft=False).total_bytes
+        assert fits == (f.plan is not None and f.plan.pool_slots == spec.n_moe_layers * spec.n_experts)
+    assert main(["plan", "--model", str(CONFIGS / "Mixtral-8x7B"), "--policy", "resident", "--device-memory", "24GiB",
+                 "--context", "4096"]) == 0
+    assert "resident does NOT fit in 24.0 GiB: it needs at least 87.5 GiB" in capsys.readouterr().out
 
 
 def test_the_plan_predicts_specter_with_its_host_lane_only_where_it_runs_one(capsys):

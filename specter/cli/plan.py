@@ -116,7 +116,8 @@ def cmd_plan(args) -> int:
                   f"({f.plan.pool_slots} of {spec.n_moe_layers * spec.n_experts} routed experts on the device, "
                   f"one pool for all layers{draft})")
         else:
-            shorter = [o.plan.context for o in ways if o.policy == args.policy]
+            shorter = [o.plan.context for o in ways if o.policy == args.policy  # (at the width asked for)
+                       and args.draft_bits in (None, o.draft_bits)]
             need = format_size(f.minimum)
             if need == format_size(f.device_memory):  # the same at this precision: say by how much
                 need += f" ({f.minimum - f.device_memory:,} bytes more)"

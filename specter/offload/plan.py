@@ -403,6 +403,12 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
     draft = get_policy(policy).drafts
     lane = get_policy(policy).computes_on_host(device, host_threads)
     budget = parse_budget(device_memory, "device_memory")
+    if not get_policy(policy).offloads:  # every expert on the device, whatever the budget (search's rule)
+        plan = make_plan(spec, total_numel, dtype, context=context, draft=False)
+        tips = [] if plan.total_bytes <= budget else [
+            f"{policy} keeps every expert on the device; an offloading policy runs in {format_size(budget)} "
+            f"(the ways to run below)"]
+        return Fit(policy, budget, plan.context, plan if not tips else None, plan.total_bytes, plan.total_bytes, tips)
     item = torch.empty((), dtype=dtype).element_size()
     L, E, k, expert = spec.n_moe_layers, spec.n_experts, spec.top_k, spec.expert_numel() * item
     context = min(context or spec.max_position, spec.max_position)
