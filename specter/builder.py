@@ -23,7 +23,7 @@ from .offload.host_experts import HostExperts
 from .offload.host_lane import LaneChoice, host_params, make_host_lane
 from .offload.cuda_link import make_link
 from .offload.manager import OffloadedExperts
-from .offload.plan import check_context, compute_dtype, make_plan, pool_dtype
+from .offload.plan import check_context, check_device_room, compute_dtype, make_plan, pool_dtype
 from .offload.store import pin_wanted
 from .offload.oracle import OracleDecoder
 from .policy import Policy, get as get_policy
@@ -182,6 +182,8 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
                          store_dtype=ckpt.dtype,
                          compressed=compress_experts, pool=slot_pool, draft_bits=draft_bits,
                          coded_tier=PLAN_RATIO if compress_experts and tier_wanted(pol, device, dt) else None)
+        if device.type == "cuda":
+            check_device_room(plan, torch.cuda.mem_get_info(device)[0])
         pdt = getattr(torch, plan.pool_dtype)
         # calibrating allocates a working set of experts: before the store exists, not beside it
         lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,

@@ -170,6 +170,19 @@ def test_kv_bytes_match_the_cache_the_engine_allocates(case):
             spec.kv_lora_rank + spec.qk_rope_dim) * 4
 
 
+def test_a_plan_larger_than_the_free_device_memory_is_refused_before_the_load():
+    """A device_memory budget was never checked against the GPU (the README's Mixtral-on-24-GiB plan
+    leaves 169 MiB of 24 GiB): past what is free the load would end in a CUDA out-of-memory error."""
+    from specter.offload.plan import check_device_room
+
+    spec, dtype, numel = described("Mixtral-8x7B")
+    plan = plan_of(spec, numel, dtype, device_memory="24GiB", context=4096, draft_bits=2)
+    check_device_room(plan, plan.total_bytes)  # exactly enough
+    with pytest.raises(specter.BudgetError, match=r"the plan needs 23\.8 GiB .* the GPU has 23\.5 GiB .* free; .*"
+                                                  r"device_memory \(--device-memory\) 21\.1 GiB"):
+        check_device_room(plan, int(23.5 * 2**30))
+
+
 def test_budgets_below_top_k_are_refused(case):
     spec, numel, h, _ = case
     per_slot = h["L"] * h["expert_fp32"]

@@ -313,6 +313,16 @@ def _slots(E: int, layer_bytes: int, fixed: dict, residency, expert_memory, devi
     return E, "all resident"
 
 
+def check_device_room(plan: MemoryPlan, free: int) -> None:
+    """CUDA: a plan of more than the device's free memory would fail with an out-of-memory error part way
+    through the load (a budget is the caller's word, not checked against the device): refused before it."""
+    if plan.total_bytes > free:
+        raise BudgetError(
+            f"the plan needs {_exactly(plan.total_bytes)} of device memory and the GPU has {_exactly(free)} free; "
+            f"give a smaller budget, e.g. device_memory (--device-memory) {format_size(int(free * 0.9))}, 90% of "
+            f"what is free as with no budget (the rest: the CUDA context, activations and graphs), or free the GPU")
+
+
 def check_context(context, spec) -> int | None:
     """`context` (specter.load, --context): the most positions a generation may hold, prompt and new
     tokens together, and what the plan reserves KV cache for (None: the model's whole context)."""
