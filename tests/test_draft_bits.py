@@ -3,12 +3,15 @@ lossless whatever the width (greedy tokens equal plain decoding, spec-lru and sp
 bundled model and on a tiny checkpoint)."""
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
 import specter
 from specter.errors import ConfigError
-from specter.loader import load_checkpoint
+from specter.loader import load_checkpoint, open_checkpoint
 from specter.speculative import draft_cache
 
 from speculative_common import fast_link  # noqa: F401 -- a fixture
@@ -213,10 +216,35 @@ def test_bench_reports_the_draft_width(qwen, tmp_path, fast_link, capsys):
     assert "draft INT2" in capsys.readouterr().out.splitlines()[0]
 
 
-def test_a_width_the_shapes_cannot_take_is_refused_before_any_work(tiny, fast_link):
-    """The tiny mixtral's experts are 48 wide: 3 bits (words of 32 codes) cannot pack them, 2 can."""
+def test_a_width_the_shapes_cannot_take_is_refused_before_any_work(tiny, fast_link, capsys):
+    """The tiny mixtral's experts are 48 wide: 3 bits (words of 32 codes) cannot pack them, 2 can. plan
+    refuses that width as the load does, and ranks only the widths that pack."""
+    from specter.cli import main
+
     path, _ = tiny("mixtral", eos_token_id=None)
-    with pytest.raises(ConfigError, match=r"3-bit draft needs .* divisible by 32.*64 and 48.*--draft-bits \(4, 2\)"):
+    three = r"3-bit draft needs .* divisible by 32.*64 and 48.*draft_bits \(--draft-bits\) 4 or 2"
+    with pytest.raises(ConfigError, match=three):
         specter.load(path, device="cpu", policy="specter", residency=0.5, draft_bits=3)
     engine = specter.load(path, device="cpu", policy="specter", residency=0.5, draft_bits=2)
     engine.close()
+    assert main(["plan", "--model", str(path), "--draft-bits", "3", "--expert-memory", "100KiB"]) == 2
+    assert re.search(three, capsys.readouterr().err)
+    assert main(["plan", "--model", str(path), "--device", "cpu", "--device-memory", "1MiB", "--json"]) == 0
+    ways = json.loads(capsys.readouterr().out)["options"]
+    assert {o["draft_bits"] for o in ways if o["draft_bits"]} == {4, 2}
+
+
+def test_a_model_no_width_packs_says_to_run_without_a_draft(tiny, tmp_path):
+    """An expert intermediate size of 20 packs at no width: the refusal named "--draft-bits ()"."""
+    from specter.offload.plan import fit, search
+    from specter.speculative.draft_cache import check_packable
+
+    with pytest.raises(ConfigError, match=r"this model's are 64 and 20: use a policy without a draft \(on-demand"):
+        check_packable(4, 64, 20)
+    path, _ = tiny("mixtral", intermediate_size=20)
+    with pytest.raises(ConfigError, match="no draft width packs them"):
+        specter.load(path, device="cpu", policy="specter", residency=0.5)
+    ckpt = open_checkpoint(path)
+    f = fit(ckpt.spec, ckpt.numel(), torch.float32, "1MiB", policy="specter")
+    assert not f.fits and "no draft width packs" in f.suggestions[0]
+    assert not {o.policy for o in search(ckpt.spec, ckpt.numel(), torch.float32, "1MiB")} & {"specter", "spec-lru"}

@@ -68,6 +68,11 @@ def group_size_for(in_features: int, preferred: int = 128) -> int:
     return g
 
 
+def packable_widths(*ks: int) -> tuple[int, ...]:
+    """The widths of WIDTHS whose codes pack rows of every length in `ks` into whole words."""
+    return tuple(b for b in WIDTHS if all(k % K_MULTIPLE[b] == 0 for k in ks))
+
+
 def check_bits(bits: int) -> int:
     if bits not in WIDTHS:
         raise ConfigError(f"draft bits must be one of {', '.join(map(str, WIDTHS))}; got {bits!r}")

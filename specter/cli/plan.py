@@ -76,6 +76,10 @@ def cmd_plan(args) -> int:
     path = args.model or default_model_path()
     spec, store_dtype, numel, weights = describe(path)
     check_context(args.context, spec)
+    if args.draft_bits is not None:  # a width this model cannot pack: refused, as the load refuses it
+        from ..speculative.draft_cache import check_packable
+
+        check_packable(args.draft_bits, spec.hidden, spec.expert_inter)
     device = _plan_device(args.device, args.device_memory is not None)
     dtype = compute_dtype(device, store_dtype)
     host = host_needs(spec, store_dtype, device.type, draft=pol.drafts, draft_bits=args.draft_bits or 4)

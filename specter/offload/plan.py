@@ -82,6 +82,13 @@ def alias_pool(device, compute: torch.dtype, slots: int, expert_numel: int, ever
     return _is_cpu(device) and (every_expert or slots * expert_numel * compute.itemsize > POOL_UPCAST_MIN_BYTES)
 
 
+def _widths(spec: ModelSpec) -> tuple[int, ...]:
+    """The draft widths of DRAFT_BITS this model's experts pack at (the load refuses the others)."""
+    from specter.triton_ops.int4 import packable_widths
+
+    return tuple(b for b in DRAFT_BITS if b in packable_widths(spec.hidden, spec.expert_inter))
+
+
 def draft_expert_bytes(spec: ModelSpec, bits: int = 4, scale_bytes: int = 2) -> int:
     """One routed draft expert at `bits` (4, 3 or 2), group size 128: b/8 bytes a weight + a scale and shift
     per group of `scale_bytes` each (2: the CUDA draft's bf16; 4: the cache on disk's fp32), as
@@ -423,8 +430,16 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
     L, E, k, expert = spec.n_moe_layers, spec.n_experts, spec.top_k, spec.expert_numel() * item
     context = min(context or spec.max_position, spec.max_position)
     non = non_expert_numel(spec, total_numel) * item
-    widths = (draft_bits,) if draft_bits is not None else DRAFT_BITS if draft else (4,)
-    narrow = min(widths)
+    if draft and draft_bits is not None:  # as the load refuses it
+        from ..speculative.draft_cache import check_packable
+
+        check_packable(draft_bits, spec.hidden, spec.expert_inter)
+    widths = (draft_bits,) if draft_bits is not None else _widths(spec) if draft else (4,)
+    if not widths:
+        return Fit(policy, budget, context, None, 0, 0, [
+            f"no draft width packs this model's sizes ({spec.hidden}, {spec.expert_inter}): a policy without "
+            f"a draft runs (the ways to run below)"])
+    narrow = min(widths)  # (the widths this model packs)
     draft_b = L * E * draft_expert_bytes(spec, narrow) if draft else 0
     kv_tok = kv_bytes_per_token(spec, item)
     minimum = lambda d, c: non + d + kv_tok * c + k * expert  # noqa: E731  (one layer's top-k slots)
@@ -604,7 +619,7 @@ def search(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory,
     budget = parse_budget(device_memory, "device_memory")
     out = []
     for policy in policies or POLICIES:
-        for bits in (DRAFT_BITS if get_policy(policy).drafts else (None,)):
+        for bits in (_widths(spec) if get_policy(policy).drafts else (None,)):
             for ctx in contexts_to_try(spec, context):
                 try:
                     if not get_policy(policy).offloads:

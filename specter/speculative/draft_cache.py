@@ -35,7 +35,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from specter.triton_ops import Int4Experts, pack_experts, packed_nbytes
-from specter.triton_ops.int4 import K_MULTIPLE, check_bits
+from specter.triton_ops.int4 import K_MULTIPLE, check_bits, packable_widths
 
 from ..errors import ConfigError
 from ..moe import ExpertWeights
@@ -126,6 +126,18 @@ def cache_key(files, bits: int = 4) -> str:
     return h.hexdigest()[:32]
 
 
+def check_packable(bits: int, hidden: int, inter: int) -> None:
+    """A ConfigError unless a `bits` draft packs these row lengths, saying what does (or that none does)."""
+    if bits in packable_widths(hidden, inter):
+        return
+    others = packable_widths(hidden, inter)
+    what = f"draft_bits (--draft-bits) {' or '.join(map(str, others))}" if others else \
+        "a policy without a draft (on-demand, next-layer or host): no draft width packs them"
+    raise ConfigError(f"a {bits}-bit draft needs the hidden and expert intermediate sizes divisible by "
+                      f"{K_MULTIPLE[bits]} (whole int32 words of codes); this model's are {hidden} and {inter}: "
+                      f"use {what}")
+
+
 def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache=None,
                progress: bool | None = None, bits: int = 4) -> Iterator[tuple[Int4Experts, Int4Experts]]:
     """Yields (w13, w2) QuantExperts at `bits` per MoE layer (fp32 scales, on the CPU), each read from
@@ -137,13 +149,8 @@ def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache
         pairs = [store.shapes]
     else:
         pairs = [(ew.w13.shape, ew.w2.shape) for ew in store[:1]]
-    for s13, s2 in pairs:
-        sizes = {s13[2], s2[2]}  # hidden size, expert intermediate size: the K of w13, w2
-        if any(k % K_MULTIPLE[bits] for k in sizes):
-            raise ConfigError(f"a {bits}-bit draft needs the hidden and expert intermediate sizes divisible by "
-                              f"{K_MULTIPLE[bits]} (whole int32 words of codes); this model's are "
-                              f"{s13[2]} and {s2[2]}: use another --draft-bits "
-                              f"({', '.join(str(b) for b in K_MULTIPLE if not any(k % K_MULTIPLE[b] for k in sizes))})")
+    for s13, s2 in pairs:  # the K of w13 and w2: the hidden size, the expert intermediate size
+        check_packable(bits, s13[2], s2[2])
     entry = make_entry(cache, cache_key(files, bits), "quantising")
     nbytes = getattr(store, "nbytes", None) or sum(ew.n_experts * ew.expert_nbytes() for ew in store)  # unread
     if progress is None:
