@@ -1,6 +1,7 @@
 """Byte sizes: parse "6GiB" / "1.5GB" / 1024, and print them back for humans."""
 from __future__ import annotations
 
+import numbers
 import re
 from fractions import Fraction
 
@@ -9,19 +10,23 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
-_PATTERN = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+_PATTERN = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE | re.ASCII)  # ASCII digits only
 _FORMS = ("a byte count such as 1024, or a number with a unit: B, KiB/MiB/GiB/TiB (binary, 1024-based) "
           "or KB/MB/GB/TB (decimal, 1000-based), e.g. '6GiB', '512 MiB', '1.5GB'")
 
 
 def parse_size(text: str | int) -> int:
     """Bytes in `text`: "6GiB", "512MiB", "1.5GB", "300MB", "1024" or 1024. Case-insensitive, spaces ok."""
+    if isinstance(text, numbers.Integral) and not isinstance(text, bool):  # numpy's too
+        text = int(text)
     if isinstance(text, bool) or not isinstance(text, (int, str)):
         raise ValueError(f"size must be {_FORMS}; got {text!r}")
     if isinstance(text, int):
         if text < 0:
             raise ValueError(f"size must not be negative; got {text}")
         return text
+    if text.strip().startswith("-"):
+        raise ValueError(f"size must not be negative; got {text!r}")
     m = _PATTERN.fullmatch(text)
     if m is None or m.group(2).lower() not in _UNITS | {"": 1}:
         raise ValueError(f"cannot parse size {text!r}: expected {_FORMS}")

@@ -203,6 +203,13 @@ def test_budgets_below_top_k_are_refused(case):
     assert make_plan(spec, numel, torch.float32, residency=k / h["E"]).slots_per_layer == k
 
 
+def test_a_numpy_residency_is_a_residency(case):
+    np = pytest.importorskip("numpy")  # np.float32 is no float: "residency must be a fraction, got np.float32(0.5)"
+    spec, numel, _, _ = case
+    assert make_plan(spec, numel, torch.float32, residency=np.float32(0.5)).pool_slots == \
+        make_plan(spec, numel, torch.float32, residency=0.5).pool_slots
+
+
 @pytest.mark.parametrize("bad", [0, 0.0, -0.25, 1.0001, 1.5, 2, float("nan"), float("inf"), "0.5"])
 def test_residency_outside_unit_interval_is_a_config_error(tiny, bad):
     path, _ = tiny("deepseek_v2")

@@ -38,13 +38,24 @@ def test_parse_size(text, nbytes):
 
 @pytest.mark.parametrize("bad", [
     "", "   ", "GiB", "6 GiBs", "6G", "6 gigabytes", "-1GiB", "1e9", "1,024", "6 Gi B", "1.5 B",
-    "1.5", -1, 1.5, None, True, "6GiB6",
+    "1.5", -1, 1.5, None, True, "6GiB6", "\u0967\u0968", "\uff16GiB",  # (non-ASCII digits: Devanagari 12, fullwidth 6)
 ])
 def test_parse_size_errors(bad):
     with pytest.raises(ValueError) as info:
         parse_size(bad)
-    if isinstance(bad, str) and bad.strip() and "B" in bad.upper() and "." not in bad:
+    if isinstance(bad, str) and bad.strip() and "B" in bad.upper() and "." not in bad and "-" not in bad:
         assert "GiB" in str(info.value) and "GB" in str(info.value)  # names the accepted forms
+
+
+@pytest.mark.parametrize("bad", ["-1", " -1GiB", -6])
+def test_a_negative_size_says_so_as_a_string_or_a_number(bad):
+    with pytest.raises(ValueError, match="must not be negative"):  # "-1" said "cannot parse", -6 this
+        parse_size(bad)
+
+
+def test_numpy_integers_are_sizes():
+    np = pytest.importorskip("numpy")
+    assert parse_size(np.int64(4096)) == 4096 and type(parse_size(np.int32(7))) is int
 
 
 def test_error_message_names_accepted_forms():

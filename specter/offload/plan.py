@@ -15,6 +15,7 @@ reads rows in place (alias_pool, MemoryPlan.pool_rows).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 
 import torch
@@ -300,7 +301,7 @@ def _slots(E: int, layer_bytes: int, fixed: dict, residency, expert_memory, devi
     """Expert slots (at most E: every expert a layer, or of the model) that the budget buys, a slot
     taking `layer_bytes` (one expert in every layer, or one in the shared pool); and the budget in words."""
     if residency is not None:
-        if isinstance(residency, bool) or not (isinstance(residency, (int, float)) and 0 < residency <= 1):
+        if isinstance(residency, bool) or not (isinstance(residency, numbers.Real) and 0 < residency <= 1):  # numpy's too
             raise ConfigError(f"residency must be a fraction in (0, 1], got {residency!r}")
         return min(math.ceil(residency * E - 1e-9), E), f"residency {residency}"
     if expert_memory is not None:
