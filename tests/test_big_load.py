@@ -428,7 +428,8 @@ MIXTRAL_8X7B = dict(model_type="mixtral", hidden_size=4096, intermediate_size=14
 
 def test_cpu_plan_counts_the_emulated_device_in_host_memory(tmp_path, bf16):
     """On CPU the plan's device is host memory, less what the CPU does not hold: the input embedding
-    stays in the checkpoint's bf16, and a big model's slot pool aliases the store (a small one's does not)."""
+    stays in the checkpoint's bf16, and a big model's slot pool aliases the store (a small one's does not);
+    more where a small draft is held dequantised (it counted the packed codes: 84 KiB for 576 KiB)."""
     from specter.offload.plan import emulated_device_bytes
 
     (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
@@ -437,8 +438,15 @@ def test_cpu_plan_counts_the_emulated_device_in_host_memory(tmp_path, bf16):
         spec, dtype, numel, _ = describe(path)
         plan = make_plan(spec, numel, torch.float32, residency=0.25, device="cpu", store_dtype=dtype)
         embed = spec.vocab_size * spec.hidden * 2
-        wants.append(plan.total_bytes - embed - (plan.slot_pool_bytes if aliased else 0))
+        dense = 0 if aliased else spec.n_moe_layers * spec.n_experts * spec.expert_numel() * 4 - plan.draft_bytes
+        wants.append(plan.total_bytes - embed - (plan.slot_pool_bytes if aliased else 0) + dense)
         assert emulated_device_bytes(plan, spec, dtype, torch.float32) == wants[-1]
+    engine = specter.load(bf16, device="cpu", policy="specter", residency=0.25)  # the tiny draft as held
+    try:
+        held = sum(t.nbytes for ew in engine.shared.draft.layers for t in (ew.w13, ew.w2))
+        assert held == dense + plan.draft_bytes > 4 * plan.draft_bytes
+    finally:
+        engine.close()
     out = subprocess.run([sys.executable, "-m", "specter.cli", "plan", "--model", str(tmp_path), "--device", "cpu",
                           "--residency", "0.25", "--json"], capture_output=True, text=True, check=True).stdout
     assert json.loads(out)["host"]["device_bytes"] == wants[0]

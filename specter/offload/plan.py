@@ -367,10 +367,16 @@ class HostNeeds:
 def emulated_device_bytes(plan: MemoryPlan, spec: ModelSpec, store_dtype: torch.dtype, compute: torch.dtype) -> int:
     """On CPU the device is host memory: what the emulated device adds beside the expert store. The
     plan counts what a GPU would hold; the CPU keeps a narrower checkpoint's input embedding in its
-    own dtype (MoETransformer.enter), and a pool that reads the store's rows in place (plan.pool_rows,
-    from a plan made for the CPU) adds nothing."""
+    own dtype (MoETransformer.enter), a pool that reads the store's rows in place (plan.pool_rows, from a
+    plan made for the CPU) adds nothing, and a small draft is held dequantised (speculative/draft.py
+    keep_packed: the compute dtype's bytes a weight, not the packed codes')."""
+    from ..speculative.draft import keep_packed
+
     embed = spec.vocab_size * spec.hidden * max(0, compute.itemsize - store_dtype.itemsize)
-    return plan.total_bytes - embed - (plan.slot_pool_bytes if plan.pool_rows == "store" else 0)
+    weights = spec.n_moe_layers * spec.n_experts * spec.expert_numel()
+    dense = weights * compute.itemsize - plan.draft_bytes if plan.draft_bytes and not keep_packed("cpu", weights, compute) \
+        else 0
+    return plan.total_bytes - embed - (plan.slot_pool_bytes if plan.pool_rows == "store" else 0) + dense
 
 
 def host_needs(spec: ModelSpec, store_dtype: torch.dtype, device_type: str, draft: bool = True,
