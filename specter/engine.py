@@ -33,7 +33,7 @@ from .model import MoETransformer
 from .moe import ExpertWeights
 from .offload.link import poll
 from .sampling import SamplingParams, choose, describe
-from .streaming import Printer, in_thread, tokens_for
+from .streaming import Printer, complete, in_thread, not_unicode, tokens_for
 
 
 @dataclass
@@ -129,6 +129,12 @@ class Turns:
                 self._release()
 
 
+def _check_text(text: str, what: str) -> None:
+    """A ConfigError for text no tokenizer can take (a lone surrogate: streaming.not_unicode)."""
+    if (why := not_unicode(text)) is not None:
+        raise ConfigError(f"{what}: {why}")
+
+
 class Engine:
     def __init__(self, model: MoETransformer, experts: list[ExpertWeights], tokenizer, *, path: Path,
                  device: torch.device, dtype: torch.dtype, policy: str, decoder,
@@ -160,6 +166,7 @@ class Engine:
         """A string, a list of token ids, or a chat (list of {"role", "content"} dicts)."""
         tok = self.tokenizer
         if isinstance(prompt, str):
+            _check_text(prompt, "the prompt")
             if tok is None:
                 raise self._no_tokenizer("a string prompt cannot be encoded; pass a list of token ids "
                                          "(CLI: --prompt-ids)")
@@ -174,6 +181,7 @@ class Engine:
                 if not isinstance(m.get("role"), str) or not m["role"] or not isinstance(m.get("content"), str):
                     raise ConfigError(f"chat message {i} must have a non-empty string 'role' and a string 'content', "
                                       f"got {m!r}")
+                _check_text(m["content"], f"chat message {i}'s content")
             try:
                 ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
             except Exception as e:  # the template's own checks (jinja's raise_exception: "roles must alternate" ...)
@@ -329,11 +337,13 @@ class Engine:
                         done, reason, new = True, "stop" if new[j] in eos else "length", new[:j + 1]
                         break
                 text = None if tok is None else tok.decode(new, skip_special_tokens=True)  # as decode()
-                if stops:
+                if stops:  # in the text that is final: an incomplete character's U+FFFD may still change
+                    final = text if done else complete(text)
                     start = max(0, checked - longest + 1)
-                    hit = min((i for s in stops if (i := text.find(s, start)) >= 0), default=-1)
-                    checked = len(text)
-                    if hit >= 0:
+                    found = [(i + len(s), i) for s in stops if (i := final.find(s, start)) >= 0]
+                    checked = len(final)
+                    if found:  # the stop that ends first (then the longer): what one token at a time finds
+                        hit = min(found)[1]  # first, so a chunk of several tokens cuts where single ones would
                         text, new = text[:hit], new[:tokens_for(self.decode, new, hit)]
                         done, reason = True, "stop"
                 yield new, text

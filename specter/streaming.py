@@ -65,14 +65,42 @@ class Printer:
         return None
 
 
+def not_unicode(text: str) -> str | None:
+    """Why `text` is no text, or None: a lone surrogate (JSON's "\\ud800", or bytes that are not UTF-8
+    read with surrogateescape, as the CLI's arguments and stdin are) that no tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"it is not valid Unicode: a lone surrogate {text[e.start]!r} at character {e.start} (bytes that "
+                f"are not UTF-8?); give UTF-8 text")
+    return None
+
+
+def complete(text: str) -> str:
+    """`text` without the U+FFFD that end it: an incomplete UTF-8 sequence decodes to one (byte-level BPE)
+    or one per byte (byte-fallback tokenizers), and becomes its character, fewer of them, when the rest
+    of its bytes arrive."""
+    return text.rstrip("\ufffd")
+
+
+def _reach(decode, ids: list[int]) -> float:
+    """How far `ids`' text reaches: its complete characters, and half of one more while an incomplete
+    one is pending. Non-decreasing as tokens are appended, which the raw length is not (byte-fallback's
+    pending bytes are one U+FFFD each, its character one), so a bisection over prefixes is sound."""
+    text = decode(ids)
+    done = complete(text)
+    return len(done) + (0.5 if len(done) < len(text) else 0)
+
+
 def tokens_for(decode, new: list[int], n_chars: int) -> int:
-    """The fewest leading tokens whose text reaches `n_chars` characters (the text up to a stop)."""
-    return bisect.bisect_left(range(len(new) + 1), n_chars, key=lambda j: len(decode(new[:j])))
+    """The fewest leading tokens whose text reaches `n_chars` complete characters (the text up to a
+    stop): never a token that ends in the middle of a character before it."""
+    return bisect.bisect_left(range(len(new) + 1), n_chars, key=lambda j: _reach(decode, new[:j]))
 
 
 def tokens_within(decode, new: list[int], n_chars: int) -> int:
-    """The most leading tokens whose text fits in `n_chars` characters."""
-    return bisect.bisect_right(range(len(new) + 1), n_chars, key=lambda j: len(decode(new[:j]))) - 1
+    """The most leading tokens whose text fits in `n_chars` characters, none of them incomplete."""
+    return bisect.bisect_right(range(len(new) + 1), n_chars, key=lambda j: _reach(decode, new[:j])) - 1
 
 
 async def in_thread(make: Callable[[], Iterator], name: str = "specter-generation") -> AsyncIterator:

@@ -260,6 +260,111 @@ def test_stop_string_cuts_text_and_token_ids_alike(engine, spec_engine):
         assert "".join(spec_engine.stream(PROMPT, max_new_tokens=32, stop=stop, **GREEDY)) == out.text
 
 
+class _Chunks:
+    """A decoder that commits the given chunks of token ids, whatever the prompt: the engine's own text
+    path (stop strings, Printer, stream_ids) on exact id sequences, as one token a step (resident) or
+    several a cycle (speculation) would commit them."""
+
+    def __init__(self, real, chunks):
+        self.real, self.chunks, self.context = real, chunks, real.context
+
+    def reset_stats(self):
+        pass
+
+    def stats(self):
+        return {}
+
+    def run(self, ids, params, max_new):
+        yield from (list(c) for c in self.chunks)
+
+
+def _byte_ids(engine, text: str) -> list[int]:
+    """One token a UTF-8 byte (the byte-level BPE's 256 byte tokens): a character split over tokens."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]  # GPT-2's byte -> symbol table:
+    others = [b for b in range(256) if b not in printable]             # printable bytes stand for themselves,
+    symbol = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}  # others 256+
+    vocab = engine.tokenizer.get_vocab()
+    return [vocab[symbol[b]] for b in text.encode()]
+
+
+def _run(engine, chunks, stop):
+    """(generate's output, stream's pieces, stream_ids' ids) for the chunks."""
+    real, engine.decoder = engine.decoder, _Chunks(engine.decoder, chunks)
+    try:
+        out = engine.generate([5], max_new_tokens=200, stop=stop, **GREEDY)
+        pieces = list(engine.stream([5], max_new_tokens=200, stop=stop, **GREEDY))
+        ids = [t for c in engine.stream_ids([5], max_new_tokens=200, stop=stop, **GREEDY) for t in c]
+    finally:
+        engine.decoder = real
+    return out, pieces, ids
+
+
+@pytest.mark.parametrize("stop", ["\u00e9", "a\u00e9", "\u20ac", "\U0001f600", "\ufffd"])
+def test_a_stop_split_over_byte_tokens_cuts_as_one_chunk_does(engine, stop):
+    """A stop ending in a multi-byte character that arrives a byte a token was never matched: the scan
+    skipped the U+FFFD of the incomplete character. Nor may "\ufffd" match a character still arriving."""
+    enc = lambda t: engine.tokenizer(t)["input_ids"]  # noqa: E731
+    ch = "\u00e9" if stop == "\ufffd" else stop[-1]
+    seq = enc("x = 1") + _byte_ids(engine, "a" + ch) + enc(" + y")
+    full = engine.decode(seq)
+    want = full if stop == "\ufffd" else full[:full.find(stop)]
+    for chunks in ([[t] for t in seq], [seq]):  # one token a chunk, one chunk
+        out, pieces, ids = _run(engine, chunks, [stop])
+        assert out.text == want and out.stats["finish_reason"] == ("length" if stop == "\ufffd" else "stop")
+        assert "".join(pieces) == want and ids == out.token_ids
+        assert engine.decode(out.token_ids).startswith(want) and "\ufffd" not in engine.decode(out.token_ids)
+
+
+def test_token_ids_never_end_inside_a_character(engine):
+    """tokens h, 0xC3, 0xA9 (\u00e9), llo and stop "l": token_ids were [h, 0xC3], half a character, and
+    stream_ids did not join to them."""
+    enc = lambda t: engine.tokenizer(t)["input_ids"]  # noqa: E731
+    seq = enc("h") + _byte_ids(engine, "\u00e9") + enc("llo")
+    for chunks in ([[t] for t in seq], [seq]):
+        out, pieces, ids = _run(engine, chunks, ["l"])
+        assert (out.text, out.token_ids) == ("h\u00e9", seq[:3]) and ids == seq[:3] and "".join(pieces) == "h\u00e9"
+
+
+@pytest.mark.parametrize("stops", [["x = 1", " ="], ["= 1\n", " "], ["na\u00efv", "\u00ef", "\u00efve"]])
+def test_the_stop_that_ends_first_wins_however_tokens_are_chunked(engine, stops):
+    """Within a chunk the stop that started first won, across chunks the one that ended first: resident
+    and speculation cut the same greedy tokens differently. Now the one that ends first (a tie: the
+    longer), what a token at a time finds."""
+    enc = lambda t: engine.tokenizer(t)["input_ids"]  # noqa: E731
+    seq = enc("y\nx = 1\n") + _byte_ids(engine, "na\u00efve") + enc(" end")
+    full = engine.decode(seq)
+    want = full[:min((full.find(s) + len(s), full.find(s)) for s in stops if s in full)[1]]
+    for chunks in ([[t] for t in seq], [seq], [seq[:3], seq[3:7], seq[7:]]):
+        out, pieces, ids = _run(engine, chunks, stops)
+        assert out.text == want and "".join(pieces) == want and ids == out.token_ids, chunks
+
+
+def test_tokens_for_and_within_under_byte_fallback():
+    """A byte-fallback tokenizer (Llama, Mixtral) decodes each pending byte of a character as its own
+    U+FFFD, so a prefix's text gets shorter when the character completes: the bisection over prefixes
+    took a token inside a character."""
+    import codecs
+
+    from specter.streaming import tokens_for, tokens_within
+
+    def decode(ids):  # ids are bytes: complete characters, then one U+FFFD a pending byte
+        d = codecs.getincrementaldecoder("utf-8")()
+        text = d.decode(bytes(ids))
+        return text + "\ufffd" * len(d.getstate()[0])
+
+    ids = list("xa\u20ac!b\U0001f600c".encode())
+    text = decode(ids)
+    starts = [len(decode(ids[:j])) for j in range(len(ids) + 1) if not decode(ids[:j]).endswith("\ufffd")]
+    for n in range(len(text) + 1):
+        j = tokens_for(decode, ids, n)
+        assert not decode(ids[:j]).endswith("\ufffd") and len(decode(ids[:j])) >= n
+        assert len(decode(ids[:j])) == min(c for c in starts if c >= n)
+        k = tokens_within(decode, ids, n)
+        assert len(decode(ids[:k]).rstrip("\ufffd")) <= n and (k == len(ids) or len(decode(ids[:k + 1])
+                                                                                       .rstrip("\ufffd")) > n
+                                                                  or decode(ids[:k + 1]).endswith("\ufffd"))
+
+
 def test_held_back():
     from specter.streaming import held_back
 

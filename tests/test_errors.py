@@ -303,6 +303,22 @@ def test_bad_prompts(engine):
         engine.generate([])
 
 
+def test_text_that_is_not_unicode_is_a_config_error(chat_model):
+    """A lone surrogate (bytes that are not UTF-8, as Python hands the CLI's argv and stdin over) reached
+    the tokenizer: a TypeError traceback, exit 1. The server already refused it."""
+    engine = specter.load(chat_model, device="cpu", policy="resident")
+    try:
+        for prompt, where in (("x = \ud800", "the prompt"), ([{"role": "user", "content": "a\udcffb"}],
+                                                               "chat message 0's content")):
+            with pytest.raises(specter.ConfigError, match=f"{where}: it is not valid Unicode: a lone surrogate"):
+                engine.generate(prompt, max_new_tokens=2)
+    finally:
+        engine.close()
+    r = subprocess.run([sys.executable, "-m", "specter.cli", "generate", "--policy", "resident", "--greedy",
+                        "--max-new-tokens", "2", b"x = \xff"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not valid Unicode" in r.stderr, r.stderr
+
+
 def test_unknown_policy_and_device(tiny):
     path, _ = tiny("qwen3_moe")
     with pytest.raises(specter.ConfigError, match="unknown policy"):

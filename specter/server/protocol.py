@@ -12,17 +12,15 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from ..sampling import SEED_MAX, SEED_MIN
+from ..streaming import not_unicode
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 1000          # each stop string is searched for after every chunk: bounded
 
 
 def _unicode(text: str) -> str:
     """JSON may carry a lone surrogate ("\\ud800"), which is no text: refuse it before a tokenizer meets it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"the text is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
-                         f"{e.start}; send UTF-8 text (escape pairs \\ud83d\\ude00 are fine)") from None
+    if (why := not_unicode(text)) is not None:
+        raise ValueError(f"the text: {why} (escape pairs \\ud83d\\ude00 are fine)")
     return text
 
 
