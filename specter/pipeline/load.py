@@ -156,7 +156,7 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
             if tier:  # the compressed device tier: the stage's share, as its pool's
                 from ..offload.coded_tier import attach as attach_tier
 
-                attach_tier(inner, tier, lk, rows=decoded)
+                attach_tier(inner, tier, lk)  # (CPU: its hits write from emulate_from's rows, as copies)
             inner.warm()
         guess = None
         stage_layers = SimpleNamespace(model=SimpleNamespace(layers=model.model.layers[stage.first:stage.last]))
