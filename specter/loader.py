@@ -456,7 +456,8 @@ class StoredExperts:
             for layer in self.names:
                 where = {n: (files[reader.entries[n][0]], reader.entries[n][3]) for n in layer}
                 if len(layer) == 2:  # fused [E, N, K]: expert e's rows are one run
-                    parts = [[[(*where[n], e * math.prod(s[1:]))] for e in range(s[0])] for n, s in zip(layer, (s13, s2))]
+                    parts = [[[(*where[n], e * math.prod(s[1:]))] for e in range(s[0])]
+                             for n, s in zip(layer, (s13, s2))]
                 else:  # gate, up, down of each expert: w13[e] is its gate's rows then its up's
                     parts = [[[(*where[n], 0) for n in layer[3 * e:3 * e + 2]] for e in range(s13[0])],
                              [[(*where[layer[3 * e + 2]], 0)] for e in range(s13[0])]]
@@ -476,7 +477,8 @@ class ExpertReads:
     longer the loaded weights, and the coded copy decodes its store instead (offload/coded.py)."""
 
     def __init__(self, parts: list[list[tuple]], shape, dtype: torch.dtype):
-        self.parts, self.shape, self.dtype = parts, torch.Size(shape), dtype  # parts[e]: (file, byte offset, element offset)
+        # parts[e]: expert e's runs in order, each (_OpenedFile, the tensor's byte offset, the run's first element)
+        self.parts, self.shape, self.dtype = parts, torch.Size(shape), dtype
 
     def __len__(self) -> int:
         return len(self.parts)

@@ -195,7 +195,8 @@ def test_budgets_below_top_k_are_refused(case):
         assert f"top-{k}" in str(err.value) and "\n" not in str(err.value)
         # the figures it asks for, given back, are enough (a residency rounded down, or a size rounded to
         # the budget's own figure, was not: "at least 48.0 KiB" for a budget of 48.0 KiB less a byte)
-        pool, residency = re.search(r"\(([\d,]+) bytes\) of slot pool.*\(([\d.e-]+) residency\)", str(err.value)).groups()
+        asked = r"\(([\d,]+) bytes\) of slot pool.*\(([\d.e-]+) residency\)"
+        pool, residency = re.search(asked, str(err.value)).groups()
         assert make_plan(spec, numel, torch.float32, expert_memory=int(pool.replace(",", ""))).slots_per_layer == k
         assert make_plan(spec, numel, torch.float32, residency=float(residency)).slots_per_layer >= k
     # exactly top-k is enough

@@ -30,20 +30,20 @@ def per_copy_ms(model: str, copies: int) -> dict:
     layer = stored[0]
     coded = encode_store([layer])[0]
     reads = stored.expert_reads()[0]
-    slot = torch.empty(layer.w13.shape[1:], dtype=torch.float32), torch.empty(layer.w2.shape[1:], dtype=torch.float32)
+    slot = [torch.empty(w.shape[1:], dtype=torch.float32) for w in (layer.w13, layer.w2)]
     E, out = layer.n_experts, {}
-    for name, src in (("decode", lambda e: (coded.w13[e], coded.w2[e])), ("reads", lambda e: (reads.w13[e], reads.w2[e])),
-                      ("rows", lambda e: (layer.w13[e], layer.w2[e]))):
+    sources = {"decode": coded, "reads": reads, "rows": layer}  # each indexed w13[e], w2[e]
+    for name, src in sources.items():
         t0 = time.perf_counter()
         for i in range(copies):
-            for d, s in zip(slot, src(i % E)):
+            for d, s in zip(slot, (src.w13[i % E], src.w2[i % E])):
                 _copy_serial(d, s)
         out[name] = round((time.perf_counter() - t0) / copies * 1e3, 2)
     out["expert_mb"] = round(layer.expert_nbytes() / 1e6, 2)
     return out
 
 
-def tpot_ms(model: str, tokens: int, mode: str) -> float:
+def tpot_ms(model: str, tokens: int, mode: str) -> tuple[float, list[int]]:
     coded_tier.ROWS_MAX_BYTES = 0  # past the limit, as a big model's store
     keep = StoredExperts.expert_reads
     if mode == "decode":
@@ -68,7 +68,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24)
     a = ap.parse_args()
     res = {"per_copy_ms": per_copy_ms(a.model, a.copies)}
-    (res["tpot_ms_decode"], t_dec), (res["tpot_ms_reads"], t_reads) = (tpot_ms(a.model, a.tokens, m) for m in ("decode", "reads"))
+    res["tpot_ms_decode"], t_dec = tpot_ms(a.model, a.tokens, "decode")
+    res["tpot_ms_reads"], t_reads = tpot_ms(a.model, a.tokens, "reads")
     res["same_tokens"] = t_dec == t_reads
     print(json.dumps(res))
 

@@ -407,7 +407,8 @@ def read_cached(entry: Path | None, n_layers: int, shapes, first: int = 0) -> li
     pipeline stage's own layers)."""
     if entry is None:
         return [None] * n_layers
-    return [_read_layer(entry / f"layer-{i}.safetensors", entry.name, i, shapes) for i in range(first, first + n_layers)]
+    return [_read_layer(entry / f"layer-{i}.safetensors", entry.name, i, shapes)
+            for i in range(first, first + n_layers)]
 
 
 def coded_store(store, cached: list[CodedLayer | None], entry: Path | None, *,

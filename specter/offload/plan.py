@@ -301,7 +301,7 @@ def _slots(E: int, layer_bytes: int, fixed: dict, residency, expert_memory, devi
     """Expert slots (at most E: every expert a layer, or of the model) that the budget buys, a slot
     taking `layer_bytes` (one expert in every layer, or one in the shared pool); and the budget in words."""
     if residency is not None:
-        if isinstance(residency, bool) or not (isinstance(residency, numbers.Real) and 0 < residency <= 1):  # numpy's too
+        if isinstance(residency, bool) or not (isinstance(residency, numbers.Real) and 0 < residency <= 1):  # (numpy)
             raise ConfigError(f"residency must be a fraction in (0, 1], got {residency!r}")
         return min(math.ceil(residency * E - 1e-9), E), f"residency {residency}"
     if expert_memory is not None:
@@ -374,8 +374,8 @@ def emulated_device_bytes(plan: MemoryPlan, spec: ModelSpec, store_dtype: torch.
 
     embed = spec.vocab_size * spec.hidden * max(0, compute.itemsize - store_dtype.itemsize)
     weights = spec.n_moe_layers * spec.n_experts * spec.expert_numel()
-    dense = weights * compute.itemsize - plan.draft_bytes if plan.draft_bytes and not keep_packed("cpu", weights, compute) \
-        else 0
+    held_dense = plan.draft_bytes and not keep_packed("cpu", weights, compute)
+    dense = weights * compute.itemsize - plan.draft_bytes if held_dense else 0
     return plan.total_bytes - embed - (plan.slot_pool_bytes if plan.pool_rows == "store" else 0) + dense
 
 
