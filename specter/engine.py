@@ -357,9 +357,10 @@ class Engine:
         t_end = time.perf_counter()
         t_first = t_end if t_first is None else t_first
         stats.update(STATS_DEFAULTS)
-        stats.update(dec.stats())
-        stats.update(
-            decode_stall_s=stats["stall_s"] - prefill_stall,  # copies waited on after the first token
+        own = dec.stats()
+        stats.update(own)
+        stats.update(  # copies waited on after the first token (a pipeline's decoder sums its ranks')
+            decode_stall_s=own.get("decode_stall_s", stats["stall_s"] - prefill_stall),
             ttft_s=t_first - t0,
             tpot_s=(t_end - t_first) / max(len(new) - 1, 1),
             new_tokens=len(new),

@@ -584,6 +584,23 @@ def test_optimistic_cycles_give_one_process_tokens_whichever_side_is_slower(ckpt
             assert opt["pre_steps"] < opt["pre_drafted"] * 3, opt  # (the guess and K = 2 each, had none stopped)
 
 
+def test_a_stages_slot_pool_is_the_plans_dtype():
+    """A stage's pool was the store's dtype (bf16) where the plan's is fp32 (CPU): the emulated link, which
+    charges the bytes written, charged a rank's copy half of one process's, and its coded tier held twice
+    as many members as planned."""
+    from specter.loader import open_checkpoint
+    from specter.pipeline.load import load_stage
+    from specter.pipeline.stages import make_stages
+
+    path = specter.default_model_path()  # bf16
+    for s in make_stages(open_checkpoint(path).spec, 2, 2, drafts=False):
+        st = load_stage(path, s, torch.device("cpu"), policy="on-demand", residency=0.25, threads=1)
+        try:
+            assert st.provider.inner.pool[0].w13.dtype == getattr(torch, st.plan.pool_dtype) == torch.float32
+        finally:
+            st.close()
+
+
 def test_k_max_and_compress_experts_give_one_process_tokens(tmp_path):
     """--k-max (rank 0's governor's longest draft) and --compress-experts (each rank's own layers' experts
     coded, in one process's coded cache) under a 2-rank pipeline: one process's greedy tokens with the
@@ -597,6 +614,7 @@ def test_k_max_and_compress_experts_give_one_process_tokens(tmp_path):
              for k in (1, 4)]
     cases += [dict(model=str(path), policy=p, residency=0.5, prompt=PROMPT, new=NEW, sampling=GREEDY, compress=True,
                    draft_cache=str(caches["ranks"])) for p in ("on-demand", "host", "specter", "spec-lru")]
+    cases += [dict(model=str(path), policy="on-demand", residency=0.5, prompt=PROMPT, new=1, sampling=GREEDY)]
     out = tmp_path / "results.json"
     ranks = _launch([["-c", RANKS, json.dumps(cases), str(out)]] * 2, timeout=240)
     assert all(r[0] == 0 for r in ranks), [r[2][-2000:] for r in ranks]
@@ -607,13 +625,17 @@ def test_k_max_and_compress_experts_give_one_process_tokens(tmp_path):
         engine = specter.load(c["model"], device="cpu", policy=c["policy"], residency=0.5, threads=1, **k_max,
                               compress_experts=c.get("compress", False),
                               draft_cache=str(caches["one"]) if c.get("compress") else None)
-        ref = engine.generate(PROMPT, NEW, **c["sampling"])
+        ref = engine.generate(PROMPT, c["new"], **c["sampling"])
         engine.close()
         assert g["tokens"] == ref.token_ids, c
         if c.get("k_max"):  # the governor drafted no longer than --k-max
             assert max(map(int, g["stats"]["k_histogram"])) <= c["k_max"] and g["stats"]["drafted_tokens"] > 0
         if c.get("compress") and c["policy"] != "host":  # the coded store served misses: over each rank's link,
             assert 0 < g["stats"]["h2d_bytes"] + g["stats"]["tier_hits"], g["stats"]  # or from the tier its load filled
+            per = g["stats"]["pipeline"]["per_rank"]  # the tier's counters are summed too (they were rank 0's)
+            assert all(g["stats"][k] == sum(r[k] for r in per) for k in ("tier_hits", "tier_fills", "tier_decoded_bytes"))
+        if c["new"] == 1:  # no step after the first token: nothing stalled after it, on any rank (rank 1's
+            assert g["stats"]["decode_stall_s"] == 0 < g["stats"]["stall_s"], g["stats"]  # prefill stall counted)
     files = {w: cache_entry(open_checkpoint(path).files.values(), str(d)) for w, d in caches.items()}
     names = sorted(p.name for p in files["one"].glob("layer-*"))
     assert names == [f"layer-{i}.safetensors" for i in range(3)]

@@ -128,6 +128,8 @@ class PipelineDecoder:
         """Rank 0's expert stats until the generation ends; then the sum over the ranks, each rank's own
         under pipeline.per_rank."""
         out = summed(self._per_rank or [self.stage.stats()])
+        if self._per_rank:  # every rank's stalls after its own prompt step (the engine knows only rank 0's)
+            out["decode_stall_s"] = out.get("stall_s", 0.0) - out.get("prefill_stall_s", 0.0)
         out["pipeline"] = dict(pipeline_info(self.group, self.stages, self.wire), per_rank=self._per_rank)
         return out
 

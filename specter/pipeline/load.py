@@ -60,7 +60,7 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
 
     check_compressible(ckpt, compress_experts)
     dt = compute_dtype(device, ckpt.dtype, dtype)
-    plan = lk = None
+    plan = lk = pdt = None  # pdt: the slot pool's dtype (the plan's: fp32 on CPU for a small pool)
     if not pol.offloads:
         if residency is not None or expert_memory is not None or device_memory is not None or link is not None:
             raise ConfigError(f"policy {policy!r} keeps every expert on the device, so a budget or --link would be "
@@ -138,7 +138,7 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
         if decoded is None and mine and uses_host_lane(pol, device, host_threads):  # a host lane computes from it
             decoded = [layer.decoded() for layer in mine]
     tokenizer = load_tokenizer(path) if stage.is_first else None
-    provider = stage_layers = pdt = None
+    provider = stage_layers = None
     if mine:
         resident = None
         if not pol.offloads or plan.pool_rows == "resident":

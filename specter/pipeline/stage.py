@@ -128,6 +128,7 @@ class StageModel:
         self.whole = False  # this stage holds the whole draft and a KV cache of every layer
         self.k_max = 0  # a drafting policy's longest draft (the wire's inline rows follow it)
         self.step_s = 0.0  # wall seconds in `forward` since reset_stats (stats: step_s)
+        self.prefill_stall_s = None  # the stage's stall_s after its first target step since reset_stats
 
     @property
     def all_resident(self) -> bool:
@@ -152,6 +153,8 @@ class StageModel:
                                   pieces=self.pieces)
         finally:
             self.step_s += time.perf_counter() - t
+            if experts is None and self.prefill_stall_s is None and self.provider is not None:  # the prompt's
+                self.prefill_stall_s = self.provider.stats().get("stall_s", 0.0)
 
     @torch.inference_mode()
     def draft_forward(self, tokens: torch.Tensor, start: int, logits_for: str = "last") -> torch.Tensor:
@@ -164,12 +167,13 @@ class StageModel:
     def stats(self) -> dict:
         s = self.provider.stats() if self.provider is not None else {}
         s["step_s"] = self.step_s
+        s["prefill_stall_s"] = self.prefill_stall_s or 0.0  # (decode_stall_s: stall_s less this, summed)
         if self.planner is not None:
             s["cover_hits"], s["cover_total"] = self.planner.cover_hits, self.planner.cover_total
         return s
 
     def reset_stats(self) -> None:
-        self.step_s = 0.0
+        self.step_s, self.prefill_stall_s = 0.0, None
         if self.provider is not None:
             self.provider.reset_stats()
         if self.planner is not None:
