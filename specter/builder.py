@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .engine import Engine
-from .errors import ConfigError
+from .errors import BudgetError, ConfigError
 from .generation_defaults import read_generation_defaults
 from .layers import cuda_attention_backends
 from .loader import Checkpoint, StoredExperts, load_checkpoint, load_tokenizer, open_checkpoint
@@ -124,6 +124,21 @@ def check_draft_bits(draft_bits) -> None:
         raise ConfigError(f"draft_bits must be 4, 3 or 2 (the draft experts' code width), got {draft_bits!r}")
 
 
+def _narrower(spec, bits: int) -> list[int]:
+    """The draft widths below `bits` this model's experts pack at."""
+    from specter.triton_ops.int4 import packable_widths
+
+    return [b for b in packable_widths(spec.hidden, spec.expert_inter) if b < bits]
+
+
+def _plans(spec, numel: int, dt, bits: int, planned: dict) -> bool:
+    try:
+        make_plan(spec, numel, dt, draft_bits=bits, **planned)
+        return True
+    except BudgetError:
+        return False
+
+
 def check_compressible(ckpt: Checkpoint, compress_experts) -> None:
     """compress_experts is a bool, and the checkpoint bf16 when it is set."""
     if not isinstance(compress_experts, bool):
@@ -177,11 +192,20 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         if residency is None and expert_memory is None and device_memory is None and device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             device_memory = int(free * 0.9)
-        plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
-                         device_memory=device_memory, context=context, draft=pol.drafts, device=device,
-                         store_dtype=ckpt.dtype,
-                         compressed=compress_experts, pool=slot_pool, draft_bits=draft_bits,
-                         coded_tier=PLAN_RATIO if compress_experts and tier_wanted(pol, device, dt) else None)
+        planned = dict(residency=residency, expert_memory=expert_memory, device_memory=device_memory,
+                       context=context, draft=pol.drafts, device=device, store_dtype=ckpt.dtype,
+                       compressed=compress_experts, pool=slot_pool,
+                       coded_tier=PLAN_RATIO if compress_experts and tier_wanted(pol, device, dt) else None)
+        try:
+            plan = make_plan(spec, ckpt.numel(), dt, draft_bits=draft_bits, **planned)
+        except BudgetError as e:  # a narrower draft may leave the pool its top-k (plan --device-memory picks one)
+            if not pol.drafts or device_memory is None:
+                raise
+            fits = [b for b in _narrower(spec, draft_bits) if _plans(spec, ckpt.numel(), dt, b, planned)]
+            if not fits:
+                raise
+            raise BudgetError(f"{e}; or a narrower draft: draft_bits (--draft-bits) {' or '.join(map(str, fits))} "
+                              f"fits") from None
         if device.type == "cuda":
             check_device_room(plan, torch.cuda.mem_get_info(device)[0])
         pdt = getattr(torch, plan.pool_dtype)

@@ -248,3 +248,18 @@ def test_a_model_no_width_packs_says_to_run_without_a_draft(tiny, tmp_path):
     f = fit(ckpt.spec, ckpt.numel(), torch.float32, "1MiB", policy="specter")
     assert not f.fits and "no draft width packs" in f.suggestions[0]
     assert not {o.policy for o in search(ckpt.spec, ckpt.numel(), torch.float32, "1MiB")} & {"specter", "spec-lru"}
+
+
+def test_a_budget_only_a_narrower_draft_fits_says_which(fast_link):
+    """The bundled model in 24 MiB of device_memory: the default INT4 draft leaves no top-k slots, where
+    `specter plan` picks INT3. The load's refusal did not say a narrower draft runs."""
+    from specter.loader import open_checkpoint
+    from specter.offload.plan import fit
+
+    ckpt = open_checkpoint(specter.default_model_path())
+    assert fit(ckpt.spec, ckpt.numel(), torch.float32, "24MiB", policy="specter", device="cpu").draft_bits == 3
+    with pytest.raises(specter.BudgetError, match=r"top-2 .*; or a narrower draft: draft_bits \(--draft-bits\) 3 or 2"):
+        specter.load(None, device="cpu", policy="specter", device_memory="24MiB")
+    with pytest.raises(specter.BudgetError) as err:  # nothing narrower fits: the refusal as it was
+        specter.load(None, device="cpu", policy="specter", device_memory="20MiB")
+    assert "narrower draft" not in str(err.value)
