@@ -23,7 +23,7 @@ from .offload.host_experts import HostExperts
 from .offload.host_lane import LaneChoice, host_params, make_host_lane
 from .offload.cuda_link import make_link
 from .offload.manager import OffloadedExperts
-from .offload.plan import check_context, check_device_room, compute_dtype, make_plan, pool_dtype
+from .offload.plan import check_context, check_device_room, compute_dtype, draft_widths, make_plan, pool_dtype
 from .offload.store import pin_wanted
 from .offload.oracle import OracleDecoder
 from .policy import Policy, get as get_policy
@@ -124,13 +124,6 @@ def check_draft_bits(draft_bits) -> None:
         raise ConfigError(f"draft_bits must be 4, 3 or 2 (the draft experts' code width), got {draft_bits!r}")
 
 
-def _narrower(spec, bits: int) -> list[int]:
-    """The draft widths below `bits` this model's experts pack at."""
-    from specter.triton_ops.int4 import packable_widths
-
-    return [b for b in packable_widths(spec.hidden, spec.expert_inter) if b < bits]
-
-
 def _plans(spec, numel: int, dt, bits: int, planned: dict) -> bool:
     try:
         make_plan(spec, numel, dt, draft_bits=bits, **planned)
@@ -201,7 +194,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         except BudgetError as e:  # a narrower draft may leave the pool its top-k (plan --device-memory picks one)
             if not pol.drafts or device_memory is None:
                 raise
-            fits = [b for b in _narrower(spec, draft_bits) if _plans(spec, ckpt.numel(), dt, b, planned)]
+            fits = [b for b in draft_widths(spec) if b < draft_bits and _plans(spec, ckpt.numel(), dt, b, planned)]
             if not fits:
                 raise
             raise BudgetError(f"{e}; or a narrower draft: draft_bits (--draft-bits) {' or '.join(map(str, fits))} "

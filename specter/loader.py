@@ -300,8 +300,9 @@ def load_checkpoint(
     try:
         params = [(n, _source(n, spec, reader)) for n, _ in model.named_parameters()
                   if layers is None or _in_stage(n, layers, spec.n_layers)]
-        _check_all_read(reader, spec, model)
-        names = _expert_names(reader, spec) if experts else []
+        every = _expert_names(reader, spec)
+        _check_all_read(reader, spec, model, every)
+        names = every if experts else []
         span = expert_layers if expert_layers is not None else layers
         if span is not None:
             names = [n for l, n in zip(spec.moe_layer_ids, names) if span[0] <= l < span[1]]
@@ -334,13 +335,13 @@ def load_checkpoint(
     return model, store, ckpt
 
 
-def _check_all_read(reader: _Reader, spec: ModelSpec, model: MoETransformer) -> None:
+def _check_all_read(reader: _Reader, spec: ModelSpec, model: MoETransformer, experts: list[list[str]]) -> None:
     """Every stored tensor of a module the model computes is one it reads: a tensor left over there (a
     bias the config does not declare, or declares through an option Specter does not read) would make
     the output another model's, so it is a CheckpointError. Others (past the last decoder layer, e.g. a
     multi-token-prediction head) are warned about; rotary inv_freq buffers and a tied lm_head are not."""
     read = {_checkpoint_name(n, spec) for n, _ in model.named_parameters()}
-    read.update(n for layer in _expert_names(reader, spec) for n in layer)
+    read.update(n for layer in experts for n in layer)  # (_expert_names: every MoE layer's)
     left = [n for n in reader.entries if n not in read and not n.endswith("rotary_emb.inv_freq")
             and not (n == "lm_head.weight" and spec.tie_embeddings)]
     if not left:

@@ -83,7 +83,7 @@ def alias_pool(device, compute: torch.dtype, slots: int, expert_numel: int, ever
     return _is_cpu(device) and (every_expert or slots * expert_numel * compute.itemsize > POOL_UPCAST_MIN_BYTES)
 
 
-def _widths(spec: ModelSpec) -> tuple[int, ...]:
+def draft_widths(spec: ModelSpec) -> tuple[int, ...]:
     """The draft widths of DRAFT_BITS this model's experts pack at (the load refuses the others)."""
     from specter.triton_ops.int4 import packable_widths
 
@@ -441,7 +441,7 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
         from ..speculative.draft_cache import check_packable
 
         check_packable(draft_bits, spec.hidden, spec.expert_inter)
-    widths = (draft_bits,) if draft_bits is not None else _widths(spec) if draft else (4,)
+    widths = (draft_bits,) if draft_bits is not None else draft_widths(spec) if draft else (4,)
     if not widths:
         return Fit(policy, budget, context, None, 0, 0, [
             f"no draft width packs this model's sizes ({spec.hidden}, {spec.expert_inter}): a policy without "
@@ -626,7 +626,7 @@ def search(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory,
     budget = parse_budget(device_memory, "device_memory")
     out = []
     for policy in policies or POLICIES:
-        for bits in (_widths(spec) if get_policy(policy).drafts else (None,)):
+        for bits in (draft_widths(spec) if get_policy(policy).drafts else (None,)):
             for ctx in contexts_to_try(spec, context):
                 try:
                     if not get_policy(policy).offloads:
