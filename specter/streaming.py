@@ -48,9 +48,8 @@ class Printer:
         if text is None:  # no tokenizer (and so no stop strings)
             ids_end, text_end = len(new), 0
         else:
-            text_end = len(text) - held_back(text, self.stops)
-            if text[:text_end].endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait
-                return None
+            done = complete(text)  # an incomplete UTF-8 sequence at the end waits for its other bytes
+            text_end = len(done) - held_back(done, self.stops)
             ids_end = len(new) if text_end == len(text) else tokens_within(self.engine.decode, new, text_end)
         if ids_end > self.sent or text_end > self.printed:
             piece = new[self.sent:ids_end], (text or "")[self.printed:text_end]

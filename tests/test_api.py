@@ -412,3 +412,19 @@ def test_finish_reason_and_cancel(engine):
         cancel.set()  # e.g. the client went away: the generation ends at its next cycle
     assert stats["finish_reason"] == "cancelled" and stats["new_tokens"] <= 3, stats
     assert "".join(pieces) == full[:len("".join(pieces))]
+
+
+def test_streaming_prints_the_text_before_an_incomplete_character(engine):
+    """A chunk ending in the first byte of a character held back the whole chunk's text until the
+    character completed; the complete text before it is final and is printed at once."""
+    enc = lambda t: engine.tokenizer(t)["input_ids"]  # noqa: E731
+    hello, emoji = enc("Hello"), _byte_ids(engine, "\U0001f600")
+    chunks = [hello + emoji[:1], emoji[1:3], emoji[3:], enc("!")]
+    out, pieces, ids = _run(engine, chunks, [])
+    assert pieces == ["Hello", "\U0001f600", "!"] and ids == out.token_ids == [t for c in chunks for t in c]
+    real, engine.decoder = engine.decoder, _Chunks(engine.decoder, chunks)
+    try:
+        streamed = list(engine.stream_ids([5], max_new_tokens=200, **GREEDY))
+    finally:
+        engine.decoder = real
+    assert streamed == [hello, emoji, enc("!")]
