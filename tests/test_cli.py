@@ -94,6 +94,20 @@ def test_dtype_and_penalties_reach_the_engine(capsys):
 
 
 @needs_default
+def test_stop_reads_backslash_escapes(capsys):
+    """A shell cannot type a newline in quotes: --stop '\\n' was the two characters backslash and n, which
+    code never contains, so the generation ran to its length."""
+    args = build_parser().parse_args(["generate", "x", "--stop", r"\n", "--stop", r"\\n", "--stop", r"a\tb\d"])
+    assert args.stop == ["\n", "\\n", "a\tb\\d"]
+    argv = ["generate", "# sum\n", "--policy", "resident", "--device", "cpu", "--max-new-tokens", "24", "--greedy",
+            "--json"]
+    assert main(argv) == 0
+    full = json.loads(capsys.readouterr().out)["text"]
+    assert main(argv + ["--stop", r"\n"]) == 0
+    assert "\n" in full and json.loads(capsys.readouterr().out)["text"] == full[:full.index("\n")]
+
+
+@needs_default
 def test_context_reaches_the_engine(capsys):
     """--context bounds a generation (exit 2, the engine's message) and plans the KV cache it keeps."""
     argv = ["generate", "def add(a, b):", "--policy", "on-demand", "--device", "cpu", "--context", "16", "--json"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import os
 from pathlib import Path
 
@@ -143,8 +144,18 @@ def sampling_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--frequency-penalty", type=float, default=None,
                    help="[-2, 2]: subtracted per occurrence among generated tokens (neutral 0)")
     s.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one each run)")
-    p.add_argument("--stop", action="append", default=None,
-                   help="stop string: the text ends before it (repeatable)")
+    p.add_argument("--stop", action="append", default=None, type=stop_string,
+                   help="stop string: the text ends before it (repeatable; \\n, \\t, \\r and \\\\ are escapes, "
+                        "so --stop '\\n' stops at a newline)")
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def stop_string(text: str) -> str:
+    """--stop's value with \\n, \\t, \\r and \\\\ read as escapes, as a shell cannot type a newline in
+    quotes; any other backslash is itself."""
+    return re.sub(r"\\(.)", lambda m: _ESCAPES.get(m[1], m[0]), text, flags=re.S)
 
 
 def sampling_kwargs(args) -> dict:
