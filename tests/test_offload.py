@@ -568,6 +568,38 @@ def test_reset_and_warm():
         mgr.slots.check()
 
 
+@pytest.mark.parametrize("coalesce", [False, True])
+@POOL
+def test_a_copy_that_fails_to_issue_leaves_no_slot_reserved(monkeypatch, pool, coalesce):
+    """A copy that raised as it was issued (CUDA: out of memory for its staging) left its expert's slot
+    reserved with no copy coming: every later call read that expert's rows as zeros through the remap
+    row, and its slot was never evicted. The call fails; the next one computes resident's output."""
+    store = make_store()
+    with slow_link(bandwidth=1e12, latency=0) as link:
+        mgr = make_mgr(store, 3, link, pool)
+        mgr.warm()
+        monkeypatch.setattr(mgr, "coalesce", coalesce)
+        x, ids, weights = routed(4, 2, 8, torch.Generator().manual_seed(7))
+        real, calls = link.copy, []
+
+        def flaky(*a, **kw):  # the second copy issued fails: one miss may have landed before it
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("CUDA out of memory (a stand-in)")
+            return real(*a, **kw)
+
+        monkeypatch.setattr(link, "copy", flaky)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            mgr(1, x, ids, weights)
+        mgr.slots.check()
+        loading = [e for e in range(8) if mgr.slots.slot_of(1, e) is not None and not mgr.slots.is_ready(1, e)]
+        assert len(calls) == 2 and all((1, e) in mgr.inflight for e in loading), loading
+        monkeypatch.setattr(link, "copy", real)
+        for l in range(2):
+            assert torch.equal(mgr(l, x, ids, weights), ResidentExperts(store)(l, x, ids, weights))
+        mgr.slots.check()
+
+
 def test_prefetch_used_counts_only_prefetches_that_served():
     store = make_store()
     with slow_link(bandwidth=1e9, latency=0) as link:

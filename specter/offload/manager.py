@@ -93,35 +93,44 @@ class OffloadedExperts:
         copies: the tier's members decode on the tier's own link, all in one transfer (offload/coded_tier.py);
         the others cross the link in one transfer when it coalesces (one fixed cost), else one each. Stops
         at the first expert no slot can be freed for; returns how many were issued."""
-        src, dst, tier, n = self.store[layer], self.pool[layer], self.tier, 0
         batch, hits = [], []  # (expert, slot): over the link; decoded from the tier
-        with span("copy issue") if profiling.ON else NULL:
-            for e in experts:
-                slot = self.slots.reserve(layer, e, protect=protect)
-                if slot is None:
-                    break
-                n += 1
-                (hits if tier is not None and tier.has(layer, e) else batch).append((e, slot))
-            if hits:  # one decode of them all (CUDA: one launch), after each slot's last reader
-                t = tier.copy(layer, [e for e, _ in hits], [w for _, s in hits for w in (dst.w13[s], dst.w2[s])],
-                              urgent=urgent, after=[self.last_read[s] for _, s in hits])
-                for e, _ in hits:
-                    self.inflight[(layer, e)] = t
-            step = max(1, len(batch)) if self.coalesce else 1
-            for i in range(0, len(batch), step):
-                keys, dsts, srcs, after = [], [], [], []
-                for e, slot in batch[i:i + step]:
-                    keys.append(e)
-                    dsts += (dst.w13[slot], dst.w2[slot])
-                    srcs += (src.w13[e], src.w2[e]) if tier is None else tier.sources(layer, e)
-                    after.append(self.last_read[slot])  # CUDA: the slot's last reader, not all compute
-                order = {"after": after[0] if len(after) == 1 else after} if self._ordered else {}  # CPU: none
-                t = self.link.copy(dsts, srcs, urgent=urgent, tag=(layer, keys[0] if len(keys) == 1 else tuple(keys)),
-                                   **order)
-                self._stats["h2d_bytes"] += t.nbytes  # a coded store's (offload/coded.py): its coded bytes
-                for e in keys:
-                    self.inflight[(layer, e)] = t
-        return n
+        try:
+            with span("copy issue") if profiling.ON else NULL:
+                for e in experts:
+                    slot = self.slots.reserve(layer, e, protect=protect)
+                    if slot is None:
+                        break
+                    (hits if self.tier is not None and self.tier.has(layer, e) else batch).append((e, slot))
+                self._start(layer, batch, hits, urgent)
+        except BaseException:  # a copy that failed to issue (CUDA: out of memory for its staging): no slot is
+            for e, _ in hits + batch:  # left reserved with no copy coming, read as zeros and never evicted
+                if (layer, e) not in self.inflight:
+                    self.slots.cancel(layer, e)  # its slot's old bytes may be gone: the expert it held is too
+            raise
+        return len(batch) + len(hits)
+
+    def _start(self, layer: int, batch: list, hits: list, urgent: bool) -> None:
+        """_issue's copies of the reserved (expert, slot)s: `hits` from the tier, `batch` over the link."""
+        src, dst, tier = self.store[layer], self.pool[layer], self.tier
+        if hits:  # one decode of them all (CUDA: one launch), after each slot's last reader
+            t = tier.copy(layer, [e for e, _ in hits], [w for _, s in hits for w in (dst.w13[s], dst.w2[s])],
+                          urgent=urgent, after=[self.last_read[s] for _, s in hits])
+            for e, _ in hits:
+                self.inflight[(layer, e)] = t
+        step = max(1, len(batch)) if self.coalesce else 1
+        for i in range(0, len(batch), step):
+            keys, dsts, srcs, after = [], [], [], []
+            for e, slot in batch[i:i + step]:
+                keys.append(e)
+                dsts += (dst.w13[slot], dst.w2[slot])
+                srcs += (src.w13[e], src.w2[e]) if tier is None else tier.sources(layer, e)
+                after.append(self.last_read[slot])  # CUDA: the slot's last reader, not all compute
+            order = {"after": after[0] if len(after) == 1 else after} if self._ordered else {}  # CPU: none
+            t = self.link.copy(dsts, srcs, urgent=urgent, tag=(layer, keys[0] if len(keys) == 1 else tuple(keys)),
+                               **order)
+            self._stats["h2d_bytes"] += t.nbytes  # a coded store's (offload/coded.py): its coded bytes
+            for e in keys:
+                self.inflight[(layer, e)] = t
 
     def _land(self, layer: int, e: int) -> None:
         """Wait (if needed) for (layer, e)'s copy and mark it ready."""
