@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import sys
 import warnings
@@ -25,6 +26,7 @@ from .offload.cuda_link import make_link
 from .offload.manager import OffloadedExperts
 from .offload.plan import check_context, check_device_room, compute_dtype, draft_widths, make_plan, pool_dtype
 from .offload.store import pin_wanted
+from .offload.threads import cuda_device
 from .offload.oracle import OracleDecoder
 from .policy import Policy, get as get_policy
 from .speculative.decoder import PlainDecoder, SpeculativeDecoder
@@ -40,6 +42,16 @@ def configure_threads(device: torch.device, threads: int | None) -> None:
     nothing from more threads, and oversubscribed OpenMP pools are catastrophically slow."""
     if device.type == "cpu":
         torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
+
+
+def on_its_device(build):
+    """`build(path, device, ...)` run with `device` the current CUDA device (offload/threads.py): what its
+    Triton launches, graph captures, streams and offload threads then use, on `cuda:N` as on device 0."""
+    @functools.wraps(build)
+    def run(path, device, *args, **kwargs):
+        with cuda_device(device):
+            return build(path, device, *args, **kwargs)
+    return run
 
 
 @dataclass
@@ -94,6 +106,7 @@ class Loaded:
         return self.resident
 
 
+@on_its_device
 def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | None = None,
                 draft_cache=None, compress_experts: bool = False, draft_bits: int = 4) -> Loaded:
     """`compress_experts`: the store is coded losslessly (offload/coded.py; bf16 only), read from its
@@ -142,6 +155,7 @@ def check_compressible(ckpt: Checkpoint, compress_experts) -> None:
                           f"compress_experts (--compress-experts)")
 
 
+@on_its_device
 def build_engine(path: Path, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                  link=None, dtype=None, threads: int | None = None, eviction: str | None = None,
                  device_memory=None, k_max: int = 32, compile: bool | None = None, shared: Loaded | None = None,

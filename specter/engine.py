@@ -32,6 +32,7 @@ from .errors import ConfigError, ContextLengthError, TokenizerError
 from .model import MoETransformer
 from .moe import ExpertWeights
 from .offload.link import poll
+from .offload.threads import cuda_device
 from .sampling import SamplingParams, choose, describe
 from .streaming import Printer, complete, in_thread, not_unicode, tokens_for
 
@@ -311,6 +312,12 @@ class Engine:
 
     def _decoding(self, ids: list[int], params: SamplingParams, max_new_tokens: int, stops: list[str],
                   stats: dict, cancel: threading.Event | None = None) -> Iterator[tuple[list[int], str | None]]:
+        """_chunks on the engine's CUDA device, on whichever thread iterates it (threads.cuda_device)."""
+        with cuda_device(self.device):
+            yield from self._chunks(ids, params, max_new_tokens, stops, stats, cancel)
+
+    def _chunks(self, ids: list[int], params: SamplingParams, max_new_tokens: int, stops: list[str],
+                stats: dict, cancel: threading.Event | None = None) -> Iterator[tuple[list[int], str | None]]:
         """One prepared generation (`_prepare`), run in the engine's turn, whichever driver iterates it:
         the decoder's committed chunks in; (new ids so far, their text or None without a tokenizer)
         out after each, both cut at EOS, max_new_tokens or a stop string; `stats` filled at the end.

@@ -428,3 +428,55 @@ def test_streaming_prints_the_text_before_an_incomplete_character(engine):
     finally:
         engine.decoder = real
     assert streamed == [hello, emoji, enc("!")]
+
+
+def test_cuda_device_is_the_engines_on_every_thread_that_runs_it(monkeypatch):
+    """A thread's current CUDA device starts as 0 and Triton launches on it: an engine on cuda:1 ran its
+    kernels and recorded its lookahead events on device 0. The build, each generation's thread (the
+    caller's, or astream's own) and each offload thread (its creator's device) make the engine's current."""
+    import contextlib
+
+    import torch
+
+    import specter.builder as builder
+    import specter.engine as engine_mod
+    from specter.offload import threads
+
+    assert isinstance(threads.cuda_device(torch.device("cpu")), contextlib.nullcontext)
+    assert isinstance(threads.cuda_device(torch.device("cuda")), contextlib.nullcontext)  # the current one
+    assert threads.cuda_device(torch.device("cuda", 1)).idx == 1
+    seen = []
+
+    @contextlib.contextmanager
+    def record(device):
+        seen.append((device, threading.current_thread().name))
+        yield
+
+    monkeypatch.setattr(builder, "cuda_device", record)
+    monkeypatch.setattr(engine_mod, "cuda_device", record)
+    e = specter.load(None, device="cpu", policy="resident")
+    try:
+        main_thread = threading.current_thread().name
+        assert seen and set(seen) == {(e.device, main_thread)}  # the build (and load_shared within it)
+        del seen[:]
+        e.generate(PROMPT, max_new_tokens=2)
+        list(e.stream(PROMPT, max_new_tokens=2))
+
+        async def drain():
+            return [p async for p in e.astream(PROMPT, max_new_tokens=2)]
+
+        asyncio.run(drain())
+        assert seen == [(e.device, main_thread)] * 2 + [(e.device, "specter-generation")]
+    finally:
+        e.close()
+    # an offload thread takes its creator's device
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.append((d, threading.current_thread().name)))
+
+    class Owner:
+        def close(self):
+            pass
+
+    threads.daemon(lambda: None, "specter-test-thread", Owner()).join()
+    assert seen[-1] == (3, "specter-test-thread")

@@ -10,9 +10,12 @@ completes without sleeping out emulated time, and its thread is joined).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import sys
 import threading
 import weakref
+
+import torch
 
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # owners whose thread may still run; close() is idempotent
 
@@ -20,9 +23,24 @@ _OPEN: weakref.WeakSet = weakref.WeakSet()  # owners whose thread may still run;
 def daemon(run, name: str, owner) -> threading.Thread:
     """Starts `run` on a daemon thread named `name`; `owner.close()` stops it, and runs at exit."""
     _OPEN.add(owner)
-    thread = threading.Thread(target=run, name=name, daemon=True)
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # the creator's
+
+    def body() -> None:
+        if device is not None:
+            torch.cuda.set_device(device)
+        run()
+
+    thread = threading.Thread(target=body, name=name, daemon=True)
     thread.start()
     return thread
+
+
+def cuda_device(device: torch.device):
+    """A context in which `device` is the calling thread's current CUDA device (what Triton launches on
+    and `torch.cuda.current_stream()` means); nothing to do for the CPU or a bare "cuda" (the current one)."""
+    if device.type == "cuda" and device.index is not None:
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 @atexit.register
