@@ -554,6 +554,22 @@ def test_a_fill_lands_in_the_tier_and_the_need_decodes_it():
         mgr.close()
 
 
+def test_the_stall_on_the_tiers_decodes_is_counted(monkeypatch):
+    """CUDA times a wait on its stream by events and reports it from the link it waited on
+    (drain_stall_s): a tier hit waits on the decode link, whose waits stats() never read."""
+    from specter.offload.manager import OffloadedExperts
+
+    with EmulatedLink(1e12, clock=VirtualClock()) as link:
+        mgr = OffloadedExperts(_coded_store(L=2, E=4), None, torch.device("cpu"), link, dtype=torch.float32, pool=2)
+        tier = coded_tier.attach(mgr, 10**9, link, decode_link=DecodeLink(1e12, clock=VirtualClock()))
+        waited = [0.25, 0.5]  # the waits' seconds, as CudaLink.drain_stall_s hands them over once
+        monkeypatch.setattr(link, "drain_stall_s", lambda: 0.125)
+        monkeypatch.setattr(tier.link, "drain_stall_s", lambda: waited.pop(0) if waited else 0.0)
+        mgr.reset_stats()  # before now: no one's
+        assert mgr.stats()["stall_s"] == 0.125 + 0.5
+        mgr.close()
+
+
 def test_a_fill_on_cuda_stages_the_bytes_and_decodes_only_at_need(monkeypatch):
     """FakeCuda (held prefetches, window 0): a fill stages its expert's bytes on the device and launches
     no decode; the tier keeps that buffer when it lands; a fill still held when the cycle ends is

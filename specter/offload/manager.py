@@ -429,8 +429,13 @@ class OffloadedExperts:
                 self.last_read[slot[e]] = ev
 
     # -------------------------------------------------------------------------------- stats
+    def _drain_stall_s(self) -> float:
+        """CUDA: seconds compute waited on copies and on the tier's decodes (its own link), timed by events."""
+        tier = self.tier.link if self.tier is not None and self.tier.link is not self.link else None
+        return self.link.drain_stall_s() + (tier.drain_stall_s() if tier is not None else 0.0)
+
     def reset_stats(self) -> None:
-        self.link.drain_stall_s()  # waits before now belong to no one
+        self._drain_stall_s()  # waits before now belong to no one
         self.prefetched.clear()
         self._resident_hits = torch.zeros((), dtype=torch.int64, device=self.device)  # read in stats()
         self._hits_on_device = False  # only then is there anything to read (a host sync on CUDA)
@@ -440,7 +445,7 @@ class OffloadedExperts:
                            prefetch_used=0, prefetch_cancelled=0, host_experts=0, host_bytes=0, host_stall_s=0.0)
 
     def stats(self) -> dict:
-        self._stats["stall_s"] += self.link.drain_stall_s()  # CUDA: stream waits, timed by events
+        self._stats["stall_s"] += self._drain_stall_s()
         if self._hits_on_device:
             self._stats["expert_hits"] += int(self._resident_hits)
             self._resident_hits.zero_()
