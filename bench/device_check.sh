@@ -6,7 +6,7 @@
 #
 #   CHECKS=suite  the targeted CUDA suite: tests/test_cuda.py (fused MoE kernels against the fp32
 #                 reference at bf16 and bit-exact batch invariance, one lossless run per policy on
-#                 a tiny checkpoint, async against sync driver, captured graphs sync-free, the
+#                 a tiny checkpoint, astream against generate, captured graphs sync-free, the
 #                 pinned host store) with the CUDA tests of the other files (-k cuda; the
 #                 lossless decode kernel bit for bit among them)
 #                 -> suite.xml (JUnit), suite.log

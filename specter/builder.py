@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
+import inspect
 import os
 import sys
 import warnings
@@ -169,7 +171,12 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     the policy's). `slot_pool`: "shared" (one expert pool for every layer) or "layer" (its per-layer rule)."""
     pol = get_policy(policy)
     if options:
-        raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}")
+        known = [n for n, p in inspect.signature(build_engine).parameters.items()
+                 if p.kind is p.KEYWORD_ONLY and n not in ("policy", "shared")]
+        near = [m for n in options for m in difflib.get_close_matches(n, known, n=1)]
+        raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}"
+                          + (f" (did you mean {', '.join(near)}?)" if near else "")
+                          + f"; specter.load takes model, device, policy and {', '.join(known)}")
     pol.check_host_threads(host_threads)
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
         raise ConfigError(f"k_max must be an integer >= 0 (0 = no speculation), got {k_max!r}")

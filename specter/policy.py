@@ -66,8 +66,8 @@ TABLE = (
     Policy("on-demand", "LRU slot cache, an expert copied when a token needs it", offloads=True),
     Policy("next-layer", "on-demand, plus the next layer's likely experts copied ahead (its router applied to "
                          "the current hidden state)", offloads=True, prefetch="next-layer"),
-    Policy("host", "on-demand, but the experts not on the device computed on the host where the store holds "
-                   "them", offloads=True, host_lane="misses"),
+    Policy("host", "a slot budget filled once and never copied to; every other expert computed on the host "
+                   "where the store holds it (llama.cpp's --n-cpu-moe)", offloads=True, host_lane="misses"),
     Policy("spec-lru", "speculation alone: the INT4 draft guesses tokens, verification fetches on miss",
            offloads=True, drafts=True, decoder="speculative"),
     Policy("specter", "speculation with the draft's lookahead prefetching the experts verification will use, "

@@ -296,3 +296,10 @@ def test_a_bench_only_policy_is_refused_where_a_policy_runs(capsys, command):
     """`oracle` (bench only, and left out of their --help) was taken by generate, chat and serve."""
     assert main([*command, "--policy", "oracle", "--device", "cpu"]) == 2
     assert "policy 'oracle' is bench only" in capsys.readouterr().err
+
+
+def test_allowed_hosts_with_a_port_are_refused(capsys):
+    """A Host header's port is not compared, so --allowed-hosts localhost:8000 refused every request,
+    curl's "Host: localhost:8000" among them."""
+    assert main(["serve", "--allowed-hosts", "a.example.com,localhost:8000", "--device", "cpu"]) == 2
+    assert "give localhost, not localhost:8000" in capsys.readouterr().err

@@ -448,3 +448,11 @@ def test_a_context_shorter_than_the_models(tiny):
                        (257, "exceeds the model's")):
         with pytest.raises(specter.ConfigError, match=match):
             specter.load(path, device="cpu", policy="on-demand", context=bad)
+
+
+def test_an_unknown_load_option_names_the_ones_there_are():
+    """specter.load(driver=...) said only "unknown option(s): driver"; slot_pool's refusal named `pool`."""
+    with pytest.raises(specter.ConfigError, match=r"kmax \(did you mean k_max\?\); specter.load takes .*slot_pool"):
+        specter.load(None, device="cpu", policy="on-demand", residency=0.5, kmax=3)
+    with pytest.raises(specter.ConfigError, match="slot_pool must be one of"):
+        specter.load(None, device="cpu", policy="on-demand", residency=0.5, slot_pool="bogus")

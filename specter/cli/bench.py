@@ -16,7 +16,7 @@ def add_parsers(sub) -> None:
     bn.add_argument("--policies", default=",".join(BENCH_POLICIES),
                     help="comma-separated policies to compare; the first is the reference for token equality "
                          f"(default: all {len(BENCH_POLICIES)}: {policy_help(bench=True)})")
-    model_args(bn, policy=False)
+    model_args(bn, policy=False, residency="; default 0.25 when no budget is given")
     pipeline_args(bn)
     bn.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (default 64)")
     bn.add_argument("--prompts", default=None, help="file: one prompt a line, or a .json list")

@@ -13,8 +13,8 @@ def add_parsers(sub) -> None:
     g = sub.add_parser("generate", help="generate a continuation, streamed to the terminal")
     g.add_argument("prompt", nargs="?", help="the prompt (default: read standard input)")
     g.add_argument("--prompt-ids", type=token_ids, default=None, metavar="IDS",
-                   help="the prompt as token ids, e.g. 1,2,3 (for checkpoints without a tokenizer; output is then "
-                        "token ids too)")
+                   help="the prompt as token ids, e.g. 1,2,3 (for checkpoints without a tokenizer, whose output is "
+                        "then token ids too)")
     g.add_argument("--chat", action="store_true",
                    help="send the prompt as a user message through the checkpoint's chat template")
     g.add_argument("--system", default=None, help="a system message before the prompt (implies --chat)")

@@ -69,8 +69,9 @@ def policy_help(what: str = "", bench: bool = False) -> str:
     return " | ".join(BENCH_POLICIES if bench else POLICIES) + (f" ({what})" if what else "")
 
 
-def model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
-    """The model, device, policy, budget and engine flags of generate, chat, serve and bench."""
+def model_args(p: argparse.ArgumentParser, policy: bool = True, residency: str = "") -> None:
+    """The model, device, policy, budget and engine flags of generate, chat, serve and bench
+    (`residency`: what --residency's help says of its default)."""
     p.add_argument("--model", default=None, help="local Hugging Face model directory (default: the bundled model)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
     p.add_argument("--dtype", default=None, choices=DTYPES,
@@ -79,7 +80,7 @@ def model_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
         p.add_argument("--policy", default=DEFAULT_POLICY, help=policy_help(f"default: {DEFAULT_POLICY}"))
     p.add_argument("--residency", type=float, default=None,
                    help="share of the routed experts kept on the device (one pool for all layers), in (0, 1] "
-                        "(offloading policies)")
+                        f"(offloading policies{residency})")
     p.add_argument("--expert-memory", default=None,
                    help="device bytes for the expert slot pool, e.g. 6GiB (offloading policies)")
     p.add_argument("--device-memory", default=None,

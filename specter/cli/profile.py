@@ -36,7 +36,7 @@ def add_parsers(sub) -> None:
     pr.add_argument("--policy", default=None,
                     help="--trace: the policy traced, " + policy_help(f"default: {DEFAULT_POLICY}"))
     pr.add_argument("--residency", type=float, default=None,
-                    help="--trace: fraction of each layer's experts on the device (default 0.25; offloading "
+                    help="--trace: share of the routed experts kept on the device (default 0.25; offloading "
                          "policies)")
     pr.add_argument("--max-new-tokens", type=int, default=None, help="--trace: tokens generated (default 16)")
     pr.add_argument("--prompt", default=None, help="--trace: the prompt (default: def fibonacci(n):)")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 from .. import pipeline
 from ..errors import ConfigError
@@ -23,8 +24,8 @@ def add_parsers(sub) -> None:
     sv.add_argument("--api-key-all-routes", action="store_true",
                     help="require the key on /health and /metrics too")
     sv.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
-                    help="comma-separated Host header values to accept, e.g. api.example.com,*.example.com "
-                         "(default: any)")
+                    help="comma-separated host names the Host header may name (its port aside), e.g. "
+                         "api.example.com,*.example.com (default: any)")
     sv.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (default: off)")
     sv.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
                     help="largest request body; larger ones get 413 (default 4 MiB; 0 = no limit)")
@@ -63,7 +64,10 @@ def cmd_serve(args) -> int:
                    max_tokens_default=args.max_tokens_default, timeout_keep_alive=args.timeout_keep_alive,
                    request_timeout=args.request_timeout, limit_concurrency=args.limit_concurrency)
     if args.allowed_hosts:
-        options["allowed_hosts"] = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+        options["allowed_hosts"] = hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+        if ported := [h for h in hosts if re.fullmatch(r"[^\[\]:]+:\d+", h)]:  # the Host header's port is not matched
+            raise ConfigError(f"--allowed-hosts takes host names without a port (a request's port is not compared): "
+                              f"give {','.join(h.rsplit(':', 1)[0] for h in ported)}, not {','.join(ported)}")
     if args.max_request_bytes is not None:
         options["max_request_bytes"] = args.max_request_bytes or None
     if args.shutdown_grace is not None:

@@ -198,7 +198,7 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
     or an estimate): the budget is split between raw slots and a compressed device tier (tier_split),
     shared pool only. `draft_bits`: the width of the draft's experts (4, 3 or 2)."""
     if pool not in POOLS:
-        raise ConfigError(f"pool must be one of {POOLS}, got {pool!r}")
+        raise ConfigError(f"slot_pool must be one of {POOLS}, got {pool!r}")
     if draft_bits not in DRAFT_BITS:
         raise ConfigError(f"draft_bits must be one of {DRAFT_BITS}, got {draft_bits!r}")
     given = [b for b in (residency, expert_memory, device_memory) if b is not None]
