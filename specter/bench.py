@@ -12,7 +12,7 @@ import specter
 
 from . import default_model_path, resolve_device, workloads
 from .builder import load_shared
-from .errors import ConfigError, ContextLengthError
+from .errors import ConfigError, ContextLengthError, SpecterError
 from .policy import BENCH_POLICIES, get as get_policy
 from .sampling import SamplingParams
 from .speculative.decoder import acceptance_stats
@@ -60,15 +60,24 @@ def add_run(a: dict, out, keys) -> None:
     """One generation into the totals `a`: decode time and tokens after the first, TTFT, its token
     ids, and the stats `keys` summed."""
     s = out.stats
-    n = max(s["new_tokens"] - 1, 1)
-    a["decode_s"] += s["tpot_s"] * n
-    a["decode_tokens"] += n
+    n = s["new_tokens"] - 1  # a generation that ended at its first token (EOS) decoded nothing
+    if n > 0:
+        a["decode_s"] += s["tpot_s"] * n
+        a["decode_tokens"] += n
     a["ttft_s"] += s["ttft_s"]
     a["runs"] += 1
     a["outputs"].append(out.token_ids)
     for k in keys:
         if k in s:
             a[k] = a.get(k, 0) + s[k]
+
+
+def tpot(a: dict, policy: str) -> float:
+    """The totals' TPOT: decode seconds over the tokens after each generation's first."""
+    if not a["decode_tokens"]:
+        raise SpecterError(f"{policy}: every generation ended at its first token (EOS), so there is no TPOT to "
+                           f"report; give prompts the model continues")
+    return a["decode_s"] / a["decode_tokens"]
 
 
 def budget_words(args, residency, per_rank: bool = False) -> str:
@@ -94,6 +103,9 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
     for all), so `coded_vs_raw` (bytes a token and TPOT, coded against raw) compares like with like."""
     sampling = {"temperature": 0.0, **(sampling or {})}
     greedy = SamplingParams(**sampling).greedy  # and a bad value fails here, before any engine loads
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 2:
+        raise ConfigError(f"max_new_tokens must be an integer >= 2 (TPOT is the time a token after the first), "
+                          f"got {max_new_tokens!r}")
 
     unknown = [p for p in policies if p not in BENCH_POLICIES]
     if unknown:
@@ -160,7 +172,7 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
         result = {}
         for p in policies:
             a = agg[p]
-            r = {"tpot_s": a["decode_s"] / a["decode_tokens"], "ttft_s": a["ttft_s"] / a["runs"],
+            r = {"tpot_s": tpot(a, p), "ttft_s": a["ttft_s"] / a["runs"],
                  "decode_s": a["decode_s"],
                  "new_tokens": sum(len(o) for o in a["outputs"]),
                  "lossless_vs_" + first: a["outputs"] == agg[first]["outputs"] if greedy else None}

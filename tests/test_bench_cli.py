@@ -165,6 +165,8 @@ def test_bench_bad_arguments_exit_2(capsys, model, tmp_path):
     common = ["bench", "--model", model, "--device", "cpu", "--prompts", str(f)]
     assert_one_line_error(*run_cli(capsys, *common, "--policies", " , "), "--policies")
     assert_one_line_error(*run_cli(capsys, *common, "--policies", "resident", "--max-new-tokens", "0"), "max-new-tokens")
+    # one token decodes nothing after the first: a TPOT of ~0 ms and speed-ups of nothing were reported
+    assert_one_line_error(*run_cli(capsys, *common, "--policies", "resident", "--max-new-tokens", "1"), ">= 2: bench")
     assert_one_line_error(*run_cli(capsys, *common, "--policies", "on-demand", "--residency", "0.05"), "top-2")
     assert_one_line_error(*run_cli(capsys, *common, "--policies", "bogus"), "bogus")
     assert_one_line_error(*run_cli(capsys, *common, "--policies", "on-demand", "--temperature", "0.7",
@@ -202,3 +204,20 @@ def test_time_split_and_table_sections():
     assert "compressed device tier" not in table
     coded = dict(r, expert_misses=528, tier_hits=166, tier_fills=362)  # its hit rate counts the raw slots only
     assert "a           tier hits 166 (31.4% of the misses), fills 362" in format_table({"policies": {"a": coded}})
+
+
+def test_a_generation_ended_at_its_first_token_adds_no_decode_time():
+    """add_run counted a one-token generation as one decoded token of ~0 s, pulling TPOT down; with
+    nothing decoded at all there is no TPOT, and bench says why."""
+    from types import SimpleNamespace
+
+    import specter
+    from specter.bench import add_run, new_totals, tpot
+
+    a = new_totals()
+    add_run(a, SimpleNamespace(stats={"new_tokens": 1, "tpot_s": 1e-6, "ttft_s": 0.5}, token_ids=[7]), ())
+    assert a["decode_tokens"] == 0 and a["runs"] == 1
+    with pytest.raises(specter.SpecterError, match="ended at its first token"):
+        tpot(a, "on-demand")
+    add_run(a, SimpleNamespace(stats={"new_tokens": 5, "tpot_s": 0.01, "ttft_s": 0.5}, token_ids=[1] * 5), ())
+    assert tpot(a, "on-demand") == pytest.approx(0.01)

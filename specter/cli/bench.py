@@ -49,8 +49,10 @@ def cmd_bench(args) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise ConfigError("--policies is empty")
-    if args.repeat < 1 or args.max_new_tokens < 1:
-        raise ConfigError("--repeat and --max-new-tokens must be >= 1")
+    if args.repeat < 1:
+        raise ConfigError("--repeat must be >= 1")
+    if args.max_new_tokens < 2:
+        raise ConfigError("--max-new-tokens must be >= 2: bench reports TPOT, the time a token after the first")
     refuse_unused_flags(args, policies)  # a flag that no policy of the run reads would be ignored
     prompts = read_prompts(args.prompts, args.workload)
     kw = dict(prompts=prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat, device=args.device,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from ..bench import SUM_KEYS, add_run, budget_words, new_totals, read_prompts
+from ..bench import SUM_KEYS, add_run, budget_words, new_totals, read_prompts, tpot
 from ..errors import ConfigError
 from ..policy import BENCH_POLICIES, get as get_policy
 from ..sampling import SamplingParams
@@ -39,8 +39,10 @@ def run(args) -> int:
     for p in policies:
         check_options(p, {k: v for k, v in opts.items() if k != "k_max" or get_policy(p).drafts})  # a flag a
         # pipeline would ignore is refused, as for generate (--k-max: read by the drafting policies)
-    if args.repeat < 1 or args.max_new_tokens < 1:
-        raise ConfigError("--repeat and --max-new-tokens must be >= 1")
+    if args.repeat < 1:
+        raise ConfigError("--repeat must be >= 1")
+    if args.max_new_tokens < 2:
+        raise ConfigError("--max-new-tokens must be >= 2: bench reports TPOT, the time a token after the first")
     if args.plot:
         raise ConfigError("--plot does not run under torchrun yet")
     prompts = read_prompts(args.prompts, args.workload)
@@ -137,7 +139,7 @@ def _measure(engine, prompts, max_new: int, repeat: int, sampling: dict) -> dict
             for acc, r in zip(a["per_rank"], per):
                 for k in PER_RANK:
                     acc[k] = acc.get(k, 0) + r.get(k, 0)
-    r = {"tpot_s": a["decode_s"] / a["decode_tokens"], "ttft_s": a["ttft_s"] / a["runs"], "decode_s": a["decode_s"],
+    r = {"tpot_s": tpot(a, engine.policy), "ttft_s": a["ttft_s"] / a["runs"], "decode_s": a["decode_s"],
          "new_tokens": sum(len(o) for o in a["outputs"]), "outputs": a["outputs"], "per_rank": a["per_rank"],
          "round_trips": a["round_trips"]}
     r.update({k: a[k] for k in SUM_KEYS if k in a})
