@@ -86,8 +86,8 @@ def test_int4_scales_loaded_once_per_tile_give_the_same_bits(group, dtype, bits,
 
 def test_one_launch_alignment_equals_the_torch_alignment():
     """align_rows_triton against align.align_rows, every output: top-k 1, 2 and 8, T up to 65 (chunks
-    of 32 rows cut through experts' runs), more weight rows than its one-hot block holds at once
-    (R = 40 > 32), a remap with skipped experts, and a routing that skips every row."""
+    of 32 rows cut through experts' runs), a remap with skipped experts, a routing that skips every
+    row, a shared pool's 6144 weight rows, an expert twice in a token, a strided remap."""
     from specter.triton_ops.align import align_rows
     g = torch.Generator().manual_seed(3)
     cases = []
@@ -97,6 +97,13 @@ def test_one_launch_alignment_equals_the_torch_alignment():
         remap[torch.rand(E, generator=g) < 0.3] = -1
         cases += [(ids, E, None), (ids, E, remap), (ids, E - 1, torch.where(remap == E - 1, -1, remap))]
     cases.append((torch.tensor([[0, 1]]), 2, torch.tensor([-1, -1], dtype=torch.int32)))
+    # a shared slot pool's thousands of weight rows; a token naming an expert twice; a remap that is a
+    # strided view (it was read as if contiguous)
+    pool = torch.randperm(6144, generator=g)[:128].int()
+    pool[torch.rand(128, generator=g) < 0.3] = -1
+    cases += [(torch.randint(0, 128, (T, 8), generator=g), 6144, pool) for T in (1, 9, 33)]
+    cases.append((torch.tensor([[3, 3], [1, 3]]), 4, None))
+    cases.append((torch.randint(0, 40, (9, 8), generator=g), 6144, torch.stack([pool, -pool], 1)[:40, 0]))
     for ids, R, remap in cases:
         got, want = kernels.align_rows_triton(ids, R, remap), align_rows(ids, R, remap)
         for name, a, b in zip(want._fields, got, want):

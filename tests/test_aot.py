@@ -89,6 +89,20 @@ def test_real_model_shapes_are_recorded_at_their_sizes():
     assert log[1].grid[1] == -(-I // log[1].kwargs["BLOCK_N"]) and log[2].grid[1] == H // log[2].kwargs["BLOCK_N"]
 
 
+def test_the_alignment_is_one_kernel_for_every_slot_pool_size():
+    """The alignment held a one-hot over every weight row in registers ([R_BLOCK], R_BLOCK the power of
+    two above R): at a shared slot pool's 4096+ rows (Qwen3-30B-A3B at 2/3 residency) it spilled 8-16 KB
+    on sm_89/90, and engine_launches' per-layer pools never reached such an R. It now works over pairs of
+    rows: the launch, and so the kernel the spill test compiles, is the same whatever the pool's size."""
+    keys = set()
+    for R in (8, 128, 4128, 6144):
+        remap = torch.randperm(R)[:128].int()
+        with aot.recording() as log:
+            kernels.align_rows_triton(torch.randint(0, 128, (1, 8)), R, remap)
+        keys |= {aot._key(launch, cc) for launch in log for cc in aot.TARGETS}
+    assert len(keys) == len(aot.TARGETS)
+
+
 def test_float_fusion_is_named_by_every_launch_not_left_to_the_environment(launches, monkeypatch):
     """The INT4 dequantization ((q - shift) * scale into the dot) compiles to fused multiply-adds, one rounding,
     where Triton's default allows it; Triton 3.10 turns that default (TRITON_DEFAULT_FP_FUSION) off. Every

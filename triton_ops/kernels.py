@@ -185,40 +185,55 @@ def _combine_kernel(rows_ptr, y_ptr, H, top_k, BLOCK_H: tl.constexpr):
 
 @triton.jit
 def _align_kernel(ids_ptr, remap_ptr, slot_row_ptr, block_expert_ptr, row_slot_ptr, n_padded_ptr,
-                  M, R, NB, HAS_REMAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
-                  R_BLOCK: tl.constexpr):
-    """align.align_rows in one program: per-expert counts and padded offsets held in registers
-    ([R_BLOCK], one-hot sums over chunks of BLOCK rows), then a stable scatter in row order (a
-    row's rank among earlier rows of its chunk with the same expert)."""
-    experts = tl.arange(0, R_BLOCK)
-    counts = tl.zeros((R_BLOCK,), dtype=tl.int32)
-    for c0 in range(0, M, BLOCK):                                       # counts per weight row
-        offs = c0 + tl.arange(0, BLOCK)
-        r = _weight_row(ids_ptr, remap_ptr, offs, M, HAS_REMAP)
-        counts += tl.sum((r[:, None] == experts[None, :]).to(tl.int32), 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M                # [R_BLOCK], 0 past R
-    pad_end = tl.cumsum(padded, 0)
-    tl.store(n_padded_ptr, tl.sum(padded, 0))
-    for b0 in range(0, NB, BLOCK):                                      # each block's weight row
-        blocks = b0 + tl.arange(0, BLOCK)
-        before = tl.sum(((pad_end[None, :] <= blocks[:, None] * BLOCK_M) & (experts[None, :] < R)).to(tl.int32), 1)
-        tl.store(block_expert_ptr + blocks, tl.where(before < R, before, -1), mask=blocks < NB)
-    for s0 in range(0, NB * BLOCK_M, BLOCK):                            # every slot padding ...
-        slots = s0 + tl.arange(0, BLOCK)
+                  M, NB, HAS_REMAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """align.align_rows in one program, over pairs of rows ([BLOCK, BLOCK] tiles), never over the
+    weight rows: its work and registers do not grow with a shared slot pool's thousands of rows. A
+    row's slot is its expert's padded start (the padded counts of the experts below it, each counted
+    at its first row) plus its rank among the earlier rows of its expert."""
+    lanes = tl.arange(0, BLOCK)
+    for i0 in range(0, M, BLOCK):                            # 1. each expert's padded count, at its first row
+        rows = i0 + lanes                                    # (0 at the others), in slot_row until step 3
+        r = _weight_row(ids_ptr, remap_ptr, rows, M, HAS_REMAP)
+        count = tl.zeros((BLOCK,), dtype=tl.int32)
+        rank = tl.zeros((BLOCK,), dtype=tl.int32)
+        for j0 in range(0, M, BLOCK):
+            others = j0 + lanes
+            same = r[:, None] == _weight_row(ids_ptr, remap_ptr, others, M, HAS_REMAP)[None, :]  # [BLOCK, BLOCK]
+            count += tl.sum(same.to(tl.int32), 1)
+            rank += tl.sum((same & (others[None, :] < rows[:, None])).to(tl.int32), 1)
+        padded = tl.where((r >= 0) & (rank == 0), (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+        tl.store(slot_row_ptr + rows, padded, mask=rows < M)
+    for b0 in range(0, NB, BLOCK):                           # blocks no expert fills: -1
+        blocks = b0 + lanes
+        tl.store(block_expert_ptr + blocks, tl.full((BLOCK,), -1, dtype=tl.int32), mask=blocks < NB)
+    tl.debug_barrier()
+    total = tl.zeros((BLOCK,), dtype=tl.int32)
+    for i0 in range(0, M, BLOCK):                            # 2. each row's slot; each expert's blocks
+        rows = i0 + lanes
+        r = _weight_row(ids_ptr, remap_ptr, rows, M, HAS_REMAP)
+        start = tl.zeros((BLOCK,), dtype=tl.int32)
+        rank = tl.zeros((BLOCK,), dtype=tl.int32)
+        for j0 in range(0, M, BLOCK):
+            others = j0 + lanes
+            r_other = _weight_row(ids_ptr, remap_ptr, others, M, HAS_REMAP)
+            padded_other = tl.load(slot_row_ptr + others, mask=others < M, other=0)
+            start += tl.sum(tl.where(r_other[None, :] < r[:, None], padded_other[None, :], 0), 1)
+            rank += tl.sum(((r[:, None] == r_other[None, :]) & (others[None, :] < rows[:, None])).to(tl.int32), 1)
+        tl.store(row_slot_ptr + rows, tl.where(r >= 0, start + rank, NB * BLOCK_M).to(tl.int64), mask=rows < M)
+        padded = tl.load(slot_row_ptr + rows, mask=rows < M, other=0)  # > 0 at an expert's first row only
+        total += padded
+        for t in range(0, tl.cdiv(M, BLOCK_M)):
+            tl.store(block_expert_ptr + start // BLOCK_M + t, r, mask=t * BLOCK_M < padded)
+    tl.store(n_padded_ptr, tl.sum(total, 0))
+    tl.debug_barrier()
+    for s0 in range(0, NB * BLOCK_M, BLOCK):                 # 3. every slot padding ...
+        slots = s0 + lanes
         tl.store(slot_row_ptr + slots, tl.zeros((BLOCK,), dtype=tl.int32) + M, mask=slots < NB * BLOCK_M)
-    tl.debug_barrier()                                                  # ... before rows land in some
-    next_slot = pad_end - padded                                        # [R_BLOCK] write position
-    for c0 in range(0, M, BLOCK):
-        offs = c0 + tl.arange(0, BLOCK)
-        r = _weight_row(ids_ptr, remap_ptr, offs, M, HAS_REMAP)
-        hot = r[:, None] == experts[None, :]                            # [BLOCK, R_BLOCK]
-        same = (r[:, None] == r[None, :]) & (tl.arange(0, BLOCK)[None, :] < tl.arange(0, BLOCK)[:, None])
-        rank = tl.sum(same.to(tl.int32), 1)                             # earlier rows of this chunk, same row
-        dest = tl.sum(tl.where(hot, next_slot[None, :], 0), 1) + rank
-        used = r >= 0
-        tl.store(slot_row_ptr + dest, offs.to(tl.int32), mask=used)
-        tl.store(row_slot_ptr + offs, tl.where(used, dest, NB * BLOCK_M).to(tl.int64), mask=offs < M)
-        next_slot += tl.sum(hot.to(tl.int32), 0)
+    tl.debug_barrier()
+    for i0 in range(0, M, BLOCK):                            # ... before rows land in some
+        rows = i0 + lanes
+        dest = tl.load(row_slot_ptr + rows, mask=rows < M, other=0)
+        tl.store(slot_row_ptr + dest, rows, mask=(rows < M) & (dest < NB * BLOCK_M))
 
 
 @triton.jit
@@ -249,9 +264,9 @@ def align_rows_triton(ids: torch.Tensor, n_weight_rows: int, remap: torch.Tensor
     block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
     row_slot = torch.empty(M, dtype=torch.int64, device=dev)
     n_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    launch(_align_kernel, (1,), ids.reshape(-1).contiguous(), remap if remap is not None else ids, slot_row,
-           block_expert, row_slot, n_padded, M, R, nb, HAS_REMAP=remap is not None, BLOCK_M=BLOCK_M, BLOCK=32,
-           R_BLOCK=1 << R.bit_length())  # the power of two above R (triton.next_power_of_2(R + 1))
+    ids = ids.reshape(-1).contiguous()
+    launch(_align_kernel, (1,), ids, ids if remap is None else remap.contiguous(), slot_row, block_expert, row_slot,
+           n_padded, M, nb, HAS_REMAP=remap is not None, BLOCK_M=BLOCK_M, BLOCK=32)
     return Alignment(slot_row, block_expert, row_slot, n_padded)
 
 
