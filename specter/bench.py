@@ -12,7 +12,7 @@ import specter
 
 from . import default_model_path, resolve_device, workloads
 from .builder import load_shared
-from .errors import ConfigError, ContextLengthError, SpecterError
+from .errors import ConfigError, ContextLengthError
 from .policy import BENCH_POLICIES, get as get_policy
 from .sampling import SamplingParams
 from .speculative.decoder import acceptance_stats
@@ -72,12 +72,19 @@ def add_run(a: dict, out, keys) -> None:
             a[k] = a.get(k, 0) + s[k]
 
 
-def tpot(a: dict, policy: str) -> float:
-    """The totals' TPOT: decode seconds over the tokens after each generation's first."""
-    if not a["decode_tokens"]:
-        raise SpecterError(f"{policy}: every generation ended at its first token (EOS), so there is no TPOT to "
-                           f"report; give prompts the model continues")
-    return a["decode_s"] / a["decode_tokens"]
+def tpot(a: dict) -> float | None:
+    """The totals' TPOT: decode seconds over the tokens after each generation's first; None where every
+    generation ended at its first token (EOS): nothing was decoded to time."""
+    return a["decode_s"] / a["decode_tokens"] if a["decode_tokens"] else None
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    """num / den, None where either is unknown (a TPOT with nothing decoded)."""
+    return None if num is None or den is None or den == 0 else num / den
+
+
+def or_na(value, fmt: str) -> str:
+    return "n/a" if value is None else fmt.format(value)
 
 
 def budget_words(args, residency, per_rank: bool = False) -> str:
@@ -172,7 +179,7 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
         result = {}
         for p in policies:
             a = agg[p]
-            r = {"tpot_s": tpot(a, p), "ttft_s": a["ttft_s"] / a["runs"],
+            r = {"tpot_s": tpot(a), "ttft_s": a["ttft_s"] / a["runs"],
                  "decode_s": a["decode_s"],
                  "new_tokens": sum(len(o) for o in a["outputs"]),
                  "lossless_vs_" + first: a["outputs"] == agg[first]["outputs"] if greedy else None}
@@ -202,7 +209,7 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
             result[p] = r
         base = speedup_baseline(policies)
         for p in policies:
-            result[p]["speedup_vs_" + base] = result[base]["tpot_s"] / result[p]["tpot_s"]
+            result[p]["speedup_vs_" + base] = ratio(result[base]["tpot_s"], result[p]["tpot_s"])
         out = {"policies": result, "max_new_tokens": max_new_tokens, "prompts": len(prompts), "repeat": repeat,
                "link": _link_name(engines), "speedup_baseline": base, "sampling": "greedy" if greedy else sampling}
         if (calibration := _calibration(engines)) is not None:
@@ -228,7 +235,7 @@ def coded_vs_raw(result: dict, agg: dict, greedy: bool) -> dict:
         p = name[: -len(CODED)]
         raw, b = result[p], r.get("h2d_bytes_per_token", 0)
         out[p] = {"h2d_bytes_ratio": b / raw["h2d_bytes_per_token"] if raw.get("h2d_bytes_per_token") else None,
-                  "tpot_speedup": raw["tpot_s"] / r["tpot_s"],
+                  "tpot_speedup": ratio(raw["tpot_s"], r["tpot_s"]),
                   "same_tokens": agg[p]["outputs"] == agg[name]["outputs"] if greedy else None}
     return out
 
@@ -282,7 +289,8 @@ def format_table(res: dict) -> str:
     for p, r in pols.items():
         f = lambda k, fmt: (fmt.format(r[k]) if k in r else "-")  # noqa: E731
         lines.append(
-            f"{p:<{w}} {r['tpot_s'] * 1e3:>8.2f} {r['speedup_vs_' + base]:>7.2f}x {r['ttft_s'] * 1e3:>8.1f} "
+            f"{p:<{w}} {or_na(r['tpot_s'] and r['tpot_s'] * 1e3, '{:.2f}'):>8} "
+            f"{or_na(r['speedup_vs_' + base], '{:.2f}x'):>8} {r['ttft_s'] * 1e3:>8.1f} "
             f"{f('hit_rate', '{:.1%}'):>8} {f('expert_misses', '{}'):>7} "
             f"{(r.get('h2d_bytes', 0) / 1e6):>8.1f} {(r.get('h2d_bytes_per_token', 0) / 1e3):>10.1f} "
             f"{(r.get('host_bytes', 0) / 1e6):>8.1f} {f('stall_s', '{:.3f}'):>8} "
@@ -295,9 +303,9 @@ def format_table(res: dict) -> str:
         lines += ["", "coded (--compress-experts) against raw, same process: H2D bytes a token (coded / raw), "
                       "TPOT speed-up (raw / coded), tokens"]
         for p, c in res["coded_vs_raw"].items():
-            ratio = "-" if c["h2d_bytes_ratio"] is None else f"{c['h2d_bytes_ratio']:.3f}x"
+            moved = "-" if c["h2d_bytes_ratio"] is None else f"{c['h2d_bytes_ratio']:.3f}x"
             same = "n/a" if c["same_tokens"] is None else "same" if c["same_tokens"] else "DIFFERENT"
-            lines.append(f"  {p:<11} bytes {ratio:>7}  speed-up {c['tpot_speedup']:.3f}x  tokens {same}")
+            lines.append(f"  {p:<11} bytes {moved:>7}  speed-up {or_na(c['tpot_speedup'], '{:.3f}x')}  tokens {same}")
     tiered = [(p, r) for p, r in pols.items() if r.get("tier_hits") or r.get("tier_fills")]
     if tiered:  # the hit rate counts raw slots only: a use decoded from the coded tier crossed no PCIe
         lines += ["", "the compressed device tier (its share of the budget beside the raw slots that residency "

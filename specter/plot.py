@@ -23,7 +23,7 @@ def residency_sweep(model, policies: list[str], out_png: str, *, residencies=RES
             print(f"residency {r:g}: skipped ({e})", file=sys.stderr)
             continue
         link = res.get("link") or link
-        sweep[str(r)] = {p: v["tpot_s"] for p, v in res["policies"].items()}
+        sweep[str(r)] = {p: v["tpot_s"] for p, v in res["policies"].items() if v["tpot_s"] is not None}
         print(f"residency {r:g}: " + ", ".join(f"{p} {v * 1e3:.2f} ms" for p, v in sweep[str(r)].items()),
               file=sys.stderr, flush=True)
     if not sweep:

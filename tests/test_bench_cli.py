@@ -208,16 +208,16 @@ def test_time_split_and_table_sections():
 
 def test_a_generation_ended_at_its_first_token_adds_no_decode_time():
     """add_run counted a one-token generation as one decoded token of ~0 s, pulling TPOT down; with
-    nothing decoded at all there is no TPOT, and bench says why."""
+    nothing decoded at all there is no TPOT (None, "n/a" in the table), nor a speed-up."""
     from types import SimpleNamespace
 
-    import specter
-    from specter.bench import add_run, new_totals, tpot
+    from specter.bench import add_run, format_table, new_totals, ratio, tpot
 
     a = new_totals()
     add_run(a, SimpleNamespace(stats={"new_tokens": 1, "tpot_s": 1e-6, "ttft_s": 0.5}, token_ids=[7]), ())
-    assert a["decode_tokens"] == 0 and a["runs"] == 1
-    with pytest.raises(specter.SpecterError, match="ended at its first token"):
-        tpot(a, "on-demand")
+    assert a["decode_tokens"] == 0 and a["runs"] == 1 and tpot(a) is None and ratio(0.01, tpot(a)) is None
+    r = {"tpot_s": None, "ttft_s": 0.5, "speedup_vs_on-demand": None, "lossless_vs_on-demand": True}
+    table = format_table({"policies": {"on-demand": r}})
+    assert table.splitlines()[2].split()[1:3] == ["n/a", "n/a"]
     add_run(a, SimpleNamespace(stats={"new_tokens": 5, "tpot_s": 0.01, "ttft_s": 0.5}, token_ids=[1] * 5), ())
-    assert tpot(a, "on-demand") == pytest.approx(0.01)
+    assert tpot(a) == pytest.approx(0.01)

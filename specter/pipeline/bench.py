@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from ..bench import SUM_KEYS, add_run, budget_words, new_totals, read_prompts, tpot
+from ..bench import SUM_KEYS, add_run, budget_words, new_totals, or_na, ratio, read_prompts, tpot
 from ..errors import ConfigError
 from ..policy import BENCH_POLICIES, get as get_policy
 from ..sampling import SamplingParams
@@ -91,7 +91,7 @@ def run(args) -> int:
     base = "on-demand" if "on-demand" in results else first
     ref = results[first]["outputs"]
     for p, r in results.items():
-        r["speedup_vs_" + base] = results[base]["tpot_s"] / r["tpot_s"]
+        r["speedup_vs_" + base] = ratio(results[base]["tpot_s"], r["tpot_s"])
         r["lossless_vs_" + first] = (r.pop("outputs") == ref) if greedy else None
     out = {"policies": results, "ranks": ranks, "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
            "repeat": args.repeat, "speedup_baseline": base, "sampling": "greedy" if greedy else sampling}
@@ -108,7 +108,8 @@ def run(args) -> int:
         each = "; ".join(f"r{i}: {_rate(s)}, {s.get('h2d_bytes', 0) / 1e6:.0f}, {s.get('stall_s', 0):.2f}"
                          for i, s in enumerate(r["per_rank"]))
         same = "" if r["lossless_vs_" + first] is None else ("yes" if r["lossless_vs_" + first] else "NO")
-        print(f"| {p} | {r['tpot_s'] * 1e3:.1f} | {r['speedup_vs_' + base]:.2f}x | {_rate(r)} | "
+        print(f"| {p} | {or_na(r['tpot_s'] and r['tpot_s'] * 1e3, '{:.1f}')} | {or_na(r['speedup_vs_' + base], '{:.2f}x')} | "
+              f"{_rate(r)} | "
               f"{r.get('h2d_bytes', 0) / 1e6:.0f} | {r.get('stall_s', 0):.2f} | {each} | {same} |")
     return 0
 
@@ -139,7 +140,7 @@ def _measure(engine, prompts, max_new: int, repeat: int, sampling: dict) -> dict
             for acc, r in zip(a["per_rank"], per):
                 for k in PER_RANK:
                     acc[k] = acc.get(k, 0) + r.get(k, 0)
-    r = {"tpot_s": tpot(a, engine.policy), "ttft_s": a["ttft_s"] / a["runs"], "decode_s": a["decode_s"],
+    r = {"tpot_s": tpot(a), "ttft_s": a["ttft_s"] / a["runs"], "decode_s": a["decode_s"],
          "new_tokens": sum(len(o) for o in a["outputs"]), "outputs": a["outputs"], "per_rank": a["per_rank"],
          "round_trips": a["round_trips"]}
     r.update({k: a[k] for k in SUM_KEYS if k in a})
