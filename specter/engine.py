@@ -359,6 +359,10 @@ class Engine:
                 if cancel is not None and cancel.is_set():
                     reason = "cancelled"
                     break
+        except BaseException:  # an error or a Ctrl-C part way through a layer: no slot is left reserved with no
+            run.close()        # copy coming (the next generation would read that expert as zeros)
+            getattr(getattr(dec, "experts", None), "recover", lambda: None)()
+            raise
         finally:
             run.close()
         t_end = time.perf_counter()

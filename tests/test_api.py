@@ -480,3 +480,30 @@ def test_cuda_device_is_the_engines_on_every_thread_that_runs_it(monkeypatch):
 
     threads.daemon(lambda: None, "specter-test-thread", Owner()).join()
     assert seen[-1] == (3, "specter-test-thread")
+
+
+def test_a_generation_cut_short_recovers_the_slot_cache(monkeypatch):
+    """An exception out of a generation (a Ctrl-C anywhere in a layer's copies) may leave a slot reserved
+    with no copy coming; the engine has the expert provider recover (offload manager: free such slots)
+    before it re-raises, and the next generation is the same tokens."""
+    e = specter.load(None, device="cpu", policy="on-demand", residency=0.25)
+    try:
+        want = e.generate(PROMPT, max_new_tokens=12, **GREEDY).token_ids
+        mgr = e.decoder.experts
+        layer, free = next((l, x) for l in range(mgr.slots.n_layers) for x in range(mgr.slots.n_experts)
+                           if mgr.slots.slot[l][x] < 0)
+        real_call, recovered = type(mgr).__call__, []
+
+        def cut(self, layer_, *a, **kw):  # a reservation left with no copy, then a Ctrl-C
+            self.slots.reserve(layer, free)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(type(mgr), "__call__", cut)
+        monkeypatch.setattr(mgr, "recover", lambda: (recovered.append(1), type(mgr).recover(mgr)))
+        with pytest.raises(KeyboardInterrupt):
+            e.generate(PROMPT, max_new_tokens=12, **GREEDY)
+        monkeypatch.setattr(type(mgr), "__call__", real_call)
+        assert recovered and mgr.slots.slot[layer][free] < 0
+        assert e.generate(PROMPT, max_new_tokens=12, **GREEDY).token_ids == want
+    finally:
+        e.close()

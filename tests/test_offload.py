@@ -600,6 +600,46 @@ def test_a_copy_that_fails_to_issue_leaves_no_slot_reserved(monkeypatch, pool, c
         mgr.slots.check()
 
 
+def _once(monkeypatch, owner, name, n, exc, after=False):
+    """owner.name raises `exc` at its n-th call (after running, with after=True), then runs as before."""
+    real, calls = getattr(owner, name), []
+
+    def flaky(*a, **kw):
+        calls.append(1)
+        if len(calls) == n and not after:
+            raise exc
+        out = real(*a, **kw)
+        if len(calls) == n:
+            raise exc
+        return out
+
+    monkeypatch.setattr(owner, name, flaky)
+    return calls
+
+
+@pytest.mark.parametrize("where", ["mark_ready", "reserve"])
+@POOL
+def test_a_call_cut_short_leaves_no_slot_loading_with_no_copy(monkeypatch, pool, where):
+    """A Ctrl-C (or an error) as a landed copy was marked, or right after a slot was reserved: the
+    expert stayed loading with no copy coming, read as zeros by every later call and never evicted."""
+    store = make_store()
+    with slow_link(bandwidth=1e12, latency=0) as link:
+        mgr = make_mgr(store, 3, link, pool)
+        mgr.warm()
+        x, ids, weights = routed(4, 2, 8, torch.Generator().manual_seed(7))
+        calls = _once(monkeypatch, mgr.slots, where, 2, KeyboardInterrupt(), after=where == "reserve")
+        with pytest.raises(KeyboardInterrupt):
+            mgr(1, x, ids, weights)
+        monkeypatch.undo()
+        assert len(calls) == 2
+        stuck = [e for e in range(8) if mgr.slots.slot_of(1, e) is not None and not mgr.slots.is_ready(1, e)
+                 and (1, e) not in mgr.inflight]
+        assert not stuck, stuck
+        for l in range(2):
+            assert torch.equal(mgr(l, x, ids, weights), ResidentExperts(store)(l, x, ids, weights))
+        mgr.slots.check()
+
+
 def test_prefetch_used_counts_only_prefetches_that_served():
     store = make_store()
     with slow_link(bandwidth=1e9, latency=0) as link:

@@ -78,6 +78,9 @@ class HostExperts:
     def reset(self) -> None:
         self.mgr.reset()
 
+    def recover(self) -> None:
+        self.mgr.recover()
+
     def close(self) -> None:
         self.lane.close()
         self.mgr.close()

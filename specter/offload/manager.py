@@ -102,10 +102,8 @@ class OffloadedExperts:
                         break
                     (hits if self.tier is not None and self.tier.has(layer, e) else batch).append((e, slot))
                 self._start(layer, batch, hits, urgent)
-        except BaseException:  # a copy that failed to issue (CUDA: out of memory for its staging): no slot is
-            for e, _ in hits + batch:  # left reserved with no copy coming, read as zeros and never evicted
-                if (layer, e) not in self.inflight:
-                    self.slots.cancel(layer, e)  # its slot's old bytes may be gone: the expert it held is too
+        except BaseException:  # a copy that failed to issue (CUDA: out of memory for its staging), a Ctrl-C:
+            self._free_unfed(layer, experts)  # no slot is left reserved with no copy coming
             raise
         return len(batch) + len(hits)
 
@@ -132,22 +130,39 @@ class OffloadedExperts:
             for e in keys:
                 self.inflight[(layer, e)] = t
 
+    def _free_unfed(self, layer: int, experts) -> None:
+        """Of `experts`, those left reserved (loading) with no copy in flight get their slots back: read
+        through the remap row they would be zeros, and a loading slot is never evicted. Its old bytes may
+        be gone, so the expert it held is not restored."""
+        slots = self.slots
+        for e in experts:
+            if slots.slot[layer][e] >= 0 and not slots.is_ready(layer, e) and (layer, e) not in self.inflight:
+                slots.cancel(layer, e)
+                self.prefetched.discard((layer, e))
+
+    def recover(self) -> None:
+        """After an exception left a call part way (a Ctrl-C, an error issuing or landing a copy): every
+        reservation with no copy coming is freed, and the call's hold on its experts ends."""
+        for layer in range(self.slots.n_layers):
+            self._free_unfed(layer, range(self.slots.n_experts))
+        self.slots.held = (-1, ())
+
     def _land(self, layer: int, e: int) -> None:
-        """Wait (if needed) for (layer, e)'s copy and mark it ready."""
-        t = self.inflight.pop((layer, e), None)
+        """Wait (if needed) for (layer, e)'s copy and mark it ready. The copy stays in `inflight` until it is
+        marked: whatever stops a landing part way, a later _land or poll() finishes it."""
+        t = self.inflight.get((layer, e))
         if t is not None:
             try:
                 self._stats["stall_s"] += t.wait()
             except BaseException:
                 if t.failed():  # its bytes never arrived: the slots are free again, a later need copies anew
-                    for key in [(layer, e)] + [k for k, other in self.inflight.items() if other is t]:
-                        self.inflight.pop(key, None)  # a coalesced copy's other experts failed with it
+                    for key in [k for k, other in self.inflight.items() if other is t]:  # a coalesced copy's others
+                        del self.inflight[key]  # failed with it
                         self.slots.cancel(*key)
                         self.prefetched.discard(key)
-                else:  # the waiter went away (cancelled): the copy still lands, poll() marks it
-                    self.inflight[(layer, e)] = t
-                raise
+                raise  # else the waiter went away (cancelled): the copy still lands, poll() marks it
             self.slots.mark_ready(layer, e)
+            del self.inflight[(layer, e)]
             if self.tier is not None:  # a copy over the link leaves its coded bytes in the tier
                 self.tier.landed(layer, e, t)
             if self._ordered:
@@ -226,6 +241,8 @@ class OffloadedExperts:
                         self.tier.forget(*k)
                         self.prefetched.discard(k)
                     continue
+                for k in carried:  # the waiter went away: the fill still lands, a later poll() takes it
+                    self.filling[k] = t
                 raise
             for k in carried:
                 self.tier.landed(*k, t)

@@ -239,8 +239,8 @@ class SlotCache:
         """The copy into the expert's slot has landed: kernels may now read it through remap."""
         if self._state[layer][expert] != LOADING:
             raise ValueError(f"expert {expert} of layer {layer} is not loading")
-        self._state[layer][expert] = READY
         self.remap[layer, expert] = expert if self.alias else self.slot[layer][expert]  # row(layer, expert)
+        self._state[layer][expert] = READY  # last: a mark cut short leaves it loading, and marked again
 
     def cancel(self, layer: int, expert: int, *, restore: bool = False) -> None:
         """Abandon a loading reservation; its slot becomes free. restore=True (only when its copy never
