@@ -118,10 +118,18 @@ class Turns:
 
     @contextmanager
     def turn(self):
+        """The calling thread's turn. Interrupted while it waits (a Ctrl-C), it gives its ticket up."""
         with self._cv:
             ticket = self._take()
-            while self._serving != ticket:
-                self._cv.wait()
+            try:
+                while self._serving != ticket:
+                    self._cv.wait()
+            except BaseException:
+                if self._serving == ticket:  # served just as it was interrupted: pass the turn on
+                    self._release()
+                else:
+                    self._abandoned.add(ticket)
+                raise
             self._owner = (threading.get_ident(), None)
         try:
             yield

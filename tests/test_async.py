@@ -376,6 +376,47 @@ def test_astream_leaves_the_loop_free_and_streams_take_turns(bundled):
     assert ticks > 16  # the loop ran other tasks while the generations computed
 
 
+@pytest.mark.parametrize("served", [False, True], ids=["waiting", "just-served"])
+def test_a_thread_interrupted_while_waiting_for_its_turn_gives_it_up(served):
+    """A Ctrl-C in a blocking generate() queued behind another lost its ticket: the turn never passed
+    it, and every later generation on the engine waited forever."""
+    from specter.engine import Turns
+
+    turns = Turns()
+    holder, go = threading.Event(), threading.Event()
+
+    def hold():
+        with turns.turn():
+            holder.set()
+            go.wait()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    holder.wait()
+    real = turns._cv.wait
+
+    def interrupted(timeout=None):  # the waiter's Ctrl-C (just as the holder released, with `served`)
+        if served:  # as a real wait does, the lock is let go meanwhile
+            turns._cv.release()
+            go.set()
+            t.join()
+            turns._cv.acquire()
+        raise KeyboardInterrupt
+
+    turns._cv.wait = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        with turns.turn():
+            pass
+    turns._cv.wait = real
+    go.set()
+    t.join()
+    done = threading.Event()
+    later = threading.Thread(target=lambda: (turns.turn().__enter__(), done.set()))
+    later.start()
+    assert done.wait(5), "the next generation waits forever"
+    later.join()
+
+
 def test_a_coroutine_cancelled_while_waiting_for_its_turn_gives_it_up(bundled):
     async def main():
         first = bundled.astream(PROMPT, max_new_tokens=8, temperature=0)
