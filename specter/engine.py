@@ -92,6 +92,14 @@ class Turns:
             self._serving += 1
         self._cv.notify_all()
 
+    def _give_up(self, ticket: int) -> None:
+        """A waiter cancelled or interrupted gives its ticket up (served just then: passes the turn on);
+        called with the lock held."""
+        if self._serving == ticket:
+            self._release()
+        else:
+            self._abandoned.add(ticket)
+
     @asynccontextmanager
     async def aturn(self):
         """`turn` for a coroutine: its wait polls, so the loop runs meanwhile; same arrival order as
@@ -103,10 +111,7 @@ class Turns:
             await poll(lambda: self._serving == ticket, spin=0.0, every=5e-3)  # a turn takes a while
         except BaseException:
             with self._cv:
-                if self._serving == ticket:  # served just as it was cancelled: pass the turn on
-                    self._release()
-                else:
-                    self._abandoned.add(ticket)
+                self._give_up(ticket)
             raise
         with self._cv:
             self._owner = (threading.get_ident(), task)
@@ -125,10 +130,7 @@ class Turns:
                 while self._serving != ticket:
                     self._cv.wait()
             except BaseException:
-                if self._serving == ticket:  # served just as it was interrupted: pass the turn on
-                    self._release()
-                else:
-                    self._abandoned.add(ticket)
+                self._give_up(ticket)
                 raise
             self._owner = (threading.get_ident(), None)
         try:
