@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Iterator
@@ -100,26 +100,10 @@ class Turns:
         else:
             self._abandoned.add(ticket)
 
-    @asynccontextmanager
-    async def aturn(self):
+    def aturn(self) -> "_AsyncTurn":
         """`turn` for a coroutine: its wait polls, so the loop runs meanwhile; same arrival order as
         the threads'. A coroutine cancelled while it waits gives its ticket up."""
-        task = asyncio.current_task()
-        with self._cv:
-            ticket = self._take(task)
-        try:
-            await poll(lambda: self._serving == ticket, spin=0.0, every=5e-3)  # a turn takes a while
-        except BaseException:
-            with self._cv:
-                self._give_up(ticket)
-            raise
-        with self._cv:
-            self._owner = (threading.get_ident(), task)
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._release()
+        return _AsyncTurn(self)
 
     @contextmanager
     def turn(self):
@@ -138,6 +122,32 @@ class Turns:
         finally:
             with self._cv:
                 self._release()
+
+
+class _AsyncTurn:
+    """Turns.aturn's context: a class, not an async generator (asynccontextmanager), because the end of
+    asyncio.run closes every live async generator at once: an abandoned astream's turn would pass on
+    while its generation's thread still decoded beside the next one."""
+
+    def __init__(self, turns: Turns):
+        self.turns = turns
+
+    async def __aenter__(self) -> None:
+        turns, task = self.turns, asyncio.current_task()
+        with turns._cv:
+            ticket = turns._take(task)
+        try:
+            await poll(lambda: turns._serving == ticket, spin=0.0, every=5e-3)  # a turn takes a while
+        except BaseException:
+            with turns._cv:
+                turns._give_up(ticket)
+            raise
+        with turns._cv:
+            turns._owner = (threading.get_ident(), task)
+
+    async def __aexit__(self, *exc) -> None:
+        with self.turns._cv:
+            self.turns._release()
 
 
 def _check_text(text: str, what: str) -> None:
@@ -273,7 +283,7 @@ class Engine:
                     if (piece := printer.feed(new, text)) is not None and piece[1]:
                         yield piece[1]
             finally:
-                await run.aclose()
+                await run.aclose()  # the turn is the generation thread's until it ends
         if (piece := printer.end()) is not None and piece[1]:
             yield piece[1]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import threading
-from typing import AsyncIterator, Callable, Iterator
+from typing import Callable, Iterator
 
 
 def held_back(text: str, stops: list[str]) -> int:
@@ -102,52 +102,70 @@ def tokens_within(decode, new: list[int], n_chars: int) -> int:
     return bisect.bisect_right(range(len(new) + 1), n_chars, key=lambda j: _reach(decode, new[:j])) - 1
 
 
-async def in_thread(make: Callable[[], Iterator], name: str = "specter-generation") -> AsyncIterator:
+def in_thread(make: Callable[[], Iterator], name: str = "specter-generation") -> "InThread":
     """The items of `make()` (a blocking iterator, built and run on a thread of its own), on the running
     loop, which stays free meanwhile. Leaving early (break + aclose, cancellation) stops the iterator
-    after the item it is computing and waits for its thread: the engine is whole when this ends."""
-    loop = asyncio.get_running_loop()
-    items: asyncio.Queue = asyncio.Queue()
-    stop, end = threading.Event(), object()
+    after the item it is computing and waits for its thread: the engine is whole when aclose returns."""
+    return InThread(make, name)
 
-    def put(item) -> None:
+
+class InThread:
+    """in_thread's async iterator. A class, not an async generator: the end of asyncio.run closes every
+    live async generator at once, and would close this one beside its owner (Engine.astream), whose
+    turn then passed on while this thread still decoded. Only its owner closes it, and waits."""
+
+    def __init__(self, make: Callable[[], Iterator], name: str):
+        self._loop = asyncio.get_running_loop()
+        self._items: asyncio.Queue = asyncio.Queue()
+        self._stop, self._end, self._over = threading.Event(), object(), False
+        self._thread = threading.Thread(target=self._produce, args=(make,), name=name, daemon=True)
+        self._thread.start()
+
+    def _put(self, item) -> None:
         try:
-            loop.call_soon_threadsafe(items.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._items.put_nowait, item)
         except RuntimeError:  # the loop has closed: nobody is listening
-            stop.set()
+            self._stop.set()
 
-    def produce() -> None:
+    def _produce(self, make) -> None:
         try:
             it = make()
             try:
                 for item in it:
-                    put(item)
-                    if stop.is_set():
+                    self._put(item)
+                    if self._stop.is_set():
                         break
             finally:
                 getattr(it, "close", lambda: None)()
         except BaseException as e:  # handed to the consumer, raised there
-            put(e)
-        put(end)
+            self._put(e)
+        self._put(self._end)
 
-    thread = threading.Thread(target=produce, name=name, daemon=True)
-    thread.start()
-    try:
-        while (item := await items.get()) is not end:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        # The engine is the thread's until it ends (the chunk in progress, a cycle at most), however this is left:
+    def __aiter__(self) -> "InThread":
+        return self
+
+    async def __anext__(self):
+        if self._over:
+            raise StopAsyncIteration
+        item = await self._items.get()
+        if item is self._end or isinstance(item, BaseException):
+            self._over = True
+            if item is self._end:
+                raise StopAsyncIteration
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        """Stops the iterator after the item it is computing and waits for the thread, however this is left."""
+        self._stop.set()
         cancelled = False
-        while thread.is_alive():
+        while self._thread.is_alive():
             try:
                 await asyncio.sleep(1e-3)
             except asyncio.CancelledError:  # cancelled while closing: still wait, then honour it
                 cancelled = True
-            except GeneratorExit:  # closed with no loop to wait on: asyncio.run ended while the task closing
-                thread.join()      # an abandoned stream was pending, and the task is being destroyed
+            except GeneratorExit:  # closed with no loop to wait on (the task closing it is being destroyed)
+                self._thread.join()
                 raise
         if cancelled:
             raise asyncio.CancelledError

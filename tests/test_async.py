@@ -433,3 +433,48 @@ def test_a_coroutine_cancelled_while_waiting_for_its_turn_gives_it_up(bundled):
     text = asyncio.run(main())
     assert text == bundled.generate(PROMPT, max_new_tokens=8, temperature=0).text  # the turn passed on, nobody stuck
     assert bundled.turns.waiting == 0
+
+
+def test_asyncio_run_ending_on_a_live_astream_keeps_the_turn_until_its_thread_ends(bundled, caplog, monkeypatch):
+    """asyncio.run's end closes every live async generator at once: the abandoned astream, its
+    generation (in_thread) and its turn (then an asynccontextmanager) together. The turn passed on
+    while the generation's thread still decoded: a generate() waiting on another thread ran beside it
+    (two decoder runs at once on one engine), and the close logged "already running" errors."""
+    want = bundled.generate(PROMPT, max_new_tokens=12, temperature=0).token_ids
+    real, active, peak, lock = bundled.decoder.run, [0], [0], threading.Lock()
+
+    def counted(*a, **kw):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        try:
+            yield from real(*a, **kw)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(bundled.decoder, "run", counted)
+    got = []
+
+    async def leave():
+        stream = bundled.astream(PROMPT, max_new_tokens=200, temperature=0)
+        await anext(stream)
+        leave.kept = stream  # alive when asyncio.run ends
+        threading.Thread(target=lambda: got.append(bundled.generate(PROMPT, max_new_tokens=12,
+                                                                     temperature=0).token_ids)).start()
+        await asyncio.sleep(0.05)
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        asyncio.run(leave())
+    assert poll_until(lambda: got, 60), "the waiting generate() never ran"
+    assert got == [want] and peak[0] == 1, (peak, got)
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+    del leave.kept
+
+
+def poll_until(done, seconds: float) -> bool:
+    import time
+    end = time.monotonic() + seconds
+    while not done() and time.monotonic() < end:
+        time.sleep(0.01)
+    return bool(done())
