@@ -27,6 +27,7 @@ def model(tiny):
 
 
 def run_cli(capsys, *argv):
+    capsys.readouterr()  # not what came before (building the model prints a progress bar when run alone)
     rc = main(list(argv))
     out, err = capsys.readouterr()
     return rc, out, err
