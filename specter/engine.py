@@ -132,8 +132,12 @@ class _AsyncTurn:
     def __init__(self, turns: Turns):
         self.turns = turns
 
-    async def __aenter__(self) -> None:
+    async def __aenter__(self) -> "_AsyncTurn":
         turns, task = self.turns, asyncio.current_task()
+        for _ in range(4):  # an astream this task left with `break` is closed by a task the loop has scheduled:
+            if turns._owner != (threading.get_ident(), task):  # let it begin (Turns.closing), then queue behind it
+                break
+            await asyncio.sleep(0)
         with turns._cv:
             ticket = turns._take(task)
         try:
@@ -144,10 +148,18 @@ class _AsyncTurn:
             raise
         with turns._cv:
             turns._owner = (threading.get_ident(), task)
+        return self
 
     async def __aexit__(self, *exc) -> None:
         with self.turns._cv:
             self.turns._release()
+
+    def closing(self) -> None:
+        """The generation is closing on this loop (its thread finishing its cycle): another coroutine of the
+        task that ran it may queue for the turn now, as a blocking call on this thread still may not."""
+        with self.turns._cv:
+            if self.turns._owner is not None:
+                self.turns._owner = (self.turns._owner[0], "closing")
 
 
 def _check_text(text: str, what: str) -> None:
@@ -276,13 +288,14 @@ class Engine:
         stats = {} if stats is None else stats
         ids, params, stops = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
         printer = Printer(self, stops)
-        async with self.turns.aturn():
+        async with self.turns.aturn() as turn:
             run = in_thread(lambda: self._decoding(ids, params, max_new_tokens, stops, stats))
             try:
                 async for new, text in run:
                     if (piece := printer.feed(new, text)) is not None and piece[1]:
                         yield piece[1]
             finally:
+                turn.closing()
                 await run.aclose()  # the turn is the generation thread's until it ends
         if (piece := printer.end()) is not None and piece[1]:
             yield piece[1]

@@ -478,3 +478,23 @@ def poll_until(done, seconds: float) -> bool:
     while not done() and time.monotonic() < end:
         time.sleep(0.01)
     return bool(done())
+
+
+def test_break_out_of_an_astream_then_stream_again_in_the_same_task(bundled):
+    """README: leaving the loop early ends the generation. After `break` the loop closes the stream in a
+    task of its own, later: the same task's next astream was refused ("this thread is already
+    generating") instead of queueing behind that close. A stream the task still holds is refused."""
+    want = bundled.generate(PROMPT, max_new_tokens=8, temperature=0).text
+
+    async def main():
+        async for _ in bundled.astream(PROMPT, max_new_tokens=64, temperature=0):
+            break
+        again = "".join([p async for p in bundled.astream(PROMPT, max_new_tokens=8, temperature=0)])
+        held = bundled.astream(PROMPT, max_new_tokens=64, temperature=0)
+        await anext(held)
+        with pytest.raises(specter.ConfigError, match="already generating"):
+            await anext(bundled.astream(PROMPT, max_new_tokens=8, temperature=0))
+        await held.aclose()
+        return again
+
+    assert asyncio.run(main()) == want and bundled.turns.waiting == 0
