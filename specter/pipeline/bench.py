@@ -108,8 +108,8 @@ def run(args) -> int:
         each = "; ".join(f"r{i}: {_rate(s)}, {s.get('h2d_bytes', 0) / 1e6:.0f}, {s.get('stall_s', 0):.2f}"
                          for i, s in enumerate(r["per_rank"]))
         same = "" if r["lossless_vs_" + first] is None else ("yes" if r["lossless_vs_" + first] else "NO")
-        print(f"| {p} | {or_na(r['tpot_s'] and r['tpot_s'] * 1e3, '{:.1f}')} | {or_na(r['speedup_vs_' + base], '{:.2f}x')} | "
-              f"{_rate(r)} | "
+        ms, speedup = or_na(r["tpot_s"] and r["tpot_s"] * 1e3, "{:.1f}"), or_na(r["speedup_vs_" + base], "{:.2f}x")
+        print(f"| {p} | {ms} | {speedup} | {_rate(r)} | "
               f"{r.get('h2d_bytes', 0) / 1e6:.0f} | {r.get('stall_s', 0):.2f} | {each} | {same} |")
     return 0
 
