@@ -568,38 +568,6 @@ def test_reset_and_warm():
         mgr.slots.check()
 
 
-@pytest.mark.parametrize("coalesce", [False, True])
-@POOL
-def test_a_copy_that_fails_to_issue_leaves_no_slot_reserved(monkeypatch, pool, coalesce):
-    """A copy that raised as it was issued (CUDA: out of memory for its staging) left its expert's slot
-    reserved with no copy coming: every later call read that expert's rows as zeros through the remap
-    row, and its slot was never evicted. The call fails; the next one computes resident's output."""
-    store = make_store()
-    with slow_link(bandwidth=1e12, latency=0) as link:
-        mgr = make_mgr(store, 3, link, pool)
-        mgr.warm()
-        monkeypatch.setattr(mgr, "coalesce", coalesce)
-        x, ids, weights = routed(4, 2, 8, torch.Generator().manual_seed(7))
-        real, calls = link.copy, []
-
-        def flaky(*a, **kw):  # the second copy issued fails: one miss may have landed before it
-            calls.append(1)
-            if len(calls) == 2:
-                raise RuntimeError("CUDA out of memory (a stand-in)")
-            return real(*a, **kw)
-
-        monkeypatch.setattr(link, "copy", flaky)
-        with pytest.raises(RuntimeError, match="out of memory"):
-            mgr(1, x, ids, weights)
-        mgr.slots.check()
-        loading = [e for e in range(8) if mgr.slots.slot_of(1, e) is not None and not mgr.slots.is_ready(1, e)]
-        assert len(calls) == 2 and all((1, e) in mgr.inflight for e in loading), loading
-        monkeypatch.setattr(link, "copy", real)
-        for l in range(2):
-            assert torch.equal(mgr(l, x, ids, weights), ResidentExperts(store)(l, x, ids, weights))
-        mgr.slots.check()
-
-
 def _once(monkeypatch, owner, name, n, exc, after=False):
     """owner.name raises `exc` at its n-th call (after running, with after=True), then runs as before."""
     real, calls = getattr(owner, name), []
@@ -617,21 +585,33 @@ def _once(monkeypatch, owner, name, n, exc, after=False):
     return calls
 
 
-@pytest.mark.parametrize("where", ["mark_ready", "reserve"])
+# where a layer call is cut short: a copy that fails to issue (CUDA: out of memory for its staging), coalesced
+# or not; a Ctrl-C as a landed copy is marked ready; a Ctrl-C right after a slot is reserved
+CUTS = {"copy": ("link", "copy", RuntimeError("CUDA out of memory (a stand-in)"), False, False),
+        "copy-coalesced": ("link", "copy", RuntimeError("CUDA out of memory (a stand-in)"), False, True),
+        "mark_ready": ("slots", "mark_ready", KeyboardInterrupt(), False, False),
+        "reserve": ("slots", "reserve", KeyboardInterrupt(), True, False)}
+
+
+@pytest.mark.parametrize("cut", list(CUTS))
 @POOL
-def test_a_call_cut_short_leaves_no_slot_loading_with_no_copy(monkeypatch, pool, where):
-    """A Ctrl-C (or an error) as a landed copy was marked, or right after a slot was reserved: the
-    expert stayed loading with no copy coming, read as zeros by every later call and never evicted."""
+def test_a_call_cut_short_leaves_no_slot_loading_with_no_copy(monkeypatch, pool, cut):
+    """A copy that raised as it was issued, or a call interrupted as it landed or reserved one, left the
+    expert loading with no copy coming: every later call read its rows as zeros through the remap row,
+    and its slot was never evicted. The call fails; the next ones compute resident's output."""
+    owner, name, exc, after, coalesce = CUTS[cut]
     store = make_store()
     with slow_link(bandwidth=1e12, latency=0) as link:
         mgr = make_mgr(store, 3, link, pool)
         mgr.warm()
+        monkeypatch.setattr(mgr, "coalesce", coalesce)
         x, ids, weights = routed(4, 2, 8, torch.Generator().manual_seed(7))
-        calls = _once(monkeypatch, mgr.slots, where, 2, KeyboardInterrupt(), after=where == "reserve")
-        with pytest.raises(KeyboardInterrupt):
+        calls = _once(monkeypatch, link if owner == "link" else mgr.slots, name, 2, exc, after=after)
+        with pytest.raises(type(exc)):
             mgr(1, x, ids, weights)
         monkeypatch.undo()
         assert len(calls) == 2
+        mgr.slots.check()
         stuck = [e for e in range(8) if mgr.slots.slot_of(1, e) is not None and not mgr.slots.is_ready(1, e)
                  and (1, e) not in mgr.inflight]
         assert not stuck, stuck
