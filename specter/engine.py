@@ -345,9 +345,19 @@ class Engine:
 
     def _decoding(self, ids: list[int], params: SamplingParams, max_new_tokens: int, stops: list[str],
                   stats: dict, cancel: threading.Event | None = None) -> Iterator[tuple[list[int], str | None]]:
-        """_chunks on the engine's CUDA device, on whichever thread iterates it (threads.cuda_device)."""
-        with cuda_device(self.device):
-            yield from self._chunks(ids, params, max_new_tokens, stops, stats, cancel)
+        """_chunks, each of its steps on the engine's CUDA device (threads.cuda_device) on whichever thread
+        iterates it; the caller's own code between chunks runs on the caller's device."""
+        run = self._chunks(ids, params, max_new_tokens, stops, stats, cancel)
+        try:
+            while True:
+                with cuda_device(self.device):
+                    chunk = next(run, None)
+                if chunk is None:
+                    return
+                yield chunk
+        finally:  # its clean-up (the decoder's, recover()) on the engine's device too
+            with cuda_device(self.device):
+                run.close()
 
     def _chunks(self, ids: list[int], params: SamplingParams, max_new_tokens: int, stops: list[str],
                 stats: dict, cancel: threading.Event | None = None) -> Iterator[tuple[list[int], str | None]]:

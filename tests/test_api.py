@@ -445,12 +445,16 @@ def test_cuda_device_is_the_engines_on_every_thread_that_runs_it(monkeypatch):
     assert isinstance(threads.cuda_device(torch.device("cpu")), contextlib.nullcontext)
     assert isinstance(threads.cuda_device(torch.device("cuda")), contextlib.nullcontext)  # the current one
     assert threads.cuda_device(torch.device("cuda", 1)).idx == 1
-    seen = []
+    seen, held = [], []
 
     @contextlib.contextmanager
     def record(device):
         seen.append((device, threading.current_thread().name))
-        yield
+        held.append(device)
+        try:
+            yield
+        finally:
+            held.pop()
 
     monkeypatch.setattr(builder, "cuda_device", record)
     monkeypatch.setattr(engine_mod, "cuda_device", record)
@@ -460,13 +464,28 @@ def test_cuda_device_is_the_engines_on_every_thread_that_runs_it(monkeypatch):
         assert seen and set(seen) == {(e.device, main_thread)}  # the build (and load_shared within it)
         del seen[:]
         e.generate(PROMPT, max_new_tokens=2)
-        list(e.stream(PROMPT, max_new_tokens=2))
+        assert seen and set(seen) == {(e.device, main_thread)}
+        del seen[:]
+        real_run, steps = e.decoder.run, []
+
+        def run(*a):  # each decoding step on the engine's device
+            for chunk in real_run(*a):
+                steps.append(list(held))
+                yield chunk
+
+        e.decoder.run = run
+        for _ in e.stream(PROMPT, max_new_tokens=4, **GREEDY):  # the caller's code between pieces: its own device
+            assert held == []
+        del e.decoder.run
+        assert len(steps) >= 2 and all(h == [e.device] for h in steps)
+        assert seen and set(seen) == {(e.device, main_thread)}
+        del seen[:]
 
         async def drain():
             return [p async for p in e.astream(PROMPT, max_new_tokens=2)]
 
         asyncio.run(drain())
-        assert seen == [(e.device, main_thread)] * 2 + [(e.device, "specter-generation")]
+        assert seen and set(seen) == {(e.device, "specter-generation")}
     finally:
         e.close()
     # an offload thread takes its creator's device
