@@ -150,6 +150,7 @@ class InThread:
         item = await self._items.get()
         if item is self._end or isinstance(item, BaseException):
             self._over = True
+            await self.aclose()  # the end, or its error: raised once its thread has ended (nothing left running)
             if item is self._end:
                 raise StopAsyncIteration
             raise item

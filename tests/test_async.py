@@ -63,6 +63,36 @@ def test_in_thread_hands_items_over_and_raises_the_iterators_error():
         asyncio.run(collect(fail_at=2))
 
 
+@pytest.mark.parametrize("fail_at", [None, 2])
+def test_in_thread_ends_or_raises_only_once_its_thread_has_ended(monkeypatch, fail_at):
+    """A consumer that iterates to the end (or to the iterator's error) without aclose finds nothing
+    running: the thread's last steps after handing the end over (held here) are waited for."""
+    import specter.streaming as streaming
+
+    real_put, release, threads = streaming.InThread._put, threading.Event(), []
+
+    def slow_put(self, item):  # the thread lingers after its last item, until released or 1 s
+        threads.append(self._thread)
+        real_put(self, item)
+        if item is self._end:
+            release.wait(1.0)
+
+    monkeypatch.setattr(streaming.InThread, "_put", slow_put)
+
+    async def collect():
+        try:
+            return [i async for i in in_thread(lambda: _items([], fail_at=fail_at))]
+        finally:
+            assert not threads[-1].is_alive()
+            release.set()
+
+    if fail_at is None:
+        assert asyncio.run(collect()) == [0, 1, 2, 3]
+    else:
+        with pytest.raises(ValueError, match="copy failed"):
+            asyncio.run(collect())
+
+
 def test_in_thread_keeps_the_loop_running_and_stops_the_iterator_when_left():
     log, gate = [], threading.Event()
 
