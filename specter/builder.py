@@ -21,7 +21,7 @@ from .loader import Checkpoint, StoredExperts, load_checkpoint, load_tokenizer, 
 from .model import MoETransformer
 from .moe import ExpertWeights, ResidentExperts
 from .offload.coded import cache_entry, coded_store, emulate_from, read_cached, ready_on_cuda
-from .offload.coded_tier import PLAN_RATIO, attach as attach_tier, emulation_rows, tier_wanted
+from .offload.coded_tier import attach as attach_tier, emulation_rows, plan_tier
 from .offload.host_experts import HostExperts
 from .offload.host_lane import LaneChoice, host_params, make_host_lane
 from .offload.cuda_link import make_link
@@ -209,7 +209,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         planned = dict(residency=residency, expert_memory=expert_memory, device_memory=device_memory,
                        context=context, draft=pol.drafts, device=device, store_dtype=ckpt.dtype,
                        compressed=compress_experts, pool=slot_pool,
-                       coded_tier=PLAN_RATIO if compress_experts and tier_wanted(pol, device, dt) else None)
+                       coded_tier=plan_tier(pol, device, dt, compress_experts))
         try:
             plan = make_plan(spec, ckpt.numel(), dt, draft_bits=draft_bits, **planned)
         except BudgetError as e:  # a narrower draft may leave the pool its top-k (plan --device-memory picks one)

@@ -152,10 +152,12 @@ def test_device_memory_to_slots(case):
                          draft=draft).slots_per_layer == 2
         with pytest.raises(specter.BudgetError) as err:  # one slot short of top-k
             make_plan(spec, numel, torch.float32, device_memory=fixed + h["k"] * per_slot - 1, context=ctx, draft=draft)
-        total = re.search(r"device_memory [^(]*\(([\d,]+) bytes\) in all", str(err.value)).group(1)
+        total = re.search(r": [^:(]* \(([\d,]+) bytes\) in all", str(err.value)).group(1)
         assert int(total.replace(",", "")) == fixed + h["k"] * per_slot  # what runs, named
-        with pytest.raises(specter.BudgetError, match="device_memory"):  # not even the fixed part
-            make_plan(spec, numel, torch.float32, device_memory=fixed - 1, context=ctx, draft=draft)
+        with pytest.raises(specter.BudgetError, match="device_memory") as err:  # not even the fixed part: the
+            make_plan(spec, numel, torch.float32, device_memory=fixed - 1, context=ctx, draft=draft)  # same need
+        total = re.search(r": [^:(]* \(([\d,]+) bytes\) in all", str(err.value)).group(1)
+        assert int(total.replace(",", "")) == fixed + h["k"] * per_slot and "--device-memory" in str(err.value)
 
 
 def test_kv_bytes_match_the_cache_the_engine_allocates(case):
@@ -562,3 +564,38 @@ def test_plan_over_ranks_narrows_the_draft_where_the_default_does_not_fit(capsys
     assert "draft INT2 (the widest that fits)" in out and out.count("; fits") == 2
     assert main(args + ["--draft-bits", "4"]) == 0
     assert "does NOT fit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("policy, dtype, budget, tier", [
+    ("on-demand", None, "40MiB", None), ("specter", None, "40MiB", None), ("on-demand", "bfloat16", "40MiB", None),
+    ("specter", None, "50MiB", "0")])  # no tier: the INT2 draft is predicted fastest
+def test_plan_with_a_device_budget_is_the_plan_the_engine_builds(capsys, monkeypatch, policy, dtype, budget, tier):
+    """`plan --device-memory` planned its pool without the engine's pool arguments: no coded device tier
+    with --compress-experts (40 MiB: 37 raw slots said, 2 and a tier of ~50 built), a CPU pool in the
+    compute dtype, and it crashed where it chose a draft other than INT4 with --compress-experts. It
+    now plans what `specter.load` builds with the same flags (--draft-bits: the width it chose, which
+    it says to pass), and --dtype is plan's as generate's."""
+    from specter.cli import main
+
+    if tier is not None:
+        monkeypatch.setenv("SPECTER_CODED_TIER", tier)
+    flags = ["--device", "cpu", "--policy", policy, "--device-memory", budget, "--context", "512",
+             "--compress-experts"] + (["--dtype", dtype] if dtype else [])
+    assert main(["plan", *flags, "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["fits"]
+    bits = res["draft_bits"] or 4
+    assert (bits != 4) == (tier == "0")
+    engine = specter.load(None, device="cpu", policy=policy, device_memory=budget, context=512,
+                          compress_experts=True, draft_bits=bits, dtype=dtype)
+    try:
+        built = engine.plan.as_dict()
+    finally:
+        engine.close()
+    keys = ("pool_slots", "slot_pool_bytes", "pool_dtype", "pool_rows", "tier_bytes", "dtype", "draft_bits")
+    assert {k: res["plan"][k] for k in keys} == {k: built[k] for k in keys}
+    assert (res["plan"]["tier_bytes"] > 0) == (dtype is None and tier is None)  # (bf16: every expert fits raw)
+    assert abs(res["plan"]["tier_experts"] - built["tier_experts"]) <= 1  # measured ratio, the engine's estimate
+    if bits != 4:  # the text path of the same plan, and what to pass for it
+        assert main(["plan", *flags]) == 0
+        assert f"run it with --draft-bits {bits}" in capsys.readouterr().out

@@ -69,13 +69,17 @@ def policy_help(what: str = "", bench: bool = False) -> str:
     return " | ".join(BENCH_POLICIES if bench else POLICIES) + (f" ({what})" if what else "")
 
 
+def dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="compute dtype (default: float32 on CPU, the checkpoint's 16-bit dtype on CUDA)")
+
+
 def model_args(p: argparse.ArgumentParser, policy: bool = True, residency: str = "") -> None:
     """The model, device, policy, budget and engine flags of generate, chat, serve and bench
     (`residency`: what --residency's help says of its default)."""
     p.add_argument("--model", default=None, help="local Hugging Face model directory (default: the bundled model)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
-    p.add_argument("--dtype", default=None, choices=DTYPES,
-                   help="compute dtype (default: float32 on CPU, the checkpoint's 16-bit dtype on CUDA)")
+    dtype_arg(p)
     if policy:
         p.add_argument("--policy", default=DEFAULT_POLICY, help=policy_help(f"default: {DEFAULT_POLICY}"))
     p.add_argument("--residency", type=float, default=None,

@@ -14,14 +14,14 @@ from ..errors import ConfigError
 from ..loader import describe
 from ..offload.calibrate import emulated_host_params, load_profile
 from ..offload.coded import coded_store_bytes
-from ..offload.coded_tier import ROWS_MAX_BYTES, tier_wanted
+from ..offload.coded_tier import ROWS_MAX_BYTES, plan_tier, tier_wanted
 from ..offload.plan import (DRAFT_BITS, check_context, compute_dtype, emulated_device_bytes, fit, host_needs,
                             make_plan, options_table, search)
 from ..offload.staging import describe as describe_staging
 from ..pipeline.plan import cmd_plan_ranks
 from ..policy import DEFAULT as DEFAULT_POLICY, get as get_policy, names as policy_names
 from ..sizes import format_size
-from .options import FLAG_USERS, nonnegative_int, policy_help, positive_int, refuse_unused_flags
+from .options import FLAG_USERS, dtype_arg, nonnegative_int, policy_help, positive_int, refuse_unused_flags
 
 
 def add_parsers(sub) -> None:
@@ -29,6 +29,7 @@ def add_parsers(sub) -> None:
                                     "with --device-memory: does it fit, and what to change")
     p.add_argument("--model", default=None, help="local Hugging Face model directory (default: the bundled model)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]: the device to plan for (default: auto)")
+    dtype_arg(p)
     b = p.add_mutually_exclusive_group()
     b.add_argument("--residency", type=float, default=None, help="share of the routed experts on the device (one pool for all layers)")
     b.add_argument("--expert-memory", default=None, help="slot pool budget, e.g. 6GiB")
@@ -81,9 +82,10 @@ def cmd_plan(args) -> int:
 
         check_packable(args.draft_bits, spec.hidden, spec.expert_inter)
     device = _plan_device(args.device, args.device_memory is not None)
-    dtype = compute_dtype(device, store_dtype)
+    dtype = compute_dtype(device, store_dtype, args.dtype)
     host = host_needs(spec, store_dtype, device.type, draft=pol.drafts, draft_bits=args.draft_bits or 4)
-    coded = _coded_store(path, weights, host) if args.compress_experts else None
+    sizes = _coded_store(path, weights) if args.compress_experts else None
+    coded = _as_coded(host, sizes)
     head = f"model {path} ({spec.arch}), stored {str(store_dtype)[6:]} " \
            f"({'weights' if weights else 'config.json only'}), computed {str(dtype)[6:]} on {device.type}"
     hosts = _host_line(host, coded)
@@ -101,13 +103,16 @@ def cmd_plan(args) -> int:
                   f"measured: stats cuda_graphs); the MoE calls' own graphs, one a width, beside them"
     if args.device_memory is not None:
         profile = load_profile(args.link)
+        store = dict(store_dtype=store_dtype, compressed=args.compress_experts,
+                     coded_ratio=coded / host.raw_store_bytes if coded else None)  # the pool as the engine plans it
         f = fit(spec, numel, dtype, args.device_memory, policy=args.policy, context=args.context,
-                draft_bits=args.draft_bits, profile=profile, device=device.type, host_threads=args.host_threads)
+                draft_bits=args.draft_bits, profile=profile, device=device, host_threads=args.host_threads, **store)
         if f.draft_bits and f.draft_bits != (args.draft_bits or 4):  # the width the fit chose: its cache's size
             host = host_needs(spec, store_dtype, device.type, draft=pol.drafts, draft_bits=f.draft_bits)
+            _as_coded(host, sizes)
             hosts = _host_line(host, coded)
         ways = search(spec, numel, dtype, args.device_memory, context=args.context, profile=profile,
-                      device=device.type, host_threads=args.host_threads)
+                      device=device, host_threads=args.host_threads, **store)
         if args.json:
             print(json.dumps({**f.as_dict(), "host": vars(host), "dtype": str(dtype)[6:], "cuda_graphs": graphs,
                               "options": [o.as_dict() for o in ways], "profile": profile.name}))
@@ -116,6 +121,8 @@ def cmd_plan(args) -> int:
         if f.fits:
             print(f.plan.table())
             draft = f", draft INT{f.draft_bits}" if f.draft_bits else ""
+            if f.draft_bits and args.draft_bits is None and f.draft_bits != 4:  # not what the load does unasked
+                draft += f": run it with --draft-bits {f.draft_bits}"
             print(f"{args.policy} runs in {format_size(f.device_memory)}: residency {f.plan.residency:.1%} "
                   f"({f.plan.pool_slots} of {spec.n_moe_layers * spec.n_experts} routed experts on the device, "
                   f"one pool for all layers{draft})")
@@ -125,8 +132,9 @@ def cmd_plan(args) -> int:
             need = format_size(f.minimum)
             if need == format_size(f.device_memory):  # the same at this precision: say by how much
                 need += f" ({f.minimum - f.device_memory:,} bytes more)"
+            narrow = f" with --draft-bits {f.minimum_bits}" if f.minimum_bits and f.minimum_bits != 4 else ""
             print(f"{args.policy} does NOT fit in {format_size(f.device_memory)}: it needs at least "
-                  f"{need} at {f.context} tokens of context"
+                  f"{need} at {f.context} tokens of context{narrow}"
                   + (f" (it runs at {max(shorter)}: see the ways to run below)" if shorter else ""))
         print(hosts)
         print(copies)
@@ -138,7 +146,7 @@ def cmd_plan(args) -> int:
                 f"give a longer one"
             print(f"ways to run in {format_size(f.device_memory)}, fastest predicted first ({at}):")
             print(options_table(ways, profile.name))
-            if lane_note := _with_lane(ways, spec, numel, dtype, args, profile, device):
+            if lane_note := _with_lane(ways, spec, numel, dtype, args, profile, device, store):
                 print(lane_note)
         else:
             print(f"nothing runs in {format_size(f.device_memory)}, at any context down to the shortest tried")
@@ -194,14 +202,14 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def _with_lane(ways, spec, numel, dtype, args, profile, device) -> str:
+def _with_lane(ways, spec, numel, dtype, args, profile, device, store: dict) -> str:
     """Where a lane policy was ranked without its host lane (CUDA, no --host-threads): how fast the best of
     it would be predicted with the lane (opt-in there), so the choice is the user's."""
     opt_in = sorted({o.policy for o in ways if o.without_its_lane})
     if not opt_in or args.host_threads == 0:
         return ""
     best = search(spec, numel, dtype, args.device_memory, context=args.context, profile=profile,
-                  policies=opt_in, device=device.type, host_threads=1)[0]
+                  policies=opt_in, device=device, host_threads=1, **store)[0]
     draft = f" INT{best.draft_bits}" if best.draft_bits else ""
     return f"with its host lane (`--host-threads N`, opt-in on {device.type}), {best.policy}{draft} would be " \
            f"predicted at {best.tokens_per_s:.2f} tok/s"
@@ -210,17 +218,23 @@ def _with_lane(ways, spec, numel, dtype, args, profile, device) -> str:
 def tier_ratio(coded: int | None, host, device, pol, dtype) -> float | None:
     """--compress-experts: the coded store's measured ratio, which sizes the compressed device tier
     where the engine builds one (coded_tier.tier_wanted), else None."""
-    return coded / host.raw_store_bytes if coded and tier_wanted(pol, device, dtype) else None
+    return plan_tier(pol, device, dtype, bool(coded), coded / host.raw_store_bytes if coded else None)
 
 
-def _coded_store(path, weights: bool, host) -> int:
-    """--compress-experts: the coded store's bytes (every expert read once); host's store and pinned
-    bytes become the coded ones (host.raw_store_bytes keeps the bf16 size)."""
+def _coded_store(path, weights: bool) -> tuple[int, int]:
+    """--compress-experts: (the coded store's bytes, its bf16 bytes), every expert read once."""
     if not weights:
         raise ConfigError("--compress-experts: the coded size is measured from the weights, and this "
                           "model directory has config.json only")
-    coded, raw = coded_store_bytes(path)
-    host.raw_store_bytes = raw
+    return coded_store_bytes(path)
+
+
+def _as_coded(host, sizes: tuple[int, int] | None) -> int | None:
+    """host's store and pinned bytes made the coded store's (`sizes`, _coded_store's; host.raw_store_bytes
+    keeps the bf16 size); the coded bytes, or None (no sizes: nothing coded)."""
+    if sizes is None:
+        return None
+    coded, host.raw_store_bytes = sizes
     if host.pinned_bytes == host.store_bytes:
         host.pinned_bytes = coded
     host.store_bytes = coded

@@ -46,6 +46,7 @@ import torch
 from specter.triton_ops import lossless
 
 from ..loader import StoredExperts
+from ..policy import get as get_policy
 from .cuda_link import CudaLink
 from .link import EmulatedLink, Transfer
 
@@ -70,6 +71,16 @@ def tier_wanted(policy, device, dtype: torch.dtype, opt: str | None = None) -> b
     if torch.device(device).type == "cpu":
         return True
     return opt == "1" and dtype == torch.bfloat16 and os.environ.get("SPECTER_CODED_IN_PLACE") != "1"
+
+
+def plan_tier(policy, device, dtype: torch.dtype, compressed: bool, ratio: float | None = None) -> float | None:
+    """make_plan's coded_tier as the engine passes it: `ratio` (a coded expert's bytes over a bf16 one's: the
+    store's measured ratio; None: PLAN_RATIO, before the store is coded) where a compressed store splits its
+    budget with a tier (tier_wanted), else None. `policy`: a Policy or its name."""
+    if not compressed:
+        return None
+    pol = get_policy(policy) if isinstance(policy, str) else policy
+    return (PLAN_RATIO if ratio is None else ratio) if tier_wanted(pol, device, dtype) else None
 
 
 class DecodeLink(EmulatedLink):

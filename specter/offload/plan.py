@@ -212,17 +212,18 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
                  kv=kv_bytes_per_token(spec, item) * context)
     per = max(L, 1) if pool == "layer" else 1  # a slot is counted in every layer (the per-layer rule) or once
     most = E * (L // per)                       # slots in a layer (the rule), or in the pool, for every expert
-    slots, what = _slots(most, per * numel * item, fixed, residency, expert_memory, device_memory, context)
+    floor = (k * per * numel * item, f"one layer's top-{k} expert slots") if L else (0, "")
+    slots, what = _slots(most, per * numel * item, fixed, residency, expert_memory, device_memory, context, floor)
     store = store_dtype if store_dtype is not None else dtype
     pdt = pool_dtype(device, store, dtype, per * slots, numel)
     if pdt != dtype:  # the same budget in bytes holds more experts of the narrower dtype
         slots, what = _slots(most, per * numel * pdt.itemsize, fixed, residency, expert_memory, device_memory,
-                             context)
+                             context, floor)
     expert = numel * pdt.itemsize
     if L and slots < k:
         need = k * per * expert
         where = "expert slot(s) per layer" if pool == "layer" else "expert slot(s) in the shared pool"
-        total = f": device_memory {_exactly(need + sum(fixed.values()))} in all" if device_memory is not None else ""
+        total = f": device_memory (--device-memory) {_exactly(need + sum(fixed.values()))} in all" if device_memory is not None else ""
         raise BudgetError(
             f"{what} gives {slots} {where}, but one layer needs its top-{k} = {k} experts at once: at least "
             f"{_exactly(need)} of slot pool ({_up(k * per / (L * E))} residency) is required{total}")
@@ -297,27 +298,30 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def _slots(E: int, layer_bytes: int, fixed: dict, residency, expert_memory, device_memory,
-           context: int) -> tuple[int, str]:
+           context: int, floor: tuple[int, str] = (0, "")) -> tuple[int, str]:
     """Expert slots (at most E: every expert a layer, or of the model) that the budget buys, a slot
-    taking `layer_bytes` (one expert in every layer, or one in the shared pool); and the budget in words."""
+    taking `layer_bytes` (one expert in every layer, or one in the shared pool); and the budget in words.
+    `floor`: the least slot pool a generation runs with, in bytes and words (a device budget that cannot
+    hold it and `fixed` says the whole need)."""
     if residency is not None:
         if isinstance(residency, bool) or not (isinstance(residency, numbers.Real) and 0 < residency <= 1):  # (numpy)
             raise ConfigError(f"residency must be a fraction in (0, 1], got {residency!r}")
-        return min(math.ceil(residency * E - 1e-9), E), f"residency {residency}"
+        return min(math.ceil(residency * E - 1e-9), E), f"residency (--residency) {residency}"
     if expert_memory is not None:
         budget = parse_budget(expert_memory, "expert_memory")
-        return min(budget // max(layer_bytes, 1), E), f"expert_memory {format_size(budget)}"
+        return min(budget // max(layer_bytes, 1), E), f"expert_memory (--expert-memory) {_exactly(budget)}"
     if device_memory is not None:
         budget = parse_budget(device_memory, "device_memory")
         left = budget - sum(fixed.values())
-        if left < 0:
-            parts = ", ".join(f"{what} {format_size(fixed[key])}" for key, what in
-                              (("non", "non-expert weights"), ("draft", "draft"), ("kv", "KV cache")) if fixed[key])
+        if left < floor[0]:
+            parts = ", ".join(f"{what} {format_size(n)}" for n, what in
+                              ((fixed["non"], "non-expert weights"), (fixed["draft"], "draft"),
+                               (fixed["kv"], "KV cache"), floor) if n)
             raise BudgetError(
-                f"device_memory {format_size(budget)} cannot even hold what stays on the device besides the "
-                f"experts ({parts}: {format_size(sum(fixed.values()))}); raise it, or give a shorter context "
-                f"(--context; the KV cache is planned for {context} tokens)")
-        return min(left // max(layer_bytes, 1), E), f"device_memory {format_size(budget)}"
+                f"device_memory (--device-memory) {_exactly(budget)} cannot hold what a generation needs on the "
+                f"device ({parts}: {_exactly(sum(fixed.values()) + floor[0])} in all); raise it, or give a shorter "
+                f"context (--context; the KV cache is planned for {context} tokens)")
+        return min(left // max(layer_bytes, 1), E), f"device_memory (--device-memory) {_exactly(budget)}"
     return E, "all resident"
 
 
@@ -407,6 +411,7 @@ class Fit:
     full: int                     # device bytes for every expert resident
     suggestions: list[str]
     draft_bits: int | None = None  # the draft's width chosen (the drafting policies)
+    minimum_bits: int | None = None  # ... and the one `minimum` is for (the narrowest tried)
 
     @property
     def fits(self) -> bool:
@@ -414,18 +419,32 @@ class Fit:
 
     def as_dict(self) -> dict:
         return dict(policy=self.policy, device_memory=self.device_memory, context=self.context, fits=self.fits,
-                    draft_bits=self.draft_bits, minimum_bytes=self.minimum, all_resident_bytes=self.full, suggestions=self.suggestions,
+                    draft_bits=self.draft_bits, minimum_bytes=self.minimum, minimum_draft_bits=self.minimum_bits,
+                    all_resident_bytes=self.full, suggestions=self.suggestions,
                     plan=self.plan.as_dict() if self.plan else None)
 
 
+def _pool_args(policy: str, device, dtype: torch.dtype, store_dtype, compressed: bool, coded_ratio) -> dict:
+    """make_plan's pool arguments as the engine passes them for `policy` on `device` (builder.build_engine):
+    the pool's dtype and rows, and a compressed store's device tier (`coded_ratio`: its measured ratio)."""
+    from .coded_tier import plan_tier  # (it imports the kernels' module: not for every plan)
+
+    device = torch.device(device)
+    return dict(device=device, store_dtype=store_dtype, compressed=compressed,
+                coded_tier=plan_tier(policy, device, dtype, compressed, coded_ratio))
+
+
 def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *, policy: str = "specter",
-        context: int | None = None, draft_bits: int | None = None, profile=None, device: str = "cpu",
-        host_threads: int | None = None) -> Fit:
+        context: int | None = None, draft_bits: int | None = None, profile=None, device="cpu",
+        host_threads: int | None = None, store_dtype: torch.dtype | None = None, compressed: bool = False,
+        coded_ratio: float | None = None) -> Fit:
     """`draft_bits` None: of the draft widths that fit (the drafting policies), the one predicted
     fastest (predict_tpot on `profile`, a LinkProfile or its name; None: the default profile), with the
-    host lane where the policy runs one on a `device` ("cpu", "cuda") device with `host_threads`."""
+    host lane where the policy runs one on a `device` ("cpu", "cuda") device with `host_threads`.
+    `store_dtype`, `compressed`, `coded_ratio`: the checkpoint's, as the engine plans its pool (_pool_args)."""
     draft = get_policy(policy).drafts
-    lane = get_policy(policy).computes_on_host(device, host_threads)
+    lane = get_policy(policy).computes_on_host(torch.device(device).type, host_threads)
+    pool = _pool_args(policy, device, dtype, store_dtype, compressed, coded_ratio)
     budget = parse_budget(device_memory, "device_memory")
     if not get_policy(policy).offloads:  # every expert on the device, whatever the budget (search's rule)
         plan = make_plan(spec, total_numel, dtype, context=context, draft=False)
@@ -455,7 +474,8 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
     fitting = []
     for b in widths:
         try:
-            plan = make_plan(spec, total_numel, dtype, device_memory=budget, context=context, draft=draft, draft_bits=b)
+            plan = make_plan(spec, total_numel, dtype, device_memory=budget, context=context, draft=draft, draft_bits=b,
+                             **pool)
         except BudgetError:
             continue
         fitting.append((predict_tpot(spec, plan, policy, b if draft else None, profile, lane)[0], -b, plan))
@@ -485,13 +505,14 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
             tips.append(f"every expert resident needs {format_size(full)}")
         if plan.pool_slots < L * E and context > TIP_CONTEXT:  # the KV cache of a long context, planned whole
             short = make_plan(spec, total_numel, dtype, device_memory=budget, context=TIP_CONTEXT, draft=draft,
-                              draft_bits=plan.draft_bits)
+                              draft_bits=plan.draft_bits, **pool)
             if short.pool_slots > plan.pool_slots:
                 tips.append(f"the KV cache for {context} tokens takes {format_size(plan.kv_bytes)}; with --context "
                             f"{TIP_CONTEXT} (a generation's prompt and output) it takes {format_size(short.kv_bytes)} "
                             f"and the pool holds {short.pool_slots} slots ({short.pool_slots - plan.pool_slots} more)")
     return Fit(policy, budget, context, plan, minimum(draft_b, context), full, tips,
-               draft_bits=plan.draft_bits if plan is not None and draft else None)
+               draft_bits=plan.draft_bits if plan is not None and draft else None,
+               minimum_bits=narrow if draft else None)
 # ------------------------------------------------------------------------------ a way to run (specter plan)
 # Ranking inputs that are assumptions, not measurements on these models: the share of drafted tokens
 # the target accepts at each draft width, and the share of a verification's misses the draft's
@@ -614,12 +635,15 @@ def contexts_to_try(spec: ModelSpec, context: int | None) -> list[int]:
 
 
 def search(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *, context: int | None = None,
-           profile=None, policies=None, device: str = "cpu", host_threads: int | None = None) -> list[Option]:
+           profile=None, policies=None, device="cpu", host_threads: int | None = None,
+           store_dtype: torch.dtype | None = None, compressed: bool = False,
+           coded_ratio: float | None = None) -> list[Option]:
     """Every way to run in `device_memory` bytes: each policy (the drafted ones at each draft width)
     at the longest context that fits (the one asked for, or the model's halved down to MIN_CONTEXT),
     with the shared pool taking what is left; fastest predicted first. Nothing that does not fit. Each
     policy with its host lane where it runs one on a `device` device with `host_threads` (given for
-    specter and host alike: 0 is specter's no-lane shape and leaves host its lane)."""
+    specter and host alike: 0 is specter's no-lane shape and leaves host its lane). `store_dtype`,
+    `compressed`, `coded_ratio`: as fit's."""
     from ..policy import POLICIES
 
     profile = _profile(profile)
@@ -635,10 +659,11 @@ def search(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory,
                             continue
                     else:
                         plan = make_plan(spec, total_numel, dtype, device_memory=budget, context=ctx,
-                                         draft=bits is not None, draft_bits=bits or 4)
+                                         draft=bits is not None, draft_bits=bits or 4,
+                                         **_pool_args(policy, device, dtype, store_dtype, compressed, coded_ratio))
                 except BudgetError:
                     continue
-                lane = get_policy(policy).computes_on_host(device, host_threads)
+                lane = get_policy(policy).computes_on_host(torch.device(device).type, host_threads)
                 t, K = predict_tpot(spec, plan, policy, bits, profile, lane)
                 out.append(Option(policy, bits, plan, t, K, ASSUMED_ACCEPTANCE.get(bits), lane))
                 break

@@ -69,14 +69,13 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
         expert_memory, own = stage_budget(spec, stage, dt.itemsize, device, residency, expert_memory, device_memory,
                                           pol.drafts, draft_bits, context)
         # the plan of the whole model; each rank's pool is sized from it (stage_pool)
-        from ..offload.coded_tier import PLAN_RATIO, tier_wanted
+        from ..offload.coded_tier import plan_tier
 
         try:
             plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
                              context=context, draft=False, device=device, store_dtype=ckpt.dtype,
                              compressed=compress_experts,
-                             coded_tier=PLAN_RATIO if compress_experts and tier_wanted(pol, device, dt)
-                             else None)  # as builder.build_engine plans it
+                             coded_tier=plan_tier(pol, device, dt, compress_experts))  # as build_engine
         except BudgetError as e:
             if device_memory is None:
                 raise

@@ -44,9 +44,9 @@ def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str,
     compressed = coded_layers is not None
     coded_tier = None
     if compressed and device is not None:
-        from ..offload.coded_tier import PLAN_RATIO, tier_wanted
+        from ..offload.coded_tier import plan_tier
 
-        coded_tier = PLAN_RATIO if tier_wanted(get_policy(policy), device, dtype) else None  # as load_stage
+        coded_tier = plan_tier(policy, device, dtype, compressed)  # as load_stage
     for st in stages:
         mine = st.moe_last - st.moe_first
         non, kv, draft = stage_device_bytes(spec, st, item, drafts, draft_bits, context)
@@ -128,7 +128,7 @@ def cmd_plan_ranks(args, device) -> int:
                               "model directory has config.json only")
         coded = []
         coded_store_bytes(path, coded)
-    dtype = compute_dtype(device, store_dtype)
+    dtype = compute_dtype(device, store_dtype, getattr(args, "dtype", None))
 
     def plan(policy, bits=getattr(args, "draft_bits", None) or 4):
         return rank_plans(spec, numel, dtype, store_dtype, args.ranks, policy=policy, residency=args.residency,
