@@ -338,8 +338,9 @@ class Engine:
             more = self.model.spec.context_note if limit == model else \
                 f" (the engine was loaded with context={limit}; the model's is {model})"
             raise ContextLengthError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "
-                f"exceeds {whose} context of {limit} tokens{more}; shorten the prompt or lower max_new_tokens"
+                f"prompt ({len(ids)} token{'s' * (len(ids) != 1)}) + max_new_tokens ({max_new_tokens}) = "
+                f"{len(ids) + max_new_tokens} exceeds {whose} context of {limit} tokens{more}; shorten the prompt or "
+                f"lower max_new_tokens (--max-new-tokens)"
             )
         return ids, params, list(stops)
 

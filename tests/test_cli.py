@@ -109,13 +109,18 @@ def test_stop_reads_backslash_escapes(capsys):
 
 @needs_default
 def test_context_reaches_the_engine(capsys):
-    """--context bounds a generation (exit 2, the engine's message) and plans the KV cache it keeps."""
+    """--context bounds a generation (exit 2, the engine's message) and plans the KV cache it keeps;
+    with no --max-new-tokens the default (128) shrinks to the room the context leaves, as the server's."""
     argv = ["generate", "def add(a, b):", "--policy", "on-demand", "--device", "cpu", "--context", "16", "--json"]
     assert engine_options(build_parser().parse_args(argv)) == {"context": 16}
     assert main(argv + ["--max-new-tokens", "12"]) == 2
-    assert "exceeds the engine's context of 16 tokens" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "exceeds the engine's context of 16 tokens" in err and "--max-new-tokens" in err
     assert main(argv + ["--max-new-tokens", "4"]) == 0
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 4
+    assert main(argv + ["--greedy"]) == 0  # 7 prompt tokens: 9 new fill the context (without an EOS first)
+    out = json.loads(capsys.readouterr().out)
+    assert out["stats"]["finish_reason"] == "length" and len(out["token_ids"]) == 9
     with pytest.raises(SystemExit):
         main(["generate", "x", "--context", "0"])
 
@@ -250,6 +255,13 @@ def test_interactive_chat(chat_model, capsys, monkeypatch):
     r3 = engine.generate(sys_msg + [{"role": "user", "content": "class Stack:"}], max_new_tokens=6, temperature=0.0).text
     assert r2 != r3  # the history mattered
     assert "\n".join(got) == f"{r1}\n{r2}\n{r3}\n"
+    turn = sys_msg + [{"role": "user", "content": "def add(a, b):"}]  # no --max-new-tokens: the room left
+    room = 40 - len(engine.encode(turn))
+    want = engine.generate(turn, max_new_tokens=room, temperature=0.0).text
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def add(a, b):\n"))
+    assert main(["chat", "--model", str(model), "--policy", "resident", "--device", "cpu", "--context", "40",
+                 "--system", "be brief", "--greedy"]) == 0
+    assert capsys.readouterr().out == want + "\n" and 0 < room < 128
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
     assert main(["chat", "--policy", "resident", "--device", "cpu"]) == 2
     err = capsys.readouterr().err

@@ -6,7 +6,8 @@ import sys
 
 from .. import pipeline
 from ..errors import ConfigError, SpecterError, TokenizerError
-from .options import load_engine, model_args, pipeline_args, sampling_args, sampling_kwargs, token_ids
+from .options import (load_engine, max_new_tokens, model_args, pipeline_args, sampling_args, sampling_kwargs,
+                      token_ids)
 
 
 def add_parsers(sub) -> None:
@@ -80,8 +81,8 @@ def cmd_generate(args) -> int:
 
 
 def _generate(args, prompt, engine) -> int:
-    kw = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, **sampling_kwargs(args))
     try:
+        kw = dict(max_new_tokens=max_new_tokens(args, engine, prompt), stop=args.stop, **sampling_kwargs(args))
         if args.json:
             out = engine.generate(prompt, **kw)
             print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats}))
@@ -125,7 +126,7 @@ def _chat(args, engine) -> int:
                                  f"to its tokenizer_config.json")
         start = [] if args.system is None else [{"role": "system", "content": args.system}]
         messages = list(start)
-        kw = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, **sampling_kwargs(args))
+        kw = dict(stop=args.stop, **sampling_kwargs(args))
         interactive = sys.stdin.isatty()
         while True:
             if interactive:
@@ -139,7 +140,7 @@ def _chat(args, engine) -> int:
             turn = messages + [{"role": "user", "content": line.rstrip("\n")}]
             reply = []
             try:
-                for piece in engine.stream(turn, **kw):
+                for piece in engine.stream(turn, max_new_tokens=max_new_tokens(args, engine, turn), **kw):
                     reply.append(piece)
                     sys.stdout.write(piece)
                     sys.stdout.flush()

@@ -129,8 +129,20 @@ def pipeline_args(p: argparse.ArgumentParser) -> None:
                         "every rank has loaded (default 600; joining and loading wait at least 600)")
 
 
+DEFAULT_NEW_TOKENS = 128
+
+
+def max_new_tokens(args, engine, prompt) -> int:
+    """--max-new-tokens, or at most DEFAULT_NEW_TOKENS that fit in the engine's context after `prompt` (as
+    the server's default max_tokens); a prompt that leaves no room gets the engine's own error."""
+    if args.max_new_tokens is not None:
+        return args.max_new_tokens
+    return max(1, min(DEFAULT_NEW_TOKENS, engine.context - len(engine.encode(prompt))))
+
+
 def sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"most tokens to generate (default {DEFAULT_NEW_TOKENS}, or what the context has room for)")
     s = p.add_argument_group("sampling", "With none of these (--seed aside), the model's own settings apply: its "
                                          "generation_config.json, greedy if it has none. With any, exactly those "
                                          "apply, the rest at the neutral values shown.")
