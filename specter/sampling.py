@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Sequence
@@ -59,12 +60,18 @@ class SamplingParams:
     penalized: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        t, p, k, s = self.temperature, self.top_p, self.top_k, self.seed
         bad = set()  # the float fields that are not a finite number
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
                 bad.add(name)
+            elif type(v) not in (int, float):  # numpy's scalars (a sweep's values) as Python's
+                object.__setattr__(self, name, float(v))
+        for name in ("top_k", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, numbers.Integral) and not isinstance(v, bool) and type(v) is not int:
+                object.__setattr__(self, name, int(v))
+        t, p, k, s = self.temperature, self.top_p, self.top_k, self.seed
         if "temperature" in bad or t < 0:
             raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         if "top_p" in bad or not (0 < p <= 1):

@@ -123,6 +123,28 @@ def test_bad_sampling_controls_are_config_errors(engine, kw, match):
         engine.generate([1, 2, 3], max_new_tokens=2, **kw)
 
 
+def test_numpy_scalars_are_the_numbers_they_hold(engine):
+    """A sweep's numpy values (np.float32 temperature, np.int64 top_k and seed) were refused as if out of
+    range ("temperature must be a finite number >= 0 ... got np.float32(0.7)"); np.float64 passed."""
+    import numpy as np
+
+    from specter.sampling import SamplingParams
+
+    p = SamplingParams(temperature=np.float32(0.75), top_p=np.float16(0.5), top_k=np.int64(5), seed=np.uint32(3),
+                       min_p=np.float32(0.25), repetition_penalty=np.int8(2), presence_penalty=np.float32(-1.5))
+    assert (p.temperature, p.top_p, p.top_k, p.seed, p.min_p, p.repetition_penalty, p.presence_penalty) == \
+        (0.75, 0.5, 5, 3, 0.25, 2.0, -1.5)
+    assert all(type(v) in (int, float) for v in (p.temperature, p.top_p, p.top_k, p.seed, p.repetition_penalty))
+    kw = dict(temperature=0.75, top_k=5, seed=3)
+    want = engine.generate([1, 2, 3], max_new_tokens=6, **kw).token_ids
+    assert engine.generate([1, 2, 3], max_new_tokens=6, temperature=np.float32(0.75), top_k=np.int64(5),
+                           seed=np.int64(3)).token_ids == want
+    for bad in (dict(top_k=np.float32(2.0)), dict(temperature=np.float32("nan")), dict(seed=np.bool_(True)),
+                dict(top_k=True)):
+        with pytest.raises(specter.ConfigError):
+            SamplingParams(**bad)
+
+
 def test_seeds_never_touch_the_global_rng(engine):
     torch.manual_seed(123)
     before = torch.get_rng_state()
