@@ -26,11 +26,12 @@ from .offload.host_experts import HostExperts
 from .offload.host_lane import LaneChoice, host_params, make_host_lane
 from .offload.cuda_link import make_link
 from .offload.manager import OffloadedExperts
-from .offload.plan import check_context, check_device_room, compute_dtype, draft_widths, make_plan, pool_dtype
+from .offload.plan import (check_context, check_device_room, compute_dtype, draft_widths, make_plan, pool_dtype,
+                           verify_scratch)
 from .offload.store import pin_wanted
 from .offload.threads import cuda_device
 from .offload.oracle import OracleDecoder
-from .policy import Policy, get as get_policy
+from .policy import DEFAULT_K_MAX, Policy, get as get_policy
 from .speculative.decoder import PlainDecoder, SpeculativeDecoder
 from .speculative.draft import DraftExperts, Lookahead, keep_packed
 from .speculative.draft_cache import cache_key as draft_key, draft_int4, make_entry
@@ -160,7 +161,7 @@ def check_compressible(ckpt: Checkpoint, compress_experts) -> None:
 @on_its_device
 def build_engine(path: Path, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                  link=None, dtype=None, threads: int | None = None, eviction: str | None = None,
-                 device_memory=None, k_max: int = 32, compile: bool | None = None, shared: Loaded | None = None,
+                 device_memory=None, k_max: int = DEFAULT_K_MAX, compile: bool | None = None, shared: Loaded | None = None,
                  draft_cache=None, host_threads: int | None = None,
                  compress_experts: bool = False, draft_bits: int = 4, slot_pool: str = "shared",
                  context: int | None = None, **options) -> Engine:
@@ -209,7 +210,8 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         planned = dict(residency=residency, expert_memory=expert_memory, device_memory=device_memory,
                        context=context, draft=pol.drafts, device=device, store_dtype=ckpt.dtype,
                        compressed=compress_experts, pool=slot_pool,
-                       coded_tier=plan_tier(pol, device, dt, compress_experts))
+                       coded_tier=plan_tier(pol, device, dt, compress_experts),
+                       kv_scratch=verify_scratch(pol, device, compile, k_max))
         try:
             plan = make_plan(spec, ckpt.numel(), dt, draft_bits=draft_bits, **planned)
         except BudgetError as e:  # a narrower draft may leave the pool its top-k (plan --device-memory picks one)

@@ -78,6 +78,7 @@ TABLE = (
 )
 
 DEFAULT = "specter"  # what specter.load and the CLI run when no policy is named
+DEFAULT_K_MAX = 32   # the longest draft a speculative policy tries (specter.load's k_max, --k-max)
 POLICY = {p.name: p for p in TABLE}
 POLICIES = tuple(p.name for p in TABLE if not p.bench_only)  # what specter.load and the CLI offer
 BENCH_POLICIES = tuple(POLICY)                                 # and what `specter bench` may compare

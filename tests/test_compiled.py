@@ -258,6 +258,32 @@ def test_bench_cli_compile_flag(tiny_path, capsys, tmp_path, monkeypatch, fixed_
     assert built == [0, True, 4]  # on-demand's one-token step, then the specter engine's draft and verifier
 
 
+def test_the_plan_holds_the_kv_cache_a_padded_verifier_writes(tiny_path, monkeypatch):
+    """The compiled verifier pads a verification to a width bucket and writes KV rows past the context
+    (K_max of them at most: `headroom`); the plan counted the context's rows only (40 planned, 48
+    allocated). The plan now counts them as scratch, and the cache at a full context is the plan's.
+    (The steps stubbed eager, as above: the padding is the step's, compiled or not.)"""
+    monkeypatch.setattr(builder, "_compiled_draft_step", lambda model, draft, compile=True: DraftStep(
+        model, draft.layers, draft.lookahead, compile=False))
+    monkeypatch.setattr(builder, "_compiled_verify_step", lambda model, k_max, compile=True: VerifyStep(model, k_max))
+    context, k_max = 40, 8
+    eng = specter.load(tiny_path, device="cpu", policy="specter", residency=0.5, compile=True, k_max=k_max,
+                       context=context)
+    try:
+        eng.generate(PROMPT, max_new_tokens=context - len(PROMPT))
+        assert eng.plan.kv_scratch == k_max == eng.decoder.verify_step.headroom
+        assert eng.decoder._cache.nbytes() == eng.plan.kv_bytes == \
+            KVCache(eng.model.spec, context + k_max, "cpu", eng.dtype).nbytes()
+    finally:
+        eng.close()
+    plain = specter.load(tiny_path, device="cpu", policy="specter", residency=0.5, k_max=k_max, context=context)
+    try:  # eager (CPU's default): no scratch
+        assert plain.plan.kv_scratch == 0 and plain.plan.kv_bytes == KVCache(plain.model.spec, context, "cpu",
+                                                                             plain.dtype).nbytes()
+    finally:
+        plain.close()
+
+
 @pytest.mark.parametrize("policy", ["resident", "on-demand", "next-layer"])
 def test_plain_policies_step_through_their_one_token_step(tiny_path, monkeypatch, policy):
     """compile=True gives a plain policy the verifier at width 1 as its step, traced through the

@@ -16,7 +16,7 @@ from ..offload.calibrate import emulated_host_params, load_profile
 from ..offload.coded import coded_store_bytes
 from ..offload.coded_tier import ROWS_MAX_BYTES, plan_tier, tier_wanted
 from ..offload.plan import (DRAFT_BITS, check_context, compute_dtype, emulated_device_bytes, fit, host_needs,
-                            make_plan, options_table, search)
+                            make_plan, options_table, search, verify_scratch)
 from ..offload.staging import describe as describe_staging
 from ..pipeline.plan import cmd_plan_ranks
 from ..policy import DEFAULT as DEFAULT_POLICY, get as get_policy, names as policy_names
@@ -154,7 +154,8 @@ def cmd_plan(args) -> int:
     def plan_at(tier):  # the engine's plan, its budget split with a coded tier at `tier` (None: none)
         return make_plan(spec, numel, dtype, residency=args.residency, expert_memory=args.expert_memory,
                          context=args.context, draft=pol.drafts, device=device, store_dtype=store_dtype,
-                         compressed=args.compress_experts, coded_tier=tier, draft_bits=args.draft_bits or 4)
+                         compressed=args.compress_experts, coded_tier=tier, draft_bits=args.draft_bits or 4,
+                         kv_scratch=verify_scratch(pol, device))  # (at the default --k-max, compiled on CUDA)
 
     plan = plan_at(tier_ratio(coded, host, device, pol, dtype))
     lane = pol.computes_on_host(device.type, args.host_threads)

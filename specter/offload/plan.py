@@ -22,7 +22,7 @@ import torch
 
 from ..config import ModelSpec
 from ..errors import BudgetError, ConfigError
-from ..policy import get as get_policy
+from ..policy import DEFAULT_K_MAX, get as get_policy
 from ..sizes import format_size, parse_size
 from .staging import aligned, describe as describe_staging
 from .store import pin_wanted, store_bytes
@@ -105,7 +105,7 @@ class MemoryPlan:
     non_expert_bytes: int
     expert_bytes: int            # one routed expert in the compute dtype
     draft_bytes: int             # every routed expert of the draft, at draft_bits
-    kv_bytes: int
+    kv_bytes: int                # the context's rows, and kv_scratch more
     context: int
     n_moe_layers: int
     n_experts: int
@@ -122,6 +122,7 @@ class MemoryPlan:
     tier_experts: int = 0        # ... about this many, at coded_ratio of a slot each
     coded_ratio: float = 0.0     # a coded expert's bytes over a slot's (0: no tier)
     draft_bits: int = 4          # the draft's experts' width (every one on the device)
+    kv_scratch: int = 0          # KV rows past the context a compiled verifier writes (verify_scratch)
 
     @property
     def aliased(self) -> bool:
@@ -139,7 +140,8 @@ class MemoryPlan:
         rows = [
             ("non-expert weights (always on device)", self.non_expert_bytes),
             (f"draft experts (INT{self.draft_bits}, g{INT4_GROUP})", self.draft_bytes),
-            (f"KV cache ({self.context} tokens)", self.kv_bytes),
+            (f"KV cache ({self.context} tokens" + (f" + {self.kv_scratch} scratch" if self.kv_scratch else "") + ")",
+             self.kv_bytes),
             (self._pool_row(), self.slot_pool_bytes),
             ("total on device", self.total_bytes),
         ]
@@ -186,7 +188,8 @@ POOLS = ("shared", "open", "layer")
 def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residency: float | None = None,
               expert_memory=None, device_memory=None, context: int | None = None, draft: bool = True,
               device=None, store_dtype: torch.dtype | None = None, compressed: bool = False,
-              pool: str = "shared", coded_tier: float | None = None, draft_bits: int = 4) -> MemoryPlan:
+              pool: str = "shared", coded_tier: float | None = None, draft_bits: int = 4,
+              kv_scratch: int = 0) -> MemoryPlan:
     """`total_numel`: parameters in the checkpoint. At most one of the three budgets; none = all resident.
     `device`, `store_dtype`, `compressed` (the store losslessly coded): what the pool decisions depend
     on. On CPU a big pool holds the store's narrower dtype (pool_dtype: a byte budget then buys more
@@ -196,7 +199,8 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
     holds what eviction lets it) or "layer" (the per-layer rule: the same slots in every layer, floor
     top-k in each). `coded_tier`: a coded expert's bytes over a bf16 one's (the store's measured ratio,
     or an estimate): the budget is split between raw slots and a compressed device tier (tier_split),
-    shared pool only. `draft_bits`: the width of the draft's experts (4, 3 or 2)."""
+    shared pool only. `draft_bits`: the width of the draft's experts (4, 3 or 2). `kv_scratch`: KV rows
+    past the context the verifier writes (verify_scratch)."""
     if pool not in POOLS:
         raise ConfigError(f"slot_pool must be one of {POOLS}, got {pool!r}")
     if draft_bits not in DRAFT_BITS:
@@ -209,7 +213,7 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
     context = min(context or spec.max_position, spec.max_position)
     fixed = dict(non=non_expert_numel(spec, total_numel) * item,
                  draft=L * E * draft_expert_bytes(spec, draft_bits) if draft else 0,
-                 kv=kv_bytes_per_token(spec, item) * context)
+                 kv=kv_bytes_per_token(spec, item) * (context + kv_scratch))
     per = max(L, 1) if pool == "layer" else 1  # a slot is counted in every layer (the per-layer rule) or once
     most = E * (L // per)                       # slots in a layer (the rule), or in the pool, for every expert
     floor = (k * per * numel * item, f"one layer's top-{k} expert slots") if L else (0, "")
@@ -247,7 +251,17 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
                       slot_pool_bytes=n_pool * expert, total_bytes=n_pool * expert + tier_bytes + sum(fixed.values()),
                       pool_dtype=_name(pdt), pool_rows=rows, pool_slots=n_pool, pool=pool,
                       tier_bytes=tier_bytes, tier_experts=tier_n, coded_ratio=round(ratio, 4) if tier_bytes else 0.0,
-                      draft_bits=draft_bits)
+                      draft_bits=draft_bits, kv_scratch=kv_scratch)
+
+
+def verify_scratch(policy, device, compile: bool | None = None, k_max: int = DEFAULT_K_MAX) -> int:
+    """KV rows past the context that a speculative policy's compiled verifier may write: it pads a
+    verification to a width bucket, at most K_max + 1 rows from the last position (compiled/verify_step.py,
+    `headroom`), scratch the cache must hold. 0 where the verifier runs eagerly (compile False, or None
+    off CUDA) or the policy does not speculate. `policy`: a Policy or its name."""
+    pol = get_policy(policy) if isinstance(policy, str) else policy
+    compiled = compile if compile is not None else torch.device(device).type == "cuda"
+    return k_max if pol.decoder == "speculative" and compiled else 0
 
 
 # Tokens of a verification whose working set a drafting policy's raw slots hold (K = 4 drafted + 1).
@@ -424,14 +438,16 @@ class Fit:
                     plan=self.plan.as_dict() if self.plan else None)
 
 
-def _pool_args(policy: str, device, dtype: torch.dtype, store_dtype, compressed: bool, coded_ratio) -> dict:
-    """make_plan's pool arguments as the engine passes them for `policy` on `device` (builder.build_engine):
-    the pool's dtype and rows, and a compressed store's device tier (`coded_ratio`: its measured ratio)."""
+def _engine_args(policy: str, device, dtype: torch.dtype, store_dtype, compressed: bool, coded_ratio) -> dict:
+    """make_plan's arguments as the engine passes them for `policy` on `device` (builder.build_engine, at
+    the default k_max and compile): the pool's dtype and rows, a compressed store's device tier
+    (`coded_ratio`: its measured ratio), the verifier's KV scratch."""
     from .coded_tier import plan_tier  # (it imports the kernels' module: not for every plan)
 
     device = torch.device(device)
     return dict(device=device, store_dtype=store_dtype, compressed=compressed,
-                coded_tier=plan_tier(policy, device, dtype, compressed, coded_ratio))
+                coded_tier=plan_tier(policy, device, dtype, compressed, coded_ratio),
+                kv_scratch=verify_scratch(policy, device))
 
 
 def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *, policy: str = "specter",
@@ -441,10 +457,10 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
     """`draft_bits` None: of the draft widths that fit (the drafting policies), the one predicted
     fastest (predict_tpot on `profile`, a LinkProfile or its name; None: the default profile), with the
     host lane where the policy runs one on a `device` ("cpu", "cuda") device with `host_threads`.
-    `store_dtype`, `compressed`, `coded_ratio`: the checkpoint's, as the engine plans its pool (_pool_args)."""
+    `store_dtype`, `compressed`, `coded_ratio`: the checkpoint's, as the engine plans (_engine_args)."""
     draft = get_policy(policy).drafts
     lane = get_policy(policy).computes_on_host(torch.device(device).type, host_threads)
-    pool = _pool_args(policy, device, dtype, store_dtype, compressed, coded_ratio)
+    pool = _engine_args(policy, device, dtype, store_dtype, compressed, coded_ratio)
     budget = parse_budget(device_memory, "device_memory")
     if not get_policy(policy).offloads:  # every expert on the device, whatever the budget (search's rule)
         plan = make_plan(spec, total_numel, dtype, context=context, draft=False)
@@ -660,7 +676,7 @@ def search(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory,
                     else:
                         plan = make_plan(spec, total_numel, dtype, device_memory=budget, context=ctx,
                                          draft=bits is not None, draft_bits=bits or 4,
-                                         **_pool_args(policy, device, dtype, store_dtype, compressed, coded_ratio))
+                                         **_engine_args(policy, device, dtype, store_dtype, compressed, coded_ratio))
                 except BudgetError:
                     continue
                 lane = get_policy(policy).computes_on_host(torch.device(device).type, host_threads)

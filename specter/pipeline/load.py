@@ -8,14 +8,14 @@ import torch
 
 from ..errors import BudgetError, ConfigError
 from ..moe import ExpertWeights, ResidentExperts
-from ..policy import get as get_policy
+from ..policy import DEFAULT_K_MAX, get as get_policy
 from ..sizes import format_size, parse_size
 from .stage import ShiftedExperts, StageModel, drop_others, lookahead_columns
 from .stages import Stage, stage_budget, stage_pool, stage_quota, stage_tier
 
 
 def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residency=None, expert_memory=None,
-               device_memory=None, link=None, dtype=None, threads: int | None = None, k_max: int = 32, draft_cache=None,
+               device_memory=None, link=None, dtype=None, threads: int | None = None, k_max: int = DEFAULT_K_MAX, draft_cache=None,
                host_threads: int | None = None, draft_bits: int = 4, compress_experts: bool = False,
                context: int | None = None) -> StageModel:
     """Loads the checkpoint at `path` and keeps `stage` of it, with `policy`'s provider over its MoE
