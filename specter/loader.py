@@ -132,16 +132,28 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         for f in shards:
             if not f.is_file():
                 raise CheckpointError(f"shard {f} listed in {index.name} is missing")
-        for f, names in _check_headers(shards).items():  # the shards' own headers say where a tensor is,
-            files.update({n: f for n in names})          # as the reader reads them, not the index
+        # the shards' own headers say where a tensor is, as the reader reads them, not the index
+        files = _where(_check_headers(shards), f"re-download or re-save the checkpoint")
     else:
         shard_files = sorted(path.glob("*.safetensors"))
         if not shard_files:
             raise CheckpointError(f"no *.safetensors weights in {path}{weights_hint(path)}")
-        for f, names in _check_headers(shard_files).items():
-            files.update({n: f for n in names})
+        files = _where(_check_headers(shard_files), f"with no {index.name} every *.safetensors file in {path} is "
+                       f"read: remove the stray one, or add the index that names each tensor's shard")
     dtype = _storage_dtype(files)
     return Checkpoint(path, spec, files, dtype)
+
+
+def _where(headers: dict[Path, list[str]], fix: str) -> dict[str, Path]:
+    """Each tensor's file. A tensor in two files is refused: one of them would win silently (a stray
+    copy of an old shard beside the real ones made the output another model's)."""
+    files: dict[str, Path] = {}
+    for f, names in headers.items():
+        for n in names:
+            if n in files:
+                raise CheckpointError(f"tensor {n!r} is stored twice, in {files[n]} and in {f}: {fix}")
+            files[n] = f
+    return files
 
 
 def _check_headers(shards: list[Path]) -> dict[Path, list[str]]:
@@ -346,6 +358,16 @@ def _check_all_read(reader: _Reader, spec: ModelSpec, model: MoETransformer, exp
             and not (n == "lm_head.weight" and spec.tie_embeddings)]
     if not left:
         return
+    past = sorted({int(n.split(".")[2]) for n in left if n.startswith("model.layers.") and n.split(".")[2].isdigit()
+                   and ".self_attn." in n})  # decoder layers the config does not count
+    heads = _declared(reader.ckpt.path, "num_nextn_predict_layers")  # (multi-token-prediction layers)
+    if past and past[-1] >= spec.n_layers + heads:
+        raise CheckpointError(
+            f"{reader.ckpt.path}: the weights hold decoder layers up to model.layers.{past[-1]}, but config.json's "
+            f"num_hidden_layers is {spec.n_layers}"
+            + (f" (and num_nextn_predict_layers {heads})" if heads else "")
+            + ": config.json describes another, shallower model, so the output would not be this one's; fix "
+            "num_hidden_layers (a multi-token-prediction head is declared by num_nextn_predict_layers)")
     ours = [n for n in left if n.startswith(("model.embed_tokens.", "model.norm.", "lm_head."))
             or (n.startswith("model.layers.") and n.split(".")[2].isdigit() and int(n.split(".")[2]) < spec.n_layers)]
     if ours:
@@ -355,6 +377,15 @@ def _check_all_read(reader: _Reader, spec: ModelSpec, model: MoETransformer, exp
                               f"option Specter does not support, e.g. mlp_bias), so the output would not be this one's")
     warnings.warn(f"{reader.ckpt.path}: {len(left)} tensor(s) outside the layers Specter computes are not read "
                   f"({', '.join(map(repr, left[:3]))}{', ...' if len(left) > 3 else ''})", stacklevel=3)
+
+
+def _declared(path: Path, key: str) -> int:
+    """An integer config.json declares at its top level (0: absent or not an integer)."""
+    try:
+        value = json.loads((Path(path) / "config.json").read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _in_stage(name: str, layers: tuple[int, int], n_layers: int) -> bool:

@@ -126,6 +126,46 @@ def test_truncated_safetensors_names_the_file(tiny, tmp_path):
         specter.load(tmp_path, device="cpu", policy="resident")
 
 
+def test_a_tensor_stored_twice_is_refused(tiny, tmp_path):
+    """With no index every *.safetensors file is read, and a stray copy of an old shard (here zeroed
+    embedding and lm_head) overrode the real tensors silently: the output was another model's. A tensor
+    in two files is refused, naming both; in shards an index lists, too."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny("qwen3_moe")[0], path)
+    real = load_file(path / "model.safetensors")
+    stray = {n: torch.zeros_like(real[n]) for n in ("model.embed_tokens.weight", "lm_head.weight")}
+    save_file(stray, path / "zz-old.safetensors", metadata={"format": "pt"})
+    with pytest.raises(specter.CheckpointError, match=r"'lm_head.weight' is stored twice, in .*model.safetensors and "
+                                                      r"in .*zz-old.safetensors: .*remove the stray one"):
+        specter.load(path, device="cpu", policy="resident")
+    index = {"weight_map": {**{n: "model.safetensors" for n in real}, **{n: "zz-old.safetensors" for n in stray}}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(specter.CheckpointError, match="stored twice"):
+        specter.load(path, device="cpu", policy="resident")
+
+
+def test_a_config_with_fewer_layers_than_the_weights_is_refused(tiny, tmp_path):
+    """num_hidden_layers 2 over weights of 3 decoder layers computed a shallower model, with only a warning
+    that some tensors were not read. Whole decoder layers past the config's are refused, unless it
+    declares them as multi-token-prediction layers (num_nextn_predict_layers: warned, not read)."""
+    src, ref = tiny("qwen3_moe")
+    path = tmp_path / "m"
+    shutil.copytree(src, path)
+    cfg = json.loads((path / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    cfg["num_hidden_layers"] = n - 1
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(specter.CheckpointError, match=f"decoder layers up to model.layers.{n - 1}, but config.json's "
+                                                      f"num_hidden_layers is {n - 1}"):
+        specter.load(path, device="cpu", policy="resident")
+    cfg["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.warns(UserWarning, match="outside the layers Specter computes are not read"):
+        specter.load(path, device="cpu", policy="resident").close()
+
+
 def test_missing_shard_names_the_file(tiny, tmp_path):
     path, _ = tiny("mixtral", max_shard_size="100KB")
     shutil.copytree(path, tmp_path / "m")
