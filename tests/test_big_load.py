@@ -325,6 +325,40 @@ def test_unwritable_draft_cache(monkeypatch, tmp_path, bf16):
         assert len(list(draft_cache.draft_int4(store, ckpt.files.values(), CPU))) == len(store)
 
 
+def test_a_cache_write_that_fails_is_said_once_and_a_killed_ones_file_removed(monkeypatch, tmp_path, bf16):
+    """A full disk (ENOSPC) cost the cache silently: every later load re-quantised, and nothing said why.
+    It is warned once (the entry's directory, the error), and the load's draft is the same. A killed
+    load's temporary file (a dead process's, quiet for a minute) was left for good: the next entry
+    made in that place removes it; a live process's, or a fresh one, stays."""
+    import errno
+
+    _, store, ckpt = load_checkpoint(bf16, CPU, torch.float32)
+    want = list(draft_cache.draft_int4(store, ckpt.files.values(), CPU, cache="off"))
+
+    def full(tensors, path, meta):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(draft_cache, "_save", full)
+    monkeypatch.setattr(draft_cache, "_UNWRITABLE", set())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = list(draft_cache.draft_int4(store, ckpt.files.values(), CPU, cache=tmp_path / "c"))
+    said = [str(w.message) for w in seen if "could not write the cache file" in str(w.message)]
+    assert len(said) == 1 and "No space left on device" in said[0] and str(tmp_path / "c") in said[0]
+    assert all(torch.equal(a.qweight, b.qweight) for g, w in zip(got, want) for a, b in zip(g, w))
+    monkeypatch.undo()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    entry = draft_cache.make_entry(tmp_path / "c", "e", "x")
+    left = [entry / f".layer-0.safetensors.{int(dead.stdout)}.tmp", entry / f".layer-1.safetensors.{os.getpid()}.tmp",
+            entry / f".layer-2.safetensors.{int(dead.stdout)}.tmp"]
+    for i, f in enumerate(left):
+        f.write_bytes(b"x")
+        if i < 2:  # a minute quiet; the third one is fresh
+            os.utime(f, (f.stat().st_mtime - 120,) * 2)
+    assert draft_cache.make_entry(tmp_path / "c", "e", "x") == entry
+    assert [f.exists() for f in left] == [False, True, True]
+
+
 def test_draft_cache_location(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECTER_DRAFT_CACHE", str(tmp_path / "env"))
     assert draft_cache.cache_root() == tmp_path / "env"

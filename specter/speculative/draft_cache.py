@@ -7,7 +7,9 @@ content fingerprint (every shard's size, modification time and safetensors heade
 tensor's name, dtype, shape and offsets, plus 32 blocks of 64 KiB sampled across its data), so a
 re-saved or edited checkpoint gets a new entry: the samples alone miss most edits of a few experts
 (a Qwen3-30B-A3B expert is 9 MB; samples of a 4 GB shard lie 130 MB apart), the time does not. A
-copy that keeps the times (cp -p, rsync -a) keeps its entries; any other copy is made anew once.
+copy that keeps the times (cp -p, rsync -a) keeps its entries; any other copy is made anew once. An
+in-place edit that keeps a shard's size and puts its time back (touch -r) is not seen, as make and
+rsync do not see it: delete the entry (or load with --draft-cache off) after such an edit.
 Each layer file records the key, its layer, its code width and a CRC32 of every tensor in its
 metadata; a file that is missing, unreadable, truncated, for another key, layer or width, or whose
 bytes fail the CRC is rebuilt from the host store, never trusted. An entry written by an older
@@ -25,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 import warnings
 import zlib
 from pathlib import Path
@@ -87,7 +90,32 @@ def make_entry(cache, name: str, what: str) -> Path | None:
         warnings.warn(f"draft cache {root} is not writable ({e}); {what} without a cache "
                       f"(set SPECTER_DRAFT_CACHE to a writable directory)")
         return None
+    _remove_dead_writes(entry)
     return entry
+
+
+def _remove_dead_writes(entry: Path, quiet_s: float = 60.0) -> None:
+    """Temporary files (write_layer_file's) that a killed load left in `entry`: its process is gone and
+    the file has not grown for `quiet_s` seconds. Never read, and a layer's worth of disk each."""
+    now = time.time()
+    for tmp in entry.glob(".*.tmp"):
+        try:
+            pid = int(tmp.name.rsplit(".", 2)[-2])
+            if now - tmp.stat().st_mtime < quiet_s or _alive(pid):
+                continue
+            tmp.unlink()
+        except (ValueError, OSError):  # not ours, or gone already, or not ours to remove
+            continue
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (another user's: alive)
+        return True
+    return True
 
 
 QUANTIZERS = {4: "optimum-quanto MaxOptimizer qint4 float-shift", 2: "optimum-quanto MaxOptimizer qint2 float-shift",
@@ -213,8 +241,16 @@ def write_layer_file(path: Path, key: str, layer: int, tensors: dict[str, torch.
     try:
         _save(tensors, tmp, meta)
         os.replace(tmp, path)
-    except OSError:
+    except OSError as e:
         tmp.unlink(missing_ok=True)
+        if path.parent not in _UNWRITABLE:  # once a directory: every later layer would say the same
+            _UNWRITABLE.add(path.parent)
+            warnings.warn(f"could not write the cache file {path} ({e.strerror or e}): this load goes on without "
+                          f"it, and every later load rebuilds what is missing; free space in {path.parent} or point "
+                          f"the cache elsewhere (--draft-cache, $SPECTER_DRAFT_CACHE)", stacklevel=2)
+
+
+_UNWRITABLE: set[Path] = set()  # cache entries a write failed in (warned once)
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
