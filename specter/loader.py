@@ -78,7 +78,8 @@ def read_config(path: str | os.PathLike):
     try:
         cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
     except Exception as e:  # malformed fields
-        raise CheckpointError(f"{path / 'config.json'} could not be read: {e}") from None
+        why = " ".join(str(e).split())  # (transformers' validation errors span lines; a CLI error is one)
+        raise CheckpointError(f"{path / 'config.json'} could not be read: {why}") from None
     spec = ModelSpec.from_hf(cfg)
     gen = path / "generation_config.json"
     eos = spec.eos_token_ids
@@ -422,7 +423,10 @@ def _expert_names(reader: _Reader, spec: ModelSpec) -> list[list[str]]:
             names = [prefix + n.format(e=e) + ".weight" for e in range(spec.n_experts) for n in (gate, up, down)]
         for n in names:
             if not reader.has(n):
-                raise CheckpointError(f"tensor {n!r} is missing from the checkpoint in {reader.ckpt.path}")
+                stored = sum(reader.has(prefix + gate.format(e=e) + ".weight") for e in range(spec.n_experts))
+                why = f": config.json declares {spec.n_experts} routed experts a layer, the weights hold {stored} " \
+                      f"(config.json describes another model)" if 0 < stored < spec.n_experts else ""
+                raise CheckpointError(f"tensor {n!r} is missing from the checkpoint in {reader.ckpt.path}{why}")
         out.append(names)
     return out
 

@@ -45,6 +45,7 @@ def test_unsupported_architecture_names_it_and_lists_supported(tmp_path):
     ({"moe_intermediate_size": 0}, "intermediate size must be an integer >= 1"),
     ({"model_type": None}, "has no model_type"),
     ([1, 2, 3], "holds a JSON list"),
+    ({"hidden_size": "256"}, "could not be read: Validation error for field 'hidden_size': TypeError"),  # one line
 ])
 def test_a_config_of_impossible_sizes_is_refused_naming_the_field(tmp_path, patch, match):
     """Each crashed in the model's construction (k out of range, store[0], a negative dimension, a list's
@@ -164,6 +165,19 @@ def test_a_config_with_fewer_layers_than_the_weights_is_refused(tiny, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.warns(UserWarning, match="outside the layers Specter computes are not read"):
         specter.load(path, device="cpu", policy="resident").close()
+
+
+def test_a_config_with_more_experts_than_the_weights_says_so(tiny, tmp_path):
+    """It said only that '...experts.8.gate_proj.weight' is missing; config.json is what disagrees."""
+    path = tmp_path / "m"
+    shutil.copytree(tiny("mixtral")[0], path)
+    cfg = json.loads((path / "config.json").read_text())
+    n = cfg["num_local_experts"]
+    cfg["num_local_experts"] = n + 2
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(specter.CheckpointError, match=f"experts.{n}.w1.weight' is missing .*config.json declares "
+                                                      f"{n + 2} routed experts a layer, the weights hold {n}"):
+        specter.load(path, device="cpu", policy="resident")
 
 
 def test_missing_shard_names_the_file(tiny, tmp_path):
