@@ -7,14 +7,13 @@ import functools
 import inspect
 import os
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .engine import Engine
-from .errors import BudgetError, ConfigError
+from .errors import BudgetError, ConfigError, warn
 from .generation_defaults import read_generation_defaults
 from .layers import cuda_attention_backends
 from .loader import Checkpoint, StoredExperts, load_checkpoint, load_tokenizer, open_checkpoint
@@ -300,7 +299,7 @@ def _compiled_steps(model, draft, compile: bool | None, device: torch.device, k_
     except Exception as e:  # noqa: BLE001 -- auto mode must never stop a load that works eagerly
         if compile:
             raise
-        warnings.warn(f"compiling {what} failed ({type(e).__name__}: {e}); decoding eagerly")
+        warn(f"compiling {what} failed ({type(e).__name__}: {e}); decoding eagerly")
         return None, None
 
 

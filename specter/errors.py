@@ -31,3 +31,21 @@ class TokenizerError(SpecterError):
 
 class NotAvailableError(SpecterError):
     """A feature that exists in the API but not in this build yet."""
+
+
+class SpecterWarning(UserWarning):
+    """Something a user should know that does not stop the work (a cache that cannot be written, sampling
+    arguments that change nothing). The CLI prints it as one line, as it prints an error."""
+
+
+def warn(message: str) -> None:
+    """A SpecterWarning attributed to the first frame outside this package: the caller's own line, however
+    deep inside Specter it was found."""
+    import os
+    import sys
+    import warnings
+
+    here, frame, level = os.path.dirname(os.path.abspath(__file__)) + os.sep, sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, SpecterWarning, stacklevel=level + 1)

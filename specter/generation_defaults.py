@@ -15,10 +15,9 @@ SamplingParams' neutral values (temperature 0 = greedy, filters and penalties of
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, warn
 from .sampling import SamplingParams
 
 FILE = "generation_config.json"
@@ -55,8 +54,8 @@ def read_generation_defaults(path: str | os.PathLike) -> dict:
     unapplied = [f"{k}={v!r}" for k, v in g.to_diff_dict().items()
                  if k not in NOT_SAMPLING and k not in SAMPLED and v != unset.get(k)]
     if unapplied:
-        warnings.warn(f"{file} sets {', '.join(unapplied)}, which Specter does not apply; it samples with "
-                      f"do_sample, temperature, top_k, top_p, min_p and repetition_penalty only", stacklevel=2)
+        warn(f"{file} sets {', '.join(unapplied)}, which Specter does not apply; it samples with "
+                      f"do_sample, temperature, top_k, top_p, min_p and repetition_penalty only")
     if g.do_sample not in (None, True, False):
         raise CheckpointError(f"{file}: do_sample must be true or false, got {g.do_sample!r}")
     values = {ours: HF_UNSET[hf] if getattr(g, hf, None) is None else getattr(g, hf) for hf, ours in SAMPLED.items()}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .config import SUPPORTED, ModelSpec, supported_list
-from .errors import CheckpointError, UnsupportedModelError
+from .errors import CheckpointError, UnsupportedModelError, warn
 from .model import MoETransformer
 from .moe import ExpertWeights
 from .sources import check_not_quantized, check_source, weights_hint
@@ -376,8 +375,8 @@ def _check_all_read(reader: _Reader, spec: ModelSpec, model: MoETransformer, exp
                               f"its {spec.arch} model ({', '.join(map(repr, ours[:3]))}"
                               f"{', ...' if len(ours) > 3 else ''}): config.json describes another model (an "
                               f"option Specter does not support, e.g. mlp_bias), so the output would not be this one's")
-    warnings.warn(f"{reader.ckpt.path}: {len(left)} tensor(s) outside the layers Specter computes are not read "
-                  f"({', '.join(map(repr, left[:3]))}{', ...' if len(left) > 3 else ''})", stacklevel=3)
+    warn(f"{reader.ckpt.path}: {len(left)} tensor(s) outside the layers Specter computes are not read "
+                  f"({', '.join(map(repr, left[:3]))}{', ...' if len(left) > 3 else ''})")
 
 
 def _declared(path: Path, key: str) -> int:
@@ -554,8 +553,8 @@ class _OpenedFile:
             if self._state() == self.state:
                 return
             self.changed = True
-            warnings.warn(f"{self.path} changed on disk after the load; coded copies decode the experts as loaded "
-                          f"from now on (the same weights; slower on this CPU)", stacklevel=2)
+            warn(f"{self.path} changed on disk after the load; coded copies decode the experts as loaded "
+                          f"from now on (the same weights; slower on this CPU)")
         raise CheckpointChanged(f"{self.path} changed on disk after the load")
 
 

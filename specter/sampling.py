@@ -37,7 +37,7 @@ from typing import Sequence
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, warn
 
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as vLLM's _SAMPLING_EPS)
@@ -224,7 +224,14 @@ def choose(sampling: dict, defaults: dict) -> tuple[SamplingParams, str]:
             given[k] = v
             chosen = chosen or k != "seed"
     if chosen:
-        return SamplingParams(**given), "caller"
+        params = SamplingParams(**given)
+        filters = [n for n, on in (("top_p", params.top_p < 1), ("top_k", params.top_k > 1), ("min_p", params.min_p > 0))
+                   if on]
+        if filters and "temperature" not in given:  # the neutral temperature, 0, is greedy: they would do nothing
+            warn(f"{' and '.join(filters)} {'has' if len(filters) == 1 else 'have'} no effect without a temperature: "
+                 f"the generation is greedy (temperature 0, the neutral value); give a temperature to sample (the "
+                 f"model's own settings apply only when no sampling argument is given)")
+        return params, "caller"
     return SamplingParams(**{**defaults, **given}), "model" if defaults else "none"
 
 

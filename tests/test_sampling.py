@@ -145,6 +145,33 @@ def test_numpy_scalars_are_the_numbers_they_hold(engine):
             SamplingParams(**bad)
 
 
+def test_a_filter_without_a_temperature_is_warned_at_the_callers_line(engine, capsys):
+    """top_p / top_k / min_p alone leave the neutral temperature 0, greedy, which they do not change: it
+    was silent (the server's default temperature is 1, the API's and CLI's 0). Warned, at the caller's
+    own line (a SpecterWarning; the CLI prints it as one line); not where a temperature is given, even
+    0, or for top_k 1 (greedy by itself)."""
+    import warnings
+
+    from specter.cli import main
+    from specter.errors import SpecterWarning
+
+    with pytest.warns(SpecterWarning, match="top_p and min_p have no effect without a temperature") as seen:
+        engine.generate([1, 2, 3], max_new_tokens=2, top_p=0.9, min_p=0.1)
+    assert [w.filename for w in seen] == [__file__]
+    with pytest.warns(SpecterWarning, match="top_k has no effect") as seen:
+        list(engine.stream_ids([1, 2, 3], max_new_tokens=2, top_k=5))
+    assert [w.filename for w in seen] == [__file__]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for kw in (dict(top_p=0.9, temperature=0.0), dict(top_p=0.9, temperature=0.7), dict(top_k=1), dict(seed=3),
+                   {}):
+            engine.generate([1, 2, 3], max_new_tokens=2, **kw)
+    assert main(["generate", "--prompt-ids", "1,2,3", "--device", "cpu", "--policy", "resident", "--top-k", "5",
+                 "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "specter: warning: top_k has no effect without a temperature" in err and "SpecterWarning" not in err
+
+
 def test_seeds_never_touch_the_global_rng(engine):
     torch.manual_seed(123)
     before = torch.get_rng_state()

@@ -16,9 +16,10 @@ import errno
 import os
 import sys
 import textwrap
+import warnings
 
 from .. import __version__, pipeline
-from ..errors import SpecterError
+from ..errors import SpecterError, SpecterWarning
 from ..policy import TABLE
 from . import bench, generate, plan, profile, serve
 from .generate import summary_line
@@ -45,6 +46,17 @@ def _policies() -> str:
     return "policies (--policy, bench --policies):\n" + "\n".join(lines)
 
 
+def _one_line(message, category, filename, lineno, file=None, line=None, _show=warnings.showwarning) -> None:
+    """Specter's own warnings as the CLI prints its errors: one line ("specter: warning: ..."); others as Python
+    shows them."""
+    if not issubclass(category, SpecterWarning):
+        return _show(message, category, filename, lineno, file, line)
+    try:
+        print(f"specter: warning: {message}", file=sys.stderr if file is None else file)
+    except OSError:  # (as warnings.showwarning: a closed stderr is no reason to fail)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -52,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
             raise SpecterError(f"under torchrun only `generate`, `chat`, `bench` and `serve` run as a pipeline today, not "
                                f"`{args.command}`; "
                                "run it as one process")
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line
+            return args.func(args)
     except SpecterError as e:
         print(f"specter: error: {e}", file=sys.stderr)
         if pipeline.launched():  # a failed rank leaves its process group as it is (a peer may be gone),

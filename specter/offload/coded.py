@@ -63,7 +63,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -71,7 +70,7 @@ import torch
 from specter.triton_ops import lossless
 from specter.triton_ops.lossless import LosslessExperts, encode
 
-from ..errors import ConfigError
+from ..errors import ConfigError, warn
 from ..loader import CheckpointChanged
 from ..moe import ExpertWeights
 from .store import host_limits, is_locked, page_aligned, register
@@ -341,9 +340,9 @@ def decode_in_place(store: list[CodedLayer], device) -> int:
 
 def _warn_refused(refused: list[str]) -> None:
     if refused:  # once a store: the first refusal stops the pinning of the rest
-        warnings.warn(f"could not pin the coded expert store ({refused[0]}; {host_limits()}); it stays "
+        warn(f"could not pin the coded expert store ({refused[0]}; {host_limits()}); it stays "
                       f"pageable and coded copies are synchronous (slower). Raise `ulimit -l` (memlock) or "
-                      f"free host memory to pin it.", stacklevel=3)
+                      f"free host memory to pin it.")
 
 
 def store_nbytes(store) -> int:

@@ -10,10 +10,10 @@ import os
 import queue
 import threading
 import time
-import warnings
 
 import torch
 
+from specter.errors import warn
 from specter.offload.calibrate import (emulated_link_params, load_profile, measure_expert_throughput,
                                        profile_for_gpu)
 from specter.offload.link import EmulatedLink, Link, Transfer
@@ -295,8 +295,8 @@ class CudaLink(Link):
     def _warn_unpinned(self) -> None:
         if not self._warned_unpinned:
             self._warned_unpinned = True
-            warnings.warn("CudaLink: source tensor is not pinned; copies go through two pinned staging buffers "
-                          "(slower). Keep the expert store in pinned memory.", stacklevel=3)
+            warn("CudaLink: source tensor is not pinned; copies go through two pinned staging buffers "
+                          "(slower). Keep the expert store in pinned memory.")
 
     def _run(self) -> None:
         """The copy stream's watcher: resolves its transfers as they land and issues held prefetches."""

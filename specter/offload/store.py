@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import os
 import resource
-import warnings
 import weakref
 
 import torch
 
 from ..config import ModelSpec
-from ..errors import BudgetError
+from ..errors import BudgetError, warn
 from ..moe import ExpertWeights
 from ..sizes import format_size
 
@@ -129,9 +128,9 @@ def is_locked(t: torch.Tensor) -> bool:
 
 
 def _unpinned(nbytes: int, why: str) -> None:
-    warnings.warn(f"could not pin the {format_size(nbytes)} expert store ({why}); it stays pageable and copies "
+    warn(f"could not pin the {format_size(nbytes)} expert store ({why}); it stays pageable and copies "
                   f"go through two pinned staging buffers (slower). Raise `ulimit -l` (memlock) or free host "
-                  f"memory to pin it.", stacklevel=3)
+                  f"memory to pin it.")
 
 
 def _clear_cuda_error() -> None:

@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import time
-import warnings
 import zlib
 from pathlib import Path
 from typing import Iterator
@@ -40,7 +39,7 @@ from tqdm.auto import tqdm
 from specter.triton_ops import Int4Experts, pack_experts, packed_nbytes
 from specter.triton_ops.int4 import K_MULTIPLE, check_bits, packable_widths
 
-from ..errors import ConfigError
+from ..errors import ConfigError, warn
 from ..moe import ExpertWeights
 
 FORMAT = 3  # 2: int32 words of eight codes, group-major scales (triton_ops/int4.py); 3: and the width (4, 3, 2)
@@ -87,7 +86,7 @@ def make_entry(cache, name: str, what: str) -> Path | None:
         if cache is not None:
             raise ConfigError(f"draft cache {root} is not writable ({e}); pass another --draft-cache "
                               f"or 'off'") from None
-        warnings.warn(f"draft cache {root} is not writable ({e}); {what} without a cache "
+        warn(f"draft cache {root} is not writable ({e}); {what} without a cache "
                       f"(set SPECTER_DRAFT_CACHE to a writable directory)")
         return None
     _remove_dead_writes(entry)
@@ -245,9 +244,9 @@ def write_layer_file(path: Path, key: str, layer: int, tensors: dict[str, torch.
         tmp.unlink(missing_ok=True)
         if path.parent not in _UNWRITABLE:  # once a directory: every later layer would say the same
             _UNWRITABLE.add(path.parent)
-            warnings.warn(f"could not write the cache file {path} ({e.strerror or e}): this load goes on without "
+            warn(f"could not write the cache file {path} ({e.strerror or e}): this load goes on without "
                           f"it, and every later load rebuilds what is missing; free space in {path.parent} or point "
-                          f"the cache elsewhere (--draft-cache, $SPECTER_DRAFT_CACHE)", stacklevel=2)
+                          f"the cache elsewhere (--draft-cache, $SPECTER_DRAFT_CACHE)")
 
 
 _UNWRITABLE: set[Path] = set()  # cache entries a write failed in (warned once)
