@@ -599,3 +599,19 @@ def test_plan_with_a_device_budget_is_the_plan_the_engine_builds(capsys, monkeyp
     if bits != 4:  # the text path of the same plan, and what to pass for it
         assert main(["plan", *flags]) == 0
         assert f"run it with --draft-bits {bits}" in capsys.readouterr().out
+
+
+def test_a_plan_that_does_not_fit_names_the_draft_its_need_is_for(capsys):
+    """The need of a drafting policy that does not fit is for its narrowest draft: the headline says which
+    (--draft-bits 2), and the host line's draft cache is that draft's (it was the INT4 one's)."""
+    from specter.cli import main
+    from specter.offload.plan import draft_expert_bytes
+
+    args = ["plan", "--device", "cpu", "--policy", "specter", "--device-memory", "20MiB"]
+    assert main(args + ["--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    spec = open_checkpoint(specter.default_model_path()).spec
+    assert not res["fits"] and res["minimum_draft_bits"] == 2
+    assert res["host"]["draft_cache_bytes"] == spec.n_moe_layers * spec.n_experts * draft_expert_bytes(spec, 2, 4)
+    assert main(args) == 0
+    assert "at 2048 tokens of context with --draft-bits 2" in capsys.readouterr().out

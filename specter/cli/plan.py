@@ -107,8 +107,9 @@ def cmd_plan(args) -> int:
                      coded_ratio=coded / host.raw_store_bytes if coded else None)  # the pool as the engine plans it
         f = fit(spec, numel, dtype, args.device_memory, policy=args.policy, context=args.context,
                 draft_bits=args.draft_bits, profile=profile, device=device, host_threads=args.host_threads, **store)
-        if f.draft_bits and f.draft_bits != (args.draft_bits or 4):  # the width the fit chose: its cache's size
-            host = host_needs(spec, store_dtype, device.type, draft=pol.drafts, draft_bits=f.draft_bits)
+        width = f.draft_bits or f.minimum_bits  # the width the fit chose (or its need is for): its cache's size
+        if width and width != (args.draft_bits or 4):
+            host = host_needs(spec, store_dtype, device.type, draft=pol.drafts, draft_bits=width)
             _as_coded(host, sizes)
             hosts = _host_line(host, coded)
         ways = search(spec, numel, dtype, args.device_memory, context=args.context, profile=profile,
