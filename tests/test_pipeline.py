@@ -236,6 +236,36 @@ def test_options_a_pipeline_would_ignore_are_refused():
         check_options("oracle", {})
 
 
+def test_under_torchrun_a_flag_the_policy_ignores_is_refused_and_bench_takes_the_context(monkeypatch):
+    """Under torchrun `generate --policy resident --compress-experts` generated (one process refuses the flag),
+    and `bench --context 8` benched at the model's context: the pipeline's bench never passed it on."""
+    import importlib
+
+    from specter.cli import build_parser
+    from specter.errors import ConfigError
+    from specter.pipeline import launch
+
+    bench = importlib.import_module("specter.pipeline.bench")  # (specter.pipeline.bench is also a function)
+
+    args = build_parser().parse_args(["generate", "x", "--policy", "resident", "--compress-experts"])
+    with pytest.raises(ConfigError, match="policy 'resident' does not use --compress-experts"):
+        launch.run(args, lambda engine: 0)
+    args = build_parser().parse_args(["bench", "--policies", "resident", "--compress-experts"])
+    with pytest.raises(ConfigError, match="none of the policies resident uses --compress-experts|policy 'resident' "
+                                          "does not use --compress-experts"):
+        bench.run(args)
+    opened = []
+
+    def open_pipeline(*a, **kw):
+        opened.append(kw)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(bench, "open_pipeline", open_pipeline)
+    with pytest.raises(ConfigError, match="stop here"):
+        bench.run(build_parser().parse_args(["bench", "--policies", "on-demand", "--context", "8"]))
+    assert opened[0]["context"] == 8
+
+
 def test_host_threads_size_each_ranks_host_lane(ckpts):
     """--host-threads under a pipeline: each stage's host lane (policy host's, specter's LaneChoice)
     gets that many threads, as one process's does; a policy without a host lane refuses it."""
@@ -915,7 +945,8 @@ def test_serve_under_torchrun_answers_then_503_once_a_rank_is_gone():
         assert health.status_code == 503 and health.json()["error"]["code"] == "pipeline_broken", health.text
         down = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert down.status_code == 503 and down.json()["error"]["code"] == "pipeline_broken", down.text
-        assert "rank 0 of 2" in down.json()["error"]["message"]
+        said = down.json()["error"]["message"]
+        assert "rank 0 of 2" in said and said.count("the pipeline is broken") == 1 and "GLHF" not in said, said
         procs[0].send_signal(signal.SIGTERM)
         code = procs[0].wait(timeout=60)
         err = procs[0].communicate()[1]

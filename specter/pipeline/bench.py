@@ -14,7 +14,7 @@ from ..errors import ConfigError
 from ..policy import BENCH_POLICIES, get as get_policy
 from ..sampling import SamplingParams
 from .decoder import serve_stage
-from .launch import PIPELINED_POLICIES, UNSUPPORTED, check_options, open_pipeline
+from .launch import PIPELINED_POLICIES, UNSUPPORTED, check_options, open_pipeline, refuse_ignored
 
 PER_RANK = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "host_stall_s", "step_s", "wire_s")
 
@@ -39,6 +39,7 @@ def run(args) -> int:
     for p in policies:
         check_options(p, {k: v for k, v in opts.items() if k != "k_max" or get_policy(p).drafts})  # a flag a
         # pipeline would ignore is refused, as for generate (--k-max: read by the drafting policies)
+    refuse_ignored(args, policies)
     if args.repeat < 1:
         raise ConfigError("--repeat must be >= 1")
     if args.max_new_tokens < 2:
@@ -67,7 +68,7 @@ def run(args) -> int:
                                                  draft_bits=(getattr(args, "draft_bits", None) or 4)
                                                  if get_policy(p).drafts else 4,
                                                  compress_experts=bool(getattr(args, "compress_experts", False)),
-                                                 **budget)
+                                                 context=getattr(args, "context", None), **budget)
             owner = owner or group
             ranks = group.world
             if engine is None:

@@ -12,7 +12,7 @@ T, start, max_len, flags, row, k, draft_us, demote] (int64) and, for a step, the
             generator, history). `flags` say which experts run and what follows (below)
     END     the generation is over: every rank's expert stats are gathered on rank 0
     STOP    no more generations: every rank leaves its loop
-    ABORT   rank 0 failed (its error says why): the other ranks leave with an error
+    ABORT   rank 0 failed (its error says why) or was interrupted: the other ranks leave with an error
     PING    nothing (passed on): an idle server's rank 0 sends it every quarter of the timeout, so
             the other ranks' waits between generations never time out (`keep_alive`)
 
@@ -265,8 +265,8 @@ def serve_stage(stage: StageModel, group: Group) -> None:
                 wire.drain()
                 return
             elif cmd == ABORT:
-                raise PipelineError(f"rank {r} of {group.world}: rank 0 stopped the pipeline after an error "
-                                    "(rank 0's message says what)")
+                raise PipelineError(f"rank {r} of {group.world}: rank 0 stopped the pipeline after an error (rank "
+                                    "0's message says what) or an interrupt (Ctrl-C)")
             else:
                 raise PipelineError(f"rank {r} of {group.world}: unknown message {cmd} from rank {prev}")
     finally:

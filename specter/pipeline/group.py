@@ -138,9 +138,10 @@ def join(device: str | torch.device | None = None, backend: str | None = None,
 
 
 def first_line(e: BaseException) -> str:
-    """The error's first line, without the backend's source location ("[.../pair.cc:553] ")."""
+    """The error's first line, without the backend's source location ("[.../pair.cc:553] ") or gloo's advice
+    after it ("This is typically caused by a remote worker crashing. ... GLHF!")."""
     text = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip())
-    return text.splitlines()[0] if text else type(e).__name__
+    return text.splitlines()[0].split(" This is typically caused by")[0] if text else type(e).__name__
 
 
 @contextmanager

@@ -37,6 +37,14 @@ def check_options(policy: str, options: dict) -> None:
                           + "; ".join(why.get(k, "not pipelined yet") for k in extra) + "; drop it")
 
 
+def refuse_ignored(args, policies: list[str]) -> None:
+    """A flag none of `policies` reads (--compress-experts for resident, ...) refused as one process refuses it
+    (cli.options.refuse_unused_flags); --k-max and --compile: check_options, with a pipeline's own reasons."""
+    from ..cli.options import FLAG_USERS, refuse_unused_flags  # (the CLI imports this package)
+
+    refuse_unused_flags(args, policies, [f for f in FLAG_USERS if f[1] not in UNSUPPORTED])
+
+
 def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residency=None, expert_memory=None,
                   device_memory=None, link=None, dtype=None, backend: str | None = None, timeout_s: float | None = None,
                   threads: int | None = None, k_max: int | None = None, draft_cache=None,
@@ -126,6 +134,7 @@ def run(args, body, serving: bool = False, waits: bool = False) -> int:
 
     opts = {k: v for k, v in vars(args).items() if k in UNSUPPORTED and v not in (None, False)}
     check_options(args.policy, opts)
+    refuse_ignored(args, [args.policy])
     group, engine, stage = open_pipeline(args.model, device=args.device, policy=args.policy,
                                          residency=args.residency, expert_memory=args.expert_memory,
                                          device_memory=args.device_memory,

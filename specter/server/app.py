@@ -108,8 +108,10 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
     def broken() -> APIError | None:
         """A layer pipeline (torchrun) that cannot go on: 503 for every request until it is restarted."""
         why = getattr(engine.decoder, "broken", None)
-        return None if not why else APIError(503, f"the pipeline is broken ({why}); restart the server",
-                                             type="server_error", code="pipeline_broken")
+        if not why:
+            return None
+        said = why if "the pipeline is broken" in why else f"the pipeline is broken ({why})"  # (group.py's says it)
+        return APIError(503, f"{said}; restart the server", type="server_error", code="pipeline_broken")
 
     @app.exception_handler(SpecterError)
     async def _specter_error(request, e: SpecterError):
