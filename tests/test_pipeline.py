@@ -855,7 +855,15 @@ def test_a_config_mismatch_fails_every_rank(ckpts, tmp_path):
     ranks = _launch([argv + [str(ckpts["qwen3_moe"])], argv + [str(other)]], timeout=HANG)
     for r, (code, so, se) in enumerate(ranks):
         assert code == 2, (r, se[-2000:])
-        assert f"rank {r} of 2: rank(s) 1 differ from rank 0 in fingerprint" in se and so == ""
+        assert f"rank {r} of 2: rank(s) 1 differ from rank 0 in fingerprint:" in se and so == ""
+    # options are named (a per-rank --residency was "fingerprint, options"; --pipeline-timeout was not compared)
+    argv = ["-c", NO_COLLECTIVES, "generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--greedy",
+            "--policy", "on-demand", "--model", str(ckpts["qwen3_moe"])]
+    ranks = _launch([argv + ["--residency", "0.5", "--pipeline-timeout", "60"],
+                     argv + ["--residency", "0.25", "--pipeline-timeout", "50"]], timeout=HANG)
+    for r, (code, so, se) in enumerate(ranks):
+        assert code == 2, (r, se[-2000:])
+        assert f"rank {r} of 2: rank(s) 1 differ from rank 0 in options residency, options timeout_s:" in se, se
 
 
 def test_a_rank_slower_to_start_than_the_timeout_is_waited_for(ckpts):

@@ -90,8 +90,8 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
                        dtype=str(compute_dtype(group.device, ckpt.dtype, dtype)), world=group.world,
                        backend=group.backend, device_type=group.device.type,
                        k_max=k_max if pol.drafts else None, host_threads=host_threads, draft_bits=draft_bits,
-                       compress_experts=compress_experts, context=context)
-        agree(group, {"fingerprint": fingerprint(ckpt, options), "options": options,
+                       compress_experts=compress_experts, context=context, timeout_s=group.timeout_s)
+        agree(group, {"fingerprint": fingerprint(ckpt, {}), "options": options,  # (the options: named apart)
                       "layers": [[s.first, s.last] for s in stages]})
         local = int(os.environ.get("LOCAL_WORLD_SIZE", group.world))
         if threads is None and group.device.type == "cpu":

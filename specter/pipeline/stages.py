@@ -256,8 +256,14 @@ def agree(group: Group, what: dict) -> None:
         got = all_gather_objects(group, mine)  # ranks reach it at their own pace
     odd = [r for r, g in enumerate(got) if g != got[0]]
     if odd:
-        ref = json.loads(got[0])
-        keys = sorted({k for r in odd for k, v in json.loads(got[r]).items() if ref.get(k) != v})
+        ref, keys = json.loads(got[0]), set()
+        for r in odd:
+            for k, v in json.loads(got[r]).items():
+                if isinstance(v, dict) and isinstance(ref.get(k), dict):  # which of them (options: residency ...)
+                    keys.update(f"{k} {n}" for n in sorted(set(v) | set(ref[k])) if v.get(n) != ref[k].get(n))
+                elif ref.get(k) != v:
+                    keys.add(k)
+        keys = sorted(keys)
         raise PipelineError(f"rank {group.rank} of {group.world}: rank(s) {', '.join(map(str, odd))} differ from "
                             f"rank 0 in {', '.join(keys)}: every rank must load the same checkpoint (config.json and "
                             f"weights) with the same options")
