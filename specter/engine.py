@@ -49,13 +49,15 @@ class GenerationOutput:
 # sampled with: `sampling` ("greedy", "temperature 0.7, top-p 0.95, ...") and `sampling_from`
 # ("caller", "model": the model's generation_config.json, "none": greedy, as nothing was set); how
 # expert bytes reach the device, `h2d_path` ("pinned store", "staging buffers (2 x N MiB)", "emulated
-# (host memory)" on CPU; None when nothing is copied); `cuda_graphs` (speculative engines under CUDA
-# graphs: recordings, recorded, bytes, warmups, threads so far; None without graphs)
+# (host memory)" on CPU; None when nothing is copied); `time_scale` (CPU: the emulated link's seconds here
+# per second on the profile's GPU, set once at load from this CPU's expert throughput, which
+# $SPECTER_EXPERT_THROUGHPUT pins; None on CUDA); `cuda_graphs` (speculative engines under CUDA graphs:
+# recordings, recorded, bytes, warmups, threads so far; None without graphs)
 STATS_DEFAULTS = dict(ttft_s=0.0, tpot_s=0.0, new_tokens=0, cycles=0, accepted_per_cycle=None, acceptance_rate=None,
                       draft_efficiency=None, k_histogram={}, expert_hits=0, expert_misses=0, prefetch_issued=0,
                       prefetch_used=0, prefetch_cancelled=0, prefetch_recall=None, route_coverage=None, h2d_bytes=0, stall_s=0.0,
                       decode_stall_s=0.0, draft_s=0.0, verify_s=0.0, drafted_tokens=0,
-                      accepted_tokens=0, rejections=0, compiled=[], h2d_path=None, cuda_graphs=None)
+                      accepted_tokens=0, rejections=0, compiled=[], h2d_path=None, time_scale=None, cuda_graphs=None)
 
 
 class Turns:

@@ -328,11 +328,17 @@ def test_plan_names_the_host_to_device_path(tmp_path, monkeypatch, capsys):
 
 
 def test_engine_stats_name_the_host_to_device_path(tiny):
+    """... and the emulated link's time scale, set once at load (a scale measured on a busy machine slowed an
+    engine for good, unseen)."""
     path, _ = tiny("mixtral")
     for policy, want in (("on-demand", "emulated (host memory)"), ("resident", None)):
         engine = specter.load(path, device="cpu", policy=policy, **({"residency": 0.5} if policy != "resident" else {}))
         try:
-            assert engine.generate([1, 2, 3], max_new_tokens=2).stats["h2d_path"] == want
+            stats = engine.generate([1, 2, 3], max_new_tokens=2).stats
+            assert stats["h2d_path"] == want
+            link = getattr(engine.decoder.experts, "link", None)
+            assert stats["time_scale"] == (None if link is None else link.time_scale)
+            assert policy == "resident" or stats["time_scale"] > 0
         finally:
             engine.close()
 

@@ -469,7 +469,8 @@ class OffloadedExperts:
             self._hits_on_device = False
         st = self._stats  # offloaded_bytes: expert bytes found off the device, copied or read on the host lane
         return dict(st, **(self.tier.stats if self.tier is not None else {}), h2d_path=self.link.h2d_path,
-                    offloaded_bytes=st["h2d_bytes"] + st["host_bytes"])
+                    offloaded_bytes=st["h2d_bytes"] + st["host_bytes"],
+                    time_scale=getattr(self.link, "time_scale", None))
 
     def reset(self) -> None:
         """Forget every resident expert (a cold cache)."""

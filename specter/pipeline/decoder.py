@@ -196,8 +196,9 @@ def summed(per: list[dict]) -> dict:
         for k in SUMMED + ("cover_hits", "cover_total"):
             if k in s:
                 out[k] = out.get(k, 0) + s[k]
-        if out.get("h2d_path") is None and s.get("h2d_path") is not None:
-            out["h2d_path"] = s["h2d_path"]
+        for k in ("h2d_path", "time_scale"):  # rank 0's, or the first rank's that copies
+            if out.get(k) is None and s.get(k) is not None:
+                out[k] = s[k]
     return out
 
 
