@@ -160,7 +160,8 @@ def check_compressible(ckpt: Checkpoint, compress_experts) -> None:
 @on_its_device
 def build_engine(path: Path, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                  link=None, dtype=None, threads: int | None = None, eviction: str | None = None,
-                 device_memory=None, k_max: int = DEFAULT_K_MAX, compile: bool | None = None, shared: Loaded | None = None,
+                 device_memory=None, k_max: int = DEFAULT_K_MAX, compile: bool | None = None,
+                 shared: Loaded | None = None,
                  draft_cache=None, host_threads: int | None = None,
                  compress_experts: bool = False, draft_bits: int = 4, slot_pool: str = "shared",
                  context: int | None = None, **options) -> Engine:

@@ -225,8 +225,8 @@ def choose(sampling: dict, defaults: dict) -> tuple[SamplingParams, str]:
             chosen = chosen or k != "seed"
     if chosen:
         params = SamplingParams(**given)
-        filters = [n for n, on in (("top_p", params.top_p < 1), ("top_k", params.top_k > 1), ("min_p", params.min_p > 0))
-                   if on]
+        filters = [n for n, on in (("top_p", params.top_p < 1), ("top_k", params.top_k > 1),
+                                   ("min_p", params.min_p > 0)) if on]
         if filters and "temperature" not in given:  # the neutral temperature, 0, is greedy: they would do nothing
             warn(f"{' and '.join(filters)} {'has' if len(filters) == 1 else 'have'} no effect without a temperature: "
                  f"the generation is greedy (temperature 0, the neutral value); give a temperature to sample (the "

@@ -227,7 +227,8 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
     if L and slots < k:
         need = k * per * expert
         where = "expert slot(s) per layer" if pool == "layer" else "expert slot(s) in the shared pool"
-        total = f": device_memory (--device-memory) {_exactly(need + sum(fixed.values()))} in all" if device_memory is not None else ""
+        total = f": device_memory (--device-memory) {_exactly(need + sum(fixed.values()))} in all" \
+            if device_memory is not None else ""
         raise BudgetError(
             f"{what} gives {slots} {where}, but one layer needs its top-{k} = {k} experts at once: at least "
             f"{_exactly(need)} of slot pool ({_up(k * per / (L * E))} residency) is required{total}")

@@ -15,9 +15,9 @@ from .stages import Stage, stage_budget, stage_pool, stage_quota, stage_tier
 
 
 def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residency=None, expert_memory=None,
-               device_memory=None, link=None, dtype=None, threads: int | None = None, k_max: int = DEFAULT_K_MAX, draft_cache=None,
-               host_threads: int | None = None, draft_bits: int = 4, compress_experts: bool = False,
-               context: int | None = None) -> StageModel:
+               device_memory=None, link=None, dtype=None, threads: int | None = None, k_max: int = DEFAULT_K_MAX,
+               draft_cache=None, host_threads: int | None = None, draft_bits: int = 4,
+               compress_experts: bool = False, context: int | None = None) -> StageModel:
     """Loads the checkpoint at `path` and keeps `stage` of it, with `policy`'s provider over its MoE
     layers: resident weights; or its own offload manager (on-demand), with next-layer guesses made
     within the stage (the last layer of a stage guesses nothing: the next layer is another rank's), or
