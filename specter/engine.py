@@ -18,6 +18,7 @@ Printable pieces and asyncio are in streaming.py; the sampling keywords' default
 from __future__ import annotations
 
 import asyncio
+import numbers
 import threading
 import time
 from contextlib import contextmanager
@@ -51,7 +52,8 @@ class GenerationOutput:
 # expert bytes reach the device, `h2d_path` ("pinned store", "staging buffers (2 x N MiB)", "emulated
 # (host memory)" on CPU; None when nothing is copied); `time_scale` (CPU: the emulated link's seconds here
 # per second on the profile's GPU, set once at load from this CPU's expert throughput, which
-# $SPECTER_EXPERT_THROUGHPUT pins; None on CUDA); `cuda_graphs` (speculative engines under CUDA graphs:
+# $SPECTER_EXPERT_THROUGHPUT pins; None with no emulated link: CUDA, resident; a pipeline's: rank 0's, or
+# the first copying rank's); `cuda_graphs` (speculative engines under CUDA graphs:
 # recordings, recorded, bytes, warmups, threads so far; None without graphs)
 STATS_DEFAULTS = dict(ttft_s=0.0, tpot_s=0.0, new_tokens=0, cycles=0, accepted_per_cycle=None, acceptance_rate=None,
                       draft_efficiency=None, k_histogram={}, expert_hits=0, expert_misses=0, prefetch_issued=0,
@@ -254,7 +256,7 @@ class Engine:
         text ends before the first one, and token_ids end with the token that completes that text."""
         stats: dict = {}
         new, text = [], ""
-        ids, params, stops = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
+        ids, params, stops, max_new_tokens = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
         with self.turns.turn():
             for new, text in self._decoding(ids, params, max_new_tokens, stops, stats):
                 pass
@@ -288,7 +290,7 @@ class Engine:
         if self.tokenizer is None:
             raise self._no_tokenizer("there is no text to stream; use stream_ids() or generate()")
         stats = {} if stats is None else stats
-        ids, params, stops = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
+        ids, params, stops, max_new_tokens = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
         printer = Printer(self, stops)
         async with self.turns.aturn() as turn:
             run = in_thread(lambda: self._decoding(ids, params, max_new_tokens, stops, stats))
@@ -305,7 +307,7 @@ class Engine:
     def _pieces(self, prompt, max_new_tokens, stop, sampling, stats, cancel) -> Iterator[tuple[list[int], str]]:
         """(new token ids, new text) as they become final: nothing that a stop string could still cut."""
         stats = {} if stats is None else stats
-        ids, params, stops = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
+        ids, params, stops, max_new_tokens = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
         printer = Printer(self, stops)
         with self.turns.turn():
             for new, text in self._decoding(ids, params, max_new_tokens, stops, stats, cancel):
@@ -314,17 +316,19 @@ class Engine:
         if (piece := printer.end()) is not None:  # the end: nothing is held back any more
             yield piece
 
-    def _prepare(self, prompt, max_new_tokens, stop, sampling, stats: dict) -> tuple[list[int], SamplingParams, list]:
+    def _prepare(self, prompt, max_new_tokens, stop, sampling, stats: dict) -> tuple[list[int], SamplingParams, list,
+                                                                                     int]:
         """Validated (prompt ids, sampling params, stop strings: `stop` is None, a string or a list of
-        non-empty strings); `stats` gets the sampling settings."""
+        non-empty strings, max_new_tokens as an int); `stats` gets the sampling settings."""
         if self.closed:
             raise ConfigError("this engine is closed (its copy threads and host lane are stopped); load another "
                               "with specter.load(...)")
         # the caller's sampling keywords when they give any (a seed alone does not count), else the model's
         params, source = choose(sampling, self._generation_defaults)
         stats.update(sampling=describe(params), sampling_from=source)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        max_new_tokens = int(max_new_tokens)  # (numpy's integers too)
         stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
         if stop is not None:
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
@@ -339,12 +343,11 @@ class Engine:
             whose = "the model's" if limit == model else "the engine's"
             more = self.model.spec.context_note if limit == model else \
                 f" (the engine was loaded with context={limit}; the model's is {model})"
-            raise ContextLengthError(
+            fix = "shorten the prompt" + ("" if len(ids) >= limit else " or lower max_new_tokens (--max-new-tokens)")
+            raise ContextLengthError(  # (a prompt that fills the context leaves no room for any new token)
                 f"prompt ({len(ids)} token{'s' * (len(ids) != 1)}) + max_new_tokens ({max_new_tokens}) = "
-                f"{len(ids) + max_new_tokens} exceeds {whose} context of {limit} tokens{more}; shorten the prompt or "
-                f"lower max_new_tokens (--max-new-tokens)"
-            )
-        return ids, params, list(stops)
+                f"{len(ids) + max_new_tokens} exceeds {whose} context of {limit} tokens{more}; {fix}")
+        return ids, params, list(stops), max_new_tokens
 
     def _decoding(self, ids: list[int], params: SamplingParams, max_new_tokens: int, stops: list[str],
                   stats: dict, cancel: threading.Event | None = None) -> Iterator[tuple[list[int], str | None]]:

@@ -422,9 +422,11 @@ def _expert_names(reader: _Reader, spec: ModelSpec) -> list[list[str]]:
             names = [prefix + n.format(e=e) + ".weight" for e in range(spec.n_experts) for n in (gate, up, down)]
         for n in names:
             if not reader.has(n):
-                stored = sum(reader.has(prefix + gate.format(e=e) + ".weight") for e in range(spec.n_experts))
+                held = [reader.has(prefix + gate.format(e=e) + ".weight") for e in range(spec.n_experts)]
+                stored = sum(held)  # the first `stored` of them and no other: fewer experts, not a damaged file
                 why = f": config.json declares {spec.n_experts} routed experts a layer, the weights hold {stored} " \
-                      f"(config.json describes another model)" if 0 < stored < spec.n_experts else ""
+                      f"(config.json describes another model)" if 0 < stored < spec.n_experts and all(held[:stored]) \
+                    else ""
                 raise CheckpointError(f"tensor {n!r} is missing from the checkpoint in {reader.ckpt.path}{why}")
         out.append(names)
     return out

@@ -122,6 +122,10 @@ def test_context_reaches_the_engine(capsys):
     assert main(argv + ["--greedy"]) == 0  # 7 prompt tokens: 9 new fill the context (without an EOS first)
     out = json.loads(capsys.readouterr().out)
     assert out["stats"]["finish_reason"] == "length" and len(out["token_ids"]) == 9
+    argv[argv.index("16")] = "7"  # the prompt fills the context: no room, and no --max-new-tokens to lower
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "exceeds the engine's context of 7 tokens" in err and "shorten the prompt" in err and "lower" not in err
     with pytest.raises(SystemExit):
         main(["generate", "x", "--context", "0"])
 

@@ -178,6 +178,16 @@ def test_a_config_with_more_experts_than_the_weights_says_so(tiny, tmp_path):
     with pytest.raises(specter.CheckpointError, match=f"experts.{n}.w1.weight' is missing .*config.json declares "
                                                       f"{n + 2} routed experts a layer, the weights hold {n}"):
         specter.load(path, device="cpu", policy="resident")
+    cfg["num_local_experts"] = n  # one expert's tensor gone from the middle: a damaged file, not the config
+    (path / "config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.0.block_sparse_moe.experts.1.w1.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(specter.CheckpointError, match="experts.1.w1.weight' is missing") as err:
+        specter.load(path, device="cpu", policy="resident")
+    assert "config.json" not in str(err.value)
 
 
 def test_missing_shard_names_the_file(tiny, tmp_path):

@@ -621,3 +621,28 @@ def test_a_plan_that_does_not_fit_names_the_draft_its_need_is_for(capsys):
     assert res["host"]["draft_cache_bytes"] == spec.n_moe_layers * spec.n_experts * draft_expert_bytes(spec, 2, 4)
     assert main(args) == 0
     assert "at 2048 tokens of context with --draft-bits 2" in capsys.readouterr().out
+
+
+def test_the_least_device_budget_is_priced_as_the_pool_holds_it():
+    """A re-check of this stop's floor: it priced one layer's top-k slots in the compute dtype, where a big
+    CPU pool holds the bf16 store's (Mixtral: a budget of 3 bf16 slots was refused, as needing 2 fp32 ones);
+    and plan's stated minimum left out the compiled verifier's KV scratch ("needs at least 10.9 GiB (0 bytes
+    more)"). A budget of exactly the stated minimum fits; a byte less does not."""
+    from specter.offload.plan import fit
+
+    spec, sdt, numel = described("Mixtral-8x7B")
+    cpu = dict(context=4096, draft=False, device=torch.device("cpu"), store_dtype=sdt)
+    fixed = plan_of(spec, numel, torch.float32, residency=1.0, **cpu)
+    budget = fixed.non_expert_bytes + fixed.kv_bytes + 3 * spec.expert_numel() * 2
+    got = plan_of(spec, numel, torch.float32, device_memory=budget, **cpu)
+    assert (got.pool_slots, got.pool_dtype) == (3, "bfloat16")
+    for name, dtype, device, policy in (("Mixtral-8x7B", torch.float32, "cpu", "on-demand"),
+                                        ("Qwen3-30B-A3B", torch.bfloat16, "cuda", "specter")):
+        spec, sdt, numel = described(name)
+        need = fit(spec, numel, dtype, "1GiB", policy=policy, context=4096, device=device, store_dtype=sdt).minimum
+        at = fit(spec, numel, dtype, need, policy=policy, context=4096, device=device, store_dtype=sdt,
+                 draft_bits=2 if policy == "specter" else None)
+        below = fit(spec, numel, dtype, need - 1, policy=policy, context=4096, device=device, store_dtype=sdt,
+                    draft_bits=2 if policy == "specter" else None)
+        assert at.fits and not below.fits, name
+        assert at.plan.kv_scratch == (32 if policy == "specter" else 0)

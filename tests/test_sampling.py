@@ -137,8 +137,9 @@ def test_numpy_scalars_are_the_numbers_they_hold(engine):
     assert all(type(v) in (int, float) for v in (p.temperature, p.top_p, p.top_k, p.seed, p.repetition_penalty))
     kw = dict(temperature=0.75, top_k=5, seed=3)
     want = engine.generate([1, 2, 3], max_new_tokens=6, **kw).token_ids
-    assert engine.generate([1, 2, 3], max_new_tokens=6, temperature=np.float32(0.75), top_k=np.int64(5),
-                           seed=np.int64(3)).token_ids == want
+    got = engine.generate([1, 2, 3], max_new_tokens=np.int64(6), temperature=np.float32(0.75), top_k=np.int64(5),
+                          seed=np.int64(3))
+    assert got.token_ids == want and got.stats["new_tokens"] == 6
     for bad in (dict(top_k=np.float32(2.0)), dict(temperature=np.float32("nan")), dict(seed=np.bool_(True)),
                 dict(top_k=True)):
         with pytest.raises(specter.ConfigError):

@@ -216,9 +216,10 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
                  kv=kv_bytes_per_token(spec, item) * (context + kv_scratch))
     per = max(L, 1) if pool == "layer" else 1  # a slot is counted in every layer (the per-layer rule) or once
     most = E * (L // per)                       # slots in a layer (the rule), or in the pool, for every expert
-    floor = (k * per * numel * item, f"one layer's top-{k} expert slots") if L else (0, "")
-    slots, what = _slots(most, per * numel * item, fixed, residency, expert_memory, device_memory, context, floor)
     store = store_dtype if store_dtype is not None else dtype
+    least = pool_dtype(device, store, dtype, k * per, numel).itemsize  # a pool of top-k slots: in its own dtype
+    floor = (k * per * numel * least, f"one layer's top-{k} expert slots") if L else (0, "")
+    slots, what = _slots(most, per * numel * item, fixed, residency, expert_memory, device_memory, context, floor)
     pdt = pool_dtype(device, store, dtype, per * slots, numel)
     if pdt != dtype:  # the same budget in bytes holds more experts of the narrower dtype
         slots, what = _slots(most, per * numel * pdt.itemsize, fixed, residency, expert_memory, device_memory,
@@ -470,7 +471,7 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
             f"(the ways to run below)"]
         return Fit(policy, budget, plan.context, plan if not tips else None, plan.total_bytes, plan.total_bytes, tips)
     item = torch.empty((), dtype=dtype).element_size()
-    L, E, k, expert = spec.n_moe_layers, spec.n_experts, spec.top_k, spec.expert_numel() * item
+    L, E, k = spec.n_moe_layers, spec.n_experts, spec.top_k
     context = min(context or spec.max_position, spec.max_position)
     non = non_expert_numel(spec, total_numel) * item
     if draft and draft_bits is not None:  # as the load refuses it
@@ -484,9 +485,11 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
             f"a draft runs (the ways to run below)"])
     narrow = min(widths)  # (the widths this model packs)
     draft_b = L * E * draft_expert_bytes(spec, narrow) if draft else 0
-    kv_tok = kv_bytes_per_token(spec, item)
-    minimum = lambda d, c: non + d + kv_tok * c + k * expert  # noqa: E731  (one layer's top-k slots)
-    full = non + draft_b + kv_tok * context + L * E * expert
+    kv_tok, scratch = kv_bytes_per_token(spec, item), pool["kv_scratch"]
+    store, numel = pool["store_dtype"] or dtype, spec.expert_numel()  # slots in the pool's dtype (make_plan's)
+    least, every = (numel * pool_dtype(pool["device"], store, dtype, n, numel).itemsize for n in (k, L * E))
+    minimum = lambda d, c: non + d + kv_tok * (c + scratch) + k * least  # noqa: E731  (one layer's top-k slots)
+    full = non + draft_b + kv_tok * (context + scratch) + L * E * every
     profile = _profile(profile)
     fitting = []
     for b in widths:
