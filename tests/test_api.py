@@ -105,6 +105,7 @@ def test_generate_summary_line():
 
     base = dict(new_tokens=10, ttft_s=0.1, tpot_s=0.02, policy="specter")
     assert summary_line(base) == "[10 tokens, TTFT 100 ms, TPOT 20.0 ms (50.0 tok/s), policy specter]"
+    assert summary_line(dict(base, new_tokens=1)) == "[1 token, TTFT 100 ms, TPOT n/a (one token), policy specter]"
     line = summary_line(dict(base, expert_hits=1, expert_misses=3, h2d_bytes=5e6, drafted_tokens=8,
                              accepted_per_cycle=3.5, acceptance_rate=0.9))
     assert "expert hit rate 25%, 5 MB copied" in line and "3.5 drafted tokens accepted a cycle (alpha 0.90)" in line

@@ -199,6 +199,7 @@ BAD = [  # (request fields, status, param)
     (dict(prompt=5), 400, "prompt"),
     (dict(temperature="hot"), 400, "temperature"),
     (dict(temperature=-0.5), 400, "temperature"),
+    (dict(temperature=3), 400, "temperature"),  # OpenAI's range is [0, 2]
     (dict(top_p=0), 400, "top_p"),
     (dict(top_p=1.5), 400, "top_p"),
     (dict(max_tokens=0), 400, "max_tokens"),

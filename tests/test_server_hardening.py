@@ -604,3 +604,23 @@ def test_a_shorter_context_is_the_servers_max_model_len_and_its_bound():
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
     finally:
         engine.close()
+
+
+def test_a_port_in_use_is_refused_before_the_load(monkeypatch, capsys):
+    """`specter serve --port P` with P taken loaded the model first (minutes for a big one), then printed
+    uvicorn's multi-line "address already in use" and exited 3. One line and status 2 now, before the load."""
+    import specter.cli.serve as serve_cli
+    from specter.cli import main
+
+    def no_load(args):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(serve_cli, "load_engine", no_load)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert main(["serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"specter: error: 127.0.0.1:{port} is in use: pick another --port, or stop what holds it"
+    serve_cli.check_port("127.0.0.1", port)  # free again: no error

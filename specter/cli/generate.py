@@ -36,8 +36,9 @@ def add_parsers(sub) -> None:
 def summary_line(stats: dict) -> str:
     """One line after a streamed generation: speed, then what offloading and speculation did."""
     n, tpot = stats.get("new_tokens", 0), stats.get("tpot_s", 0.0)
-    parts = [f"{n} tokens", f"TTFT {stats.get('ttft_s', 0) * 1e3:.0f} ms",
-             f"TPOT {tpot * 1e3:.1f} ms ({1 / tpot if tpot else 0:.1f} tok/s)", f"policy {stats.get('policy')}"]
+    speed = f"TPOT {tpot * 1e3:.1f} ms ({1 / tpot if tpot else 0:.1f} tok/s)" if n > 1 else "TPOT n/a (one token)"
+    parts = [f"{n} token{'s' * (n != 1)}", f"TTFT {stats.get('ttft_s', 0) * 1e3:.0f} ms", speed,
+             f"policy {stats.get('policy')}"]
     uses = stats.get("expert_hits", 0) + stats.get("expert_misses", 0)
     if stats.get("expert_misses"):
         parts.append(f"expert hit rate {stats['expert_hits'] / uses:.0%}, "

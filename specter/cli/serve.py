@@ -1,8 +1,10 @@
 """`specter serve`: the OpenAI-compatible HTTP server (specter/server) over one engine."""
 from __future__ import annotations
 
+import errno
 import os
 import re
+import socket
 
 from .. import pipeline
 from ..errors import ConfigError
@@ -81,6 +83,7 @@ def cmd_serve(args) -> int:
     if args.pipeline_backend is not None or args.pipeline_timeout is not None:
         raise ConfigError("--pipeline-backend and --pipeline-timeout apply under torchrun only "
                           "(torchrun --nproc-per-node N -m specter serve ...)")
+    check_port(args.host, args.port)  # before the load: a port in use fails at once, not after minutes of loading
     engine = load_engine(args)
     try:
         serve(engine, host=args.host, port=args.port, model_name=args.model_name, max_queue=args.max_queue,
@@ -88,6 +91,21 @@ def cmd_serve(args) -> int:
     finally:
         engine.close()
     return 0
+
+
+def check_port(host: str, port: int) -> None:
+    """A ConfigError when `host`:`port` cannot be bound (in use, or not this machine's address), as uvicorn
+    would find after the load; the socket is closed again at once (uvicorn binds it, with SO_REUSEADDR)."""
+    if port == 0:  # any free port
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(address)
+    except OSError as e:
+        why = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror or e})"
+        raise ConfigError(f"{host}:{port} {why}: pick another --port, or stop what holds it") from None
 
 
 def _serve(serve, engine, args, options) -> int:

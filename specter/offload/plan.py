@@ -505,10 +505,10 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
     if plan is None:
         if draft and non + draft_b >= budget:
             tips.append(f"the {width}draft alone takes {format_size(draft_b)}, leaving too little of "
-                        f"{format_size(budget)}: run without a draft (--policy on-demand or next-layer), which "
+                        f"{format_size(budget)}: run without a draft (--policy host, on-demand or next-layer), which "
                         f"needs {format_size(minimum(0, context))}")
         elif draft and minimum(0, context) <= budget:
-            tips.append(f"--policy on-demand or next-layer (no draft) runs in {format_size(minimum(0, context))}")
+            tips.append(f"--policy host, on-demand or next-layer (no draft) runs in {format_size(minimum(0, context))}")
         c = (budget - minimum(draft_b, 0)) // max(kv_tok, 1)
         if 512 <= c < context:  # a context too short to be useful is no advice
             tips.append(f"a shorter context fits: --context {int(c)} (KV cache {format_size(kv_tok * int(c))})")

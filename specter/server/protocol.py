@@ -52,7 +52,7 @@ class _Sampling(_Strict):
     """Fields both endpoints share. None means "the default"."""
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)  # OpenAI's range
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)                          # extension (as vLLM): 0 = off
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)       # 64 bits, as OpenAI's
