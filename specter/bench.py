@@ -12,9 +12,9 @@ import specter
 
 from . import default_model_path, resolve_device, workloads
 from .builder import load_shared
-from .errors import ConfigError, ContextLengthError
+from .errors import ConfigError, ContextLengthError, warn
 from .policy import BENCH_POLICIES, get as get_policy
-from .sampling import SamplingParams
+from .sampling import GREEDY_BELOW, SamplingParams
 from .speculative.decoder import acceptance_stats
 
 DEFAULT_PROMPTS = list(workloads.DEFAULT)
@@ -109,7 +109,11 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
     +coded", compress_experts), alternating prompt by prompt in this one process (one link calibration
     for all), so `coded_vs_raw` (bytes a token and TPOT, coded against raw) compares like with like."""
     sampling = {"temperature": 0.0, **(sampling or {})}
-    greedy = SamplingParams(**sampling).greedy  # and a bad value fails here, before any engine loads
+    params = SamplingParams(**sampling)  # a bad value fails here, before any engine loads
+    greedy = params.greedy
+    if params.temperature < GREEDY_BELOW and (params.top_p < 1 or params.top_k > 1):  # (bench's temperature: 0)
+        warn("top_p/top_k have no effect at temperature 0, bench's default (greedy, tokens compared): give a "
+             "temperature (--temperature) to sample")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 2:
         raise ConfigError(f"max_new_tokens must be an integer >= 2 (TPOT is the time a token after the first), "
                           f"got {max_new_tokens!r}")

@@ -248,7 +248,7 @@ def test_interactive_chat(chat_model, capsys, monkeypatch):
     import io
 
     model = chat_model
-    monkeypatch.setattr(sys, "stdin", io.StringIO("def add(a, b):\nclass Stack:\n/reset\nclass Stack:\n"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def add(a, b):\nclass Stack:\n/reset\n/help\nclass Stack:\n"))
     assert main(["chat", "--model", str(model), "--policy", "resident", "--device", "cpu",
                  "--max-new-tokens", "6", "--system", "be brief", "--greedy"]) == 0
     got = capsys.readouterr().out.split("\n")
@@ -259,7 +259,7 @@ def test_interactive_chat(chat_model, capsys, monkeypatch):
                                     {"role": "user", "content": "class Stack:"}], max_new_tokens=6, temperature=0.0).text
     r3 = engine.generate(sys_msg + [{"role": "user", "content": "class Stack:"}], max_new_tokens=6, temperature=0.0).text
     assert r2 != r3  # the history mattered
-    assert "\n".join(got) == f"{r1}\n{r2}\n{r3}\n"
+    assert "\n".join(got) == f"{r1}\n{r2}\n{r3}\n"  # (/help is said to stderr, not sent to the model)
     turn = sys_msg + [{"role": "user", "content": "def add(a, b):"}]  # no --max-new-tokens: the room left
     room = 40 - len(engine.encode(turn))
     want = engine.generate(turn, max_new_tokens=room, temperature=0.0).text
@@ -320,3 +320,17 @@ def test_allowed_hosts_with_a_port_are_refused(capsys):
     curl's "Host: localhost:8000" among them."""
     assert main(["serve", "--allowed-hosts", "a.example.com,localhost:8000", "--device", "cpu"]) == 2
     assert "give localhost, not localhost:8000" in capsys.readouterr().err
+
+
+def test_a_flag_the_command_does_not_take_is_its_commands_error_with_the_nearest(capsys):
+    """`generate x --temprature 0.5` printed the top level's usage ("specter: error: unrecognized arguments"),
+    and `--max-new-token 5` was taken as --max-new-tokens (an abbreviation a later flag would make
+    ambiguous): both are the command's usage error now, naming the flag it takes."""
+    for argv, near in ((["generate", "x", "--temprature", "0.5"], "--temperature"),
+                       (["generate", "x", "--max-new-token", "5"], "--max-new-tokens"),
+                       (["plan", "--device-mem", "8GiB"], "--device-memory")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"specter {argv[0]}: error: unrecognized arguments" in err, err
+        assert f"did you mean {near}?" in err, err

@@ -12,7 +12,9 @@ User errors print one line on stderr and exit 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
+import functools
 import os
 import sys
 import textwrap
@@ -30,9 +32,12 @@ __all__ = ["build_parser", "main", "engine_options", "summary_line"]
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specter", description="Lossless speculative expert offloading for MoE LLMs",
-                                 epilog=_policies(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 epilog=_policies(), formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--version", action="version", version=f"specter {__version__}")
-    sub = ap.add_subparsers(dest="command", required=True)
+    # no abbreviations (--max-new-token was taken as --max-new-tokens: a later flag would make it ambiguous)
+    sub = ap.add_subparsers(dest="command", required=True,
+                            parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
     for command in (generate, plan, bench, profile, serve):  # the order `specter --help` lists them in
         command.add_parsers(sub)
     return ap
@@ -57,8 +62,22 @@ def _one_line(message, category, filename, lineno, file=None, line=None, _show=w
         pass
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """build_parser's arguments; a flag the command does not take is its command's usage error (argparse gives
+    the top level's), with the nearest flag it does take."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+        flags = [f for a in command._actions for f in a.option_strings]
+        near = [m for x in extra for m in difflib.get_close_matches(x.split("=")[0], flags, n=1)]
+        command.error(f"unrecognized arguments: {' '.join(extra)}" + (f" (did you mean {', '.join(near)}?)"
+                                                                       if near else ""))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     try:
         if pipeline.launched() and args.command not in ("generate", "chat", "bench", "serve"):
             raise SpecterError(f"under torchrun only `generate`, `chat`, `bench` and `serve` run as a pipeline today, not "

@@ -22,7 +22,8 @@ def add_parsers(sub) -> None:
     bn.add_argument("--prompts", default=None, help="file: one prompt a line, or a .json list")
     bn.add_argument("--workload", default=None,
                     help="built-in prompt set: default (4 short prompts) | diverse (12 prompts in domains the "
-                         "bundled model never saw; run it sampled too: --temperature 1.0 --top-p 0.95)")
+                         "bundled model never saw; run it sampled too, as docs/RESULTS.md does: --temperature 0.7 "
+                         "--top-p 0.95 --top-k 50 --seed 0)")
     bn.add_argument("--repeat", type=int, default=1, help="passes over the prompts (default 1)")
     bn.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; tokens are compared)")
     bn.add_argument("--top-p", type=float, default=1.0, help="nucleus mass kept when sampling (default 1 = off)")

@@ -25,7 +25,8 @@ def add_parsers(sub) -> None:
     pipeline_args(g)
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="an interactive chat through the checkpoint's chat template")
+    c = sub.add_parser("chat", help="an interactive chat through the checkpoint's chat template (--model: one whose "
+                                    "tokenizer has one; the bundled model's has none)")
     c.add_argument("--system", default=None, help="a system message at the start of the conversation")
     model_args(c)
     sampling_args(c)
@@ -104,6 +105,9 @@ def _generate(args, prompt, engine) -> int:
         engine.close()
 
 
+CHAT_HELP = "one line a turn; /reset starts a new conversation, /exit (or end of input) ends, /help says this"
+
+
 def cmd_chat(args) -> int:
     """One line from standard input is one user turn; the reply streams to standard output. `/reset`
     starts over, `/exit` (or end of input) ends. An error in one turn is reported and the chat goes on
@@ -129,6 +133,8 @@ def _chat(args, engine) -> int:
         messages = list(start)
         kw = dict(stop=args.stop, **sampling_kwargs(args))
         interactive = sys.stdin.isatty()
+        if interactive:
+            print(CHAT_HELP, file=sys.stderr)
         while True:
             if interactive:
                 print("> ", end="", file=sys.stderr, flush=True)
@@ -137,6 +143,11 @@ def _chat(args, engine) -> int:
                 return 0
             if line.strip() == "/reset":
                 messages = list(start)
+                if interactive:
+                    print("(a new conversation)", file=sys.stderr)
+                continue
+            if line.strip() == "/help":
+                print(CHAT_HELP, file=sys.stderr)
                 continue
             turn = messages + [{"role": "user", "content": line.rstrip("\n")}]
             reply = []
