@@ -55,7 +55,7 @@ def read_generation_defaults(path: str | os.PathLike) -> dict:
                  if k not in NOT_SAMPLING and k not in SAMPLED and v != unset.get(k)]
     if unapplied:
         warn(f"{file} sets {', '.join(unapplied)}, which Specter does not apply; it samples with "
-                      f"do_sample, temperature, top_k, top_p, min_p and repetition_penalty only")
+             f"do_sample, temperature, top_k, top_p, min_p and repetition_penalty only")
     if g.do_sample not in (None, True, False):
         raise CheckpointError(f"{file}: do_sample must be true or false, got {g.do_sample!r}")
     values = {ours: HF_UNSET[hf] if getattr(g, hf, None) is None else getattr(g, hf) for hf, ours in SAMPLED.items()}

@@ -376,7 +376,7 @@ def _check_all_read(reader: _Reader, spec: ModelSpec, model: MoETransformer, exp
                               f"{', ...' if len(ours) > 3 else ''}): config.json describes another model (an "
                               f"option Specter does not support, e.g. mlp_bias), so the output would not be this one's")
     warn(f"{reader.ckpt.path}: {len(left)} tensor(s) outside the layers Specter computes are not read "
-                  f"({', '.join(map(repr, left[:3]))}{', ...' if len(left) > 3 else ''})")
+         f"({', '.join(map(repr, left[:3]))}{', ...' if len(left) > 3 else ''})")
 
 
 def _declared(path: Path, key: str) -> int:
@@ -556,7 +556,7 @@ class _OpenedFile:
                 return
             self.changed = True
             warn(f"{self.path} changed on disk after the load; coded copies decode the experts as loaded "
-                          f"from now on (the same weights; slower on this CPU)")
+                 f"from now on (the same weights; slower on this CPU)")
         raise CheckpointChanged(f"{self.path} changed on disk after the load")
 
 

@@ -341,8 +341,8 @@ def decode_in_place(store: list[CodedLayer], device) -> int:
 def _warn_refused(refused: list[str]) -> None:
     if refused:  # once a store: the first refusal stops the pinning of the rest
         warn(f"could not pin the coded expert store ({refused[0]}; {host_limits()}); it stays "
-                      f"pageable and coded copies are synchronous (slower). Raise `ulimit -l` (memlock) or "
-                      f"free host memory to pin it.")
+             f"pageable and coded copies are synchronous (slower). Raise `ulimit -l` (memlock) or "
+             f"free host memory to pin it.")
 
 
 def store_nbytes(store) -> int:

@@ -296,7 +296,7 @@ class CudaLink(Link):
         if not self._warned_unpinned:
             self._warned_unpinned = True
             warn("CudaLink: source tensor is not pinned; copies go through two pinned staging buffers "
-                          "(slower). Keep the expert store in pinned memory.")
+                 "(slower). Keep the expert store in pinned memory.")
 
     def _run(self) -> None:
         """The copy stream's watcher: resolves its transfers as they land and issues held prefetches."""

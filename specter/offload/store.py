@@ -129,8 +129,8 @@ def is_locked(t: torch.Tensor) -> bool:
 
 def _unpinned(nbytes: int, why: str) -> None:
     warn(f"could not pin the {format_size(nbytes)} expert store ({why}); it stays pageable and copies "
-                  f"go through two pinned staging buffers (slower). Raise `ulimit -l` (memlock) or free host "
-                  f"memory to pin it.")
+         f"go through two pinned staging buffers (slower). Raise `ulimit -l` (memlock) or free host "
+         f"memory to pin it.")
 
 
 def _clear_cuda_error() -> None:

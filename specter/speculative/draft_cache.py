@@ -87,7 +87,7 @@ def make_entry(cache, name: str, what: str) -> Path | None:
             raise ConfigError(f"draft cache {root} is not writable ({e}); pass another --draft-cache "
                               f"or 'off'") from None
         warn(f"draft cache {root} is not writable ({e}); {what} without a cache "
-                      f"(set SPECTER_DRAFT_CACHE to a writable directory)")
+             f"(set SPECTER_DRAFT_CACHE to a writable directory)")
         return None
     _remove_dead_writes(entry)
     return entry
@@ -245,8 +245,8 @@ def write_layer_file(path: Path, key: str, layer: int, tensors: dict[str, torch.
         if path.parent not in _UNWRITABLE:  # once a directory: every later layer would say the same
             _UNWRITABLE.add(path.parent)
             warn(f"could not write the cache file {path} ({e.strerror or e}): this load goes on without "
-                          f"it, and every later load rebuilds what is missing; free space in {path.parent} or point "
-                          f"the cache elsewhere (--draft-cache, $SPECTER_DRAFT_CACHE)")
+                 f"it, and every later load rebuilds what is missing; free space in {path.parent} or point "
+                 f"the cache elsewhere (--draft-cache, $SPECTER_DRAFT_CACHE)")
 
 
 _UNWRITABLE: set[Path] = set()  # cache entries a write failed in (warned once)
