@@ -14,7 +14,7 @@ from . import default_model_path, resolve_device, workloads
 from .builder import load_shared
 from .errors import ConfigError, ContextLengthError, warn
 from .policy import BENCH_POLICIES, get as get_policy
-from .sampling import GREEDY_BELOW, SamplingParams
+from .sampling import SamplingParams, idle_filters
 from .speculative.decoder import acceptance_stats
 
 DEFAULT_PROMPTS = list(workloads.DEFAULT)
@@ -111,9 +111,9 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
     sampling = {"temperature": 0.0, **(sampling or {})}
     params = SamplingParams(**sampling)  # a bad value fails here, before any engine loads
     greedy = params.greedy
-    if params.temperature < GREEDY_BELOW and (params.top_p < 1 or params.top_k > 1):  # (bench's temperature: 0)
-        warn("top_p/top_k have no effect at temperature 0, bench's default (greedy, tokens compared): give a "
-             "temperature (--temperature) to sample")
+    if idle := idle_filters(params):  # (bench's temperature is 0 unless given)
+        warn(f"{idle} no effect at temperature 0, bench's default (greedy, tokens compared): give a temperature "
+             f"(--temperature) to sample")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 2:
         raise ConfigError(f"max_new_tokens must be an integer >= 2 (TPOT is the time a token after the first), "
                           f"got {max_new_tokens!r}")

@@ -360,7 +360,7 @@ def _check_all_read(reader: _Reader, spec: ModelSpec, model: MoETransformer, exp
         return
     past = sorted({int(n.split(".")[2]) for n in left if n.startswith("model.layers.") and n.split(".")[2].isdigit()
                    and ".self_attn." in n})  # decoder layers the config does not count
-    heads = _declared(reader.ckpt.path, "num_nextn_predict_layers")  # (multi-token-prediction layers)
+    heads = getattr(spec.hf_config, "num_nextn_predict_layers", None) or 0  # (multi-token-prediction layers)
     if past and past[-1] >= spec.n_layers + heads:
         raise CheckpointError(
             f"{reader.ckpt.path}: the weights hold decoder layers up to model.layers.{past[-1]}, but config.json's "
@@ -377,15 +377,6 @@ def _check_all_read(reader: _Reader, spec: ModelSpec, model: MoETransformer, exp
                               f"option Specter does not support, e.g. mlp_bias), so the output would not be this one's")
     warn(f"{reader.ckpt.path}: {len(left)} tensor(s) outside the layers Specter computes are not read "
          f"({', '.join(map(repr, left[:3]))}{', ...' if len(left) > 3 else ''})")
-
-
-def _declared(path: Path, key: str) -> int:
-    """An integer config.json declares at its top level (0: absent or not an integer)."""
-    try:
-        value = json.loads((Path(path) / "config.json").read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
-        return 0
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _in_stage(name: str, layers: tuple[int, int], n_layers: int) -> bool:

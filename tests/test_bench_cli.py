@@ -194,7 +194,7 @@ def test_bench_sampling_reports_speed_not_token_equality(capsys, model, tmp_path
     rc, out, err = run_cli(capsys, "bench", "--model", model, "--device", "cpu", "--prompts", str(f),
                            "--policies", "on-demand", "--residency", "0.5", "--max-new-tokens", "4", "--top-p", "0.9")
     assert rc == 0 and "greedy" in out  # (bench's temperature is 0: a filter alone ran greedy, silently)
-    assert "specter: warning: top_p/top_k have no effect at temperature 0" in err, err
+    assert "specter: warning: top_p has no effect at temperature 0" in err, err
 
 
 def test_time_split_and_table_sections():
