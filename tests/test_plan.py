@@ -646,3 +646,24 @@ def test_the_least_device_budget_is_priced_as_the_pool_holds_it():
                     draft_bits=2 if policy == "specter" else None)
         assert at.fits and not below.fits, name
         assert at.plan.kv_scratch == (32 if policy == "specter" else 0)
+
+
+def test_a_draft_predicted_not_to_pay_is_not_tuned_but_named(capsys):
+    """At 20 MiB on CUDA the bundled model's specter is predicted at K 0 (plain steps) at every width: the
+    plan chose INT2 and said "run it with --draft-bits 2" and "predicted faster than INT4", a width for
+    a draft it predicts never runs. It says the draft does not pay there and what runs without it."""
+    from specter.cli import main
+
+    args = ["plan", "--device", "cuda", "--policy", "specter", "--device-memory", "20MiB"]
+    assert main(args + ["--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["fits"] and res["predicted_k"] == 0
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "the draft is predicted not to pay here" in out and "would hold slots under a policy without" in out
+    assert "--draft-bits" not in out and "predicted faster than INT" not in out
+    assert main(args[:-1] + ["60MiB", "--json"]) == 0  # every expert resident: no slots to buy
+    assert any("--policy resident runs without it" in t for t in json.loads(capsys.readouterr().out)["suggestions"])
+    assert main(args[:-1] + ["30MiB", "--json"]) == 0  # a draft that pays keeps its tips
+    res = json.loads(capsys.readouterr().out)
+    assert res["predicted_k"] > 0 and not any("not to pay" in t for t in res["suggestions"])

@@ -122,7 +122,7 @@ def cmd_plan(args) -> int:
         if f.fits:
             print(f.plan.table())
             draft = f", draft INT{f.draft_bits}" if f.draft_bits else ""
-            if f.draft_bits and args.draft_bits is None and f.draft_bits != 4:  # not what the load does unasked
+            if f.draft_bits and args.draft_bits is None and f.draft_bits != 4 and f.predicted_k:  # not the load's
                 draft += f": run it with --draft-bits {f.draft_bits}"
             print(f"{args.policy} runs in {format_size(f.device_memory)}: residency {f.plan.residency:.1%} "
                   f"({f.plan.pool_slots} of {spec.n_moe_layers * spec.n_experts} routed experts on the device, "

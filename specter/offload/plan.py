@@ -428,6 +428,7 @@ class Fit:
     suggestions: list[str]
     draft_bits: int | None = None  # the draft's width chosen (the drafting policies)
     minimum_bits: int | None = None  # ... and the one `minimum` is for (the narrowest tried)
+    predicted_k: int | None = None  # the draft length predicted at the chosen width (0: plain steps faster)
 
     @property
     def fits(self) -> bool:
@@ -436,7 +437,7 @@ class Fit:
     def as_dict(self) -> dict:
         return dict(policy=self.policy, device_memory=self.device_memory, context=self.context, fits=self.fits,
                     draft_bits=self.draft_bits, minimum_bytes=self.minimum, minimum_draft_bits=self.minimum_bits,
-                    all_resident_bytes=self.full, suggestions=self.suggestions,
+                    predicted_k=self.predicted_k, all_resident_bytes=self.full, suggestions=self.suggestions,
                     plan=self.plan.as_dict() if self.plan else None)
 
 
@@ -498,8 +499,8 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
                              **pool)
         except BudgetError:
             continue
-        fitting.append((predict_tpot(spec, plan, policy, b if draft else None, profile, lane)[0], -b, plan))
-    plan = min(fitting, key=lambda f: f[:2])[2] if fitting else None
+        fitting.append((*predict_tpot(spec, plan, policy, b if draft else None, profile, lane), -b, plan))
+    _, K, _, plan = min(fitting, key=lambda f: (f[0], f[2])) if fitting else (None, None, None, None)
     width = f"INT{narrow} " if draft else ""
     tips = []
     if plan is None:
@@ -516,8 +517,13 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
                     f"{context} tokens of context ({'an ' + width + 'draft, ' if draft else ''}"
                     f"one layer's top-{k} slots)")
     else:
-        if draft and plan.draft_bits != max(widths):
-            wider = sorted(-f[1] for f in fitting if -f[1] > plan.draft_bits)
+        if draft and K == 0:  # the width then only buys slots: no draft buys more
+            tips.append(f"the draft is predicted not to pay here (K 0: plain steps faster than any draft length, at "
+                        f"its assumed acceptance): " + ("--policy resident runs without it" if plan.pool_slots == L * E
+                        else f"its {format_size(plan.draft_bytes)} would hold slots under a policy without one (the "
+                             f"ways to run below rank them)"))
+        elif draft and plan.draft_bits != max(widths):
+            wider = sorted(-f[2] for f in fitting if -f[2] > plan.draft_bits)
             tips.append(f"the draft at INT{plan.draft_bits}: " + (
                 "no wider one fits" if not wider else
                 f"predicted faster than INT{wider[-1]} (more slots for the target; acceptance assumed)"))
@@ -532,7 +538,7 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
                             f"and the pool holds {short.pool_slots} slots ({short.pool_slots - plan.pool_slots} more)")
     return Fit(policy, budget, context, plan, minimum(draft_b, context), full, tips,
                draft_bits=plan.draft_bits if plan is not None and draft else None,
-               minimum_bits=narrow if draft else None)
+               minimum_bits=narrow if draft else None, predicted_k=K if draft else None)
 # ------------------------------------------------------------------------------ a way to run (specter plan)
 # Ranking inputs that are assumptions, not measurements on these models: the share of drafted tokens
 # the target accepts at each draft width, and the share of a verification's misses the draft's
