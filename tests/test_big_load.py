@@ -494,7 +494,9 @@ def test_plan_says_what_to_change(tmp_path):
     assert not fit(spec, numel, dtype, "24GiB", draft_bits=4).fits  # the INT4 draft alone is 22.3 GiB
     assert fit(spec, numel, dtype, "80GiB", draft_bits=4).plan.pool_slots == 154  # one pool: 4 a layer leaves 26
     text = subprocess.run([sys.executable, "-m", "specter.cli", "plan", "--model", str(tmp_path),
-                           "--device-memory", "12GiB"], capture_output=True, text=True, check=True).stdout
+                           "--device-memory", "12GiB"], capture_output=True, text=True)
+    assert text.returncode == 1, text.stderr  # does not fit: status 1 (a script's `plan && serve`)
+    text = text.stdout
     assert "does NOT fit" in text and "draft cache" in text and "expert store 84.0 GiB" in text
     rows = [line for line in text.split("ways to run in 12.0 GiB")[1].splitlines() if line[:2].strip().isdigit()]
     assert rows and not any("spec" in row for row in rows)  # no draft fits: only the draft-free policies are listed

@@ -451,7 +451,7 @@ def test_plan_cli_ranks_the_ways_and_says_specter_runs(capsys):
     assert res["host"]["draft_cache_bytes"] == \
         spec.n_moe_layers * spec.n_experts * draft_expert_bytes(spec, res["draft_bits"], scale_bytes=4)
     assert main(["plan", "--model", str(CONFIGS / "Mixtral-8x7B"), "--device-memory", "24GiB", "--draft-bits", "4",
-                 "--context", "4096"]) == 0
+                 "--context", "4096"]) == 1  # status 1: it does not fit
     out = capsys.readouterr().out  # (it said "it runs at 4096", an INT2 or INT3 way's context)
     assert "specter does NOT fit" in out and "it runs at" not in out
 
@@ -469,7 +469,7 @@ def test_plan_of_resident_in_a_budget_says_whether_every_expert_fits(capsys):
         assert f.minimum == f.full == plan_of(spec, numel, dtype, context=4096, draft=False).total_bytes
         assert fits == (f.plan is not None and f.plan.pool_slots == spec.n_moe_layers * spec.n_experts)
     assert main(["plan", "--model", str(CONFIGS / "Mixtral-8x7B"), "--policy", "resident", "--device-memory", "24GiB",
-                 "--context", "4096"]) == 0
+                 "--context", "4096"]) == 1
     assert "resident does NOT fit in 24.0 GiB: it needs at least 87.5 GiB" in capsys.readouterr().out
 
 
@@ -568,7 +568,7 @@ def test_plan_over_ranks_narrows_the_draft_where_the_default_does_not_fit(capsys
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "draft INT2 (the widest that fits)" in out and out.count("; fits") == 2
-    assert main(args + ["--draft-bits", "4"]) == 0
+    assert main(args + ["--draft-bits", "4"]) == 1
     assert "does NOT fit" in capsys.readouterr().out
 
 
@@ -614,12 +614,12 @@ def test_a_plan_that_does_not_fit_names_the_draft_its_need_is_for(capsys):
     from specter.offload.plan import draft_expert_bytes
 
     args = ["plan", "--device", "cpu", "--policy", "specter", "--device-memory", "20MiB"]
-    assert main(args + ["--json"]) == 0
+    assert main(args + ["--json"]) == 1  # status 1: it does not fit (JSON too)
     res = json.loads(capsys.readouterr().out)
     spec = open_checkpoint(specter.default_model_path()).spec
     assert not res["fits"] and res["minimum_draft_bits"] == 2
     assert res["host"]["draft_cache_bytes"] == spec.n_moe_layers * spec.n_experts * draft_expert_bytes(spec, 2, 4)
-    assert main(args) == 0
+    assert main(args) == 1
     assert "at 2048 tokens of context with --draft-bits 2" in capsys.readouterr().out
 
 

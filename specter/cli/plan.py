@@ -26,7 +26,8 @@ from .options import FLAG_USERS, dtype_arg, nonnegative_int, policy_help, positi
 
 def add_parsers(sub) -> None:
     p = sub.add_parser("plan", help="device memory plan and host needs, from config.json alone if need be; "
-                                    "with --device-memory: does it fit, and what to change")
+                                    "with --device-memory: does it fit (exit status 1 when it does not), and what "
+                                    "to change")
     p.add_argument("--model", default=None, help="local Hugging Face model directory (default: the bundled model)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]: the device to plan for (default: auto)")
     dtype_arg(p)
@@ -117,7 +118,7 @@ def cmd_plan(args) -> int:
         if args.json:
             print(json.dumps({**f.as_dict(), "host": vars(host), "dtype": str(dtype)[6:], "cuda_graphs": graphs,
                               "options": [o.as_dict() for o in ways], "profile": profile.name}))
-            return 0
+            return 0 if f.fits else 1
         print(head)
         if f.fits:
             print(f.plan.table())
@@ -151,7 +152,7 @@ def cmd_plan(args) -> int:
                 print(lane_note)
         else:
             print(f"nothing runs in {format_size(f.device_memory)}, at any context down to the shortest tried")
-        return 0
+        return 0 if f.fits else 1  # (a script's `specter plan ... && specter serve ...`)
     def plan_at(tier):  # the engine's plan, its budget split with a coded tier at `tier` (None: none)
         return make_plan(spec, numel, dtype, residency=args.residency, expert_memory=args.expert_memory,
                          context=args.context, draft=pol.drafts, device=device, store_dtype=store_dtype,

@@ -149,4 +149,4 @@ def cmd_plan_ranks(args, device) -> int:
         print(f"model {path} ({spec.arch}) over {args.ranks} ranks, policy {args.policy}{chosen}, computed "
               f"{str(dtype)[6:]} on {device.type}" + (", experts losslessly coded" if coded is not None else ""))
     print_rank_plans(rows, args.json, args.device_memory, tip)
-    return 0
+    return 0 if all(r["fits"] for r in rows) else 1  # as the one-rank plan
