@@ -167,11 +167,11 @@ def test_bench_bad_arguments_exit_2(capsys, model, tmp_path):
     assert_one_line_error(*run_cli(capsys, *common, "--policies", " , "), "--policies")
     assert_one_line_error(*run_cli(capsys, *common, "--policies", "resident", "--max-new-tokens", "0"), "max-new-tokens")
     # one token decodes nothing after the first: a TPOT of ~0 ms and speed-ups of nothing were reported
-    assert_one_line_error(*run_cli(capsys, *common, "--policies", "resident", "--max-new-tokens", "1"), ">= 2: bench")
+    assert_one_line_error(*run_cli(capsys, *common, "--policies", "resident", "--max-new-tokens", "1"), ">= 2, got 1: bench")
     assert_one_line_error(*run_cli(capsys, *common, "--policies", "on-demand", "--residency", "0.05"), "top-2")
     assert_one_line_error(*run_cli(capsys, *common, "--policies", "bogus"), "bogus")
     assert_one_line_error(*run_cli(capsys, *common, "--policies", "on-demand", "--temperature", "0.7",
-                                   "--top-p", "0"), "top_p")
+                                   "--top-p", "0"), "--top-p")
 
 
 def test_bench_sampling_reports_speed_not_token_equality(capsys, model, tmp_path, fixed_k):

@@ -89,7 +89,7 @@ def test_dtype_and_penalties_reach_the_engine(capsys):
     assert main(argv[:-6] + ["--dtype", "bfloat16"]) == 0  # runs in bf16 on CPU
     assert json.loads(capsys.readouterr().out)["token_ids"]
     assert main(argv + ["--presence-penalty", "5"]) == 2
-    assert "presence_penalty must be in [-2, 2]" in capsys.readouterr().err
+    assert "--presence-penalty must be in [-2, 2]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "x", "--dtype", "int8"])
 
@@ -334,3 +334,23 @@ def test_a_flag_the_command_does_not_take_is_its_commands_error_with_the_nearest
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"specter {argv[0]}: error: unrecognized arguments" in err, err
         assert f"did you mean {near}?" in err, err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "x", "--top-p", "1.5", "--temperature", "1"], "--top-p must be in (0, 1], got 1.5"),
+    (["generate", "x", "--temperature", "-1"], "--temperature must be"),
+    (["generate", "x", "--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
+    (["generate", "x", "--seed", str(-2**70), "--temperature", "1"], "--seed must be an integer in"),
+    (["chat", "--top-k", "-1"], "--top-k must be an integer >= 0"),
+    (["bench", "--top-p", "2", "--temperature", "1"], "--top-p must be in (0, 1]"),
+    (["bench", "--max-new-tokens", "1"], "--max-new-tokens must be an integer >= 2, got 1: bench reports TPOT")])
+def test_a_bad_sampling_flag_is_named_before_the_model_loads(capsys, monkeypatch, argv, flag):
+    """`--top-p 1.5` loaded the model, then said "top_p must be in (0, 1]", the API's name: a flag's
+    error names the flag, before any load (under torchrun too: every rank checks first)."""
+    def no_load(*a, **k):
+        raise AssertionError("loaded")
+
+    monkeypatch.setattr(specter, "load", no_load)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specter: error: ") and flag in err and "loaded" not in err

@@ -8,7 +8,8 @@ from ..bench import budget_words, format_table, read_prompts, run_bench
 from ..errors import ConfigError
 from ..plot import residency_sweep
 from ..policy import BENCH_POLICIES
-from .options import engine_options, model_args, output_file, pipeline_args, policy_help, refuse_unused_flags
+from .options import (check_sampling, engine_options, model_args, output_file, pipeline_args, policy_help,
+                      refuse_unused_flags)
 
 
 def add_parsers(sub) -> None:
@@ -39,6 +40,8 @@ def add_parsers(sub) -> None:
 
 
 def cmd_bench(args) -> int:
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    check_sampling(args, sampling, least=2)  # before a load (and under torchrun, on every rank)
     if args.compare_compressed and (args.compress_experts or args.plot or pipeline.launched()):
         raise ConfigError("--compare-compressed runs both stores itself, in one process: "
                           "not with --compress-experts, --plot or under torchrun")
@@ -52,13 +55,11 @@ def cmd_bench(args) -> int:
         raise ConfigError("--policies is empty")
     if args.repeat < 1:
         raise ConfigError("--repeat must be >= 1")
-    if args.max_new_tokens < 2:
-        raise ConfigError("--max-new-tokens must be >= 2: bench reports TPOT, the time a token after the first")
     refuse_unused_flags(args, policies)  # a flag that no policy of the run reads would be ignored
     prompts = read_prompts(args.prompts, args.workload)
     kw = dict(prompts=prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat, device=args.device,
               link=args.link)
-    kw["sampling"] = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    kw["sampling"] = sampling
     kw.update(engine_options(args))
     if args.plot:
         given = [f for f in ("residency", "expert_memory", "device_memory") if getattr(args, f) is not None]

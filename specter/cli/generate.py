@@ -6,8 +6,8 @@ import sys
 
 from .. import pipeline
 from ..errors import ConfigError, SpecterError, TokenizerError
-from .options import (load_engine, max_new_tokens, model_args, pipeline_args, sampling_args, sampling_kwargs,
-                      token_ids)
+from .options import (check_sampling, load_engine, max_new_tokens, model_args, pipeline_args, sampling_args,
+                      sampling_kwargs, token_ids)
 
 
 def add_parsers(sub) -> None:
@@ -73,6 +73,7 @@ def _prompt(args):
 
 
 def cmd_generate(args) -> int:
+    check_sampling(args, sampling_kwargs(args))  # before a load (and under torchrun, on every rank)
     if pipeline.launched():  # one rank of several (torchrun): rank 0 runs _generate, once
         return pipeline.run(args, lambda engine: _generate(args, _prompt(args), engine))
     if args.pipeline_backend is not None or args.pipeline_timeout is not None:
@@ -113,6 +114,7 @@ def cmd_chat(args) -> int:
     starts over, `/exit` (or end of input) ends. An error in one turn is reported and the chat goes on
     (a broken pipeline ends it). Under torchrun rank 0 reads the terminal and prints; the other ranks
     follow it, as under `serve`."""
+    check_sampling(args, sampling_kwargs(args))
     if pipeline.launched():
         return pipeline.run(args, lambda engine: _chat(args, engine), waits=True)
     if args.pipeline_backend is not None or args.pipeline_timeout is not None:

@@ -183,6 +183,24 @@ def sampling_kwargs(args) -> dict:
                 frequency_penalty=args.frequency_penalty, seed=args.seed)
 
 
+def check_sampling(args, sampling: dict, least: int = 1) -> None:
+    """`sampling` (sampling_kwargs, or bench's) and --max-new-tokens (at least `least`) checked before the
+    model loads, an error naming the flag (`--top-p must be in (0, 1]`, not the API's `top_p`);
+    SamplingParams' rules."""
+    from ..sampling import SamplingParams
+
+    n = getattr(args, "max_new_tokens", None)
+    if n is not None and n < least:
+        raise ConfigError(f"--max-new-tokens must be an integer >= {least}, got {n}"
+                          + (": bench reports TPOT, the time a token after the first" if least == 2 else ""))
+    given = {k: v for k, v in sampling.items() if v is not None}
+    try:
+        SamplingParams(**given)
+    except ConfigError as e:
+        flag = lambda m: "--" + m[1].replace("_", "-") if m[1] in given else m[1]  # noqa: E731
+        raise ConfigError(re.sub(r"^(\w+)", flag, str(e)).replace("must be None or an", "must be an")) from None
+
+
 def engine_options(args) -> dict:
     """specter.load options from model_args' flags that have no value of their own by default."""
     opts = {} if args.k_max is None else {"k_max": args.k_max}
