@@ -38,7 +38,11 @@ def resolve_device(device: str | None):
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' was asked for but no CUDA GPU is available; use --device cpu")
+        raise ConfigError(f"device {device!r} was asked for but no CUDA GPU is available; use device 'cpu' "
+                          f"(--device cpu)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= (n := torch.cuda.device_count()):
+        raise ConfigError(f"device {device!r} was asked for but this machine has {n} CUDA GPU{'s' * (n != 1)} "
+                          f"(cuda:0" + (f" to cuda:{n - 1})" if n > 1 else ")"))
     return dev
 
 

@@ -391,6 +391,24 @@ def test_unknown_policy_and_device(tiny):
         specter.load(path, device="tpu", policy="resident")
 
 
+def test_a_cuda_device_that_is_not_there_is_named(monkeypatch):
+    """`--device cuda:1` on a box without a GPU said "device 'cuda' was asked for", and a GPU index
+    past the machine's was left to fail deep in the load: both name the device asked for."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(specter.ConfigError, match=r"device 'cuda:1' was asked for but no CUDA GPU .*'cpu'"):
+        specter.resolve_device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(specter.ConfigError, match=r"'cuda:1' was asked for but this machine has 1 CUDA GPU \(cuda:0\)"):
+        specter.resolve_device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert specter.resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(specter.ConfigError, match=r"has 2 CUDA GPUs \(cuda:0 to cuda:1\)"):
+        specter.resolve_device("cuda:2")
+
+
 def test_cli_errors_are_one_line_exit_2(tiny, tmp_path, capsys):
     path, _ = tiny("qwen3_moe")
     cases = [
