@@ -181,6 +181,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     pol.check_host_threads(host_threads)
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
         raise ConfigError(f"k_max must be an integer >= 0 (0 = no speculation), got {k_max!r}")
+    drafts = pol.drafts and k_max > 0  # k_max 0 never drafts: no draft is quantised, planned or held
     if compile is not None and not isinstance(compile, bool):
         raise ConfigError(f"compile must be True, False or None (auto: on CUDA), got {compile!r}")
     if shared is not None and Path(path).resolve() != shared.path.resolve():
@@ -194,7 +195,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     if shared is not None and shared.draft_bits != draft_bits:
         raise ConfigError(f"shared: its draft is {shared.draft_bits}-bit, but draft_bits={draft_bits} was asked for")
     defaults = read_generation_defaults(path)  # a malformed file fails before the weights load
-    if shared is None and draft_cache is not None and pol.drafts:  # a named cache that cannot be written: refused
+    if shared is None and draft_cache is not None and drafts:  # a named cache that cannot be written: refused
         make_entry(draft_cache, draft_key(ckpt.files.values(), draft_bits), "quantising")  # before the load (the
         # coded store's, load_shared's cache_entry, is checked before it reads a weight too)
     dt = shared.dtype if shared is not None else compute_dtype(device, ckpt.dtype, dtype)
@@ -208,14 +209,14 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
             free, _ = torch.cuda.mem_get_info(device)
             device_memory = int(free * 0.9)
         planned = dict(residency=residency, expert_memory=expert_memory, device_memory=device_memory,
-                       context=context, draft=pol.drafts, device=device, store_dtype=ckpt.dtype,
+                       context=context, draft=drafts, device=device, store_dtype=ckpt.dtype,
                        compressed=compress_experts, pool=slot_pool,
                        coded_tier=plan_tier(pol, device, dt, compress_experts),
                        kv_scratch=verify_scratch(pol, device, compile, k_max))
         try:
             plan = make_plan(spec, ckpt.numel(), dt, draft_bits=draft_bits, **planned)
         except BudgetError as e:  # a narrower draft may leave the pool its top-k (plan --device-memory picks one)
-            if not pol.drafts or device_memory is None:
+            if not drafts or device_memory is None:
                 raise
             fits = [b for b in draft_widths(spec) if b < draft_bits and _plans(spec, ckpt.numel(), dt, b, planned)]
             if not fits:
@@ -335,9 +336,12 @@ def _decoder(policy: Policy, shared: Loaded, mgr, k_max, compile: bool | None = 
         return OracleDecoder(model, mgr, resident, device, dt)
     spec = model.spec
     lookahead = Lookahead(k_max, spec.n_moe_layers, spec.top_k, device)
-    draft = _draft(shared, lookahead)
-    draft.fused_moe = fused_moe if graphed is None else graphed.fused_moe  # eager drafting (penalties) replays too
-    draft_step, verify_step = _compiled_steps(model, draft, compile, device, k_max)
+    if k_max:
+        draft = _draft(shared, lookahead)
+        draft.fused_moe = fused_moe if graphed is None else graphed.fused_moe  # eager drafting (penalties) replays too
+        draft_step, verify_step = _compiled_steps(model, draft, compile, device, k_max)
+    else:  # the governor never drafts: plain steps (and both lanes), the one-token step compiled
+        draft, (draft_step, verify_step) = None, _compiled_steps(model, None, compile, device, 0)
     steps = dict(governor=Governor(k_max), draft_step=draft_step, verify_step=verify_step)
     if policy.prefetch != "planner":  # speculation alone: same governor, experts fetched when verification needs them
         return SpeculativeDecoder(model, mgr, draft, device, dt, **steps)

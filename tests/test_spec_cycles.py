@@ -99,6 +99,26 @@ def test_k_max_zero_is_plain_decoding(tiny, fast_link, resident_tokens):
     assert out.stats["drafted_tokens"] == 0 and set(out.stats["k_histogram"]) == {0}
 
 
+def test_k_max_zero_holds_no_draft(tiny, fast_link, resident_tokens):
+    """K_max = 0 quantised, planned and held a draft it never runs: in a device budget its bytes are the
+    pool's now, and no draft is made (tokens as exact)."""
+    path, _ = tiny("qwen3_moe", eos_token_id=None)
+    budget = specter.load(path, device="cpu", policy="on-demand", residency=0.5).plan.total_bytes
+    plans = {}
+    for k_max in (0, 32):
+        engine = specter.load(path, device="cpu", policy="specter", device_memory=budget, k_max=k_max)
+        try:
+            plans[k_max] = engine.plan
+            assert (engine.shared.draft is None) == (k_max == 0)
+            if k_max == 0:
+                out = engine.generate(PROMPTS[0], max_new_tokens=NEW)
+        finally:
+            engine.close()
+    assert plans[0].draft_bytes == 0 < plans[32].draft_bytes
+    assert plans[0].pool_slots > plans[32].pool_slots
+    assert out.token_ids == resident_tokens("qwen3_moe")[0] and set(out.stats["k_histogram"]) == {0}
+
+
 
 @pytest.mark.parametrize("residency", [0.5, 1.0])
 def test_k_zero_is_plain_decodings_loop_in_runs(tiny, fast_link, resident_tokens, monkeypatch, residency):

@@ -102,7 +102,8 @@ def model_args(p: argparse.ArgumentParser, policy: bool = True, residency: str =
                         "uses the lane only when given; 0: specter without the lane, every miss copied, as on "
                         "CUDA by default)")
     p.add_argument("--k-max", type=int, default=None,
-                   help="longest draft the governor may choose (default 32; 0 = never speculate)")
+                   help="longest draft the governor may choose (default 32; 0 = never speculate: no draft is "
+                        "made, its memory goes to slots)")
     p.add_argument("--draft-cache", default=None,
                    help="directory of the INT4 draft cache, or 'off' (default: $SPECTER_DRAFT_CACHE, else "
                         "~/.cache/specter/drafts)")
