@@ -6,14 +6,14 @@ launches work and K steps run back to back without ever waiting for the device:
     tokens [K_max+1] int64   tokens[0] = the pending token; step i reads tokens[i], writes tokens[i+1]
     base, row        0-d     position of tokens[0]; the step's row (incremented by the step)
     lookahead rows   [K_max, L, k]   the draft routers' choices (GatheredExperts writes row `row`)
-    q                [K_max, V]      sampling: the draft's filtered probabilities, one row a step
-    noise            [V]     sampling: Exp(1) noise drawn (eagerly) before each step
+    noise            [V]     sampling: the drafted position's Exp(1) noise (sampling.Draws), filled (eagerly)
+                             before each step
     KV cache         static buffers, written at `base + row` with index_copy_, masked by position
 
-Greedy drafts take the argmax; sampled drafts take argmax(q / noise) with noise ~ Exp(1), which
-is an exact draw from q (the minimum of independent exponentials with rates q_i is the i-th with
-probability q_i / sum q) and needs no multinomial (no host sync, graph safe). Temperature, top-k
-and top-p are 0-d tensors, so no sampling setting is a recompile.
+Greedy drafts take the argmax; sampled drafts take argmax(q / noise), the exponential race with the
+noise the target draws that position's token with (sampling.py: a drafted token is kept when both
+draws agree), and need no multinomial (no host sync, graph safe). Temperature, top-k and top-p are
+0-d tensors, so no sampling setting is a recompile.
 
 The routed experts are gathered, not grouped on the host:
 
@@ -42,7 +42,7 @@ from specter.compiled.capture import own_code
 from specter.layers import KVCache
 from specter.model import MoETransformer
 from specter.moe import ExpertWeights
-from specter.sampling import SamplingParams
+from specter.sampling import Draws, SamplingParams
 from specter.speculative.draft import Lookahead
 from specter.triton_ops import Int4Experts, fused_moe
 
@@ -97,8 +97,8 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 
 
 class DraftStep:
-    """K sync-free draft steps: `begin(t, n, params)`, then `step(cache, gen)` K times; the drafted
-    tokens are `tokens[1:K+1]` (device) and, when sampling, their distributions `q[:K]`.
+    """K sync-free draft steps: `begin(t, n, params)`, then `step(cache, draws)` K times; the drafted
+    tokens are `tokens[1:K+1]` (device).
 
     compile=True runs the step under torch.compile(fullgraph=True): Inductor on CPU; on CUDA
     mode="reduce-overhead" (CUDA graphs). `backend` overrides (tests pass a capture-checking one)."""
@@ -113,13 +113,12 @@ class DraftStep:
         self.base = torch.zeros((), dtype=torch.int64, device=dev)
         self.row = torch.zeros((), dtype=torch.int64, device=dev)
         self.noise = torch.ones(V, dtype=torch.float32, device=dev)
-        self.q = torch.zeros(lookahead.k_max, V, dtype=torch.float32, device=dev)
         self.temperature = torch.ones((), dtype=torch.float32, device=dev)
         self.top_k = torch.full((), V, dtype=torch.int64, device=dev)
         self.top_p = torch.full((), 2.0, dtype=torch.float32, device=dev)
         self.min_p = torch.zeros((), dtype=torch.float32, device=dev)
         self.experts = GatheredExperts(layers, lookahead, self.row)
-        self._cache, self._sample, self._i = None, False, 0
+        self._cache, self._sample, self._i, self._n = None, False, 0, 0
         fns = (self._step_greedy, self._step_sampled)
         if compile:
             if mode is None and dev.type == "cuda":
@@ -143,8 +142,8 @@ class DraftStep:
         other tensor input would be copied into the graph's own buffer before every replay (the whole
         draft, every draft step). The KV cache is marked when a new one arrives (`step`)."""
         la = self.lookahead
-        out = [self.tokens, self.base, self.row, self.noise, self.q, self.temperature, self.top_k, self.top_p,
-               self.min_p, la.ids, la.weights]
+        out = [self.tokens, self.base, self.row, self.noise, self.temperature, self.top_k, self.top_p, self.min_p,
+               la.ids, la.weights]
         for ew in self.experts.layers:
             for w in (ew.w13, ew.w2):
                 out.extend(w.tensors().values() if isinstance(w, Int4Experts) else (w,))
@@ -161,7 +160,6 @@ class DraftStep:
         at = self.row.view(1)
         logits = self.model.run(self.tokens.index_select(0, at), self.base + self.row, cache, self.experts)
         p = filtered_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)  # [1, V]
-        self.q.index_copy_(0, at, p)
         self.tokens.index_copy_(0, at + 1, (p / self.noise).argmax(-1))
         self.row.add_(1)
 
@@ -172,18 +170,20 @@ class DraftStep:
         self.tokens[:1].fill_(t)
         self.base.fill_(n)
         self.row.zero_()
-        self._sample, self._i = not params.greedy, 0
+        self._sample, self._i, self._n = not params.greedy, 0, n
         if self._sample:
+            V = self.noise.shape[0]
             self.temperature.fill_(params.temperature)
-            self.top_k.fill_(params.top_k if 0 < params.top_k < self.q.shape[1] else self.q.shape[1])
+            self.top_k.fill_(params.top_k if 0 < params.top_k < V else V)
             self.top_p.fill_(params.top_p if params.top_p < 1.0 else 2.0)
             self.min_p.fill_(params.min_p)
         self.lookahead.begin()
 
-    def step(self, cache: KVCache, gen: torch.Generator | None = None) -> None:
-        """Draft one token and publish its lookahead row; returns before the device is done. At most
-        K_max steps a cycle: a step past them would index the step's buffers out of bounds on the
-        device (under a CUDA graph, a device-side assert that kills the process), so it is refused here."""
+    def step(self, cache: KVCache, draws: Draws | None = None) -> None:
+        """Draft one token (sampling: with `draws`' noise for its position, n + 1 + i) and publish its
+        lookahead row; returns before the device is done. At most K_max steps a cycle: a step past
+        them would index the step's buffers out of bounds on the device (under a CUDA graph, a
+        device-side assert that kills the process), so it is refused here."""
         if self._i >= self.lookahead.k_max:
             raise RuntimeError(f"draft step: {self._i} steps this cycle already, the most its buffers hold "
                                f"(K_max = {self.lookahead.k_max}); call begin() for a new cycle")
@@ -195,7 +195,7 @@ class DraftStep:
             self._cache = cache
         with torch.no_grad():
             if self._sample:
-                self.noise.exponential_(generator=gen)
+                draws.fill(self.noise, self._n + 1 + self._i)
                 self._sampled(cache)
             else:
                 self._greedy(cache)
@@ -215,10 +215,9 @@ class DraftStep:
         n = 3 if cache is None else 0
         if cache is None:
             cache = KVCache(self.model.spec, cache_len, dev, self.dtype)
-        gen = torch.Generator(device=dev)
         for _ in range(repeat):
             self.begin(0, n, SamplingParams())
             self.step(cache)
             self.begin(0, n, SamplingParams(temperature=1.0))
-            self.step(cache, gen.manual_seed(0))
+            self.step(cache, Draws(0, dev))
         self._cache = None

@@ -102,15 +102,15 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
     """`shared`: a checkpoint already loaded (`load_once`) for every policy to build on; default: the
     first policy's load, which the others share (one store, one model, one draft).
     `sampling`: generate()'s temperature / top_p / top_k / seed (default greedy: a benchmark never
-    takes the model's generation_config.json, so its runs compare across models). Under sampling,
-    speculative policies draw their random numbers differently (exactly the target's distribution,
-    not the same tokens), so token equality is only checked for greedy runs.
+    takes the model's generation_config.json, so its runs compare across models). Tokens are compared
+    greedy, and sampled with a seed (every policy draws the tokens plain decoding draws for it;
+    sampling.py); sampled without one, not.
     `compare_compressed`: each policy twice, on the raw store and on a losslessly coded one ("POLICY
     +coded", compress_experts), alternating prompt by prompt in this one process (one link calibration
     for all), so `coded_vs_raw` (bytes a token and TPOT, coded against raw) compares like with like."""
     sampling = {"temperature": 0.0, **(sampling or {})}
     params = SamplingParams(**sampling)  # a bad value fails here, before any engine loads
-    greedy = params.greedy
+    compared = params.greedy or params.seed is not None  # tokens compared: one answer per prompt
     if idle := idle_filters(params):  # (bench's temperature is 0 unless given)
         warn(f"{idle} no effect at temperature 0, bench's default (greedy, tokens compared): give a temperature "
              f"(--temperature) to sample")
@@ -186,7 +186,7 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
             r = {"tpot_s": tpot(a), "ttft_s": a["ttft_s"] / a["runs"],
                  "decode_s": a["decode_s"],
                  "new_tokens": sum(len(o) for o in a["outputs"]),
-                 "lossless_vs_" + first: a["outputs"] == agg[first]["outputs"] if greedy else None}
+                 "lossless_vs_" + first: a["outputs"] == agg[first]["outputs"] if compared else None}
             r.update({k: a[k] for k in SUM_KEYS if k in a})
             if "k_histogram" in a:
                 r["k_histogram"] = a["k_histogram"]
@@ -215,11 +215,12 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
         for p in policies:
             result[p]["speedup_vs_" + base] = ratio(result[base]["tpot_s"], result[p]["tpot_s"])
         out = {"policies": result, "max_new_tokens": max_new_tokens, "prompts": len(prompts), "repeat": repeat,
-               "link": _link_name(engines), "speedup_baseline": base, "sampling": "greedy" if greedy else sampling}
+               "link": _link_name(engines), "speedup_baseline": base,
+               "sampling": "greedy" if params.greedy else sampling}
         if (calibration := _calibration(engines)) is not None:
             out["link_calibration"] = calibration
         if compare_compressed:
-            out["coded_vs_raw"] = coded_vs_raw(result, agg, greedy)
+            out["coded_vs_raw"] = coded_vs_raw(result, agg, compared)
         return out
     finally:
         for e in engines.values():
@@ -229,9 +230,10 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
 CODED = "+coded"  # compare_compressed: the name of a policy's run on the coded store
 
 
-def coded_vs_raw(result: dict, agg: dict, greedy: bool) -> dict:
+def coded_vs_raw(result: dict, agg: dict, compared: bool) -> dict:
     """Per policy run both ways: the coded run's H2D bytes a token over the raw run's, the raw run's
-    TPOT over the coded run's (> 1: coded is faster), and whether their greedy tokens are equal."""
+    TPOT over the coded run's (> 1: coded is faster), and whether their tokens are equal (when
+    `compared`: greedy or seeded)."""
     out = {}
     for name, r in result.items():
         if not name.endswith(CODED):
@@ -240,7 +242,7 @@ def coded_vs_raw(result: dict, agg: dict, greedy: bool) -> dict:
         raw, b = result[p], r.get("h2d_bytes_per_token", 0)
         out[p] = {"h2d_bytes_ratio": b / raw["h2d_bytes_per_token"] if raw.get("h2d_bytes_per_token") else None,
                   "tpot_speedup": ratio(raw["tpot_s"], r["tpot_s"]),
-                  "same_tokens": agg[p]["outputs"] == agg[name]["outputs"] if greedy else None}
+                  "same_tokens": agg[p]["outputs"] == agg[name]["outputs"] if compared else None}
     return out
 
 
@@ -322,7 +324,7 @@ def format_table(res: dict) -> str:
 
 
 def _same_tokens(v) -> str:
-    return "n/a" if v is None else str(v)  # None: a sampled run (tokens are compared only when greedy)
+    return "n/a" if v is None else str(v)  # None: sampled without a seed (no one answer to compare)
 
 
 def time_split(r: dict) -> str:

@@ -15,22 +15,28 @@ only and `repetition_penalty` (the CTRL / Hugging Face one) covers the prompt to
 Which keywords a generation samples with (`choose`: the caller's or the model's defaults) and their
 short human summary (`describe`) are here too.
 
-Acceptance (`accept_greedy`, `accept_sampling`, `accept_on_device`): which drafted tokens the
-target keeps.
+Random draws (`Draws`): a sampled token is the exponential race argmax(p / E), E a row of Exp(1)
+noise (E_x / p_x is Exp(p_x), and the smallest of independent exponentials is the x-th with
+probability p_x: an exact draw from p). A generation's row for position j is a function of its seed
+and j alone, so the token at position j is the same whichever step draws it.
 
-Greedy: the longest prefix of drafted tokens equal to the target's argmax, plus the target's own
-next token -- exactly the tokens of plain greedy decoding.
-Sampling: standard speculative rejection sampling. Drafted token x_i (drawn from q_i) is accepted
-with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the token is resampled from
-normalise(max(p_i - q_i, 0)); if every token is accepted, one more is drawn from p_K. The output is
-distributed exactly as the target's p (p and q already have penalties, temperature, top-k, top-p
-and min-p applied alike, each row with its own history: the committed tokens plus drafted[:i]).
+Acceptance (`accept_prefix`, `accept_greedy`, `accept_on_device`): which drafted tokens the target
+keeps. One rule: the longest prefix of drafted tokens equal to the target's own token at each row,
+plus the target's token after it. Greedy: the target's token is its argmax. Sampling: its draw with
+the row's position's noise, argmax(p_i / E_j); the draft drew its token for position j with the
+same noise (argmax(q_i / E_j)), so a drafted token is kept exactly when both draws agree. The output
+is token for token what plain decoding draws with that seed, whatever K the governor picks (p and
+q have penalties, temperature, top-k, top-p and min-p applied alike, each row with its own
+history: the committed tokens plus drafted[:i]). This coupling keeps a drafted token with
+probability sum_x 1 / sum_y max(p_y / p_x, q_y / q_x), a little under rejection sampling's
+sum min(p, q) (docs/RESULTS.md), which would make the tokens depend on K.
 """
 from __future__ import annotations
 
 import difflib
 import math
 import numbers
+import secrets
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Sequence
@@ -93,15 +99,42 @@ class SamplingParams:
         object.__setattr__(self, "penalized", self.repetition_penalty != 1 or self.presence_penalty != 0
                            or self.frequency_penalty != 0)
 
-    def generator(self, device) -> torch.Generator | None:
-        if self.greedy:
-            return None
-        g = torch.Generator(device=device)
-        if self.seed is None:
-            g.seed()  # the generator's own fresh seed: the caller's global RNG is never touched
-        else:
-            g.manual_seed(self.seed)
-        return g
+    def draws(self, device) -> Draws | None:
+        """A generation's random draws (None: greedy), from the seed (None: a fresh one)."""
+        return None if self.greedy else Draws(self.seed, device)
+
+
+_MASK = 2 ** 64 - 1
+
+
+def _mix(z: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit words in which every input bit moves every output bit."""
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK
+    return z ^ (z >> 31)
+
+
+class Draws:
+    """A sampled generation's randomness: for the token at position j, a row of Exp(1) noise [V] that
+    is a function of (seed, j) alone (`fill`, `rows`); the token is argmax(p / row). A generator is
+    reseeded per row from a mix of both, so seeds that differ only in high bits (torch's CPU generator
+    keeps 32) draw differently."""
+
+    def __init__(self, seed: int | None, device):
+        self.seed = secrets.randbits(64) if seed is None else seed & _MASK  # (never the global torch RNG)
+        self.gen = torch.Generator(device=device)
+
+    def fill(self, out: torch.Tensor, pos: int) -> torch.Tensor:
+        """out [V] (fp32) <- position `pos`'s noise, in place (no host sync)."""
+        self.gen.manual_seed(_mix((self.seed + 0x9E3779B97F4A7C15 * (pos + 1)) & _MASK))
+        return out.exponential_(generator=self.gen).clamp_(min=torch.finfo(out.dtype).tiny)  # (never 0: p / 0)
+
+    def rows(self, pos: int, n: int, V: int) -> torch.Tensor:
+        """[n, V] fp32: the noise of positions pos .. pos + n - 1."""
+        out = torch.empty(n, V, dtype=torch.float32, device=self.gen.device)
+        for i in range(n):
+            self.fill(out[i], pos + i)
+        return out
 
 
 class History:
@@ -197,12 +230,13 @@ def probs(logits: torch.Tensor, p: SamplingParams, history: History | None = Non
     return out
 
 
-def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, history: History | None = None,
-           pending: Sequence[int] = ()) -> torch.Tensor:
-    """logits [N, V] -> token ids [N] (int64)."""
+def sample(logits: torch.Tensor, p: SamplingParams, draws: Draws | None, history: History | None = None,
+           pending: Sequence[int] = (), pos: int = 0) -> torch.Tensor:
+    """logits [N, V] -> token ids [N] (int64): row i's token for position pos + i, the argmax when
+    greedy, else its draw with that position's noise (`draws`; module docstring)."""
     if p.greedy:
         return (logits if history is None else penalize(logits, p, history, pending)).argmax(-1)
-    return torch.multinomial(probs(logits, p, history, pending), 1, generator=gen)[:, 0]
+    return (probs(logits, p, history, pending) / draws.rows(pos, *logits.shape)).argmax(-1)
 
 
 _FIELDS = tuple(f.name for f in fields(SamplingParams) if f.init)  # SamplingParams' keywords
@@ -257,60 +291,30 @@ def describe(params: SamplingParams) -> str:
 
 
 # ------------------------------------------------------------------------------------- acceptance
-def accept_greedy(drafted: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
-    """drafted [K], target_logits [K+1, V] -> (n accepted, the target's next token)."""
-    best = target_logits.argmax(-1).tolist()  # one host read
+def accept_prefix(drafted: list[int], best: list[int]) -> tuple[int, int]:
+    """drafted [K], best [K+1] (the target's token at each row) -> (n accepted, the target's next token)."""
     n = 0
     while n < len(drafted) and drafted[n] == best[n]:
         n += 1
     return n, best[n]
 
 
-def accept_sampling(drafted: list[int], q: torch.Tensor, p: torch.Tensor, gen: torch.Generator | None
-                    ) -> tuple[int, int]:
-    """drafted [K], q [K, V] draft probs, p [K+1, V] target probs -> (n accepted, next token)."""
-    K = len(drafted)
-    if K:
-        idx = torch.tensor(drafted, device=p.device)
-        rows = torch.arange(K, device=p.device)
-        ratio = (p[rows, idx] / q[rows, idx]).clamp(max=1.0)             # [K]
-        u = torch.rand(K, generator=gen, device=p.device)
-        rejected = (u >= ratio).tolist()
-        for i in range(K):
-            if rejected[i]:
-                residual = (p[i] - q[i]).clamp(min=0)
-                if residual.sum() <= 0:  # p == q where it matters: any p-sample is exact
-                    residual = p[i]
-                tok = torch.multinomial(residual / residual.sum(), 1, generator=gen)
-                return i, int(tok)
-    return K, int(torch.multinomial(p[K], 1, generator=gen))
+def accept_greedy(drafted: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
+    """drafted [K], target_logits [K+1, V] -> (n accepted, the target's next token)."""
+    return accept_prefix(drafted, target_logits.argmax(-1).tolist())  # one host read
 
 
-def accept_on_device(tokens: torch.Tensor, target_logits: torch.Tensor, q: torch.Tensor | None, params,
-                     gen: torch.Generator | None) -> tuple[int, int, list[int]]:
-    """Both rules above computed on the device, then one host read.
+def accept_on_device(tokens: torch.Tensor, target_logits: torch.Tensor, params: SamplingParams,
+                     draws: Draws | None, pos: int) -> tuple[int, int, list[int]]:
+    """accept_prefix computed on the device, then one host read (no penalties: the sync-free draft's).
 
-    tokens [K+1] (pending token, then the K drafted), target_logits [K+1, V], q [K, V] (sampling)
-    -> (n accepted, next token, the accepted drafted tokens). Sampling draws every row's
-    replacement token at once (argmax(r / Exp(1)) is an exact draw from r normalised) and keeps
-    the one at the first rejection, so the output has the same distribution as accept_sampling."""
+    tokens [K+1] (pending token, then the K drafted), target_logits [K+1, V] for positions pos ..
+    pos + K -> (n accepted, next token, the accepted drafted tokens)."""
     K = tokens.shape[0] - 1
     drafted = tokens[1:]                                                   # [K]
-    if params.greedy:
-        best = target_logits.argmax(-1)                                    # [K+1]
-        m = (best[:K] == drafted).to(torch.int64).cumprod(0).sum()         # 0-d: accepted prefix
-        nxt = best.gather(0, m.view(1))
-    else:
-        p = probs(target_logits, params)                                   # [K+1, V]
-        rows = torch.arange(K, device=p.device)
-        ratio = (p[rows, drafted] / q[rows, drafted]).clamp(max=1.0)       # [K]
-        u = torch.rand(K, generator=gen, device=p.device)
-        m = (u < ratio).to(torch.int64).cumprod(0).sum()
-        residual = (p[:K] - q).clamp(min=0)
-        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:K])  # p == q: any p-sample
-        choices = torch.cat((residual, p[K:]))                             # [K+1, V]
-        noise = torch.empty_like(choices).exponential_(generator=gen)
-        nxt = (choices / noise).argmax(-1).gather(0, m.view(1))
+    best = sample(target_logits, params, draws, pos=pos)                   # [K+1] the target's tokens
+    m = (best[:K] == drafted).to(torch.int64).cumprod(0).sum()             # 0-d: accepted prefix
+    nxt = best.gather(0, m.view(1))
     host = torch.cat((drafted, m.view(1), nxt)).tolist()                   # the one read
     m = host[K]
     return m, host[K + 1], host[:m]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from specter.cli import main
+from specter.bench import run_bench
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[1, 5, 9, 33, 2], [7, 7, 7], [100, 3, 64, 12, 90, 45, 8]]
@@ -175,8 +176,9 @@ def test_bench_bad_arguments_exit_2(capsys, model, tmp_path):
 
 
 def test_bench_sampling_reports_speed_not_token_equality(capsys, model, tmp_path, fixed_k):
-    """Sampled runs: speculative policies draw their random numbers differently (the target's
-    distribution, not the same tokens), so the lossless column is n/a; the table says how it sampled."""
+    """Sampled runs compare tokens too: with bench's seed every policy, speculative or not, draws the
+    tokens plain decoding draws (it was n/a: speculation drew differently); the table says how it
+    sampled. Without a seed (the API's seed None) there is no one answer, and the column is n/a."""
     f = tmp_path / "prompts.json"
     f.write_text(json.dumps(PROMPTS[:2]))
     rc, out, err = run_cli(capsys, "bench", "--model", model, "--device", "cpu", "--prompts", str(f),
@@ -185,12 +187,15 @@ def test_bench_sampling_reports_speed_not_token_equality(capsys, model, tmp_path
     assert rc == 0, err
     res = json.loads(out)
     assert res["sampling"] == dict(temperature=0.8, top_p=1.0, top_k=0, seed=3)
-    assert all(r["lossless_vs_on-demand"] is None for r in res["policies"].values())
+    assert all(r["lossless_vs_on-demand"] is True for r in res["policies"].values())
     assert res["policies"]["specter"]["drafted_tokens"] > 0
+    unseeded = run_bench(model, ["on-demand", "next-layer"], prompts=PROMPTS[:1], max_new_tokens=4, device="cpu",
+                         residency=0.5, sampling=dict(temperature=0.8, seed=None))
+    assert all(r["lossless_vs_on-demand"] is None for r in unseeded["policies"].values())
     rc, out, err = run_cli(capsys, "bench", "--model", model, "--device", "cpu", "--prompts", str(f),
                            "--policies", "on-demand,next-layer", "--residency", "0.5", "--max-new-tokens", "10",
                            "--temperature", "0.8", "--seed", "3")
-    assert rc == 0 and "sampling (temperature 0.8" in out and "n/a" in out, err
+    assert rc == 0 and "sampling (temperature 0.8" in out and " True" in out, err
     rc, out, err = run_cli(capsys, "bench", "--model", model, "--device", "cpu", "--prompts", str(f),
                            "--policies", "on-demand", "--residency", "0.5", "--max-new-tokens", "4", "--top-p", "0.9")
     assert rc == 0 and "greedy" in out  # (bench's temperature is 0: a filter alone ran greedy, silently)

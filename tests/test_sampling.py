@@ -46,7 +46,7 @@ def test_top_k_masks_and_temperature_sharpens():
 def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]])).repeat(20000, 1)
     params = SamplingParams(temperature=1.0, seed=0)
-    counts = torch.bincount(sample(logits, params, params.generator("cpu")), minlength=3).float() / 20000
+    counts = torch.bincount(sample(logits, params, params.draws("cpu")), minlength=3).float() / 20000
     torch.testing.assert_close(counts, torch.tensor([0.6, 0.3, 0.1]), atol=0.015, rtol=0)
 
 

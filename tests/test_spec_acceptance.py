@@ -1,11 +1,13 @@
 """Acceptance: which drafted tokens the target keeps, and that sampling stays the target's distribution.
 
-Greedy acceptance is the longest matching prefix plus the target's token. Sampled: `accept_sampling`
-(and its on-device twin) is driven directly with a fixed target p and a deliberately poor draft q;
-the emitted tokens follow p (chi-square goodness of fit, false-alarm rate 1e-3 per test, fixed
-seeds, so the outcome is deterministic). End to end (slow), the first three tokens of the `specter`
-engine (K fixed) over 300 seeds follow the target's exact joint distribution computed from the
-resident model, with penalties and min-p too. Also the acceptance figures (alpha, efficiency).
+Acceptance is the longest drafted prefix equal to the target's own tokens plus the target's next one.
+Sampled: a cycle is driven directly with a fixed target p and a deliberately poor draft q drawing
+with the generation's noise (sampling.Draws); it emits exactly the target's own draws, which follow p
+(chi-square goodness of fit, false-alarm rate 1e-3 per test, fixed seeds, so the outcome is
+deterministic). End to end, `specter` and `spec-lru` sampled with a seed give resident's tokens
+for that seed, token for token, with penalties and min-p too; and (slow) the first three tokens over
+300 seeds follow the target's exact joint distribution computed from the resident model. Also the
+acceptance figures (alpha, efficiency).
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ from specter.layers import KVCache
 from specter.moe import ExpertWeights, ResidentExperts
 from specter.offload.link import EmulatedLink
 from specter.offload.manager import OffloadedExperts
-from specter.sampling import SamplingParams, probs
-from specter.sampling import accept_greedy, accept_on_device, accept_sampling
+from specter.sampling import Draws, SamplingParams, probs, sample
+from specter.sampling import accept_greedy, accept_on_device, accept_prefix
 from specter.speculative.draft import DraftExperts, Lookahead, PrefetchPlanner
 from specter.speculative.governor import Governor
 
@@ -68,30 +70,29 @@ P_TARGET = torch.tensor([[0.40, 0.25, 0.15, 0.12, 0.08],
 Q_POOR = torch.tensor([[0.02, 0.03, 0.05, 0.10, 0.80],     # mass where p has little, none where p has most
                        [0.70, 0.00, 0.00, 0.30, 0.00],
                        [0.00, 0.90, 0.00, 0.00, 0.10]])
+T1 = SamplingParams(temperature=1.0)  # log p as logits gives p back
 
 
-def accept_on_device_as_lists(drafted, q, p, gen):
-    """accept_on_device (the sync-free draft's rule) behind accept_sampling's signature: the target
-    logits log p give back p under temperature 1."""
-    tokens = torch.tensor([0] + list(drafted), device=p.device)
-    m, nxt, accepted = accept_on_device(tokens, p.log(), q, SamplingParams(temperature=1.0), gen)
-    assert accepted == list(drafted[:m])
-    return m, nxt
+def coupled_acceptance(p: torch.Tensor, q: torch.Tensor) -> float:
+    """P(argmax(p / E) == argmax(q / E)), E ~ Exp(1) iid: sum_x 1 / sum_y max(p_y / p_x, q_y / q_x)."""
+    both = ((p > 0) & (q > 0)).nonzero()[:, 0].tolist()
+    return sum(1.0 / float(torch.maximum(p / p[x], q / q[x]).sum()) for x in both)
 
 
-def run_acceptance(K: int, q: torch.Tensor, p: torch.Tensor, n: int, seed: int, device="cpu",
-                   accept=accept_sampling):
-    """n independent cycles: draft K tokens from q, accept against p. Returns the emitted token lists."""
-    q, p = q.to(device), p.to(device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    drafts = torch.stack([torch.multinomial(q[i], n, replacement=True, generator=gen) for i in range(K)], 1) \
-        if K else torch.zeros(n, 0, dtype=torch.long, device=device)
-    out = []
-    for row in drafts.tolist():
-        m, nxt = accept(row, q[:K], p[:K + 1], gen)
-        assert 0 <= m <= K
-        out.append(row[:m] + [nxt])
-    return out
+def cycle(K: int, q: torch.Tensor, p: torch.Tensor, seed: int, on_device: bool, pos: int = 7):
+    """One cycle as the decoder runs it: K tokens drafted from q with the generation's noise at positions
+    pos .. pos+K-1, accepted against p (rows at the same positions) -> (emitted tokens, the target's own
+    draws at those positions)."""
+    draws = Draws(seed, p.device)
+    drafted = (q[:K] / draws.rows(pos, K, q.shape[1])).argmax(-1).tolist() if K else []
+    own = sample(p[:K + 1].log(), T1, draws, pos=pos).tolist()
+    if on_device:
+        tokens = torch.tensor([0] + drafted, device=p.device)
+        m, nxt, accepted = accept_on_device(tokens, p[:K + 1].log(), T1, draws, pos)
+        assert accepted == drafted[:m]
+    else:
+        m, nxt = accept_prefix(drafted, sample(p[:K + 1].log(), T1, draws, pos=pos).tolist())
+    return drafted[:m] + [nxt], own
 
 
 def assert_fits(counts: Counter, p_row: torch.Tensor, n: int, what: str):
@@ -99,56 +100,57 @@ def assert_fits(counts: Counter, p_row: torch.Tensor, n: int, what: str):
     assert pv > P_FALSE_ALARM, f"{what}: chi2={stat:.1f} df={df} p={pv:.2e}, counts {sorted(counts.items())}"
 
 
-def test_accept_sampling_first_token_follows_target(device):
-    """K=1, V=5, a draft far from the target: the emitted token is distributed as p[0]."""
-    n = 20000
-    outs = run_acceptance(1, Q_POOR, P_TARGET, n, seed=1234, device=device)
-    assert_fits(Counter(o[0] for o in outs), P_TARGET[0], n, "first token")
-    # the acceptance rate is sum_x min(p(x), q(x)) (binomial: a 5-sigma band)
-    acc = sum(len(o) == 2 for o in outs) / n
-    a = float(torch.minimum(P_TARGET[0], Q_POOR[0]).sum())
-    assert abs(acc - a) < 5 * math.sqrt(a * (1 - a) / n), (acc, a)
-    # the bonus token after an acceptance is drawn from p[1]
-    second = [o[1] for o in outs if len(o) == 2]
-    assert_fits(Counter(second), P_TARGET[1], len(second), "bonus token")
+def test_draws_are_a_function_of_the_seed_and_the_position(device):
+    """A row of noise depends on (seed, position) alone: however many rows a call asks for and whichever
+    call asks. Seeds apart by 2**32 differ (torch's CPU generator keeps a seed's low 32 bits)."""
+    V = 11
+    a, b = Draws(5, device), Draws(5, device)
+    rows = a.rows(0, 6, V)
+    assert (rows > 0).all() and rows.dtype == torch.float32
+    assert torch.equal(b.rows(3, 2, V), rows[3:5])
+    assert torch.equal(a.fill(torch.empty(V, device=device), 4), rows[4])
+    assert torch.equal(Draws(5 + 2 ** 64, device).rows(0, 6, V), rows)  # a seed is taken modulo 2**64
+    for other in (Draws(6, device), Draws(5 + 2 ** 32, device), Draws(None, device)):
+        assert not torch.equal(other.rows(0, 6, V), rows)
+    assert not torch.equal(rows[0], rows[1])
 
 
-@pytest.mark.parametrize("accept", [accept_sampling, accept_on_device_as_lists], ids=["host", "on-device"])
-def test_accept_sampling_multi_position_follows_target(device, accept):
-    """K=2: the first emitted token ~ p[0]; given one was accepted, the next ~ p[1] (accepted draft,
-    residual resample or never reached); given two, the bonus ~ p[2]. Both rules: the host one and
-    the sync-free draft's (all rows' replacements drawn at once by argmax(r / Exp(1)))."""
-    n = 12000
-    outs = run_acceptance(2, Q_POOR, P_TARGET, n, seed=99, device=device, accept=accept)
-    assert_fits(Counter(o[0] for o in outs), P_TARGET[0], n, "K=2 token 0")
-    second = [o[1] for o in outs if len(o) >= 2]
-    assert len(second) > 1000
-    assert_fits(Counter(second), P_TARGET[1], len(second), "K=2 token 1")
-    third = [o[2] for o in outs if len(o) == 3]
-    assert len(third) > 100  # P(both accepted) = 0.27 * 0.4
-    assert_fits(Counter(third), P_TARGET[2], len(third), "K=2 token 2")
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "on-device"])
+def test_a_cycle_emits_the_targets_own_draws(device, on_device):
+    """K = 2, a draft far from the target: every cycle emits exactly the target's own draws at those
+    positions (plain decoding's tokens), cut after the first drafted token it does not draw. Over
+    seeds: the first token follows p[0]; a drafted token is kept at the coupling's rate
+    (coupled_acceptance, 5-sigma band), below rejection sampling's sum min(p, q)."""
+    p, q, n = P_TARGET.to(device), Q_POOR.to(device), 4000
+    firsts, kept = Counter(), 0
+    for seed in range(n):
+        out, own = cycle(2, q, p, seed, on_device)
+        assert out == own[:len(out)], (seed, out, own)
+        firsts[out[0]] += 1
+        kept += len(out) > 1
+    assert_fits(firsts, P_TARGET[0], n, "first token")
+    a = coupled_acceptance(P_TARGET[0], Q_POOR[0])
+    assert abs(kept / n - a) < 5 * math.sqrt(a * (1 - a) / n), (kept / n, a)
+    assert a < float(torch.minimum(P_TARGET[0], Q_POOR[0]).sum())
 
 
-def test_accept_sampling_power_and_edge_cases(device):
-    """The same test rejects a sampler that keeps the draft's token; p == q accepts everything."""
+def test_acceptance_power_and_edge_cases(device):
+    """The goodness-of-fit test rejects a sampler that keeps the draft's token; p == q keeps every
+    drafted token; K = 0 is a plain draw; a token p gives 0 is never drafted into the output."""
     n = 20000
     gen = torch.Generator().manual_seed(7)
     naive = torch.multinomial(Q_POOR[0], n, replacement=True, generator=gen).tolist()
     _, _, pv = chi2_gof(Counter(naive), dict(enumerate(P_TARGET[0].tolist())), n)
     assert pv < P_FALSE_ALARM
-    # identical distributions: every drafted token is accepted
-    outs = run_acceptance(2, P_TARGET, P_TARGET, 500, seed=3, device=device)
-    assert all(len(o) == 3 for o in outs)
-    # K = 0: a plain sample from p[0]
-    outs = run_acceptance(0, P_TARGET, P_TARGET, 4000, seed=5, device=device)
-    assert_fits(Counter(o[0] for o in outs), P_TARGET[0], 4000, "K=0")
-    # a draft token the target gives probability 0 is always rejected, and the replacement is in p's support
+    p = P_TARGET.to(device)
+    assert all(len(cycle(2, p, p, seed, True)[0]) == 3 for seed in range(300))
+    outs = Counter(cycle(0, p, p, seed, False)[0][0] for seed in range(4000))
+    assert_fits(outs, P_TARGET[0], 4000, "K=0")
     p = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]], device=device)
     q = torch.tensor([[0.0, 0.0, 1.0]], device=device)
-    gen = torch.Generator(device=device).manual_seed(11)
-    for _ in range(200):
-        m, nxt = accept_sampling([2], q, p, gen)
-        assert m == 0 and nxt in (0, 1)
+    for seed in range(200):
+        out, _ = cycle(1, q, p, seed, True)
+        assert len(out) == 1 and out[0] in (0, 1)
 
 
 SAMPLE = dict(temperature=1.0, top_k=3)   # top-k applies to draft and target alike; 3^3 = 27 outcomes
@@ -188,12 +190,37 @@ def exact_joint(model, experts, prompt: list[int], depth: int, kw: dict) -> dict
     return out
 
 
+@pytest.mark.parametrize("policy, k", [("specter", 2), ("specter", None), ("spec-lru", 3)])
+@pytest.mark.parametrize("kw", [SAMPLE, PENALIZED, dict(temperature=0.8, top_p=0.9)],
+                         ids=["top-k", "penalties+min-p", "top-p"])
+def test_speculative_sampling_is_plain_sampling_token_for_token(tiny, fast_link, policy, k, kw):
+    """Sampled with a seed, a drafting policy gives resident's tokens for that seed, every one: with K
+    fixed, and with the governor choosing (k None: plain steps and cycles mixed), the sync-free
+    on-device acceptance (no penalty) and the eager one (penalties). Before, a draw depended on the
+    K the governor picked, so a seed fixed only the distribution (a server's `seed` did not repeat)."""
+    path, _ = tiny("qwen3_moe", eos_token_id=None)
+    prompt = [1, 5, 9, 33, 2]
+    res, spec = load(path, "resident"), load(path, policy, residency=0.5, k_max=4)
+    try:
+        if k is not None:
+            spec.decoder.governor = Governor(4, fixed=k)
+        rejected = 0
+        for seed in range(12):
+            a = spec.generate(prompt, max_new_tokens=10, seed=seed, **kw)
+            b = res.generate(prompt, max_new_tokens=10, seed=seed, **kw)
+            assert a.token_ids == b.token_ids, seed
+            rejected += a.stats["drafted_tokens"] - a.stats["accepted_tokens"]
+        assert k is None or rejected > 0  # (both paths of a cycle ran)
+    finally:
+        spec.close()
+        res.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kw", [SAMPLE, PENALIZED], ids=["top-k", "penalties+min-p"])
 def test_speculative_sampling_matches_target_end_to_end(tiny, fast_link, kw):
     """The first three tokens of `specter` (K fixed at 2, then 1: both come from speculation) over
-    300 seeds follow the target's exact joint distribution; a `resident` run over the same seeds is
-    the control. Same seed -> the same first token (sampled from prefill, before any speculation).
+    300 seeds follow the target's exact joint distribution, and are resident's for the same seed.
     With penalties the target's distribution at each drafted position depends on the drafted tokens
     before it: a decoder that penalised the draft and the target differently would fail here."""
     path, _ = tiny("qwen3_moe", eos_token_id=None)
@@ -215,7 +242,7 @@ def test_speculative_sampling_matches_target_end_to_end(tiny, fast_link, kw):
         for seed in range(n):
             a = spec.generate(prompt, max_new_tokens=depth + 1, seed=seed, **kw)
             b = res.generate(prompt, max_new_tokens=depth, seed=seed, **kw)
-            assert a.token_ids[0] == b.token_ids[0], seed
+            assert a.token_ids[:depth] == b.token_ids, seed
             assert a.stats["k_histogram"].get(2) == 1, a.stats["k_histogram"]  # the first cycle speculated
             drafted += a.stats["drafted_tokens"]
             accepted += a.stats["accepted_tokens"]

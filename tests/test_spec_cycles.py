@@ -19,7 +19,7 @@ from specter.moe import ExpertWeights, ResidentExperts
 from specter.offload.link import EmulatedLink
 from specter.offload.manager import OffloadedExperts
 from specter.sampling import SamplingParams, probs
-from specter.sampling import accept_greedy, accept_on_device, accept_sampling
+from specter.sampling import accept_greedy, accept_on_device
 from specter.speculative.draft import DraftExperts, Lookahead, PrefetchPlanner
 from specter.speculative.governor import Governor
 

@@ -101,12 +101,12 @@ class PipelineDecoder:
         self.wire.trips, self.wire.wait_s, self.stage.step_s = 0, 0.0, 0.0
         self.wire.send_header(1, BEGIN, max_len=max_len)
         try:
-            gen = params.generator(self.device)
+            draws = params.draws(self.device)
             hist = History(prompt, self.device) if params.penalized else None  # what penalties look at
             logits = self._forward(torch.tensor(prompt, device=self.device), 0)  # [1, V]
             pos = len(prompt)
             for _ in range(max_new):
-                tok = sample(logits, params, gen, hist)  # [1]
+                tok = sample(logits, params, draws, hist, pos=pos)  # [1]: the token at position pos
                 if hist is not None:
                     hist.commit([int(tok)])
                 yield [int(tok)]

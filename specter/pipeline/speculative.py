@@ -107,12 +107,12 @@ class PipelineSpeculativeDecoder(OptimisticCycles, SpeculativeDecoder):
                               wait=False)
         self.rows_sent = upto
 
-    def _cycle(self, t, n, k, cache, params, gen, hist):
+    def _cycle(self, t, n, k, cache, params, draws, hist):
         self.k, self.rows_sent = k, 0
         if self.optimistic and params.greedy and hist is None:
             return self._optimistic_cycle(t, n, k, cache, params)
         self.drop_pre()
-        return super()._cycle(t, n, k, cache, params, gen, hist)
+        return super()._cycle(t, n, k, cache, params, draws, hist)
 
     def reset_stats(self) -> None:
         super().reset_stats()

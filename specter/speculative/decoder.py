@@ -3,10 +3,11 @@
 One speculative cycle, as data flows:
 
     pending token t at position n (cache committed to [0, n))
-    draft   t, d1 .. d_{K-1} at n .. n+K-1   -> d1 .. dK, lookahead rows 0..K-1, q (draft probs)
+    draft   t, d1 .. d_{K-1} at n .. n+K-1   -> d1 .. dK (d_i: position n+i's noise), lookahead rows 0..K-1
             at chunk boundaries the planner reads the new rows and starts the target's copies
     verify  [t, d1 .. dK] at n .. n+K in one target pass (experts grouped; resident first)
-    accept  m drafted tokens + one target token; cache is committed to n+m+1 (the rest is scratch)
+    accept  m drafted tokens + one target token (the target's own draws at n+1 .. n+K+1, the same noise);
+            cache is committed to n+m+1 (the rest is scratch)
 
 The draft writes its K/V into the same cache past the committed length; verification overwrites
 those positions with the target's own, so there is never a second cache and rollback is free.
@@ -32,8 +33,7 @@ from ..model import MoETransformer
 from ..offload.manager import OffloadedExperts
 from .. import profiling
 from ..profiling import NULL, span
-from ..sampling import (History, SamplingParams, accept_greedy, accept_on_device, accept_sampling, penalize, probs,
-                        sample)
+from ..sampling import History, SamplingParams, accept_on_device, accept_prefix, sample
 from .draft import DraftExperts, PrefetchPlanner
 from .governor import Governor
 from .timing import CycleTimes, clock_for
@@ -43,13 +43,14 @@ LANE_PROBE = 4  # plain steps a probe of the other host-lane arm runs (one step 
 
 
 def plain_steps(model: MoETransformer, experts, tok: torch.Tensor, pos: int, cache: KVCache, params: SamplingParams,
-                gen, hist, n: int) -> Iterator[list[int]]:
+                draws, hist, n: int) -> Iterator[list[int]]:
     """n target steps, the first on `tok` (the last sampled token, [1]) at position `pos`: yields
-    each step's sampled token as a one-id list, committed to `hist` (None: no penalty). The plain decoder's loop, and
-    the speculative decoder's K = 0 steps: the same code, so that K = 0 is plain decoding's work."""
+    each step's sampled token (for position pos + 1, ...; `draws`: sampling.Draws) as a one-id list, committed to
+    `hist` (None: no penalty). The plain decoder's loop, and the speculative decoder's K = 0 steps: the same code,
+    so that K = 0 is plain decoding's work."""
     for pos in range(pos, pos + n):
         logits = model(tok, pos, cache, experts)  # [1, V]
-        tok = sample(logits, params, gen, hist)  # [1]
+        tok = sample(logits, params, draws, hist, pos=pos + 1)  # [1]
         t = int(tok)
         if hist is not None:
             hist.commit([t])
@@ -112,17 +113,17 @@ class PlainDecoder(KeptCache):
         else:  # kept, so that its graphs replay; the step pads nothing (one width: 1)
             cache = self._kv_cache(len(prompt) + max_new + self.step.headroom)
             self.graphs.record(self.compiled_steps(), cache, self._caches)
-        gen = params.generator(self.device)
+        draws = params.draws(self.device)
         hist = History(prompt, self.device) if params.penalized else None  # what penalties look at
         tokens = torch.tensor(prompt, device=self.device)
         logits = self.model(tokens, 0, cache, experts, logits_for="last")  # [1, V]
-        tok = sample(logits, params, gen, hist)  # [1]
+        tok = sample(logits, params, draws, hist, pos=len(prompt))  # [1]
         t = int(tok)
         if hist is not None:
             hist.commit([t])
         yield [t]
         step = self.model if self.step is None else self.step.step
-        yield from plain_steps(step, experts, tok, len(prompt), cache, params, gen, hist, max_new - 1)
+        yield from plain_steps(step, experts, tok, len(prompt), cache, params, draws, hist, max_new - 1)
 
     def stats(self) -> dict:
         s = dict(getattr(self.experts, "stats", lambda: {})())
@@ -170,12 +171,12 @@ class SpeculativeDecoder(KeptCache):
         self._guessing = None if self.fallback is None else partial(self.experts, guess=self.fallback)
         if self.draft_step is not None or self.verify_step is not None:
             self.graphs.record(self.compiled_steps(), cache, self._caches)
-        gen = params.generator(self.device)
+        draws = params.draws(self.device)
         hist = History(prompt, self.device) if params.penalized else None  # what penalties look at
         if self.planner is not None:  # a new context: what earlier text used predicts it as little as T steps ago
             self.planner.begin_prefill(len(prompt))
         logits = self.model(torch.tensor(prompt, device=self.device), 0, cache, self.experts, logits_for="last")
-        t = int(sample(logits, params, gen, hist))
+        t = int(sample(logits, params, draws, hist, pos=len(prompt)))
         if hist is not None:
             hist.commit([t])
         n, produced = len(prompt), 1
@@ -192,7 +193,7 @@ class SpeculativeDecoder(KeptCache):
         while produced < max_new:
             k = gov.next_k(max_new - produced)
             if k:
-                new = self._cycle(t, n, k, cache, params, gen, hist)
+                new = self._cycle(t, n, k, cache, params, draws, hist)
                 if hist is not None:
                     hist.commit(new)
                 n += len(new)
@@ -222,7 +223,7 @@ class SpeculativeDecoder(KeptCache):
             x = torch.tensor([t], device=self.device)
             t0 = clock()
             try:
-                for new in plain_steps(step, self._guessing if arm else mgr, x, n, cache, params, gen, hist, steps):
+                for new in plain_steps(step, self._guessing if arm else mgr, x, n, cache, params, draws, hist, steps):
                     spent += clock() - t0
                     done += 1
                     yield new
@@ -237,7 +238,7 @@ class SpeculativeDecoder(KeptCache):
     def compiled_steps(self) -> tuple:
         return (self.draft_step, self.verify_step)
 
-    def _cycle(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen, hist) -> list[int]:
+    def _cycle(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, draws, hist) -> list[int]:
         """One speculative cycle (K >= 1) -> the committed tokens (m accepted drafts + the target's own)."""
         st, mgr = self._stats, self.experts
         st["k_histogram"][k] += 1
@@ -245,10 +246,10 @@ class SpeculativeDecoder(KeptCache):
         m0 = self.times.mark()
         sync_free = self.draft_step is not None and not params.penalized
         if sync_free:  # drafted tokens stay on the device until acceptance
-            tokens, q = self._draft_on_device(t, n, k, cache, params, gen)
+            tokens = self._draft_on_device(t, n, k, cache, params, draws)
             self._step_drafted += k
         else:
-            drafted, q_rows = self._draft(t, n, k, cache, params, gen, hist)
+            drafted = self._draft(t, n, k, cache, params, draws, hist)
             tokens = torch.tensor([t] + drafted, device=self.device)
         m1 = self.times.mark()
         before = mgr.stats()  # stall_s drains the link's measured waits (CUDA: stream waits timed by events)
@@ -261,12 +262,9 @@ class SpeculativeDecoder(KeptCache):
         # row i of the target sees the history plus drafted[:i], exactly as the draft's step i did
         with span("accept") if profiling.ON else NULL:
             if sync_free:  # no penalties: nothing depends on the history
-                m, nxt, drafted = accept_on_device(tokens, logits, q, params, gen)  # one host read
-            elif params.greedy:
-                m, nxt = accept_greedy(drafted, logits if hist is None else penalize(logits, params, hist, drafted))
-            else:
-                p = probs(logits, params, hist, drafted)
-                m, nxt = accept_sampling(drafted, torch.stack(q_rows) if q_rows else None, p, gen)
+                m, nxt, drafted = accept_on_device(tokens, logits, params, draws, n + 1)  # one host read
+            else:  # the target's token at each row (its draw for n+1+i, row i's history with drafted[:i])
+                m, nxt = accept_prefix(drafted, sample(logits, params, draws, hist, drafted, pos=n + 1).tolist())
         mgr.demote_rejected(m + 1)  # rows 0..m ran on committed tokens, the rest on rejected drafts
         m2 = self.times.mark()
         stall = self._count_verification(before, k, m)
@@ -327,42 +325,37 @@ class SpeculativeDecoder(KeptCache):
         if self.times.pending:  # CUDA: speculative cycles whose events completed meanwhile
             self.times.poll()
 
-    def _draft_on_device(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen):
+    def _draft_on_device(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, draws):
         """K draft steps without a host sync (compiled/draft_step.py) -> tokens [K+1] (the pending token,
-        then the drafted ones) and q [K, V] (sampling) or None, all on the device. The planner reads
-        only lookahead rows whose copies to the host have landed."""
+        then the drafted ones), on the device. The planner reads only lookahead rows whose copies to the
+        host have landed."""
         ds, planner, link = self.draft_step, self.planner, self.experts.link
         ds.begin(t, n, params)
         if planner is not None:
             chunk = planner.begin_cycle(k, self.governor.draft_s or 0.0)
         for i in range(k):
             with span("draft step") if profiling.ON else NULL:
-                ds.step(cache, gen)
+                ds.step(cache, draws)
             if planner is not None and (i == 0 or ((i + 1) % chunk == 0 and link.pending() <= self.plan_backlog)):
                 with span("plan") if profiling.ON else NULL:
                     planner.plan(ds.lookahead.ready(), host=True)
         if planner is not None:
             with span("plan") if profiling.ON else NULL:
                 planner.plan(ds.lookahead.ready(), host=True)
-        return ds.tokens[:k + 1], (None if params.greedy else ds.q[:k])
+        return ds.tokens[:k + 1]
 
-    def _draft(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, gen, hist):
-        """K eager draft steps -> drafted tokens, their draft probabilities (sampling)."""
-        drafted, q_rows = [], []
+    def _draft(self, t: int, n: int, k: int, cache: KVCache, params: SamplingParams, draws, hist) -> list[int]:
+        """K eager draft steps -> the drafted tokens (d_i drawn for position n+1+i)."""
+        drafted = []
         planner, link = self.planner, self.experts.link
         if planner is not None:
             chunk = planner.begin_cycle(k, self.governor.draft_s or 0.0)
-        draft, greedy, tok = self.draft, params.greedy, t
+        draft, tok = self.draft, t
         for i in range(k):
             with span("draft step") if profiling.ON else NULL:
                 draft.row = i
                 logits = self.model(torch.tensor([tok], device=self.device), n + i, cache, draft)  # [1, V]
-                if greedy:
-                    tok = int(sample(logits, params, None, hist, drafted))
-                else:
-                    q = probs(logits, params, hist, drafted)[0]
-                    tok = int(torch.multinomial(q, 1, generator=gen))
-                    q_rows.append(q)
+                tok = int(sample(logits, params, draws, hist, drafted, pos=n + 1 + i))
             drafted.append(tok)
             if planner is not None and (i == 0 or ((i + 1) % chunk == 0 and link.pending() <= self.plan_backlog)):
                 with span("plan") if profiling.ON else NULL:
@@ -371,7 +364,7 @@ class SpeculativeDecoder(KeptCache):
         if planner is not None:
             with span("plan") if profiling.ON else NULL:
                 planner.plan(k)
-        return drafted, q_rows
+        return drafted
 
     # ------------------------------------------------------------------------------ stats
     def reset_stats(self) -> None:
