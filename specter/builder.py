@@ -226,6 +226,8 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         if device.type == "cuda":
             check_device_room(plan, torch.cuda.mem_get_info(device)[0])
         pdt = getattr(torch, plan.pool_dtype)
+        if shared is None:  # calibrated on the threads it decodes with (load_shared sets them too, later)
+            configure_threads(device, threads)
         # calibrating allocates a working set of experts: before the store exists, not beside it
         lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,
                                                       storage=pdt))

@@ -1038,3 +1038,36 @@ def test_cuda_unread_slot_copy_does_not_wait_for_queued_compute():
         torch.cuda.synchronize()
         mgr.poll()
         assert torch.equal(mgr.pool[0].w13[mgr.slots.slot_of(0, 1)].cpu(), w13[1])
+
+
+def test_the_link_is_calibrated_on_the_threads_the_engine_decodes_with(monkeypatch):
+    """The first engine of a process calibrated its link before load_shared set torch's threads (2 on
+    this box, decoding on 1): its copies were emulated ~1.5x fast against its own compute, and on a
+    busy box the 2-thread pass collapsed ~500x (a QA pass: time scales 0.05 GB/s, TPOT 5.5 s). The
+    calibration now runs on the decode threads, and its cache is per thread count."""
+    import specter
+    from specter.offload import calibrate as calibrate_mod, cuda_link
+
+    seen = []
+
+    def measured(*a, **k):
+        seen.append(torch.get_num_threads())
+        return 1e9
+
+    monkeypatch.setattr(cuda_link, "measure_expert_throughput", measured)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        engine = specter.load(None, device="cpu", policy="on-demand", residency=0.5, threads=1)
+        engine.close()
+        assert seen == [1]
+    finally:
+        torch.set_num_threads(before)
+    key_threads = []
+    monkeypatch.setattr(calibrate_mod, "_THROUGHPUT_CACHE", {})
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        calibrate_mod.measure_expert_throughput(32, 16)
+        key_threads.append(len(calibrate_mod._THROUGHPUT_CACHE))
+    torch.set_num_threads(before)
+    assert key_threads == [1, 2]  # one measurement a thread count

@@ -111,11 +111,11 @@ def measure_expert_throughput(hidden: int, intermediate: int, dtype=torch.float3
     `storage`: the weights' dtype when it is not the compute dtype `dtype` (a CPU slot pool in the
     checkpoint's bf16): each expert is converted as it runs, as the torch backend does, and bytes
     are counted as stored, as the emulated link counts the bytes it copies.
-    Cached per (hidden, intermediate, dtype, storage, device) for the life of the process.
+    Cached per (hidden, intermediate, dtype, storage, device, and CPU threads) for the life of the process.
     """
     device = torch.device(device)
     storage = storage or dtype
-    key = (hidden, intermediate, dtype, storage, str(device))
+    key = (hidden, intermediate, dtype, storage, str(device), torch.get_num_threads() if device.type == "cpu" else 0)
     if key in _THROUGHPUT_CACHE:
         return _THROUGHPUT_CACHE[key]
 

@@ -61,6 +61,7 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     check_compressible(ckpt, compress_experts)
     dt = compute_dtype(device, ckpt.dtype, dtype)
     plan = lk = pdt = None  # pdt: the slot pool's dtype (the plan's: fp32 on CPU for a small pool)
+    configure_threads(device, threads)  # before the link's calibration: measured on the threads it decodes with
     if not pol.offloads:
         if residency is not None or expert_memory is not None or device_memory is not None or link is not None:
             raise ConfigError(f"policy {policy!r} keeps every expert on the device, so a budget or --link would be "
@@ -87,7 +88,6 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
         pdt = getattr(torch, plan.pool_dtype)
         lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,
                                                       storage=pdt))
-    configure_threads(device, threads)
     whole = pol.drafts and stage.is_first and any(l in spec.moe_layer_ids for l in range(spec.n_layers))
     cached = None
     if whole:  # the draft cache holds every layer's draft experts: the other stages' experts are not read
