@@ -19,7 +19,7 @@ from .layers import cuda_attention_backends
 from .loader import Checkpoint, StoredExperts, load_checkpoint, load_tokenizer, open_checkpoint
 from .model import MoETransformer
 from .moe import ExpertWeights, ResidentExperts
-from .offload.coded import cache_entry, coded_store, emulate_from, read_cached, ready_on_cuda
+from .offload.coded import cache_entry, coded_ratio, coded_store, emulate_from, read_cached, ready_on_cuda
 from .offload.coded_tier import attach as attach_tier, emulation_rows, plan_tier
 from .offload.host_experts import HostExperts
 from .offload.host_lane import LaneChoice, host_params, make_host_lane
@@ -235,6 +235,10 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         shared = load_shared(path, device, dtype=dt, threads=threads, draft_cache=draft_cache,
                              compress_experts=compress_experts, draft_bits=draft_bits)
     model, store = shared.model, shared.store
+    if plan is not None and planned["coded_tier"] is not None:  # the tier split at the store's measured ratio, as
+        planned["coded_tier"] = coded_ratio(store)                # `specter plan` splits it (PLAN_RATIO before)
+        plan = make_plan(spec, ckpt.numel(), dt, draft_bits=draft_bits, **planned)
+        pdt = getattr(torch, plan.pool_dtype)
     if compress_experts and device.type == "cpu" and pol.offloads:  # coded copies: from a decoded copy if kept
         emulate_from(store, emulation_rows(shared))
     graphed = moe_graphs(device, compile)

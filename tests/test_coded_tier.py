@@ -261,6 +261,9 @@ def test_plan_splits_the_budget_between_raw_slots_and_the_tier():
     assert tier_split(3, 2, 16, 4, 0.7) == 3 and tier_split(64, 2, 16, 4, 0.7) == 64
     assert tier_split(16, 2, 16, 4, 0.7) == 2 and tier_split(16, 2, 16, 4, 0.9) == 16
     assert tier_split(4, 2, 16, 4, 0.7) == 4  # 2 raw + 2 / 0.7 = 2.86 coded: not more than 4
+    # whole experts: 9 slots at 11/16 hold 13.09 coded experts, 13 whole, no more than 13 raw slots (a QA
+    # pass measured such a tier 10% slower than the raw slots); 14 whole at 15 slots are more
+    assert tier_split(13, 4, 8, 3, 11 / 16) == 13 and tier_split(15, 4, 8, 3, 11 / 16) == 4
     # a drafting policy's raw slots hold a verification's working set (top-2 x 5 tokens): at 16 slots
     # the tier would hold 6 / 0.7 < 16, so none; at 48 slots 10 raw + 54 coded
     drafting = make_plan(spec, total, torch.float32, expert_memory=16 * slot, draft=True, device="cpu", coded_tier=0.7)
@@ -270,6 +273,38 @@ def test_plan_splits_the_budget_between_raw_slots_and_the_tier():
     assert tier_split(48, 2, 16, 4, 0.7, verify=5) == 10 and tier_split(16, 2, 16, 4, 0.7, verify=5) == 16
     every = make_plan(spec, total, torch.float32, residency=1.0, draft=False, device="cpu", coded_tier=0.7)
     assert every.tier_bytes == 0 and every.pool_slots == 64
+
+
+def test_the_engine_splits_its_tier_at_the_stores_measured_ratio(capsys, tiny, plain_link):  # noqa: F811
+    """The engine split its budget at PLAN_RATIO (11/16) before the store was coded, `plan` at the measured
+    ratio (0.71 on this top-4 model): at 16 slots `plan` said 16 raw slots and no tier, the engine built
+    4 raw slots and a tier of 16 coded experts (no more on the device, a decode each hit). Now it splits
+    at the measured ratio after the load: the same plan as `specter plan`, and a tier only where it holds
+    more experts than the slots it replaces."""
+    import json
+
+    from specter.cli import main
+
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16, num_experts_per_tok=4)
+    spec = open_checkpoint(path).spec
+    slot = spec.expert_numel() * 4  # the fp32 slots of this small CPU pool
+    for n in (13, 16, 18, 20):
+        flags = ["--model", str(path), "--device", "cpu", "--policy", "on-demand", "--expert-memory", str(n * slot),
+                 "--compress-experts"]
+        assert main(["plan", *flags, "--json"]) == 0
+        said = json.loads(capsys.readouterr().out)
+        engine = specter.load(path, device="cpu", policy="on-demand", expert_memory=n * slot, compress_experts=True)
+        try:
+            built, tier = engine.plan.as_dict(), engine.decoder.experts.tier
+        finally:
+            engine.close()
+        keys = ("pool_slots", "tier_bytes", "tier_experts", "coded_ratio")
+        assert {k: built[k] for k in keys} == {k: said[k] for k in keys}, n
+        if built["tier_bytes"]:
+            assert built["tier_experts"] > n and tier is not None
+        else:
+            assert built["pool_slots"] == n and tier is None
+    assert said["tier_bytes"] > 0  # (20 slots: a tier)
 
 
 def test_plan_cli_shows_both_tiers(capsys, tiny):

@@ -258,6 +258,12 @@ def is_coded(store) -> bool:
     return bool(store) and isinstance(store[0], CodedLayer)
 
 
+def coded_ratio(store: list[CodedLayer]) -> float:
+    """A coded store's bytes over its bf16 bytes (what coded_store_bytes predicts from the weights)."""
+    coded = sum(t.nbytes for layer in store for t in (layer.w13, layer.w2))
+    return coded / sum(t.raw_nbytes for layer in store for t in (layer.w13, layer.w2))
+
+
 def encode_store(store: list[ExpertWeights], *, cuda: bool = False, pin: bool = False) -> list[CodedLayer]:
     """The raw store's layers coded, dropping each raw layer from `store` as it is coded (the list is
     emptied: the arena is freed once its last view goes). `cuda`: laid out for CUDA copies (expert
