@@ -27,6 +27,7 @@ from .offload.cuda_link import make_link
 from .offload.manager import OffloadedExperts
 from .offload.plan import (check_context, check_device_room, compute_dtype, draft_widths, make_plan, pool_dtype,
                            verify_scratch)
+from .offload.slots import POLICIES as EVICTIONS
 from .offload.store import pin_wanted
 from .offload.threads import cuda_device
 from .offload.oracle import OracleDecoder
@@ -182,6 +183,8 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
         raise ConfigError(f"k_max must be an integer >= 0 (0 = no speculation), got {k_max!r}")
     drafts = pol.drafts and k_max > 0  # k_max 0 never drafts: no draft is quantised, planned or held
+    if eviction is not None and eviction not in EVICTIONS:
+        raise ConfigError(f"eviction must be one of {', '.join(EVICTIONS)} (the slot cache's rule), got {eviction!r}")
     if compile is not None and not isinstance(compile, bool):
         raise ConfigError(f"compile must be True, False or None (auto: on CUDA), got {compile!r}")
     if shared is not None and Path(path).resolve() != shared.path.resolve():

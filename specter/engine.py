@@ -46,7 +46,8 @@ class GenerationOutput:
 
 
 # every generation reports every key, one schema for all: counts are 0 where nothing happened, ratios
-# None where they do not apply (acceptance without drafting, recall without prefetching); and what it
+# None where they do not apply (acceptance without drafting; prefetch recall, the share of a verification's
+# experts resident or in flight when it reached them, without a draft's prefetches); and what it
 # sampled with: `sampling` ("greedy", "temperature 0.7, top-p 0.95, ...") and `sampling_from`
 # ("caller", "model": the model's generation_config.json, "none": greedy, as nothing was set); how
 # expert bytes reach the device, `h2d_path` ("pinned store", "staging buffers (2 x N MiB)", "emulated
@@ -59,7 +60,9 @@ STATS_DEFAULTS = dict(ttft_s=0.0, tpot_s=0.0, new_tokens=0, cycles=0, accepted_p
                       draft_efficiency=None, k_histogram={}, expert_hits=0, expert_misses=0, prefetch_issued=0,
                       prefetch_used=0, prefetch_cancelled=0, prefetch_recall=None, route_coverage=None, h2d_bytes=0, stall_s=0.0,
                       decode_stall_s=0.0, draft_s=0.0, verify_s=0.0, drafted_tokens=0,
-                      accepted_tokens=0, rejections=0, compiled=[], h2d_path=None, time_scale=None, cuda_graphs=None)
+                      accepted_tokens=0, rejections=0, compiled=[], h2d_path=None, time_scale=None, cuda_graphs=None,
+                      recall_hits=0, recall_total=0, cover_hits=0, cover_total=0, offloaded_bytes=0, host_experts=0,
+                      host_bytes=0, host_stall_s=0.0, host_busy_s=0.0, host_threads=None)
 
 
 class Turns:
@@ -166,6 +169,31 @@ class _AsyncTurn:
                 self.turns._owner = (self.turns._owner[0], "closing")
 
 
+def _token_ids(prompt) -> list[int] | None:
+    """`prompt` as token ids (ints), if it is a sequence of them: a list or tuple of ints (numpy's or
+    torch's integer scalars too), or a 1-d integer tensor or numpy array; else None."""
+    def integral(t) -> bool:
+        if isinstance(t, torch.Tensor):
+            return t.dim() == 0 and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+        return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+    if isinstance(prompt, torch.Tensor) or (hasattr(prompt, "__array__") and not isinstance(prompt, (list, tuple))):
+        prompt = torch.as_tensor(prompt)
+        return prompt.tolist() if prompt.dim() == 1 and integral(prompt.new_zeros(())) else None
+    if isinstance(prompt, (list, tuple)) and all(integral(t) for t in prompt):
+        return [int(t) for t in prompt]
+    return None
+
+
+def _stats_dict(stats) -> dict:
+    """The caller's `stats` (a dict the stats are written into), or a new one for None."""
+    if stats is None:
+        return {}
+    if not isinstance(stats, dict):
+        raise ConfigError(f"stats must be a dict (the generation's stats are written into it) or None, got {stats!r}")
+    return stats
+
+
 def _check_text(text: str, what: str) -> None:
     """A ConfigError for text no tokenizer can take (a lone surrogate: streaming.not_unicode)."""
     if (why := not_unicode(text)) is not None:
@@ -225,13 +253,16 @@ class Engine:
                 raise ConfigError(f"the model's chat template refused these messages ({type(e).__name__}: {e})") \
                     from None
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
+        elif (ids := _token_ids(prompt)) is not None:
             bad = [t for t in ids if not 0 <= t < self.model.spec.vocab_size]
             if bad:
                 raise ConfigError(f"token id {bad[0]} is outside the vocabulary [0, {self.model.spec.vocab_size})")
         else:
-            raise ConfigError("prompt must be a string, a list of token ids, or a list of chat messages")
+            what = type(prompt).__name__
+            if isinstance(prompt, (list, tuple)) and prompt:
+                what += " of " + ", ".join(sorted({type(t).__name__ for t in prompt}))
+            raise ConfigError(f"prompt must be a string, token ids (ints: a list, a tuple, a 1-d tensor or array) or "
+                              f"a list of chat messages; got {what}")
         if not ids:
             raise ConfigError("the prompt is empty: give at least one token")
         return list(ids)
@@ -289,7 +320,7 @@ class Engine:
         waits. Leaving the loop early, or cancelling the task, ends the generation after its cycle."""
         if self.tokenizer is None:
             raise self._no_tokenizer("there is no text to stream; use stream_ids() or generate()")
-        stats = {} if stats is None else stats
+        stats = _stats_dict(stats)
         ids, params, stops, max_new_tokens = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
         printer = Printer(self, stops)
         async with self.turns.aturn() as turn:
@@ -306,7 +337,9 @@ class Engine:
 
     def _pieces(self, prompt, max_new_tokens, stop, sampling, stats, cancel) -> Iterator[tuple[list[int], str]]:
         """(new token ids, new text) as they become final: nothing that a stop string could still cut."""
-        stats = {} if stats is None else stats
+        stats = _stats_dict(stats)
+        if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+            raise ConfigError(f"cancel must be a threading.Event (set it to end the generation), got {cancel!r}")
         ids, params, stops, max_new_tokens = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
         printer = Printer(self, stops)
         with self.turns.turn():
@@ -335,6 +368,8 @@ class Engine:
                 raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}")
             if "" in stops:
                 raise ConfigError("an empty stop string matches at once; remove it")
+            for s in stops:
+                _check_text(s, f"stop string {s!r}")
         if stops and self.tokenizer is None:
             raise self._no_tokenizer("stop strings cannot be matched; stop on max_new_tokens or the EOS token")
         ids = self.encode(prompt)
@@ -408,6 +443,8 @@ class Engine:
                 if cancel is not None and cancel.is_set():
                     reason = "cancelled"
                     break
+        except GeneratorExit:  # the caller left early (a break, aclose): the stats still say how it ended
+            reason = "cancelled"
         except BaseException:  # an error or a Ctrl-C part way through a layer: no slot is left reserved with no
             run.close()        # copy coming (the next generation would read that expert as zeros)
             getattr(getattr(dec, "experts", None), "recover", lambda: None)()
@@ -427,6 +464,7 @@ class Engine:
             prompt_tokens=len(ids),
             total_s=t_end - t0,
             policy=self.policy,
+            h2d_path=stats["h2d_path"] if stats["h2d_bytes"] else None,  # (nothing copied: no path taken)
             finish_reason=reason,  # OpenAI's: "stop" (EOS or a stop string), "length", or "cancelled"
         )
 

@@ -400,6 +400,70 @@ def test_stats_are_none_where_not_applicable(engine, spec_engine):
     assert s["drafted_tokens"] and s["prefetch_issued"] == 0 and s["prefetch_recall"] is None
 
 
+def test_every_policy_reports_one_stats_schema(engine):
+    """`out.stats["host_experts"]` raised KeyError on resident, `recall_total` on on-demand (a QA pass):
+    each policy reported its own keys, though one schema is documented. Every key is reported now, 0 or
+    None where nothing happened; `h2d_path` is None where nothing was copied (host: misses computed there)."""
+    stats = {"resident": engine.generate(PROMPT, max_new_tokens=4, **GREEDY).stats}
+    for policy in ("on-demand", "host", "spec-lru", "specter"):
+        e = specter.load(None, device="cpu", policy=policy, residency=0.25)
+        try:
+            stats[policy] = e.generate(PROMPT, max_new_tokens=4, **GREEDY).stats
+        finally:
+            e.close()
+    keys = {p: set(s) - {"pipeline"} for p, s in stats.items()}
+    assert all(k == keys["specter"] for k in keys.values()), {p: k ^ keys["specter"] for p, k in keys.items()}
+    assert stats["host"]["h2d_bytes"] == 0 and stats["host"]["h2d_path"] is None
+    assert stats["on-demand"]["h2d_bytes"] > 0 and stats["on-demand"]["h2d_path"]
+
+
+def test_token_ids_of_numpy_and_torch_and_bad_arguments(engine):
+    """numpy's and torch's integers are token ids as ints are (numpy's max_new_tokens already was); a
+    prompt that is not one says what it got; `cancel` and `stats` of the wrong type, a stop string
+    no text holds (a lone surrogate) and an unknown eviction rule are SpecterErrors, not AttributeError,
+    ValueError or a stop that silently never matches."""
+    import numpy as np
+    import torch
+
+    want = engine.generate([1, 2, 3, 4], max_new_tokens=3, **GREEDY).token_ids
+    for ids in ([np.int64(1), np.int32(2), 3, 4], np.array([1, 2, 3, 4]), torch.tensor([1, 2, 3, 4]),
+                [torch.tensor(t) for t in (1, 2, 3, 4)]):
+        assert engine.generate(ids, max_new_tokens=3, **GREEDY).token_ids == want
+    for bad, got in (([1.0, 2.0], "got list of float"), (torch.tensor([[1, 2]]), "got Tensor"),
+                     ([True, 2], "got list of bool, int"), (np.array([0.5]), "got ndarray"), (3, "got int")):
+        with pytest.raises(specter.ConfigError, match=got):
+            engine.generate(bad, max_new_tokens=2)
+    for kw, what in ((dict(cancel=True), "cancel must be a threading.Event"), (dict(stats=[]), "stats must be a dict")):
+        with pytest.raises(specter.ConfigError, match=what):
+            next(engine.stream(PROMPT, max_new_tokens=2, **kw))
+    with pytest.raises(specter.ConfigError, match="stop string .* not valid Unicode"):
+        engine.generate(PROMPT, max_new_tokens=2, stop="\ud800")
+    with pytest.raises(specter.ConfigError, match="eviction must be one of lru, lfu"):
+        specter.load(None, device="cpu", policy="on-demand", residency=0.25, eviction="fifo")
+    assert engine.generate(PROMPT, max_new_tokens=2).stats["new_tokens"] == 2  # (the engine is fine)
+
+
+@pytest.mark.parametrize("how", ["break", "astream"])
+def test_leaving_a_stream_early_still_reports_how_it_ended(engine, how):
+    """After a `break` out of stream() (or astream's), `stats` held only the sampling settings: no
+    finish_reason, no counts. Leaving early is a cancellation: finish_reason "cancelled", and the stats
+    of what ran."""
+    stats = {}
+    if how == "break":
+        for _ in engine.stream(PROMPT, max_new_tokens=32, stats=stats, **GREEDY):
+            break
+    else:
+        async def first():
+            run = engine.astream(PROMPT, max_new_tokens=32, stats=stats, **GREEDY)
+            async for _ in run:
+                break
+            await run.aclose()
+
+        asyncio.run(first())
+    assert stats["finish_reason"] == "cancelled" and 1 <= stats["new_tokens"] < 32, stats
+    assert set(stats) >= set(STATS_KEYS)
+
+
 def test_finish_reason_and_cancel(engine):
     import threading
 
