@@ -45,7 +45,9 @@ class GenerationOutput:
     stats: dict = field(default_factory=dict)
 
 
-# every generation reports every key, one schema for all: counts are 0 where nothing happened, ratios
+# every generation reports every key, one schema for all: counts are 0 where nothing happened (new_tokens: the
+# output's token ids; generated_tokens: the tokens the model generated for it, through the one that completes a
+# stop string, which the output leaves out), ratios
 # None where they do not apply (acceptance without drafting; prefetch recall, the share of a verification's
 # experts resident or in flight when it reached them, without a draft's prefetches); and what it
 # sampled with: `sampling` ("greedy", "temperature 0.7, top-p 0.95, ...") and `sampling_from`
@@ -56,8 +58,8 @@ class GenerationOutput:
 # $SPECTER_EXPERT_THROUGHPUT pins; None with no emulated link: CUDA, resident; a pipeline's: rank 0's, or
 # the first copying rank's); `cuda_graphs` (speculative engines under CUDA graphs:
 # recordings, recorded, bytes, warmups, threads so far; None without graphs)
-STATS_DEFAULTS = dict(ttft_s=0.0, tpot_s=0.0, new_tokens=0, cycles=0, accepted_per_cycle=None, acceptance_rate=None,
-                      draft_efficiency=None, k_histogram={}, expert_hits=0, expert_misses=0, prefetch_issued=0,
+STATS_DEFAULTS = dict(ttft_s=0.0, tpot_s=0.0, new_tokens=0, generated_tokens=0, cycles=0, accepted_per_cycle=None,
+                      acceptance_rate=None, draft_efficiency=None, k_histogram={}, expert_hits=0, expert_misses=0, prefetch_issued=0,
                       prefetch_used=0, prefetch_cancelled=0, prefetch_recall=None, route_coverage=None, h2d_bytes=0, stall_s=0.0,
                       decode_stall_s=0.0, draft_s=0.0, verify_s=0.0, drafted_tokens=0,
                       accepted_tokens=0, rejections=0, compiled=[], h2d_path=None, time_scale=None, cuda_graphs=None,
@@ -413,6 +415,7 @@ class Engine:
             return
         dec.reset_stats()
         new, text, reason = [], None, "length"
+        through = None  # a stop string's end: the tokens generated up to the one that completes it
         checked = 0  # text before this offset holds no stop string
         t0, t_first, prefill_stall = time.perf_counter(), None, 0.0
         run = dec.run(ids, params, max_new_tokens)
@@ -434,7 +437,8 @@ class Engine:
                     found = [(i + len(s), i) for s in stops if (i := final.find(s, start)) >= 0]
                     checked = len(final)
                     if found:  # the stop that ends first (then the longer): what one token at a time finds
-                        hit = min(found)[1]  # first, so a chunk of several tokens cuts where single ones would
+                        end, hit = min(found)  # first, so a chunk of several tokens cuts where single ones would
+                        through = tokens_for(self.decode, new, end)
                         text, new = text[:hit], new[:tokens_for(self.decode, new, hit)]
                         done, reason = True, "stop"
                 yield new, text
@@ -459,8 +463,9 @@ class Engine:
         stats.update(  # copies waited on after the first token (a pipeline's decoder sums its ranks')
             decode_stall_s=own.get("decode_stall_s", stats["stall_s"] - prefill_stall),
             ttft_s=t_first - t0,
-            tpot_s=(t_end - t_first) / max(len(new) - 1, 1),
+            tpot_s=(t_end - t_first) / max((through or len(new)) - 1, 1),
             new_tokens=len(new),
+            generated_tokens=through or len(new),  # (OpenAI's completion_tokens: the stop's token counts too)
             prompt_tokens=len(ids),
             total_s=t_end - t0,
             policy=self.policy,

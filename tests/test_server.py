@@ -161,6 +161,27 @@ def test_stop_sequences(main):
         assert stream_text(s)[:2] == (want, "stop")
 
 
+def test_usage_counts_the_token_that_completes_a_stop(main):
+    """A stop string in the first token gave text "", completion_tokens 0, and /metrics neither counted the
+    token nor observed the TTFT (a QA pass). The model generated that token: completion_tokens counts the
+    tokens through the one that completes the stop (as vLLM's), the Python API's `generated_tokens`."""
+    engine, url = main
+    c = client(url)
+    want = engine.generate(PROMPT, max_new_tokens=8, temperature=0.0)
+    first = engine.decode(want.token_ids[:1])
+    stop = first  # the first token's text: the output is "", its one token generated
+    assert stop
+    names = ("specter_generated_tokens_total", "specter_ttft_seconds_count")
+    before = {n: metric(url, n) for n in names}
+    r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stop=stop)
+    assert r.choices[0].text == "" and r.choices[0].finish_reason == "stop"
+    st = r.model_extra["specter"]
+    assert r.usage.completion_tokens == st["generated_tokens"] == 1 and st["new_tokens"] == 0
+    assert {n: metric(url, n) - before[n] for n in names} == {names[0]: 1, names[1]: 1}
+    whole = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)  # no stop: as before
+    assert whole.usage.completion_tokens == whole.model_extra["specter"]["new_tokens"] == 8
+
+
 def test_concurrent_requests_give_their_one_at_a_time_texts(main):
     engine, url = main
     prompts = [PROMPT, "import os\n", "class Stack:", "def add(a, b):"]

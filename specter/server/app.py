@@ -547,7 +547,7 @@ class Reply:
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
 
     def _usage(self, stats: dict) -> dict:
-        return usage(self.prompt_tokens, stats.get("new_tokens", 0))
+        return usage(self.prompt_tokens, stats.get("generated_tokens", 0))  # (the stop's token counts, as vLLM's)
 
     @staticmethod
     def error(e: Exception) -> Exception:

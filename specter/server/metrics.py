@@ -40,7 +40,7 @@ class Metrics:
 
     def observe(self, stats: dict) -> None:
         """Account one finished (or cancelled) generation from the engine's stats."""
-        n = stats.get("new_tokens", 0)
+        n = stats.get("generated_tokens", 0)  # (through a stop string's token: what the model generated)
         self.prompt_tokens.inc(stats.get("prompt_tokens", 0))
         self.generated_tokens.inc(n)
         if n:
