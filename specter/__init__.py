@@ -47,7 +47,8 @@ def resolve_device(device: str | None):
 
 
 # load() options only some policies read (the Policy field that says which), and what the others do instead
-READ_BY = {"residency": "offloads", "expert_memory": "offloads", "device_memory": "offloads", "k_max": "drafts"}
+READ_BY = {"residency": "offloads", "expert_memory": "offloads", "device_memory": "offloads", "k_max": "drafts",
+           "link": "offloads", "compress_experts": "offloads", "draft_bits": "drafts"}
 INSTEAD = {"offloads": "keeps every expert on the device", "drafts": "does not draft"}
 
 
@@ -93,7 +94,9 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = DE
     from .builder import build_engine
 
     refuse_unused(policy, residency=residency, expert_memory=expert_memory,  # (an unknown policy fails here too)
-                  device_memory=options.get("device_memory"), k_max=options.get("k_max"))
+                  device_memory=options.get("device_memory"), k_max=options.get("k_max"), link=link,
+                  **({} if options.get("shared") is not None else  # (a checkpoint shared with others: bench's)
+                     dict(draft_bits=options.get("draft_bits"), compress_experts=options.get("compress_experts") or None)))
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise ConfigError(f"model must be a directory path (a str or a Path), got {type(model).__name__}")
     if dtype is not None and not isinstance(dtype, str) and not isinstance(dtype, torch.dtype):

@@ -99,8 +99,8 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
               device: str = "auto", residency=None, expert_memory=None, device_memory=None, link=None,
               warmup: bool = True,
               sampling: dict | None = None, shared=None, compare_compressed: bool = False, **load_kw) -> dict:
-    """`shared`: a checkpoint already loaded (`load_once`) for every policy to build on; default: the
-    first policy's load, which the others share (one store, one model, one draft).
+    """`shared`: a checkpoint already loaded (`load_once`) for every policy to build on; default: one
+    loaded here (one store, one model, one draft for all).
     `sampling`: generate()'s temperature / top_p / top_k / seed (default greedy: a benchmark never
     takes the model's generation_config.json, so its runs compare across models). Tokens are compared
     greedy, and sampled with a seed (every policy draws the tokens plain decoding draws for it;
@@ -134,6 +134,8 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
         if ckpt.dtype != torch.bfloat16:
             raise ConfigError(f"compare_compressed (--compare-compressed) runs a losslessly coded store, which needs a "
                               f"bf16 checkpoint; {ckpt.path} stores {str(ckpt.dtype)[6:]}: drop it")
+    if shared is None:  # one load every policy builds on (its options are the checkpoint's, not a policy's)
+        shared = load_once(model, device, **load_kw)
     engines, runs, coded_shared = {}, [], None
     try:
         for p in policies:
@@ -144,10 +146,10 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
                 kw.pop("host_threads", None)
             if not pol.drafts:  # and k_max the drafting policies' drafts
                 kw.pop("k_max", None)
-            engines[p] = specter.load(model, device=device, policy=p, link=link, shared=shared, **kw)
-            shared = engines[p].shared
+            engines[p] = specter.load(model, device=device, policy=p, link=link if pol.offloads else None,
+                                      shared=shared, **kw)
             runs.append(p)
-            if compare_compressed:  # the same policy on the coded store, right after it
+            if compare_compressed and pol.offloads:  # the same policy on the coded store, right after it
                 name = p + CODED
                 engines[name] = specter.load(model, device=device, policy=p, link=link, shared=coded_shared,
                                              compress_experts=True, **kw)

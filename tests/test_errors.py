@@ -391,6 +391,16 @@ def test_unknown_policy_and_device(tiny):
         specter.load(path, device="tpu", policy="resident")
 
 
+@pytest.mark.parametrize("policy, kw", [("resident", dict(compress_experts=True)), ("resident", dict(link="NOPE")),
+                                        ("resident", dict(draft_bits=2)), ("on-demand", dict(draft_bits=2))])
+def test_the_api_refuses_an_option_the_policy_would_ignore(policy, kw):
+    """The CLI refused `--policy resident --compress-experts` as ignored; specter.load took it (and coded
+    the store for nothing), a misspelt link profile on resident, and draft_bits on a policy without a
+    draft. Refused as the CLI refuses them, before the load."""
+    with pytest.raises(specter.ConfigError, match=f"so {next(iter(kw))}=.* would be ignored"):
+        specter.load(None, device="cpu", policy=policy, **({"residency": 0.5} if policy != "resident" else {}), **kw)
+
+
 def test_a_cuda_device_that_is_not_there_is_named(monkeypatch):
     """`--device cuda:1` on a box without a GPU said "device 'cuda' was asked for", and a GPU index
     past the machine's was left to fail deep in the load: both name the device asked for."""
