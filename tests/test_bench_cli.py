@@ -213,7 +213,10 @@ def test_time_split_and_table_sections():
     assert "where decode time goes" in table and "a           draft 25%" in table
     assert "compressed device tier" not in table
     coded = dict(r, expert_misses=528, tier_hits=166, tier_fills=362)  # its hit rate counts the raw slots only
-    assert "a           tier hits 166 (31.4% of the misses), fills 362" in format_table({"policies": {"a": coded}})
+    assert "a           tier hits 166 (31.4% of the raw slots' misses), fills 362" in format_table({"policies": {"a": coded}})
+    coded.update(expert_hits=100, device_hit_rate=266 / 628)  # the table: a tier hit is a hit, misses the rest
+    row = format_table({"policies": {"a": coded}}).splitlines()[2].split()
+    assert row[4:6] == ["42.4%", "362"], row
 
 
 def test_a_generation_ended_at_its_first_token_adds_no_decode_time():
