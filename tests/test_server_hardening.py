@@ -624,3 +624,12 @@ def test_a_port_in_use_is_refused_before_the_load(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.strip() == f"specter: error: 127.0.0.1:{port} is in use: pick another --port, or stop what holds it"
     serve_cli.check_port("127.0.0.1", port)  # free again: no error
+
+
+def test_a_wrong_method_says_which_is_allowed_and_health_answers_head(url):
+    """A GET on /v1/completions was a 405 without the Allow header HTTP requires (the error handler
+    dropped it), and HEAD /health (a load balancer's probe) was a 405."""
+    r = httpx.get(url + "/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["type"]
+    r = httpx.head(url + "/health")
+    assert r.status_code == 200 and r.content == b""

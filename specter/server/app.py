@@ -149,10 +149,11 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
                                               f"prompt", code="request_too_large").body(), 413,
                                 headers={"Connection": "close"})
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), e.status_code)
+        return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), e.status_code,
+                            headers=e.headers)  # (a 405's Allow: the methods the path takes)
 
     # ------------------------------------------------------------------------------- routes
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: load balancers' probes)
     async def health():
         if (down := broken()) is not None:
             return JSONResponse({"status": "pipeline broken", "model": name, "error": down.body()["error"]}, 503)
