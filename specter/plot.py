@@ -65,7 +65,7 @@ def draw(sweep: dict, out_png: str, link: str | None = None) -> None:
         ax.plot(xs, [sweep[r][p] * 1e3 for r in sweep], marker="o", label=p)
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [f"{x:g}" for x in xs])
-    ax.set_xlabel("residency (fraction of each layer's routed experts on the device)")
+    ax.set_xlabel("residency (share of the routed experts on the device, one pool for all layers)")
     ax.set_ylabel("TPOT (ms, lower is better)")
     ax.set_yscale("log")
     ax.set_title(f"Specter policies, link {link or '?'}")

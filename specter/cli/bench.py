@@ -8,7 +8,7 @@ from ..bench import budget_words, format_table, read_prompts, run_bench
 from ..errors import ConfigError
 from ..plot import residency_sweep
 from ..policy import BENCH_POLICIES
-from .options import (check_sampling, engine_options, model_args, output_file, pipeline_args, policy_help,
+from .options import (check_sampling, count, engine_options, model_args, output_file, pipeline_args, policy_help,
                       refuse_unused_flags)
 
 
@@ -87,7 +87,7 @@ def cmd_bench(args) -> int:
         workload = f"workload {args.workload or 'default'}" if args.prompts is None else args.prompts
         bits = {r["draft_bits"] for r in res["policies"].values() if "draft_bits" in r}
         drafts = f", draft INT{bits.pop()}" if bits else ""
-        print(f"link: {res['link']}, {budget}, {workload}: {res['prompts']} prompts x {res['repeat']}, "
+        print(f"link: {res['link']}, {budget}, {workload}: {count(res['prompts'], 'prompt')} x {res['repeat']}, "
               f"{res['max_new_tokens']} new tokens, {mode}{drafts}")
         if (c := res.get("link_calibration")) is not None:
             print(f"calibrated on this CPU at load: {c['expert_throughput_GBps']:.1f} GB/s of expert compute -> "

@@ -184,6 +184,11 @@ def sampling_kwargs(args) -> dict:
                 frequency_penalty=args.frequency_penalty, seed=args.seed)
 
 
+def count(n: int, word: str) -> str:
+    """ "1 prompt", "4 prompts"."""
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
 def check_sampling(args, sampling: dict, least: int = 1) -> None:
     """`sampling` (sampling_kwargs, or bench's) and --max-new-tokens (at least `least`) checked before the
     model loads, an error naming the flag (`--top-p must be in (0, 1]`, not the API's `top_p`);

@@ -17,7 +17,7 @@ from ..offload.calibrate import available_profiles, emulated_host_params, emulat
 from ..offload.host_lane import default_host_threads
 from ..policy import DEFAULT as DEFAULT_POLICY, get as get_policy
 from ..profiling import trace
-from .options import output_file, policy_help, positive_int
+from .options import count, output_file, policy_help, positive_int
 
 
 def add_parsers(sub) -> None:
@@ -81,7 +81,7 @@ def cmd_profile(args) -> int:
         print(f"{r['name']:<18} {r['host_memory_GBps']:>9.1f} {r['host_cores']:>5} {r['emulated_host_MBps']:>18.1f} "
               f"{r['emulated_host_latency_us']:>10.0f}  {r['host']}")
     if lane is not None:
-        print(f"\nthis machine's host lane ({lane['threads']} threads): STREAM-like triad {lane['stream_GBps']:.1f} GB/s "
+        print(f"\nthis machine's host lane ({count(lane['threads'], 'thread')}): STREAM-like triad {lane['stream_GBps']:.1f} GB/s "
               f"on {lane['stream_cores']} cores, {lane['stream_lane_threads_GBps']:.1f} GB/s on the lane's threads")
         print(host_lane_table(lane))
     return 0
@@ -118,6 +118,6 @@ def cmd_trace(args) -> int:
                     cuda=engine.device.type == "cuda")
     finally:
         engine.close()
-    print(f"wrote {args.trace}: {out.stats['new_tokens']} tokens, policy {policy} on {engine.device} "
+    print(f"wrote {args.trace}: {count(out.stats['new_tokens'], 'token')}, policy {policy} on {engine.device} "
           f"(open in https://ui.perfetto.dev or chrome://tracing)")
     return 0
