@@ -277,8 +277,13 @@ def _calibration(engines) -> dict | None:
     link = _link(engines)
     if getattr(link, "expert_throughput", None) is None:
         return None
-    return {"expert_throughput_GBps": link.expert_throughput / 1e9, "bandwidth_GBps": link.bandwidth / 1e9,
-            "latency_us": link.latency * 1e6}
+    out = {"expert_throughput_GBps": link.expert_throughput / 1e9, "bandwidth_GBps": link.bandwidth / 1e9,
+           "latency_us": link.latency * 1e6}
+    for e in engines.values():  # the bandwidth is of the slots' bytes (the width compute was calibrated at)
+        if getattr(e.plan, "pool_dtype", None):
+            out.update(slot_dtype=e.plan.pool_dtype, store_dtype=str(e.shared.ckpt.dtype)[6:])
+            break
+    return out
 
 
 def speedup_baseline(policies) -> str:

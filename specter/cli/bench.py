@@ -81,7 +81,7 @@ def cmd_bench(args) -> int:
     if args.json:
         print(json.dumps(res))
     else:
-        budget = budget_words(args, residency)
+        budget = budget_words(args, residency) if res["link"] is not None else "every expert on the device"
         mode = "greedy" if not args.temperature else f"sampling (temperature {args.temperature:g}, " \
             f"top-p {args.top_p:g}, top-k {args.top_k}, seed {args.seed})"
         workload = f"workload {args.workload or 'default'}" if args.prompts is None else args.prompts
@@ -90,8 +90,10 @@ def cmd_bench(args) -> int:
         print(f"link: {res['link']}, {budget}, {workload}: {count(res['prompts'], 'prompt')} x {res['repeat']}, "
               f"{res['max_new_tokens']} new tokens, {mode}{drafts}")
         if (c := res.get("link_calibration")) is not None:
+            slot, store = c.get("slot_dtype"), c.get("store_dtype")
+            of = f" of {slot} slot bytes (H2D MB counts the {store} store's)" if slot and slot != store else ""
             print(f"calibrated on this CPU at load: {c['expert_throughput_GBps']:.1f} GB/s of expert compute -> "
-                  f"{c['bandwidth_GBps'] * 1e3:.0f} MB/s + {c['latency_us']:.0f} us a transfer (a busy machine "
+                  f"{c['bandwidth_GBps'] * 1e3:.0f} MB/s{of} + {c['latency_us']:.0f} us a transfer (a busy machine "
                   f"calibrates slower; SPECTER_EXPERT_THROUGHPUT fixes it)")
         print(format_table(res))
     return 0
