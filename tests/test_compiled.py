@@ -64,9 +64,10 @@ def test_draft_and_verify_steps_capture_cleanly_and_never_recompile(tiny_path):
                 out = eng.generate(prompt, max_new_tokens=n)
                 assert out.token_ids == ref.generate(prompt, max_new_tokens=n).token_ids, (prompt, n, k)
                 assert out.stats["compiled"] == (["draft", "verify"] if k else ["verify"])
-            for t, top_k, top_p in ((0.7, 0, 1.0), (1.3, 5, 0.9)):
-                out = eng.generate(PROMPT, max_new_tokens=12, temperature=t, top_k=top_k, top_p=top_p, seed=1)
-                assert out.stats["drafted_tokens"] > 0
+            for t, top_k, top_p in ((0.7, 0, 1.0), (1.3, 5, 0.9)):  # the sync-free sampled draft: a seed's
+                kw = dict(max_new_tokens=12, temperature=t, top_k=top_k, top_p=top_p, seed=1)  # tokens, as plain's
+                out = eng.generate(PROMPT, **kw)
+                assert out.stats["drafted_tokens"] > 0 and out.token_ids == ref.generate(PROMPT, **kw).token_ids
             # penalties draft eagerly (tokens built on the host) and still verify through the pieces
             out = eng.generate(PROMPT, max_new_tokens=16, repetition_penalty=1.3)
             assert out.token_ids == ref.generate(PROMPT, max_new_tokens=16, repetition_penalty=1.3).token_ids
