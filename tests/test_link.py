@@ -11,6 +11,7 @@ import contextlib
 import math
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -1071,3 +1072,23 @@ def test_the_link_is_calibrated_on_the_threads_the_engine_decodes_with(monkeypat
         key_threads.append(len(calibrate_mod._THROUGHPUT_CACHE))
     torch.set_num_threads(before)
     assert key_threads == [1, 2]  # one measurement a thread count
+
+
+def test_an_implausibly_slow_calibration_is_warned(monkeypatch):
+    """An engine loaded on an oversubscribed box calibrated at 0.05 GB/s: each copy took a second and a
+    script looked hung, with nothing said at load (a QA pass). A measured throughput under 1 GB/s is
+    warned, naming SPECTER_EXPERT_THROUGHPUT; a pinned one is the user's and is not."""
+    from specter.errors import SpecterWarning
+    from specter.offload import cuda_link
+
+    monkeypatch.delenv("SPECTER_EXPERT_THROUGHPUT", raising=False)
+    monkeypatch.setattr(cuda_link, "measure_expert_throughput", lambda *a, **k: 5e7)
+    with pytest.warns(SpecterWarning, match="only 0.05 GB/s .* SPECTER_EXPERT_THROUGHPUT"):
+        cuda_link.make_link("cpu", calibration=(64, 32))
+    monkeypatch.setattr(cuda_link, "measure_expert_throughput", lambda *a, **k: 5e9)
+    monkeypatch.setenv("SPECTER_EXPERT_THROUGHPUT", "5e7")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cuda_link.make_link("cpu", calibration=(64, 32))  # pinned: as asked
+        monkeypatch.delenv("SPECTER_EXPERT_THROUGHPUT")
+        cuda_link.make_link("cpu", calibration=(64, 32))  # measured, plausible

@@ -400,10 +400,23 @@ def _expert_throughput(calibration, expert_bytes: int | None) -> float:
     if os.environ.get("SPECTER_EXPERT_THROUGHPUT"):  # one measurement for every process a bench starts
         return float(os.environ["SPECTER_EXPERT_THROUGHPUT"])
     if isinstance(calibration, dict):
-        return measure_expert_throughput(**calibration)
+        return _measured(measure_expert_throughput(**calibration))
     if isinstance(calibration, (tuple, list)):
-        return measure_expert_throughput(*calibration)
+        return _measured(measure_expert_throughput(*calibration))
     if calibration is not None:
         raise TypeError(f"make_link: calibration must be a throughput, a shape or a dict, not {calibration!r}")
     side = max(16, math.isqrt((expert_bytes or 12 << 20) // 12))  # 3 * H * I * 4 bytes with H = I
-    return measure_expert_throughput(side, side)
+    return _measured(measure_expert_throughput(side, side))
+
+
+SLOW_CALIBRATION = 1e9  # B/s of expert compute: any CPU's fp32 GEMVs do better unless the box is oversubscribed
+
+
+def _measured(throughput: float) -> float:
+    """A measured throughput, warned about when it is implausibly slow: the link is emulated that much slower
+    for the engine's life (a QA pass saw 0.05 GB/s at a busy load, a second a copy, a run that looked hung)."""
+    if throughput < SLOW_CALIBRATION:
+        warn(f"this CPU measured only {throughput / 1e9:.2g} GB/s of expert compute at load (a busy machine?): "
+             f"every copy on the emulated link is that much slower for this engine's life; rerun on a quieter "
+             f"box or pin it with SPECTER_EXPERT_THROUGHPUT (e.g. the figure `specter profile` prints)")
+    return throughput
