@@ -22,7 +22,7 @@ import numbers
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
@@ -34,7 +34,7 @@ from .model import MoETransformer
 from .moe import ExpertWeights
 from .offload.link import poll
 from .offload.threads import cuda_device
-from .sampling import SamplingParams, choose, describe
+from .sampling import SamplingParams, choose, describe, fresh_seed
 from .streaming import Printer, complete, in_thread, not_unicode, tokens_for
 
 
@@ -360,7 +360,9 @@ class Engine:
                               "with specter.load(...)")
         # the caller's sampling keywords when they give any (a seed alone does not count), else the model's
         params, source = choose(sampling, self._generation_defaults)
-        stats.update(sampling=describe(params), sampling_from=source)
+        if not params.greedy and params.seed is None:  # a fresh seed, in the stats: the generation can be repeated
+            params = replace(params, seed=fresh_seed())
+        stats.update(sampling=describe(params), sampling_from=source, seed=None if params.greedy else params.seed)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         max_new_tokens = int(max_new_tokens)  # (numpy's integers too)

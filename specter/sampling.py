@@ -107,6 +107,11 @@ class SamplingParams:
 _MASK = 2 ** 64 - 1
 
 
+def fresh_seed() -> int:
+    """A seed for a generation given none: 53 random bits (exact as a JSON number, for a server's stats)."""
+    return secrets.randbits(53)
+
+
 def _mix(z: int) -> int:
     """splitmix64's finaliser: a bijection of 64-bit words in which every input bit moves every output bit."""
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK

@@ -464,6 +464,17 @@ def test_leaving_a_stream_early_still_reports_how_it_ended(engine, how):
     assert set(stats) >= set(STATS_KEYS)
 
 
+def test_a_sampled_generation_reports_its_seed_and_repeats_with_it(engine):
+    """Without a seed a sampled generation draws a fresh one; the stats say which, so passing it back
+    repeats the generation (greedy: None)."""
+    a = engine.generate(PROMPT, max_new_tokens=8, temperature=1.0)
+    b = engine.generate(PROMPT, max_new_tokens=8, temperature=1.0)
+    assert isinstance(a.stats["seed"], int) and 0 <= a.stats["seed"] < 2 ** 53 and a.stats["seed"] != b.stats["seed"]
+    assert engine.generate(PROMPT, max_new_tokens=8, temperature=1.0, seed=a.stats["seed"]).token_ids == a.token_ids
+    assert engine.generate(PROMPT, max_new_tokens=2, seed=7, temperature=1.0).stats["seed"] == 7
+    assert engine.generate(PROMPT, max_new_tokens=2, **GREEDY).stats["seed"] is None
+
+
 def test_finish_reason_and_cancel(engine):
     import threading
 
