@@ -499,7 +499,8 @@ def test_plan_says_what_to_change(tmp_path):
     text = text.stdout
     assert "does NOT fit" in text and "draft cache" in text and "expert store 84.0 GiB" in text
     rows = [line for line in text.split("ways to run in 12.0 GiB")[1].splitlines() if line[:2].strip().isdigit()]
-    assert rows and not any("spec" in row for row in rows)  # no draft fits: only the draft-free policies are listed
+    # no draft fits: only the draft-free ways are listed (specter among them at --k-max 0: draft "none")
+    assert rows and all(row.split()[2] in ("-", "none") for row in rows) and any("none" in row for row in rows)
 
 
 # ------------------------------------------------------------------------------- peak RSS bound

@@ -400,7 +400,10 @@ def test_search_lists_only_what_fits_fastest_first(name, size):
     assert all(o.plan.draft_bytes == spec.n_moe_layers * spec.n_experts * plan_of(
         spec, numel, dtype, residency=1.0, draft_bits=o.draft_bits).draft_bytes // (spec.n_moe_layers * spec.n_experts)
         for o in drafted)
-    ctx = max(o.plan.context for o in ways if o.policy == "specter")  # the model's own, or shorter: Phi-3.5's 128K
+    bare = [o for o in ways if o.policy == "specter" and o.draft_bits is None]  # --k-max 0: no draft
+    assert len(bare) == 1 and bare[0].plan.draft_bytes == 0 and bare[0].as_dict()["k_max"] == 0
+    ctx = max(o.plan.context for o in ways if o.policy == "specter" and o.draft_bits)  # the model's own, or
+    # shorter: Phi-3.5's 128K
     f = fit(spec, numel, dtype, size, policy="specter", context=ctx)
     assert f.fits and f.draft_bits in (4, 3, 2) and f.plan.total_bytes <= budget  # specter runs it
 
@@ -593,7 +596,7 @@ def test_plan_with_a_device_budget_is_the_plan_the_engine_builds(capsys, monkeyp
     bits = res["draft_bits"] or 4
     assert (bits != 4) == (tier == "0")
     engine = specter.load(None, device="cpu", policy=policy, device_memory=budget, context=512,
-                          compress_experts=True, draft_bits=bits, dtype=dtype)
+                          compress_experts=True, dtype=dtype, **({"draft_bits": bits} if policy == "specter" else {}))
     try:
         built = engine.plan.as_dict()
     finally:
@@ -660,10 +663,25 @@ def test_a_draft_predicted_not_to_pay_is_not_tuned_but_named(capsys):
     assert res["fits"] and res["predicted_k"] == 0
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "the draft is predicted not to pay here" in out and "would hold slots under a policy without" in out
+    assert "the draft is predicted not to pay here" in out and "--k-max 0 runs specter without one" in out
     assert "--draft-bits" not in out and "predicted faster than INT" not in out
     assert main(args[:-1] + ["60MiB", "--json"]) == 0  # every expert resident: no slots to buy
     assert any("--policy resident runs without it" in t for t in json.loads(capsys.readouterr().out)["suggestions"])
     assert main(args[:-1] + ["30MiB", "--json"]) == 0  # a draft that pays keeps its tips
     res = json.loads(capsys.readouterr().out)
     assert res["predicted_k"] > 0 and not any("not to pay" in t for t in res["suggestions"])
+    # where only a narrower draft fits (Mixtral in 24 GiB: INT4 alone is 22.3 GiB) the headline names the width
+    # the load needs, K 0 or not (without it `plan && serve` loads INT4 and fails)
+    mixtral = ["plan", "--model", str(CONFIGS / "Mixtral-8x7B"), "--device-memory", "24GiB", "--context", "4096"]
+    assert main(mixtral) == 0
+    assert "draft INT2: run it with --draft-bits 2" in capsys.readouterr().out
+    # --k-max 0: the plan of the engine that makes no draft
+    flags = ["--device", "cpu", "--policy", "specter", "--residency", "0.5", "--k-max", "0"]
+    assert main(["plan", *flags, "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    engine = specter.load(None, device="cpu", policy="specter", residency=0.5, k_max=0)
+    try:
+        assert said == {**engine.plan.as_dict(), **{k: said[k] for k in said if k not in engine.plan.as_dict()}}
+    finally:
+        engine.close()
+    assert said["draft_bytes"] == 0 and said["host"]["draft_cache_bytes"] == 0

@@ -19,7 +19,7 @@ from ..offload.plan import (DRAFT_BITS, check_context, compute_dtype, emulated_d
                             make_plan, options_table, search, verify_scratch)
 from ..offload.staging import describe as describe_staging
 from ..pipeline.plan import cmd_plan_ranks
-from ..policy import DEFAULT as DEFAULT_POLICY, get as get_policy, names as policy_names
+from ..policy import DEFAULT as DEFAULT_POLICY, DEFAULT_K_MAX, get as get_policy, names as policy_names
 from ..sizes import format_size
 from .options import FLAG_USERS, dtype_arg, nonnegative_int, policy_help, positive_int, refuse_unused_flags
 
@@ -39,6 +39,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--policy", default=DEFAULT_POLICY,
                    help=policy_help(f"the policy to plan for, default {DEFAULT_POLICY}; a draft only with "
                                     f"{'/'.join(policy_names('drafts'))}", bench=True))
+    p.add_argument("--k-max", type=nonnegative_int, default=None,
+                   help="as generate's: 0 plans a drafting policy without its draft (the engine makes none)")
     p.add_argument("--draft-bits", type=int, choices=DRAFT_BITS, default=None,
                    help="the draft experts' width (default: with --device-memory the fastest that fits, else 4)")
     p.add_argument("--link", default=None, metavar="PROFILE",
@@ -84,7 +86,9 @@ def cmd_plan(args) -> int:
         check_packable(args.draft_bits, spec.hidden, spec.expert_inter)
     device = _plan_device(args.device, args.device_memory is not None)
     dtype = compute_dtype(device, store_dtype, args.dtype)
-    host = host_needs(spec, store_dtype, device.type, draft=pol.drafts, draft_bits=args.draft_bits or 4)
+    drafts = pol.drafts and args.k_max != 0  # (--k-max 0: the engine makes no draft)
+    k_max = DEFAULT_K_MAX if args.k_max is None else args.k_max
+    host = host_needs(spec, store_dtype, device.type, draft=drafts, draft_bits=args.draft_bits or 4)
     sizes = _coded_store(path, weights) if args.compress_experts else None
     coded = _as_coded(host, sizes)
     head = f"model {path} ({spec.arch}), stored {str(store_dtype)[6:]} " \
@@ -93,11 +97,11 @@ def cmd_plan(args) -> int:
     copies = f"host->device copies: {host.h2d_path}"
     if host.h2d_path == "pinned store":
         copies += f" (if the host cannot pin it: {describe_staging(host.staging_bytes)})"
-    graphs = _graph_plan(spec, device, pol, dtype)
+    graphs = _graph_plan(spec, device, pol, dtype, drafts)
     if graphs is not None:  # one more line under the copies
         steps = (f"compiled draft and verifier): {graphs['recordings']} recorded per generating thread and KV "
                  f"cache size, before its first generation there (verifier {graphs['widths']} widths x "
-                 f"({spec.n_layers} layers + 2), draft 2)") if pol.drafts else \
+                 f"({spec.n_layers} layers + 2), draft 2)") if drafts else \
                 (f"compiled one-token step): {graphs['recordings']} recorded per generating thread and KV cache "
                  f"size, before its first generation there ({spec.n_layers} layers + 2)")
         copies += f"\nCUDA graphs ({steps}; one pool per thread, ~{format_size(graphs['pool_bytes'])} (estimate; " \
@@ -107,10 +111,11 @@ def cmd_plan(args) -> int:
         store = dict(store_dtype=store_dtype, compressed=args.compress_experts,
                      coded_ratio=coded / host.raw_store_bytes if coded else None)  # the pool as the engine plans it
         f = fit(spec, numel, dtype, args.device_memory, policy=args.policy, context=args.context,
-                draft_bits=args.draft_bits, profile=profile, device=device, host_threads=args.host_threads, **store)
+                draft_bits=args.draft_bits, profile=profile, device=device, host_threads=args.host_threads,
+                k_max=k_max, **store)
         width = f.draft_bits or f.minimum_bits  # the width the fit chose (or its need is for): its cache's size
         if width and width != (args.draft_bits or 4):
-            host = host_needs(spec, store_dtype, device.type, draft=pol.drafts, draft_bits=width)
+            host = host_needs(spec, store_dtype, device.type, draft=drafts, draft_bits=width)
             _as_coded(host, sizes)
             hosts = _host_line(host, coded)
         ways = search(spec, numel, dtype, args.device_memory, context=args.context, profile=profile,
@@ -123,7 +128,8 @@ def cmd_plan(args) -> int:
         if f.fits:
             print(f.plan.table())
             draft = f", draft INT{f.draft_bits}" if f.draft_bits else ""
-            if f.draft_bits and args.draft_bits is None and f.draft_bits != 4 and f.predicted_k:  # not the load's
+            if f.draft_bits and args.draft_bits is None and f.draft_bits != 4 and (f.predicted_k or not f.default_fits):
+                # not what the load does unasked: needed (INT4 does not fit), or faster (a draft that runs)
                 draft += f": run it with --draft-bits {f.draft_bits}"
             print(f"{args.policy} runs in {format_size(f.device_memory)}: residency {f.plan.residency:.1%} "
                   f"({f.plan.pool_slots} of {spec.n_moe_layers * spec.n_experts} routed experts on the device, "
@@ -155,9 +161,9 @@ def cmd_plan(args) -> int:
         return 0 if f.fits else 1  # (a script's `specter plan ... && specter serve ...`)
     def plan_at(tier):  # the engine's plan, its budget split with a coded tier at `tier` (None: none)
         return make_plan(spec, numel, dtype, residency=args.residency, expert_memory=args.expert_memory,
-                         context=args.context, draft=pol.drafts, device=device, store_dtype=store_dtype,
+                         context=args.context, draft=drafts, device=device, store_dtype=store_dtype,
                          compressed=args.compress_experts, coded_tier=tier, draft_bits=args.draft_bits or 4,
-                         kv_scratch=verify_scratch(pol, device))  # (at the default --k-max, compiled on CUDA)
+                         kv_scratch=verify_scratch(pol, device, k_max=k_max))  # (compiled on CUDA)
 
     plan = plan_at(tier_ratio(coded, host, device, pol, dtype))
     lane = pol.computes_on_host(device.type, args.host_threads)
@@ -280,12 +286,13 @@ def _lane_split(spec, store_dtype, residency: float, host_lane: str = "misses", 
     return out
 
 
-def _graph_plan(spec, device, pol, dtype) -> dict | None:
+def _graph_plan(spec, device, pol, dtype, drafts: bool) -> dict | None:
     """CUDA graphs a policy's compiled steps record on CUDA (compiled by default there): a speculative
-    one's at the default K_max, a plain one's one-token step; None elsewhere (CPU, the oracle)."""
+    one's at the default K_max (`drafts`), a plain one's (or --k-max 0's) one-token step; None elsewhere
+    (CPU, the oracle)."""
     if device.type != "cuda" or not pol.compiles:
         return None
-    if pol.drafts:
+    if drafts:
         return graph_plan(spec.n_layers, spec.vocab_size, spec.hidden, 32, dtype.itemsize)
     return graph_plan(spec.n_layers, spec.vocab_size, spec.hidden, 0, dtype.itemsize, draft=False)
 

@@ -139,7 +139,8 @@ class MemoryPlan:
     def table(self) -> str:
         rows = [
             ("non-expert weights (always on device)", self.non_expert_bytes),
-            (f"draft experts (INT{self.draft_bits}, g{INT4_GROUP})", self.draft_bytes),
+            (f"draft experts (INT{self.draft_bits}, g{INT4_GROUP})" if self.draft_bytes else "draft experts (none)",
+             self.draft_bytes),
             (f"KV cache ({self.context} tokens" + (f" + {self.kv_scratch} scratch" if self.kv_scratch else "") + ")",
              self.kv_bytes),
             (self._pool_row(), self.slot_pool_bytes),
@@ -430,6 +431,7 @@ class Fit:
     draft_bits: int | None = None  # the draft's width chosen (the drafting policies)
     minimum_bits: int | None = None  # ... and the one `minimum` is for (the narrowest tried)
     predicted_k: int | None = None  # the draft length predicted at the chosen width (0: plain steps faster)
+    default_fits: bool = True     # the load's default draft (INT4) fits too (else --draft-bits is a must)
 
     @property
     def fits(self) -> bool:
@@ -442,29 +444,31 @@ class Fit:
                     plan=self.plan.as_dict() if self.plan else None)
 
 
-def _engine_args(policy: str, device, dtype: torch.dtype, store_dtype, compressed: bool, coded_ratio) -> dict:
+def _engine_args(policy: str, device, dtype: torch.dtype, store_dtype, compressed: bool, coded_ratio,
+                 k_max: int = DEFAULT_K_MAX) -> dict:
     """make_plan's arguments as the engine passes them for `policy` on `device` (builder.build_engine, at
-    the default k_max and compile): the pool's dtype and rows, a compressed store's device tier
+    `k_max` and the default compile): the pool's dtype and rows, a compressed store's device tier
     (`coded_ratio`: its measured ratio), the verifier's KV scratch."""
     from .coded_tier import plan_tier  # (it imports the kernels' module: not for every plan)
 
     device = torch.device(device)
     return dict(device=device, store_dtype=store_dtype, compressed=compressed,
                 coded_tier=plan_tier(policy, device, dtype, compressed, coded_ratio),
-                kv_scratch=verify_scratch(policy, device))
+                kv_scratch=verify_scratch(policy, device, k_max=k_max))
 
 
 def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *, policy: str = "specter",
         context: int | None = None, draft_bits: int | None = None, profile=None, device="cpu",
         host_threads: int | None = None, store_dtype: torch.dtype | None = None, compressed: bool = False,
-        coded_ratio: float | None = None) -> Fit:
+        coded_ratio: float | None = None, k_max: int = DEFAULT_K_MAX) -> Fit:
     """`draft_bits` None: of the draft widths that fit (the drafting policies), the one predicted
     fastest (predict_tpot on `profile`, a LinkProfile or its name; None: the default profile), with the
     host lane where the policy runs one on a `device` ("cpu", "cuda") device with `host_threads`.
-    `store_dtype`, `compressed`, `coded_ratio`: the checkpoint's, as the engine plans (_engine_args)."""
-    draft = get_policy(policy).drafts
+    `store_dtype`, `compressed`, `coded_ratio`: the checkpoint's, as the engine plans (_engine_args);
+    `k_max` 0: a drafting policy without its draft (the engine makes none)."""
+    draft = get_policy(policy).drafts and k_max != 0
     lane = get_policy(policy).computes_on_host(torch.device(device).type, host_threads)
-    pool = _engine_args(policy, device, dtype, store_dtype, compressed, coded_ratio)
+    pool = _engine_args(policy, device, dtype, store_dtype, compressed, coded_ratio, k_max)
     budget = parse_budget(device_memory, "device_memory")
     if not get_policy(policy).offloads:  # every expert on the device, whatever the budget (search's rule)
         plan = make_plan(spec, total_numel, dtype, context=context, draft=False)
@@ -519,10 +523,14 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
                     f"one layer's top-{k} slots)")
     else:
         if draft and K == 0:  # the width then only buys slots: no draft buys more
+            bare = make_plan(spec, total_numel, dtype, device_memory=budget, context=context, draft=False,
+                             **_engine_args(policy, device, dtype, store_dtype, compressed, coded_ratio, 0))
+            t, t0 = (predict_tpot(spec, x, policy, b, profile, lane)[0]
+                     for x, b in ((plan, plan.draft_bits), (bare, None)))
             tips.append(f"the draft is predicted not to pay here (K 0: plain steps faster than any draft length, at "
                         f"its assumed acceptance): " + ("--policy resident runs without it" if plan.pool_slots == L * E
-                        else f"its {format_size(plan.draft_bytes)} would hold slots under a policy without one (the "
-                             f"ways to run below rank them)"))
+                        else f"--k-max 0 runs {policy} without one (no draft is made): {bare.pool_slots} slots, "
+                             f"predicted {1 / t0:.3g} tok/s against {1 / t:.3g}"))
         elif draft and plan.draft_bits != max(widths):
             wider = sorted(-f[2] for f in fitting if -f[2] > plan.draft_bits)
             tips.append(f"the draft at INT{plan.draft_bits}: " + (
@@ -539,7 +547,8 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
                             f"and the pool holds {short.pool_slots} slots ({short.pool_slots - plan.pool_slots} more)")
     return Fit(policy, budget, context, plan, minimum(draft_b, context), full, tips,
                draft_bits=plan.draft_bits if plan is not None and draft else None,
-               minimum_bits=narrow if draft else None, predicted_k=K if draft else None)
+               minimum_bits=narrow if draft else None, predicted_k=K if draft else None,
+               default_fits=not draft or any(-f[2] == 4 for f in fitting))
 # ------------------------------------------------------------------------------ a way to run (specter plan)
 # Ranking inputs that are assumptions, not measurements on these models: the share of drafted tokens
 # the target accepts at each draft width, and the share of a verification's misses the draft's
@@ -578,8 +587,14 @@ class Option:
         """A policy with a host lane, predicted without it (specter on CUDA unless --host-threads is given)."""
         return not self.host_lane and bool(get_policy(self.policy).host_lane)
 
+    @property
+    def no_draft(self) -> bool:
+        """A drafting policy run without its draft (--k-max 0)."""
+        return self.draft_bits is None and get_policy(self.policy).drafts
+
     def as_dict(self) -> dict:
-        return dict(policy=self.policy, draft_bits=self.draft_bits, context=self.plan.context,
+        return dict(policy=self.policy, draft_bits=self.draft_bits, k_max=0 if self.no_draft else None,
+                    context=self.plan.context,
                     pool_slots=self.plan.pool_slots, residency=self.plan.residency, draft_bytes=self.plan.draft_bytes,
                     slot_pool_bytes=self.plan.slot_pool_bytes, total_bytes=self.plan.total_bytes,
                     predicted_tpot_s=self.tpot_s, predicted_tokens_per_s=self.tokens_per_s, k=self.k,
@@ -637,7 +652,7 @@ def predict_tpot(spec: ModelSpec, plan: MemoryPlan, policy: str, bits: int | Non
         return c * copy
 
     plain = read(1, eb * (1.0 - miss) if pol.host_lane == "misses" else eb) + L * misses(k * miss)
-    if not pol.drafts:
+    if not pol.drafts or bits is None:  # (a drafting policy at --k-max 0: no draft)
         return plain, 0
     a = ASSUMED_ACCEPTANCE[bits]
     db = plan.draft_bytes / max(1, L * E)
@@ -677,7 +692,8 @@ def search(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory,
     budget = parse_budget(device_memory, "device_memory")
     out = []
     for policy in policies or POLICIES:
-        for bits in (draft_widths(spec) if get_policy(policy).drafts else (None,)):
+        pol = get_policy(policy)  # a drafting policy with a host lane runs it without a draft too (--k-max 0)
+        for bits in ((*draft_widths(spec), *((None,) if pol.host_lane else ())) if pol.drafts else (None,)):
             for ctx in contexts_to_try(spec, context):
                 try:
                     if not get_policy(policy).offloads:
@@ -687,7 +703,8 @@ def search(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory,
                     else:
                         plan = make_plan(spec, total_numel, dtype, device_memory=budget, context=ctx,
                                          draft=bits is not None, draft_bits=bits or 4,
-                                         **_engine_args(policy, device, dtype, store_dtype, compressed, coded_ratio))
+                                         **_engine_args(policy, device, dtype, store_dtype, compressed, coded_ratio,
+                                                        DEFAULT_K_MAX if bits else 0))
                 except BudgetError:
                     continue
                 lane = get_policy(policy).computes_on_host(torch.device(device).type, host_threads)
@@ -705,7 +722,7 @@ def options_table(options: list[Option], profile_name: str) -> str:
     rows = [head]
     for i, o in enumerate(options, 1):
         p = o.plan
-        draft = f"INT{o.draft_bits}" if o.draft_bits else "-"
+        draft = f"INT{o.draft_bits}" if o.draft_bits else "none" if o.no_draft else "-"
         rows.append(f"{i:>2}  {o.policy:<10} {draft:>6} {p.context:>8} {format_size(p.draft_bytes):>13} "
                     f"{format_size(p.slot_pool_bytes):>11} {p.pool_slots:>6} {p.residency:>8.1%} "
                     f"{o.tokens_per_s:>7.2f} {o.k:>3}")
@@ -713,7 +730,8 @@ def options_table(options: list[Option], profile_name: str) -> str:
                 f"to rank by, not a measurement); drafted policies at assumed acceptance "
                 f"{', '.join(f'INT{b} {a:.2f}' for b, a in ASSUMED_ACCEPTANCE.items())}, specter with "
                 f"{ASSUMED_COVERAGE:.0%} of a verification's misses fetched while it drafts; K 0: plain steps predicted "
-                f"faster than any draft length." + _lanes_note(options))
+                f"faster than any draft length." + _lanes_note(options)
+                + (" draft none: --k-max 0 (no draft is made)." if any(o.no_draft for o in options) else ""))
     return "\n".join(rows)
 
 
