@@ -685,3 +685,25 @@ def test_a_draft_predicted_not_to_pay_is_not_tuned_but_named(capsys):
     finally:
         engine.close()
     assert said["draft_bytes"] == 0 and said["host"]["draft_cache_bytes"] == 0
+
+
+def test_plan_over_ranks_checks_what_one_rank_checks_and_says_its_draft(capsys, tiny):
+    """`plan --ranks 2` took a context past the model's (capping its KV silently) and a draft width the
+    model cannot pack, exiting 0 where the one-rank plan exits 2; its JSON left out the draft width it
+    picked (text: "draft INT3 (the widest that fits)"). And a plan with every expert on the device
+    reported a host lane the engine does not run."""
+    from specter.cli import main
+
+    qwen = ["plan", "--model", str(CONFIGS / "Qwen3-30B-A3B"), "--ranks", "2"]
+    assert main(qwen + ["--residency", "0.5", "--context", "1000000"]) == 2
+    assert "context" in capsys.readouterr().err
+    assert main(qwen + ["--device-memory", "16GiB", "--context", "4096", "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    assert said["draft_bits"] == 3 and all(r["fits"] for r in said["ranks"])
+    assert json.loads((main(qwen + ["--policy", "on-demand", "--residency", "0.5", "--json"]),
+                       capsys.readouterr().out)[1])["draft_bits"] is None
+    path, _ = tiny("mixtral", hidden_size=48)  # 48 does not pack into INT3's groups
+    assert main(["plan", "--model", str(path), "--ranks", "2", "--residency", "0.5", "--draft-bits", "3"]) == 2
+    capsys.readouterr()
+    assert main(["plan", "--device", "cpu", "--policy", "specter", "--json"]) == 0  # every expert resident
+    assert json.loads(capsys.readouterr().out)["host_lane"] is False

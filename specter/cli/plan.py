@@ -166,7 +166,8 @@ def cmd_plan(args) -> int:
                          kv_scratch=verify_scratch(pol, device, k_max=k_max))  # (compiled on CUDA)
 
     plan = plan_at(tier_ratio(coded, host, device, pol, dtype))
-    lane = pol.computes_on_host(device.type, args.host_threads)
+    lane = pol.computes_on_host(device.type, args.host_threads,  # (none where every expert is on the device)
+                                every_expert=plan.pool_slots >= spec.n_moe_layers * spec.n_experts)
     lanes = _lane_split(spec, store_dtype, plan.residency, pol.host_lane) if lane else None
     if pol.host_lane and not lane:
         copies += f"\nno host lane (policy {args.policy} on {device.type}" + \

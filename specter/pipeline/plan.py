@@ -92,9 +92,10 @@ def draftless_tip(rows: list[dict], plain: list[dict], policy: str, device_memor
             f"Compare both under torchrun: specter bench --policies on-demand,{policy}")
 
 
-def print_rank_plans(rows: list[dict], as_json: bool, device_memory=None, tip: str | None = None) -> None:
-    if as_json:
-        print(json.dumps({"ranks": rows, **({"tip": tip} if tip else {})}))
+def print_rank_plans(rows: list[dict], as_json: bool, device_memory=None, tip: str | None = None,
+                     draft_bits: int | None = None) -> None:
+    if as_json:  # draft_bits: the draft's width planned (the one to run with), None without a draft
+        print(json.dumps({"ranks": rows, "draft_bits": draft_bits, **({"tip": tip} if tip else {})}))
         return
     for r in rows:
         a, b = r["layers"]
@@ -115,10 +116,15 @@ def cmd_plan_ranks(args, device) -> int:
     """`specter plan --ranks N` (cli/plan.py hands over): the per-rank table, or {"ranks": [...]}."""
     from .. import default_model_path
     from ..loader import describe
-    from ..offload.plan import compute_dtype
+    from ..offload.plan import check_context, compute_dtype
 
     path = args.model or default_model_path()
     spec, store_dtype, numel, weights = describe(path)
+    check_context(args.context, spec)  # as the one-rank plan (and the load) refuses them
+    if getattr(args, "draft_bits", None) is not None:
+        from ..speculative.draft_cache import check_packable
+
+        check_packable(args.draft_bits, spec.hidden, spec.expert_inter)
     coded = None
     if getattr(args, "compress_experts", False):
         from ..offload.coded import coded_store_bytes
@@ -136,17 +142,18 @@ def cmd_plan_ranks(args, device) -> int:
                           device=device, draft_bits=bits, coded_layers=coded)
 
     rows, tip, chosen = plan(args.policy), None, ""
+    bits = (getattr(args, "draft_bits", None) or 4) if get_policy(args.policy).drafts else None
     if args.device_memory is not None and get_policy(args.policy).drafts and getattr(args, "draft_bits", None) is None:
-        for bits in DRAFT_BITS[1:]:  # as the one-rank plan: a narrower draft where the default does not fit
+        for b in DRAFT_BITS[1:]:  # as the one-rank plan: a narrower draft where the default does not fit
             if all(r["fits"] for r in rows):
                 break
-            narrower = plan(args.policy, bits)
+            narrower = plan(args.policy, b)
             if all(r["fits"] for r in narrower):
-                rows, chosen = narrower, f", draft INT{bits} (the widest that fits)"
+                rows, chosen, bits = narrower, f", draft INT{b} (the widest that fits)", b
     if args.device_memory is not None and get_policy(args.policy).drafts:
         tip = draftless_tip(rows, plan("on-demand"), args.policy, parse_size(args.device_memory))
     if not args.json:
         print(f"model {path} ({spec.arch}) over {args.ranks} ranks, policy {args.policy}{chosen}, computed "
               f"{str(dtype)[6:]} on {device.type}" + (", experts losslessly coded" if coded is not None else ""))
-    print_rank_plans(rows, args.json, args.device_memory, tip)
+    print_rank_plans(rows, args.json, args.device_memory, tip, bits)
     return 0 if all(r["fits"] for r in rows) else 1  # as the one-rank plan
