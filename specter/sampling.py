@@ -122,16 +122,17 @@ def _mix(z: int) -> int:
 class Draws:
     """A sampled generation's randomness: for the token at position j, a row of Exp(1) noise [V] that
     is a function of (seed, j) alone (`fill`, `rows`); the token is argmax(p / row). A generator is
-    reseeded per row from a mix of both, so seeds that differ only in high bits (torch's CPU generator
-    keeps 32) draw differently."""
+    reseeded per row from a mix of both, so seeds that differ only in high bits draw differently. (torch's
+    CPU generator keeps 32 bits of a seed: two of N rows share their noise with chance ~N^2 / 2^33.)"""
 
     def __init__(self, seed: int | None, device):
         self.seed = secrets.randbits(64) if seed is None else seed & _MASK  # (never the global torch RNG)
+        self._key = _mix(self.seed)  # mixed first: seed + c x position alone made seed s + c's rows s's, shifted
         self.gen = torch.Generator(device=device)
 
     def fill(self, out: torch.Tensor, pos: int) -> torch.Tensor:
         """out [V] (fp32) <- position `pos`'s noise, in place (no host sync)."""
-        self.gen.manual_seed(_mix((self.seed + 0x9E3779B97F4A7C15 * (pos + 1)) & _MASK))
+        self.gen.manual_seed(_mix((self._key + 0x9E3779B97F4A7C15 * (pos + 1)) & _MASK))
         return out.exponential_(generator=self.gen).clamp_(min=torch.finfo(out.dtype).tiny)  # (never 0: p / 0)
 
     def rows(self, pos: int, n: int, V: int) -> torch.Tensor:

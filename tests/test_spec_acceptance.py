@@ -113,6 +113,8 @@ def test_draws_are_a_function_of_the_seed_and_the_position(device):
     for other in (Draws(6, device), Draws(5 + 2 ** 32, device), Draws(None, device)):
         assert not torch.equal(other.rows(0, 6, V), rows)
     assert not torch.equal(rows[0], rows[1])
+    shifted = Draws(5 + 0x9E3779B97F4A7C15, device).rows(0, 5, V)  # the key's step a position: not s's rows, moved
+    assert not any(torch.equal(shifted[i], rows[i + 1]) for i in range(5))
 
 
 @pytest.mark.parametrize("on_device", [False, True], ids=["host", "on-device"])
