@@ -1076,8 +1076,9 @@ def test_the_link_is_calibrated_on_the_threads_the_engine_decodes_with(monkeypat
 
 def test_an_implausibly_slow_calibration_is_warned(monkeypatch):
     """An engine loaded on an oversubscribed box calibrated at 0.05 GB/s: each copy took a second and a
-    script looked hung, with nothing said at load (a QA pass). A measured throughput under 1 GB/s is
-    warned, naming SPECTER_EXPERT_THROUGHPUT; a pinned one is the user's and is not."""
+    script looked hung, with nothing said at load (a QA pass). A measured throughput under 0.1 GB/s is
+    warned, naming SPECTER_EXPERT_THROUGHPUT; a pinned one is the user's and is not. (A busy CI box measured
+    0.6 GB/s on a tiny model's bf16 experts: the bar is 0.1 GB/s.)"""
     from specter.errors import SpecterWarning
     from specter.offload import cuda_link
 
@@ -1085,7 +1086,7 @@ def test_an_implausibly_slow_calibration_is_warned(monkeypatch):
     monkeypatch.setattr(cuda_link, "measure_expert_throughput", lambda *a, **k: 5e7)
     with pytest.warns(SpecterWarning, match="only 0.05 GB/s .* SPECTER_EXPERT_THROUGHPUT"):
         cuda_link.make_link("cpu", calibration=(64, 32))
-    monkeypatch.setattr(cuda_link, "measure_expert_throughput", lambda *a, **k: 5e9)
+    monkeypatch.setattr(cuda_link, "measure_expert_throughput", lambda *a, **k: 6e8)  # (the busy CI's)
     monkeypatch.setenv("SPECTER_EXPERT_THROUGHPUT", "5e7")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

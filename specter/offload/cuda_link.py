@@ -409,7 +409,8 @@ def _expert_throughput(calibration, expert_bytes: int | None) -> float:
     return _measured(measure_expert_throughput(side, side))
 
 
-SLOW_CALIBRATION = 1e9  # B/s of expert compute: any CPU's fp32 GEMVs do better unless the box is oversubscribed
+SLOW_CALIBRATION = 1e8  # B/s of expert compute: this 2-core box measures 1-2.5 GB/s on a tiny test model's experts,
+                        # 10-25 on real shapes, 0.6 under a busy CI; 0.02-0.05 oversubscribed (a QA pass)
 
 
 def _measured(throughput: float) -> float:
