@@ -93,10 +93,10 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = DE
 
     from .builder import build_engine
 
+    own = {} if options.get("shared") is not None else dict(  # (a checkpoint shared with others, bench's: theirs)
+        draft_bits=options.get("draft_bits"), compress_experts=options.get("compress_experts") or None)
     refuse_unused(policy, residency=residency, expert_memory=expert_memory,  # (an unknown policy fails here too)
-                  device_memory=options.get("device_memory"), k_max=options.get("k_max"), link=link,
-                  **({} if options.get("shared") is not None else  # (a checkpoint shared with others: bench's)
-                     dict(draft_bits=options.get("draft_bits"), compress_experts=options.get("compress_experts") or None)))
+                  device_memory=options.get("device_memory"), k_max=options.get("k_max"), link=link, **own)
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise ConfigError(f"model must be a directory path (a str or a Path), got {type(model).__name__}")
     if dtype is not None and not isinstance(dtype, str) and not isinstance(dtype, torch.dtype):

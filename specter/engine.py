@@ -47,9 +47,9 @@ class GenerationOutput:
 
 # every generation reports every key, one schema for all: counts are 0 where nothing happened (new_tokens: the
 # output's token ids; generated_tokens: the tokens the model generated for it, through the one that completes a
-# stop string, which the output leaves out), ratios
-# None where they do not apply (acceptance without drafting; prefetch recall, the share of a verification's
-# experts resident or in flight when it reached them, without a draft's prefetches); and what it
+# stop string, which the output leaves out), ratios None where they do not apply (acceptance without drafting;
+# prefetch recall, the share of a verification's experts resident or in flight when it reached them, without a
+# draft's prefetches); the seed a sampled generation drew with (`seed`, None when greedy); and what it
 # sampled with: `sampling` ("greedy", "temperature 0.7, top-p 0.95, ...") and `sampling_from`
 # ("caller", "model": the model's generation_config.json, "none": greedy, as nothing was set); how
 # expert bytes reach the device, `h2d_path` ("pinned store", "staging buffers (2 x N MiB)", "emulated
@@ -59,12 +59,12 @@ class GenerationOutput:
 # the first copying rank's); `cuda_graphs` (speculative engines under CUDA graphs:
 # recordings, recorded, bytes, warmups, threads so far; None without graphs)
 STATS_DEFAULTS = dict(ttft_s=0.0, tpot_s=0.0, new_tokens=0, generated_tokens=0, cycles=0, accepted_per_cycle=None,
-                      acceptance_rate=None, draft_efficiency=None, k_histogram={}, expert_hits=0, expert_misses=0, prefetch_issued=0,
-                      prefetch_used=0, prefetch_cancelled=0, prefetch_recall=None, route_coverage=None, h2d_bytes=0, stall_s=0.0,
-                      decode_stall_s=0.0, draft_s=0.0, verify_s=0.0, drafted_tokens=0,
-                      accepted_tokens=0, rejections=0, compiled=[], h2d_path=None, time_scale=None, cuda_graphs=None,
-                      recall_hits=0, recall_total=0, cover_hits=0, cover_total=0, offloaded_bytes=0, host_experts=0,
-                      host_bytes=0, host_stall_s=0.0, host_busy_s=0.0, host_threads=None)
+                      acceptance_rate=None, draft_efficiency=None, k_histogram={}, expert_hits=0, expert_misses=0,
+                      prefetch_issued=0, prefetch_used=0, prefetch_cancelled=0, prefetch_recall=None,
+                      route_coverage=None, h2d_bytes=0, stall_s=0.0, decode_stall_s=0.0, draft_s=0.0, verify_s=0.0,
+                      drafted_tokens=0, accepted_tokens=0, rejections=0, compiled=[], h2d_path=None, time_scale=None,
+                      cuda_graphs=None, recall_hits=0, recall_total=0, cover_hits=0, cover_total=0, offloaded_bytes=0,
+                      host_experts=0, host_bytes=0, host_stall_s=0.0, host_busy_s=0.0, host_threads=None)
 
 
 class Turns:

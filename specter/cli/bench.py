@@ -33,8 +33,8 @@ def add_parsers(sub) -> None:
     bn.add_argument("--plot", default=None, help="PNG: TPOT per policy across residencies 1/8, 1/4, 1/2, 1")
     bn.add_argument("--json", action="store_true", help="print the results as one JSON object")
     bn.add_argument("--compare-compressed", action="store_true",
-                    help="run each offloading policy twice in this process, on the raw store and on the losslessly coded "
-                         "one (POLICY+coded), alternating prompt by prompt; report coded against raw "
+                    help="run each offloading policy twice in this process, on the raw store and on the losslessly "
+                         "coded one (POLICY+coded), alternating prompt by prompt; report coded against raw "
                          "(bytes a token, TPOT, tokens). Not with --compress-experts or --plot")
     bn.set_defaults(func=cmd_bench)
 

@@ -81,8 +81,9 @@ def cmd_profile(args) -> int:
         print(f"{r['name']:<18} {r['host_memory_GBps']:>9.1f} {r['host_cores']:>5} {r['emulated_host_MBps']:>18.1f} "
               f"{r['emulated_host_latency_us']:>10.0f}  {r['host']}")
     if lane is not None:
-        print(f"\nthis machine's host lane ({count(lane['threads'], 'thread')}): STREAM-like triad {lane['stream_GBps']:.1f} GB/s "
-              f"on {lane['stream_cores']} cores, {lane['stream_lane_threads_GBps']:.1f} GB/s on the lane's threads")
+        print(f"\nthis machine's host lane ({count(lane['threads'], 'thread')}): STREAM-like triad "
+              f"{lane['stream_GBps']:.1f} GB/s on {lane['stream_cores']} cores, "
+              f"{lane['stream_lane_threads_GBps']:.1f} GB/s on the lane's threads")
         print(host_lane_table(lane))
     return 0
 
