@@ -190,7 +190,7 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
               expert_memory=None, device_memory=None, context: int | None = None, draft: bool = True,
               device=None, store_dtype: torch.dtype | None = None, compressed: bool = False,
               pool: str = "shared", coded_tier: float | None = None, draft_bits: int = 4,
-              kv_scratch: int = 0) -> MemoryPlan:
+              kv_scratch: int = 0, verifies: bool | None = None) -> MemoryPlan:
     """`total_numel`: parameters in the checkpoint. At most one of the three budgets; none = all resident.
     `device`, `store_dtype`, `compressed` (the store losslessly coded): what the pool decisions depend
     on. On CPU a big pool holds the store's narrower dtype (pool_dtype: a byte budget then buys more
@@ -201,7 +201,9 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
     top-k in each). `coded_tier`: a coded expert's bytes over a bf16 one's (the store's measured ratio,
     or an estimate): the budget is split between raw slots and a compressed device tier (tier_split),
     shared pool only. `draft_bits`: the width of the draft's experts (4, 3 or 2). `kv_scratch`: KV rows
-    past the context the verifier writes (verify_scratch)."""
+    past the context the verifier writes (verify_scratch). `verifies`: the policy verifies drafts, whose
+    working set sizes a tier's raw slots (default: `draft`; a pipeline rank's plan holds no draft but
+    verifies)."""
     if pool not in POOLS:
         raise ConfigError(f"slot_pool must be one of {POOLS}, got {pool!r}")
     if draft_bits not in DRAFT_BITS:
@@ -237,7 +239,8 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
     tier_bytes = tier_n = 0
     ratio = 0.0
     if coded_tier and pool == "shared":
-        raw = tier_split(slots, k, E, L, coded_tier, verify=VERIFY_TOKENS if draft else 1)
+        raw = tier_split(slots, k, E, L, coded_tier, verify=VERIFY_TOKENS if (draft if verifies is None else verifies)
+                         else 1)
         if raw < slots:
             # a member is charged its coded bytes x the slot dtype's width over bf16 (coded_tier.py), so
             # the split is the GPU's at any pool dtype: `ratio` of a slot each

@@ -76,7 +76,8 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
             plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
                              context=context, draft=False, device=device, store_dtype=ckpt.dtype,
                              compressed=compress_experts,
-                             coded_tier=plan_tier(pol, device, dt, compress_experts))  # as build_engine
+                             coded_tier=plan_tier(pol, device, dt, compress_experts),  # as build_engine
+                             verifies=pol.drafts)
         except BudgetError as e:
             if device_memory is None:
                 raise

@@ -60,7 +60,7 @@ def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str,
                     budget = stage_expert_memory(spec, st, item, device_memory, drafts, draft_bits, context)
                 plan = make_plan(spec, numel, dtype, residency=residency, expert_memory=budget, draft=False,
                                  device=device, store_dtype=store_dtype, context=context, compressed=compressed,
-                                 coded_tier=coded_tier)
+                                 coded_tier=coded_tier, verifies=drafts)  # (as load_stage)
                 slots, expert = stage_pool(plan, spec, mine, budget is not None), plan.expert_bytes
                 tier = stage_tier(plan, spec, mine, slots, budget is not None)
             except BudgetError:  # less than one layer's top-k left
