@@ -64,7 +64,8 @@ STATS_DEFAULTS = dict(ttft_s=0.0, tpot_s=0.0, new_tokens=0, generated_tokens=0, 
                       route_coverage=None, h2d_bytes=0, stall_s=0.0, decode_stall_s=0.0, draft_s=0.0, verify_s=0.0,
                       drafted_tokens=0, accepted_tokens=0, rejections=0, compiled=[], h2d_path=None, time_scale=None,
                       cuda_graphs=None, recall_hits=0, recall_total=0, cover_hits=0, cover_total=0, offloaded_bytes=0,
-                      host_experts=0, host_bytes=0, host_stall_s=0.0, host_busy_s=0.0, host_threads=None)
+                      host_experts=0, host_bytes=0, host_stall_s=0.0, host_busy_s=0.0, host_threads=None, tier_hits=0,
+                      tier_fills=0, tier_evictions=0, tier_decoded_bytes=0)
 
 
 class Turns:
