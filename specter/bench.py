@@ -103,14 +103,13 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
     loaded here (one store, one model, one draft for all).
     `sampling`: generate()'s temperature / top_p / top_k / seed (default greedy: a benchmark never
     takes the model's generation_config.json, so its runs compare across models). Tokens are compared
-    greedy, and sampled with a seed (every policy draws the tokens plain decoding draws for it;
-    sampling.py); sampled without one, not.
+    greedy, and sampled with a seed at fp32 (every policy draws the tokens plain decoding draws for it;
+    sampling.py); sampled without one, or at 16 bits, not.
     `compare_compressed`: each policy twice, on the raw store and on a losslessly coded one ("POLICY
     +coded", compress_experts), alternating prompt by prompt in this one process (one link calibration
     for all), so `coded_vs_raw` (bytes a token and TPOT, coded against raw) compares like with like."""
     sampling = {"temperature": 0.0, **(sampling or {})}
     params = SamplingParams(**sampling)  # a bad value fails here, before any engine loads
-    compared = params.greedy or params.seed is not None  # tokens compared: one answer per prompt
     if idle := idle_filters(params):  # (bench's temperature is 0 unless given)
         warn(f"{idle} no effect at temperature 0, bench's default (greedy, tokens compared): give a temperature "
              f"(--temperature) to sample")
@@ -157,6 +156,9 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
                 runs.append(name)
         policies = runs
         first = engines[policies[0]]
+        # tokens compared where there is one answer: greedy, or seeded at fp32 (at 16 bits a seeded draw
+        # flips at near-ties of its noisy scores far more often than greedy at ties of logits: README)
+        compared = params.greedy or (params.seed is not None and first.dtype == torch.float32)
         for i, prompt in enumerate(prompts):  # the run's own lengths, checked before the warm-up's shorter one
             if (n := len(first.encode(prompt))) + max_new_tokens > first.context:
                 raise ContextLengthError(f"prompt {i + 1} of {len(prompts)} ({n} tokens) + max_new_tokens "
@@ -211,7 +213,7 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
             if plan is not None:
                 r["slots_per_layer"], r["residency"] = plan.slots_per_layer, plan.residency
                 r["pool_slots"], r["slot_pool"] = plan.pool_slots, plan.pool  # the shared pool's slots in all
-            if hasattr(engines[p].decoder, "draft"):  # the draft's code width (its acceptance is above)
+            if getattr(engines[p].decoder, "draft", None) is not None:  # the draft's width (its acceptance above)
                 r["draft_bits"] = engines[p].shared.draft_bits
             result[p] = r
         base = speedup_baseline(policies)
@@ -236,7 +238,7 @@ CODED = "+coded"  # compare_compressed: the name of a policy's run on the coded 
 def coded_vs_raw(result: dict, agg: dict, compared: bool) -> dict:
     """Per policy run both ways: the coded run's H2D bytes a token over the raw run's, the raw run's
     TPOT over the coded run's (> 1: coded is faster), and whether their tokens are equal (when
-    `compared`: greedy or seeded)."""
+    `compared`: greedy, or seeded at fp32)."""
     out = {}
     for name, r in result.items():
         if not name.endswith(CODED):
