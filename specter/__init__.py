@@ -97,6 +97,8 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = DE
         draft_bits=options.get("draft_bits"), compress_experts=options.get("compress_experts") or None)
     refuse_unused(policy, residency=residency, expert_memory=expert_memory,  # (an unknown policy fails here too)
                   device_memory=options.get("device_memory"), k_max=options.get("k_max"), link=link, **own)
+    if options.get("k_max") == 0 and own.get("draft_bits") is not None:
+        raise ConfigError(f"k_max=0 makes no draft, so draft_bits={own['draft_bits']!r} would be ignored; drop one")
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise ConfigError(f"model must be a directory path (a str or a Path), got {type(model).__name__}")
     if dtype is not None and not isinstance(dtype, str) and not isinstance(dtype, torch.dtype):

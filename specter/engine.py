@@ -414,7 +414,8 @@ class Engine:
         dec, tok, eos = self.decoder, self.tokenizer, set(self.model.spec.eos_token_ids)
         longest = max(map(len, stops), default=0)
         if cancel is not None and cancel.is_set():  # cancelled while waiting for the turn
-            stats.update(STATS_DEFAULTS, finish_reason="cancelled", prompt_tokens=len(ids), policy=self.policy)
+            stats.update(STATS_DEFAULTS, finish_reason="cancelled", prompt_tokens=len(ids), policy=self.policy,
+                         total_s=0.0)
             return
         dec.reset_stats()
         new, text, reason = [], None, "length"

@@ -411,6 +411,10 @@ def test_every_policy_reports_one_stats_schema(engine):
             stats[policy] = e.generate(PROMPT, max_new_tokens=4, **GREEDY).stats
         finally:
             e.close()
+    cancel, early = threading.Event(), {}  # cancelled before its turn: the same keys
+    cancel.set()
+    assert list(engine.stream(PROMPT, max_new_tokens=4, stats=early, cancel=cancel, **GREEDY)) == []
+    stats["cancelled"] = early
     keys = {p: set(s) - {"pipeline"} for p, s in stats.items()}
     assert all(k == keys["specter"] for k in keys.values()), {p: k ^ keys["specter"] for p, k in keys.items()}
     assert stats["host"]["h2d_bytes"] == 0 and stats["host"]["h2d_path"] is None

@@ -246,8 +246,14 @@ def test_a_model_no_width_packs_says_to_run_without_a_draft(tiny, tmp_path):
         specter.load(path, device="cpu", policy="specter", residency=0.5)
     ckpt = open_checkpoint(path)
     f = fit(ckpt.spec, ckpt.numel(), torch.float32, "1MiB", policy="specter")
-    assert not f.fits and "no draft width packs" in f.suggestions[0]
-    assert not {o.policy for o in search(ckpt.spec, ckpt.numel(), torch.float32, "1MiB")} & {"specter", "spec-lru"}
+    assert not f.fits and "no draft width packs" in f.suggestions[0] and "--k-max 0 runs specter" in f.suggestions[0]
+    assert f.minimum == fit(ckpt.spec, ckpt.numel(), torch.float32, "1MiB", policy="specter", k_max=0).minimum > 0
+    ways = search(ckpt.spec, ckpt.numel(), torch.float32, "1MiB")  # a drafting policy only without its draft
+    assert all(o.draft_bits is None for o in ways) and any(o.policy == "specter" for o in ways)
+    with pytest.raises(ConfigError, match=r"or k_max=0 \(--k-max 0"):
+        specter.load(path, device="cpu", policy="specter", residency=0.5)
+    engine = specter.load(path, device="cpu", policy="specter", residency=0.5, k_max=0)  # as it says
+    engine.close()
 
 
 def test_a_budget_only_a_narrower_draft_fits_says_which(fast_link):

@@ -653,8 +653,9 @@ def test_the_least_device_budget_is_priced_as_the_pool_holds_it():
 
 def test_a_draft_predicted_not_to_pay_is_not_tuned_but_named(capsys):
     """At 20 MiB on CUDA the bundled model's specter is predicted at K 0 (plain steps) at every width: the
-    plan chose INT2 and said "run it with --draft-bits 2" and "predicted faster than INT4", a width for
-    a draft it predicts never runs. It says the draft does not pay there and what runs without it."""
+    plan chose INT2 and said "predicted faster than INT4", a width for a draft it predicts never runs.
+    It says the draft does not pay there and what runs without it (--k-max 0); the headline still names
+    the width its table is for (a re-check: without it `plan && serve` got INT4's 19 slots, not 27)."""
     from specter.cli import main
 
     args = ["plan", "--device", "cuda", "--policy", "specter", "--device-memory", "20MiB"]
@@ -664,7 +665,7 @@ def test_a_draft_predicted_not_to_pay_is_not_tuned_but_named(capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "the draft is predicted not to pay here" in out and "--k-max 0 runs specter without one" in out
-    assert "--draft-bits" not in out and "predicted faster than INT" not in out
+    assert "draft INT2: run it with --draft-bits 2" in out and "predicted faster than INT" not in out
     assert main(args[:-1] + ["60MiB", "--json"]) == 0  # every expert resident: no slots to buy
     assert any("--policy resident runs without it" in t for t in json.loads(capsys.readouterr().out)["suggestions"])
     assert main(args[:-1] + ["30MiB", "--json"]) == 0  # a draft that pays keeps its tips
@@ -707,3 +708,11 @@ def test_plan_over_ranks_checks_what_one_rank_checks_and_says_its_draft(capsys, 
     capsys.readouterr()
     assert main(["plan", "--device", "cpu", "--policy", "specter", "--json"]) == 0  # every expert resident
     assert json.loads(capsys.readouterr().out)["host_lane"] is False
+    assert main(qwen + ["--residency", "0.5", "--k-max", "0"]) == 2  # rank 0 still holds the whole draft
+    assert "plan --ranks without --k-max" in capsys.readouterr().err
+    graphs = {}
+    for k in ("1", "32"):  # the CUDA graphs line at the --k-max asked for (widths 1, 2 at K_max 1)
+        assert main(["plan", "--device", "cuda", "--residency", "0.5", "--k-max", k, "--json"]) == 0
+        graphs[k] = json.loads(capsys.readouterr().out)["cuda_graphs"]["recordings"]
+    assert graphs == {"1": 14, "32": 38}
+    assert main(["plan", "--k-max", "0", "--draft-bits", "3"]) == 2 and "would be ignored" in capsys.readouterr().err

@@ -115,6 +115,8 @@ def test_k_max_zero_holds_no_draft(tiny, fast_link, resident_tokens):
         finally:
             engine.close()
     assert plans[0].draft_bytes == 0 < plans[32].draft_bytes
+    with pytest.raises(specter.ConfigError, match="k_max=0 makes no draft, so draft_bits=2 would be ignored"):
+        specter.load(path, device="cpu", policy="specter", residency=0.5, k_max=0, draft_bits=2)
     assert plans[0].pool_slots > plans[32].pool_slots
     assert out.token_ids == resident_tokens("qwen3_moe")[0] and set(out.stats["k_histogram"]) == {0}
 

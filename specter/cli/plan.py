@@ -75,6 +75,9 @@ def cmd_plan(args) -> int:
     # as generate refuses them (--draft-bits, --compress-experts ...); plan's --link ranks every policy's ways
     refuse_unused_flags(args, [args.policy], [f for f in FLAG_USERS if f[0] != "--link"])
     refuse_unused(args.policy, residency=args.residency, expert_memory=args.expert_memory)
+    if args.ranks > 1 and args.k_max == 0:
+        raise ConfigError("--k-max 0 makes no draft in one process; a pipeline's rank 0 still holds the whole "
+                          "draft (torchrun): plan --ranks without --k-max")
     if args.ranks > 1:  # a layer pipeline: per-rank table (specter/pipeline/plan.py)
         return cmd_plan_ranks(args, _plan_device(args.device, args.device_memory is not None))
     path = args.model or default_model_path()
@@ -87,6 +90,8 @@ def cmd_plan(args) -> int:
     device = _plan_device(args.device, args.device_memory is not None)
     dtype = compute_dtype(device, store_dtype, args.dtype)
     drafts = pol.drafts and args.k_max != 0  # (--k-max 0: the engine makes no draft)
+    if args.k_max == 0 and args.draft_bits is not None:  # as the load refuses it
+        raise ConfigError(f"--k-max 0 makes no draft, so --draft-bits {args.draft_bits} would be ignored; drop one")
     k_max = DEFAULT_K_MAX if args.k_max is None else args.k_max
     host = host_needs(spec, store_dtype, device.type, draft=drafts, draft_bits=args.draft_bits or 4)
     sizes = _coded_store(path, weights) if args.compress_experts else None
@@ -97,7 +102,7 @@ def cmd_plan(args) -> int:
     copies = f"host->device copies: {host.h2d_path}"
     if host.h2d_path == "pinned store":
         copies += f" (if the host cannot pin it: {describe_staging(host.staging_bytes)})"
-    graphs = _graph_plan(spec, device, pol, dtype, drafts)
+    graphs = _graph_plan(spec, device, pol, dtype, drafts, k_max)
     if graphs is not None:  # one more line under the copies
         steps = (f"compiled draft and verifier): {graphs['recordings']} recorded per generating thread and KV "
                  f"cache size, before its first generation there (verifier {graphs['widths']} widths x "
@@ -128,8 +133,8 @@ def cmd_plan(args) -> int:
         if f.fits:
             print(f.plan.table())
             draft = f", draft INT{f.draft_bits}" if f.draft_bits else ""
-            if f.draft_bits and args.draft_bits is None and f.draft_bits != 4 and (f.predicted_k or not f.default_fits):
-                # not what the load does unasked: needed (INT4 does not fit), or faster (a draft that runs)
+            if f.draft_bits and args.draft_bits is None and f.draft_bits != 4:  # not what the load does unasked
+                # (the table above is that width's plan; at K 0 a tip says --k-max 0 does better)
                 draft += f": run it with --draft-bits {f.draft_bits}"
             print(f"{args.policy} runs in {format_size(f.device_memory)}: residency {f.plan.residency:.1%} "
                   f"({f.plan.pool_slots} of {spec.n_moe_layers * spec.n_experts} routed experts on the device, "
@@ -141,9 +146,13 @@ def cmd_plan(args) -> int:
             if need == format_size(f.device_memory):  # the same at this precision: say by how much
                 need += f" ({f.minimum - f.device_memory:,} bytes more)"
             narrow = f" with --draft-bits {f.minimum_bits}" if f.minimum_bits and f.minimum_bits != 4 else ""
-            print(f"{args.policy} does NOT fit in {format_size(f.device_memory)}: it needs at least "
-                  f"{need} at {f.context} tokens of context{narrow}"
-                  + (f" (it runs at {max(shorter)}: see the ways to run below)" if shorter else ""))
+            if drafts and not f.minimum_bits:  # no width packs: what runs is the policy without a draft
+                print(f"{args.policy} cannot draft this model (no draft width packs its sizes): with --k-max 0 it "
+                      f"needs at least {need} at {f.context} tokens of context")
+            else:
+                print(f"{args.policy} does NOT fit in {format_size(f.device_memory)}: it needs at least "
+                      f"{need} at {f.context} tokens of context{narrow}"
+                      + (f" (it runs at {max(shorter)}: see the ways to run below)" if shorter else ""))
         print(hosts)
         print(copies)
         for tip in f.suggestions:
@@ -287,14 +296,14 @@ def _lane_split(spec, store_dtype, residency: float, host_lane: str = "misses", 
     return out
 
 
-def _graph_plan(spec, device, pol, dtype, drafts: bool) -> dict | None:
+def _graph_plan(spec, device, pol, dtype, drafts: bool, k_max: int) -> dict | None:
     """CUDA graphs a policy's compiled steps record on CUDA (compiled by default there): a speculative
-    one's at the default K_max (`drafts`), a plain one's (or --k-max 0's) one-token step; None elsewhere
-    (CPU, the oracle)."""
+    one's at `k_max` (`drafts`), a plain one's (or --k-max 0's) one-token step; None elsewhere (CPU, the
+    oracle)."""
     if device.type != "cuda" or not pol.compiles:
         return None
     if drafts:
-        return graph_plan(spec.n_layers, spec.vocab_size, spec.hidden, 32, dtype.itemsize)
+        return graph_plan(spec.n_layers, spec.vocab_size, spec.hidden, k_max, dtype.itemsize)
     return graph_plan(spec.n_layers, spec.vocab_size, spec.hidden, 0, dtype.itemsize, draft=False)
 
 

@@ -434,7 +434,6 @@ class Fit:
     draft_bits: int | None = None  # the draft's width chosen (the drafting policies)
     minimum_bits: int | None = None  # ... and the one `minimum` is for (the narrowest tried)
     predicted_k: int | None = None  # the draft length predicted at the chosen width (0: plain steps faster)
-    default_fits: bool = True     # the load's default draft (INT4) fits too (else --draft-bits is a must)
 
     @property
     def fits(self) -> bool:
@@ -488,10 +487,14 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
 
         check_packable(draft_bits, spec.hidden, spec.expert_inter)
     widths = (draft_bits,) if draft_bits is not None else draft_widths(spec) if draft else (4,)
-    if not widths:
-        return Fit(policy, budget, context, None, 0, 0, [
-            f"no draft width packs this model's sizes ({spec.hidden}, {spec.expert_inter}): a policy without "
-            f"a draft runs (the ways to run below)"])
+    if not widths:  # what runs is the policy without its draft: its need is --k-max 0's
+        bare = fit(spec, total_numel, dtype, budget, policy=policy, context=context, profile=profile, device=device,
+                   host_threads=host_threads, store_dtype=store_dtype, compressed=compressed, coded_ratio=coded_ratio,
+                   k_max=0)
+        return Fit(policy, budget, context, None, bare.minimum, bare.full, [
+            f"no draft width packs this model's sizes ({spec.hidden}, {spec.expert_inter}): --k-max 0 runs {policy} "
+            f"without one" + (" here" if bare.fits else "") + ", as a policy without a draft does (the ways to run "
+            f"below)"])
     narrow = min(widths)  # (the widths this model packs)
     draft_b = L * E * draft_expert_bytes(spec, narrow) if draft else 0
     kv_tok, scratch = kv_bytes_per_token(spec, item), pool["kv_scratch"]
@@ -550,8 +553,7 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
                             f"and the pool holds {short.pool_slots} slots ({short.pool_slots - plan.pool_slots} more)")
     return Fit(policy, budget, context, plan, minimum(draft_b, context), full, tips,
                draft_bits=plan.draft_bits if plan is not None and draft else None,
-               minimum_bits=narrow if draft else None, predicted_k=K if draft else None,
-               default_fits=not draft or any(-f[2] == 4 for f in fitting))
+               minimum_bits=narrow if draft else None, predicted_k=K if draft else None)
 # ------------------------------------------------------------------------------ a way to run (specter plan)
 # Ranking inputs that are assumptions, not measurements on these models: the share of drafted tokens
 # the target accepts at each draft width, and the share of a verification's misses the draft's

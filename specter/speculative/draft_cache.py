@@ -159,7 +159,8 @@ def check_packable(bits: int, hidden: int, inter: int) -> None:
         return
     others = packable_widths(hidden, inter)
     what = f"draft_bits (--draft-bits) {' or '.join(map(str, others))}" if others else \
-        "a policy without a draft (on-demand, next-layer or host): no draft width packs them"
+        "a policy without a draft (on-demand, next-layer or host), or k_max=0 (--k-max 0: no draft is made): no " \
+        "draft width packs them"
     raise ConfigError(f"a {bits}-bit draft needs the hidden and expert intermediate sizes divisible by "
                       f"{K_MULTIPLE[bits]} (whole int32 words of codes); this model's are {hidden} and {inter}: "
                       f"use {what}")
