@@ -307,7 +307,7 @@ def format_table(res: dict) -> str:
         lines.append(
             f"{p:<{w}} {or_na(r['tpot_s'] and r['tpot_s'] * 1e3, '{:.2f}'):>8} "
             f"{or_na(r['speedup_vs_' + base], '{:.2f}x'):>8} {r['ttft_s'] * 1e3:>8.1f} "
-            f"{f('device_hit_rate', '{:.1%}'):>8} {or_na(r.get('expert_misses', 0) - r.get('tier_hits', 0), '{}'):>7} "
+            f"{f('device_hit_rate', '{:.1%}'):>8} {r.get('expert_misses', 0) - r.get('tier_hits', 0):>7} "
             f"{(r.get('h2d_bytes', 0) / 1e6):>8.1f} {(r.get('h2d_bytes_per_token', 0) / 1e3):>10.1f} "
             f"{(r.get('host_bytes', 0) / 1e6):>8.1f} {f('stall_s', '{:.3f}'):>8} "
             f"{f('acceptance_rate', '{:.2f}'):>7} {f('draft_efficiency', '{:.2f}'):>6} "

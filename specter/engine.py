@@ -175,15 +175,18 @@ class _AsyncTurn:
 def _token_ids(prompt) -> list[int] | None:
     """`prompt` as token ids (ints), if it is a sequence of them: a list or tuple of ints (numpy's or
     torch's integer scalars too), or a 1-d integer tensor or numpy array; else None."""
-    def integral(t) -> bool:
+    def ints(t: torch.Tensor, dim: int) -> bool:  # a tensor of integers (not bool) of `dim` dimensions
+        return t.dim() == dim and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+    def one(t) -> bool:  # one token id: an int, numpy's or a 0-d tensor's
         if isinstance(t, torch.Tensor):
-            return t.dim() == 0 and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+            return ints(t, 0)
         return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
     if isinstance(prompt, torch.Tensor) or (hasattr(prompt, "__array__") and not isinstance(prompt, (list, tuple))):
         prompt = torch.as_tensor(prompt)
-        return prompt.tolist() if prompt.dim() == 1 and integral(prompt.new_zeros(())) else None
-    if isinstance(prompt, (list, tuple)) and all(integral(t) for t in prompt):
+        return prompt.tolist() if ints(prompt, 1) else None
+    if isinstance(prompt, (list, tuple)) and all(one(t) for t in prompt):
         return [int(t) for t in prompt]
     return None
 

@@ -260,8 +260,7 @@ def is_coded(store) -> bool:
 
 def coded_ratio(store: list[CodedLayer]) -> float:
     """A coded store's bytes over its bf16 bytes (what coded_store_bytes predicts from the weights)."""
-    coded = sum(t.nbytes for layer in store for t in (layer.w13, layer.w2))
-    return coded / sum(t.raw_nbytes for layer in store for t in (layer.w13, layer.w2))
+    return store_nbytes(store) / sum(layer.w13.raw_nbytes + layer.w2.raw_nbytes for layer in store)
 
 
 def encode_store(store: list[ExpertWeights], *, cuda: bool = False, pin: bool = False) -> list[CodedLayer]:

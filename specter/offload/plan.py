@@ -489,8 +489,8 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
     widths = (draft_bits,) if draft_bits is not None else draft_widths(spec) if draft else (4,)
     if not widths:  # what runs is the policy without its draft: its need is --k-max 0's
         bare = fit(spec, total_numel, dtype, budget, policy=policy, context=context, profile=profile, device=device,
-                   host_threads=host_threads, store_dtype=store_dtype, compressed=compressed, coded_ratio=coded_ratio,
-                   k_max=0)
+                   host_threads=host_threads, store_dtype=store_dtype, compressed=compressed,
+                   coded_ratio=coded_ratio, k_max=0)
         return Fit(policy, budget, context, None, bare.minimum, bare.full, [
             f"no draft width packs this model's sizes ({spec.hidden}, {spec.expert_inter}): --k-max 0 runs {policy} "
             f"without one" + (" here" if bare.fits else "") + ", as a policy without a draft does (the ways to run "
@@ -511,16 +511,18 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
         except BudgetError:
             continue
         fitting.append((*predict_tpot(spec, plan, policy, b if draft else None, profile, lane), -b, plan))
-    _, K, _, plan = min(fitting, key=lambda f: (f[0], f[2])) if fitting else (None, None, None, None)
+    t, K, _, plan = min(fitting, key=lambda f: (f[0], f[2])) if fitting else (None, None, None, None)
     width = f"INT{narrow} " if draft else ""
     tips = []
     if plan is None:
         if draft and non + draft_b >= budget:
             tips.append(f"the {width}draft alone takes {format_size(draft_b)}, leaving too little of "
-                        f"{format_size(budget)}: run without a draft (--policy host, on-demand or next-layer), which "
+                        f"{format_size(budget)}: run without a draft (--policy host, on-demand or next-layer), "
+                        f"which "
                         f"needs {format_size(minimum(0, context))}")
         elif draft and minimum(0, context) <= budget:
-            tips.append(f"--policy host, on-demand or next-layer (no draft) runs in {format_size(minimum(0, context))}")
+            tips.append(f"--policy host, on-demand or next-layer (no draft) runs in "
+                        f"{format_size(minimum(0, context))}")
         c = (budget - minimum(draft_b, 0)) // max(kv_tok, 1)
         if 512 <= c < context:  # a context too short to be useful is no advice
             tips.append(f"a shorter context fits: --context {int(c)} (KV cache {format_size(kv_tok * int(c))})")
@@ -531,8 +533,7 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
         if draft and K == 0:  # the width then only buys slots: no draft buys more
             bare = make_plan(spec, total_numel, dtype, device_memory=budget, context=context, draft=False,
                              **_engine_args(policy, device, dtype, store_dtype, compressed, coded_ratio, 0))
-            t, t0 = (predict_tpot(spec, x, policy, b, profile, lane)[0]
-                     for x, b in ((plan, plan.draft_bits), (bare, None)))
+            t0 = predict_tpot(spec, bare, policy, None, profile, lane)[0]
             tips.append(f"the draft is predicted not to pay here (K 0: plain steps faster than any draft length, at "
                         f"its assumed acceptance): " + ("--policy resident runs without it" if plan.pool_slots == L * E
                         else f"--k-max 0 runs {policy} without one (no draft is made): {bare.pool_slots} slots, "
@@ -701,7 +702,7 @@ def search(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory,
         for bits in ((*draft_widths(spec), *((None,) if pol.host_lane else ())) if pol.drafts else (None,)):
             for ctx in contexts_to_try(spec, context):
                 try:
-                    if not get_policy(policy).offloads:
+                    if not pol.offloads:
                         plan = make_plan(spec, total_numel, dtype, context=ctx, draft=False)
                         if plan.total_bytes > budget:
                             continue
@@ -712,7 +713,7 @@ def search(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory,
                                                         DEFAULT_K_MAX if bits else 0))
                 except BudgetError:
                     continue
-                lane = get_policy(policy).computes_on_host(torch.device(device).type, host_threads)
+                lane = pol.computes_on_host(torch.device(device).type, host_threads)
                 t, K = predict_tpot(spec, plan, policy, bits, profile, lane)
                 out.append(Option(policy, bits, plan, t, K, ASSUMED_ACCEPTANCE.get(bits), lane))
                 break
