@@ -81,7 +81,7 @@ for c in cases:
     engine.decoder.finish()
     restore()
     results.append(dict(tokens=r.token_ids, pipeline=r.stats["pipeline"], hits=r.stats["expert_hits"],
-                        misses=r.stats["expert_misses"], stats=r.stats,
+                        misses=r.stats["expert_misses"], stats=r.stats, whole=engine.decoder.stage.whole,
                         groups=len(torch.distributed.distributed_c10d._world.pg_map)))  # the startup groups gone
 if group.rank == 0:
     json.dump(results, open(out, "w"))
@@ -634,7 +634,7 @@ def test_a_stages_slot_pool_is_the_plans_dtype():
 
 
 def test_k_max_and_compress_experts_give_one_process_tokens(tmp_path):
-    """--k-max (rank 0's governor's longest draft) and --compress-experts (each rank's own layers' experts
+    """--k-max (rank 0's governor's longest draft; 0: no draft held) and --compress-experts (each rank's own layers' experts
     coded, in one process's coded cache) under a 2-rank pipeline: one process's greedy tokens with the
     same options; the ranks' coded layers are one process's bytes, under its layer numbers."""
     from specter.offload.coded import cache_entry
@@ -643,7 +643,7 @@ def test_k_max_and_compress_experts_give_one_process_tokens(tmp_path):
     make_tiny_checkpoint(path, "qwen3_moe", dtype=torch.bfloat16)
     caches = {w: tmp_path / f"cache-{w}" for w in ("ranks", "one")}
     cases = [dict(model=str(path), policy="specter", residency=0.5, prompt=PROMPT, new=NEW, sampling=GREEDY, k_max=k)
-             for k in (1, 4)]
+             for k in (0, 1, 4)]
     cases += [dict(model=str(path), policy=p, residency=0.5, prompt=PROMPT, new=NEW, sampling=GREEDY, compress=True,
                    draft_cache=str(caches["ranks"])) for p in ("on-demand", "host", "specter", "spec-lru")]
     cases += [dict(model=str(path), policy="on-demand", residency=0.5, prompt=PROMPT, new=1, sampling=GREEDY)]
@@ -662,6 +662,10 @@ def test_k_max_and_compress_experts_give_one_process_tokens(tmp_path):
         assert g["tokens"] == ref.token_ids, c
         if c.get("k_max"):  # the governor drafted no longer than --k-max
             assert max(map(int, g["stats"]["k_histogram"])) <= c["k_max"] and g["stats"]["drafted_tokens"] > 0
+        if c.get("k_max") == 0:  # never drafted, and rank 0 made and held no draft (as one process makes none)
+            assert g["stats"]["drafted_tokens"] == 0 and not g["whole"], g["stats"]
+        elif c["policy"] in ("specter", "spec-lru"):
+            assert g["whole"]
         if c.get("compress") and c["policy"] != "host":  # the coded store served misses: over each rank's link,
             assert 0 < g["stats"]["h2d_bytes"] + g["stats"]["tier_hits"], g["stats"]  # or from the tier its load filled
             per = g["stats"]["pipeline"]["per_rank"]  # the tier's counters are summed too (they were rank 0's)

@@ -708,8 +708,11 @@ def test_plan_over_ranks_checks_what_one_rank_checks_and_says_its_draft(capsys, 
     capsys.readouterr()
     assert main(["plan", "--device", "cpu", "--policy", "specter", "--json"]) == 0  # every expert resident
     assert json.loads(capsys.readouterr().out)["host_lane"] is False
-    assert main(qwen + ["--residency", "0.5", "--k-max", "0"]) == 2  # rank 0 still holds the whole draft
-    assert "plan --ranks without --k-max" in capsys.readouterr().err
+    assert main(qwen + ["--device-memory", "16GiB", "--k-max", "0", "--json"]) == 0  # rank 0 holds no draft
+    said = json.loads(capsys.readouterr().out)
+    assert said["draft_bits"] is None and said["ranks"][0]["draft_bytes"] == 0
+    assert main(qwen + ["--residency", "0.5", "--k-max", "0", "--draft-bits", "3"]) == 2
+    assert "would be ignored" in capsys.readouterr().err
     graphs = {}
     for k in ("1", "32"):  # the CUDA graphs line at the --k-max asked for (widths 1, 2 at K_max 1)
         assert main(["plan", "--device", "cuda", "--residency", "0.5", "--k-max", k, "--json"]) == 0

@@ -103,7 +103,7 @@ def model_args(p: argparse.ArgumentParser, policy: bool = True, residency: str =
                         "CUDA by default)")
     p.add_argument("--k-max", type=int, default=None,
                    help="longest draft the governor may choose (default 32; 0 = never speculate: no draft is "
-                        "made, its memory goes to slots; under torchrun rank 0 still holds the draft)")
+                        "made, its memory goes to slots, also under torchrun)")
     p.add_argument("--draft-cache", default=None,
                    help="directory of the INT4 draft cache, or 'off' (default: $SPECTER_DRAFT_CACHE, else "
                         "~/.cache/specter/drafts)")

@@ -75,9 +75,8 @@ def cmd_plan(args) -> int:
     # as generate refuses them (--draft-bits, --compress-experts ...); plan's --link ranks every policy's ways
     refuse_unused_flags(args, [args.policy], [f for f in FLAG_USERS if f[0] != "--link"])
     refuse_unused(args.policy, residency=args.residency, expert_memory=args.expert_memory)
-    if args.ranks > 1 and args.k_max == 0:
-        raise ConfigError("--k-max 0 makes no draft in one process; a pipeline's rank 0 still holds the whole "
-                          "draft (torchrun): plan --ranks without --k-max")
+    if args.k_max == 0 and args.draft_bits is not None:  # as the load refuses it
+        raise ConfigError(f"--k-max 0 makes no draft, so --draft-bits {args.draft_bits} would be ignored; drop one")
     if args.ranks > 1:  # a layer pipeline: per-rank table (specter/pipeline/plan.py)
         return cmd_plan_ranks(args, _plan_device(args.device, args.device_memory is not None))
     path = args.model or default_model_path()
@@ -90,8 +89,6 @@ def cmd_plan(args) -> int:
     device = _plan_device(args.device, args.device_memory is not None)
     dtype = compute_dtype(device, store_dtype, args.dtype)
     drafts = pol.drafts and args.k_max != 0  # (--k-max 0: the engine makes no draft)
-    if args.k_max == 0 and args.draft_bits is not None:  # as the load refuses it
-        raise ConfigError(f"--k-max 0 makes no draft, so --draft-bits {args.draft_bits} would be ignored; drop one")
     k_max = DEFAULT_K_MAX if args.k_max is None else args.k_max
     host = host_needs(spec, store_dtype, device.type, draft=drafts, draft_bits=args.draft_bits or 4)
     sizes = _coded_store(path, weights) if args.compress_experts else None

@@ -84,7 +84,7 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
         path = Path(model) if model is not None else default_model_path()
         ckpt = open_checkpoint(path)
         context = check_context(context, ckpt.spec)
-        stages = make_stages(ckpt.spec, group.world, ckpt.dtype.itemsize, pol.drafts, draft_bits)
+        stages = make_stages(ckpt.spec, group.world, ckpt.dtype.itemsize, pol.drafts and k_max > 0, draft_bits)
         options = dict(policy=policy, residency=residency, expert_memory=expert_memory,
                        device_memory=device_memory, link=link,
                        dtype=str(compute_dtype(group.device, ckpt.dtype, dtype)), world=group.world,
@@ -135,6 +135,8 @@ def run(args, body, serving: bool = False, waits: bool = False) -> int:
     opts = {k: v for k, v in vars(args).items() if k in UNSUPPORTED and v not in (None, False)}
     check_options(args.policy, opts)
     refuse_ignored(args, [args.policy])
+    if args.k_max == 0 and getattr(args, "draft_bits", None) is not None:  # as one process refuses it
+        raise ConfigError(f"--k-max 0 makes no draft, so --draft-bits {args.draft_bits} would be ignored; drop one")
     group, engine, stage = open_pipeline(args.model, device=args.device, policy=args.policy,
                                          residency=args.residency, expert_memory=args.expert_memory,
                                          device_memory=args.device_memory,

@@ -53,12 +53,15 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     check_draft_bits(draft_bits)
     if draft_bits != 4 and not pol.drafts:
         raise ConfigError(f"policy {policy!r} runs no draft, so draft_bits would be ignored; drop it")
+    if draft_bits != 4 and k_max == 0:  # as specter.load refuses it
+        raise ConfigError(f"k_max=0 makes no draft, so draft_bits={draft_bits} would be ignored; drop one")
     pol.check_host_threads(host_threads)
     ckpt = open_checkpoint(path)
     spec = ckpt.spec
     from ..builder import check_compressible
 
     check_compressible(ckpt, compress_experts)
+    drafts = pol.drafts and k_max > 0  # k_max 0 never drafts: rank 0 holds no draft (as one process makes none)
     dt = compute_dtype(device, ckpt.dtype, dtype)
     plan = lk = pdt = None  # pdt: the slot pool's dtype (the plan's: fp32 on CPU for a small pool)
     configure_threads(device, threads)  # before the link's calibration: measured on the threads it decodes with
@@ -68,7 +71,7 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
                               "ignored; drop it or use --policy on-demand")
     else:
         expert_memory, own = stage_budget(spec, stage, dt.itemsize, device, residency, expert_memory, device_memory,
-                                          pol.drafts, draft_bits, context)
+                                          drafts, draft_bits, context)
         # the plan of the whole model; each rank's pool is sized from it (stage_pool)
         from ..offload.coded_tier import plan_tier
 
@@ -77,19 +80,19 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
                              context=context, draft=False, device=device, store_dtype=ckpt.dtype,
                              compressed=compress_experts,
                              coded_tier=plan_tier(pol, device, dt, compress_experts),  # as build_engine
-                             verifies=pol.drafts)
+                             verifies=drafts)
         except BudgetError as e:
             if device_memory is None:
                 raise
-            whole = pol.drafts and stage.is_first  # rank 0 holds the whole draft, whatever the ranks
+            whole = drafts and stage.is_first  # rank 0 holds the whole draft, whatever the ranks
             raise BudgetError(f"rank {stage.rank}: device_memory {format_size(parse_size(device_memory))} leaves "
                               f"its expert pool {format_size(expert_memory)} after its stage's weights, KV cache"
                               f"{' and the whole draft' if whole else ''}; {e}; raise it, or "
-                              + ("pick a policy without a draft (on-demand)" if whole else "run more ranks")) from None
+                              + ("run without the draft (--k-max 0)" if whole else "run more ranks")) from None
         pdt = getattr(torch, plan.pool_dtype)
         lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,
                                                       storage=pdt))
-    whole = pol.drafts and stage.is_first and any(l in spec.moe_layer_ids for l in range(spec.n_layers))
+    whole = drafts and stage.is_first and any(l in spec.moe_layer_ids for l in range(spec.n_layers))
     cached = None
     if whole:  # the draft cache holds every layer's draft experts: the other stages' experts are not read
         from ..speculative.draft_cache import cached_draft

@@ -31,13 +31,14 @@ PIPELINED = ("resident", "on-demand", "next-layer", "host", "spec-lru", "specter
 
 def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str, residency=None,
                expert_memory=None, device_memory=None, context: int | None = None, device=None,
-               draft_bits: int = 4, coded_layers: list[int] | None = None) -> list[dict]:
+               draft_bits: int = 4, coded_layers: list[int] | None = None, k_max: int | None = None) -> list[dict]:
     """One dict per rank: layers, moe_layers, non_expert_bytes, kv_bytes, draft_bytes, pool_slots,
     pool_bytes, tier_bytes, total_bytes, store_bytes, fits. `coded_layers` (--compress-experts): each
-    MoE layer's coded bytes (coded_store_bytes' per_layer); the store is then coded."""
+    MoE layer's coded bytes (coded_store_bytes' per_layer); the store is then coded. `k_max` 0: a
+    drafting policy that never drafts holds no draft (as load_stage)."""
     if policy not in PIPELINED:
         raise ConfigError(f"policy {policy!r} is not pipelined; plan --ranks for {', '.join(PIPELINED)}")
-    drafts = get_policy(policy).drafts
+    drafts = get_policy(policy).drafts and k_max != 0
     stages = make_stages(spec, ranks, store_dtype.itemsize, drafts, draft_bits)
     item, E, k = dtype.itemsize, spec.n_experts, spec.top_k
     out = []
@@ -139,18 +140,19 @@ def cmd_plan_ranks(args, device) -> int:
     def plan(policy, bits=getattr(args, "draft_bits", None) or 4):
         return rank_plans(spec, numel, dtype, store_dtype, args.ranks, policy=policy, residency=args.residency,
                           expert_memory=args.expert_memory, device_memory=args.device_memory, context=args.context,
-                          device=device, draft_bits=bits, coded_layers=coded)
+                          device=device, draft_bits=bits, coded_layers=coded, k_max=args.k_max)
 
     rows, tip, chosen = plan(args.policy), None, ""
-    bits = (getattr(args, "draft_bits", None) or 4) if get_policy(args.policy).drafts else None
-    if args.device_memory is not None and get_policy(args.policy).drafts and getattr(args, "draft_bits", None) is None:
+    drafts = get_policy(args.policy).drafts and args.k_max != 0  # (--k-max 0: no draft on rank 0)
+    bits = (getattr(args, "draft_bits", None) or 4) if drafts else None
+    if args.device_memory is not None and drafts and getattr(args, "draft_bits", None) is None:
         for b in DRAFT_BITS[1:]:  # as the one-rank plan: a narrower draft where the default does not fit
             if all(r["fits"] for r in rows):
                 break
             narrower = plan(args.policy, b)
             if all(r["fits"] for r in narrower):
                 rows, chosen, bits = narrower, f", draft INT{b} (the widest that fits)", b
-    if args.device_memory is not None and get_policy(args.policy).drafts:
+    if args.device_memory is not None and drafts:
         tip = draftless_tip(rows, plan("on-demand"), args.policy, parse_size(args.device_memory))
     if not args.json:
         print(f"model {path} ({spec.arch}) over {args.ranks} ranks, policy {args.policy}{chosen}, computed "

@@ -139,7 +139,7 @@ def stage_expert_memory(spec: ModelSpec, stage: Stage, itemsize: int, device_mem
         raise BudgetError(f"rank {stage.rank}: device_memory {format_size(total)} cannot even hold its stage's "
                           f"non-expert weights, KV cache{' and the whole draft' if whole else ''} "
                           f"({format_size(fixed)}); raise it, or "
-                          + ("pick a policy without a draft (on-demand)" if whole else "run more ranks"))
+                          + ("run without the draft (--k-max 0)" if whole else "run more ranks"))
     return total - fixed
 
 

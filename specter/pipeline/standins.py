@@ -147,8 +147,9 @@ class PipeModel:
     def __init__(self, dec):
         self.dec, self.spec = dec, dec.stage.model.spec
         stages = dec.stages
-        row = kv_row_bytes(self.spec, dec.stage.dtype)
-        self.kv = [(s.first, s.last, (s.last - s.first) * row) for s in stages[1:]]  # what each rank returns
+        row = kv_row_bytes(self.spec, dec.stage.dtype)  # what each rank returns: the whole draft reads every
+        self.kv = [(s.first, s.last, (s.last - s.first) * row) for s in stages[1:]] if dec.stage.whole else []
+        # layer's K/V; without one (k_max 0) no rank returns any
 
     def __call__(self, tokens: torch.Tensor, start: int, cache, experts, logits_for: str = "all") -> torch.Tensor:
         d, st = self.dec, self.dec.stage
@@ -163,7 +164,7 @@ class PipeModel:
         """Rank 0's stage of a target step (its K/V written into rank 0's cache), not sent yet."""
         d, st = self.dec, self.dec.stage
         T = tokens.shape[0]
-        flags, local = (ALL if logits_for == "all" else 0) | STATS | KV, None
+        flags, local = (ALL if logits_for == "all" else 0) | STATS | (KV if self.kv else 0), None
         if isinstance(experts, partial):  # the decoder's next-layer fallback (K = 0 steps)
             flags |= GUESS
             local = st.guessing
@@ -185,7 +186,7 @@ class PipeModel:
         posted = None
         if post:
             posted = d.wire.post_result(d.group.world - 1, step.T if step.flags & ALL else 1, self.spec.vocab_size,
-                                        True, kv=step.T * self.kv[-1][2])
+                                        True, kv=step.T * self.kv[-1][2] if self.kv else 0)
         return Sent(step.T, step.start, step.flags, posted)
 
     def logits(self, sent: Sent) -> torch.Tensor | None:
@@ -198,14 +199,15 @@ class PipeModel:
         """The last stage's logits of the step `send` sent, and every later rank's K/V rows into rank 0's cache."""
         d, st = self.dec, self.dec.stage
         T, start, flags = sent.T, sent.start, sent.flags
-        w, last = d.wire, self.kv[-1]
+        w = d.wire
         if sent.posted is not None:
             logits, remote, kv = sent.posted.take(d.device)
         else:
             logits, remote, kv = w.recv_result(d.group.world - 1, T if flags & ALL else 1, self.spec.vocab_size, True,
-                                               d.device, kv=T * last[2])
+                                               d.device, kv=T * self.kv[-1][2] if self.kv else 0)
         d.experts.remote = remote
         for r, (first, end, n) in enumerate(self.kv[:-1], 1):  # the middle ranks' own sends
             put_kv_rows(st.cache, self.spec, first, end, start, T, w.recv_bytes(r, T * n))
-        put_kv_rows(st.cache, self.spec, last[0], last[1], start, T, kv)
+        if self.kv:
+            put_kv_rows(st.cache, self.spec, self.kv[-1][0], self.kv[-1][1], start, T, kv)
         return logits
