@@ -572,9 +572,13 @@ def load_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except Exception as e:
         why = " ".join(line.strip() for line in str(e).splitlines() if line.strip())  # one line, as every error
         hint = "" if (path / "tokenizer.json").is_file() else \
             " (the directory has no tokenizer.json: copy the model's own next to config.json)"
         raise CheckpointError(f"the tokenizer in {path} could not be loaded{hint}: {why}") from None
+    # the engine checks a prompt against its context itself (ContextLengthError): no "sequence length is
+    # longer than the specified maximum ... indexing errors" warning from encoding a long one
+    tok.model_max_length = int(1e30)
+    return tok

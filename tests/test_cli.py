@@ -1,6 +1,7 @@
 """The command line as a user meets it: every option explained, --version, python -m specter,
 token-id prompts for tokenizer-less checkpoints, chat, --dtype, penalties, argument checks, and
 a closed pipe (`| head`) ending quietly."""
+import io
 import json
 import os
 import subprocess
@@ -271,6 +272,79 @@ def test_interactive_chat(chat_model, capsys, monkeypatch):
     assert main(["chat", "--policy", "resident", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "no chat template" in err and "`specter chat` cannot" in err and "--chat" not in err  # not generate's advice
+
+
+class _Terminal(io.TextIOWrapper):
+    """Standard input as a terminal's, from bytes."""
+
+    def isatty(self):
+        return True
+
+
+@needs_default
+def test_chat_lines_commands_bad_bytes_and_ctrl_c(chat_model, capsys, monkeypatch):
+    """`specter chat`: empty lines send nothing, a mistyped /command is not a message, CRLF lines are the
+    same messages, bytes that are not UTF-8 are one turn's error (in any locale: read as bytes); at a
+    terminal Ctrl-C stops the reply in progress, which stays in the conversation as shown, and the chat
+    goes on. A checkpoint without a chat template is refused before anything loads."""
+    import signal
+
+    import specter.cli.options as options
+
+    model, base = chat_model, ["--policy", "resident", "--device", "cpu", "--greedy"]
+    engine = specter.load(model, device="cpu", policy="resident")
+
+    def reply(turns, n):
+        return engine.generate(turns, max_new_tokens=n, temperature=0.0).text
+
+    def user(text):
+        return {"role": "user", "content": text}
+
+    lines = b"\n   \n/exti\ncaf\xe9\ndef add(a, b):\r\n/EXIT\nclass Stack:\n"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines), encoding="utf-8", errors="strict"))
+    assert main(["chat", "--model", str(model), "--max-new-tokens", "5", *base]) == 0
+    out, err = capsys.readouterr()
+    assert out == reply([user("def add(a, b):")], 5) + "\n"  # one turn, then /EXIT
+    assert "unknown command /exti" in err and "not valid Unicode" in err
+
+    n = 12
+    class Interrupting:  # Ctrl-C once the reply's first piece is shown
+        def __init__(self, out):
+            self.out, self.writes = out, []
+
+        def write(self, s):
+            self.out.write(s)
+            self.writes.append(s)
+            if len(self.writes) == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+
+        def flush(self):
+            self.out.flush()
+
+    monkeypatch.setattr(sys, "stdin", _Terminal(io.BytesIO(b"def add(a, b):\nclass Stack:\n")))
+    monkeypatch.setattr(sys, "stdout", stdout := Interrupting(sys.stdout))
+    assert main(["chat", "--model", str(model), "--max-new-tokens", str(n), *base]) == 0
+    out, err = capsys.readouterr()
+    first = "".join(stdout.writes[:stdout.writes.index("\n")])  # the pieces shown before the reply's end
+    full = reply([user("def add(a, b):")], n)
+    assert "(stopped)" in err and first and full.startswith(first) and len(first) < len(full)
+    shown = [user("def add(a, b):"), {"role": "assistant", "content": first}, user("class Stack:")]
+    assert out == first + "\n" + reply(shown, n) + "\n"  # the conversation holds the stopped reply as shown
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
+    monkeypatch.setattr(sys, "stdout", stdout.out)
+    for piped in ("def add(a, b):\n", "def add(a, b):"):  # generate --chat: the piped line is the message
+        monkeypatch.setattr(sys, "stdin", io.StringIO(piped))
+        assert main(["generate", "--chat", "--model", str(model), "--max-new-tokens", "5", *base]) == 0
+        assert capsys.readouterr().out == reply([user("def add(a, b):")], 5) + "\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n"))
+    assert main(["generate", "--chat", "--model", str(model), *base]) == 2
+    assert "standard input was empty" in capsys.readouterr().err
+
+    monkeypatch.setattr(options.specter, "load", lambda *a, **k: pytest.fail("loaded before the refusal"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    assert main(["chat", *base]) == 2 and "no chat template" in capsys.readouterr().err
+    assert main(["generate", "--chat", "hi", *base]) == 2 and "drop --chat" in capsys.readouterr().err
 
 
 def test_flags_a_policy_would_ignore_are_refused(tiny, capsys):

@@ -355,6 +355,16 @@ def test_prompt_beyond_context(engine):
         engine.generate(list(range(1, 101)), max_new_tokens=200)
 
 
+@pytest.mark.skipif(not (specter.default_model_path() / "tokenizer.json").exists(), reason="no bundled model")
+def test_a_long_text_prompt_gets_the_engines_error_alone(capfd):
+    """Past the context, the engine's ContextLengthError, not also transformers' warning that the tokenizer's
+    model_max_length (2048 on the bundled model) "will result in indexing errors"."""
+    engine = specter.load(None, device="cpu", policy="resident")
+    with pytest.raises(specter.ContextLengthError, match="exceeds the model's context"):
+        engine.generate("def " * 5000, max_new_tokens=2)
+    assert "indexing errors" not in capfd.readouterr().err
+
+
 def test_string_prompt_without_tokenizer(engine):
     with pytest.raises(specter.TokenizerError, match="token ids"):
         engine.generate("hello")

@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(2)
         return 2
     except KeyboardInterrupt:
+        print(file=sys.stderr)  # the shell's prompt on a line of its own, not after half a reply
         return 130
     except BrokenPipeError:  # the reader left (`specter generate ... | head -2`): stop quietly, like any filter
         _stdout_to_devnull()

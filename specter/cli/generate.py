@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 
 from .. import pipeline
-from ..errors import ConfigError, SpecterError, TokenizerError
-from .options import (check_sampling, load_engine, max_new_tokens, model_args, pipeline_args, sampling_args,
-                      sampling_kwargs, token_ids)
+from ..errors import ConfigError, ContextLengthError, SpecterError, TokenizerError
+from .options import (DEFAULT_NEW_TOKENS, check_policy_flags, check_sampling, load_engine, max_new_tokens,
+                      model_args, pipeline_args, sampling_args, sampling_kwargs, token_ids)
 
 
 def add_parsers(sub) -> None:
@@ -50,7 +53,41 @@ def summary_line(stats: dict) -> str:
     if stats.get("sampling"):
         parts.append(stats["sampling"] + (" (the model's generation_config.json)"
                                           if stats.get("sampling_from") == "model" else ""))
+    if stats.get("seed") is not None:  # a sampled generation: --seed repeats it
+        parts.append(f"seed {stats['seed']}")
     return "[" + ", ".join(parts) + "]"
+
+
+def read_stdin(line: bool = False) -> str:
+    """Standard input's text (all of it, or one line), as UTF-8: bytes that are not valid UTF-8 become
+    lone surrogates, which the engine refuses in one line ("not valid Unicode"), whatever the locale's
+    own decoding would have raised."""
+    raw = getattr(sys.stdin, "buffer", None)
+    if raw is None:  # a text stream (tests, embedding)
+        return sys.stdin.readline() if line else sys.stdin.read()
+    return (raw.readline() if line else raw.read()).decode("utf-8", errors="surrogateescape")
+
+
+def check_chat(args) -> None:
+    """Before the load: a chat needs the checkpoint's tokenizer and its chat template (refused after the
+    load, a big model would cost minutes and its draft first)."""
+    from pathlib import Path
+
+    from .. import default_model_path
+    from ..loader import load_tokenizer
+
+    path = Path(args.model) if args.model is not None else default_model_path()
+    if not path.is_dir():
+        return  # the load names what is missing
+    tok = load_tokenizer(path)
+    command = "`specter chat`" if args.command == "chat" else "--chat/--system"
+    if tok is None:
+        raise TokenizerError(f"{path} ships no tokenizer, so {command} cannot render chat messages; copy the "
+                             f"model's tokenizer files next to its config.json")
+    if not getattr(tok, "chat_template", None):
+        fix = ("use `specter generate` with a plain prompt" if args.command == "chat" else "drop --chat/--system")
+        raise TokenizerError(f"the tokenizer in {path} has no chat template, so {command} cannot render turns; "
+                             f"{fix}, or add a chat_template to its tokenizer_config.json")
 
 
 def _prompt(args):
@@ -65,7 +102,11 @@ def _prompt(args):
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
             raise SpecterError('no prompt: pass one, e.g. specter generate "def add(a, b):", or pipe it on stdin')
-        prompt = sys.stdin.read()
+        prompt = read_stdin()
+        if args.chat or args.system is not None:  # a message, as a line of `specter chat` is one
+            prompt = prompt.removesuffix("\n").removesuffix("\r")
+            if not prompt.strip():
+                raise SpecterError("no prompt: standard input was empty")
     if args.chat or args.system is not None:
         system = [] if args.system is None else [{"role": "system", "content": args.system}]
         return system + [{"role": "user", "content": prompt}]
@@ -74,6 +115,10 @@ def _prompt(args):
 
 def cmd_generate(args) -> int:
     check_sampling(args, sampling_kwargs(args))  # before a load (and under torchrun, on every rank)
+    if args.chat or args.system is not None:
+        if not pipeline.launched():  # (a pipeline checks its flags itself, in pipeline.run)
+            check_policy_flags(args)
+        check_chat(args)
     if pipeline.launched():  # one rank of several (torchrun): rank 0 runs _generate, once
         return pipeline.run(args, lambda engine: _generate(args, _prompt(args), engine))
     if args.pipeline_backend is not None or args.pipeline_timeout is not None:
@@ -107,14 +152,19 @@ def _generate(args, prompt, engine) -> int:
 
 
 CHAT_HELP = "one line a turn; /reset starts a new conversation, /exit (or end of input) ends, /help says this"
+CHAT_COMMANDS = ("/reset", "/exit", "/help")
 
 
 def cmd_chat(args) -> int:
     """One line from standard input is one user turn; the reply streams to standard output. `/reset`
     starts over, `/exit` (or end of input) ends. An error in one turn is reported and the chat goes on
-    (a broken pipeline ends it). Under torchrun rank 0 reads the terminal and prints; the other ranks
-    follow it, as under `serve`."""
+    (a broken pipeline ends it). At a terminal, Ctrl-C stops the reply in progress (a second one
+    ends the chat). Under torchrun rank 0 reads the terminal and prints; the other ranks follow it,
+    as under `serve`."""
     check_sampling(args, sampling_kwargs(args))
+    if not pipeline.launched():  # (a pipeline checks its flags itself, in pipeline.run)
+        check_policy_flags(args)
+    check_chat(args)
     if pipeline.launched():
         return pipeline.run(args, lambda engine: _chat(args, engine), waits=True)
     if args.pipeline_backend is not None or args.pipeline_timeout is not None:
@@ -125,12 +175,6 @@ def cmd_chat(args) -> int:
 
 def _chat(args, engine) -> int:
     try:
-        if engine.tokenizer is None:
-            engine.encode([{"role": "user", "content": ""}])  # raises the engine's own clear error
-        if not getattr(engine.tokenizer, "chat_template", None):
-            raise TokenizerError(f"the tokenizer in {engine.path} has no chat template, so `specter chat` cannot "
-                                 f"render turns; use `specter generate` with a plain prompt, or add a chat_template "
-                                 f"to its tokenizer_config.json")
         start = [] if args.system is None else [{"role": "system", "content": args.system}]
         messages = list(start)
         kw = dict(stop=args.stop, **sampling_kwargs(args))
@@ -140,25 +184,41 @@ def _chat(args, engine) -> int:
         while True:
             if interactive:
                 print("> ", end="", file=sys.stderr, flush=True)
-            line = sys.stdin.readline()
-            if not line or line.strip() == "/exit":
+            line = read_stdin(line=True)
+            command = line.strip().lower()
+            if not line or command == "/exit":
                 return 0
-            if line.strip() == "/reset":
+            if not command:  # an empty line sends nothing
+                continue
+            if command == "/reset":
                 messages = list(start)
                 if interactive:
                     print("(a new conversation)", file=sys.stderr)
                 continue
-            if line.strip() == "/help":
+            if command == "/help":
                 print(CHAT_HELP, file=sys.stderr)
                 continue
-            turn = messages + [{"role": "user", "content": line.rstrip("\n")}]
-            reply = []
+            if command.startswith("/") and command[1:].isalpha():  # a mistyped command is not sent as a message
+                print(f"specter: unknown command {line.strip()} ({', '.join(CHAT_COMMANDS)}); a message that "
+                      f"starts with / : put a space before it", file=sys.stderr)
+                continue
+            turn = messages + [{"role": "user", "content": line.rstrip("\r\n")}]
+            reply, stats = [], {}
             try:
-                for piece in engine.stream(turn, max_new_tokens=max_new_tokens(args, engine, turn), **kw):
-                    reply.append(piece)
-                    sys.stdout.write(piece)
-                    sys.stdout.flush()
-            except SpecterError as e:  # e.g. the conversation outgrew the context: say so, keep chatting
+                limit = max_new_tokens(args, engine, turn)
+                with _stoppable(interactive and not pipeline.launched()) as cancel:
+                    for piece in engine.stream(turn, max_new_tokens=limit, stats=stats, cancel=cancel, **kw):
+                        reply.append(piece)
+                        sys.stdout.write(piece)
+                        sys.stdout.flush()
+            except ContextLengthError:  # the conversation outgrew the context: say so, keep chatting
+                n, room = len(engine.encode(turn)), engine.context
+                what = "the conversation with this message" if len(messages) > len(start) else "this message"
+                more = f" and --max-new-tokens {args.max_new_tokens}" if args.max_new_tokens and n < room else ""
+                print(f"specter: error: {what} ({n} tokens){more} leaves no room in the context of {room} tokens; "
+                      + ("/reset starts over" if len(messages) > len(start) else "send a shorter one"), file=sys.stderr)
+                continue
+            except SpecterError as e:
                 if pipeline.launched():
                     from ..pipeline.group import PipelineError
 
@@ -168,6 +228,35 @@ def _chat(args, engine) -> int:
                 continue
             sys.stdout.write("\n")
             sys.stdout.flush()
-            messages = turn + [{"role": "assistant", "content": "".join(reply)}]
+            why = stats.get("finish_reason")
+            if why == "cancelled":
+                print("(stopped)", file=sys.stderr)
+            elif why == "length":  # cut: by --max-new-tokens, the default, or the context's end
+                print(f"(the reply stopped at {limit} tokens: "
+                      + ("--max-new-tokens" if args.max_new_tokens is not None else
+                         "the end of the context; /reset starts over" if limit < DEFAULT_NEW_TOKENS else
+                         "--max-new-tokens raises it") + ")", file=sys.stderr)
+            messages = turn + [{"role": "assistant", "content": "".join(reply)}]  # (a stopped reply as shown)
     finally:
         engine.close()
+
+
+@contextmanager
+def _stoppable(on: bool):
+    """A threading.Event set by the first Ctrl-C while the block runs (`on`: at a terminal, one
+    process), so the reply ends at its next cycle; a second Ctrl-C interrupts as usual. None when off."""
+    if not on:
+        yield None
+        return
+    cancel = threading.Event()
+
+    def stop(signum, frame):
+        if cancel.is_set():
+            raise KeyboardInterrupt
+        cancel.set()
+
+    before = signal.signal(signal.SIGINT, stop)
+    try:
+        yield cancel
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -249,13 +249,19 @@ def refuse_unused_flags(args, policies: list[str], flags=FLAG_USERS) -> None:
             raise ConfigError(f"{who} {flag}, so it would be ignored; drop it or pick a policy that does ({users})")
 
 
-def load_engine(args, policy: str | None = None):
-    """specter.load from model_args' flags, refusing a flag the policy would ignore."""
+def check_policy_flags(args, policy: str | None = None) -> None:
+    """A bench-only policy, or a flag the policy would ignore, refused (before anything loads)."""
     policy = policy or args.policy
     if get_policy(policy).bench_only:
         raise ConfigError(f"policy {policy!r} is bench only (a limit to compare against, not a way to run): "
                           f"specter bench --policies on-demand,specter,{policy}")
     refuse_unused_flags(args, [policy])
+
+
+def load_engine(args, policy: str | None = None):
+    """specter.load from model_args' flags, refusing a flag the policy would ignore."""
+    policy = policy or args.policy
+    check_policy_flags(args, policy)
     return specter.load(args.model, device=args.device, policy=policy, residency=args.residency,
                         expert_memory=args.expert_memory, device_memory=args.device_memory, link=args.link,
                         **engine_options(args))
