@@ -435,11 +435,13 @@ def test_cli_api_keys_from_flags_or_environment_and_a_warning_off_loopback(monke
 
 
 # ------------------------------------------------------------------------------- 3: graceful shutdown
-@pytest.mark.parametrize("grace, max_tokens, finish", [
-    ("0", 2000, "abort"),      # no grace: stopped at once, and the last chunk says so
-    ("60", 600, "length"),     # within the grace: the generation runs to its end
+@pytest.mark.parametrize("grace, max_tokens, finish, signals", [
+    ("0", 2000, "abort", ["SIGTERM"]),         # no grace: stopped at once, and the last chunk says so
+    ("60", 600, "length", ["SIGTERM"]),        # within the grace: the generation runs to its end
+    ("60", 2000, "abort", ["SIGINT"] * 2),     # a second Ctrl-C: stopped at once, the app closed all the same
 ])
-def test_sigterm_mid_stream_ends_the_stream_with_done_answers_the_queued_503_and_exits_0(grace, max_tokens, finish):
+def test_sigterm_mid_stream_ends_the_stream_with_done_answers_the_queued_503_and_exits_0(grace, max_tokens, finish,
+                                                                                          signals):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "specter", "serve", "--device", "cpu", "--policy", "resident",
                              "--port", "0", "--max-queue", "2", "--shutdown-grace", grace],
@@ -465,7 +467,9 @@ def test_sigterm_mid_stream_ends_the_stream_with_done_answers_the_queued_503_and
                 url + "/v1/completions", json=dict(prompt=PROMPT, max_tokens=4), timeout=60)))
             t.start()
             assert until(lambda: health(url)["queue_depth"] == 1)
-            proc.send_signal(signal.SIGTERM)
+            for sig in signals:
+                proc.send_signal(getattr(signal, sig))
+                time.sleep(0.5)
             data += [line for line in lines if line.startswith("data:")]      # a cut body raises here
         t.join(60)
         assert proc.wait(60) == 0, "".join(log)
@@ -482,6 +486,7 @@ def test_sigterm_mid_stream_ends_the_stream_with_done_answers_the_queued_503_and
     assert 0 < made < max_tokens if finish == "abort" else made == max_tokens
     r = queued["r"]
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+    assert "Traceback" not in "".join(log), "".join(log)
 
 
 # ----------------------------------------------------------------------------- connections

@@ -96,4 +96,17 @@ def _server_class():
             if isinstance(captured, list):
                 captured.clear()
 
+        async def shutdown(self, sockets=None) -> None:
+            """uvicorn's, and on a forced exit the app's own shutdown too (uvicorn skips it: the engine was
+            not closed, and the lifespan task, cancelled at the loop's end, logged a CancelledError
+            traceback); quick, as the generation was aborted."""
+            import asyncio
+
+            await super().shutdown(sockets)
+            if self.force_exit and self.config.lifespan != "off":
+                try:
+                    await asyncio.wait_for(self.lifespan.shutdown(), 10)
+                except asyncio.TimeoutError:
+                    pass
+
     return Server
