@@ -670,6 +670,10 @@ def test_k_max_and_compress_experts_give_one_process_tokens(tmp_path):
             assert 0 < g["stats"]["h2d_bytes"] + g["stats"]["tier_hits"], g["stats"]  # or from the tier its load filled
             per = g["stats"]["pipeline"]["per_rank"]  # the tier's counters are summed too (they were rank 0's)
             assert all(g["stats"][k] == sum(r.get(k, 0) for r in per) for k in ("tier_hits", "tier_fills", "tier_decoded_bytes"))
+        if c["policy"] == "host":  # the host lanes' seconds are every rank's (they were rank 0's)
+            per = g["stats"]["pipeline"]["per_rank"]
+            assert g["stats"]["host_busy_s"] == pytest.approx(sum(r["host_busy_s"] for r in per))
+            assert all(r["host_busy_s"] > 0 for r in per) and g["stats"]["host_threads"] == 1
         if c["new"] == 1:  # no step after the first token: nothing stalled after it, on any rank (rank 1's
             assert g["stats"]["decode_stall_s"] == 0 < g["stats"]["stall_s"], g["stats"]  # prefill stall counted)
     files = {w: cache_entry(open_checkpoint(path).files.values(), str(d)) for w, d in caches.items()}
@@ -830,7 +834,8 @@ def test_bench_under_torchrun_reports_each_rank(ckpts, tmp_path, capsys):
     spec = open_checkpoint(path).spec
     memory, _, _ = _device_memory(spec, make_stages(spec, 2, 4), False, 2)  # each rank's device, pools partial
     argv = ["-m", "specter", "bench", "--model", str(path), "--prompts", str(prompts),
-            "--policies", "resident,on-demand", "--device-memory", str(memory), "--max-new-tokens", "6", "--json"]
+            "--policies", "resident,on-demand", "--device-memory", str(memory), "--max-new-tokens", "6", "--json",
+            "--temperature", "0.9", "--seed", "5"]  # seeded at fp32: the tokens are compared, as greedy ones
     ranks = _launch([argv, argv], timeout=HANG)
     assert [r[0] for r in ranks] == [0, 0], [r[2][-2000:] for r in ranks]
     assert ranks[1][1] == ""
@@ -838,6 +843,7 @@ def test_bench_under_torchrun_reports_each_rank(ckpts, tmp_path, capsys):
     assert got["ranks"] == 2 and list(got["policies"]) == ["resident", "on-demand"]
     od = got["policies"]["on-demand"]
     assert od["lossless_vs_resident"] is True and len(od["per_rank"]) == 2
+    assert od["h2d_bytes_per_token"] == od["h2d_bytes"] / od["new_tokens"] > 0
     assert sum(r["expert_hits"] + r["expert_misses"] for r in od["per_rank"]) == od["expert_hits"] + od["expert_misses"] > 0
     # each rank's pool is what its own device leaves: here rank 0's a part of its layer's experts, rank 1's all
     from specter.cli import main
@@ -870,6 +876,12 @@ def test_a_config_mismatch_fails_every_rank(ckpts, tmp_path):
     for r, (code, so, se) in enumerate(ranks):
         assert code == 2, (r, se[-2000:])
         assert f"rank {r} of 2: rank(s) 1 differ from rank 0 in options residency, options timeout_s:" in se, se
+    # a rank's own load error says which rank it is
+    argv = ["-m", "specter", "generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--greedy", "--policy",
+            "on-demand", "--residency", "0.5", "--pipeline-timeout", "60", "--model"]
+    ranks = _launch([argv + [str(ckpts["qwen3_moe"])], argv + [str(tmp_path / "nothing-here")]], timeout=HANG)
+    assert [code for code, _, _ in ranks] == [2, 2], ranks
+    assert "rank 1 of 2: model directory" in ranks[1][2] and "does not exist" in ranks[1][2], ranks[1][2]
 
 
 def test_a_rank_slower_to_start_than_the_timeout_is_waited_for(ckpts):
@@ -901,6 +913,25 @@ def test_a_dead_or_stuck_rank_fails_the_others_within_the_timeout(ckpts, how):
     assert ("timed out" if how == "hang" else "closed its connection") in ranks[2][2]
     if how != "hang":
         assert ranks[1][0] == 3
+
+
+@pytest.mark.parametrize("policy", ["on-demand", "specter"])
+def test_ctrl_c_mid_generation_is_an_interrupt_on_every_rank(tmp_path, policy):
+    """Ctrl-C at a terminal reaches every rank: each exits 130 as one process does, rank 0 not with a
+    "pipeline is broken" error from the end of the generation it sends after the interrupt."""
+    import signal
+
+    path = tmp_path / "endless"  # no EOS, a long context: generating when the signal comes
+    make_tiny_checkpoint(path, "qwen3_moe", max_position_embeddings=1 << 20, eos_token_id=None)
+    args = ["-m", "specter", "generate", "--model", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens",
+            "1000000", "--greedy", "--policy", policy, "--residency", "0.5"]
+    with _ranks([args, args]) as procs:
+        assert procs[0].stdout.read(1)  # a token: generating
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        got = [(p.wait(HANG), p.stderr.read()) for p in procs]
+    assert [code for code, _ in got] == [130, 130], got
+    assert all("error" not in err for _, err in got), got
 
 
 # ----------------------------------------------------------------------------------------- serve

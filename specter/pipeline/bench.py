@@ -4,10 +4,12 @@ Each policy is loaded as a pipeline in turn (its stages on every rank), warmed w
 generation, then run over the prompts (`--repeat` passes); policies run one after the other, not
 alternated as the single-process bench does (each rank would need every policy's stage at once).
 Rank 0 prints TPOT, the hit rate, bytes copied and stall summed over the ranks, and each rank's own,
-and whether every policy produced the first one's tokens (greedy)."""
+and whether every policy produced the first one's tokens (greedy, or seeded at fp32)."""
 from __future__ import annotations
 
 import json
+
+import torch
 
 from ..bench import SUM_KEYS, add_run, budget_words, new_totals, or_na, ratio, read_prompts, tpot
 from ..errors import ConfigError
@@ -76,6 +78,7 @@ def run(args) -> int:
                 continue
             try:
                 results[p] = _measure(engine, prompts, args.max_new_tokens, args.repeat, sampling)
+                results[p]["fp32"] = engine.dtype == torch.float32
             except BaseException:
                 engine.decoder.finish(abort=True)
                 raise
@@ -91,9 +94,12 @@ def run(args) -> int:
     first = policies[0]
     base = "on-demand" if "on-demand" in results else first
     ref = results[first]["outputs"]
+    # tokens compared where there is one answer, as the single-process bench: greedy, or seeded at fp32
+    fp32 = [r.pop("fp32") for r in results.values()]
+    compared = greedy or (args.seed is not None and all(fp32))
     for p, r in results.items():
         r["speedup_vs_" + base] = ratio(results[base]["tpot_s"], r["tpot_s"])
-        r["lossless_vs_" + first] = (r.pop("outputs") == ref) if greedy else None
+        r["lossless_vs_" + first] = (r.pop("outputs") == ref) if compared else None
     out = {"policies": results, "ranks": ranks, "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
            "repeat": args.repeat, "speedup_baseline": base, "sampling": "greedy" if greedy else sampling}
     if args.json:
@@ -145,6 +151,8 @@ def _measure(engine, prompts, max_new: int, repeat: int, sampling: dict) -> dict
          "new_tokens": sum(len(o) for o in a["outputs"]), "outputs": a["outputs"], "per_rank": a["per_rank"],
          "round_trips": a["round_trips"]}
     r.update({k: a[k] for k in SUM_KEYS if k in a})
+    if r["new_tokens"]:
+        r["h2d_bytes_per_token"] = r.get("h2d_bytes", 0) / r["new_tokens"]
     if a["k_histogram"]:
         r["k_histogram"] = a["k_histogram"]
     if "optimistic" in a:

@@ -64,7 +64,7 @@ from .wire import (ABORT, ALL, BEGIN, CANCEL, CYCLE, END, GUESS, KV, PER_RANK_ON
 
 def pipeline_info(group: Group, stages: list[Stage], wire: Wire) -> dict:
     """stats["pipeline"] less per_rank; round_trips: the steps that went through every stage and back
-    (prefill, each draft step, each verification or plain step)."""
+    (prefill, each verification or plain step; draft steps run on rank 0 alone)."""
     return {"ranks": group.world, "layers": [[s.first, s.last] for s in stages], "backend": group.backend,
             "round_trips": wire.trips}
 
@@ -100,6 +100,7 @@ class PipelineDecoder:
         self.stage.begin(max_len)
         self.wire.trips, self.wire.wait_s, self.stage.step_s = 0, 0.0, 0.0
         self.wire.send_header(1, BEGIN, max_len=max_len)
+        interrupted = False
         try:
             draws = params.draws(self.device)
             hist = History(prompt, self.device) if params.penalized else None  # what penalties look at
@@ -112,10 +113,14 @@ class PipelineDecoder:
                 yield [int(tok)]
                 logits = self._forward(tok.reshape(1), pos)
                 pos += 1
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
         finally:
-            if not self.wire.broken:
-                self.wire.send_header(1, END)
-                self._per_rank = self.wire.gather_stats(dict(self.stage.stats(), wire_s=self.wire.wait_s))
+            with after_interrupt(interrupted):
+                if not self.wire.broken:
+                    self.wire.send_header(1, END)
+                    self._per_rank = self.wire.gather_stats(dict(self.stage.stats(), wire_s=self.wire.wait_s))
 
     def _forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         x = self.stage.forward(tokens, start)  # [T, H]
@@ -162,6 +167,17 @@ def finish(dec, abort: bool) -> None:
 
 
 @contextmanager
+def after_interrupt(interrupted: bool):
+    """Around what rank 0 sends as a Ctrl-C unwinds: a failed exchange is not reported (Ctrl-C reaches
+    every rank, so the peers are gone), the interrupt is."""
+    try:
+        yield
+    except PipelineError:
+        if not interrupted:
+            raise
+
+
+@contextmanager
 def keep_alive(dec, every: float | None = None):
     """While the body runs (a server waiting for requests), rank 0's decoder `dec` sends PING down the
     chain every `every` seconds (default a quarter of the group's timeout) when no generation holds
@@ -196,7 +212,7 @@ def summed(per: list[dict]) -> dict:
         for k in SUMMED + ("cover_hits", "cover_total"):
             if k in s:
                 out[k] = out.get(k, 0) + s[k]
-        for k in ("h2d_path", "time_scale"):  # rank 0's, or the first rank's that copies
+        for k in ("h2d_path", "time_scale", "host_threads"):  # rank 0's, or the first rank's that copies (has a lane)
             if out.get(k) is None and s.get(k) is not None:
                 out[k] = s[k]
     return out

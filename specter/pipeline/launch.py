@@ -10,6 +10,7 @@ when it fails, and a rank that dies or stalls is detected by the others' connect
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ConfigError, SpecterError
@@ -130,23 +131,24 @@ def run(args, body, serving: bool = False, waits: bool = False) -> int:
     chat`), with the waits kept alive as a server's; a signal ends each rank as usual."""
     from contextlib import nullcontext
 
-    from .decoder import keep_alive, serve_stage
+    from .decoder import after_interrupt, keep_alive, serve_stage
 
     opts = {k: v for k, v in vars(args).items() if k in UNSUPPORTED and v not in (None, False)}
     check_options(args.policy, opts)
     refuse_ignored(args, [args.policy])
     if args.k_max == 0 and getattr(args, "draft_bits", None) is not None:  # as one process refuses it
         raise ConfigError(f"--k-max 0 makes no draft, so --draft-bits {args.draft_bits} would be ignored; drop one")
-    group, engine, stage = open_pipeline(args.model, device=args.device, policy=args.policy,
-                                         residency=args.residency, expert_memory=args.expert_memory,
-                                         device_memory=args.device_memory,
-                                         link=args.link, dtype=args.dtype, backend=args.pipeline_backend,
-                                         timeout_s=args.pipeline_timeout, k_max=args.k_max,
-                                         draft_cache=getattr(args, "draft_cache", None),
-                                         host_threads=getattr(args, "host_threads", None),
-                                         draft_bits=getattr(args, "draft_bits", None) or 4,
-                                         compress_experts=bool(getattr(args, "compress_experts", False)),
-                                         context=getattr(args, "context", None))
+    with ranked(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))):
+        group, engine, stage = open_pipeline(args.model, device=args.device, policy=args.policy,
+                                             residency=args.residency, expert_memory=args.expert_memory,
+                                             device_memory=args.device_memory,
+                                             link=args.link, dtype=args.dtype, backend=args.pipeline_backend,
+                                             timeout_s=args.pipeline_timeout, k_max=args.k_max,
+                                             draft_cache=getattr(args, "draft_cache", None),
+                                             host_threads=getattr(args, "host_threads", None),
+                                             draft_bits=getattr(args, "draft_bits", None) or 4,
+                                             compress_experts=bool(getattr(args, "compress_experts", False)),
+                                             context=getattr(args, "context", None))
     ok = False
     try:
         if engine is None:
@@ -161,17 +163,29 @@ def run(args, body, serving: bool = False, waits: bool = False) -> int:
         try:
             with keep_alive(engine.decoder) if serving or waits else nullcontext():
                 code = body(engine)
-        except BaseException:
-            engine.decoder.finish(abort=True)  # the other ranks stop with an error too
+        except BaseException as e:
+            with after_interrupt(isinstance(e, KeyboardInterrupt)):
+                engine.decoder.finish(abort=True)  # the other ranks stop with an error too
             raise
         engine.decoder.finish()
         if engine.decoder.broken:  # a server answered 503 since; its exit says why
             raise PipelineError(engine.decoder.broken)
         ok = True
         return code
-    except SpecterError as e:
-        if isinstance(e, PipelineError) or group.rank == 0:
+    except SpecterError:
+        with ranked(group.rank, group.world):
             raise
-        raise PipelineError(f"rank {group.rank} of {group.world}: {e}") from None
     finally:
         group.close() if ok else group.close_on_error()
+
+
+@contextmanager
+def ranked(rank: int, world: int):
+    """A user error on a rank other than 0 says which rank it is (rank 0's, and a broken pipeline's,
+    as they are)."""
+    try:
+        yield
+    except SpecterError as e:
+        if isinstance(e, PipelineError) or rank == 0:
+            raise
+        raise PipelineError(f"rank {rank} of {world}: {e}") from None

@@ -86,8 +86,8 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
                 raise
             whole = drafts and stage.is_first  # rank 0 holds the whole draft, whatever the ranks
             raise BudgetError(f"rank {stage.rank}: device_memory {format_size(parse_size(device_memory))} leaves "
-                              f"its expert pool {format_size(expert_memory)} after its stage's weights, KV cache"
-                              f"{' and the whole draft' if whole else ''}; {e}; raise it, or "
+                              f"its expert pool {format_size(expert_memory)} after its stage's weights"
+                              f"{', KV cache and the whole draft' if whole else ' and KV cache'}; {e}; raise it, or "
                               + ("run without the draft (--k-max 0)" if whole else "run more ranks")) from None
         pdt = getattr(torch, plan.pool_dtype)
         lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,

@@ -34,7 +34,7 @@ import torch
 
 from ..speculative.decoder import SpeculativeDecoder
 from ..speculative.governor import Governor
-from .decoder import finish, pipeline_info
+from .decoder import after_interrupt, finish, pipeline_info
 from .group import Group
 from .optimistic import OptimisticCycles, PreDraft, optimistic_stats
 from .stage import StageModel
@@ -83,14 +83,20 @@ class PipelineSpeculativeDecoder(OptimisticCycles, SpeculativeDecoder):
             self.wire.trips, self.wire.wait_s, self.stage.step_s = 0, 0.0, 0.0
             self.prompt, self.need, self.pre = True, need, None
             self.wire.send_header(1, BEGIN, max_len=need)
+            interrupted = False
             try:
                 yield from super().run(prompt, params, max_new)
+            except KeyboardInterrupt:
+                interrupted = True
+                raise
             finally:
-                self.drop_pre()
-                if not self.wire.broken:
-                    cancel, demote = self.experts.pending()
-                    self.wire.send_header(1, END, flags=cancel, demote=demote)
-                    self.experts.per_rank = self.wire.gather_stats(dict(self.stage.stats(), wire_s=self.wire.wait_s))
+                with after_interrupt(interrupted):
+                    self.drop_pre()
+                    if not self.wire.broken:
+                        cancel, demote = self.experts.pending()
+                        self.wire.send_header(1, END, flags=cancel, demote=demote)
+                        self.experts.per_rank = self.wire.gather_stats(dict(self.stage.stats(),
+                                                                            wire_s=self.wire.wait_s))
 
     def _kv_cache(self, need: int):
         return self.stage.cache  # each rank's own stage cache, made at BEGIN

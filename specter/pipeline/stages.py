@@ -137,7 +137,7 @@ def stage_expert_memory(spec: ModelSpec, stage: Stage, itemsize: int, device_mem
     if fixed > total:
         whole = drafts and stage.is_first  # more ranks would not help: rank 0 holds the whole draft
         raise BudgetError(f"rank {stage.rank}: device_memory {format_size(total)} cannot even hold its stage's "
-                          f"non-expert weights, KV cache{' and the whole draft' if whole else ''} "
+                          f"non-expert weights{', KV cache and the whole draft' if whole else ' and KV cache'} "
                           f"({format_size(fixed)}); raise it, or "
                           + ("run without the draft (--k-max 0)" if whole else "run more ranks"))
     return total - fixed

@@ -19,7 +19,7 @@ SIDE = ("stall_s", "expert_hits", "expert_misses", "offloaded_bytes", "step_s") 
 PER_RANK_ONLY = ("step_s", "wire_s")  # each rank's own: its stage's target steps, its blocked exchanges
 NAMES = {BEGIN: "begin", STEP: "step", END: "end", STOP: "stop", ABORT: "abort", PING: "ping", ROWS: "rows"}
 SUMMED = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "prefetch_issued", "prefetch_used",
-          "prefetch_cancelled", "host_experts", "host_bytes", "host_stall_s", "offloaded_bytes",
+          "prefetch_cancelled", "host_experts", "host_bytes", "host_stall_s", "host_busy_s", "offloaded_bytes",
           "tier_hits", "tier_fills", "tier_evictions", "tier_decoded_bytes", "prefill_stall_s")
 
 
