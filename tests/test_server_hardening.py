@@ -631,6 +631,23 @@ def test_a_port_in_use_is_refused_before_the_load(monkeypatch, capsys):
     serve_cli.check_port("127.0.0.1", port)  # free again: no error
 
 
+def test_a_model_without_a_tokenizer_is_refused_before_the_load(monkeypatch, capsys, tmp_path):
+    """Every answer is text: a checkpoint without a tokenizer was loaded and served, then every request
+    got a 400 naming stream_ids() (Python advice to an HTTP client). Refused before the load now, and by
+    create_app."""
+    import specter.cli.serve as serve_cli
+    from specter.cli import main
+    from specter.server.app import create_app
+    from specter.testing import make_tiny_checkpoint
+
+    make_tiny_checkpoint(tmp_path, "qwen3_moe")  # config and weights, no tokenizer
+    monkeypatch.setattr(serve_cli, "load_engine", lambda args: pytest.fail("the model was loaded"))
+    assert main(["serve", "--model", str(tmp_path), "--device", "cpu", "--port", "0"]) == 2
+    assert "ships no tokenizer, which `specter serve` (it answers with text) needs" in capsys.readouterr().err
+    with pytest.raises(specter.TokenizerError, match="the server answers with text"):
+        create_app(specter.load(tmp_path, device="cpu", policy="resident"))
+
+
 def test_a_wrong_method_says_which_is_allowed_and_health_answers_head(url):
     """A GET on /v1/completions was a 405 without the Allow header HTTP requires (the error handler
     dropped it), and HEAD /health (a load balancer's probe) was a 405."""

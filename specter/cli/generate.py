@@ -8,8 +8,8 @@ import threading
 from contextlib import contextmanager
 
 from .. import pipeline
-from ..errors import ConfigError, ContextLengthError, SpecterError, TokenizerError
-from .options import (DEFAULT_NEW_TOKENS, check_policy_flags, check_sampling, load_engine, max_new_tokens,
+from ..errors import ConfigError, ContextLengthError, SpecterError
+from .options import (DEFAULT_NEW_TOKENS, check_policy_flags, check_sampling, check_tokenizer, load_engine, max_new_tokens,
                       model_args, pipeline_args, sampling_args, sampling_kwargs, token_ids)
 
 
@@ -68,28 +68,6 @@ def read_stdin(line: bool = False) -> str:
     return (raw.readline() if line else raw.read()).decode("utf-8", errors="surrogateescape")
 
 
-def check_chat(args) -> None:
-    """Before the load: a chat needs the checkpoint's tokenizer and its chat template (refused after the
-    load, a big model would cost minutes and its draft first)."""
-    from pathlib import Path
-
-    from .. import default_model_path
-    from ..loader import load_tokenizer
-
-    path = Path(args.model) if args.model is not None else default_model_path()
-    if not path.is_dir():
-        return  # the load names what is missing
-    tok = load_tokenizer(path)
-    command = "`specter chat`" if args.command == "chat" else "--chat/--system"
-    if tok is None:
-        raise TokenizerError(f"{path} ships no tokenizer, so {command} cannot render chat messages; copy the "
-                             f"model's tokenizer files next to its config.json")
-    if not getattr(tok, "chat_template", None):
-        fix = ("use `specter generate` with a plain prompt" if args.command == "chat" else "drop --chat/--system")
-        raise TokenizerError(f"the tokenizer in {path} has no chat template, so {command} cannot render turns; "
-                             f"{fix}, or add a chat_template to its tokenizer_config.json")
-
-
 def _prompt(args):
     """The prompt from the arguments: text, --prompt-ids, or standard input; --chat/--system wrap it."""
     if args.prompt_ids is not None:
@@ -118,7 +96,7 @@ def cmd_generate(args) -> int:
     if args.chat or args.system is not None:
         if not pipeline.launched():  # (a pipeline checks its flags itself, in pipeline.run)
             check_policy_flags(args)
-        check_chat(args)
+        check_tokenizer(args, "--chat/--system", chat="drop --chat/--system")
     if pipeline.launched():  # one rank of several (torchrun): rank 0 runs _generate, once
         return pipeline.run(args, lambda engine: _generate(args, _prompt(args), engine))
     if args.pipeline_backend is not None or args.pipeline_timeout is not None:
@@ -164,7 +142,7 @@ def cmd_chat(args) -> int:
     check_sampling(args, sampling_kwargs(args))
     if not pipeline.launched():  # (a pipeline checks its flags itself, in pipeline.run)
         check_policy_flags(args)
-    check_chat(args)
+    check_tokenizer(args, "`specter chat`", chat="use `specter generate` with a plain prompt")
     if pipeline.launched():
         return pipeline.run(args, lambda engine: _chat(args, engine), waits=True)
     if args.pipeline_backend is not None or args.pipeline_timeout is not None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import specter
 
-from ..errors import ConfigError
+from ..errors import ConfigError, TokenizerError
 from ..policy import BENCH_POLICIES, DEFAULT as DEFAULT_POLICY, POLICIES, get as get_policy, names as policy_names
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -256,6 +256,23 @@ def check_policy_flags(args, policy: str | None = None) -> None:
         raise ConfigError(f"policy {policy!r} is bench only (a limit to compare against, not a way to run): "
                           f"specter bench --policies on-demand,specter,{policy}")
     refuse_unused_flags(args, [policy])
+
+
+def check_tokenizer(args, who: str, chat: str | None = None) -> None:
+    """Before the load (refused after it, a big model would cost minutes, and its draft first): `who`
+    needs the checkpoint's tokenizer, and with `chat` (what to do instead) its chat template too."""
+    from ..loader import load_tokenizer
+
+    path = Path(args.model) if args.model is not None else specter.default_model_path()
+    if not path.is_dir():
+        return  # the load names what is missing
+    tok = load_tokenizer(path)
+    if tok is None:
+        raise TokenizerError(f"{path} ships no tokenizer, which {who} needs; copy the model's tokenizer files next "
+                             f"to its config.json")
+    if chat is not None and not getattr(tok, "chat_template", None):
+        raise TokenizerError(f"the tokenizer in {path} has no chat template, so {who} cannot render turns; {chat}, "
+                             f"or add a chat_template to its tokenizer_config.json")
 
 
 def load_engine(args, policy: str | None = None):

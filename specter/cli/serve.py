@@ -8,7 +8,7 @@ import socket
 
 from .. import pipeline
 from ..errors import ConfigError
-from .options import load_engine, model_args, pipeline_args, positive_int
+from .options import check_tokenizer, load_engine, model_args, pipeline_args, positive_int
 
 
 def add_parsers(sub) -> None:
@@ -78,6 +78,7 @@ def cmd_serve(args) -> int:
     # every other command works without them (tests/test_device_check.py's bare environment)
     from ..server import serve
 
+    check_tokenizer(args, "`specter serve` (it answers with text)")  # before the load
     if pipeline.launched():  # rank 0 serves HTTP over the pipeline's engine, the other ranks follow it
         return pipeline.run(args, lambda engine: _serve(serve, engine, args, options), serving=True)
     if args.pipeline_backend is not None or args.pipeline_timeout is not None:

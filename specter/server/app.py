@@ -32,7 +32,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from ..errors import ContextLengthError, SpecterError
+from ..errors import ContextLengthError, SpecterError, TokenizerError
 from .metrics import Metrics
 from .protocol import APIError, ChatRequest, CompletionRequest, Message, new_id, now, usage
 from .scheduler import Job, QueueFull, Scheduler, ShuttingDown
@@ -63,6 +63,10 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
     /docs and /openapi.json. shutdown_grace: seconds a running generation may go on once app.state.drain()
     is called (`serve` calls it on SIGINT/SIGTERM). limit_concurrency: requests answered at once, on any
     route (a stream until its end); more get 503 (None: no limit)."""
+    if engine.tokenizer is None:  # every answer is text (token-id prompts too)
+        raise TokenizerError(f"the server answers with text, and {engine.path} ships no tokenizer; copy the model's "
+                             f"tokenizer files next to its config.json (specter generate --prompt-ids runs it "
+                             f"without one)")
     metrics = Metrics()
     scheduler = Scheduler(engine, max_queue, metrics)
     name = model_name or engine.path.name
@@ -250,8 +254,6 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
             raise APIError(400, f"this model's context is {context} tokens, but {len(ids) + max_tokens} were "
                                 f"requested ({len(ids)} in the prompt, {max_tokens} to generate); shorten the "
                                 f"prompt or lower {which}", param=which, code="context_length_exceeded")
-        if req.stop and engine.tokenizer is None:
-            raise APIError(400, "stop strings need a tokenizer; this model ships none", param="stop")
         kw = dict(max_new_tokens=max_tokens, seed=req.seed, stop=req.stop)
         given = {f: getattr(req, f) for f in SAMPLING if getattr(req, f) is not None}
         if given:  # the request's own settings; OpenAI's defaults for the rest (temperature 1, top_p 1)
@@ -315,9 +317,7 @@ def shutting_down() -> APIError:
 
 def _longest_token(tokenizer) -> int:
     """An upper bound on the characters one token stands for: the vocabulary's longest entry as stored (byte-
-    level and SentencePiece spellings are never shorter than their text). 1 without a tokenizer."""
-    if tokenizer is None:
-        return 1
+    level and SentencePiece spellings are never shorter than their text)."""
     return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
 
 
