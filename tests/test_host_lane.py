@@ -294,6 +294,9 @@ def test_specter_greedy_equals_resident_on_both_lanes(tiny, monkeypatch, arch, k
             engine.close()
         assert [o.token_ids for o in outs] == want, (residency, k_max, fixed)
         assert sum(o.stats["host_experts"] for o in outs) > 0 and sum(o.stats["h2d_bytes"] for o in outs) > 0
+        # the lane's own counters, as policy host reports them (they were the defaults: None, 0.0)
+        assert all(o.stats["host_threads"] == 2 for o in outs)
+        assert all((o.stats["host_busy_s"] > 0) == (o.stats["host_experts"] > 0) for o in outs)
         if fixed:
             assert sum(o.stats["drafted_tokens"] for o in outs) > 0
 

@@ -460,6 +460,7 @@ class OffloadedExperts:
             self.tier.reset_stats()
         self._stats = dict(expert_hits=0, expert_misses=0, h2d_bytes=0, stall_s=0.0, prefetch_issued=0,
                            prefetch_used=0, prefetch_cancelled=0, host_experts=0, host_bytes=0, host_stall_s=0.0)
+        self._busy0 = self.host_lane.stats["busy_s"] if self.host_lane is not None else 0.0
 
     def stats(self) -> dict:
         self._stats["stall_s"] += self._drain_stall_s()
@@ -468,7 +469,9 @@ class OffloadedExperts:
             self._resident_hits.zero_()
             self._hits_on_device = False
         st = self._stats  # offloaded_bytes: expert bytes found off the device, copied or read on the host lane
-        return dict(st, **(self.tier.stats if self.tier is not None else {}), h2d_path=self.link.h2d_path,
+        lane = {} if self.host_lane is None else dict(host_busy_s=self.host_lane.stats["busy_s"] - self._busy0,
+                                                      host_threads=self.host_lane.threads)  # both lanes
+        return dict(st, **(self.tier.stats if self.tier is not None else {}), **lane, h2d_path=self.link.h2d_path,
                     offloaded_bytes=st["h2d_bytes"] + st["host_bytes"],
                     time_scale=getattr(self.link, "time_scale", None))
 
