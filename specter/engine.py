@@ -58,6 +58,7 @@ class GenerationOutput:
 # $SPECTER_EXPERT_THROUGHPUT pins; None with no emulated link: CUDA, resident; a pipeline's: rank 0's, or
 # the first copying rank's); `cuda_graphs` (speculative engines under CUDA graphs:
 # recordings, recorded, bytes, warmups, threads so far; None without graphs)
+DEFAULT_NEW_TOKENS = 128  # a generation's max_new_tokens when none is given (fewer where the context is shorter)
 STATS_DEFAULTS = dict(ttft_s=0.0, tpot_s=0.0, new_tokens=0, generated_tokens=0, cycles=0, accepted_per_cycle=None,
                       acceptance_rate=None, draft_efficiency=None, k_histogram={}, expert_hits=0, expert_misses=0,
                       prefetch_issued=0, prefetch_used=0, prefetch_cancelled=0, prefetch_recall=None,
@@ -283,14 +284,15 @@ class Engine:
         return TokenizerError(f"{self.path} ships no tokenizer, so {consequence}")
 
     # ---------------------------------------------------------------------------- generation
-    def generate(self, prompt, max_new_tokens: int = 128, *, stop=None, **sampling) -> GenerationOutput:
+    def generate(self, prompt, max_new_tokens: int | None = None, *, stop=None, **sampling) -> GenerationOutput:
         """The whole continuation at once.
 
         sampling: temperature (0 = greedy), top_p, top_k, min_p, repetition_penalty, presence_penalty,
         frequency_penalty, seed (see specter.sampling.SamplingParams). None of them (a seed alone
         included): the model's own settings, `generation_defaults`; any of them: exactly those, the
         others at their neutral values (temperature 0 = greedy). stop: a string or a list; the
-        text ends before the first one, and token_ids end with the token that completes that text."""
+        text ends before the first one, and token_ids end with the token that completes that text.
+        max_new_tokens None: DEFAULT_NEW_TOKENS, or what the context has room for after the prompt."""
         stats: dict = {}
         new, text = [], ""
         ids, params, stops, max_new_tokens = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
@@ -299,7 +301,7 @@ class Engine:
                 pass
         return GenerationOutput(text=text or "", token_ids=list(new), stats=stats)
 
-    def stream(self, prompt, max_new_tokens: int = 128, *, stop=None, stats: dict | None = None,
+    def stream(self, prompt, max_new_tokens: int | None = None, *, stop=None, stats: dict | None = None,
                cancel: threading.Event | None = None, **sampling) -> Iterator[str]:
         """Text pieces as tokens are committed; they join to generate()'s text. Text that could be the
         start of a stop string is held back until it is known not to be. Pass a dict as `stats` to
@@ -311,7 +313,7 @@ class Engine:
             if text:
                 yield text
 
-    def stream_ids(self, prompt, max_new_tokens: int = 128, *, stop=None, stats: dict | None = None,
+    def stream_ids(self, prompt, max_new_tokens: int | None = None, *, stop=None, stats: dict | None = None,
                    cancel: threading.Event | None = None, **sampling) -> Iterator[list[int]]:
         """Lists of new token ids as they are committed (no tokenizer needed); they join to
         generate()'s token_ids."""
@@ -319,7 +321,7 @@ class Engine:
             if ids:
                 yield ids
 
-    async def astream(self, prompt, max_new_tokens: int = 128, *, stop=None, stats: dict | None = None,
+    async def astream(self, prompt, max_new_tokens: int | None = None, *, stop=None, stats: dict | None = None,
                       **sampling) -> AsyncIterator[str]:
         """`stream` for asyncio code: the engine's turn is awaited on the caller's loop, the generation
         runs on a thread of its own (streaming.in_thread), so the loop is free while it computes and
@@ -367,9 +369,10 @@ class Engine:
         if not params.greedy and params.seed is None:  # a fresh seed, in the stats: the generation can be repeated
             params = replace(params, seed=fresh_seed())
         stats.update(sampling=describe(params), sampling_from=source, seed=None if params.greedy else params.seed)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+        given = max_new_tokens is not None
+        if given and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral)
+                      or max_new_tokens < 1):
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        max_new_tokens = int(max_new_tokens)  # (numpy's integers too)
         stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
         if stop is not None:
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
@@ -382,14 +385,19 @@ class Engine:
             raise self._no_tokenizer("stop strings cannot be matched; stop on max_new_tokens or the EOS token")
         ids = self.encode(prompt)
         limit, model = self.context, self.model.spec.max_position
+        # None: DEFAULT_NEW_TOKENS, or fewer where the context has room for fewer (the CLI's and server's default)
+        max_new_tokens = int(max_new_tokens) if given else max(1, min(DEFAULT_NEW_TOKENS, limit - len(ids)))
         if len(ids) + max_new_tokens > limit:
             whose = "the model's" if limit == model else "the engine's"
             more = self.model.spec.context_note if limit == model else \
                 f" (the engine was loaded with context={limit}; the model's is {model})"
-            fix = "shorten the prompt" + ("" if len(ids) >= limit else " or lower max_new_tokens (--max-new-tokens)")
+            fix = "shorten the prompt" + ("" if len(ids) >= limit or not given else
+                                          " or lower max_new_tokens (--max-new-tokens)")
+            n = f"{len(ids)} token{'s' * (len(ids) != 1)}"
             raise ContextLengthError(  # (a prompt that fills the context leaves no room for any new token)
-                f"prompt ({len(ids)} token{'s' * (len(ids) != 1)}) + max_new_tokens ({max_new_tokens}) = "
-                f"{len(ids) + max_new_tokens} exceeds {whose} context of {limit} tokens{more}; {fix}")
+                f"prompt ({n}) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} exceeds {whose} "
+                f"context of {limit} tokens{more}; {fix}" if given else
+                f"the prompt ({n}) leaves no room for a new token in {whose} context of {limit} tokens{more}; {fix}")
         return ids, params, list(stops), max_new_tokens
 
     def _decoding(self, ids: list[int], params: SamplingParams, max_new_tokens: int, stops: list[str],

@@ -353,6 +353,16 @@ def test_invalid_sampling_values(engine, kw, match):
 def test_prompt_beyond_context(engine):
     with pytest.raises(specter.ContextLengthError, match="exceeds the model's context of 256"):
         engine.generate(list(range(1, 101)), max_new_tokens=200)
+    # no max_new_tokens: 128, or what the context has room for (as the CLI and the server), not an error
+    def ids(n):
+        return [1 + i % 100 for i in range(n)]
+
+    out = engine.generate(ids(200), temperature=0.0)
+    assert out.stats["generated_tokens"] <= 56 and sum(1 for _ in engine.stream_ids(ids(200))) >= 1
+    if out.stats["finish_reason"] == "length":
+        assert len(out.token_ids) == 56
+    with pytest.raises(specter.ContextLengthError, match=r"the prompt \(256 tokens\) leaves no room for a new token"):
+        engine.generate(ids(256))
 
 
 @pytest.mark.skipif(not (specter.default_model_path() / "tokenizer.json").exists(), reason="no bundled model")

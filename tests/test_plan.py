@@ -708,6 +708,8 @@ def test_plan_over_ranks_checks_what_one_rank_checks_and_says_its_draft(capsys, 
     capsys.readouterr()
     assert main(["plan", "--device", "cpu", "--policy", "specter", "--json"]) == 0  # every expert resident
     assert json.loads(capsys.readouterr().out)["host_lane"] is False
+    assert main(["plan", "--device", "cpu", "--policy", "specter"]) == 0  # and says why (not "opt-in there")
+    assert "no host lane: every expert is on the device" in capsys.readouterr().out
     assert main(qwen + ["--device-memory", "16GiB", "--k-max", "0", "--json"]) == 0  # rank 0 holds no draft
     said = json.loads(capsys.readouterr().out)
     assert said["draft_bits"] is None and said["ranks"][0]["draft_bytes"] == 0

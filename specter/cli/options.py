@@ -8,6 +8,7 @@ from pathlib import Path
 
 import specter
 
+from ..engine import DEFAULT_NEW_TOKENS
 from ..errors import ConfigError, TokenizerError
 from ..policy import BENCH_POLICIES, DEFAULT as DEFAULT_POLICY, POLICIES, get as get_policy, names as policy_names
 
@@ -128,9 +129,6 @@ def pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-timeout", type=float, default=None, metavar="SECONDS",
                    help="under torchrun: how long a rank waits for another before the pipeline fails, once "
                         "every rank has loaded (default 600; joining and loading wait at least 600)")
-
-
-DEFAULT_NEW_TOKENS = 128
 
 
 def max_new_tokens(args, engine, prompt) -> int:

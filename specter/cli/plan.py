@@ -172,10 +172,12 @@ def cmd_plan(args) -> int:
                          kv_scratch=verify_scratch(pol, device, k_max=k_max))  # (compiled on CUDA)
 
     plan = plan_at(tier_ratio(coded, host, device, pol, dtype))
-    lane = pol.computes_on_host(device.type, args.host_threads,  # (none where every expert is on the device)
-                                every_expert=plan.pool_slots >= spec.n_moe_layers * spec.n_experts)
+    every = plan.pool_slots >= spec.n_moe_layers * spec.n_experts
+    lane = pol.computes_on_host(device.type, args.host_threads, every_expert=every)  # (none: nothing misses)
     lanes = _lane_split(spec, store_dtype, plan.residency, pol.host_lane) if lane else None
-    if pol.host_lane and not lane:
+    if pol.host_lane and every:
+        copies += "\nno host lane: every expert is on the device, so nothing misses"
+    elif pol.host_lane and not lane:
         copies += f"\nno host lane (policy {args.policy} on {device.type}" + \
                   (", --host-threads 0" if args.host_threads == 0 else ": opt-in there with --host-threads") + \
                   "): every miss copied over PCIe"
