@@ -57,7 +57,8 @@ def read_config(path: str | os.PathLike):
     path = Path(path)
     check_source(path)
     if not (path / "config.json").is_file():
-        raise CheckpointError(f"{path / 'config.json'} is missing: not a Hugging Face model directory")
+        raise CheckpointError(f"{path / 'config.json'} is missing: not a Hugging Face model directory"
+                              + weights_hint(path))
     try:
         raw = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as e:

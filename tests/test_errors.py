@@ -506,6 +506,9 @@ def test_a_gguf_file_a_hub_id_and_a_quantized_checkpoint_say_what_to_pass(tiny, 
     (d / "m.gguf").write_bytes(b"GGUF")
     with pytest.raises(specter.CheckpointError, match="GGUF files"):
         specter.load(d, device="cpu")
+    (d / "config.json").unlink()  # a GGUF download alone: the same hint
+    with pytest.raises(specter.CheckpointError, match="config.json is missing.*GGUF files"):
+        specter.load(d, device="cpu")
     path, _ = tiny("qwen3_moe")
     q = tmp_path / "gptq"
     shutil.copytree(path, q)
