@@ -351,6 +351,8 @@ def test_flags_a_policy_would_ignore_are_refused(tiny, capsys):
     path, _ = tiny("qwen3_moe")
     base = ["generate", "--prompt-ids", "1,2", "--model", str(path), "--device", "cpu", "--max-new-tokens", "2"]
     for extra, flag in [(["--policy", "on-demand", "--k-max", "4"], "--k-max"),
+                        (["--policy", "resident", "--draft-cache", "off"], "--draft-cache"),  # no draft, no coded
+                        (["--k-max", "0", "--residency", "0.5", "--draft-cache", "off"], "--draft-cache"),  # store
                         (["--policy", "resident", "--link", "H100-PCIe5"], "--link"),
                         (["--policy", "resident", "--residency", "0.5"], "residency=0.5")]:
         assert main(base + extra) == 2, extra

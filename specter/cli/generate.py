@@ -44,8 +44,9 @@ def summary_line(stats: dict) -> str:
     parts = [f"{n} token{'s' * (n != 1)}", f"TTFT {stats.get('ttft_s', 0) * 1e3:.0f} ms", speed,
              f"policy {stats.get('policy')}"]
     uses = stats.get("expert_hits", 0) + stats.get("expert_misses", 0)
-    if stats.get("expert_misses"):
-        parts.append(f"expert hit rate {stats['expert_hits'] / uses:.0%}, "
+    if stats.get("expert_misses"):  # on the device: in a slot, or decoded there from the coded tier (no PCIe)
+        tier = f" ({stats['tier_hits']} decoded from the coded tier)" if stats.get("tier_hits") else ""
+        parts.append(f"expert hit rate {(stats['expert_hits'] + stats.get('tier_hits', 0)) / uses:.0%}{tier}, "
                      f"{stats.get('h2d_bytes', 0) / 1e6:.0f} MB copied")
     if stats.get("drafted_tokens"):
         parts.append(f"{stats['accepted_per_cycle']:.1f} drafted tokens accepted a cycle "

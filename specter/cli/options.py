@@ -254,6 +254,11 @@ def check_policy_flags(args, policy: str | None = None) -> None:
         raise ConfigError(f"policy {policy!r} is bench only (a limit to compare against, not a way to run): "
                           f"specter bench --policies on-demand,specter,{policy}")
     refuse_unused_flags(args, [policy])
+    pol = get_policy(policy)
+    if getattr(args, "draft_cache", None) is not None and not getattr(args, "compress_experts", False) and not (
+            pol.drafts and args.k_max != 0):  # read for the draft, and for a coded store kept beside it
+        why = "--k-max 0 makes no draft" if pol.drafts else f"policy {policy!r} makes no draft"
+        raise ConfigError(f"{why} and --compress-experts is not given, so --draft-cache would be ignored; drop it")
 
 
 def check_tokenizer(args, who: str, chat: str | None = None) -> None:
