@@ -15,8 +15,8 @@ from ..loader import describe
 from ..offload.calibrate import emulated_host_params, load_profile
 from ..offload.coded import coded_store_bytes
 from ..offload.coded_tier import ROWS_MAX_BYTES, plan_tier, tier_wanted
-from ..offload.plan import (DRAFT_BITS, check_context, compute_dtype, emulated_device_bytes, fit, host_needs,
-                            make_plan, options_table, search, verify_scratch)
+from ..offload.plan import (DRAFT_BITS, check_context, compute_dtype, contexts_to_try, emulated_device_bytes, fit,
+                            host_needs, make_plan, options_table, search, verify_scratch)
 from ..offload.staging import describe as describe_staging
 from ..pipeline.plan import cmd_plan_ranks
 from ..policy import DEFAULT as DEFAULT_POLICY, DEFAULT_K_MAX, get as get_policy, names as policy_names
@@ -163,7 +163,10 @@ def cmd_plan(args) -> int:
             if lane_note := _with_lane(ways, spec, numel, dtype, args, profile, device, store):
                 print(lane_note)
         else:
-            print(f"nothing runs in {format_size(f.device_memory)}, at any context down to the shortest tried")
+            tried = contexts_to_try(spec, args.context)  # (a tip above may fit a shorter one)
+            span = f"{tried[0]}" + (f" down to {tried[-1]}" if len(tried) > 1 else "")
+            print(f"no policy runs in {format_size(f.device_memory)} at a context of {span} tokens; a shorter "
+                  f"--context (a tip above may name one) lists the ways that fit it")
         return 0 if f.fits else 1  # (a script's `specter plan ... && specter serve ...`)
     def plan_at(tier):  # the engine's plan, its budget split with a coded tier at `tier` (None: none)
         return make_plan(spec, numel, dtype, residency=args.residency, expert_memory=args.expert_memory,
