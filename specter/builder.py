@@ -158,6 +158,13 @@ def check_compressible(ckpt: Checkpoint, compress_experts) -> None:
                           f"compress_experts (--compress-experts)")
 
 
+def check_has_experts(ckpt: Checkpoint, policy: str) -> None:
+    """An offloading policy needs routed experts: a model with no MoE layer has none to offload or draft."""
+    if get_policy(policy).offloads and ckpt.spec.n_moe_layers == 0:
+        raise ConfigError(f"{ckpt.path} has no MoE layer (its config routes no layer to experts), so policy "
+                          f"{policy!r} has nothing to offload: run it with policy 'resident' (--policy resident)")
+
+
 @on_its_device
 def build_engine(path: Path, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                  link=None, dtype=None, threads: int | None = None, eviction: str | None = None,
@@ -190,6 +197,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     if shared is not None and Path(path).resolve() != shared.path.resolve():
         raise ConfigError(f"shared: {shared.path} was loaded, but {path} was asked for")
     ckpt = shared.ckpt if shared is not None else open_checkpoint(path)
+    check_has_experts(ckpt, policy)
     check_compressible(ckpt, compress_experts)
     if shared is not None and shared.compressed != compress_experts:
         raise ConfigError(f"shared: its store was loaded with compress_experts={shared.compressed}, but "

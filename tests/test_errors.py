@@ -375,6 +375,19 @@ def test_a_long_text_prompt_gets_the_engines_error_alone(capfd):
     assert "indexing errors" not in capfd.readouterr().err
 
 
+def test_a_model_without_an_moe_layer_runs_resident_and_offloaders_say_so(tmp_path):
+    """A config that routes no layer to experts (decoder_sparse_step 2 over one layer): resident runs it;
+    the offloading policies crashed at load (IndexError on the empty store; ZeroDivisionError coded)."""
+    from specter.testing import make_tiny_checkpoint
+
+    make_tiny_checkpoint(tmp_path, "qwen3_moe", num_hidden_layers=1, decoder_sparse_step=2)
+    engine = specter.load(tmp_path, device="cpu", policy="resident")
+    assert engine.spec.n_moe_layers == 0 and len(engine.generate([1, 2, 3], max_new_tokens=3).token_ids) == 3
+    for policy in ("on-demand", "next-layer", "host", "spec-lru", "specter"):
+        with pytest.raises(specter.ConfigError, match=f"no MoE layer .* policy '{policy}' has nothing to offload"):
+            specter.load(tmp_path, device="cpu", policy=policy, residency=0.5)
+
+
 def test_string_prompt_without_tokenizer(engine):
     with pytest.raises(specter.TokenizerError, match="token ids"):
         engine.generate("hello")

@@ -58,8 +58,9 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
     pol.check_host_threads(host_threads)
     ckpt = open_checkpoint(path)
     spec = ckpt.spec
-    from ..builder import check_compressible
+    from ..builder import check_compressible, check_has_experts
 
+    check_has_experts(ckpt, policy)
     check_compressible(ckpt, compress_experts)
     drafts = pol.drafts and k_max > 0  # k_max 0 never drafts: rank 0 holds no draft (as one process makes none)
     dt = compute_dtype(device, ckpt.dtype, dtype)
