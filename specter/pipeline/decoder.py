@@ -144,19 +144,24 @@ class PipelineDecoder:
     def close(self) -> None:
         """The Engine's close: nothing here; the launcher ends the pipeline (`finish`)."""
 
-    def finish(self, abort: bool = False) -> None:
+    def finish(self, abort: bool = False, interrupted: bool = False) -> None:
         """Ends every rank's loop (abort: with an error there). Idempotent; nothing is sent on a
         broken pipeline."""
-        finish(self, abort)
+        finish(self, abort, interrupted)
 
 
-def finish(dec, abort: bool) -> None:
+def finish(dec, abort: bool, interrupted: bool = False) -> None:
     """Rank 0's decoder `dec` (wire, stage, lock, _closed) ends every rank's loop, then closes its stage;
-    it waits (at most the group's timeout) for a generation still running on another thread."""
+    it waits (at most the group's timeout) for a generation still running on another thread. `interrupted`
+    (a Ctrl-C): a generation left suspended holds the lock (its stream was being printed), so nothing is
+    waited for; with the lock held elsewhere, nothing more is sent at all (the peers were interrupted
+    too, and the suspended generation's own end, at exit, must not be sent either)."""
     if dec._closed:
         return
     dec._closed = True
-    held = dec.lock.acquire(timeout=dec.group.timeout_s)
+    held = dec.lock.acquire(timeout=0 if interrupted else dec.group.timeout_s)
+    if interrupted and not held:
+        dec.wire.broken = dec.wire.broken or "interrupted (Ctrl-C)"
     try:
         if not dec.wire.broken:
             dec.wire.send_header(1, ABORT if abort else STOP)

@@ -164,8 +164,9 @@ def run(args, body, serving: bool = False, waits: bool = False) -> int:
             with keep_alive(engine.decoder) if serving or waits else nullcontext():
                 code = body(engine)
         except BaseException as e:
-            with after_interrupt(isinstance(e, KeyboardInterrupt)):
-                engine.decoder.finish(abort=True)  # the other ranks stop with an error too
+            interrupted = isinstance(e, KeyboardInterrupt)
+            with after_interrupt(interrupted):
+                engine.decoder.finish(abort=True, interrupted=interrupted)  # the other ranks stop with an error too
             raise
         engine.decoder.finish()
         if engine.decoder.broken:  # a server answered 503 since; its exit says why

@@ -138,5 +138,5 @@ class PipelineSpeculativeDecoder(OptimisticCycles, SpeculativeDecoder):
     def close(self) -> None:
         """The Engine's close: nothing here; the launcher ends the pipeline (`finish`)."""
 
-    def finish(self, abort: bool = False) -> None:
-        finish(self, abort)
+    def finish(self, abort: bool = False, interrupted: bool = False) -> None:
+        finish(self, abort, interrupted)
