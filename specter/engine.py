@@ -18,9 +18,12 @@ Printable pieces and asyncio are in streaming.py; the sampling keywords' default
 from __future__ import annotations
 
 import asyncio
+import atexit
+import copy
 import numbers
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -219,6 +222,9 @@ class Engine:
         self.plan, self.shared = plan, shared  # the memory plan it was built to; the loaded checkpoint (builder.Loaded)
         self.turns = Turns()
         self.closed = False
+        # an engine dropped without close(): its decoder's threads (links, host lane) stopped when it is collected
+        self._finalizer = weakref.finalize(self, _close_dropped, decoder)
+        self._finalizer.atexit = False  # (at exit offload/threads.py closes every owner)
         self._generation_defaults = dict(generation_defaults or {})
         SamplingParams(**self._generation_defaults)  # valid, or a ConfigError now rather than at each call
 
@@ -416,6 +422,12 @@ class Engine:
             with cuda_device(self.device):
                 run.close()
 
+    def _recover(self, run) -> None:
+        """After an error or a Ctrl-C part way through a layer: no slot is left reserved with no copy coming
+        (the next generation would read that expert as zeros)."""
+        run.close()
+        getattr(getattr(self.decoder, "experts", None), "recover", lambda: None)()
+
     def _chunks(self, ids: list[int], params: SamplingParams, max_new_tokens: int, stops: list[str],
                 stats: dict, cancel: threading.Event | None = None) -> Iterator[tuple[list[int], str | None]]:
         """One prepared generation (`_prepare`), run in the engine's turn, whichever driver iterates it:
@@ -425,8 +437,8 @@ class Engine:
         dec, tok, eos = self.decoder, self.tokenizer, set(self.model.spec.eos_token_ids)
         longest = max(map(len, stops), default=0)
         if cancel is not None and cancel.is_set():  # cancelled while waiting for the turn
-            stats.update(STATS_DEFAULTS, finish_reason="cancelled", prompt_tokens=len(ids), policy=self.policy,
-                         total_s=0.0)
+            stats.update(copy.deepcopy(STATS_DEFAULTS), finish_reason="cancelled", prompt_tokens=len(ids),
+                         policy=self.policy, total_s=0.0)
             return
         dec.reset_stats()
         new, text, reason = [], None, "length"
@@ -464,15 +476,19 @@ class Engine:
                     break
         except GeneratorExit:  # the caller left early (a break, aclose): the stats still say how it ended
             reason = "cancelled"
-        except BaseException:  # an error or a Ctrl-C part way through a layer: no slot is left reserved with no
-            run.close()        # copy coming (the next generation would read that expert as zeros)
-            getattr(getattr(dec, "experts", None), "recover", lambda: None)()
+        except Exception:
+            if not self.closed:
+                self._recover(run)
+                raise
+            reason = "cancelled"  # close() from another thread stopped its links under this generation: it ends
+        except BaseException:  # a Ctrl-C
+            self._recover(run)
             raise
         finally:
             run.close()
         t_end = time.perf_counter()
         t_first = t_end if t_first is None else t_first
-        stats.update(STATS_DEFAULTS)
+        stats.update(copy.deepcopy(STATS_DEFAULTS))  # (its {} and [] the caller's own, not every generation's)
         own = dec.stats()
         stats.update(own)
         stats.update(  # copies waited on after the first token (a pipeline's decoder sums its ranks')
@@ -489,9 +505,40 @@ class Engine:
         )
 
     def close(self) -> None:
-        """Stop the engine's threads and links; a generation after this is a ConfigError."""
+        """Stop the engine's threads and links; a generation after this is a ConfigError, and one running
+        (on another thread, or a stream left suspended) ends at once, finish_reason "cancelled"."""
         self.closed = True
+        self._finalizer.detach()
         if hasattr(self.decoder, "close"):
             self.decoder.close()
+
+
+_CLOSING: set[threading.Thread] = set()  # dropped engines' decoders being closed off the collecting thread
+
+
+def _close_dropped(decoder) -> None:
+    """An engine collected without close(): its decoder closed, on a thread of its own where the collection
+    runs on one of Specter's (which close() may join); those are joined at exit, before the interpreter
+    finalizes (a daemon thread still inside a torch op then aborts the process: offload/threads.py)."""
+    if not hasattr(decoder, "close"):
+        return
+    if not threading.current_thread().name.startswith("specter-"):
+        decoder.close()
+        return
+    def run() -> None:
+        try:
+            decoder.close()
+        finally:
+            _CLOSING.discard(t)
+
+    t = threading.Thread(target=run, name="specter-close-dropped", daemon=True)
+    _CLOSING.add(t)
+    t.start()
+
+
+@atexit.register
+def _join_closing() -> None:
+    for t in list(_CLOSING):
+        t.join(timeout=30)
 
 

@@ -609,3 +609,39 @@ def test_a_generation_cut_short_recovers_the_slot_cache(monkeypatch):
         assert e.generate(PROMPT, max_new_tokens=12, **GREEDY).token_ids == want
     finally:
         e.close()
+
+
+def test_a_dropped_engine_stops_its_threads_and_close_mid_generation_cancels_it(engine):
+    """An engine dropped without close() kept its link and host-lane threads (and the store they hold)
+    until exit: 2 threads and ~21 MiB an engine (a resource QA pass). They stop when it is collected.
+    close() from another thread, or with a stream left suspended, made the generation raise a bare
+    RuntimeError from the closed link: it ends as cancelled. Stats' {} and [] are each generation's own."""
+    import gc
+    import weakref
+
+    def ours():
+        return {t for t in threading.enumerate() if t.name.startswith(("specter-link", "specter-host"))}
+
+    before = ours()
+    e = specter.load(None, device="cpu", policy="specter", residency=0.25)
+    assert e.generate(PROMPT, max_new_tokens=4, **GREEDY).token_ids and ours() - before
+    gone = weakref.ref(e)
+    del e
+    gc.collect()
+    assert gone() is None and ours() == before
+
+    e = fix_k(specter.load(None, device="cpu", policy="specter", residency=0.25))
+    stats = {}
+    pieces = e.stream(PROMPT, max_new_tokens=64, stats=stats, **GREEDY)
+    next(pieces)
+    e.close()  # a stream left suspended
+    rest = list(pieces)
+    assert stats["finish_reason"] == "cancelled" and stats["generated_tokens"] < 64, (rest, stats)
+    with pytest.raises(specter.ConfigError, match="closed"):
+        e.generate(PROMPT, max_new_tokens=2)
+
+    first = engine.generate(PROMPT, max_new_tokens=2, **GREEDY).stats
+    first["k_histogram"]["mine"] = 1
+    first["compiled"].append("mine")
+    again = engine.generate(PROMPT, max_new_tokens=2, **GREEDY).stats
+    assert again["k_histogram"] == {} and again["compiled"] == []
