@@ -41,7 +41,9 @@ NOT_SAMPLING = {"do_sample", "max_length", "max_new_tokens", "bos_token_id", "eo
 def read_generation_defaults(path: str | os.PathLike) -> dict:
     """generate()'s sampling keywords from `path`/generation_config.json: {} (greedy) when the file is
     missing; a CheckpointError naming the file when it cannot be read or holds invalid values."""
-    from transformers import GenerationConfig
+    from .loader import transformers_attr
+
+    GenerationConfig = transformers_attr("GenerationConfig")
 
     file = Path(path) / FILE
     if not file.is_file():

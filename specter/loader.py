@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +54,18 @@ class Checkpoint:
         return n
 
 
+_TRANSFORMERS = threading.Lock()
+
+
+def transformers_attr(name: str):
+    """transformers.<name>, imported under a lock: the first imports of its lazy module race across threads
+    (two specter.load calls at once failed with "cannot import name 'AutoConfig' from 'transformers'")."""
+    with _TRANSFORMERS:
+        import transformers
+
+        return getattr(transformers, name)
+
+
 def read_config(path: str | os.PathLike):
     path = Path(path)
     check_source(path)
@@ -73,10 +86,8 @@ def read_config(path: str | os.PathLike):
     if model_type not in SUPPORTED:
         raise UnsupportedModelError(f"architecture {model_type!r} is not supported; supported: {supported_list()}")
     check_not_quantized(raw, path)
-    from transformers import AutoConfig
-
     try:
-        cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
+        cfg = transformers_attr("AutoConfig").from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
     except Exception as e:  # malformed fields
         why = " ".join(str(e).split())  # (transformers' validation errors span lines; a CLI error is one)
         raise CheckpointError(f"{path / 'config.json'} could not be read: {why}") from None
@@ -570,10 +581,8 @@ def load_tokenizer(path: str | os.PathLike):
     path = Path(path)
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    from transformers import AutoTokenizer
-
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+        tok = transformers_attr("AutoTokenizer").from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except Exception as e:
         why = " ".join(line.strip() for line in str(e).splitlines() if line.strip())  # one line, as every error
         hint = "" if (path / "tokenizer.json").is_file() else \

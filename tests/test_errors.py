@@ -584,3 +584,29 @@ def test_an_unknown_load_option_names_the_ones_there_are():
         specter.load(None, device="cpu", policy="on-demand", residency=0.5, kmax=3)
     with pytest.raises(specter.ConfigError, match="slot_pool must be one of"):
         specter.load(None, device="cpu", policy="on-demand", residency=0.5, slot_pool="bogus")
+
+
+def test_first_loads_on_several_threads_at_once_import_transformers_safely(tmp_path):
+    """Two specter.load calls on threads of a fresh process: transformers' lazy module raced ("cannot
+    import name 'AutoConfig' from 'transformers'", in 2 of 3 threads). Its names are imported under a
+    lock now; the cache's temporary names are per thread too (they were per process)."""
+    code = """
+import threading, specter
+from specter.loader import read_config, load_tokenizer
+from specter.generation_defaults import read_generation_defaults
+from specter.speculative.draft_cache import write_layer_file
+import torch, pathlib
+p, errs = specter.default_model_path(), []
+def go(i):
+    try:
+        [read_config, load_tokenizer, read_generation_defaults][i % 3](p)
+        write_layer_file(pathlib.Path(DIR) / "layer-0.safetensors", "k", 0, {"w": torch.zeros(1 << 16)})
+    except BaseException as e:
+        errs.append(repr(e))
+ts = [threading.Thread(target=go, args=(i,)) for i in range(6)]
+[t.start() for t in ts]; [t.join() for t in ts]
+print(errs)
+""".replace("DIR", repr(str(tmp_path)))  # -W error: a collision on the temporary name warned of a full disk
+    r = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])
+    assert [f.name for f in tmp_path.iterdir()] == ["layer-0.safetensors"]

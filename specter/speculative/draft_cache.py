@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -99,7 +100,7 @@ def _remove_dead_writes(entry: Path, quiet_s: float = 60.0) -> None:
     now = time.time()
     for tmp in entry.glob(".*.tmp"):
         try:
-            pid = int(tmp.name.rsplit(".", 2)[-2])
+            pid = int(tmp.name.rsplit(".", 2)[-2].split("-")[0])
             if now - tmp.stat().st_mtime < quiet_s or _alive(pid):
                 continue
             tmp.unlink()
@@ -237,7 +238,7 @@ def write_layer_file(path: Path, key: str, layer: int, tensors: dict[str, torch.
     A full or read-only disk costs the cache, not the load."""
     meta = {**(meta or {}), "key": key, "layer": str(layer),
             "crc32": json.dumps({n: _crc(t) for n, t in tensors.items()})}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")  # (threads of one process too)
     try:
         _save(tensors, tmp, meta)
         os.replace(tmp, path)
