@@ -189,7 +189,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     pol.check_host_threads(host_threads)
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
         raise ConfigError(f"k_max must be an integer >= 0 (0 = no speculation), got {k_max!r}")
-    drafts = pol.drafts and k_max > 0  # k_max 0 never drafts: no draft is quantised, planned or held
+    drafts = pol.makes_draft(k_max)  # k_max 0 never drafts: no draft is quantised, planned or held
     if eviction is not None and eviction not in EVICTIONS:
         raise ConfigError(f"eviction must be one of {', '.join(EVICTIONS)} (the slot cache's rule), got {eviction!r}")
     if compile is not None and not isinstance(compile, bool):

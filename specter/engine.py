@@ -391,7 +391,7 @@ class Engine:
             raise self._no_tokenizer("stop strings cannot be matched; stop on max_new_tokens or the EOS token")
         ids = self.encode(prompt)
         limit, model = self.context, self.model.spec.max_position
-        # None: DEFAULT_NEW_TOKENS, or fewer where the context has room for fewer (the CLI's and server's default)
+        # None: DEFAULT_NEW_TOKENS, or fewer where the context has room for fewer (the CLI's default)
         max_new_tokens = int(max_new_tokens) if given else max(1, min(DEFAULT_NEW_TOKENS, limit - len(ids)))
         if len(ids) + max_new_tokens > limit:
             whose = "the model's" if limit == model else "the engine's"
@@ -471,8 +471,8 @@ class Engine:
                 yield new, text
                 if done:
                     break
-                if cancel is not None and cancel.is_set():
-                    reason = "cancelled"
+                if (cancel is not None and cancel.is_set()) or self.closed:  # (close(): from another thread, or a
+                    reason = "cancelled"                                      # stream left suspended)
                     break
         except GeneratorExit:  # the caller left early (a break, aclose): the stats still say how it ended
             reason = "cancelled"

@@ -582,7 +582,8 @@ def load_tokenizer(path: str | os.PathLike):
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     try:
-        tok = transformers_attr("AutoTokenizer").from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+        tok = transformers_attr("AutoTokenizer").from_pretrained(str(path), local_files_only=True,
+                                                                 trust_remote_code=False)
     except Exception as e:
         why = " ".join(line.strip() for line in str(e).splitlines() if line.strip())  # one line, as every error
         hint = "" if (path / "tokenizer.json").is_file() else \

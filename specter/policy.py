@@ -32,6 +32,11 @@ class Policy:
         verifier (the oracle replays a recording eagerly)."""
         return self.decoder != "oracle"
 
+    def makes_draft(self, k_max: int | None = None) -> bool:
+        """Whether an engine of it makes (quantises, plans, holds) a draft: a drafting policy, unless k_max
+        is 0 (never drafts; None: the default)."""
+        return self.drafts and k_max != 0
+
     def computes_on_host(self, device_type: str, host_threads: int | None = None, every_expert: bool = False) -> bool:
         """Whether it computes experts on the host lane on a `device_type` ("cpu", "cuda") device:
         host_lane "misses" (policy host) always; "split" (specter) on CPU (the emulated machine, where

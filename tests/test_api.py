@@ -630,15 +630,16 @@ def test_a_dropped_engine_stops_its_threads_and_close_mid_generation_cancels_it(
     gc.collect()
     assert gone() is None and ours() == before
 
-    e = fix_k(specter.load(None, device="cpu", policy="specter", residency=0.25))
-    stats = {}
-    pieces = e.stream(PROMPT, max_new_tokens=64, stats=stats, **GREEDY)
-    next(pieces)
-    e.close()  # a stream left suspended
-    rest = list(pieces)
-    assert stats["finish_reason"] == "cancelled" and stats["generated_tokens"] < 64, (rest, stats)
-    with pytest.raises(specter.ConfigError, match="closed"):
-        e.generate(PROMPT, max_new_tokens=2)
+    for policy, kw in (("specter", dict(residency=0.25)), ("resident", {})):  # (resident: no link to close)
+        e = specter.load(None, device="cpu", policy=policy, **kw)
+        stats = {}
+        pieces = e.stream(PROMPT, max_new_tokens=64, stats=stats, **GREEDY)
+        next(pieces)
+        e.close()  # a stream left suspended
+        rest = list(pieces)
+        assert stats["finish_reason"] == "cancelled" and stats["generated_tokens"] < 64, (policy, rest, stats)
+        with pytest.raises(specter.ConfigError, match="closed"):
+            e.generate(PROMPT, max_new_tokens=2)
 
     first = engine.generate(PROMPT, max_new_tokens=2, **GREEDY).stats
     first["k_histogram"]["mine"] = 1

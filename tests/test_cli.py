@@ -126,7 +126,8 @@ def test_context_reaches_the_engine(capsys):
     argv[argv.index("16")] = "7"  # the prompt fills the context: no room, and no --max-new-tokens to lower
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "exceeds the engine's context of 7 tokens" in err and "shorten the prompt" in err and "lower" not in err
+    assert "leaves no room for a new token in the engine's context of 7 tokens" in err
+    assert "shorten the prompt" in err and "lower" not in err
     with pytest.raises(SystemExit):
         main(["generate", "x", "--context", "0"])
 
@@ -300,11 +301,13 @@ def test_chat_lines_commands_bad_bytes_and_ctrl_c(chat_model, capsys, monkeypatc
     def user(text):
         return {"role": "user", "content": text}
 
-    lines = b"\n   \n/exti\ncaf\xe9\ndef add(a, b):\r\n/EXIT\nclass Stack:\n"
+    lines = b"\n   \n/exti\ncaf\xe9\ndef add(a, b):\r\n /tmp\n/EXIT\nclass Stack:\n"  # " /tmp": a message
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines), encoding="utf-8", errors="strict"))
     assert main(["chat", "--model", str(model), "--max-new-tokens", "5", *base]) == 0
     out, err = capsys.readouterr()
-    assert out == reply([user("def add(a, b):")], 5) + "\n"  # one turn, then /EXIT
+    first = reply([user("def add(a, b):")], 5)
+    second = reply([user("def add(a, b):"), {"role": "assistant", "content": first}, user(" /tmp")], 5)
+    assert out == first + "\n" + second + "\n"  # two turns, then /EXIT
     assert "unknown command /exti" in err and "not valid Unicode" in err
 
     n = 12

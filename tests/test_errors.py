@@ -506,7 +506,7 @@ def test_streaming_without_a_tokenizer(engine):
         engine.generate([1, 2, 3], stop="x")
 
 
-def test_a_gguf_file_a_hub_id_and_a_quantized_checkpoint_say_what_to_pass(tiny, tmp_path):
+def test_a_gguf_file_a_hub_id_and_a_quantized_checkpoint_say_what_to_pass(tiny, tmp_path, capsys):
     gguf = tmp_path / "model-Q4_K_M.gguf"
     gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
     with pytest.raises(specter.CheckpointError, match="GGUF file.*Hugging Face model directory"):
@@ -522,6 +522,11 @@ def test_a_gguf_file_a_hub_id_and_a_quantized_checkpoint_say_what_to_pass(tiny, 
     (d / "config.json").unlink()  # a GGUF download alone: the same hint
     with pytest.raises(specter.CheckpointError, match="config.json is missing.*GGUF files"):
         specter.load(d, device="cpu")
+    from specter.cli import main
+
+    for command in (["chat"], ["serve", "--port", "0"]):  # their tokenizer check leaves it to the load's hint
+        assert main([*command, "--model", str(d), "--device", "cpu"]) == 2
+        assert "GGUF files" in capsys.readouterr().err, command
     path, _ = tiny("qwen3_moe")
     q = tmp_path / "gptq"
     shutil.copytree(path, q)

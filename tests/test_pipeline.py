@@ -250,6 +250,12 @@ def test_under_torchrun_a_flag_the_policy_ignores_is_refused_and_bench_takes_the
     args = build_parser().parse_args(["generate", "x", "--policy", "resident", "--compress-experts"])
     with pytest.raises(ConfigError, match="policy 'resident' does not use --compress-experts"):
         launch.run(args, lambda engine: 0)
+    for argv, match in ((["--policy", "on-demand", "--k-max", "0"], "--k-max does not apply"),  # (0 was dropped)
+                        (["--policy", "on-demand", "--draft-cache", "off"], "--draft-cache would be ignored"),
+                        (["--k-max", "0", "--draft-cache", "off"], "--k-max 0 makes no draft"),
+                        (["--k-max", "0", "--draft-bits", "3"], "--k-max 0 makes no draft")):
+        with pytest.raises(ConfigError, match=match):  # refused under torchrun as in one process
+            launch.run(build_parser().parse_args(["generate", "x", *argv]), lambda engine: 0)
     args = build_parser().parse_args(["bench", "--policies", "resident", "--compress-experts"])
     with pytest.raises(ConfigError, match="none of the policies resident uses --compress-experts|policy 'resident' "
                                           "does not use --compress-experts"):
@@ -435,10 +441,10 @@ def test_device_memory_is_each_ranks_whole_device(ckpts, capsys):
     stages = make_stages(spec, 2, 4, drafts=True)
     memory, fixed, slot = _device_memory(spec, stages, True, 0)
     with pytest.raises(BudgetError,
-                       match=r"rank 0: device_memory .* cannot even hold .* whole draft .*without the draft \(--k-max 0"):
+                       match=r"rank 0: device_memory .* cannot even hold .* whole draft .*without the draft"):
         load_stage(path, stages[0], torch.device("cpu"), policy="specter", device_memory=fixed[0] - 1)
     with pytest.raises(BudgetError,
-                       match=r"rank 0: device_memory .* leaves its expert pool .* top-2.*without the draft \(--k-max 0"):
+                       match=r"rank 0: device_memory .* leaves its expert pool .* top-2.*without the draft"):
         load_stage(path, stages[0], torch.device("cpu"), policy="specter", device_memory=fixed[0] + slot)
     with pytest.raises(specter.ConfigError, match="one budget"):
         load_stage(path, stages[1], torch.device("cpu"), policy="on-demand", device_memory=memory, residency=0.5)
@@ -636,9 +642,9 @@ def test_a_stages_slot_pool_is_the_plans_dtype():
 
 
 def test_k_max_and_compress_experts_give_one_process_tokens(tmp_path):
-    """--k-max (rank 0's governor's longest draft; 0: no draft held) and --compress-experts (each rank's own layers' experts
-    coded, in one process's coded cache) under a 2-rank pipeline: one process's greedy tokens with the
-    same options; the ranks' coded layers are one process's bytes, under its layer numbers."""
+    """--k-max (rank 0's governor's longest draft; 0: no draft held) and --compress-experts (each rank's
+    own layers' experts coded, in one process's coded cache) under a 2-rank pipeline: one process's greedy
+    tokens with the same options; the ranks' coded layers are one process's bytes, under its layer numbers."""
     from specter.offload.coded import cache_entry
 
     path = tmp_path / "bf16"

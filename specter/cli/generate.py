@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 from .. import pipeline
 from ..errors import ConfigError, ContextLengthError, SpecterError
-from .options import (DEFAULT_NEW_TOKENS, check_policy_flags, check_sampling, check_tokenizer, load_engine, max_new_tokens,
+from .options import (DEFAULT_NEW_TOKENS, check_policy_flags, check_sampling, check_tokenizer, load_engine,
                       model_args, pipeline_args, sampling_args, sampling_kwargs, token_ids)
 
 
@@ -109,7 +109,7 @@ def cmd_generate(args) -> int:
 
 def _generate(args, prompt, engine) -> int:
     try:
-        kw = dict(max_new_tokens=max_new_tokens(args, engine, prompt), stop=args.stop, **sampling_kwargs(args))
+        kw = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, **sampling_kwargs(args))  # None: the engine's
         if args.json:
             out = engine.generate(prompt, **kw)
             print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats}))
@@ -164,10 +164,10 @@ def _chat(args, engine) -> int:
             if interactive:
                 print("> ", end="", file=sys.stderr, flush=True)
             line = read_stdin(line=True)
-            command = line.strip().lower()
+            command = line.strip().lower() if line.startswith("/") else ""  # (" /x": a message)
             if not line or command == "/exit":
                 return 0
-            if not command:  # an empty line sends nothing
+            if not line.strip():  # an empty line sends nothing
                 continue
             if command == "/reset":
                 messages = list(start)
@@ -177,16 +177,16 @@ def _chat(args, engine) -> int:
             if command == "/help":
                 print(CHAT_HELP, file=sys.stderr)
                 continue
-            if command.startswith("/") and command[1:].isalpha():  # a mistyped command is not sent as a message
-                print(f"specter: unknown command {line.strip()} ({', '.join(CHAT_COMMANDS)}); a message that "
-                      f"starts with / : put a space before it", file=sys.stderr)
+            if command[1:].isalpha():  # a mistyped command is not sent as a message
+                print(f"specter: unknown command {line.strip()} ({', '.join(CHAT_COMMANDS)}); to send a message that "
+                      f"starts with /, put a space before it", file=sys.stderr)
                 continue
             turn = messages + [{"role": "user", "content": line.rstrip("\r\n")}]
             reply, stats = [], {}
             try:
-                limit = max_new_tokens(args, engine, turn)
                 with _stoppable(interactive and not pipeline.launched()) as cancel:
-                    for piece in engine.stream(turn, max_new_tokens=limit, stats=stats, cancel=cancel, **kw):
+                    for piece in engine.stream(turn, max_new_tokens=args.max_new_tokens, stats=stats, cancel=cancel,
+                                               **kw):
                         reply.append(piece)
                         sys.stdout.write(piece)
                         sys.stdout.flush()
@@ -211,11 +211,13 @@ def _chat(args, engine) -> int:
             if why == "cancelled":
                 print("(stopped)", file=sys.stderr)
             elif why == "length":  # cut: by --max-new-tokens, the default, or the context's end
+                limit = stats["generated_tokens"]
                 print(f"(the reply stopped at {limit} tokens: "
                       + ("--max-new-tokens" if args.max_new_tokens is not None else
                          "the end of the context; /reset starts over" if limit < DEFAULT_NEW_TOKENS else
                          "--max-new-tokens raises it") + ")", file=sys.stderr)
-            messages = turn + [{"role": "assistant", "content": "".join(reply)}]  # (a stopped reply as shown)
+            if reply:  # (a stopped reply as shown; one stopped before its first piece leaves no turn)
+                messages = turn + [{"role": "assistant", "content": "".join(reply)}]
     finally:
         engine.close()
 

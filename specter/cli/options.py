@@ -131,14 +131,6 @@ def pipeline_args(p: argparse.ArgumentParser) -> None:
                         "every rank has loaded (default 600; joining and loading wait at least 600)")
 
 
-def max_new_tokens(args, engine, prompt) -> int:
-    """--max-new-tokens, or at most DEFAULT_NEW_TOKENS that fit in the engine's context after `prompt` (as
-    the server's default max_tokens); a prompt that leaves no room gets the engine's own error."""
-    if args.max_new_tokens is not None:
-        return args.max_new_tokens
-    return max(1, min(DEFAULT_NEW_TOKENS, engine.context - len(engine.encode(prompt))))
-
-
 def sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"most tokens to generate (default {DEFAULT_NEW_TOKENS}, or what the context has room for)")
@@ -254,9 +246,17 @@ def check_policy_flags(args, policy: str | None = None) -> None:
         raise ConfigError(f"policy {policy!r} is bench only (a limit to compare against, not a way to run): "
                           f"specter bench --policies on-demand,specter,{policy}")
     refuse_unused_flags(args, [policy])
+    refuse_unused_draft_flags(args, policy)
+
+
+def refuse_unused_draft_flags(args, policy: str) -> None:
+    """--draft-bits with --k-max 0, and --draft-cache (read for the draft, and for a coded store kept beside
+    it) where neither is made: refused, in one process and under torchrun alike."""
     pol = get_policy(policy)
-    if getattr(args, "draft_cache", None) is not None and not getattr(args, "compress_experts", False) and not (
-            pol.drafts and args.k_max != 0):  # read for the draft, and for a coded store kept beside it
+    if args.k_max == 0 and getattr(args, "draft_bits", None) is not None:
+        raise ConfigError(f"--k-max 0 makes no draft, so --draft-bits {args.draft_bits} would be ignored; drop one")
+    if getattr(args, "draft_cache", None) is not None and not getattr(args, "compress_experts", False) \
+            and not pol.makes_draft(args.k_max):
         why = "--k-max 0 makes no draft" if pol.drafts else f"policy {policy!r} makes no draft"
         raise ConfigError(f"{why} and --compress-experts is not given, so --draft-cache would be ignored; drop it")
 
@@ -267,8 +267,8 @@ def check_tokenizer(args, who: str, chat: str | None = None) -> None:
     from ..loader import load_tokenizer
 
     path = Path(args.model) if args.model is not None else specter.default_model_path()
-    if not path.is_dir():
-        return  # the load names what is missing
+    if not (path / "config.json").is_file():
+        return  # not a model directory: the load says what it is and what to pass
     tok = load_tokenizer(path)
     if tok is None:
         raise TokenizerError(f"{path} ships no tokenizer, which {who} needs; copy the model's tokenizer files next "

@@ -21,7 +21,8 @@ from ..offload.staging import describe as describe_staging
 from ..pipeline.plan import cmd_plan_ranks
 from ..policy import DEFAULT as DEFAULT_POLICY, DEFAULT_K_MAX, get as get_policy, names as policy_names
 from ..sizes import format_size
-from .options import FLAG_USERS, dtype_arg, nonnegative_int, policy_help, positive_int, refuse_unused_flags
+from .options import (FLAG_USERS, dtype_arg, nonnegative_int, policy_help, positive_int, refuse_unused_draft_flags,
+                      refuse_unused_flags)
 
 
 def add_parsers(sub) -> None:
@@ -75,8 +76,7 @@ def cmd_plan(args) -> int:
     # as generate refuses them (--draft-bits, --compress-experts ...); plan's --link ranks every policy's ways
     refuse_unused_flags(args, [args.policy], [f for f in FLAG_USERS if f[0] != "--link"])
     refuse_unused(args.policy, residency=args.residency, expert_memory=args.expert_memory)
-    if args.k_max == 0 and args.draft_bits is not None:  # as the load refuses it
-        raise ConfigError(f"--k-max 0 makes no draft, so --draft-bits {args.draft_bits} would be ignored; drop one")
+    refuse_unused_draft_flags(args, args.policy)  # as the load refuses them
     if args.ranks > 1:  # a layer pipeline: per-rank table (specter/pipeline/plan.py)
         return cmd_plan_ranks(args, _plan_device(args.device, args.device_memory is not None))
     path = args.model or default_model_path()
@@ -88,7 +88,7 @@ def cmd_plan(args) -> int:
         check_packable(args.draft_bits, spec.hidden, spec.expert_inter)
     device = _plan_device(args.device, args.device_memory is not None)
     dtype = compute_dtype(device, store_dtype, args.dtype)
-    drafts = pol.drafts and args.k_max != 0  # (--k-max 0: the engine makes no draft)
+    drafts = pol.makes_draft(args.k_max)  # (--k-max 0: the engine makes no draft)
     k_max = DEFAULT_K_MAX if args.k_max is None else args.k_max
     host = host_needs(spec, store_dtype, device.type, draft=drafts, draft_bits=args.draft_bits or 4)
     sizes = _coded_store(path, weights) if args.compress_experts else None

@@ -468,7 +468,7 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
     host lane where the policy runs one on a `device` ("cpu", "cuda") device with `host_threads`.
     `store_dtype`, `compressed`, `coded_ratio`: the checkpoint's, as the engine plans (_engine_args);
     `k_max` 0: a drafting policy without its draft (the engine makes none)."""
-    draft = get_policy(policy).drafts and k_max != 0
+    draft = get_policy(policy).makes_draft(k_max)
     lane = get_policy(policy).computes_on_host(torch.device(device).type, host_threads)
     pool = _engine_args(policy, device, dtype, store_dtype, compressed, coded_ratio, k_max)
     budget = parse_budget(device_memory, "device_memory")

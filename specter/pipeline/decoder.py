@@ -32,9 +32,10 @@ Flags of a step (the speculative decoder's; 0 for plain decoding):
             device) and its stage's step seconds to a float64 [5] that follows the hidden state; the
             last rank returns the sums with the logits: what the governor and the recall stats read
             each cycle
-    KV      (every target step of a drafting policy) each rank after the first returns its layers'
-            K/V at the step's positions to rank 0, whose whole draft reads them as the single-process
-            draft reads the target's: the last rank after its logits, the others in a send of their own
+    KV      (every target step where rank 0 holds the whole draft: a drafting policy, k_max > 0) each rank
+            after the first returns its layers' K/V at the step's positions to rank 0, whose whole draft
+            reads them as the single-process draft reads the target's: the last rank after its logits,
+            the others in a send of their own
     PREFILL (specter) the prompt: each rank's planner begins it first (PrefetchPlanner.begin_prefill),
             as rank 0's decoder does
 `demote` (> 0): rank 0's acceptance kept that many verified rows; each rank demotes the experts

@@ -85,7 +85,7 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
         path = Path(model) if model is not None else default_model_path()
         ckpt = open_checkpoint(path)
         context = check_context(context, ckpt.spec)
-        stages = make_stages(ckpt.spec, group.world, ckpt.dtype.itemsize, pol.drafts and k_max > 0, draft_bits)
+        stages = make_stages(ckpt.spec, group.world, ckpt.dtype.itemsize, pol.makes_draft(k_max), draft_bits)
         options = dict(policy=policy, residency=residency, expert_memory=expert_memory,
                        device_memory=device_memory, link=link,
                        dtype=str(compute_dtype(group.device, ckpt.dtype, dtype)), world=group.world,
@@ -133,11 +133,12 @@ def run(args, body, serving: bool = False, waits: bool = False) -> int:
 
     from .decoder import after_interrupt, keep_alive, serve_stage
 
-    opts = {k: v for k, v in vars(args).items() if k in UNSUPPORTED and v not in (None, False)}
+    from ..cli.options import refuse_unused_draft_flags
+
+    opts = {k: v for k, v in vars(args).items() if k in UNSUPPORTED and v is not None and v is not False}  # (0 kept)
     check_options(args.policy, opts)
     refuse_ignored(args, [args.policy])
-    if args.k_max == 0 and getattr(args, "draft_bits", None) is not None:  # as one process refuses it
-        raise ConfigError(f"--k-max 0 makes no draft, so --draft-bits {args.draft_bits} would be ignored; drop one")
+    refuse_unused_draft_flags(args, args.policy)  # as one process refuses them
     with ranked(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))):
         group, engine, stage = open_pipeline(args.model, device=args.device, policy=args.policy,
                                              residency=args.residency, expert_memory=args.expert_memory,

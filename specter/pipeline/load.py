@@ -62,7 +62,7 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
 
     check_has_experts(ckpt, policy)
     check_compressible(ckpt, compress_experts)
-    drafts = pol.drafts and k_max > 0  # k_max 0 never drafts: rank 0 holds no draft (as one process makes none)
+    drafts = pol.makes_draft(k_max)  # k_max 0 never drafts: rank 0 holds no draft (as one process makes none)
     dt = compute_dtype(device, ckpt.dtype, dtype)
     plan = lk = pdt = None  # pdt: the slot pool's dtype (the plan's: fp32 on CPU for a small pool)
     configure_threads(device, threads)  # before the link's calibration: measured on the threads it decodes with

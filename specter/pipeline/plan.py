@@ -6,9 +6,9 @@ pool; its host holds its MoE layers' expert store. The pool is sized as the rank
 load (load.load_stage): a residency gives each stage its layers' share of the whole model's pool;
 --expert-memory is each rank's own; --device-memory is each rank's own device, the pool taking
 what the stage's weights, KV cache and draft leave (it fits when that is at least one layer's
-top-k). Drafting policies: the first rank runs the whole draft (stage.StageModel.whole), so it
-holds every layer's non-expert weights, every MoE layer's draft experts and a KV cache of every
-layer; the others hold no draft. --compress-experts: each rank's host store is its layers' coded
+top-k). Drafting policies (unless --k-max 0: no draft): the first rank runs the whole draft
+(stage.StageModel.whole), so it holds every layer's non-expert weights, every MoE layer's draft
+experts and a KV cache of every layer; the others hold no draft. --compress-experts: each rank's host store is its layers' coded
 bytes (measured from the weights), and where the engine builds one (coded_tier.tier_wanted) its device
 also holds its share of the compressed tier, sized as the ranks size it (stages.stage_tier over a
 plan at the tier's planning ratio).
@@ -38,7 +38,7 @@ def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str,
     drafting policy that never drafts holds no draft (as load_stage)."""
     if policy not in PIPELINED:
         raise ConfigError(f"policy {policy!r} is not pipelined; plan --ranks for {', '.join(PIPELINED)}")
-    drafts = get_policy(policy).drafts and k_max != 0
+    drafts = get_policy(policy).makes_draft(k_max)
     stages = make_stages(spec, ranks, store_dtype.itemsize, drafts, draft_bits)
     item, E, k = dtype.itemsize, spec.n_experts, spec.top_k
     out = []
@@ -143,7 +143,7 @@ def cmd_plan_ranks(args, device) -> int:
                           device=device, draft_bits=bits, coded_layers=coded, k_max=args.k_max)
 
     rows, tip, chosen = plan(args.policy), None, ""
-    drafts = get_policy(args.policy).drafts and args.k_max != 0  # (--k-max 0: no draft on rank 0)
+    drafts = get_policy(args.policy).makes_draft(args.k_max)  # (--k-max 0: no draft on rank 0)
     bits = (getattr(args, "draft_bits", None) or 4) if drafts else None
     if args.device_memory is not None and drafts and getattr(args, "draft_bits", None) is None:
         for b in DRAFT_BITS[1:]:  # as the one-rank plan: a narrower draft where the default does not fit

@@ -103,7 +103,8 @@ def _server_class():
             import asyncio
 
             await super().shutdown(sockets)
-            if self.force_exit and self.config.lifespan != "off":
+            if self.force_exit and self.config.lifespan != "off" and not getattr(self, "_app_shut", False):
+                self._app_shut = True  # (once: a second Ctrl-C may come while uvicorn's own call awaits)
                 try:
                     await asyncio.wait_for(self.lifespan.shutdown(), 10)
                 except asyncio.TimeoutError:

@@ -28,7 +28,8 @@ class Metrics:
         self.h2d_bytes = Counter("specter_h2d_bytes", "expert bytes copied host -> device", registry=r)
         self.expert_hits = Counter("specter_expert_hits", "expert uses found on the device", registry=r)
         self.expert_misses = Counter("specter_expert_misses",
-                                     "expert uses not on the device (copied, or computed on the host lane)", registry=r)
+                                     "expert uses not in a slot (copied, decoded from the coded tier, or computed "
+                                     "on the host lane)", registry=r)
         self.drafted = Counter("specter_drafted_tokens", "tokens the draft proposed", registry=r)
         self.accepted = Counter("specter_accepted_tokens", "drafted tokens verification accepted", registry=r)
         # ratios over the server's lifetime; NaN until there is something to divide
