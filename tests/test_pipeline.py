@@ -145,23 +145,31 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _start(argvs: list[list[str]], stdin=None) -> list[subprocess.Popen]:
+def _start(argvs: list[list[str]], stdin=None, interruptible: bool = False) -> list[subprocess.Popen]:
     """One process per rank (argvs[r] after `python`), given torchrun's environment; `stdin`: each
-    rank's (default: this process's)."""
+    rank's (default: this process's). `interruptible`: SIGINT at its default, so Python raises
+    KeyboardInterrupt for it, even where this process ignores it (a suite run in the background)."""
     n, port = len(argvs), _port()
     procs = []
     for r, argv in enumerate(argvs):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, *argv], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, stdin=None if stdin is None else stdin[r]))
+                                      stderr=subprocess.PIPE, text=True, stdin=None if stdin is None else stdin[r],
+                                      preexec_fn=_default_sigint if interruptible else None))
     return procs
 
 
+def _default_sigint() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @contextlib.contextmanager
-def _ranks(argvs: list[list[str]], stdin=None):
+def _ranks(argvs: list[list[str]], stdin=None, interruptible: bool = False):
     """`_start`'s processes; any still running on the way out is killed, and every one reaped."""
-    procs = _start(argvs, stdin)
+    procs = _start(argvs, stdin, interruptible)
     try:
         yield procs
     finally:
@@ -933,7 +941,7 @@ def test_ctrl_c_mid_generation_is_an_interrupt_on_every_rank(tmp_path, policy):
     make_tiny_checkpoint(path, "qwen3_moe", max_position_embeddings=1 << 20, eos_token_id=None)
     args = ["-m", "specter", "generate", "--model", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens",
             "1000000", "--greedy", "--policy", policy, "--residency", "0.5"]
-    with _ranks([args, args]) as procs:
+    with _ranks([args, args], interruptible=True) as procs:
         assert procs[0].stdout.read(1)  # a token: generating
         for p in procs:
             p.send_signal(signal.SIGINT)
