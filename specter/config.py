@@ -159,7 +159,7 @@ class ModelSpec:
             spec.topk_method = g("topk_method", "greedy") or "greedy"
             spec.n_group, spec.topk_group = (1 if g(n) is None else g(n) for n in ("n_group", "topk_group"))
             first_dense, freq = g("first_k_dense_replace", 0) or 0, g("moe_layer_freq", 1) or 1
-            spec.moe_layers = [i >= first_dense and i % freq == 0 for i in range(n_layers)]
+            spec.moe_layers = [i >= first_dense for i in range(n_layers)]
             spec.q_lora_rank, spec.kv_lora_rank = g("q_lora_rank"), cfg.kv_lora_rank
             spec.qk_nope_dim, spec.qk_rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
             spec.v_head_dim = cfg.v_head_dim
@@ -169,6 +169,11 @@ class ModelSpec:
             spec.attn_scale = spec.head_dim ** -0.5 * _yarn_mscale_sq(cfg)
             if spec.topk_method not in ("greedy", "group_limited_greedy"):
                 raise UnsupportedModelError(f"DeepSeek topk_method {spec.topk_method!r} is not supported")
+            if freq != 1:
+                raise UnsupportedModelError(
+                    f"DeepSeek-V2 with moe_layer_freq {freq} is not supported: transformers ignores it (every layer "
+                    f"from first_k_dense_replace on is MoE) where DeepSeek's own code makes every {freq}th layer MoE, "
+                    f"so there is no one reference output to match (released DeepSeek-V2 checkpoints set 1)")
             if spec.norm_topk_prob and spec.top_k > 1:
                 raise UnsupportedModelError(
                     "DeepSeek-V2 with norm_topk_prob true is not supported: transformers' implementation ignores "

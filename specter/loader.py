@@ -367,7 +367,7 @@ def _check_all_read(reader: _Reader, spec: ModelSpec, model: MoETransformer, exp
     read = {_checkpoint_name(n, spec) for n, _ in model.named_parameters()}
     read.update(n for layer in experts for n in layer)  # (_expert_names: every MoE layer's)
     left = [n for n in reader.entries if n not in read and not n.endswith("rotary_emb.inv_freq")
-            and not (n == "lm_head.weight" and spec.tie_embeddings)]
+            and not (n == "lm_head.weight" and spec.tie_embeddings) and not _computes_nothing(n, reader, spec)]
     if not left:
         return
     past = sorted({int(n.split(".")[2]) for n in left if n.startswith("model.layers.") and n.split(".")[2].isdigit()
@@ -389,6 +389,15 @@ def _check_all_read(reader: _Reader, spec: ModelSpec, model: MoETransformer, exp
                               f"option Specter does not support, e.g. mlp_bias), so the output would not be this one's")
     warn(f"{reader.ckpt.path}: {len(left)} tensor(s) outside the layers Specter computes are not read "
          f"({', '.join(map(repr, left[:3]))}{', ...' if len(left) > 3 else ''})")
+
+
+def _computes_nothing(name: str, reader: _Reader, spec: ModelSpec) -> bool:
+    """A shared expert of size zero (transformers builds one for Qwen2-MoE's shared_expert_intermediate_size
+    0 and DeepSeek-V2's n_shared_experts 0: [0, H] and [H, 0] weights) and Qwen2-MoE's gate over it add
+    nothing to a layer's output, so Specter, which builds no shared expert there, need not read them."""
+    if spec.shared_inter or ".mlp.shared_expert" not in name:  # (shared_expert., shared_experts., shared_expert_gate.)
+        return False
+    return name.endswith(".mlp.shared_expert_gate.weight") or 0 in reader.shape(name)
 
 
 def _in_stage(name: str, layers: tuple[int, int], n_layers: int) -> bool:

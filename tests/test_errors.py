@@ -62,6 +62,7 @@ def test_a_config_of_impossible_sizes_is_refused_naming_the_field(tmp_path, patc
 @pytest.mark.parametrize("patch, error, match", [
     ({"norm_topk_prob": True}, specter.UnsupportedModelError, "norm_topk_prob true is not supported"),
     ({"mlp_bias": True}, specter.UnsupportedModelError, "mlp_bias"),
+    ({"moe_layer_freq": 2}, specter.UnsupportedModelError, "moe_layer_freq 2 is not supported"),
     ({"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 1}, specter.CheckpointError,
      r"n_group \(3\) to divide the 8 routed experts"),
     ({"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 3}, specter.CheckpointError,
@@ -71,7 +72,8 @@ def test_a_config_of_impossible_sizes_is_refused_naming_the_field(tmp_path, patc
 ])
 def test_deepseek_options_specter_cannot_match_are_refused(tiny, tmp_path, patch, error, match):
     """They loaded and then gave other tokens than transformers (norm_topk_prob: DeepSeek's own code
-    renormalises, transformers' does not; mlp_bias: biases never read) or crashed in generate (groups)."""
+    renormalises, transformers' does not; moe_layer_freq: DeepSeek's own code makes only every freq-th layer
+    MoE, transformers every one; mlp_bias: biases never read) or crashed in generate (groups)."""
     path = tmp_path / "m"
     shutil.copytree(tiny("deepseek_v2")[0], path)
     config = json.loads((path / "config.json").read_text())

@@ -70,7 +70,8 @@ def test_bf16_checkpoint(tiny):
 
 def test_tied_embeddings_and_variants(tiny):
     """Tied lm_head, mlp-only (dense) layers in Qwen2-MoE, group-limited routing and q-LoRA in DeepSeek,
-    PhiMoE's sliding window (21 positions through a window of 8: transformers masks to it)."""
+    PhiMoE's sliding window (21 positions through a window of 8: transformers masks to it), zero-size
+    shared experts (transformers stores [0, H] weights and Qwen2-MoE's gate over them: no-ops)."""
     cases = [
         ("phimoe", dict(sliding_window=8)),
         ("qwen3_moe", dict(tie_word_embeddings=True)),
@@ -78,6 +79,8 @@ def test_tied_embeddings_and_variants(tiny):
         ("deepseek_v2", dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2,
                              routed_scaling_factor=2.0)),
         ("olmoe", dict(clip_qkv=0.5)),
+        ("qwen2_moe", dict(shared_expert_intermediate_size=0)),
+        ("deepseek_v2", dict(n_shared_experts=0)),
     ]
     for arch, kw in cases:
         path, ref = tiny(arch, **kw)
