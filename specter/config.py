@@ -115,6 +115,8 @@ class ModelSpec:
         )
         spec.attn_scale = head_dim ** -0.5
         spec.sliding_window = _sliding_windows(cfg, n_layers)
+        _require_positive(("sliding_window", w) for w in set(spec.sliding_window) if w is not None)
+        _check_rope(cfg)
         spec.max_position, spec.context_note = _exact_context(cfg, arch, spec.max_position)
 
         if arch in ("mixtral", "phimoe"):
@@ -132,7 +134,9 @@ class ModelSpec:
             spec.n_experts, spec.top_k = cfg.num_experts, cfg.num_experts_per_tok
             spec.expert_inter, spec.dense_inter = cfg.moe_intermediate_size, cfg.intermediate_size
             spec.norm_topk_prob = bool(g("norm_topk_prob", False))
-            only, step = set(g("mlp_only_layers", None) or []), g("decoder_sparse_step", 1) or 1
+            only, step = set(g("mlp_only_layers", None) or []), g("decoder_sparse_step", 1)
+            step = 1 if step is None else step
+            _require_positive((("decoder_sparse_step", step),))
             spec.moe_layers = [i not in only and spec.n_experts > 0 and (i + 1) % step == 0 for i in range(n_layers)]
             if arch == "qwen2_moe":
                 spec.qkv_bias = bool(g("qkv_bias", True))
@@ -157,7 +161,13 @@ class ModelSpec:
             spec.norm_topk_prob = bool(g("norm_topk_prob", False))
             spec.routed_scale = float(g("routed_scaling_factor", 1.0) or 1.0)
             spec.topk_method = g("topk_method", "greedy") or "greedy"
-            spec.n_group, spec.topk_group = (1 if g(n) is None else g(n) for n in ("n_group", "topk_group"))
+            spec.n_group, spec.topk_group = (g(n) for n in ("n_group", "topk_group"))
+            if spec.topk_method == "greedy":  # (unread)
+                spec.n_group, spec.topk_group = 1, 1
+            if (g("scoring_func", "softmax") or "softmax") != "softmax":
+                raise UnsupportedModelError(
+                    f"DeepSeek-V2 with scoring_func {g('scoring_func')!r} is not supported: DeepSeek-V2 routes by "
+                    f"softmax (its own code refuses any other, transformers' ignores the field)")
             first_dense, freq = g("first_k_dense_replace", 0) or 0, g("moe_layer_freq", 1) or 1
             spec.moe_layers = [i >= first_dense for i in range(n_layers)]
             spec.q_lora_rank, spec.kv_lora_rank = g("q_lora_rank"), cfg.kv_lora_rank
@@ -253,6 +263,18 @@ def _exact_context(cfg, arch: str, max_position: int) -> tuple[int, str]:
         return max_position, ""
     return original, (f" (longrope: past original_max_position_embeddings, {original}, transformers rotates by "
                       f"{long} per forward, which Specter does not reproduce exactly)")
+
+
+def _check_rope(cfg) -> None:
+    """A RoPE variant Specter cannot rotate by, refused from config.json alone (before any weight is read)."""
+    kind = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if kind == "dynamic":
+        raise UnsupportedModelError("dynamic NTK RoPE (rope_type='dynamic') is not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+        raise UnsupportedModelError(f"rope_type {kind!r} is not supported; supported: default, "
+                                    f"{', '.join(sorted(k for k in ROPE_INIT_FUNCTIONS if k != 'dynamic'))}")
 
 
 def _yarn_mscale_sq(cfg) -> float:

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelSpec
-from .errors import UnsupportedModelError
 
 
 class RMSNorm(nn.Module):
@@ -51,9 +50,7 @@ class Rope(nn.Module):
             theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
             inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             scale = 1.0
-        elif kind == "dynamic":
-            raise UnsupportedModelError("dynamic NTK RoPE (rope_type='dynamic') is not supported")
-        else:
+        else:  # (config._check_rope refused the others)
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
             inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu", seq_len=max_len)

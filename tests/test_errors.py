@@ -59,6 +59,28 @@ def test_a_config_of_impossible_sizes_is_refused_naming_the_field(tmp_path, patc
     assert code == 2 and "Traceback" not in err and re.search(match, err), err
 
 
+@pytest.mark.parametrize("arch, patch, error, match", [
+    ("mixtral", {"sliding_window": 0}, specter.CheckpointError, "sliding_window must be an integer >= 1, got 0"),
+    ("qwen2_moe", {"decoder_sparse_step": 0}, specter.CheckpointError, "decoder_sparse_step must be an integer >= 1"),
+    ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": None, "topk_group": 2}, specter.CheckpointError,
+     "n_group must be an integer >= 1, got None"),
+    ("deepseek_v2", {"scoring_func": "sigmoid"}, specter.UnsupportedModelError, "scoring_func 'sigmoid' is not supp"),
+    ("qwen3_moe", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+     specter.UnsupportedModelError, "dynamic NTK RoPE"),
+])
+def test_configs_transformers_cannot_run_are_refused_from_config_json_alone(tiny, tmp_path, arch, patch, error,
+                                                                           match):
+    """Each ran as something else (a window of 0 masked every position away; a sparse step of 0 or
+    groups of None read as 1; sigmoid scores read as softmax) where transformers crashes or DeepSeek's
+    own code refuses, or (dynamic RoPE) was refused only once the weights' headers were read."""
+    config = json.loads((tiny(arch)[0] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **patch}))  # no weights: refused before them
+    with pytest.raises(error, match=match):
+        specter.load(tmp_path, device="cpu", policy="resident")
+    code, _, err = cli("plan", "--model", str(tmp_path))
+    assert code == 2 and "Traceback" not in err and re.search(match, err), err
+
+
 @pytest.mark.parametrize("patch, error, match", [
     ({"norm_topk_prob": True}, specter.UnsupportedModelError, "norm_topk_prob true is not supported"),
     ({"mlp_bias": True}, specter.UnsupportedModelError, "mlp_bias"),
