@@ -312,30 +312,32 @@ class Engine:
         """Text pieces as tokens are committed; they join to generate()'s text. Text that could be the
         start of a stop string is held back until it is known not to be. Pass a dict as `stats` to
         receive the stats; set `cancel` (from any thread) to end the generation at the next cycle.
-        The engine is this stream's from its first piece until it is exhausted or closed."""
+        The engine is this stream's from its first piece until it is exhausted or closed. The arguments
+        are checked here, at the call, not at the first piece."""
         if self.tokenizer is None:
             raise self._no_tokenizer("there is no text to stream; use stream_ids() or generate()")
-        for _, text in self._pieces(prompt, max_new_tokens, stop, sampling, stats, cancel):
-            if text:
-                yield text
+        return (text for _, text in self._pieces(prompt, max_new_tokens, stop, sampling, stats, cancel) if text)
 
     def stream_ids(self, prompt, max_new_tokens: int | None = None, *, stop=None, stats: dict | None = None,
                    cancel: threading.Event | None = None, **sampling) -> Iterator[list[int]]:
         """Lists of new token ids as they are committed (no tokenizer needed); they join to
         generate()'s token_ids."""
-        for ids, _ in self._pieces(prompt, max_new_tokens, stop, sampling, stats, cancel):
-            if ids:
-                yield ids
+        return (ids for ids, _ in self._pieces(prompt, max_new_tokens, stop, sampling, stats, cancel) if ids)
 
-    async def astream(self, prompt, max_new_tokens: int | None = None, *, stop=None, stats: dict | None = None,
-                      **sampling) -> AsyncIterator[str]:
+    def astream(self, prompt, max_new_tokens: int | None = None, *, stop=None, stats: dict | None = None,
+                **sampling) -> AsyncIterator[str]:
         """`stream` for asyncio code: the engine's turn is awaited on the caller's loop, the generation
         runs on a thread of its own (streaming.in_thread), so the loop is free while it computes and
-        waits. Leaving the loop early, or cancelling the task, ends the generation after its cycle."""
+        waits. It does not wait for a slow reader (its pieces queue up), so a server's slow client does
+        not hold the engine; leaving the loop early, or cancelling the task, ends the generation after
+        the cycle it is in. The arguments are checked here, at the call."""
         if self.tokenizer is None:
             raise self._no_tokenizer("there is no text to stream; use stream_ids() or generate()")
         stats = _stats_dict(stats)
-        ids, params, stops, max_new_tokens = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
+        return self._astream(*self._prepare(prompt, max_new_tokens, stop, sampling, stats), stats)
+
+    async def _astream(self, ids: list[int], params: SamplingParams, stops: list, max_new_tokens: int,
+                       stats: dict) -> AsyncIterator[str]:
         printer = Printer(self, stops)
         async with self.turns.aturn() as turn:
             run = in_thread(lambda: self._decoding(ids, params, max_new_tokens, stops, stats))
@@ -350,11 +352,15 @@ class Engine:
             yield piece[1]
 
     def _pieces(self, prompt, max_new_tokens, stop, sampling, stats, cancel) -> Iterator[tuple[list[int], str]]:
-        """(new token ids, new text) as they become final: nothing that a stop string could still cut."""
+        """(new token ids, new text) as they become final: nothing that a stop string could still cut.
+        The arguments are checked now; the engine is taken at the first piece."""
         stats = _stats_dict(stats)
         if cancel is not None and not callable(getattr(cancel, "is_set", None)):
             raise ConfigError(f"cancel must be a threading.Event (set it to end the generation), got {cancel!r}")
-        ids, params, stops, max_new_tokens = self._prepare(prompt, max_new_tokens, stop, sampling, stats)
+        return self._final_pieces(*self._prepare(prompt, max_new_tokens, stop, sampling, stats), stats, cancel)
+
+    def _final_pieces(self, ids: list[int], params: SamplingParams, stops: list, max_new_tokens: int, stats: dict,
+                      cancel) -> Iterator[tuple[list[int], str]]:
         printer = Printer(self, stops)
         with self.turns.turn():
             for new, text in self._decoding(ids, params, max_new_tokens, stops, stats, cancel):

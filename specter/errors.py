@@ -13,8 +13,9 @@ class UnsupportedModelError(SpecterError):
     """The checkpoint's architecture is not one Specter implements."""
 
 
-class ConfigError(SpecterError):
-    """An invalid argument: sampling values, budgets, devices, policy names."""
+class ConfigError(SpecterError, ValueError):
+    """An invalid argument: sampling values, budgets, devices, policy names (a ValueError too, as Python's
+    own bad arguments are)."""
 
 
 class ContextLengthError(SpecterError):

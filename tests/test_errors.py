@@ -370,8 +370,32 @@ def engine(tiny):
     (dict(seed=-(2 ** 63) - 1, temperature=1.0), "seed"),
 ])
 def test_invalid_sampling_values(engine, kw, match):
+    """Refused by every entry point at the call (a stream's too, not at its first piece), as a ValueError
+    as well (what Python code catches for a bad argument)."""
     with pytest.raises(specter.ConfigError, match=match):
         engine.generate([1, 2, 3], **kw)
+    for entry in (engine.stream_ids,) + ((engine.stream, engine.astream) if engine.tokenizer else ()):
+        with pytest.raises(ValueError, match=match):
+            entry([1, 2, 3], **kw)
+    assert engine.generate([1, 2, 3], max_new_tokens=2).stats["finish_reason"] == "length"
+
+
+def test_a_streams_arguments_are_checked_at_the_call():
+    """stream and astream refused a bad argument only at their first piece (generators); the engine is
+    still taken at the first piece."""
+    engine = specter.load(None, device="cpu", policy="resident")
+    for entry in (engine.stream, engine.stream_ids, engine.astream):
+        with pytest.raises(ValueError, match="top_p"):
+            entry("def f():", top_p=0.0)
+    greedy = dict(max_new_tokens=3, temperature=0)
+    pending = engine.stream("def f():", **greedy)
+    assert engine.generate("def f():", **greedy).stats["finish_reason"] == "length"  # not held by `pending`
+
+    async def agen():
+        return "".join([p async for p in engine.astream("def f():", **greedy)])
+
+    assert "".join(pending) == asyncio.run(agen()) == engine.generate("def f():", **greedy).text
+    engine.close()
 
 
 def test_prompt_beyond_context(engine):

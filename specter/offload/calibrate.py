@@ -29,7 +29,7 @@ from specter.errors import ConfigError
 DEFAULT_PROFILE = "A100-40GB-PCIe4"
 
 
-class UnknownProfileError(ConfigError, ValueError):
+class UnknownProfileError(ConfigError):
     """A link profile name that has no JSON file in profiles/."""
 
 
