@@ -11,9 +11,9 @@ import torch
 import specter
 
 from . import default_model_path, resolve_device, workloads
-from .builder import load_shared
+from .builder import check_options, load_shared
 from .errors import ConfigError, ContextLengthError, warn
-from .policy import BENCH_POLICIES, get as get_policy
+from .policy import BENCH_POLICIES, DEFAULT_K_MAX, get as get_policy
 from .sampling import SamplingParams, idle_filters
 from .speculative.decoder import acceptance_stats
 
@@ -37,6 +37,11 @@ def read_prompts(path: str | None, workload: str | None = None) -> list:
             raise ConfigError(f"{path}: invalid JSON ({e})") from None
         if not isinstance(prompts, list) or not prompts:
             raise ConfigError(f"{path}: expected a non-empty JSON list of prompts (strings or token-id lists)")
+        for i, p in enumerate(prompts):  # (before the load; the engine checks ids against the vocabulary)
+            ids = isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+            if not (isinstance(p, str) or ids) or not p:
+                raise ConfigError(f"{path}: prompt {i + 1} of {len(prompts)} is {json.dumps(p)[:60]}; each prompt "
+                                  f"is a non-empty string or list of token ids")
         return prompts
     prompts = [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
     if not prompts:
@@ -95,19 +100,12 @@ def budget_words(args, residency, per_rank: bool = False) -> str:
     return f"residency {residency:g}"
 
 
-def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int = 64, repeat: int = 1,
-              device: str = "auto", residency=None, expert_memory=None, device_memory=None, link=None,
-              warmup: bool = True,
-              sampling: dict | None = None, shared=None, compare_compressed: bool = False, **load_kw) -> dict:
-    """`shared`: a checkpoint already loaded (`load_once`) for every policy to build on; default: one
-    loaded here (one store, one model, one draft for all).
-    `sampling`: generate()'s temperature / top_p / top_k / seed (default greedy: a benchmark never
-    takes the model's generation_config.json, so its runs compare across models). Tokens are compared
-    greedy, and sampled with a seed at fp32 (every policy draws the tokens plain decoding draws for it;
-    sampling.py); sampled without one, or at 16 bits, not.
-    `compare_compressed`: each policy twice, on the raw store and on a losslessly coded one ("POLICY
-    +coded", compress_experts), alternating prompt by prompt in this one process (one link calibration
-    for all), so `coded_vs_raw` (bytes a token and TPOT, coded against raw) compares like with like."""
+def check_run(model, policies: list[str], *, max_new_tokens: int, sampling: dict | None, shared,
+              compare_compressed: bool, residency, expert_memory, device_memory, link,
+              **load_kw) -> tuple[dict, SamplingParams]:
+    """run_bench's arguments checked before anything loads (a typo must not cost a big model's load and
+    draft): the sampling values, the policies, and each policy's own options as its load would check
+    them. The sampling keywords (greedy unless a temperature is given) and their params."""
     sampling = {"temperature": 0.0, **(sampling or {})}
     params = SamplingParams(**sampling)  # a bad value fails here, before any engine loads
     if idle := idle_filters(params):  # (bench's temperature is 0 unless given)
@@ -116,7 +114,6 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 2:
         raise ConfigError(f"max_new_tokens must be an integer >= 2 (TPOT is the time a token after the first), "
                           f"got {max_new_tokens!r}")
-
     unknown = [p for p in policies if p not in BENCH_POLICIES]
     if unknown:
         raise ConfigError(f"unknown policy {unknown[0]!r}; choose from {', '.join(BENCH_POLICIES)}")
@@ -133,6 +130,31 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
         if ckpt.dtype != torch.bfloat16:
             raise ConfigError(f"compare_compressed (--compare-compressed) runs a losslessly coded store, which needs a "
                               f"bf16 checkpoint; {ckpt.path} stores {str(ckpt.dtype)[6:]}: drop it")
+    for p in policies:  # what each policy's load reads of the options, as run_bench passes them
+        pol = get_policy(p)
+        k_max = load_kw.get("k_max", DEFAULT_K_MAX) if pol.drafts else DEFAULT_K_MAX
+        host_threads = load_kw.get("host_threads") if pol.host_lane else None
+        check_options(pol, residency=residency, expert_memory=expert_memory, device_memory=device_memory,
+                      link=link if pol.offloads else None, k_max=k_max, host_threads=host_threads)
+    return sampling, params
+
+
+def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int = 64, repeat: int = 1,
+              device: str = "auto", residency=None, expert_memory=None, device_memory=None, link=None,
+              warmup: bool = True,
+              sampling: dict | None = None, shared=None, compare_compressed: bool = False, **load_kw) -> dict:
+    """`shared`: a checkpoint already loaded (`load_once`) for every policy to build on; default: one
+    loaded here (one store, one model, one draft for all).
+    `sampling`: generate()'s temperature / top_p / top_k / seed (default greedy: a benchmark never
+    takes the model's generation_config.json, so its runs compare across models). Tokens are compared
+    greedy, and sampled with a seed at fp32 (every policy draws the tokens plain decoding draws for it;
+    sampling.py); sampled without one, or at 16 bits, not.
+    `compare_compressed`: each policy twice, on the raw store and on a losslessly coded one ("POLICY
+    +coded", compress_experts), alternating prompt by prompt in this one process (one link calibration
+    for all), so `coded_vs_raw` (bytes a token and TPOT, coded against raw) compares like with like."""
+    sampling, params = check_run(model, policies, max_new_tokens=max_new_tokens, sampling=sampling, shared=shared,
+                                 compare_compressed=compare_compressed, residency=residency,
+                                 expert_memory=expert_memory, device_memory=device_memory, link=link, **load_kw)
     if shared is None:  # one load every policy builds on (its options are the checkpoint's, not a policy's)
         shared = load_once(model, device, **load_kw)
     engines, runs, coded_shared = {}, [], None

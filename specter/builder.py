@@ -25,8 +25,9 @@ from .offload.host_experts import HostExperts
 from .offload.host_lane import LaneChoice, host_params, make_host_lane
 from .offload.cuda_link import make_link
 from .offload.manager import OffloadedExperts
-from .offload.plan import (check_context, check_device_room, compute_dtype, draft_widths, make_plan, pool_dtype,
-                           verify_scratch)
+from .offload.calibrate import load_profile
+from .offload.plan import (check_budget, check_context, check_device_room, compute_dtype, draft_widths, make_plan,
+                           pool_dtype, verify_scratch)
 from .offload.slots import POLICIES as EVICTIONS
 from .offload.store import pin_wanted
 from .offload.threads import cuda_device
@@ -165,6 +166,19 @@ def check_has_experts(ckpt: Checkpoint, policy: str) -> None:
                           f"{policy!r} has nothing to offload: run it with policy 'resident' (--policy resident)")
 
 
+def check_options(pol: Policy, *, residency=None, expert_memory=None, device_memory=None, link=None,
+                  k_max: int = DEFAULT_K_MAX, host_threads: int | None = None) -> None:
+    """The load options that need no checkpoint, checked before anything loads (bench's one load for every
+    policy included): the budget (offloading policies), the link profile's name, k_max, host_threads."""
+    pol.check_host_threads(host_threads)
+    if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
+        raise ConfigError(f"k_max must be an integer >= 0 (0 = no speculation), got {k_max!r}")
+    if pol.offloads:
+        check_budget(residency, expert_memory, device_memory)
+        if link is not None:
+            load_profile(link)  # an unknown name: UnknownProfileError, with the names there are
+
+
 @on_its_device
 def build_engine(path: Path, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                  link=None, dtype=None, threads: int | None = None, eviction: str | None = None,
@@ -186,9 +200,8 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}"
                           + (f" (did you mean {', '.join(near)}?)" if near else "")
                           + f"; specter.load takes model, device, policy and {', '.join(known)}")
-    pol.check_host_threads(host_threads)
-    if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
-        raise ConfigError(f"k_max must be an integer >= 0 (0 = no speculation), got {k_max!r}")
+    check_options(pol, residency=residency, expert_memory=expert_memory, device_memory=device_memory, link=link,
+                  k_max=k_max, host_threads=host_threads)
     drafts = pol.makes_draft(k_max)  # k_max 0 never drafts: no draft is quantised, planned or held
     if eviction is not None and eviction not in EVICTIONS:
         raise ConfigError(f"eviction must be one of {', '.join(EVICTIONS)} (the slot cache's rule), got {eviction!r}")

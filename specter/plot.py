@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .bench import load_once, run_bench
+from .bench import check_run, load_once, run_bench
 from .errors import BudgetError, ConfigError
 
 RESIDENCIES = (0.125, 0.25, 0.5, 1.0)
@@ -12,6 +12,9 @@ RESIDENCIES = (0.125, 0.25, 0.5, 1.0)
 
 def residency_sweep(model, policies: list[str], out_png: str, *, residencies=RESIDENCIES, **bench_kw) -> dict:
     check_format(out_png)  # before the sweep, not after it
+    check_run(model, policies, residency=residencies[0], expert_memory=None, device_memory=None, shared=None,
+              compare_compressed=False, **{k: v for k, v in bench_kw.items() if k not in ("prompts", "repeat",
+                                                                                         "device", "warmup")})
     sweep, link = {}, None
     shared = load_once(model, **{k: v for k, v in bench_kw.items()  # one load under every residency
                                  if k in ("device", "dtype", "threads", "draft_cache", "compress_experts",

@@ -153,7 +153,8 @@ def test_bench_missing_prompts_file_exits_2(capsys, model, tmp_path):
                                    "--prompts", str(missing), "--json"), str(missing))
 
 
-@pytest.mark.parametrize("text, needle", [("[1, 2", "invalid JSON"), ("[]", "non-empty"), ('{"a": 1}', "non-empty")])
+@pytest.mark.parametrize("text, needle", [("[1, 2", "invalid JSON"), ("[]", "non-empty"), ('{"a": 1}', "non-empty"),
+                                          ('[[1, 2], ""]', 'prompt 2 of 2 is ""'), ("[3]", "prompt 1 of 1 is 3")])
 def test_bench_bad_prompts_file_exits_2(capsys, model, tmp_path, text, needle):
     f = tmp_path / "prompts.json"
     f.write_text(text)
@@ -173,6 +174,56 @@ def test_bench_bad_arguments_exit_2(capsys, model, tmp_path):
     assert_one_line_error(*run_cli(capsys, *common, "--policies", "bogus"), "bogus")
     assert_one_line_error(*run_cli(capsys, *common, "--policies", "on-demand", "--temperature", "0.7",
                                    "--top-p", "0"), "--top-p")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--residency", "1.5"], "residency must be a fraction"),
+    (["--expert-memory", "abc"], "cannot parse size 'abc'"),
+    (["--residency", "0.25", "--device-memory", "1MiB"], "give one budget"),
+    (["--link", "bogus"], "unknown link profile 'bogus'"),
+    (["--policies", "on-demand,host", "--host-threads", "0"], "needs host_threads >= 1"),
+    (["--policies", "on-demand,specter", "--k-max", "0", "--draft-bits", "2"], "--draft-bits 2 would be ignored"),
+    (["--policies", "resident,on-demand", "--draft-cache", "dc"], "none of the policies resident, on-demand makes"),
+    (["--plot", "p.png", "--policies", "on-demand,on-demand"], "listed twice"),
+    (["--plot", "p.png", "--link", "bogus"], "unknown link profile 'bogus'"),
+])
+def test_bench_refuses_before_the_load(capsys, model, monkeypatch, argv, needle):
+    """Each was refused only after the checkpoint and its draft had loaded (minutes on a big model), or
+    (--draft-bits with --k-max 0, --draft-cache without a draft) ignored, where generate refuses them first."""
+    import specter.bench
+
+    def loaded(*_, **__):
+        raise AssertionError("the checkpoint was loaded before the refusal")
+
+    monkeypatch.setattr(specter.bench, "load_shared", loaded)
+    if "--plot" in argv:
+        pytest.importorskip("matplotlib")
+    assert_one_line_error(*run_cli(capsys, "bench", "--model", model, "--device", "cpu", *argv), needle)
+
+
+def test_the_pipelined_bench_policies():
+    """Under torchrun a policy listed twice ran twice into one row, and all seven listed by name (the
+    default's text) silently dropped the one that is not pipelined."""
+    from specter.errors import ConfigError
+    from specter.pipeline.bench import _policies
+    from specter.pipeline.launch import PIPELINED_POLICIES
+    from specter.policy import BENCH_POLICIES
+
+    assert _policies(None) == list(PIPELINED_POLICIES)
+    with pytest.raises(ConfigError, match="'on-demand' is listed twice"):
+        _policies("on-demand,on-demand")
+    with pytest.raises(ConfigError, match="'oracle' is not pipelined"):
+        _policies(",".join(BENCH_POLICIES))
+
+
+def test_bench_plot_without_an_extension_says_the_file_it_writes(capsys, model, tmp_path, monkeypatch):
+    """matplotlib writes NAME.png; bench said (and checked) NAME."""
+    import specter.cli.bench
+
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(specter.cli.bench, "residency_sweep", lambda model, policies, out, **kw: {"plot": out})
+    rc, out, _ = run_cli(capsys, "bench", "--model", model, "--plot", str(tmp_path / "sweep"), "--json")
+    assert rc == 0 and json.loads(out)["plot"] == str(tmp_path / "sweep.png")
 
 
 def test_bench_sampling_reports_speed_not_token_equality(capsys, model, tmp_path, fixed_k):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from .. import pipeline
 from ..bench import budget_words, format_table, read_prompts, run_bench
@@ -9,12 +10,12 @@ from ..errors import ConfigError
 from ..plot import residency_sweep
 from ..policy import BENCH_POLICIES
 from .options import (check_sampling, count, engine_options, model_args, output_file, pipeline_args, policy_help,
-                      refuse_unused_flags)
+                      policy_list, refuse_unused_draft_flags, refuse_unused_flags)
 
 
 def add_parsers(sub) -> None:
     bn = sub.add_parser("bench", help="run several policies side by side on the same prompts")
-    bn.add_argument("--policies", default=",".join(BENCH_POLICIES),
+    bn.add_argument("--policies", default=None,
                     help="comma-separated policies to compare; the first is the reference for token equality "
                          f"(default: all {len(BENCH_POLICIES)}: {policy_help(bench=True)})")
     model_args(bn, policy=False, residency="; default 0.25 when no budget is given")
@@ -50,12 +51,11 @@ def cmd_bench(args) -> int:
     if args.pipeline_backend is not None or args.pipeline_timeout is not None:
         raise ConfigError("--pipeline-backend and --pipeline-timeout apply under torchrun only "
                           "(torchrun --nproc-per-node N -m specter bench ...)")
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if not policies:
-        raise ConfigError("--policies is empty")
+    policies = list(BENCH_POLICIES) if args.policies is None else policy_list(args.policies)
     if args.repeat < 1:
         raise ConfigError("--repeat must be >= 1")
     refuse_unused_flags(args, policies)  # a flag that no policy of the run reads would be ignored
+    refuse_unused_draft_flags(args, policies)
     prompts = read_prompts(args.prompts, args.workload)
     kw = dict(prompts=prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat, device=args.device,
               link=args.link)
@@ -66,6 +66,9 @@ def cmd_bench(args) -> int:
         if given:
             raise ConfigError(f"--plot sweeps the residency itself (1/8, 1/4, 1/2, 1): drop --"
                               f"{given[0].replace('_', '-')}")
+        if not os.path.splitext(args.plot)[1] and not os.path.isdir(args.plot):  # matplotlib writes NAME.png:
+            # say that name, check that one (a directory: output_file says it is one)
+            args.plot += ".png"
         output_file(args.plot, "--plot")  # before the sweep, not after it
         sweep = residency_sweep(args.model, policies, args.plot, **kw)
         if args.json:

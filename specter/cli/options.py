@@ -102,7 +102,7 @@ def model_args(p: argparse.ArgumentParser, policy: bool = True, residency: str =
                         "computes experts not on the device (default: physical cores less one; specter on CUDA "
                         "uses the lane only when given; 0: specter without the lane, every miss copied, as on "
                         "CUDA by default)")
-    p.add_argument("--k-max", type=int, default=None,
+    p.add_argument("--k-max", type=nonnegative_int, default=None,
                    help="longest draft the governor may choose (default 32; 0 = never speculate: no draft is "
                         "made, its memory goes to slots, also under torchrun)")
     p.add_argument("--draft-cache", default=None,
@@ -225,6 +225,17 @@ FLAG_USERS = (("--k-max", "k_max", "drafts"), ("--compile", "compile", "compiles
               ("--compress-experts", "compress_experts", "offloads"))
 
 
+def policy_list(text: str) -> list[str]:
+    """--policies' comma-separated names: each once, at least one (known names: checked by their users)."""
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    if not policies:
+        raise ConfigError("--policies is empty")
+    twice = [p for i, p in enumerate(policies) if p in policies[:i]]
+    if twice:  # one row a policy
+        raise ConfigError(f"policy {twice[0]!r} is listed twice; list each policy once (--repeat runs them again)")
+    return policies
+
+
 def refuse_unused_flags(args, policies: list[str], flags=FLAG_USERS) -> None:
     """A flag of `flags` that none of `policies` reads (one: generate's; several: bench's run) would be ignored:
     a ConfigError saying which policies use it."""
@@ -249,15 +260,19 @@ def check_policy_flags(args, policy: str | None = None) -> None:
     refuse_unused_draft_flags(args, policy)
 
 
-def refuse_unused_draft_flags(args, policy: str) -> None:
+def refuse_unused_draft_flags(args, policies: str | list[str]) -> None:
     """--draft-bits with --k-max 0, and --draft-cache (read for the draft, and for a coded store kept beside
-    it) where neither is made: refused, in one process and under torchrun alike."""
-    pol = get_policy(policy)
+    it) where neither is made (by the policy, or by any of bench's): refused, in one process and under
+    torchrun alike."""
+    policies = [policies] if isinstance(policies, str) else policies
+    pols = [get_policy(p) for p in policies]
     if args.k_max == 0 and getattr(args, "draft_bits", None) is not None:
         raise ConfigError(f"--k-max 0 makes no draft, so --draft-bits {args.draft_bits} would be ignored; drop one")
     if getattr(args, "draft_cache", None) is not None and not getattr(args, "compress_experts", False) \
-            and not pol.makes_draft(args.k_max):
-        why = "--k-max 0 makes no draft" if pol.drafts else f"policy {policy!r} makes no draft"
+            and not any(pol.makes_draft(args.k_max) for pol in pols):
+        why = "--k-max 0 makes no draft" if any(pol.drafts for pol in pols) else \
+            f"policy {policies[0]!r} makes no draft" if len(pols) == 1 else \
+            f"none of the policies {', '.join(policies)} makes a draft"
         raise ConfigError(f"{why} and --compress-experts is not given, so --draft-cache would be ignored; drop it")
 
 

@@ -208,9 +208,7 @@ def make_plan(spec: ModelSpec, total_numel: int, dtype: torch.dtype, *, residenc
         raise ConfigError(f"slot_pool must be one of {POOLS}, got {pool!r}")
     if draft_bits not in DRAFT_BITS:
         raise ConfigError(f"draft_bits must be one of {DRAFT_BITS}, got {draft_bits!r}")
-    given = [b for b in (residency, expert_memory, device_memory) if b is not None]
-    if len(given) > 1:
-        raise ConfigError("give one budget: residency, expert_memory or device_memory")
+    check_budget(residency, expert_memory, device_memory)
     item = torch.empty((), dtype=dtype).element_size()
     E, k, L, numel = spec.n_experts, spec.top_k, spec.n_moe_layers, spec.expert_numel()
     context = min(context or spec.max_position, spec.max_position)
@@ -318,15 +316,26 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def check_budget(residency=None, expert_memory=None, device_memory=None) -> None:
+    """At most one budget, and that one well formed: checked from the arguments alone, before a load."""
+    given = [b for b in (residency, expert_memory, device_memory) if b is not None]
+    if len(given) > 1:
+        raise ConfigError("give one budget: residency, expert_memory or device_memory")
+    if residency is not None and (isinstance(residency, bool) or not (isinstance(residency, numbers.Real)
+                                                                      and 0 < residency <= 1)):  # (numpy's too)
+        raise ConfigError(f"residency must be a fraction in (0, 1], got {residency!r}")
+    for value, name in ((expert_memory, "expert_memory"), (device_memory, "device_memory")):
+        if value is not None:
+            parse_budget(value, name)
+
+
 def _slots(E: int, layer_bytes: int, fixed: dict, residency, expert_memory, device_memory,
            context: int, floor: tuple[int, str] = (0, "")) -> tuple[int, str]:
     """Expert slots (at most E: every expert a layer, or of the model) that the budget buys, a slot
     taking `layer_bytes` (one expert in every layer, or one in the shared pool); and the budget in words.
     `floor`: the least slot pool a generation runs with, in bytes and words (a device budget that cannot
     hold it and `fixed` says the whole need)."""
-    if residency is not None:
-        if isinstance(residency, bool) or not (isinstance(residency, numbers.Real) and 0 < residency <= 1):  # (numpy)
-            raise ConfigError(f"residency must be a fraction in (0, 1], got {residency!r}")
+    if residency is not None:  # (check_budget checked it)
         return min(math.ceil(residency * E - 1e-9), E), f"residency (--residency) {residency}"
     if expert_memory is not None:
         budget = parse_budget(expert_memory, "expert_memory")

@@ -13,7 +13,7 @@ import torch
 
 from ..bench import SUM_KEYS, add_run, budget_words, new_totals, or_na, ratio, read_prompts, tpot
 from ..errors import ConfigError
-from ..policy import BENCH_POLICIES, get as get_policy
+from ..policy import get as get_policy
 from ..sampling import SamplingParams
 from .decoder import serve_stage
 from .launch import PIPELINED_POLICIES, UNSUPPORTED, check_options, open_pipeline, refuse_ignored
@@ -21,27 +21,30 @@ from .launch import PIPELINED_POLICIES, UNSUPPORTED, check_options, open_pipelin
 PER_RANK = ("expert_hits", "expert_misses", "h2d_bytes", "stall_s", "host_stall_s", "step_s", "wire_s")
 
 
-def _policies(text: str) -> list[str]:
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    if text == ",".join(BENCH_POLICIES):  # the default (every policy): the ones a pipeline runs
+def _policies(text: str | None) -> list[str]:
+    if text is None:  # the default (every policy): the ones a pipeline runs
         return list(PIPELINED_POLICIES)
+    from ..cli.options import policy_list  # (the CLI imports this package)
+
+    names = policy_list(text)
     for p in names:
         get_policy(p)
         if p not in PIPELINED_POLICIES:
             raise ConfigError(f"policy {p!r} is not pipelined yet; under torchrun bench "
                               f"{', '.join(PIPELINED_POLICIES)}")
-    if not names:
-        raise ConfigError("--policies is empty")
     return names
 
 
 def run(args) -> int:
+    from ..cli.options import refuse_unused_draft_flags  # (the CLI imports this package)
+
     policies = _policies(args.policies)
     opts = {k: v for k, v in vars(args).items() if k in UNSUPPORTED and v not in (None, False)}
     for p in policies:
         check_options(p, {k: v for k, v in opts.items() if k != "k_max" or get_policy(p).drafts})  # a flag a
         # pipeline would ignore is refused, as for generate (--k-max: read by the drafting policies)
     refuse_ignored(args, policies)
+    refuse_unused_draft_flags(args, policies)  # as one process refuses them
     if args.repeat < 1:
         raise ConfigError("--repeat must be >= 1")
     if args.max_new_tokens < 2:
