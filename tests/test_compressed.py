@@ -3,7 +3,9 @@ link moves (and the emulated link charges) the coded bytes, and a non-bf16 check
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 import weakref
 
 import pytest
@@ -278,6 +280,26 @@ def test_coded_store_cache_miss_hit_corrupt_stale(tiny, tmp_path, monkeypatch):
     key = coded_mod.cache_key([path / "model.safetensors"])
     monkeypatch.setattr(coded_mod.lossless, "WIDTHS", (3, 4))
     assert coded_mod.cache_key([path / "model.safetensors"]) != key
+
+
+def test_the_coded_cache_misses_an_edit_that_puts_the_time_back(tiny, tmp_path):
+    """An in-place edit of a shard that keeps its size and puts its modification time back (os.utime, touch
+    -r) kept the coded key where the fingerprint's samples missed the edited bytes, and a pipeline rank
+    or a GPU then decoded the old weights: another model's output. Setting the time moves the shard's
+    ctime, which the key reads."""
+    from specter.offload import coded as coded_mod
+
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    work = tmp_path / "m"
+    shutil.copytree(path, work)
+    shard = work / "model.safetensors"
+    key = coded_mod.cache_key([shard])
+    assert coded_mod.cache_key([shard]) == key  # (a hit stays a hit)
+    st = shard.stat()
+    time.sleep(0.01)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # the bytes as they were, the time put back
+    assert shard.stat().st_mtime_ns == st.st_mtime_ns
+    assert coded_mod.cache_key([shard]) != key
 
 
 def test_raw_readers_of_a_coded_store_read_the_checkpoint_not_decode_it(tiny, tmp_path, monkeypatch):

@@ -51,7 +51,9 @@ draft_cache's root, content fingerprint, safetensors writer and CRCs):
 
     <cache>/coded-<key>/layer-<i>.safetensors   w13.{signman,planes,table,esc_off,escapes,esc_start}, w2.{...}
 
-key = sha256 of the format's settings and the checkpoint's fingerprint. A file that is missing,
+key = sha256 of the format's settings, the checkpoint's fingerprint and each shard's inode change time
+(cache_key: a stale coded store would change the output, where a stale draft costs only speed, so an
+in-place edit that puts a shard's modification time back is a miss here too). A file that is missing,
 unreadable, for another key or layer, of the wrong shape or failing its CRC is not trusted. When
 every layer hits, the loader reads no expert at all; otherwise each layer that missed is read from
 the checkpoint, coded (and written) and dropped before the next is read, so a first load holds the
@@ -390,10 +392,16 @@ def cache_settings() -> dict:
 
 
 def cache_key(files) -> str:
+    """The draft's content fingerprint (draft_cache.fingerprint: sizes, modification times, headers, samples)
+    and each shard's ctime, which the kernel sets on every write and on every change of the modification
+    time (touch -r, os.utime), and nothing can set back: an edit the fingerprint misses is a miss here. A
+    copy of the checkpoint (cp -p and rsync -a too) is coded anew, once."""
     from ..speculative.draft_cache import fingerprint
 
     h = hashlib.sha256(json.dumps(cache_settings(), sort_keys=True).encode())
     h.update(fingerprint(files).encode())
+    for f in sorted({Path(f) for f in files}):
+        h.update(f.stat().st_ctime_ns.to_bytes(16, "little", signed=True))  # (a hub snapshot's symlink: its blob's)
     return h.hexdigest()[:32]
 
 
