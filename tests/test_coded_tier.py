@@ -48,7 +48,7 @@ def small_verify(monkeypatch):
     monkeypatch.setattr(plan_mod, "VERIFY_TOKENS", 1)
 
 
-@pytest.mark.parametrize("policy", ["on-demand", "spec-lru", "specter", "next-layer"])
+@pytest.mark.parametrize("policy", ["on-demand", "spec-lru", "specter"])
 def test_tier_gives_the_resident_greedy_tokens(tiny, plain_link, fixed_k, small_verify, policy):  # noqa: F811
     path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
     resident = specter.load(path, device="cpu", policy="resident")
@@ -68,6 +68,22 @@ def test_tier_gives_the_resident_greedy_tokens(tiny, plain_link, fixed_k, small_
         engine.close()
     assert got == want and len({t for ts in want for t in ts}) > 5
     assert hits > 0, policy  # the tier served misses, so the tokens above went through it
+
+
+def test_next_layer_compressed_still_prefetches(tiny, plain_link):  # noqa: F811
+    """With a tier, the split left next-layer a layer's top-k raw slots and so no room to copy a guess into:
+    it issued no prefetch and ran as on-demand. No tier for it: its guesses are copied, coded, as raw."""
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    issued = {}
+    for compress in (False, True):
+        engine = _engine(path, "next-layer", compress)
+        try:
+            assert engine.decoder.experts.tier is None
+            _, outs = _generate(engine)
+            issued[compress] = sum(o.stats["prefetch_issued"] for o in outs)
+        finally:
+            engine.close()
+    assert issued[True] > 0 and issued[False] > 0
 
 
 def test_a_load_fills_the_tier_as_it_fills_the_raw_slots(tiny, plain_link):  # noqa: F811
@@ -461,7 +477,8 @@ def test_cuda_tier_gives_the_raw_stores_greedy_tokens(tiny, fixed_k, small_verif
 
 def test_where_a_tier_is_wanted(monkeypatch):
     """CPU: by default (the emulated device charges a hit from the profile); CUDA: opt-in, bf16 slots,
-    staged copies; never for the host policy; SPECTER_CODED_TIER=0: nowhere."""
+    staged copies; never for the host policy, nor next-layer's and the oracle's prefetches into raw slots;
+    SPECTER_CODED_TIER=0: nowhere."""
     from specter.policy import get
 
     want = coded_tier.tier_wanted
@@ -469,6 +486,7 @@ def test_where_a_tier_is_wanted(monkeypatch):
     monkeypatch.delenv("SPECTER_CODED_TIER", raising=False)
     monkeypatch.delenv("SPECTER_CODED_IN_PLACE", raising=False)
     assert want(od, "cpu", torch.float32) and not want(od, "cuda", bf16) and not want(host, "cpu", torch.float32)
+    assert not any(want(get(p), "cpu", torch.float32, opt="1") for p in ("next-layer", "oracle"))
     assert want(od, "cuda", bf16, opt="1") and not want(od, "cpu", torch.float32, opt="0")  # asked, not the env
     monkeypatch.setenv("SPECTER_CODED_TIER", "1")
     assert want(od, "cuda", bf16) and not want(od, "cuda", torch.float16) and not want(host, "cuda", bf16)

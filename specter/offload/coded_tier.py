@@ -62,11 +62,14 @@ def tier_wanted(policy, device, dtype: torch.dtype, opt: str | None = None) -> b
     finds it holds more experts). `opt` (default $SPECTER_CODED_TIER): "0" turns it off; on CUDA it is
     opt-in, "1", until a GPU run measures it (a hit costs the issuing thread a kernel launch, which a
     small expert's copy may not repay: docs/RESULTS.md). Never for a policy that copies nothing after
-    warm-up (host: every miss computed on the host lane, a tier would stay empty), nor on CUDA with slots
+    warm-up (host: every miss computed on the host lane, a tier would stay empty), nor for one whose
+    prefetches need raw slots to land in (next-layer, oracle: tier_split leaves a layer's top-k, so
+    next-layer issued no prefetch and the oracle ran 0.75x its raw TPOT; only the drafting planner's
+    prefetches land in the tier, manager.fill), nor on CUDA with slots
     that are not bf16 (those copies decode a tensor at a time and stage nothing the tier could keep) or
     in-place copies (SPECTER_CODED_IN_PLACE=1: nothing staged either)."""
     opt = os.environ.get("SPECTER_CODED_TIER") if opt is None else opt
-    if opt == "0" or policy.host_lane == "misses":
+    if opt == "0" or policy.host_lane == "misses" or policy.prefetch in ("next-layer", "oracle"):
         return False
     if torch.device(device).type == "cpu":
         return True
