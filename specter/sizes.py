@@ -37,13 +37,17 @@ def parse_size(text: str | int) -> int:
     return int(nbytes)  # with a unit, whole bytes down: '10.1GiB' is 10844792422
 
 
-def format_size(nbytes: int) -> str:
-    """Human-readable binary size: 12 -> "12 B", 512 MiB -> "512.0 MiB", 6 GiB -> "6.00 GiB"."""
+def format_size(nbytes: int, up: bool = False) -> str:
+    """Human-readable binary size: 12 -> "12 B", 512 MiB -> "512.0 MiB", 6 GiB -> "6.00 GiB". `up`: rounded
+    up at the precision shown, not to the nearest (a need that, given back as a budget, is enough)."""
     sign, n = ("-" if nbytes < 0 else ""), abs(nbytes)
     if n < 1024:
         return f"{sign}{n} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if round(n, 1) < 1024 or unit == "TiB":
-            return f"{sign}{n:.2f} {unit}" if n < 10 else f"{sign}{n:.1f} {unit}"
+    for i, unit in enumerate(("KiB", "MiB", "GiB", "TiB"), 1):
+        x = n / 1024 ** i
+        if round(x, 1) < 1024 or unit == "TiB":
+            digits = 2 if x < 10 else 1
+            if up:  # (integers: exact at any size)
+                x = -(-n * 10 ** digits // 1024 ** i) / 10 ** digits
+            return f"{sign}{x:.{digits}f} {unit}"
     raise AssertionError("unreachable")

@@ -721,3 +721,60 @@ def test_plan_over_ranks_checks_what_one_rank_checks_and_says_its_draft(capsys, 
         graphs[k] = json.loads(capsys.readouterr().out)["cuda_graphs"]["recordings"]
     assert graphs == {"1": 14, "32": 38}
     assert main(["plan", "--k-max", "0", "--draft-bits", "3"]) == 2 and "would be ignored" in capsys.readouterr().err
+
+
+def test_the_advice_of_a_plan_that_does_not_fit_is_advice_that_fits(capsys):
+    """Taken literally, each failed: the need was rounded to the nearest (3.17 GiB given back fell 3.3 MB
+    short), "(it runs at N)" was the no-draft row's context (--k-max 0's), and "run without a draft,
+    which needs X" was said where X was more than the budget too. And --link was ignored by the lanes'
+    line (an unknown name taken) unless --device-memory was given."""
+    import re
+
+    from specter.cli import main
+    from specter.sizes import format_size
+
+    mixtral = ["plan", "--model", str(CONFIGS / "Mixtral-8x7B")]
+    for budget, runs in (("10GiB", False), ("16GiB", True)):  # 10: only --k-max 0 runs (it said "it runs at")
+        assert main(mixtral + ["--device-memory", budget]) == 1
+        runs_at = re.search(r"\(it runs at (\d+):", capsys.readouterr().out)
+        assert bool(runs_at) == runs, budget
+        if runs_at:  # the context it names fits, with the draft
+            assert main(mixtral + ["--device-memory", budget, "--context", runs_at[1]]) == 0
+            capsys.readouterr()
+    assert main(mixtral + ["--device-memory", "4GiB"]) == 1
+    out = capsys.readouterr().out
+    assert "run without a draft" not in out and "without a draft (--policy host, on-demand or next-layer) it needs " \
+        "7.66 GiB, which does not fit either" in out
+    need = re.search(r"it needs at least ([\d.]+ GiB) at (\d+) tokens of context with --draft-bits (\d)", out)
+    assert need and need[1] == format_size(int(re.search(r'"minimum_bytes": (\d+)', _json(mixtral, "4GiB"))[1]),
+                                           up=True)
+    assert main(mixtral + ["--device-memory", need[1].replace(" ", ""), "--context", need[2], "--draft-bits",
+                           need[3]]) == 0  # the need, given back as the budget, fits
+    capsys.readouterr()
+    lanes = ["plan", "--model", str(CONFIGS / "Mixtral-8x7B"), "--device", "cuda", "--residency", "0.25",
+             "--host-threads", "8"]
+    said = {}
+    for link in ("RTX4090-PCIe4", "H200-PCIe5"):
+        assert main(lanes + ["--link", link]) == 0
+        said[link] = re.search(r"two lanes .*?: a plain step [^;]*", capsys.readouterr().out)[0]
+    assert "RTX4090-PCIe4's link" in said["RTX4090-PCIe4"] and said["RTX4090-PCIe4"] != said["H200-PCIe5"]
+    assert main(lanes + ["--link", "nope"]) == 2 and "unknown link profile 'nope'" in capsys.readouterr().err
+
+
+def _json(args, budget):
+    from specter.cli import main
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        main(args + ["--device-memory", budget, "--json"])
+    return buf.getvalue()
+
+
+def test_format_size_rounds_up_when_asked():
+    from specter.sizes import format_size
+
+    assert format_size(3 * 2 ** 30 + 1) == "3.00 GiB" and format_size(3 * 2 ** 30 + 1, up=True) == "3.01 GiB"
+    assert format_size(6 * 2 ** 30, up=True) == "6.00 GiB" and format_size(10 * 2 ** 30 - 1, up=True) == "10.00 GiB"
+    assert format_size(1000, up=True) == "1000 B"

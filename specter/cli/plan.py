@@ -67,7 +67,8 @@ def _host_line(host, coded: int | None) -> str:
     if coded is None:
         return line
     return line.replace("expert store", "expert store (losslessly coded: "
-                        f"{coded / host.raw_store_bytes:.2f}x of bf16's {format_size(host.raw_store_bytes)})", 1)
+                        f"{coded / host.raw_store_bytes:.2f}x of bf16's {format_size(host.raw_store_bytes)})", 1) \
+        + f", coded cache {format_size(coded)} on disk"
 
 
 def cmd_plan(args) -> int:
@@ -77,6 +78,8 @@ def cmd_plan(args) -> int:
     refuse_unused_flags(args, [args.policy], [f for f in FLAG_USERS if f[0] != "--link"])
     refuse_unused(args.policy, residency=args.residency, expert_memory=args.expert_memory)
     refuse_unused_draft_flags(args, args.policy)  # as the load refuses them
+    if args.link is not None:
+        load_profile(args.link)  # an unknown name refused whichever lines read it
     if args.ranks > 1:  # a layer pipeline: per-rank table (specter/pipeline/plan.py)
         return cmd_plan_ranks(args, _plan_device(args.device, args.device_memory is not None))
     path = args.model or default_model_path()
@@ -137,9 +140,10 @@ def cmd_plan(args) -> int:
                   f"({f.plan.pool_slots} of {spec.n_moe_layers * spec.n_experts} routed experts on the device, "
                   f"one pool for all layers{draft})")
         else:
-            shorter = [o.plan.context for o in ways if o.policy == args.policy  # (at the width asked for)
-                       and args.draft_bits in (None, o.draft_bits)]
-            need = format_size(f.minimum)
+            shorter = [o.plan.context for o in ways if o.policy == args.policy  # (at the width asked for, and
+                       and args.draft_bits in (None, o.draft_bits) and o.no_draft == (pol.drafts and not drafts)]
+            # with a draft where it makes one: not --k-max 0's row)
+            need = format_size(f.minimum, up=True)
             if need == format_size(f.device_memory):  # the same at this precision: say by how much
                 need += f" ({f.minimum - f.device_memory:,} bytes more)"
             narrow = f" with --draft-bits {f.minimum_bits}" if f.minimum_bits and f.minimum_bits != 4 else ""
@@ -177,7 +181,7 @@ def cmd_plan(args) -> int:
     plan = plan_at(tier_ratio(coded, host, device, pol, dtype))
     every = plan.pool_slots >= spec.n_moe_layers * spec.n_experts
     lane = pol.computes_on_host(device.type, args.host_threads, every_expert=every)  # (none: nothing misses)
-    lanes = _lane_split(spec, store_dtype, plan.residency, pol.host_lane) if lane else None
+    lanes = _lane_split(spec, store_dtype, plan.residency, pol.host_lane, profile=args.link) if lane else None
     if pol.host_lane and every:
         copies += "\nno host lane: every expert is on the device, so nothing misses"
     elif pol.host_lane and not lane:
@@ -210,8 +214,8 @@ def cmd_plan(args) -> int:
         hosts += f", raw copy of the store {format_size(host.raw_rows_bytes)} ({why})"
     if device.type == "cpu":  # the emulated device lives in host memory
         host.device_bytes = emulated_device_bytes(plan, spec, store_dtype, dtype)
-        hosts += f", emulated device {format_size(host.device_bytes)} (host memory on cpu: a big model's slot " \
-                 f"pool aliases the store)"
+        hosts += f", emulated device {format_size(host.device_bytes)} (host memory on cpu" + \
+            ("" if coded else ": a big model's slot pool aliases the store") + ")"  # (a coded store: no alias)
     if args.json:
         print(json.dumps({**plan.as_dict(), "host": vars(host), "cuda_graphs": graphs, "host_lane": lane,
                           "lanes": lanes}))

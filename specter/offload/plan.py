@@ -524,18 +524,20 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
     width = f"INT{narrow} " if draft else ""
     tips = []
     if plan is None:
+        bare = minimum(0, context)  # (a policy without a draft)
         if draft and non + draft_b >= budget:
             tips.append(f"the {width}draft alone takes {format_size(draft_b)}, leaving too little of "
-                        f"{format_size(budget)}: run without a draft (--policy host, on-demand or next-layer), "
-                        f"which "
-                        f"needs {format_size(minimum(0, context))}")
-        elif draft and minimum(0, context) <= budget:
-            tips.append(f"--policy host, on-demand or next-layer (no draft) runs in "
-                        f"{format_size(minimum(0, context))}")
+                        f"{format_size(budget)}: " + (
+                            f"run without a draft (--policy host, on-demand or next-layer), which needs "
+                            f"{format_size(bare, up=True)}" if bare <= budget else
+                            f"without a draft (--policy host, on-demand or next-layer) it needs "
+                            f"{format_size(bare, up=True)}, which does not fit either"))
+        elif draft and bare <= budget:
+            tips.append(f"--policy host, on-demand or next-layer (no draft) runs in {format_size(bare, up=True)}")
         c = (budget - minimum(draft_b, 0)) // max(kv_tok, 1)
         if 512 <= c < context:  # a context too short to be useful is no advice
             tips.append(f"a shorter context fits: --context {int(c)} (KV cache {format_size(kv_tok * int(c))})")
-        tips.append(f"a device with at least {format_size(minimum(draft_b, context))} runs {policy} at "
+        tips.append(f"a device with at least {format_size(minimum(draft_b, context), up=True)} runs {policy} at "
                     f"{context} tokens of context ({'an ' + width + 'draft, ' if draft else ''}"
                     f"one layer's top-{k} slots)")
     else:
@@ -553,7 +555,7 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
                 "no wider one fits" if not wider else
                 f"predicted faster than INT{wider[-1]} (more slots for the target; acceptance assumed)"))
         if plan.pool_slots < L * E:
-            tips.append(f"every expert resident needs {format_size(full)}")
+            tips.append(f"every expert resident needs {format_size(full, up=True)}")
         if plan.pool_slots < L * E and context > TIP_CONTEXT:  # the KV cache of a long context, planned whole
             short = make_plan(spec, total_numel, dtype, device_memory=budget, context=TIP_CONTEXT, draft=draft,
                               draft_bits=plan.draft_bits, **pool)
