@@ -326,6 +326,7 @@ def format_table(res: dict) -> str:
     lines = [head, "-" * len(head)]
     for p, r in pols.items():
         f = lambda k, fmt: (fmt.format(r[k]) if k in r else "-")  # noqa: E731
+        same = _same_tokens(r["lossless_vs_" + first])
         lines.append(
             f"{p:<{w}} {or_na(r['tpot_s'] and r['tpot_s'] * 1e3, '{:.2f}'):>8} "
             f"{or_na(r['speedup_vs_' + base], '{:.2f}x'):>8} {r['ttft_s'] * 1e3:>8.1f} "
@@ -334,8 +335,8 @@ def format_table(res: dict) -> str:
             f"{(r.get('host_bytes', 0) / 1e6):>8.1f} {f('stall_s', '{:.3f}'):>8} "
             f"{f('acceptance_rate', '{:.2f}'):>7} {f('draft_efficiency', '{:.2f}'):>6} "
             f"{f('accepted_per_cycle', '{:.2f}'):>7} {f('prefetch_recall', '{:.1%}'):>7} "
-            f"{f('route_coverage', '{:.1%}'):>7} {_same_tokens(r['lossless_vs_' + first]):>8}")
-    lines += ["", LEGEND.format(base=base), "", "where decode time goes (after the first token):"]
+            f"{f('route_coverage', '{:.1%}'):>7} {same if p != first else 'ref':>8}")
+    lines += ["", LEGEND.format(base=base, first=first), "", "where decode time goes (after the first token):"]
     lines += [f"  {p:<{w}} {time_split(r)}" for p, r in pols.items() if "decode_stall_s" in r]
     if res.get("coded_vs_raw"):
         lines += ["", "coded (--compress-experts) against raw, same process: H2D bytes a token (coded / raw), "
@@ -381,4 +382,5 @@ per generated token (coded bytes with --compress-experts). host MB: expert weigh
 lane read in place (policies host, specter). stall: seconds waited on copies and the host lane.
 accept: P(draft token accepted | the ones before it were). effic: accepted / drafted (falls as K grows).
 tok/cyc: drafted tokens accepted per speculative cycle. recall: expert uses resident or in flight when
-verification reached them (bounded by the slots). cover: expert uses the draft's routers predicted."""
+verification reached them (bounded by the slots). cover: expert uses the draft's routers predicted.
+lossless: the same tokens as {first}'s (ref), greedy or seeded at fp32; n/a where a draw has no one answer."""

@@ -263,6 +263,8 @@ def test_time_split_and_table_sections():
     table = format_table({"policies": {"a": r}})
     assert "where decode time goes" in table and "a           draft 25%" in table
     assert "compressed device tier" not in table
+    two = format_table({"policies": {"a": r, "b": dict(r, speedup_vs_a=2.0, lossless_vs_a=False)}}).splitlines()
+    assert two[2].split()[-1] == "ref" and two[3].split()[-1] == "False"  # the reference is not checked against itself
     coded = dict(r, expert_misses=528, tier_hits=166, tier_fills=362)  # its hit rate counts the raw slots only
     assert "a           tier hits 166 (31.4% of the raw slots' misses), fills 362" in format_table({"policies": {"a": coded}})
     coded.update(expert_hits=100, device_hit_rate=266 / 628)  # the table: a tier hit is a hit, misses the rest
