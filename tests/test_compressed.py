@@ -13,7 +13,7 @@ import torch
 
 import specter
 from specter import builder
-from specter.errors import ConfigError
+from specter.errors import ConfigError, SpecterWarning
 from specter.offload.coded import CodedLayer, DecodedStore, encode_store, store_nbytes
 from specter.offload.link import EmulatedLink
 from specter.moe import ExpertWeights
@@ -639,3 +639,23 @@ def test_a_pinned_coded_store_locks_exactly_its_bytes_in_place(monkeypatch):
         coded = encode_store(layers, pin=True)
     assert len([w for w in caught if "coded expert store" in str(w.message)]) == 1
     assert torch.equal(coded[1].w2.packed.decode(), want[1][1])
+
+
+def test_experts_that_do_not_compress_are_warned_about(tiny, tmp_path):
+    """Weights whose exponents are spread wide code larger than bf16 (the QA pass's 1.11x): the store
+    then moves more bytes a copy, not fewer, so the load says so."""
+    from safetensors.torch import load_file, save_file
+
+    src, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    path = tmp_path / "m"
+    shutil.copytree(src, path)
+    tensors = load_file(src / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    for name, t in tensors.items():
+        if ".experts." in name:  # every exponent about equally likely: nothing for a code to exploit
+            scale = torch.exp2(torch.randint(-60, 60, t.shape, generator=g).float())
+            tensors[name] = (torch.randn(t.shape, generator=g) * scale).to(torch.bfloat16)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(SpecterWarning, match=r"code to 1\.\d\dx their bf16 bytes"):
+        shared = builder.load_shared(path, torch.device("cpu"), draft_cache="off", compress_experts=True)
+    assert shared.compressed
