@@ -77,6 +77,58 @@ def test_cache_miss_hit_corrupt_stale_at_each_width(qwen, tmp_path, monkeypatch,
     assert calls == [bits, bits]
 
 
+def test_a_hit_reads_no_layer_of_the_store(qwen, tmp_path):
+    """draft_int4 indexed each layer of the store before it looked in the cache: a compressed load's
+    StoredExperts then read every expert from the checkpoint on a full hit (1.2 GB for a 1.2 GB model)."""
+    from specter.loader import StoredExperts
+
+    _, store, ckpt = load_checkpoint(qwen, CPU, torch.float32)
+    files = list(ckpt.files.values())
+    first = list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path))
+    read = []
+
+    class Counted(StoredExperts):
+        def __getitem__(self, i):
+            read.append(i)
+            return super().__getitem__(i)
+
+    stored = Counted(ckpt)
+    assert _same(list(draft_cache.draft_int4(stored, files, CPU, cache=tmp_path)), first) and read == []
+    (tmp_path / draft_cache.cache_key(files, 4) / "layer-1.safetensors").unlink()
+    assert _same(list(draft_cache.draft_int4(stored, files, CPU, cache=tmp_path)), first) and read == [1]
+
+
+def test_a_cache_write_that_fails_leaves_no_file_and_warns_once(tmp_path, monkeypatch):
+    """On a read-only mount the temporary file's unlink raises EROFS (not the ENOENT missing_ok skips):
+    the load crashed with a traceback. Ctrl-C mid-write left the temporary file behind."""
+    import errno
+    import pathlib
+
+    from specter.errors import SpecterWarning
+
+    def read_only(self, missing_ok=False):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    def refuse(*_):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(draft_cache, "_save", refuse)
+    monkeypatch.setattr(pathlib.Path, "unlink", read_only)
+    (tmp_path / "entry").mkdir()
+    with pytest.warns(SpecterWarning, match="could not write the cache file"):
+        draft_cache.write_layer_file(tmp_path / "entry" / "layer-0.safetensors", "k", 0, {"t": torch.zeros(2)})
+    monkeypatch.undo()
+
+    def interrupted(tensors, path, meta):
+        path.write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(draft_cache, "_save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        draft_cache.write_layer_file(tmp_path / "layer-0.safetensors", "k", 0, {"t": torch.zeros(2)})
+    assert list(tmp_path.iterdir()) == [tmp_path / "entry"]
+
+
 def test_a_file_whose_width_disagrees_is_rebuilt(qwen, tmp_path, monkeypatch):
     """The width in a layer file's metadata is checked, not only the key: a file stamped with this
     key and layer but another width (written by a faulty or older writer) is rebuilt."""

@@ -184,16 +184,19 @@ def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache
     nbytes = getattr(store, "nbytes", None) or sum(ew.n_experts * ew.expert_nbytes() for ew in store)  # unread
     if progress is None:
         progress = nbytes > (256 << 20)
-    bar = tqdm(store, desc=f"draft (INT{bits})", unit="layer", disable=not progress)
-    for i, ew in enumerate(bar):
+    bar = tqdm(total=len(store), desc=f"draft (INT{bits})", unit="layer", disable=not progress)
+    for i in range(len(store)):
         path = entry / f"layer-{i}.safetensors" if entry is not None else None
         layer = _read(path, entry.name, i, bits) if path is not None else None
-        if layer is None:
+        if layer is None:  # a layer of the store is read only here (a StoredExperts: from the checkpoint)
             bar.set_description("draft: quantising")
+            ew = store[i]
             layer = (pack_experts(ew.w13.to(device), bits, GROUP_SIZE, dtype=torch.float32).to("cpu"),
                      pack_experts(ew.w2.to(device), bits, GROUP_SIZE, dtype=torch.float32).to("cpu"))
+            del ew  # (not held while the consumer takes the layer)
             if path is not None:
                 _write(path, entry.name, i, layer)
+        bar.update()
         yield layer
     bar.close()
 
@@ -242,8 +245,13 @@ def write_layer_file(path: Path, key: str, layer: int, tensors: dict[str, torch.
     try:
         _save(tensors, tmp, meta)
         os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
+    except BaseException as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # a read-only mount: EROFS, not the ENOENT missing_ok skips
+            pass
+        if not isinstance(e, OSError):
+            raise  # (Ctrl-C: no temporary file left behind either)
         if path.parent not in _UNWRITABLE:  # once a directory: every later layer would say the same
             _UNWRITABLE.add(path.parent)
             warn(f"could not write the cache file {path} ({e.strerror or e}): this load goes on without "
