@@ -11,6 +11,7 @@ NAME.log (its last lines). It needs nothing the GPU image lacks (torch only for 
 """
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import shutil
@@ -156,9 +157,14 @@ def summary(out: Path, facts_path: Path, steps_path: Path) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["facts"]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", metavar="{facts,summary}", required=True)
+    sub.add_parser("facts", help="print the machine's facts as JSON")
+    s = sub.add_parser("summary", help="write OUT/summary.json and print a short summary")
+    for name in ("out", "facts", "steps"):
+        s.add_argument(name, type=Path, metavar=name.upper())
+    args = ap.parse_args()
+    if args.cmd == "facts":
         print(json.dumps(facts(), indent=1))
-    elif sys.argv[1:2] == ["summary"] and len(sys.argv) == 5:
-        sys.exit(summary(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])))
     else:
-        sys.exit(__doc__)
+        sys.exit(summary(args.out, args.facts, args.steps))

@@ -14,6 +14,8 @@ Prints one line per check and `pinned check: OK` or `pinned check: FAILED`.
 """
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 import warnings
 
@@ -78,6 +80,9 @@ def _link_gbps(pinned: bool, E: int = 8, H: int = 4096, I: int = 2048) -> tuple[
 
 
 def main() -> int:
+    if not torch.cuda.is_available():  # pin_memory and cudaHostRegister need a CUDA GPU: say so, not a traceback
+        print(f"pinned check: needs a CUDA GPU; torch {torch.__version__} sees none", file=sys.stderr)
+        return 2
     ok = True
     n = 3 << 28  # 768 MiB: 1.5 x 512 MiB
     before = _reserved(_stats())
@@ -123,4 +128,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # no options: the parser gives --help and refuses stray arguments (main() stays bare: tests/test_cuda.py)
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     raise SystemExit(main())

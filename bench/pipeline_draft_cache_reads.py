@@ -1,11 +1,15 @@
 """What rank 0 of a 2-rank specter pipeline reads from the checkpoint at load, on a draft cache miss
 (every layer's routed experts, to quantise them) and then on a hit (its own stage's experts only):
 `python bench/pipeline_draft_cache_reads.py [MODEL]` (default: the bundled model; a fresh cache)."""
-import sys, tempfile, time, torch, specter
+import argparse
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("model", nargs="?", help="checkpoint directory (default: the bundled model)")
+args = ap.parse_args()  # before the imports below: --help answers at once
+import tempfile, time, torch, specter
 from specter.loader import _Reader, open_checkpoint
 from specter.pipeline.load import load_stage
 from specter.pipeline.stages import make_stages
-path = sys.argv[1] if len(sys.argv) > 1 else specter.default_model_path()
+path = args.model or specter.default_model_path()
 ck = open_checkpoint(path); spec = ck.spec
 first = make_stages(spec, 2, ck.dtype.itemsize, drafts=True)[0]
 got = {}

@@ -21,6 +21,7 @@ Clocks: time.perf_counter, CLOCK_MONOTONIC on Linux, so the ranks' timelines lin
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -281,7 +282,16 @@ def report(dirs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "record":
-        i = sys.argv.index("--")
-        sys.exit(record(Path(sys.argv[2]), sys.argv[i + 1:]))
-    report(sys.argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", metavar="{record,report}", required=True)
+    rec = sub.add_parser("record", help="run `specter ARGS...` (after --), writing OUT/rankN.json")
+    rec.add_argument("out", metavar="OUT")
+    sub.add_parser("report", help="summarise recorded OUT folders").add_argument("dirs", nargs="+", metavar="OUT")
+    argv = sys.argv[1:]
+    i = argv.index("--") if "--" in argv else len(argv)  # split by hand: specter's own options follow --
+    args = ap.parse_args(argv[:i])
+    if args.cmd == "record":
+        if i == len(argv):
+            ap.error("record: give specter's command after --, e.g. record OUT -- bench --json")
+        sys.exit(record(Path(args.out), argv[i + 1:]))
+    report(args.dirs)

@@ -9,7 +9,7 @@ top-8 over 128 experts) at each R.
 """
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
 import triton
@@ -28,4 +28,6 @@ def main(pools: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [128, 2048, 4096, 6144])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("pools", nargs="*", type=int, metavar="R", help="weight-row counts (default: 128 2048 4096 6144)")
+    main(ap.parse_args().pools or [128, 2048, 4096, 6144])

@@ -10,6 +10,7 @@ worker hop per piece would add 8-35% at T = 1.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import concurrent.futures
 import time
@@ -62,4 +63,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # no options: the parser gives --help and refuses stray arguments before the run
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -14,6 +14,7 @@ seen), prompt B (longer: new lengths).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -51,9 +52,17 @@ def one(mode: str) -> dict:
             "cudnn_sdp_enabled": torch.backends.cuda.cudnn_sdp_enabled()}
 
 
-def main() -> int:
-    if len(sys.argv) == 3 and sys.argv[1] == "--one":
-        print(json.dumps(one(sys.argv[2])))
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--one", choices=MODES, help="run one mode in this process (what each child is asked)")
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():  # checked once here, not as each child's traceback
+        print(f"first_run_cost: needs a CUDA GPU; torch {torch.__version__} sees none", file=sys.stderr)
+        return 2
+    if args.one:
+        print(json.dumps(one(args.one)))
         return 0
     for mode in MODES:
         r = subprocess.run([sys.executable, __file__, "--one", mode], capture_output=True, text=True, timeout=240)

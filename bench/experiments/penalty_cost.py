@@ -6,7 +6,7 @@ tokens) with and without penalties: acceptance and bytes copied, which the chang
 
     python bench/experiments/penalty_cost.py [--end-to-end]
 """
-import sys
+import argparse
 import time
 
 import torch
@@ -30,13 +30,16 @@ def cycle_ms(V: int, params: SamplingParams, reps: int = 10) -> float:
 
 
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--end-to-end", action="store_true", help="also the bundled model's end-to-end run")
+    args = ap.parse_args()
     torch.set_num_threads(1)
     for V in (4096, 151936):
         plain = cycle_ms(V, SamplingParams(temperature=1.0, min_p=0.05))
         pen = cycle_ms(V, SamplingParams(temperature=1.0, min_p=0.05, **PENALTIES))
         print(f"V={V:>6}: min-p only {plain:6.2f} ms a cycle, penalties + min-p {pen:6.2f} ms ({pen / plain:.2f}x)")
 
-    if "--end-to-end" in sys.argv:
+    if args.end_to_end:
         import specter
         from specter.bench import DEFAULT_PROMPTS
 

@@ -8,6 +8,7 @@ draft, at three sampling settings; both figures are exact expectations at each p
 """
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -56,4 +57,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # no options: the parser gives --help and refuses stray arguments before minutes of work
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -12,6 +12,7 @@ One JSON line a store (raw, then coded): calls, missing, hosted, no_room, and th
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -46,7 +47,10 @@ def counted_run(args: list[str]) -> dict:
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False, epilog="Every other argument goes to `specter bench`.")
+    # --help answered here: bench's own would print into counted_run's redirect and be lost
+    _, argv = ap.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     args = ["--device", "cpu", "--policies", "specter"] + (argv or ["--expert-memory", "9MiB"])
     for store, extra in (("raw", []), ("coded", ["--compress-experts"])):
         print(json.dumps(dict(store=store, **counted_run(args + extra))), flush=True)
