@@ -63,7 +63,8 @@
 #
 # DRY_RUN=1 (no GPU needed; tests/test_device_check.py runs it): checks and installs the carried
 # wheels into a scratch folder, prints the install and step commands instead of running them, and
-# collects the tests each step would run (pytest --collect-only); a collection error fails it.
+# checks each step's command (dry_step: pytest collects its tests, the CLI parses its flags, a
+# script's --help names every flag it is given); a failed check fails it.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -154,23 +155,38 @@ bench_json=()
 kernels_cmd=("$PY" -m pytest -q -s -p no:cacheprovider --junitxml="$OUT/kernels.xml" -k "not quanto" "${bench_json[@]}"
              "$REPO/bench/test_kernels.py")
 
+# dry_step NAME LIMIT CMD...: what `step` would run, checked as far as it can be without a GPU: pytest
+# collects its tests, `specter.cli` parses its flags, a script's --help names every flag the step gives it
+dry_step() {
+  local name=$1 r=0 a flag help
+  shift 2
+  local cmd=("$@")
+  while [[ ${cmd[0]} == env || ${cmd[0]} == *=* ]]; do cmd=("${cmd[@]:1}"); done  # (env VAR=1 python ...)
+  echo "dry run: $name would run: $*"
+  if [[ ${cmd[1]} == -m && ${cmd[2]} == pytest ]]; then
+    (cd /tmp && "${cmd[@]}" --collect-only) > "$OUT/collect-$name.log" 2>&1 || r=$?
+    tail -n 3 "$OUT/collect-$name.log"
+  elif [[ ${cmd[1]} == -m && ${cmd[2]} == specter.cli ]]; then
+    local parse='import sys; from specter.cli import build_parser; build_parser().parse_args(sys.argv[1:])'
+    (cd /tmp && "${cmd[0]}" -c "$parse" "${cmd[@]:3}") || r=$?
+  else
+    help=$(cd /tmp && "${cmd[0]}" "${cmd[1]}" --help 2>&1) || { r=$?; echo "$help" | tail -n 3; }
+    for a in "${cmd[@]:2}"; do
+      flag=${a%%=*}
+      if [[ $flag == --* ]] && ! grep -qE -- "(^|[^-[:alnum:]])$flag([^-[:alnum:]]|$)" <<< "$help"; then
+        echo "dry run: $name: $flag is not in ${cmd[1]##*/}'s --help"
+        r=1
+      fi
+    done
+  fi
+  if ((r != 0)); then
+    echo "dry run: $name FAILED (exit $r)"
+    DRY_RC=1
+  fi
+}
 if [[ $DRY_RUN == 1 ]]; then
-  rc=0
-  for part in $CHECKS; do
-    case $part in
-      suite) cmd=("${suite_cmd[@]}") ;;
-      kernels | bench) cmd=("${kernels_cmd[@]}") ;;
-      *) continue ;;
-    esac
-    echo "dry run: $part would run: ${cmd[*]}"
-    (cd /tmp && "${cmd[@]}" --collect-only) > "$OUT/collect-$part.log" 2>&1
-    r=$?
-    tail -n 3 "$OUT/collect-$part.log"
-    if ((r != 0)); then
-      echo "dry run: collection for $part FAILED (exit $r)"; rc=1
-    fi
-  done
-  exit $rc
+  DRY_RC=0
+  step() { dry_step "$@"; }
 fi
 
 for part in $CHECKS; do
@@ -215,4 +231,5 @@ for part in $CHECKS; do
     *) echo "unknown check '$part' (suite, bench, kernels, tpot, tpot0, hostlane, hostprof, firstrun, moehost, codedcopy, decodetune, codedtier, graphs, async, compressed, compressedwide)" ;;
   esac
 done
+[[ $DRY_RUN == 1 ]] && exit "$DRY_RC"
 finish

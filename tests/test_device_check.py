@@ -142,12 +142,17 @@ def test_dry_run_installs_the_carried_wheels_and_collects_each_step(bare_env, tm
     for name, version in _carried():
         _wheel(wheels, name, version)
     out = tmp_path / "out"
-    r = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env=dict(bare_env, DRY_RUN="1", CHECKS="suite bench", WHEELS_DIR=str(wheels), OUT=str(out)))
+    every = re.search(r"unknown check '\$part' \(([^)]*)\)", SCRIPT.read_text())[1].replace(",", "")
+    r = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env=dict(bare_env, DRY_RUN="1", CHECKS=every, WHEELS_DIR=str(wheels), OUT=str(out)))
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-4000:]
     assert "optimum_quanto_stub" in log and "would run:" in log and "pip install" in log, log[-3000:]
-    for part in ("suite", "bench"):
+    assert "FAILED" not in log and "is not in" not in log, log[-4000:]
+    steps = set(re.findall(r"dry run: (\w+) would run:", log))  # each step's command checked, not only pytest's
+    assert {"suite", "kernels", "bench", "firstrun", "moehost_jit", "codedcopy", "decodetune", "compressed_wide",
+            "coded_tier_wide", "graphs", "async", "hostprof", "bench_eager_moe"} <= steps, steps
+    for part in ("suite", "kernels"):
         text = (out / f"collect-{part}.log").read_text()
         n = re.search(r"(\d+)(?:/\d+)? tests? collected", text)
         assert n and int(n.group(1)) > 0, text[-2000:]
