@@ -100,8 +100,8 @@ def budget_words(args, residency, per_rank: bool = False) -> str:
     return f"residency {residency:g}"
 
 
-def check_run(model, policies: list[str], *, max_new_tokens: int, sampling: dict | None, shared,
-              compare_compressed: bool, residency, expert_memory, device_memory, link,
+def check_run(model, policies: list[str], *, max_new_tokens: int = 64, sampling: dict | None = None, shared=None,
+              compare_compressed: bool = False, residency=None, expert_memory=None, device_memory=None, link=None,
               **load_kw) -> tuple[dict, SamplingParams]:
     """run_bench's arguments checked before anything loads (a typo must not cost a big model's load and
     draft): the sampling values, the policies, and each policy's own options as its load would check

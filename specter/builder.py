@@ -130,9 +130,6 @@ def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | 
         cached = read_cached(entry, ckpt.spec.n_moe_layers, ckpt.spec.expert_shapes())
         model, _, _ = load_checkpoint(path, device, dt, experts=False)  # a layer the cache misses: read, coded
         store = coded_store(StoredExperts(ckpt), cached, entry, cuda=device.type == "cuda", pin=pin)  # one by one
-        if store and (ratio := coded_ratio(store)) >= 1:  # (trained weights code to ~0.7; these do not)
-            warn(f"{path}: its experts code to {ratio:.2f}x their bf16 bytes (exponents too spread out to compress), "
-                 f"so compress_experts (--compress-experts) moves more bytes, not fewer: load without it")
         if device.type == "cuda":
             ready_on_cuda(store, device)
     return Loaded(Path(path), ckpt, device, dt, model, store, tokenizer, draft_cache,

@@ -96,8 +96,9 @@ def test_cli_k_max(capsys):
     assert main(argv + ["--k-max", "0"]) == 0
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert set(stats["k_histogram"]) == {"0"} and stats["drafted_tokens"] == 0
-    assert main(argv + ["--k-max", "-1"]) == 2
-    assert "k_max must be an integer >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # argparse's refusal (--k-max takes integers >= 0)
+        main(argv + ["--k-max", "-1"])
+    assert e.value.code == 2 and "--k-max: expected an integer >= 0, got -1" in capsys.readouterr().err
 
 
 def test_generate_summary_line():

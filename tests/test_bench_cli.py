@@ -187,7 +187,7 @@ def test_bench_bad_arguments_exit_2(capsys, model, tmp_path):
     (["--plot", "p.png", "--policies", "on-demand,on-demand"], "listed twice"),
     (["--plot", "p.png", "--link", "bogus"], "unknown link profile 'bogus'"),
 ])
-def test_bench_refuses_before_the_load(capsys, model, monkeypatch, argv, needle):
+def test_bench_refuses_before_the_load(capsys, model, monkeypatch, tmp_path, argv, needle):
     """Each was refused only after the checkpoint and its draft had loaded (minutes on a big model), or
     (--draft-bits with --k-max 0, --draft-cache without a draft) ignored, where generate refuses them first."""
     import specter.bench
@@ -196,6 +196,7 @@ def test_bench_refuses_before_the_load(capsys, model, monkeypatch, argv, needle)
         raise AssertionError("the checkpoint was loaded before the refusal")
 
     monkeypatch.setattr(specter.bench, "load_shared", loaded)
+    monkeypatch.chdir(tmp_path)  # (--plot p.png, --draft-cache dc: nothing made where the tests run)
     if "--plot" in argv:
         pytest.importorskip("matplotlib")
     assert_one_line_error(*run_cli(capsys, "bench", "--model", model, "--device", "cpu", *argv), needle)

@@ -395,7 +395,9 @@ def cache_key(files) -> str:
     """The draft's content fingerprint (draft_cache.fingerprint: sizes, modification times, headers, samples)
     and each shard's ctime, which the kernel sets on every write and on every change of the modification
     time (touch -r, os.utime), and nothing can set back: an edit the fingerprint misses is a miss here. A
-    copy of the checkpoint (cp -p and rsync -a too) is coded anew, once."""
+    copy of the checkpoint (cp -p and rsync -a too) is coded anew, once; so is a shard after a chmod, a
+    chown or a new hard link (a container runtime that chowns the model at every start recodes at every
+    start). Entries of older keys are not removed: delete coded-* entries a checkpoint no longer uses."""
     from ..speculative.draft_cache import fingerprint
 
     h = hashlib.sha256(json.dumps(cache_settings(), sort_keys=True).encode())
@@ -443,6 +445,9 @@ def coded_store(store, cached: list[CodedLayer | None], entry: Path | None, *,
             hit = for_cuda_layer(hit.w13.packed, hit.w2.packed, pin=pin, refused=refused)
         out.append(hit)
     _warn_refused(refused)
+    if out and (ratio := coded_ratio(out)) >= 1:  # (trained weights code to ~0.7; these do not)
+        warn(f"the experts code to {ratio:.2f}x their bf16 bytes (exponents too spread out to compress), so "
+             f"compress_experts (--compress-experts) moves more bytes, not fewer: load without it")
     return out
 
 
