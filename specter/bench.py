@@ -13,7 +13,7 @@ import specter
 from . import default_model_path, resolve_device, workloads
 from .builder import check_options, load_shared
 from .errors import ConfigError, ContextLengthError, warn
-from .policy import BENCH_POLICIES, DEFAULT_K_MAX, get as get_policy
+from .policy import BENCH_POLICIES, DEFAULT_K_MAX, get as get_policy, names as policy_names
 from .sampling import SamplingParams, idle_filters
 from .speculative.decoder import acceptance_stats
 
@@ -130,6 +130,23 @@ def check_run(model, policies: list[str], *, max_new_tokens: int = 64, sampling:
         if ckpt.dtype != torch.bfloat16:
             raise ConfigError(f"compare_compressed (--compare-compressed) runs a losslessly coded store, which needs a "
                               f"bf16 checkpoint; {ckpt.path} stores {str(ckpt.dtype)[6:]}: drop it")
+    pols = [get_policy(p) for p in policies]
+    given = dict(residency=residency, expert_memory=expert_memory, device_memory=device_memory, link=link,
+                 k_max=load_kw.get("k_max"), draft_bits=load_kw.get("draft_bits"),
+                 compress_experts=load_kw.get("compress_experts") or None, host_threads=load_kw.get("host_threads"))
+    for name, value in given.items():  # (specter.load refuses them per policy; here: unread by the whole run)
+        field = specter.READ_BY.get(name, "host_lane")
+        if value is not None and not any(getattr(pol, field) for pol in pols):
+            raise ConfigError(f"none of the policies {', '.join(policies)} reads {name}={value!r}, so it would be "
+                              f"ignored; drop it, or add a policy that reads it ({', '.join(policy_names(field))})")
+    if given["k_max"] == 0 and given["draft_bits"] is not None:
+        raise ConfigError(f"k_max=0 makes no draft, so draft_bits={given['draft_bits']!r} would be ignored; drop one")
+    if any(pol.makes_draft(given["k_max"]) for pol in pols) and given["draft_bits"] is not None:
+        from .loader import open_checkpoint  # (headers only) a width the experts cannot pack, before the load
+        from .speculative.draft_cache import check_packable
+
+        spec = open_checkpoint(model if model is not None else default_model_path()).spec
+        check_packable(given["draft_bits"], spec.hidden, spec.expert_inter)
     for p in policies:  # what each policy's load reads of the options, as run_bench passes them
         pol = get_policy(p)
         k_max = load_kw.get("k_max", DEFAULT_K_MAX) if pol.drafts else DEFAULT_K_MAX
@@ -172,9 +189,11 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
             runs.append(p)
             if compare_compressed and pol.offloads:  # the same policy on the coded store, right after it
                 name = p + CODED
+                if coded_shared is None:  # one coded load for all, as the raw one (its draft at draft_bits)
+                    coded_shared = load_once(model, device, **{**load_kw, "compress_experts": True})
+                kw.pop("compress_experts", None)
                 engines[name] = specter.load(model, device=device, policy=p, link=link, shared=coded_shared,
                                              compress_experts=True, **kw)
-                coded_shared = engines[name].shared
                 runs.append(name)
         policies = runs
         first = engines[policies[0]]

@@ -35,7 +35,7 @@ from .offload.oracle import OracleDecoder
 from .policy import DEFAULT_K_MAX, Policy, get as get_policy
 from .speculative.decoder import PlainDecoder, SpeculativeDecoder
 from .speculative.draft import DraftExperts, Lookahead, keep_packed
-from .speculative.draft_cache import cache_key as draft_key, draft_int4, make_entry
+from .speculative.draft_cache import cache_key as draft_key, check_packable, draft_int4, make_entry
 from .speculative.governor import Governor
 from .speculative.draft import NextLayerPrefetch, PrefetchPlanner
 from .triton_ops import fused_moe
@@ -216,6 +216,8 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         raise ConfigError(f"shared: its store was loaded with compress_experts={shared.compressed}, but "
                           f"compress_experts={compress_experts} was asked for")
     check_draft_bits(draft_bits)
+    if drafts:  # a width the experts cannot pack: refused here, not once the load reaches the draft
+        check_packable(draft_bits, ckpt.spec.hidden, ckpt.spec.expert_inter)
     if shared is not None and shared.draft_bits != draft_bits:
         raise ConfigError(f"shared: its draft is {shared.draft_bits}-bit, but draft_bits={draft_bits} was asked for")
     defaults = read_generation_defaults(path)  # a malformed file fails before the weights load

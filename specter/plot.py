@@ -6,12 +6,16 @@ import sys
 
 from .bench import check_run, load_once, run_bench
 from .errors import BudgetError, ConfigError
+from .policy import BENCH_POLICIES, get as get_policy
 
 RESIDENCIES = (0.125, 0.25, 0.5, 1.0)
 
 
 def residency_sweep(model, policies: list[str], out_png: str, *, residencies=RESIDENCIES, **bench_kw) -> dict:
     check_format(out_png)  # before the sweep, not after it
+    if not any(get_policy(p).offloads for p in policies if p in BENCH_POLICIES):
+        raise ConfigError(f"--plot sweeps the residency, which none of the policies {', '.join(policies)} reads: "
+                          f"add an offloading one (e.g. on-demand)")
     check_run(model, policies, residency=residencies[0], expert_memory=None, device_memory=None, shared=None,
               compare_compressed=False, **{k: v for k, v in bench_kw.items() if k not in ("prompts", "repeat",
                                                                                          "device", "warmup")})

@@ -288,3 +288,46 @@ def test_a_generation_ended_at_its_first_token_adds_no_decode_time():
     assert table.splitlines()[2].split()[1:3] == ["n/a", "n/a"]
     add_run(a, SimpleNamespace(stats={"new_tokens": 5, "tpot_s": 0.01, "ttft_s": 0.5}, token_ids=[1] * 5), ())
     assert tpot(a) == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("policies, kw, needle", [
+    (["resident"], dict(residency=0.25), "none of the policies resident reads residency=0.25"),
+    (["on-demand"], dict(host_threads=1), "reads host_threads=1"),
+    (["on-demand", "next-layer"], dict(k_max=4), "reads k_max=4"),
+    (["specter"], dict(k_max=0, draft_bits=3), "k_max=0 makes no draft, so draft_bits=3"),
+])
+def test_run_bench_refuses_what_no_policy_of_the_run_reads(model, monkeypatch, policies, kw, needle):
+    """The CLI refused these; run_bench (the Python API) ran and ignored them (a differential fuzz's finding)."""
+    import specter.bench
+    from specter.errors import ConfigError
+
+    monkeypatch.setattr(specter.bench, "load_shared", lambda *a, **k: pytest.fail("loaded before the refusal"))
+    with pytest.raises(ConfigError, match=needle):
+        run_bench(model, policies, prompts=PROMPTS[:1], max_new_tokens=3, device="cpu", **kw)
+
+
+def test_a_draft_width_the_experts_cannot_pack_is_refused_before_the_load(tiny, monkeypatch):
+    """Tiny Mixtral's experts (intermediate 48) pack no 3-bit draft: refused when the draft was quantised."""
+    import specter
+    import specter.bench
+    from specter import builder
+    from specter.errors import ConfigError
+
+    path, _ = tiny("mixtral")
+    for mod in (builder, specter.bench):
+        monkeypatch.setattr(mod, "load_shared", lambda *a, **k: pytest.fail("loaded before the refusal"))
+    with pytest.raises(ConfigError, match="3-bit draft"):
+        run_bench(str(path), ["spec-lru"], prompts=PROMPTS[:1], max_new_tokens=3, device="cpu", residency=0.5,
+                  draft_bits=3)
+    with pytest.raises(ConfigError, match="3-bit draft"):
+        specter.load(path, device="cpu", policy="specter", residency=0.5, draft_bits=3)
+
+
+def test_compare_compressed_takes_the_runs_own_options(tiny):
+    """compress_experts=False crashed the coded load (given twice), and draft_bits reached a non-drafting
+    policy's coded load, which refused it after the raw load: one coded load now serves every policy."""
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    res = run_bench(str(path), ["on-demand", "specter"], prompts=PROMPTS[:1], max_new_tokens=3, device="cpu",
+                    residency=0.5, compress_experts=False, draft_bits=2, k_max=2, compare_compressed=True)
+    assert set(res["policies"]) == {"on-demand", "on-demand+coded", "specter", "specter+coded"}
+    assert all(c["same_tokens"] for c in res["coded_vs_raw"].values())

@@ -8,7 +8,7 @@ from .. import pipeline
 from ..bench import budget_words, format_table, read_prompts, run_bench
 from ..errors import ConfigError
 from ..plot import residency_sweep
-from ..policy import BENCH_POLICIES
+from ..policy import BENCH_POLICIES, get as get_policy
 from .options import (check_sampling, count, engine_options, model_args, output_file, pipeline_args, policy_help,
                       policy_list, refuse_unused_draft_flags, refuse_unused_flags)
 
@@ -75,7 +75,8 @@ def cmd_bench(args) -> int:
             print(json.dumps(sweep))
         return 0
     residency = args.residency
-    if residency is None and args.expert_memory is None and args.device_memory is None:
+    if residency is None and args.expert_memory is None and args.device_memory is None \
+            and any(get_policy(p).offloads for p in policies):
         residency = 0.25  # a budget where offloading matters; everything resident would tie every policy
     if args.compare_compressed:
         kw["compare_compressed"] = True
