@@ -537,6 +537,19 @@ def test_plan_ranks_compress_experts_says_what_each_rank_holds_as_the_ranks_load
     assert main(["plan", "--model", str(path), "--ranks", "2", "--device", "cpu", "--residency", "0.5",
                  "--compress-experts"]) == 0
     assert "losslessly coded" in capsys.readouterr().out
+    # a rank's own budget that holds every expert of its layers raw: all raw, no tier (the whole model's plan
+    # split it into top-k slots and a tier, which decoded nearly every use: 1.9x one rank's raw TPOT)
+    mine = max(s.moe_last - s.moe_first for s in make_stages(spec, 2, 2))
+    every = str(mine * spec.n_experts * spec.expert_numel() * 4)  # (fp32 slots on CPU)
+    assert main(["plan", "--model", str(path), "--ranks", "2", "--policy", "on-demand", "--device", "cpu", "--json",
+                 "--compress-experts", "--expert-memory", every]) == 0
+    for r, s in zip(json.loads(capsys.readouterr().out)["ranks"], make_stages(spec, 2, 2)):
+        assert r["tier_bytes"] == 0 and r["pool_slots"] == r["experts"], r
+        st = load_stage(path, s, torch.device("cpu"), policy="on-demand", compress_experts=True, draft_cache="off",
+                        expert_memory=every)
+        mgr = st.provider.inner
+        assert getattr(mgr, "tier", None) is None and mgr.slots.pool_slots == r["experts"]
+        st.close()
 
 
 # ------------------------------------------------------------------------------- token identity

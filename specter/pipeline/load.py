@@ -11,7 +11,7 @@ from ..moe import ExpertWeights, ResidentExperts
 from ..policy import DEFAULT_K_MAX, get as get_policy
 from ..sizes import format_size, parse_size
 from .stage import ShiftedExperts, StageModel, drop_others, lookahead_columns
-from .stages import Stage, stage_budget, stage_pool, stage_quota, stage_tier
+from .stages import Stage, stage_budget, stage_plan, stage_pool, stage_quota, stage_tier
 
 
 def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residency=None, expert_memory=None,
@@ -77,11 +77,12 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
         from ..offload.coded_tier import plan_tier
 
         try:
-            plan = make_plan(spec, ckpt.numel(), dt, residency=residency, expert_memory=expert_memory,
-                             context=context, draft=False, device=device, store_dtype=ckpt.dtype,
-                             compressed=compress_experts,
-                             coded_tier=plan_tier(pol, device, dt, compress_experts),  # as build_engine
-                             verifies=drafts)
+            plan = stage_plan(lambda tier: make_plan(spec, ckpt.numel(), dt, residency=residency,
+                                                     expert_memory=expert_memory, context=context, draft=False,
+                                                     device=device, store_dtype=ckpt.dtype,
+                                                     compressed=compress_experts, coded_tier=tier, verifies=drafts),
+                              spec, stage.moe_last - stage.moe_first, own,
+                              plan_tier(pol, device, dt, compress_experts))  # (the tier as build_engine)
         except BudgetError as e:
             if device_memory is None:
                 raise

@@ -24,7 +24,7 @@ from ..errors import BudgetError, ConfigError
 from ..offload.plan import DRAFT_BITS, make_plan
 from ..policy import get as get_policy
 from ..sizes import format_size, parse_size
-from .stages import make_stages, stage_device_bytes, stage_expert_memory, stage_pool, stage_tier
+from .stages import make_stages, stage_device_bytes, stage_expert_memory, stage_plan, stage_pool, stage_tier
 
 PIPELINED = ("resident", "on-demand", "next-layer", "host", "spec-lru", "specter")  # launch.PIPELINED_POLICIES
 
@@ -59,9 +59,11 @@ def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str,
             try:
                 if device_memory is not None:
                     budget = stage_expert_memory(spec, st, item, device_memory, drafts, draft_bits, context)
-                plan = make_plan(spec, numel, dtype, residency=residency, expert_memory=budget, draft=False,
-                                 device=device, store_dtype=store_dtype, context=context, compressed=compressed,
-                                 coded_tier=coded_tier, verifies=drafts)  # (as load_stage)
+                plan = stage_plan(lambda tier: make_plan(spec, numel, dtype, residency=residency,
+                                                         expert_memory=budget, draft=False, device=device,
+                                                         store_dtype=store_dtype, context=context,
+                                                         compressed=compressed, coded_tier=tier, verifies=drafts),
+                                  spec, mine, budget is not None, coded_tier)  # (as load_stage)
                 slots, expert = stage_pool(plan, spec, mine, budget is not None), plan.expert_bytes
                 tier = stage_tier(plan, spec, mine, slots, budget is not None)
             except BudgetError:  # less than one layer's top-k left

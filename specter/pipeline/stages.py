@@ -160,6 +160,17 @@ def stage_budget(spec: ModelSpec, stage: Stage, itemsize: int, device: torch.dev
     return expert_memory, expert_memory is not None
 
 
+def stage_plan(make, spec: ModelSpec, n_mine: int, own_budget: bool, coded_tier):
+    """The plan a stage sizes its pool and tier from: `make(coded_tier)` (make_plan of the whole model).
+    A rank's own byte budget that buys every expert of its layers raw keeps them raw, with no tier, as
+    one process does when every expert fits: the whole model's plan, weighing that budget against every
+    layer's experts, would split it into a layer's top-k slots and a tier that decodes each use."""
+    plan = make(coded_tier)
+    if plan.tier_bytes and own_budget and (raw := make(None)).pool_slots >= n_mine * spec.n_experts:
+        return raw
+    return plan
+
+
 def stage_pool(plan, spec: ModelSpec, n_mine: int, own_budget: bool) -> int:
     """Slots in a stage's expert pool: a byte budget (expert_memory, or what a device budget leaves the
     stage) is each rank's own, so its pool takes what that buys, up to every expert of its layers; a
