@@ -48,17 +48,24 @@ def resolve_device(device: str | None):
 
 # load() options only some policies read (the Policy field that says which), and what the others do instead
 READ_BY = {"residency": "offloads", "expert_memory": "offloads", "device_memory": "offloads", "k_max": "drafts",
-           "link": "offloads", "compress_experts": "offloads", "draft_bits": "drafts"}
-INSTEAD = {"offloads": "keeps every expert on the device", "drafts": "does not draft"}
+           "link": "offloads", "compress_experts": "offloads", "draft_bits": "drafts", "host_threads": "host_lane"}
+INSTEAD = {"offloads": "keeps every expert on the device", "drafts": "does not draft",
+           "host_lane": "computes no expert on the host"}
 
 
-def refuse_unused(policy: str, **options) -> None:
-    """An option (READ_BY) given to a policy that would ignore it: a ConfigError naming the policies that read it."""
-    pol = get_policy(policy)
+def refuse_unused(policies: str | list[str], **options) -> None:
+    """An option (READ_BY) that the policy would ignore (or every policy of a bench's run): a ConfigError
+    naming the policies that read it; and draft_bits with k_max 0, which makes no draft."""
+    policies = [policies] if isinstance(policies, str) else list(policies)
+    pols = [get_policy(p) for p in policies]
     for k, v in options.items():
-        if v is not None and not getattr(pol, field := READ_BY[k]):
-            raise ConfigError(f"policy {policy!r} {INSTEAD[field]}, so {k}={v!r} would be ignored; drop it, or pick "
-                              f"a policy that reads it ({', '.join(policy_names(field))})")
+        if v is not None and not any(getattr(pol, field := READ_BY[k]) for pol in pols):
+            who = f"policy {policies[0]!r} {INSTEAD[field]}" if len(pols) == 1 else \
+                f"none of the policies {', '.join(policies)} reads it"
+            raise ConfigError(f"{who}, so {k}={v!r} would be ignored; drop it, or pick a policy that reads it "
+                              f"({', '.join(policy_names(field))})")
+    if options.get("k_max") == 0 and options.get("draft_bits") is not None:
+        raise ConfigError(f"k_max=0 makes no draft, so draft_bits={options['draft_bits']!r} would be ignored; drop one")
 
 
 def load(model: str | Path | None = None, device: str = "auto", policy: str = DEFAULT_POLICY,
@@ -97,8 +104,6 @@ def load(model: str | Path | None = None, device: str = "auto", policy: str = DE
         draft_bits=options.get("draft_bits"), compress_experts=options.get("compress_experts") or None)
     refuse_unused(policy, residency=residency, expert_memory=expert_memory,  # (an unknown policy fails here too)
                   device_memory=options.get("device_memory"), k_max=options.get("k_max"), link=link, **own)
-    if options.get("k_max") == 0 and own.get("draft_bits") is not None:
-        raise ConfigError(f"k_max=0 makes no draft, so draft_bits={own['draft_bits']!r} would be ignored; drop one")
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise ConfigError(f"model must be a directory path (a str or a Path), got {type(model).__name__}")
     if dtype is not None and not isinstance(dtype, str) and not isinstance(dtype, torch.dtype):

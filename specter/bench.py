@@ -11,9 +11,9 @@ import torch
 import specter
 
 from . import default_model_path, resolve_device, workloads
-from .builder import check_options, load_shared
+from .builder import check_load_options, load_shared
 from .errors import ConfigError, ContextLengthError, warn
-from .policy import BENCH_POLICIES, DEFAULT_K_MAX, get as get_policy, names as policy_names
+from .policy import BENCH_POLICIES, DEFAULT_K_MAX, get as get_policy
 from .sampling import SamplingParams, idle_filters
 from .speculative.decoder import acceptance_stats
 
@@ -130,18 +130,11 @@ def check_run(model, policies: list[str], *, max_new_tokens: int = 64, sampling:
         if ckpt.dtype != torch.bfloat16:
             raise ConfigError(f"compare_compressed (--compare-compressed) runs a losslessly coded store, which needs a "
                               f"bf16 checkpoint; {ckpt.path} stores {str(ckpt.dtype)[6:]}: drop it")
-    pols = [get_policy(p) for p in policies]
     given = dict(residency=residency, expert_memory=expert_memory, device_memory=device_memory, link=link,
                  k_max=load_kw.get("k_max"), draft_bits=load_kw.get("draft_bits"),
                  compress_experts=load_kw.get("compress_experts") or None, host_threads=load_kw.get("host_threads"))
-    for name, value in given.items():  # (specter.load refuses them per policy; here: unread by the whole run)
-        field = specter.READ_BY.get(name, "host_lane")
-        if value is not None and not any(getattr(pol, field) for pol in pols):
-            raise ConfigError(f"none of the policies {', '.join(policies)} reads {name}={value!r}, so it would be "
-                              f"ignored; drop it, or add a policy that reads it ({', '.join(policy_names(field))})")
-    if given["k_max"] == 0 and given["draft_bits"] is not None:
-        raise ConfigError(f"k_max=0 makes no draft, so draft_bits={given['draft_bits']!r} would be ignored; drop one")
-    if any(pol.makes_draft(given["k_max"]) for pol in pols) and given["draft_bits"] is not None:
+    specter.refuse_unused(policies, **given)  # (specter.load refuses them per policy; here: unread by the run)
+    if any(get_policy(p).makes_draft(given["k_max"]) for p in policies) and given["draft_bits"] is not None:
         from .loader import open_checkpoint  # (headers only) a width the experts cannot pack, before the load
         from .speculative.draft_cache import check_packable
 
@@ -151,8 +144,8 @@ def check_run(model, policies: list[str], *, max_new_tokens: int = 64, sampling:
         pol = get_policy(p)
         k_max = load_kw.get("k_max", DEFAULT_K_MAX) if pol.drafts else DEFAULT_K_MAX
         host_threads = load_kw.get("host_threads") if pol.host_lane else None
-        check_options(pol, residency=residency, expert_memory=expert_memory, device_memory=device_memory,
-                      link=link if pol.offloads else None, k_max=k_max, host_threads=host_threads)
+        check_load_options(pol, residency=residency, expert_memory=expert_memory, device_memory=device_memory,
+                           link=link if pol.offloads else None, k_max=k_max, host_threads=host_threads)
     return sampling, params
 
 

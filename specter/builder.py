@@ -166,8 +166,8 @@ def check_has_experts(ckpt: Checkpoint, policy: str) -> None:
                           f"{policy!r} has nothing to offload: run it with policy 'resident' (--policy resident)")
 
 
-def check_options(pol: Policy, *, residency=None, expert_memory=None, device_memory=None, link=None,
-                  k_max: int = DEFAULT_K_MAX, host_threads: int | None = None) -> None:
+def check_load_options(pol: Policy, *, residency=None, expert_memory=None, device_memory=None, link=None,
+                       k_max: int = DEFAULT_K_MAX, host_threads: int | None = None) -> None:
     """The load options that need no checkpoint, checked before anything loads (bench's one load for every
     policy included): the budget (offloading policies), the link profile's name, k_max, host_threads."""
     pol.check_host_threads(host_threads)
@@ -200,8 +200,8 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}"
                           + (f" (did you mean {', '.join(near)}?)" if near else "")
                           + f"; specter.load takes model, device, policy and {', '.join(known)}")
-    check_options(pol, residency=residency, expert_memory=expert_memory, device_memory=device_memory, link=link,
-                  k_max=k_max, host_threads=host_threads)
+    check_load_options(pol, residency=residency, expert_memory=expert_memory, device_memory=device_memory,
+                       link=link, k_max=k_max, host_threads=host_threads)
     drafts = pol.makes_draft(k_max)  # k_max 0 never drafts: no draft is quantised, planned or held
     if eviction is not None and eviction not in EVICTIONS:
         raise ConfigError(f"eviction must be one of {', '.join(EVICTIONS)} (the slot cache's rule), got {eviction!r}")

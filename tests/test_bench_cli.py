@@ -291,9 +291,9 @@ def test_a_generation_ended_at_its_first_token_adds_no_decode_time():
 
 
 @pytest.mark.parametrize("policies, kw, needle", [
-    (["resident"], dict(residency=0.25), "none of the policies resident reads residency=0.25"),
-    (["on-demand"], dict(host_threads=1), "reads host_threads=1"),
-    (["on-demand", "next-layer"], dict(k_max=4), "reads k_max=4"),
+    (["resident"], dict(residency=0.25), "policy 'resident' keeps every expert on the device, so residency=0.25"),
+    (["on-demand"], dict(host_threads=1), "computes no expert on the host, so host_threads=1 would be ignored"),
+    (["on-demand", "next-layer"], dict(k_max=4), "none of the policies on-demand, next-layer reads it, so k_max=4"),
     (["specter"], dict(k_max=0, draft_bits=3), "k_max=0 makes no draft, so draft_bits=3"),
 ])
 def test_run_bench_refuses_what_no_policy_of_the_run_reads(model, monkeypatch, policies, kw, needle):
