@@ -11,8 +11,10 @@ import torch
 import specter
 
 from . import default_model_path, resolve_device, workloads
-from .builder import check_load_options, load_shared
+from .builder import check_load_options, load_shared, plan_engine
 from .errors import ConfigError, ContextLengthError, warn
+from .offload.plan import check_context, compute_dtype
+from .offload.threads import cuda_device
 from .policy import BENCH_POLICIES, DEFAULT_K_MAX, get as get_policy
 from .sampling import SamplingParams, idle_filters
 from .speculative.decoder import acceptance_stats
@@ -100,12 +102,12 @@ def budget_words(args, residency, per_rank: bool = False) -> str:
     return f"residency {residency:g}"
 
 
-def check_run(model, policies: list[str], *, max_new_tokens: int = 64, sampling: dict | None = None, shared=None,
-              compare_compressed: bool = False, residency=None, expert_memory=None, device_memory=None, link=None,
-              **load_kw) -> tuple[dict, SamplingParams]:
+def check_run(model, policies: list[str], *, device="auto", max_new_tokens: int = 64, sampling: dict | None = None,
+              shared=None, compare_compressed: bool = False, residency=None, expert_memory=None, device_memory=None,
+              link=None, **load_kw) -> tuple[dict, SamplingParams]:
     """run_bench's arguments checked before anything loads (a typo must not cost a big model's load and
-    draft): the sampling values, the policies, and each policy's own options as its load would check
-    them. The sampling keywords (greedy unless a temperature is given) and their params."""
+    draft): the sampling values, the policies, each policy's own options as its load would check them,
+    and its plan (plan_policies). The sampling keywords (greedy unless a temperature is given) and their params."""
     sampling = {"temperature": 0.0, **(sampling or {})}
     params = SamplingParams(**sampling)  # a bad value fails here, before any engine loads
     if idle := idle_filters(params):  # (bench's temperature is 0 unless given)
@@ -146,7 +148,31 @@ def check_run(model, policies: list[str], *, max_new_tokens: int = 64, sampling:
         host_threads = load_kw.get("host_threads") if pol.host_lane else None
         check_load_options(pol, residency=residency, expert_memory=expert_memory, device_memory=device_memory,
                            link=link if pol.offloads else None, k_max=k_max, host_threads=host_threads)
+    plan_policies(model, policies, device, shared=shared, compare_compressed=compare_compressed,
+                  budget=dict(residency=residency, expert_memory=expert_memory, device_memory=device_memory),
+                  **load_kw)
     return sampling, params
+
+
+def plan_policies(model, policies: list[str], device, *, shared=None, compare_compressed: bool = False,
+                  budget: dict, **load_kw) -> None:
+    """Each offloading policy planned from the checkpoint's headers, as its engine will plan it (coded
+    too with compare_compressed): a budget below a layer's top-k, or one the device cannot hold, is
+    refused before bench's one load, not after it."""
+    from .loader import open_checkpoint
+
+    device = shared.device if shared is not None else resolve_device(device)
+    ckpt = shared.ckpt if shared is not None else open_checkpoint(model if model is not None else default_model_path())
+    dt = shared.dtype if shared is not None else compute_dtype(device, ckpt.dtype, load_kw.get("dtype"))
+    context = check_context(load_kw.get("context"), ckpt.spec)
+    for p in policies:
+        pol = get_policy(p)
+        for coded in (False, True) if compare_compressed else (bool(load_kw.get("compress_experts")),):
+            with cuda_device(device):
+                plan_engine(pol, ckpt, device, dt, **budget, context=context, compile=load_kw.get("compile"),
+                            k_max=load_kw.get("k_max", DEFAULT_K_MAX) if pol.drafts else DEFAULT_K_MAX,
+                            compress_experts=coded, draft_bits=load_kw.get("draft_bits", 4),
+                            slot_pool=load_kw.get("slot_pool", "shared"))
 
 
 def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int = 64, repeat: int = 1,
@@ -162,7 +188,8 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
     `compare_compressed`: each policy twice, on the raw store and on a losslessly coded one ("POLICY
     +coded", compress_experts), alternating prompt by prompt in this one process (one link calibration
     for all), so `coded_vs_raw` (bytes a token and TPOT, coded against raw) compares like with like."""
-    sampling, params = check_run(model, policies, max_new_tokens=max_new_tokens, sampling=sampling, shared=shared,
+    sampling, params = check_run(model, policies, device=device, max_new_tokens=max_new_tokens, sampling=sampling,
+                                 shared=shared,
                                  compare_compressed=compare_compressed, residency=residency,
                                  expert_memory=expert_memory, device_memory=device_memory, link=link, **load_kw)
     if shared is None:  # one load every policy builds on (its options are the checkpoint's, not a policy's)

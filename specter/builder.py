@@ -166,6 +166,41 @@ def check_has_experts(ckpt: Checkpoint, policy: str) -> None:
                           f"{policy!r} has nothing to offload: run it with policy 'resident' (--policy resident)")
 
 
+def plan_engine(pol: Policy, ckpt: Checkpoint, device: torch.device, dt: torch.dtype, *, residency=None,
+                expert_memory=None, device_memory=None, context: int, k_max: int = DEFAULT_K_MAX,
+                compile: bool | None = None, compress_experts: bool = False, draft_bits: int = 4,
+                slot_pool: str = "shared"):
+    """An offloading policy's plan from the checkpoint's headers alone, and make_plan's arguments (the
+    engine plans again at the coded store's measured ratio); (None, None) for a policy that does not
+    offload. Bench calls it for every policy before its one load, so a budget too small fails first.
+    On CUDA with no budget: 90% of the free memory; a plan the free memory cannot hold is refused."""
+    if not pol.offloads:
+        return None, None
+    spec = ckpt.spec
+    drafts = pol.makes_draft(k_max)
+    if residency is None and expert_memory is None and device_memory is None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        device_memory = int(free * 0.9)
+    planned = dict(residency=residency, expert_memory=expert_memory, device_memory=device_memory,
+                   context=context, draft=drafts, device=device, store_dtype=ckpt.dtype,
+                   compressed=compress_experts, pool=slot_pool,
+                   coded_tier=plan_tier(pol, device, dt, compress_experts),
+                   kv_scratch=verify_scratch(pol, device, compile, k_max))
+    try:
+        plan = make_plan(spec, ckpt.numel(), dt, draft_bits=draft_bits, **planned)
+    except BudgetError as e:  # a narrower draft may leave the pool its top-k (plan --device-memory picks one)
+        if not drafts or device_memory is None:
+            raise
+        fits = [b for b in draft_widths(spec) if b < draft_bits and _plans(spec, ckpt.numel(), dt, b, planned)]
+        if not fits:
+            raise
+        raise BudgetError(f"{e}; or a narrower draft: draft_bits (--draft-bits) {' or '.join(map(str, fits))} "
+                          f"fits") from None
+    if device.type == "cuda":
+        check_device_room(plan, torch.cuda.mem_get_info(device)[0])
+    return plan, planned
+
+
 def check_load_options(pol: Policy, *, residency=None, expert_memory=None, device_memory=None, link=None,
                        k_max: int = DEFAULT_K_MAX, host_threads: int | None = None) -> None:
     """The load options that need no checkpoint, checked before anything loads (bench's one load for every
@@ -229,28 +264,10 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         cuda_attention_backends()
     spec = ckpt.spec
     context = check_context(context, spec)
-    plan = None
+    plan, planned = plan_engine(pol, ckpt, device, dt, residency=residency, expert_memory=expert_memory,
+                                device_memory=device_memory, context=context, k_max=k_max, compile=compile,
+                                compress_experts=compress_experts, draft_bits=draft_bits, slot_pool=slot_pool)
     if pol.offloads:
-        if residency is None and expert_memory is None and device_memory is None and device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            device_memory = int(free * 0.9)
-        planned = dict(residency=residency, expert_memory=expert_memory, device_memory=device_memory,
-                       context=context, draft=drafts, device=device, store_dtype=ckpt.dtype,
-                       compressed=compress_experts, pool=slot_pool,
-                       coded_tier=plan_tier(pol, device, dt, compress_experts),
-                       kv_scratch=verify_scratch(pol, device, compile, k_max))
-        try:
-            plan = make_plan(spec, ckpt.numel(), dt, draft_bits=draft_bits, **planned)
-        except BudgetError as e:  # a narrower draft may leave the pool its top-k (plan --device-memory picks one)
-            if not drafts or device_memory is None:
-                raise
-            fits = [b for b in draft_widths(spec) if b < draft_bits and _plans(spec, ckpt.numel(), dt, b, planned)]
-            if not fits:
-                raise
-            raise BudgetError(f"{e}; or a narrower draft: draft_bits (--draft-bits) {' or '.join(map(str, fits))} "
-                              f"fits") from None
-        if device.type == "cuda":
-            check_device_room(plan, torch.cuda.mem_get_info(device)[0])
         pdt = getattr(torch, plan.pool_dtype)
         if shared is None:  # calibrated on the threads it decodes with (load_shared sets them too, later)
             configure_threads(device, threads)

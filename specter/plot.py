@@ -16,9 +16,10 @@ def residency_sweep(model, policies: list[str], out_png: str, *, residencies=RES
     if not any(get_policy(p).offloads for p in policies if p in BENCH_POLICIES):
         raise ConfigError(f"--plot sweeps the residency, which none of the policies {', '.join(policies)} reads: "
                           f"add an offloading one (e.g. on-demand)")
-    check_run(model, policies, residency=residencies[0], expert_memory=None, device_memory=None, shared=None,
+    # (the largest residency: a smaller one below a layer's top-k is skipped, below, not refused)
+    check_run(model, policies, residency=max(residencies), expert_memory=None, device_memory=None, shared=None,
               compare_compressed=False, **{k: v for k, v in bench_kw.items() if k not in ("prompts", "repeat",
-                                                                                         "device", "warmup")})
+                                                                                         "warmup")})
     sweep, link = {}, None
     shared = load_once(model, **{k: v for k, v in bench_kw.items()  # one load under every residency
                                  if k in ("device", "dtype", "threads", "draft_cache", "compress_experts",

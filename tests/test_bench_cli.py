@@ -306,6 +306,26 @@ def test_run_bench_refuses_what_no_policy_of_the_run_reads(model, monkeypatch, p
         run_bench(model, policies, prompts=PROMPTS[:1], max_new_tokens=3, device="cpu", **kw)
 
 
+@pytest.mark.parametrize("kw, needle", [
+    (dict(residency=0.001), "top-"),
+    (dict(expert_memory="1KiB"), "top-"),
+    (dict(device_memory="1KiB"), "cannot hold what a generation needs"),
+])
+def test_run_bench_refuses_a_budget_below_top_k_before_the_load(model, tiny, monkeypatch, kw, needle):
+    """run_bench (the Python API) found these only in its first engine's plan, after the checkpoint and
+    the draft had loaded; the CLI's generate refuses them first. Each policy is planned from the headers."""
+    import specter.bench
+    from specter.errors import BudgetError
+
+    monkeypatch.setattr(specter.bench, "load_shared", lambda *a, **k: pytest.fail("loaded before the refusal"))
+    with pytest.raises(BudgetError, match=needle):
+        run_bench(model, ["resident", "specter"], prompts=PROMPTS[:1], max_new_tokens=3, device="cpu", **kw)
+    coded, _ = tiny("qwen3_moe", dtype=torch.bfloat16)  # and the coded engines' plans
+    with pytest.raises(BudgetError, match=needle):
+        run_bench(str(coded), ["on-demand"], prompts=PROMPTS[:1], max_new_tokens=3, device="cpu",
+                  compare_compressed=True, **kw)
+
+
 def test_a_draft_width_the_experts_cannot_pack_is_refused_before_the_load(tiny, monkeypatch):
     """Tiny Mixtral's experts (intermediate 48) pack no 3-bit draft: refused when the draft was quantised."""
     import specter
