@@ -501,8 +501,9 @@ def test_a_gpu_without_a_budget_gives_each_rank_what_its_free_memory_leaves(ckpt
 
 
 def test_plan_ranks_compress_experts_says_what_each_rank_holds_as_the_ranks_load_it(tmp_path, capsys):
-    """`plan --ranks --compress-experts`: each rank's host store is its own layers' coded bytes, and its
-    slot pool and compressed device tier are the ones its load builds."""
+    """`plan --ranks --compress-experts`: each rank's host store is its own layers' coded bytes, with the
+    raw copy a CPU rank keeps beside it (the plan left it out), and its slot pool and compressed device
+    tier are the ones its load builds."""
     from specter.cli import main
     from specter.offload.coded import store_nbytes
     from specter.pipeline.load import load_stage
@@ -525,6 +526,8 @@ def test_plan_ranks_compress_experts_says_what_each_rank_holds_as_the_ranks_load
             mgr = getattr(mgr, "inner", mgr)  # policy host: HostExperts over the manager
             assert mgr.slots.pool_slots == r["pool_slots"] and r["fits"], (policy, budget, r)
             assert 0 < r["store_bytes"] == store_nbytes(mgr.store) < n, (r, n)
+            kept = mgr.store[0].w13.rows is not None  # the rank's raw copy beside its coded store (left out)
+            assert r["raw_rows_bytes"] == (n if kept else 0) and kept, (policy, budget, r)
             tier = getattr(mgr, "tier", None)
             assert r["tier_bytes"] == (tier.capacity if tier is not None else 0), (policy, budget, r)
             if budget[0] == "--residency":  # the host policy copies nothing after warm-up: no tier; specter's

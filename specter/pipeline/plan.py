@@ -8,10 +8,11 @@ load (load.load_stage): a residency gives each stage its layers' share of the wh
 what the stage's weights, KV cache and draft leave (it fits when that is at least one layer's
 top-k). Drafting policies (unless --k-max 0: no draft): the first rank runs the whole draft
 (stage.StageModel.whole), so it holds every layer's non-expert weights, every MoE layer's draft
-experts and a KV cache of every layer; the others hold no draft. --compress-experts: each rank's host store is its layers' coded
-bytes (measured from the weights), and where the engine builds one (coded_tier.tier_wanted) its device
-also holds its share of the compressed tier, sized as the ranks size it (stages.stage_tier over a
-plan at the tier's planning ratio).
+experts and a KV cache of every layer; the others hold no draft. --compress-experts: each rank's
+host store is its layers' coded bytes (measured from the weights), with the raw copy a rank keeps
+beside it (raw_copy), and where the engine builds one (coded_tier.tier_wanted) its device also holds
+its share of the compressed tier, sized as the ranks size it (stages.stage_tier over a plan at the
+tier's planning ratio).
 
 A drafting policy given --device-memory is also planned without its draft: where every rank would
 then hold all of its layers' experts and with the draft some rank does not, a tip says so (plain
@@ -31,11 +32,13 @@ PIPELINED = ("resident", "on-demand", "next-layer", "host", "spec-lru", "specter
 
 def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str, residency=None,
                expert_memory=None, device_memory=None, context: int | None = None, device=None,
-               draft_bits: int = 4, coded_layers: list[int] | None = None, k_max: int | None = None) -> list[dict]:
+               draft_bits: int = 4, coded_layers: list[int] | None = None, k_max: int | None = None,
+               host_threads: int | None = None) -> list[dict]:
     """One dict per rank: layers, moe_layers, non_expert_bytes, kv_bytes, draft_bytes, pool_slots,
-    pool_bytes, tier_bytes, total_bytes, store_bytes, fits. `coded_layers` (--compress-experts): each
-    MoE layer's coded bytes (coded_store_bytes' per_layer); the store is then coded. `k_max` 0: a
-    drafting policy that never drafts holds no draft (as load_stage)."""
+    pool_bytes, tier_bytes, total_bytes, store_bytes, raw_rows_bytes, fits. `coded_layers`
+    (--compress-experts): each MoE layer's coded bytes (coded_store_bytes' per_layer); the store is then
+    coded, and raw_rows_bytes is the raw copy a rank keeps beside it (raw_copy). `k_max` 0: a drafting
+    policy that never drafts holds no draft (as load_stage)."""
     if policy not in PIPELINED:
         raise ConfigError(f"policy {policy!r} is not pipelined; plan --ranks for {', '.join(PIPELINED)}")
     drafts = get_policy(policy).makes_draft(k_max)
@@ -68,14 +71,31 @@ def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str,
                 tier = stage_tier(plan, spec, mine, slots, budget is not None)
             except BudgetError:  # less than one layer's top-k left
                 slots, expert = 0, spec.expert_numel() * item
-        store = mine * E * spec.expert_numel() * store_dtype.itemsize
+        store = raw = mine * E * spec.expert_numel() * store_dtype.itemsize
         if compressed:
             store = sum(coded_layers[st.moe_first:st.moe_last])
         out.append(dict(rank=st.rank, layers=[st.first, st.last], moe_layers=mine, non_expert_bytes=non,
                         kv_bytes=kv, draft_bytes=draft, pool_slots=slots, experts=mine * E, pool_bytes=slots * expert,
                         tier_bytes=tier, total_bytes=non + kv + draft + slots * expert + tier,
-                        store_bytes=0 if policy == "resident" else store, fits=mine == 0 or slots >= k))
+                        store_bytes=0 if policy == "resident" else store,
+                        raw_rows_bytes=raw if compressed and raw_copy(policy, device, raw, host_threads) else 0,
+                        fits=mine == 0 or slots >= k))
     return out
+
+
+def raw_copy(policy: str, device, raw_bytes: int, host_threads: int | None) -> bool:
+    """Whether a rank with a coded store keeps its layers' experts decoded beside it (load.load_stage):
+    on CPU, where coded copies write from it (up to coded_tier.ROWS_MAX_BYTES) or a host lane reads it,
+    and wherever a host lane computes (builder.uses_host_lane)."""
+    from ..builder import uses_host_lane
+    from ..offload.coded_tier import ROWS_MAX_BYTES
+
+    if device is None or not raw_bytes:
+        return False
+    pol = get_policy(policy)
+    if device.type == "cpu" and pol.offloads and (pol.host_lane or raw_bytes <= ROWS_MAX_BYTES):
+        return True
+    return uses_host_lane(pol, device, host_threads)
 
 
 def holds_all(rows: list[dict]) -> bool:
@@ -107,7 +127,8 @@ def print_rank_plans(rows: list[dict], as_json: bool, device_memory=None, tip: s
                 + (f"draft {format_size(r['draft_bytes'])}, " if r["draft_bytes"] else "") + "slot pool "
                 f"{r['pool_slots']} of {r['experts']} experts ({format_size(r['pool_bytes'])}), "
                 + (f"coded tier {format_size(r['tier_bytes'])}, " if r["tier_bytes"] else "") + "device total "
-                f"{format_size(r['total_bytes'])}; host store {format_size(r['store_bytes'])}")
+                f"{format_size(r['total_bytes'])}; host store {format_size(r['store_bytes'])}"
+                + (f" and its raw copy {format_size(r['raw_rows_bytes'])}" if r["raw_rows_bytes"] else ""))
         if device_memory is not None:
             line += "; fits" if r["fits"] else "; does NOT fit (less than one layer's top-k experts left)"
         print(line)
@@ -142,7 +163,8 @@ def cmd_plan_ranks(args, device) -> int:
     def plan(policy, bits=getattr(args, "draft_bits", None) or 4):
         return rank_plans(spec, numel, dtype, store_dtype, args.ranks, policy=policy, residency=args.residency,
                           expert_memory=args.expert_memory, device_memory=args.device_memory, context=args.context,
-                          device=device, draft_bits=bits, coded_layers=coded, k_max=args.k_max)
+                          device=device, draft_bits=bits, coded_layers=coded, k_max=args.k_max,
+                          host_threads=getattr(args, "host_threads", None))
 
     rows, tip, chosen = plan(args.policy), None, ""
     drafts = get_policy(args.policy).makes_draft(args.k_max)  # (--k-max 0: no draft on rank 0)
