@@ -244,7 +244,7 @@ def test_draft_cache_miss_hit_corrupt_stale(tmp_path, monkeypatch, bf16):
     first = list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path))
     assert len(calls) == 2 * L  # miss: every layer quantised (w13 and w2)
     entry = next(tmp_path.iterdir())
-    assert sorted(p.name for p in entry.iterdir()) == [f"layer-{i}.safetensors" for i in range(L)]
+    assert sorted(p.name for p in entry.iterdir()) == [f"layer-{i}.safetensors" for i in range(L)] + ["source.json"]
 
     calls.clear()
     again = list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path))
@@ -268,6 +268,7 @@ def test_draft_cache_miss_hit_corrupt_stale(tmp_path, monkeypatch, bf16):
 
     # stale: a file from another entry (another checkpoint) copied under this key is not trusted
     monkeypatch.setattr(draft_cache, "cache_key", lambda files, bits=4: "another-key")
+    monkeypatch.setattr(draft_cache, "entry_source", lambda *a, **k: {"kind": "another checkpoint"})
     list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path))
     shutil.copy(tmp_path / "another-key" / "layer-0.safetensors", entry / "layer-0.safetensors")
     monkeypatch.undo()

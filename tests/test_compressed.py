@@ -202,6 +202,7 @@ def test_coded_store_cache_miss_hit_corrupt_stale(tiny, tmp_path, monkeypatch):
     key, is read and coded anew, alone."""
     from specter import loader
     from specter.offload import coded as coded_mod
+    from specter.speculative import draft_cache
 
     path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
     encodes, reads, alive = [], [], []
@@ -232,7 +233,7 @@ def test_coded_store_cache_miss_hit_corrupt_stale(tiny, tmp_path, monkeypatch):
     L = len(first)
     assert len(encodes) == 2 * L and reads == list(range(L)) and not alive  # miss: each layer read, coded, freed
     entry = next(tmp_path.glob("coded-*"))
-    assert sorted(p.name for p in entry.iterdir()) == [f"layer-{i}.safetensors" for i in range(L)]
+    assert sorted(p.name for p in entry.iterdir()) == [f"layer-{i}.safetensors" for i in range(L)] + ["source.json"]
 
     def same(a, b):
         return all(torch.equal(x, y) for m in ("w13", "w2")
@@ -270,6 +271,7 @@ def test_coded_store_cache_miss_hit_corrupt_stale(tiny, tmp_path, monkeypatch):
 
     # stale: a layer file of another key (another checkpoint) under this one's name is not trusted
     monkeypatch.setattr(coded_mod, "cache_key", lambda files: "another-key")
+    monkeypatch.setattr(draft_cache, "entry_source", lambda *a, **k: {"kind": "another checkpoint"})
     load()
     shutil.copy(tmp_path / "coded-another-key" / "layer-0.safetensors", entry / "layer-0.safetensors")
     monkeypatch.undo()

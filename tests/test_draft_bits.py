@@ -49,7 +49,7 @@ def test_cache_miss_hit_corrupt_stale_at_each_width(qwen, tmp_path, monkeypatch,
     assert calls == [bits] * 2 * L  # miss: every layer quantised at this width
     assert all(q.bits == bits for layer in first for q in layer)
     entry = tmp_path / draft_cache.cache_key(files, bits)
-    assert sorted(p.name for p in entry.iterdir()) == [f"layer-{i}.safetensors" for i in range(L)]
+    assert sorted(p.name for p in entry.iterdir()) == [f"layer-{i}.safetensors" for i in range(L)] + ["source.json"]
 
     calls.clear()
     assert _same(list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path, bits=bits)), first)
@@ -156,6 +156,7 @@ def test_entries_of_the_previous_format_are_stale_and_do_not_collide(qwen, tmp_p
         m.setattr(draft_cache, "FORMAT", 2)
         old_key = draft_cache.cache_key(files, 4)
         list(draft_cache.draft_int4(store, files, CPU, cache=tmp_path, bits=4))
+    (tmp_path / old_key / "source.json").unlink()  # (format 2's code recorded no source: such entries are kept)
     old = {p.name: p.read_bytes() for p in (tmp_path / old_key).iterdir()}
     assert draft_cache.cache_key(files, 4) != old_key
     calls = _count_packs(monkeypatch)
@@ -321,3 +322,46 @@ def test_a_budget_only_a_narrower_draft_fits_says_which(fast_link):
     with pytest.raises(specter.BudgetError) as err:  # nothing narrower fits: the refusal as it was
         specter.load(None, device="cpu", policy="specter", device_memory="20MiB")
     assert "narrower draft" not in str(err.value)
+
+
+def test_a_new_entry_removes_its_shards_earlier_versions_entries(qwen, tmp_path, capsys):
+    """Entries of older keys stayed forever: a re-saved or edited checkpoint (or, for the coded store, a
+    chmod at every container start) added a new entry beside one that no load reads again, tens of GB
+    each for a big model. The entry of the same shards and width is removed; other widths, other
+    checkpoints and entries that record no source stay."""
+    import os
+    import shutil
+
+    from specter import builder
+    from specter.offload.coded import cache_entry
+
+    path, cache = tmp_path / "m", tmp_path / "cache"
+    shutil.copytree(qwen, path)
+    _, store, ckpt = load_checkpoint(path, CPU, torch.float32)
+    files = list(ckpt.files.values())
+    for bits in (4, 2):
+        list(draft_cache.draft_int4(store, files, CPU, cache=cache, bits=bits))
+    other = tmp_path / "other"  # another checkpoint (a copy elsewhere) in the same cache
+    shutil.copytree(qwen, other)
+    theirs = list(open_checkpoint(other).files.values())
+    os.utime(theirs[0], ns=(theirs[0].stat().st_atime_ns, theirs[0].stat().st_mtime_ns + 5 * 10**9))  # (copy2: its
+    list(draft_cache.draft_int4(store, theirs, CPU, cache=cache))                        # time, so the same key)
+    older = cache / "0123"  # an entry of an older Specter, which records no source
+    older.mkdir()
+    (older / "layer-0.safetensors").write_bytes(b"x")
+    before = {bits: cache / draft_cache.cache_key(files, bits) for bits in (4, 2)}
+    assert len(list(cache.iterdir())) == 4 and "removed" not in capsys.readouterr().err
+
+    shard = files[0]
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))  # re-saved: a new key
+    list(draft_cache.draft_int4(store, files, CPU, cache=cache, bits=4))
+    now = cache / draft_cache.cache_key(files, 4)
+    assert now != before[4] and now.is_dir() and not before[4].exists()
+    assert before[2].is_dir() and older.is_dir() and len(list(cache.iterdir())) == 4
+    assert "removed 1 cache entry of an earlier version of this checkpoint" in capsys.readouterr().err
+
+    builder.load_shared(path, CPU, draft_cache=str(cache), compress_experts=False)  # (no coded entry)
+    first = cache_entry(files, str(cache))
+    os.chmod(shard, shard.stat().st_mode ^ 0o040)  # a chmod: the coded key (ctime) changes, the draft's not
+    second = cache_entry(files, str(cache))
+    assert second != first and second.is_dir() and not first.exists() and now.is_dir()

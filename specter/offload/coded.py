@@ -397,7 +397,8 @@ def cache_key(files) -> str:
     time (touch -r, os.utime), and nothing can set back: an edit the fingerprint misses is a miss here. A
     copy of the checkpoint (cp -p and rsync -a too) is coded anew, once; so is a shard after a chmod, a
     chown or a new hard link (a container runtime that chowns the model at every start recodes at every
-    start). Entries of older keys are not removed: delete coded-* entries a checkpoint no longer uses."""
+    start). The entry of an older key of the same shards is removed when a new one is made
+    (draft_cache.prune_superseded)."""
     from ..speculative.draft_cache import fingerprint
 
     h = hashlib.sha256(json.dumps(cache_settings(), sort_keys=True).encode())
@@ -410,9 +411,9 @@ def cache_key(files) -> str:
 def cache_entry(files, cache=None) -> Path | None:
     """The cache directory of this checkpoint's coded store (created), or None: caching off, or the
     default place not writable (warned); a named one not writable: ConfigError (draft_cache.make_entry)."""
-    from ..speculative.draft_cache import make_entry
+    from ..speculative.draft_cache import entry_source, make_entry
 
-    return make_entry(cache, f"coded-{cache_key(files)}", "coding at every load")
+    return make_entry(cache, f"coded-{cache_key(files)}", "coding at every load", source=entry_source("coded", files))
 
 
 def read_cached(entry: Path | None, n_layers: int, shapes, first: int = 0) -> list[CodedLayer | None]:

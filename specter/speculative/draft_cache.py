@@ -27,6 +27,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import sys
 import threading
 import time
 import zlib
@@ -42,6 +44,7 @@ from specter.triton_ops.int4 import K_MULTIPLE, check_bits, packable_widths
 
 from ..errors import ConfigError, warn
 from ..moe import ExpertWeights
+from ..sizes import format_size
 
 FORMAT = 3  # 2: int32 words of eight codes, group-major scales (triton_ops/int4.py); 3: and the width (4, 3, 2)
 GROUP_SIZE = 128
@@ -72,11 +75,14 @@ def cache_root(override: str | os.PathLike | None = None) -> Path | None:
     return Path(where).expanduser()
 
 
-def make_entry(cache, name: str, what: str) -> Path | None:
+def make_entry(cache, name: str, what: str, source: dict | None = None) -> Path | None:
     """<root>/<name>, created; None when caching is off, or when the place (the default or
     $SPECTER_DRAFT_CACHE's) cannot be written: warned, and `what` is made without a cache. A place the
     caller named (`draft_cache=`, --draft-cache) that cannot be written is the caller's to fix: a
-    ConfigError. An entry that already exists is used as it is (a read-only cache filled beforehand)."""
+    ConfigError. An entry that already exists is used as it is (a read-only cache filled beforehand).
+    `source`: what the entry is of (entry_source: its kind, its shards' paths and width), kept in it as
+    source.json; an entry of another name with the same source is of an earlier version of those files
+    (or an older format): never read again, so removed (prune_superseded)."""
     root = cache_root(cache)
     if root is None:
         return None
@@ -91,7 +97,45 @@ def make_entry(cache, name: str, what: str) -> Path | None:
              f"(set SPECTER_DRAFT_CACHE to a writable directory)")
         return None
     _remove_dead_writes(entry)
+    if source is not None:
+        prune_superseded(entry, source)
     return entry
+
+
+def entry_source(kind: str, files, **what) -> dict:
+    """A cache entry's source (make_entry): its kind, the real paths of its checkpoint's shards, and
+    what else tells its entries apart (the draft's width)."""
+    return {"kind": kind, "shards": sorted(str(Path(f).resolve()) for f in files), **what}
+
+
+def prune_superseded(entry: Path, source: dict) -> None:
+    """Records `source` in `entry` and removes every other entry under its root that records the same
+    source: their key was of those shards before they changed (a re-save, an edit, a chmod of the coded
+    store's), which no load reads again, and a big model's entry is tens of GB. Entries that record no
+    source (of an older version of Specter) are left. An entry records the shards that made it: a copy
+    that kept their times (cp -p) shares the draft's key, and quantises anew once after the original
+    changes. Best effort: a file it cannot write or remove stays, quietly."""
+    mark = entry / "source.json"
+    try:
+        if not mark.exists():
+            tmp = entry / f".source.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(source, sort_keys=True))
+            os.replace(tmp, mark)
+    except OSError:  # (a read-only cache filled beforehand)
+        return
+    freed, gone = 0, 0
+    for other in entry.parent.iterdir():
+        try:
+            if other == entry or not other.is_dir() or json.loads((other / "source.json").read_text()) != source:
+                continue
+            freed += sum(f.stat().st_size for f in other.iterdir() if f.is_file())
+            shutil.rmtree(other)
+            gone += 1
+        except (OSError, ValueError):  # no source (older), unreadable, or not ours to remove
+            continue
+    if gone:
+        print(f"specter: removed {gone} cache entr{'y' if gone == 1 else 'ies'} of an earlier version of this "
+              f"checkpoint ({format_size(freed)}) from {entry.parent}", file=sys.stderr)
 
 
 def _remove_dead_writes(entry: Path, quiet_s: float = 60.0) -> None:
@@ -180,7 +224,7 @@ def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache
         pairs = [(ew.w13.shape, ew.w2.shape) for ew in store[:1]]
     for s13, s2 in pairs:  # the K of w13 and w2: the hidden size, the expert intermediate size
         check_packable(bits, s13[2], s2[2])
-    entry = make_entry(cache, cache_key(files, bits), "quantising")
+    entry = make_entry(cache, cache_key(files, bits), "quantising", source=entry_source("draft", files, bits=bits))
     nbytes = getattr(store, "nbytes", None) or sum(ew.n_experts * ew.expert_nbytes() for ew in store)  # unread
     if progress is None:
         progress = nbytes > (256 << 20)
