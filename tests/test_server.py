@@ -283,9 +283,16 @@ def test_every_bad_request_gets_an_openai_error_and_the_server_keeps_serving(mai
     r = httpx.post(url + "/v1/completions", content=b'{"prompt": "x", "repetition_penalty": Infinity}',
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.json()
-    for body in (b"{not json", b"[1, 2]", b""):
+    for param in ("top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty"):
+        r = httpx.post(url + "/v1/completions", content=b'{"prompt": "x", "%s": NaN}' % param.encode(),
+                       headers={"content-type": "application/json"})  # (said "less than or equal to 1")
+        assert r.status_code == 400 and "finite number" in r.json()["error"]["message"], r.json()
+    for body, said in ((b"{not json", "not valid JSON"), (b"[1, 2]", "not a JSON object"), (b"", "is empty"),
+                       (b'"x"', "not a JSON object")):
         r = httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"})
-        assert r.status_code == 400 and r.json()["error"]["message"], body
+        assert r.status_code == 400 and said in r.json()["error"]["message"], (body, r.json())
+    r = httpx.post(url + "/v1/completions", content=b'{"prompt": "x"}', headers={"content-type": "text/plain"})
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.json()
     assert httpx.get(url + "/v1/nothing").status_code == 404
     assert httpx.get(url + "/v1/completions").status_code == 405
     r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)

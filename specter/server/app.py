@@ -130,6 +130,10 @@ def create_app(engine, *, model_name: str | None = None, max_queue: int = 32,
         if errors[0]["type"] == "json_invalid":
             why = errors[0].get("ctx", {}).get("error", errors[0]["msg"])
             return JSONResponse(APIError(400, f"the body is not valid JSON ({why})").body(), 400)
+        if tuple(errors[0]["loc"]) == ("body",):  # no body, or not an object (or not sent as JSON)
+            what = "empty" if errors[0]["type"] == "missing" else "not a JSON object"
+            return JSONResponse(APIError(400, f"the request body is {what}: send the request as a JSON object, "
+                                              f"with Content-Type: application/json").body(), 400)
         # a value our own validator refused (lone surrogates ...) says why; the alternatives it was not are noise
         errors = [err for err in errors if err["type"] == "value_error"] or errors
         param = _param(errors[0]["loc"])

@@ -53,17 +53,17 @@ class _Sampling(_Strict):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)  # OpenAI's range
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=0)                          # extension (as vLLM): 0 = off
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)       # 64 bits, as OpenAI's
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)  # extension (as vLLM)
-    min_p: float | None = Field(None, ge=0, le=1)                 # extension (as vLLM)
+    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)  # extension (as vLLM)
     logit_bias: dict[str, float] | None = None
     user: Text | None = None                                       # identifies the caller; not used
 
