@@ -20,26 +20,30 @@ def tiny_config(arch: str, **overrides):
                 max_position_embeddings=256, eos_token_id=127, bos_token_id=1, pad_token_id=0,
                 tie_word_embeddings=False)
     if arch == "mixtral":
-        cfg = T.MixtralConfig(**base, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)
+        cls, kw = T.MixtralConfig, dict(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)
     elif arch == "phimoe":
-        cfg = T.PhimoeConfig(**base, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
-                             attention_bias=True, lm_head_bias=True)
+        cls, kw = T.PhimoeConfig, dict(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
+                                       attention_bias=True, lm_head_bias=True)
     elif arch == "qwen2_moe":
-        cfg = T.Qwen2MoeConfig(**base, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
-                               num_experts_per_tok=2, shared_expert_intermediate_size=48, norm_topk_prob=False,
-                               decoder_sparse_step=1, mlp_only_layers=[])
+        cls, kw = T.Qwen2MoeConfig, dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                         num_experts_per_tok=2, shared_expert_intermediate_size=48,
+                                         norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])
     elif arch == "qwen3_moe":
-        cfg = T.Qwen3MoeConfig(**base, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
-                               num_experts_per_tok=2, norm_topk_prob=True)
+        cls, kw = T.Qwen3MoeConfig, dict(head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                         num_experts_per_tok=2, norm_topk_prob=True)
     elif arch == "olmoe":
-        cfg = T.OlmoeConfig(**base, intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+        cls, kw = T.OlmoeConfig, dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2)
     elif arch == "deepseek_v2":
-        cfg = T.DeepseekV2Config(**{**base, "num_key_value_heads": 4}, intermediate_size=96, moe_intermediate_size=32,
-                                 n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-                                 first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
-                                 qk_rope_head_dim=8, v_head_dim=16, routed_scaling_factor=1.0)
+        cls, kw = T.DeepseekV2Config, dict(num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
+                                           n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                                           first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32,
+                                           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                           routed_scaling_factor=1.0)
     else:
         raise ValueError(f"unknown arch {arch!r}; one of {ARCHS}")
+    # overrides through the constructor: what it derives follows them (Qwen2-MoE's layer_types from
+    # use_sliding_window, set after it, kept every layer full attention); then set, as the file says
+    cfg = cls(**{**base, **kw, **overrides})
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg

@@ -70,8 +70,8 @@ def test_bf16_checkpoint(tiny):
 
 def test_tied_embeddings_and_variants(tiny):
     """Tied lm_head, mlp-only (dense) layers in Qwen2-MoE, group-limited routing and q-LoRA in DeepSeek,
-    PhiMoE's sliding window (21 positions through a window of 8: transformers masks to it), zero-size
-    shared experts (transformers stores [0, H] weights and Qwen2-MoE's gate over them: no-ops)."""
+    PhiMoE's and Qwen2-MoE's sliding windows (21 positions through a window of 8: transformers masks to
+    it), zero-size shared experts (transformers stores [0, H] weights and Qwen2-MoE's gate over them: no-ops)."""
     cases = [
         ("phimoe", dict(sliding_window=8)),
         ("qwen3_moe", dict(tie_word_embeddings=True)),
@@ -81,9 +81,12 @@ def test_tied_embeddings_and_variants(tiny):
         ("olmoe", dict(clip_qkv=0.5)),
         ("qwen2_moe", dict(shared_expert_intermediate_size=0)),
         ("deepseek_v2", dict(n_shared_experts=0)),
+        ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8)),
     ]
     for arch, kw in cases:
         path, ref = tiny(arch, **kw)
+        if kw.get("use_sliding_window"):  # (tiny_config set it after the constructor: every layer stayed full)
+            assert "sliding_attention" in ref.config.layer_types, ref.config.layer_types
         engine = specter.load(path, device="cpu", policy="resident")
         assert engine.generate(PROMPTS[0], max_new_tokens=16).token_ids == hf_greedy(ref, PROMPTS[0], 16), arch
 
