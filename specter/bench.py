@@ -98,7 +98,7 @@ def budget_words(args, residency, per_rank: bool = False) -> str:
     """A bench table's budget in words: a byte budget (under torchrun each rank's own), else the residency."""
     for name in ("device_memory", "expert_memory"):
         if getattr(args, name, None):
-            return f"{name} {getattr(args, name)}" + (" a rank" if per_rank else "")
+            return f"{name.replace('_', ' ')} {getattr(args, name)}" + (" a rank" if per_rank else "")
     return f"residency {residency:g}"
 
 
