@@ -31,7 +31,10 @@ def read_prompts(path: str | None, workload: str | None = None) -> list:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"prompts file {path!r} does not exist")
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text ({e})") from None
     if p.suffix == ".json":
         try:
             prompts = json.loads(text)

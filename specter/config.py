@@ -203,7 +203,7 @@ class ModelSpec:
                     f"config.json: group-limited routing needs n_group ({G}) to divide the {E} routed experts, "
                     f"topk_group ({spec.topk_group}) <= n_group, and num_experts_per_tok ({spec.top_k}) experts "
                     f"within topk_group groups")
-        spec.eos_token_ids = _as_list(g("eos_token_id"))
+        spec.eos_token_ids = token_ids(g("eos_token_id"))
         return spec
 
 
@@ -228,10 +228,13 @@ def _check_experts(spec: "ModelSpec") -> None:
                               f"num_key_value_heads ({spec.n_kv_heads})")
 
 
-def _as_list(x) -> list[int]:
-    if x is None:
-        return []
-    return [int(v) for v in x] if isinstance(x, (list, tuple)) else [int(x)]
+def token_ids(x, what: str = "config.json: eos_token_id") -> list[int]:
+    """A token id or a list of them (a config's eos_token_id) as a list; a CheckpointError naming `what`
+    for anything else (a string, a bool, a float, a nested list: they never match a token, or match 1)."""
+    ids = [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ids):
+        raise CheckpointError(f"{what} must be a token id (an integer >= 0) or a list of them, got {x!r}")
+    return ids
 
 
 def _sliding_windows(cfg, n_layers: int) -> list[int | None]:

@@ -20,7 +20,7 @@ from accelerate.utils import set_module_tensor_to_device
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from .config import SUPPORTED, ModelSpec, supported_list
+from .config import SUPPORTED, ModelSpec, supported_list, token_ids
 from .errors import CheckpointError, UnsupportedModelError, warn
 from .model import MoETransformer
 from .moe import ExpertWeights
@@ -72,13 +72,7 @@ def read_config(path: str | os.PathLike):
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path / 'config.json'} is missing: not a Hugging Face model directory"
                               + weights_hint(path))
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path / 'config.json'} is not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path / 'config.json'} holds a JSON {type(raw).__name__}, not the object of a "
-                              f"model's settings")
+    raw = read_json_object(path / "config.json")
     model_type = raw.get("model_type")
     if model_type is None:
         raise CheckpointError(f"{path / 'config.json'} has no model_type, so its architecture is unknown; "
@@ -95,14 +89,22 @@ def read_config(path: str | os.PathLike):
     gen = path / "generation_config.json"
     eos = spec.eos_token_ids
     if gen.is_file():
-        try:
-            g = json.loads(gen.read_text()).get("eos_token_id")
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{gen} is not valid JSON ({e})") from None
-        if g is not None:
-            eos = sorted(set(eos) | set(g if isinstance(g, list) else [g]))
+        eos = sorted(set(eos) | set(token_ids(read_json_object(gen).get("eos_token_id"), f"{gen}: eos_token_id")))
     spec.eos_token_ids = eos
     return cfg, spec
+
+
+def read_json_object(file: Path) -> dict:
+    """A settings file's JSON object; a CheckpointError naming the file when it is not UTF-8, not JSON, or
+    not an object."""
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        kind = "null" if raw is None else type(raw).__name__
+        raise CheckpointError(f"{file} holds a JSON {kind}, not the object of a model's settings")
+    return raw
 
 
 def describe(path: str | os.PathLike) -> tuple[ModelSpec, torch.dtype, int, bool]:

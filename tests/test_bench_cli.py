@@ -160,6 +160,9 @@ def test_bench_bad_prompts_file_exits_2(capsys, model, tmp_path, text, needle):
     f.write_text(text)
     assert_one_line_error(*run_cli(capsys, "bench", "--model", model, "--policies", "resident",
                                    "--prompts", str(f), "--json"), needle)
+    f.write_bytes(b'["caf\xe9"]')  # Latin-1, not UTF-8: a UnicodeDecodeError's traceback
+    assert_one_line_error(*run_cli(capsys, "bench", "--model", model, "--policies", "resident",
+                                   "--prompts", str(f), "--json"), "is not UTF-8 text")
 
 
 def test_bench_bad_arguments_exit_2(capsys, model, tmp_path):

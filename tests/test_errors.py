@@ -46,6 +46,7 @@ def test_unsupported_architecture_names_it_and_lists_supported(tmp_path):
     ({"model_type": None}, "has no model_type"),
     ([1, 2, 3], "holds a JSON list"),
     ({"hidden_size": "256"}, "could not be read: Validation error for field 'hidden_size': TypeError"),  # one line
+    ({"eos_token_id": [[2]]}, "Validation error for field 'eos_token_id'"),  # (transformers' own check)
 ])
 def test_a_config_of_impossible_sizes_is_refused_naming_the_field(tmp_path, patch, match):
     """Each crashed in the model's construction (k out of range, store[0], a negative dimension, a list's
@@ -663,3 +664,25 @@ print(errs)
     r = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])
     assert [f.name for f in tmp_path.iterdir()] == ["layer-0.safetensors"]
+
+
+@pytest.mark.parametrize("name, content, match", [
+    ("generation_config.json", b"[1, 2]", "generation_config.json holds a JSON list"),  # ('list' has no .get)
+    ("generation_config.json", b"null", "generation_config.json holds a JSON null"),
+    ("generation_config.json", b'{"eos_token_id": "x"}', "generation_config.json: eos_token_id must be a token"),
+    ("generation_config.json", b'{"eos_token_id": [[0]]}', "eos_token_id must be a token id"),  # (unhashable)
+    ("generation_config.json", b'{"eos_token_id": true}', "eos_token_id must be a token id"),  # (ended at token 1)
+    ("generation_config.json", b'{"eos_token_id": 5.5}', "eos_token_id must be a token id"),  # (never matched)
+    ("generation_config.json", b'{"do_sample": false, "x": "\xff"}', "generation_config.json is not valid JSON"),
+    ("config.json", None, "config.json is not valid JSON"),  # a byte that is not UTF-8 (UnicodeDecodeError)
+])
+def test_a_settings_file_that_is_not_an_object_of_the_right_values_is_refused(tmp_path, name, content, match):
+    """Each crashed with a traceback (AttributeError, TypeError, UnicodeDecodeError), from load and plan
+    alike, or (true, 5.5) was taken as an end-of-sequence token; now one CheckpointError naming the file."""
+    shutil.copytree(specter.default_model_path(), tmp_path / "m")
+    f = tmp_path / "m" / name
+    f.write_bytes(content if content is not None else f.read_bytes().replace(b'"model_type"', b'"model_\xfftype"'))
+    with pytest.raises(specter.CheckpointError, match=match):
+        specter.load(tmp_path / "m", device="cpu", policy="resident")
+    code, _, err = cli("plan", "--model", str(tmp_path / "m"))
+    assert code == 2 and "Traceback" not in err and re.search(match, err), err
