@@ -341,6 +341,9 @@ def test_chat_lines_commands_bad_bytes_and_ctrl_c(chat_model, capsys, monkeypatc
         monkeypatch.setattr(sys, "stdin", io.StringIO(piped))
         assert main(["generate", "--chat", "--model", str(model), "--max-new-tokens", "5", *base]) == 0
         assert capsys.readouterr().out == reply([user("def add(a, b):")], 5) + "\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def add(a, b):\n"))  # "-" reads it too (it was the prompt "-")
+    assert main(["generate", "--chat", "-", "--model", str(model), "--max-new-tokens", "5", *base]) == 0
+    assert capsys.readouterr().out == reply([user("def add(a, b):")], 5) + "\n"
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n"))
     assert main(["generate", "--chat", "--model", str(model), *base]) == 2
     assert "standard input was empty" in capsys.readouterr().err

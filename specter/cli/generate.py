@@ -15,7 +15,7 @@ from .options import (DEFAULT_NEW_TOKENS, check_policy_flags, check_sampling, ch
 
 def add_parsers(sub) -> None:
     g = sub.add_parser("generate", help="generate a continuation, streamed to the terminal")
-    g.add_argument("prompt", nargs="?", help="the prompt (default: read standard input)")
+    g.add_argument("prompt", nargs="?", help="the prompt (default, or -: read standard input)")
     g.add_argument("--prompt-ids", type=token_ids, default=None, metavar="IDS",
                    help="the prompt as token ids, e.g. 1,2,3 (for checkpoints without a tokenizer, whose output is "
                         "then token ids too)")
@@ -78,8 +78,8 @@ def _prompt(args):
             raise ConfigError("--chat/--system render text through the chat template; --prompt-ids are already tokens")
         return args.prompt_ids
     prompt = args.prompt
-    if prompt is None:
-        if sys.stdin is None or sys.stdin.isatty():
+    if prompt is None or prompt == "-":  # ("-": standard input, as cat reads it, a terminal's too)
+        if sys.stdin is None or (prompt is None and sys.stdin.isatty()):
             raise SpecterError('no prompt: pass one, e.g. specter generate "def add(a, b):", or pipe it on stdin')
         prompt = read_stdin()
         if args.chat or args.system is not None:  # a message, as a line of `specter chat` is one
