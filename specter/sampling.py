@@ -267,7 +267,7 @@ def choose(sampling: dict, defaults: dict) -> tuple[SamplingParams, str]:
         params = SamplingParams(**given)
         if (idle := idle_filters(params)) and "temperature" not in given:  # the neutral temperature 0 is greedy
             warn(f"{idle} no effect without a temperature: the generation is greedy (temperature 0, the neutral "
-                 f"value); give a temperature to sample (the model's own settings apply only when no sampling "
+                 f"value); give a temperature (--temperature) to sample (the model's own settings apply only when no sampling "
                  f"argument is given)")
         return params, "caller"
     return SamplingParams(**{**defaults, **given}), "model" if defaults else "none"
@@ -277,8 +277,8 @@ def idle_filters(params: SamplingParams) -> str:
     """The filters set that greedy decoding ignores, as "top_p has" / "top_p and top_k have" ("": none)."""
     if not params.greedy or params.top_k == 1:  # (top_k 1 is what makes it greedy)
         return ""
-    names = [n for n, on in (("top_p", params.top_p < 1), ("top_k", params.top_k > 1), ("min_p", params.min_p > 0))
-             if on]
+    names = [f"{n} (--{n.replace('_', '-')})" for n, on in (("top_p", params.top_p < 1), ("top_k", params.top_k > 1),
+                                                          ("min_p", params.min_p > 0)) if on]
     return f"{' and '.join(names)} {'has' if len(names) == 1 else 'have'}" if names else ""
 
 

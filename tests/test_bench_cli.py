@@ -181,8 +181,8 @@ def test_bench_bad_arguments_exit_2(capsys, model, tmp_path):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--residency", "1.5"], "residency must be a fraction"),
-    (["--expert-memory", "abc"], "cannot parse size 'abc'"),
-    (["--residency", "0.25", "--device-memory", "1MiB"], "give one budget"),
+    (["--expert-memory", "abc"], "expert_memory (--expert-memory): cannot parse size 'abc'"),
+    (["--residency", "0.25", "--device-memory", "1MiB"], "give one budget: residency (--residency)"),
     (["--link", "bogus"], "unknown link profile 'bogus'"),
     (["--policies", "on-demand,host", "--host-threads", "0"], "needs host_threads >= 1"),
     (["--policies", "on-demand,specter", "--k-max", "0", "--draft-bits", "2"], "--draft-bits 2 would be ignored"),
@@ -254,7 +254,7 @@ def test_bench_sampling_reports_speed_not_token_equality(capsys, model, tmp_path
     rc, out, err = run_cli(capsys, "bench", "--model", model, "--device", "cpu", "--prompts", str(f),
                            "--policies", "on-demand", "--residency", "0.5", "--max-new-tokens", "4", "--top-p", "0.9")
     assert rc == 0 and "greedy" in out  # (bench's temperature is 0: a filter alone ran greedy, silently)
-    assert "specter: warning: top_p has no effect at temperature 0" in err, err
+    assert "specter: warning: top_p (--top-p) has no effect at temperature 0" in err, err
 
 
 def test_time_split_and_table_sections():

@@ -84,7 +84,7 @@ def test_dtype_and_penalties_reach_the_engine(capsys):
     assert main(argv) == 0
     got = json.loads(capsys.readouterr().out)["token_ids"]
     engine = specter.load(None, device="cpu", policy="resident")
-    with pytest.warns(UserWarning, match="min_p has no effect"):  # (as the CLI's run above said)
+    with pytest.warns(UserWarning, match=r"min_p \(--min-p\) has no effect"):  # (as the CLI's run above said)
         assert got == engine.generate("def add(a, b):", max_new_tokens=12, repetition_penalty=1.4,
                                       frequency_penalty=0.5, min_p=0.1).token_ids
     assert main(argv[:-6] + ["--dtype", "bfloat16"]) == 0  # runs in bf16 on CPU

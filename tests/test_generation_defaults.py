@@ -84,7 +84,7 @@ def test_choose():
     model, P = dict(temperature=0.8, top_k=50), SamplingParams
     assert choose({}, model) == (P(**model), "model")
     assert choose(dict(seed=3, temperature=None), model) == (P(**model, seed=3), "model")  # a seed is no choice
-    with pytest.warns(UserWarning, match="top_p has no effect without a temperature"):  # the rest: neutral
+    with pytest.warns(UserWarning, match=r"top_p \(--top-p\) has no effect without a temperature"):  # the rest: neutral
         assert choose(dict(top_p=0.5, seed=3), model) == (P(top_p=0.5, seed=3), "caller")
     assert choose(dict(temperature=0.0), model) == (P(temperature=0.0), "caller")
     assert choose({}, {}) == (P(), "none")

@@ -320,7 +320,7 @@ def check_budget(residency=None, expert_memory=None, device_memory=None) -> None
     """At most one budget, and that one well formed: checked from the arguments alone, before a load."""
     given = [b for b in (residency, expert_memory, device_memory) if b is not None]
     if len(given) > 1:
-        raise ConfigError("give one budget: residency, expert_memory or device_memory")
+        raise ConfigError("give one budget: residency (--residency), expert_memory (--expert-memory) or device_memory (--device-memory)")
     if residency is not None and (isinstance(residency, bool) or not (isinstance(residency, numbers.Real)
                                                                       and 0 < residency <= 1)):  # (numpy's too)
         raise ConfigError(f"residency must be a fraction in (0, 1], got {residency!r}")
@@ -382,7 +382,7 @@ def parse_budget(value, name: str) -> int:
     try:
         return parse_size(value)
     except ValueError as e:
-        raise ConfigError(f"{name}: {e}") from None
+        raise ConfigError(f"{name} (--{name.replace('_', '-')}): {e}") from None
 
 
 # ------------------------------------------------------------------------------ will it run here?
