@@ -201,7 +201,7 @@ def penalize(logits: torch.Tensor, p: SamplingParams, history: History | None,
     sub = out[:, ids]                                              # [N, U]
     r = p.repetition_penalty
     if r != 1:
-        sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+        sub = torch.where(seen, torch.where(sub < 0, sub * r, sub / r), sub)  # (0 / r: 0 * inf was NaN)
     if p.frequency_penalty:
         sub = sub - p.frequency_penalty * counts
     if p.presence_penalty:
@@ -223,7 +223,8 @@ def probs(logits: torch.Tensor, p: SamplingParams, history: History | None = Non
         logits = logits.masked_fill(logits < kth, float("-inf"))
     out = torch.softmax(logits, dim=-1)
     if p.top_p < 1.0:
-        sorted_p, order = torch.sort(out, dim=-1, descending=True)
+        sorted_p, order = torch.sort(out, dim=-1, descending=True, stable=True)  # ties: one order for every
+        # batch (a verification's [K+1, V] and a plain step's [1, V] keep the same tokens of a tie)
         before = sorted_p.cumsum(-1) - sorted_p           # mass of strictly more likely tokens
         drop_sorted = before >= p.top_p                    # a top_p below fp32's range compares as 0 ...
         drop_sorted[..., 0] = False                        # ... so the likeliest token is always kept

@@ -69,6 +69,28 @@ def test_repetition_penalty_and_min_p_match_transformers():
     assert (probs(logits, p, hist) == 0).sum() > 10  # min-p really dropped the tail
 
 
+def test_a_huge_repetition_penalty_leaves_a_zero_logit_zero():
+    """A penalty validation accepts (1e39) is inf in fp32: 0 * inf made a seen token's zero logit NaN,
+    which greedy then picked (argmax) and sampling dropped. transformers divides a zero logit: 0."""
+    from specter.sampling import History, penalize
+
+    logits = torch.tensor([[0.0, 2.0, -1.0, 0.0]])
+    hist = History([0, 1, 2], "cpu")
+    got = penalize(logits, SamplingParams(temperature=0.0, repetition_penalty=1e39), hist)
+    assert got[0, 0] == 0 and got[0, 1] == 0 and got[0, 2] == float("-inf") and got[0, 3] == 0, got
+    assert probs(logits, SamplingParams(temperature=0.0, repetition_penalty=1e39), hist).argmax() == 0
+
+
+def test_top_p_keeps_the_same_tokens_of_a_tie_in_any_batch():
+    """Tied probabilities at the top-p boundary (common in 16-bit logits): an unstable sort may order them
+    differently in a verification's [K+1, V] batch than in a plain step's [1, V], and keep other tokens."""
+    logits = torch.zeros(1, 64)
+    p = SamplingParams(temperature=1.0, top_p=0.5)
+    one = probs(logits, p)
+    assert (one[0, :32] > 0).all() and (one[0, 32:] == 0).all()  # the first of the tied tokens, in order
+    assert torch.equal(probs(logits.repeat(9, 1), p), one.repeat(9, 1))
+
+
 def test_presence_and_frequency_penalties_count_generated_tokens_only():
     """OpenAI's definition: logit[j] -= frequency * count[j] + presence * (count[j] > 0), over the
     generated tokens (the prompt is not counted)."""
