@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .engine import Engine, GenerationOutput
 from .errors import (BudgetError, CheckpointError, ConfigError, ContextLengthError, NotAvailableError,
                      SpecterError, TokenizerError, UnsupportedModelError)
 from .policy import BENCH_POLICIES, DEFAULT as DEFAULT_POLICY, POLICIES, get as get_policy, names as policy_names
@@ -20,6 +19,16 @@ __all__ = ["load", "default_model_path", "Engine", "GenerationOutput", "POLICIES
            "CheckpointError", "ConfigError", "ContextLengthError", "BudgetError", "TokenizerError",
            "UnsupportedModelError", "NotAvailableError"]
 
+
+
+def __getattr__(name: str):
+    """Engine and GenerationOutput, imported on first use: `import specter` (and the console script's
+    first import, console.py) does not import torch."""
+    if name in ("Engine", "GenerationOutput"):
+        from . import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'specter' has no attribute {name!r}")
 
 def default_model_path() -> Path:
     """Directory of the bundled default model (package data: a wheel carries it)."""

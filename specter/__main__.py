@@ -1,6 +1,6 @@
 """`python -m specter`: the `specter` command."""
 import sys
 
-from .cli import main
+from .console import main
 
 sys.exit(main())

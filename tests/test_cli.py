@@ -437,3 +437,23 @@ def test_a_bad_sampling_flag_is_named_before_the_model_loads(capsys, monkeypatch
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("specter: error: ") and flag in err and "loaded" not in err
+
+
+def test_ctrl_c_while_the_command_line_imports_ends_it_quietly(monkeypatch, capsys):
+    """A Ctrl-C in the first seconds (torch importing) printed a 30-line KeyboardInterrupt traceback: the
+    console script imported specter.cli, and with it torch, before main's handler existed. `import
+    specter` imports no torch now, and the console script's main catches an interrupt in the imports."""
+    import types
+
+    from specter import console
+
+    out = subprocess.run([sys.executable, "-c", "import sys, specter; print('torch' in sys.modules)"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out
+
+    class Interrupted(types.ModuleType):
+        def __getattr__(self, name):
+            raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "specter.cli", Interrupted("specter.cli"))
+    assert console.main() == 130 and capsys.readouterr().err == "\n"
