@@ -14,6 +14,8 @@ SamplingParams' neutral values (temperature 0 = greedy, filters and penalties of
 """
 from __future__ import annotations
 
+import contextlib
+
 import os
 from pathlib import Path
 
@@ -49,7 +51,8 @@ def read_generation_defaults(path: str | os.PathLike) -> dict:
     if not file.is_file():
         return {}
     try:
-        g = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+        with quiet_transformers():  # (its "generation flags are not valid" line: do_sample false and a
+            g = GenerationConfig.from_pretrained(str(path), local_files_only=True)  # temperature is greedy here)
     except Exception as e:
         raise CheckpointError(f"{file} could not be read ({e}); fix or delete it") from None
     unset = getattr(GenerationConfig, "_get_default_generation_params", dict)()
@@ -70,3 +73,17 @@ def read_generation_defaults(path: str | os.PathLike) -> dict:
     except ConfigError as e:
         raise CheckpointError(f"{file}: {e}") from None
     return out
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' own log lines (a "[transformers] ..." warning outside Specter's one-line format)
+    held back to errors while it reads a file whose meaning Specter states itself."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)

@@ -57,6 +57,18 @@ def test_fields_map_as_transformers_reads_them(tmp_path):
         read_generation_defaults(tmp_path)
 
 
+def test_transformers_own_warning_lines_are_held_back(tmp_path, capfd):
+    """do_sample false with a temperature (common in published checkpoints) made transformers print
+    "[transformers] The following generation flags are not valid..." on every run, outside Specter's
+    one-line format; Specter states what it does with it (greedy). The logging level is put back."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    (tmp_path / "generation_config.json").write_text(json.dumps(dict(do_sample=False, temperature=0.7, top_p=0.5)))
+    assert read_generation_defaults(tmp_path) == {}
+    assert "generation flags" not in capfd.readouterr().err and hf_logging.get_verbosity() == level
+
+
 def test_settings_specter_cannot_honour_are_named(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps(dict(SAMPLED, typical_p=0.9, num_beams=4)))
     with pytest.warns(UserWarning, match=r"sets num_beams=4, typical_p=0\.9, which Specter does not apply"):
