@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .engine import Engine
-from .errors import BudgetError, ConfigError, warn
+from .errors import BudgetError, ConfigError, NotAvailableError, warn
 from .generation_defaults import read_generation_defaults
 from .layers import cuda_attention_backends
 from .loader import Checkpoint, StoredExperts, load_checkpoint, load_tokenizer, open_checkpoint
@@ -348,9 +348,11 @@ def _compiled_steps(model, draft, compile: bool | None, device: torch.device, k_
             return None, _compiled_verify_step(model, 0)
         return _compiled_draft_step(model, draft), _compiled_verify_step(model, k_max)
     except Exception as e:  # noqa: BLE001 -- auto mode must never stop a load that works eagerly
-        if compile:
-            raise
-        warn(f"compiling {what} failed ({type(e).__name__}: {e}); decoding eagerly")
+        why = next((line.strip() for line in str(e).splitlines() if line.strip()), "")[:300]
+        if compile:  # asked for: refused in one line (Inductor's own error is ~100 lines: a missing C++ compiler)
+            raise NotAvailableError(f"compile=True (--compile): compiling {what} failed ({type(e).__name__}: {why}); "
+                                    f"fix that (a C++ compiler on CPU) or load without it") from e
+        warn(f"compiling {what} failed ({type(e).__name__}: {why}); decoding eagerly")
         return None, None
 
 

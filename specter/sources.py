@@ -27,7 +27,7 @@ def check_source(path: Path) -> None:
     if _HUB_ID.fullmatch(str(path)):
         raise CheckpointError(
             f"{str(path)!r} is not a local directory; if it is a Hugging Face hub id, Specter never downloads: "
-            f"download with `huggingface-cli download {path} --local-dir DIR`, then pass the directory")
+            f"download with `hf download {path} --local-dir DIR`, then pass the directory")
     raise CheckpointError(f"model directory {str(path)!r} does not exist (pass a local Hugging Face model directory)")
 
 

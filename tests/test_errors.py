@@ -560,7 +560,7 @@ def test_a_gguf_file_a_hub_id_and_a_quantized_checkpoint_say_what_to_pass(tiny, 
     gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
     with pytest.raises(specter.CheckpointError, match="GGUF file.*Hugging Face model directory"):
         specter.load(gguf, device="cpu")
-    with pytest.raises(specter.CheckpointError, match="huggingface-cli download Qwen/Qwen3-30B-A3B --local-dir DIR"):
+    with pytest.raises(specter.CheckpointError, match="hf download Qwen/Qwen3-30B-A3B --local-dir DIR"):
         specter.load("Qwen/Qwen3-30B-A3B", device="cpu")
     d = tmp_path / "gguf-dir"
     d.mkdir()
@@ -686,3 +686,22 @@ def test_a_settings_file_that_is_not_an_object_of_the_right_values_is_refused(tm
         specter.load(tmp_path / "m", device="cpu", policy="resident")
     code, _, err = cli("plan", "--model", str(tmp_path / "m"))
     assert code == 2 and "Traceback" not in err and re.search(match, err), err
+
+
+def test_a_compile_asked_for_that_fails_is_one_line(monkeypatch):
+    """--compile without a C++ compiler on CPU printed Inductor's ~100-line InvalidCxxCompiler traceback;
+    asked for, a failed compile is a NotAvailableError of one line; in auto mode (CUDA) a warning and
+    the eager steps, as before."""
+    from specter import builder
+
+    def fails(*_, **__):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found: (None, 'g++')\n" + "detail\n" * 99)
+
+    monkeypatch.setattr(builder, "_compiled_verify_step", fails)
+    with pytest.raises(specter.NotAvailableError, match=r"^compile=True \(--compile\): compiling the one-token step "
+                                                        r"failed \(RuntimeError: InvalidCxxCompiler: No working C\+\+ "
+                                                        r"compiler found: \(None, 'g\+\+'\)\); fix that") as e:
+        builder._compiled_steps(None, None, True, torch.device("cpu"), 0)
+    assert "\n" not in str(e.value)
+    with pytest.warns(specter.errors.SpecterWarning, match="decoding eagerly"):
+        assert builder._compiled_steps(None, None, None, torch.device("cuda"), 0) == (None, None)
