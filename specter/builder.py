@@ -7,6 +7,7 @@ import functools
 import inspect
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,48 @@ def configure_threads(device: torch.device, threads: int | None) -> None:
     nothing from more threads, and oversubscribed OpenMP pools are catastrophically slow."""
     if device.type == "cpu":
         torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
+
+
+_THREADS_LOCK = threading.Lock()
+_THREADS_HELD = {"engines": 0, "before": None}  # open CPU engines, and torch's threads before the first
+
+
+def hold_threads(device: torch.device):
+    """CPU: torch's threads are process-wide, and configure_threads sets them for an engine. Called before
+    it, this remembers what they were when no engine was open, and returns the release an engine calls
+    when it closes: the last one to close puts them back (a user's torch.set_num_threads survives load and
+    close). Engines loaded at once with different `threads` run with the last one's. Elsewhere: a no-op."""
+    if device.type != "cpu":
+        return lambda: None
+    with _THREADS_LOCK:
+        if _THREADS_HELD["engines"] == 0:
+            _THREADS_HELD["before"] = torch.get_num_threads()
+        _THREADS_HELD["engines"] += 1
+    held = {"open": True}
+
+    def release() -> None:  # (once: close() and a dropped engine's finalizer may both call it)
+        with _THREADS_LOCK:
+            if not held["open"]:
+                return
+            held["open"] = False
+            _THREADS_HELD["engines"] -= 1
+            if _THREADS_HELD["engines"] == 0:
+                torch.set_num_threads(_THREADS_HELD["before"])
+    return release
+
+
+def holding_threads(build):
+    """`build(path, device, ..., on_close=)` given hold_threads' release, which the engine it returns calls
+    when it closes, and which is called here if the build fails."""
+    @functools.wraps(build)
+    def run(path, device, *args, **kwargs):
+        release = hold_threads(device)
+        try:
+            return build(path, device, *args, **{**kwargs, "on_close": release})
+        except BaseException:
+            release()
+            raise
+    return run
 
 
 def on_its_device(build):
@@ -215,13 +258,14 @@ def check_load_options(pol: Policy, *, residency=None, expert_memory=None, devic
 
 
 @on_its_device
+@holding_threads
 def build_engine(path: Path, device: torch.device, *, policy: str, residency=None, expert_memory=None,
                  link=None, dtype=None, threads: int | None = None, eviction: str | None = None,
                  device_memory=None, k_max: int = DEFAULT_K_MAX, compile: bool | None = None,
                  shared: Loaded | None = None,
                  draft_cache=None, host_threads: int | None = None,
                  compress_experts: bool = False, draft_bits: int = 4, slot_pool: str = "shared",
-                 context: int | None = None, **options) -> Engine:
+                 context: int | None = None, on_close=None, **options) -> Engine:
     """An engine for `policy` (a name in specter/policy.py's table). `shared`: a checkpoint already
     loaded (load_shared) to build on instead of loading it again; its store, model and draft are
     reused, never copied. `host_threads`: the host lane's threads (policies with a host lane, see
@@ -230,7 +274,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     pol = get_policy(policy)
     if options:
         known = [n for n, p in inspect.signature(build_engine).parameters.items()
-                 if p.kind is p.KEYWORD_ONLY and n not in ("policy", "shared")]
+                 if p.kind is p.KEYWORD_ONLY and n not in ("policy", "shared", "on_close")]
         near = [m for n in options for m in difflib.get_close_matches(n, known, n=1)]
         raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}"
                           + (f" (did you mean {', '.join(near)}?)" if near else "")
@@ -308,7 +352,8 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
                 mgr.host_lane = lane
         decoder = _decoder(pol, shared, mgr, k_max, compile, graphed)
     engine = Engine(model, experts, shared.tokenizer, path=path, device=device, dtype=dt, policy=policy,
-                    decoder=decoder, generation_defaults=defaults, plan=plan, shared=shared, context=context)
+                    decoder=decoder, generation_defaults=defaults, plan=plan, shared=shared, context=context,
+                    on_close=on_close)
     return engine
 
 

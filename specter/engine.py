@@ -27,7 +27,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 import torch
 
@@ -213,7 +213,8 @@ def _check_text(text: str, what: str) -> None:
 class Engine:
     def __init__(self, model: MoETransformer, experts: list[ExpertWeights], tokenizer, *, path: Path,
                  device: torch.device, dtype: torch.dtype, policy: str, decoder,
-                 generation_defaults: dict | None = None, plan=None, shared=None, context: int | None = None):
+                 generation_defaults: dict | None = None, plan=None, shared=None, context: int | None = None,
+                 on_close: Callable[[], None] | None = None):
         self.model, self.expert_weights, self.tokenizer = model, experts, tokenizer
         self.context = context or model.spec.max_position  # most positions a generation holds (specter.load)
         decoder.context = self.context  # a kept KV cache grows up to it (speculative/decoder.py KeptCache)
@@ -223,7 +224,8 @@ class Engine:
         self.turns = Turns()
         self.closed = False
         # an engine dropped without close(): its decoder's threads (links, host lane) stopped when it is collected
-        self._finalizer = weakref.finalize(self, _close_dropped, decoder)
+        self._on_close = on_close or (lambda: None)  # (builder.hold_threads: the process's CPU threads put back)
+        self._finalizer = weakref.finalize(self, _close_dropped, decoder, self._on_close)
         self._finalizer.atexit = False  # (at exit offload/threads.py closes every owner)
         self._generation_defaults = dict(generation_defaults or {})
         SamplingParams(**self._generation_defaults)  # valid, or a ConfigError now rather than at each call
@@ -442,7 +444,7 @@ class Engine:
         `cancel` (set from any thread) ends it after the chunk in progress."""
         dec, tok, eos = self.decoder, self.tokenizer, set(self.model.spec.eos_token_ids)
         longest = max(map(len, stops), default=0)
-        if cancel is not None and cancel.is_set():  # cancelled while waiting for the turn
+        if (cancel is not None and cancel.is_set()) or self.closed:  # cancelled (or closed) waiting for the turn
             stats.update(copy.deepcopy(STATS_DEFAULTS), finish_reason="cancelled", prompt_tokens=len(ids),
                          policy=self.policy, total_s=0.0)
             return
@@ -497,12 +499,13 @@ class Engine:
         stats.update(copy.deepcopy(STATS_DEFAULTS))  # (its {} and [] the caller's own, not every generation's)
         own = dec.stats()
         stats.update(own)
+        generated = through or len(new)
         stats.update(  # copies waited on after the first token (a pipeline's decoder sums its ranks')
             decode_stall_s=own.get("decode_stall_s", stats["stall_s"] - prefill_stall),
             ttft_s=t_first - t0,
-            tpot_s=(t_end - t_first) / max((through or len(new)) - 1, 1),
-            new_tokens=len(new),
-            generated_tokens=through or len(new),  # (OpenAI's completion_tokens: the stop's token counts too)
+            tpot_s=(t_end - t_first) / (generated - 1) if generated > 1 else 0.0,  # (one token: nothing after the
+            new_tokens=len(new),                                          # first, as STATS_DEFAULTS; the line: n/a)
+            generated_tokens=generated,  # (OpenAI's completion_tokens: the stop's token counts too)
             prompt_tokens=len(ids),
             total_s=t_end - t0,
             policy=self.policy,
@@ -517,15 +520,17 @@ class Engine:
         self._finalizer.detach()
         if hasattr(self.decoder, "close"):
             self.decoder.close()
+        self._on_close()
 
 
 _CLOSING: set[threading.Thread] = set()  # dropped engines' decoders being closed off the collecting thread
 
 
-def _close_dropped(decoder) -> None:
+def _close_dropped(decoder, on_close: Callable[[], None]) -> None:
     """An engine collected without close(): its decoder closed, on a thread of its own where the collection
     runs on one of Specter's (which close() may join); those are joined at exit, before the interpreter
     finalizes (a daemon thread still inside a torch op then aborts the process: offload/threads.py)."""
+    on_close()
     if not hasattr(decoder, "close"):
         return
     if not threading.current_thread().name.startswith("specter-"):

@@ -14,6 +14,8 @@ import bisect
 import threading
 from typing import Callable, Iterator
 
+from .offload.threads import close_at_exit
+
 
 def held_back(text: str, stops: list[str]) -> int:
     """Length of the longest end of `text` that could be the start of a stop string (not yet printable).
@@ -119,7 +121,17 @@ class InThread:
         self._items: asyncio.Queue = asyncio.Queue()
         self._stop, self._end, self._over = threading.Event(), object(), False
         self._thread = threading.Thread(target=self._produce, args=(make,), name=name, daemon=True)
-        self._thread.start()
+        close_at_exit(self)  # (offload/threads.py: a daemon thread inside a torch op at exit aborts the process)
+        self._thread.start()  # (after its attribute is set: the thread reads it)
+
+    CLOSE_FIRST = True  # at exit, before the links and lanes its generation uses
+
+    def close(self) -> None:
+        """At exit (a loop left with the stream running): stops the iterator after the item it is computing
+        and joins its thread, which a daemon thread inside a torch op at finalization aborts the process."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
     def _put(self, item) -> None:
         try:

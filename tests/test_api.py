@@ -402,6 +402,8 @@ def test_stats_are_none_where_not_applicable(engine, spec_engine):
     finally:
         e.close()
     assert s["drafted_tokens"] and s["prefetch_issued"] == 0 and s["prefetch_recall"] is None
+    one = engine.generate(PROMPT, max_new_tokens=1).stats  # no token after the first: no TPOT (it was the
+    assert one["generated_tokens"] == 1 and one["tpot_s"] == 0.0, one  # bookkeeping after it, divided by 1)
 
 
 def test_every_policy_reports_one_stats_schema(engine):
@@ -647,3 +649,34 @@ def test_a_dropped_engine_stops_its_threads_and_close_mid_generation_cancels_it(
     first["compiled"].append("mine")
     again = engine.generate(PROMPT, max_new_tokens=2, **GREEDY).stats
     assert again["k_histogram"] == {} and again["compiled"] == []
+
+
+THREADS_PUT_BACK = """
+import gc, torch, specter
+torch.set_num_threads(2)
+a = specter.load(None, device="cpu", policy="resident", threads=1)
+assert torch.get_num_threads() == 1
+b = specter.load(None, device="cpu", policy="on-demand", residency=0.5, threads=1)
+b.close()
+b.close()  # (twice: released once)
+assert torch.get_num_threads() == 1  # a is still open
+a.close()
+assert torch.get_num_threads() == 2
+c = specter.load(None, device="cpu", policy="resident", threads=1)
+assert c.generate("def f", max_new_tokens=2).token_ids and torch.get_num_threads() == 1
+del c
+gc.collect()
+assert torch.get_num_threads() == 2  # dropped without close(): collected, put back too
+print("ok")
+"""
+
+
+def test_closing_the_last_cpu_engine_puts_torchs_threads_back():
+    """load() sets torch's (process-wide) threads on CPU and close() left them so: a user's
+    torch.set_num_threads(2) read 1 after load + close. The last engine to close, or to be collected,
+    puts back what they were before the first (in a process of its own: no other engine open)."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", THREADS_PUT_BACK], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]

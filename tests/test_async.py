@@ -528,3 +528,45 @@ def test_break_out_of_an_astream_then_stream_again_in_the_same_task(bundled):
         return again
 
     assert asyncio.run(main()) == want and bundled.turns.waiting == 0
+
+
+def test_a_generation_waiting_for_its_turn_when_the_engine_closes_generates_nothing():
+    """close() while a generate() waited behind a suspended stream: the waiter then ran its prefill and
+    one step on the closed engine (README: nothing is generated after close). It ends "cancelled" with
+    no token, as one whose cancel is set while it waits."""
+    engine = specter.load(None, device="cpu", policy="resident")
+    holder = engine.stream_ids("def add(a, b):", max_new_tokens=50, temperature=0)
+    next(holder)  # a stream left suspended holds the turn
+    out = {}
+    waiter = threading.Thread(target=lambda: out.update(o=engine.generate("class Stack:", max_new_tokens=20,
+                                                                            temperature=0)))
+    waiter.start()
+    while engine.turns.waiting == 0:
+        waiter.join(0.01)
+    engine.close()
+    list(holder)  # the holder ends (cancelled) and passes the turn on
+    waiter.join()
+    stats = out["o"].stats
+    assert stats["finish_reason"] == "cancelled" and stats["new_tokens"] == 0 and out["o"].token_ids == [], stats
+
+
+LEFT_RUNNING = """
+import asyncio, specter
+e = specter.load(None, device="cpu", policy="{policy}")
+agen = e.astream("def add(a, b):", max_new_tokens=300, temperature=0.0)
+loop = asyncio.new_event_loop()
+print(repr(loop.run_until_complete(agen.__anext__())), flush=True)
+"""
+
+
+@pytest.mark.parametrize("policy", ["resident", "specter"])
+def test_a_loop_left_with_an_astream_running_exits_cleanly(policy):
+    """A script whose loop stopped (run_until_complete, no asyncio.run clean-up) with an astream mid-way
+    aborted at exit (status 134, "terminate called without an active exception"): its generation thread
+    was inside a torch op at finalization. That thread is stopped and joined at exit now, first."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", LEFT_RUNNING.format(policy=policy)], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0 and "terminate" not in p.stderr, (p.returncode, p.stdout, p.stderr[-2000:])

@@ -20,9 +20,15 @@ import torch
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # owners whose thread may still run; close() is idempotent
 
 
+def close_at_exit(owner) -> None:
+    """`owner.close()` (idempotent; it stops and joins a thread of its own) runs at exit, unless the owner
+    was collected before."""
+    _OPEN.add(owner)
+
+
 def daemon(run, name: str, owner) -> threading.Thread:
     """Starts `run` on a daemon thread named `name`; `owner.close()` stops it, and runs at exit."""
-    _OPEN.add(owner)
+    close_at_exit(owner)
     device = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # the creator's
 
     def body() -> None:
@@ -45,7 +51,7 @@ def cuda_device(device: torch.device):
 
 @atexit.register
 def _close_at_exit() -> None:
-    for owner in list(_OPEN):
+    for owner in sorted(list(_OPEN), key=lambda o: not getattr(o, "CLOSE_FIRST", False)):  # generations first
         try:
             owner.close()
         except Exception as e:  # noqa: BLE001 -- at exit: say so, and close the others
