@@ -398,6 +398,13 @@ def test_bench_and_plan_cli_with_compress_experts(capsys, tiny, tmp_path, plain_
     engine = specter.load(path, device="cpu", residency=0.25, compress_experts=True)  # what the plan counts
     assert sum(e.w13.nbytes + e.w2.nbytes for e in engine.shared.raw) == host["raw_rows_bytes"]
     engine.close()
+    # a device budget: the same raw copy, and the emulated device (it said 0 for both)
+    rc = main(["plan", "--model", str(path), "--device", "cpu", "--device-memory", "64MiB", "--compress-experts",
+               "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    by_memory = json.loads(out)["host"]
+    assert by_memory["raw_rows_bytes"] == host["raw_rows_bytes"] and by_memory["device_bytes"] > 0, by_memory
     rc = main(["plan", "--model", str(path), "--device", "cpu", "--residency", "0.25", "--compress-experts"])
     out, _ = capsys.readouterr()
     assert rc == 0 and "losslessly coded" in out

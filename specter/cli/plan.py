@@ -125,6 +125,10 @@ def cmd_plan(args) -> int:
             hosts = _host_line(host, coded)
         ways = search(spec, numel, dtype, args.device_memory, context=args.context, profile=profile,
                       device=device, host_threads=args.host_threads, **store)
+        if f.fits:  # what the host holds beside the store, for the plan that runs (as below)
+            every = f.plan.pool_slots >= spec.n_moe_layers * spec.n_experts
+            hosts = _host_beside_store(host, hosts, f.plan, spec, store_dtype, dtype, device, coded,
+                                       pol.computes_on_host(device.type, args.host_threads, every_expert=every))
         if args.json:
             print(json.dumps({**f.as_dict(), "host": vars(host), "dtype": str(dtype)[6:], "cuda_graphs": graphs,
                               "options": [o.as_dict() for o in ways], "profile": profile.name}))
@@ -208,14 +212,7 @@ def cmd_plan(args) -> int:
         if opt.tier_bytes:
             copies += f"\ncoded device tier: opt-in on CUDA; SPECTER_CODED_TIER=1 would keep ~{opt.tier_experts} " \
                       f"experts coded beside {opt.pool_slots} raw slots in the same budget"
-    if coded and (lane or (device.type == "cpu" and host.raw_store_bytes <= ROWS_MAX_BYTES)):
-        host.raw_rows_bytes = host.raw_store_bytes  # kept beside the coded store (coded.py: the lane's price)
-        why = "the host lane reads raw weights" if lane else "coded copies on the emulated link write from it"
-        hosts += f", raw copy of the store {format_size(host.raw_rows_bytes)} ({why})"
-    if device.type == "cpu":  # the emulated device lives in host memory
-        host.device_bytes = emulated_device_bytes(plan, spec, store_dtype, dtype)
-        hosts += f", emulated device {format_size(host.device_bytes)} (host memory on cpu" + \
-            ("" if coded else ": a big model's slot pool aliases the store") + ")"  # (a coded store: no alias)
+    hosts = _host_beside_store(host, hosts, plan, spec, store_dtype, dtype, device, coded, lane)
     if args.json:
         print(json.dumps({**plan.as_dict(), "host": vars(host), "cuda_graphs": graphs, "host_lane": lane,
                           "lanes": lanes}))
@@ -225,6 +222,21 @@ def cmd_plan(args) -> int:
         print(hosts)
         print(copies)
     return 0
+
+
+def _host_beside_store(host, hosts: str, plan, spec, store_dtype, dtype, device, coded, lane: bool) -> str:
+    """What the host holds beside the store, set in `host` and added to its line `hosts`: a coded store's
+    raw copy (a host lane's rows; CPU: the emulated link's, up to ROWS_MAX_BYTES) and, on CPU, the
+    emulated device (`plan`'s, in host memory)."""
+    if coded and (lane or (device.type == "cpu" and host.raw_store_bytes <= ROWS_MAX_BYTES)):
+        host.raw_rows_bytes = host.raw_store_bytes  # kept beside the coded store (coded.py: the lane's price)
+        why = "the host lane reads raw weights" if lane else "coded copies on the emulated link write from it"
+        hosts += f", raw copy of the store {format_size(host.raw_rows_bytes)} ({why})"
+    if device.type == "cpu":  # the emulated device lives in host memory
+        host.device_bytes = emulated_device_bytes(plan, spec, store_dtype, dtype)
+        hosts += f", emulated device {format_size(host.device_bytes)} (host memory on cpu" + \
+            ("" if coded else ": a big model's slot pool aliases the store") + ")"  # (a coded store: no alias)
+    return hosts
 
 
 def _with_lane(ways, spec, numel, dtype, args, profile, device, store: dict) -> str:
