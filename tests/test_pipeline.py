@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -899,7 +900,7 @@ def test_a_config_mismatch_fails_every_rank(ckpts, tmp_path):
     ranks = _launch([argv + [str(ckpts["qwen3_moe"])], argv + [str(other)]], timeout=HANG)
     for r, (code, so, se) in enumerate(ranks):
         assert code == 2, (r, se[-2000:])
-        assert f"rank {r} of 2: rank(s) 1 differ from rank 0 in fingerprint:" in se and so == ""
+        assert f"rank {r} of 2: rank(s) 1 differ from rank 0 in the checkpoint:" in se and so == ""
     # options are named (a per-rank --residency was "fingerprint, options"; --pipeline-timeout was not compared)
     argv = ["-c", NO_COLLECTIVES, "generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--greedy",
             "--policy", "on-demand", "--model", str(ckpts["qwen3_moe"])]
@@ -907,13 +908,17 @@ def test_a_config_mismatch_fails_every_rank(ckpts, tmp_path):
                      argv + ["--residency", "0.25", "--pipeline-timeout", "50"]], timeout=HANG)
     for r, (code, so, se) in enumerate(ranks):
         assert code == 2, (r, se[-2000:])
-        assert f"rank {r} of 2: rank(s) 1 differ from rank 0 in options residency, options timeout_s:" in se, se
+        assert f"rank {r} of 2: rank(s) 1 differ from rank 0 in --residency, --pipeline-timeout:" in se, se
     # a rank's own load error says which rank it is
     argv = ["-m", "specter", "generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--greedy", "--policy",
             "on-demand", "--residency", "0.5", "--pipeline-timeout", "60", "--model"]
     ranks = _launch([argv + [str(ckpts["qwen3_moe"])], argv + [str(tmp_path / "nothing-here")]], timeout=HANG)
     assert [code for code, _, _ in ranks] == [2, 2], ranks
     assert "rank 1 of 2: model directory" in ranks[1][2] and "does not exist" in ranks[1][2], ranks[1][2]
+    for r, (_, _, se) in enumerate(ranks):  # every rank's error line names it once (rank 0's had no prefix)
+        lines = [line for line in se.splitlines() if line.startswith("specter: error:")]
+        assert lines and all(line.startswith(f"specter: error: rank {r} of 2: ") for line in lines), se
+        assert not re.search(r"rank \d of 2: rank \d of 2", se), se
 
 
 def test_a_rank_slower_to_start_than_the_timeout_is_waited_for(ckpts):
@@ -1248,3 +1253,22 @@ def test_a_fresh_draft_drafts_a_share_of_k_and_its_pre_draft_all_of_it(monkeypat
         dec.governor.arm, dec.pre = arm, None
         dec._optimistic_cycle(dec.stage.target(300), 300, 6, None, greedy)
         assert told[-1][0] == (3 if arm == "spec" else 6), arm
+
+
+def test_every_rank_prints_its_errors_and_warnings_with_its_rank(monkeypatch, capsys):
+    """Rank 0's errors had no prefix and the other ranks' one from `ranked` (the same error, printed bare
+    and prefixed, in one run); warnings had none (the cache warning printed once per rank, alike)."""
+    import warnings
+
+    from specter.cli import _one_line
+    from specter.errors import SpecterWarning
+    from specter.pipeline import rank_prefixed
+
+    assert rank_prefixed("x") == "x"  # one process
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert rank_prefixed("x") == "rank 1 of 2: x"
+    assert rank_prefixed("rank 0 of 2: rank(s) 1 differ") == "rank 0 of 2: rank(s) 1 differ"  # (names one already)
+    _one_line(warnings.WarningMessage("the cache is not writable", SpecterWarning, "f", 1).message, SpecterWarning,
+              "f", 1)
+    assert capsys.readouterr().err == "specter: warning: rank 1 of 2: the cache is not writable\n"

@@ -57,7 +57,7 @@ def _one_line(message, category, filename, lineno, file=None, line=None, _show=w
     if not issubclass(category, SpecterWarning):
         return _show(message, category, filename, lineno, file, line)
     try:
-        print(f"specter: warning: {message}", file=sys.stderr if file is None else file)
+        print(f"specter: warning: {pipeline.rank_prefixed(str(message))}", file=sys.stderr if file is None else file)
     except OSError:  # (as warnings.showwarning: a closed stderr is no reason to fail)
         pass
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             warnings.showwarning = _one_line
             return args.func(args)
     except SpecterError as e:
-        print(f"specter: error: {e}", file=sys.stderr)
+        print(f"specter: error: {pipeline.rank_prefixed(str(e))}", file=sys.stderr)
         if pipeline.launched():  # a failed rank leaves its process group as it is (a peer may be gone),
             try:                 # and tearing that down at interpreter exit can abort the process (SIGABRT,
                 sys.stdout.flush()  # "terminate called without an active exception") instead of exiting 2

@@ -22,6 +22,15 @@ This module stays light (no torch): the CLI asks `launched()` before anything lo
 from __future__ import annotations
 
 import os
+import re
+
+def rank_prefixed(message: str) -> str:
+    """Under torchrun, `message` as "rank R of N: message" (this process's rank), unless it names a rank
+    first already (a peer's failure, relayed); else as it is."""
+    if not launched() or re.match(r"rank \d+ of \d+: ", message):
+        return message
+    return f"rank {os.environ.get('RANK', '0')} of {os.environ['WORLD_SIZE']}: {message}"
+
 
 def launched() -> bool:
     """True when this process is one rank of several (torchrun's WORLD_SIZE > 1)."""

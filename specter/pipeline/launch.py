@@ -93,7 +93,7 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
                        k_max=k_max if pol.drafts else None, host_threads=host_threads, draft_bits=draft_bits,
                        compress_experts=compress_experts, context=context, timeout_s=group.timeout_s)
         agree(group, {"fingerprint": fingerprint(ckpt, {}), "options": options,  # (the options: named apart)
-                      "layers": [[s.first, s.last] for s in stages]})
+                      "layers": [[s.first, s.last] for s in stages]}, names=AGREED_NAMES, derived=("layers",))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", group.world))
         if threads is None and group.device.type == "cpu":
             threads = max(1, ((os.cpu_count() or 2) - 1) // max(local, 1))
@@ -120,6 +120,15 @@ def open_pipeline(model=None, *, device=None, policy: str = "on-demand", residen
                     policy=policy, decoder=decoder, generation_defaults=read_generation_defaults(path),
                     plan=stage.plan, context=context)
     return group, engine, stage
+
+
+# what agree() names when ranks differ: the flags a user gave (or the checkpoint), not the keys compared
+AGREED_NAMES = {"fingerprint": "the checkpoint", "layers": "the layer split (SPECTER_PIPELINE_LAYERS)",
+                "options world": "the number of ranks", "options backend": "--pipeline-backend",
+                "options device_type": "--device", "options timeout_s": "--pipeline-timeout",
+                **{f"options {k}": f"--{k.replace('_', '-')}" for k in (
+                    "policy", "residency", "expert_memory", "device_memory", "link", "dtype", "k_max",
+                    "host_threads", "draft_bits", "compress_experts", "context")}}
 
 
 def run(args, body, serving: bool = False, waits: bool = False) -> int:
@@ -183,11 +192,11 @@ def run(args, body, serving: bool = False, waits: bool = False) -> int:
 
 @contextmanager
 def ranked(rank: int, world: int):
-    """A user error on a rank other than 0 says which rank it is (rank 0's, and a broken pipeline's,
-    as they are)."""
+    """A user error on a rank other than 0 is a PipelineError (rank 0's, and a broken pipeline's, as they
+    are); the CLI prints every rank's error and warning with its rank (pipeline.rank_prefixed)."""
     try:
         yield
     except SpecterError as e:
         if isinstance(e, PipelineError) or rank == 0:
             raise
-        raise PipelineError(f"rank {rank} of {world}: {e}") from None
+        raise PipelineError(str(e)) from None

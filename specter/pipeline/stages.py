@@ -259,9 +259,11 @@ def fingerprint(ckpt, options: dict, samples: int = 16, sample_bytes: int = 1 <<
     return h.hexdigest()
 
 
-def agree(group: Group, what: dict) -> None:
+def agree(group: Group, what: dict, names: dict | None = None, derived: tuple = ()) -> None:
     """Every rank's `what` (a JSON-able dict, e.g. {"fingerprint": ..., "layers": ...}) must equal rank
-    0's; otherwise every rank raises a PipelineError naming the ranks and keys that differ."""
+    0's; otherwise every rank raises a PipelineError naming the ranks and keys that differ, in `names`'
+    words where it has them ("options timeout_s": "--pipeline-timeout"); a key in `derived` (computed from
+    the others) is named only when nothing else differs."""
     mine = json.dumps(what, sort_keys=True, default=str)
     with comm(group, "comparing the checkpoint and configuration between ranks"):
         got = all_gather_objects(group, mine)  # ranks reach it at their own pace
@@ -274,7 +276,8 @@ def agree(group: Group, what: dict) -> None:
                     keys.update(f"{k} {n}" for n in sorted(set(v) | set(ref[k])) if v.get(n) != ref[k].get(n))
                 elif ref.get(k) != v:
                     keys.add(k)
-        keys = sorted(keys)
+        keys = sorted(keys - set(derived)) or sorted(keys)
+        said = ", ".join(dict.fromkeys((names or {}).get(k, k) for k in keys))
         raise PipelineError(f"rank {group.rank} of {group.world}: rank(s) {', '.join(map(str, odd))} differ from "
-                            f"rank 0 in {', '.join(keys)}: every rank must load the same checkpoint (config.json and "
-                            f"weights) with the same options")
+                            f"rank 0 in {said}: every rank must be given the same model directory (config.json and "
+                            f"weights) and the same options")

@@ -93,7 +93,7 @@ def make_entry(cache, name: str, what: str, source: dict | None = None) -> Path 
         if cache is not None:
             raise ConfigError(f"draft cache {root} is not writable ({e}); pass another --draft-cache "
                               f"or 'off'") from None
-        warn(f"draft cache {root} is not writable ({e}); {what} without a cache "
+        warn(f"the cache {root} (drafts and coded experts) is not writable ({e}); {what} without a cache "
              f"(set SPECTER_DRAFT_CACHE to a writable directory)")
         return None
     _remove_dead_writes(entry)
