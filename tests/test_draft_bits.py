@@ -360,6 +360,20 @@ def test_a_new_entry_removes_its_shards_earlier_versions_entries(qwen, tmp_path,
     assert before[2].is_dir() and older.is_dir() and len(list(cache.iterdir())) == 4
     assert "removed 1 cache entry of an earlier version of this checkpoint" in capsys.readouterr().err
 
+    # another install (another quanto: another key, the same shards) or another host sharing the cache: kept,
+    # each way (they removed each other's at every load, re-quantising every time)
+    real = draft_cache.settings
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(draft_cache, "settings", lambda bits=4: {**real(bits), "quanto": "0.0.1"})
+        list(draft_cache.draft_int4(store, files, CPU, cache=cache, bits=4))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(draft_cache.socket, "gethostname", lambda: "another-host")
+        m.setattr(draft_cache, "fingerprint", lambda files: "its own copy of the shards")
+        list(draft_cache.draft_int4(store, files, CPU, cache=cache, bits=4))
+    assert len(list(cache.iterdir())) == 6 and now.is_dir()
+    list(draft_cache.draft_int4(store, files, CPU, cache=cache, bits=4))
+    assert len(list(cache.iterdir())) == 6 and "removed" not in capsys.readouterr().err
+
     builder.load_shared(path, CPU, draft_cache=str(cache), compress_experts=False)  # (no coded entry)
     first = cache_entry(files, str(cache))
     os.chmod(shard, shard.stat().st_mode ^ 0o040)  # a chmod: the coded key (ctime) changes, the draft's not

@@ -413,7 +413,8 @@ def cache_entry(files, cache=None) -> Path | None:
     default place not writable (warned); a named one not writable: ConfigError (draft_cache.make_entry)."""
     from ..speculative.draft_cache import entry_source, make_entry
 
-    return make_entry(cache, f"coded-{cache_key(files)}", "coding at every load", source=entry_source("coded", files))
+    source = entry_source("coded", files, cache_settings())
+    return make_entry(cache, f"coded-{cache_key(files)}", "coding at every load", source=source)
 
 
 def read_cached(entry: Path | None, n_layers: int, shapes, first: int = 0) -> list[CodedLayer | None]:

@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -80,9 +81,9 @@ def make_entry(cache, name: str, what: str, source: dict | None = None) -> Path 
     $SPECTER_DRAFT_CACHE's) cannot be written: warned, and `what` is made without a cache. A place the
     caller named (`draft_cache=`, --draft-cache) that cannot be written is the caller's to fix: a
     ConfigError. An entry that already exists is used as it is (a read-only cache filled beforehand).
-    `source`: what the entry is of (entry_source: its kind, its shards' paths and width), kept in it as
-    source.json; an entry of another name with the same source is of an earlier version of those files
-    (or an older format): never read again, so removed (prune_superseded)."""
+    `source`: what the entry is of (entry_source: its kind, its shards' paths on this host, its settings),
+    kept in it as source.json; an entry of another name with the same source is of an earlier version of
+    those files: never read again, so removed (prune_superseded)."""
     root = cache_root(cache)
     if root is None:
         return None
@@ -102,18 +103,22 @@ def make_entry(cache, name: str, what: str, source: dict | None = None) -> Path 
     return entry
 
 
-def entry_source(kind: str, files, **what) -> dict:
-    """A cache entry's source (make_entry): its kind, the real paths of its checkpoint's shards, and
-    what else tells its entries apart (the draft's width)."""
-    return {"kind": kind, "shards": sorted(str(Path(f).resolve()) for f in files), **what}
+def entry_source(kind: str, files, settings: dict) -> dict:
+    """A cache entry's source (make_entry): its kind, the real paths of its checkpoint's shards on this
+    host, and the settings its bytes depend on (the draft's width, the quantiser's version, the format).
+    Another host (a cache on a shared home), or another install (another quanto), has another source:
+    its entries are never taken for superseded ones, which each would remove at every load."""
+    return {"kind": kind, "shards": sorted(str(Path(f).resolve()) for f in files), "host": socket.gethostname(),
+            "settings": settings}
 
 
 def prune_superseded(entry: Path, source: dict) -> None:
     """Records `source` in `entry` and removes every other entry under its root that records the same
-    source: their key was of those shards before they changed (a re-save, an edit, a chmod of the coded
-    store's), which no load reads again, and a big model's entry is tens of GB. Entries that record no
-    source (of an older version of Specter) are left. An entry records the shards that made it: a copy
-    that kept their times (cp -p) shares the draft's key, and quantises anew once after the original
+    source: their key was of those shards before they changed (a re-save, an edit, a chmod of the
+    coded store's), which no load reads again, and a big model's entry is tens of GB. Entries that
+    record no source (of an older version of Specter), or another (another host's, another
+    install's, another width's), are left. An entry records the shards that made it: a copy that
+    kept their times (cp -p) shares the draft's key, and quantises anew once after the original
     changes. Best effort: a file it cannot write or remove stays, quietly."""
     mark = entry / "source.json"
     try:
@@ -128,9 +133,9 @@ def prune_superseded(entry: Path, source: dict) -> None:
         try:
             if other == entry or not other.is_dir() or json.loads((other / "source.json").read_text()) != source:
                 continue
-            freed += sum(f.stat().st_size for f in other.iterdir() if f.is_file())
+            size = sum(f.stat().st_size for f in other.iterdir() if f.is_file())
             shutil.rmtree(other)
-            gone += 1
+            freed, gone = freed + size, gone + 1
         except (OSError, ValueError):  # no source (older), unreadable, or not ours to remove
             continue
     if gone:
@@ -224,7 +229,7 @@ def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache
         pairs = [(ew.w13.shape, ew.w2.shape) for ew in store[:1]]
     for s13, s2 in pairs:  # the K of w13 and w2: the hidden size, the expert intermediate size
         check_packable(bits, s13[2], s2[2])
-    entry = make_entry(cache, cache_key(files, bits), "quantising", source=entry_source("draft", files, bits=bits))
+    entry = make_entry(cache, cache_key(files, bits), "quantising", source=entry_source("draft", files, settings(bits)))
     nbytes = getattr(store, "nbytes", None) or sum(ew.n_experts * ew.expert_nbytes() for ew in store)  # unread
     if progress is None:
         progress = nbytes > (256 << 20)
