@@ -83,7 +83,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     probabilities [N, V] fp32. top_k = V, top_p > 1 and min_p = 0 turn those filters off (the
     same tokens survive as in `probs`)."""
     z = logits.float() / temperature
-    sorted_z, order = torch.sort(z, dim=-1, descending=True, stable=True)   # [N, V] (ties: as `probs`)
+    sorted_z, order = torch.sort(z, dim=-1, descending=True, stable=True)   # [N, V] (ties: one order a batch)
     kth = sorted_z.gather(-1, (top_k - 1).expand(z.shape[0], 1))           # [N, 1]
     z = z.masked_fill(z < kth, float("-inf"))
     p = torch.softmax(z, dim=-1)

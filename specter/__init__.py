@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import (BudgetError, CheckpointError, ConfigError, ContextLengthError, NotAvailableError,
                      SpecterError, TokenizerError, UnsupportedModelError)
 from .policy import BENCH_POLICIES, DEFAULT as DEFAULT_POLICY, POLICIES, get as get_policy, names as policy_names
+
+if TYPE_CHECKING:  # (imported on first use: __getattr__)
+    from .engine import Engine, GenerationOutput
 
 __version__ = "0.1.0"
 __all__ = ["load", "default_model_path", "Engine", "GenerationOutput", "POLICIES", "SpecterError",
@@ -22,13 +26,24 @@ __all__ = ["load", "default_model_path", "Engine", "GenerationOutput", "POLICIES
 
 
 def __getattr__(name: str):
-    """Engine and GenerationOutput, imported on first use: `import specter` (and the console script's
-    first import, console.py) does not import torch."""
-    if name in ("Engine", "GenerationOutput"):
-        from . import engine
+    """Engine and GenerationOutput, and the submodules (`specter.sizes`), imported on first use: `import
+    specter` (and the console script's first import, console.py) does not import torch."""
+    import importlib
 
-        return getattr(engine, name)
-    raise AttributeError(f"module 'specter' has no attribute {name!r}")
+    if name in ("Engine", "GenerationOutput"):
+        return getattr(importlib.import_module(".engine", __name__), name)
+    if name.startswith("__"):  # (probes: __wrapped__, __path__ ...)
+        raise AttributeError(f"module 'specter' has no attribute {name!r}")
+    try:
+        return importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":  # a submodule's own missing import: its error
+            raise
+        raise AttributeError(f"module 'specter' has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | {"Engine", "GenerationOutput"})
 
 def default_model_path() -> Path:
     """Directory of the bundled default model (package data: a wheel carries it)."""

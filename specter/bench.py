@@ -11,7 +11,7 @@ import torch
 import specter
 
 from . import default_model_path, resolve_device, workloads
-from .builder import check_load_options, load_shared, plan_engine
+from .builder import check_load_options, hold_threads, load_shared, plan_engine
 from .errors import ConfigError, ContextLengthError, warn
 from .offload.plan import check_context, compute_dtype
 from .offload.threads import cuda_device
@@ -192,13 +192,13 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
     +coded", compress_experts), alternating prompt by prompt in this one process (one link calibration
     for all), so `coded_vs_raw` (bytes a token and TPOT, coded against raw) compares like with like."""
     sampling, params = check_run(model, policies, device=device, max_new_tokens=max_new_tokens, sampling=sampling,
-                                 shared=shared,
-                                 compare_compressed=compare_compressed, residency=residency,
+                                 shared=shared, compare_compressed=compare_compressed, residency=residency,
                                  expert_memory=expert_memory, device_memory=device_memory, link=link, **load_kw)
-    if shared is None:  # one load every policy builds on (its options are the checkpoint's, not a policy's)
-        shared = load_once(model, device, **load_kw)
     engines, runs, coded_shared = {}, [], None
-    try:
+    release = hold_threads(shared.device if shared is not None else resolve_device(device))  # (the load sets
+    try:                                                                  # torch's threads: put back at the end)
+        if shared is None:  # one load every policy builds on (its options are the checkpoint's, not a policy's)
+            shared = load_once(model, device, **load_kw)
         for p in policies:
             pol, kw = get_policy(p), dict(load_kw)
             if pol.offloads:
@@ -294,6 +294,7 @@ def run_bench(model, policies: list[str], *, prompts: list, max_new_tokens: int 
     finally:
         for e in engines.values():
             e.close()
+        release()
 
 
 CODED = "+coded"  # compare_compressed: the name of a policy's run on the coded store

@@ -15,8 +15,8 @@ SamplingParams' neutral values (temperature 0 = greedy, filters and penalties of
 from __future__ import annotations
 
 import contextlib
-
 import os
+import threading
 from pathlib import Path
 
 from .errors import CheckpointError, ConfigError, warn
@@ -75,15 +75,19 @@ def read_generation_defaults(path: str | os.PathLike) -> dict:
     return out
 
 
+_QUIET = threading.Lock()  # (transformers' verbosity is process-wide: loads on two threads, one at a time here)
+
+
 @contextlib.contextmanager
 def quiet_transformers():
     """transformers' own log lines (a "[transformers] ..." warning outside Specter's one-line format)
     held back to errors while it reads a file whose meaning Specter states itself."""
     from transformers.utils import logging as hf_logging
 
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
+    with _QUIET:
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            yield
+        finally:
+            hf_logging.set_verbosity(level)

@@ -4,7 +4,9 @@ from __future__ import annotations
 import os
 import sys
 
+from . import resolve_device
 from .bench import check_run, load_once, run_bench
+from .builder import hold_threads
 from .errors import BudgetError, ConfigError
 from .policy import BENCH_POLICIES, get as get_policy
 
@@ -16,14 +18,35 @@ def residency_sweep(model, policies: list[str], out_png: str, *, residencies=RES
     if not any(get_policy(p).offloads for p in policies if p in BENCH_POLICIES):
         raise ConfigError(f"--plot sweeps the residency, which none of the policies {', '.join(policies)} reads: "
                           f"add an offloading one (e.g. on-demand)")
-    # (the largest residency: a smaller one below a layer's top-k is skipped, below, not refused)
-    check_run(model, policies, residency=max(residencies), expert_memory=None, device_memory=None, shared=None,
-              compare_compressed=False, **{k: v for k, v in bench_kw.items() if k not in ("prompts", "repeat",
-                                                                                         "warmup")})
+    planned, last = [], None  # each residency checked before the load; one that cannot run (below top-k, or more
+    for r in residencies:  # than the GPU holds) is skipped below, and only a sweep where none can is refused
+        try:
+            check_run(model, policies, residency=r, expert_memory=None, device_memory=None, shared=None,
+                      compare_compressed=False, **{k: v for k, v in bench_kw.items()
+                                                   if k not in ("prompts", "repeat", "warmup")})
+            planned.append(r)
+        except BudgetError as e:
+            last = e
+    if not planned:
+        raise BudgetError(f"no residency in the sweep ({', '.join(f'{r:g}' for r in residencies)}) can run: {last}")
+    release = hold_threads(resolve_device(bench_kw.get("device", "auto")))  # (its load sets torch's threads)
+    try:
+        shared = load_once(model, **{k: v for k, v in bench_kw.items()  # one load under every residency
+                                     if k in ("device", "dtype", "threads", "draft_cache", "compress_experts",
+                                              "draft_bits")})
+        sweep, link = _sweep(model, policies, residencies, shared, **bench_kw)
+    finally:
+        release()
+    if not sweep:
+        raise BudgetError("no residency in the sweep can hold one layer's top-k experts")
+    draw(sweep, out_png, link=link)
+    print(f"wrote {out_png}", file=sys.stderr)
+    return {"residencies": sweep, "link": link, "plot": out_png}
+
+
+def _sweep(model, policies: list[str], residencies, shared, **bench_kw) -> tuple[dict, str | None]:
+    """residency_sweep's runs on one load: {residency: {policy: TPOT}} and the link's name."""
     sweep, link = {}, None
-    shared = load_once(model, **{k: v for k, v in bench_kw.items()  # one load under every residency
-                                 if k in ("device", "dtype", "threads", "draft_cache", "compress_experts",
-                                          "draft_bits")})
     for r in residencies:
         try:
             res = run_bench(model, policies, residency=r, shared=shared, **bench_kw)
@@ -34,11 +57,7 @@ def residency_sweep(model, policies: list[str], out_png: str, *, residencies=RES
         sweep[str(r)] = {p: v["tpot_s"] for p, v in res["policies"].items() if v["tpot_s"] is not None}
         print(f"residency {r:g}: " + ", ".join(f"{p} {v * 1e3:.2f} ms" for p, v in sweep[str(r)].items()),
               file=sys.stderr, flush=True)
-    if not sweep:
-        raise BudgetError("no residency in the sweep can hold one layer's top-k experts")
-    draw(sweep, out_png, link=link)
-    print(f"wrote {out_png}", file=sys.stderr)
-    return {"residencies": sweep, "link": link, "plot": out_png}
+    return sweep, link
 
 
 def _matplotlib():

@@ -57,7 +57,7 @@ class SamplingParams:
     top_k: int = 0                    # 0 = off
     seed: int | None = None           # None: a fresh seed (never from the global torch RNG)
     min_p: float = 0.0                # drop tokens below min_p x the top token's probability; 0 = off
-    repetition_penalty: float = 1.0   # > 0; seen tokens' logits divided (if > 0) or multiplied by it
+    repetition_penalty: float = 1.0   # > 0; seen tokens' logits divided (if >= 0) or multiplied by it
     presence_penalty: float = 0.0     # [-2, 2]; subtracted once from every generated token's logit
     frequency_penalty: float = 0.0    # [-2, 2]; subtracted per occurrence among generated tokens
     # derived once (read every step): temperatures below GREEDY_BELOW are greedy (dividing logits by

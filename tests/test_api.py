@@ -669,6 +669,10 @@ assert c.generate("def f", max_new_tokens=2).token_ids and torch.get_num_threads
 del c
 gc.collect()
 assert torch.get_num_threads() == 2  # dropped without close(): collected, put back too
+from specter.bench import run_bench  # bench's one load for every policy sets them too
+run_bench(None, ["on-demand", "specter"], prompts=[[1, 2, 3]], max_new_tokens=2, device="cpu", residency=0.5,
+          threads=1, warmup=False)
+assert torch.get_num_threads() == 2
 print("ok")
 """
 

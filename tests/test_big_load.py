@@ -585,3 +585,27 @@ def test_residency_sweep_loads_the_checkpoint_once(monkeypatch, tmp_path, bf16):
     out = residency_sweep(str(bf16), ["on-demand", "specter"], str(tmp_path / "s.png"), residencies=(0.25, 0.5),
                           prompts=[[1, 2, 3]], max_new_tokens=3, device="cpu")
     assert set(out["residencies"]) == {"0.25", "0.5"} and len(calls) == 1
+
+
+def test_a_sweep_skips_a_residency_that_cannot_run_and_refuses_one_where_none_can(monkeypatch, tmp_path, bf16):
+    """The sweep was checked at its largest residency alone, before the load: on CUDA, where every
+    expert does not fit the GPU (the model a sweep is for), the whole --plot was refused. Each is planned
+    now; one that cannot run is skipped, as the sweep skips it, and only a sweep where none can is refused."""
+    import specter.bench
+    from specter.errors import BudgetError
+    from specter.plot import residency_sweep
+
+    real = specter.bench.plan_policies
+
+    def gpu_too_small(model, policies, device, *, budget, **kw):  # as check_device_room refuses residency 1
+        if budget.get("residency") == 1.0:
+            raise BudgetError("the plan needs more than the GPU has free")
+        return real(model, policies, device, budget=budget, **kw)
+
+    monkeypatch.setattr(specter.bench, "plan_policies", gpu_too_small)
+    kw = dict(prompts=[[1, 2, 3]], max_new_tokens=3, device="cpu")
+    out = residency_sweep(str(bf16), ["on-demand"], str(tmp_path / "s.png"), residencies=(0.5, 1.0), **kw)
+    assert set(out["residencies"]) == {"0.5"}  # (1.0 skipped: its run_bench refuses it as the check did)
+    monkeypatch.setattr(specter.bench, "load_shared", lambda *a, **k: pytest.fail("loaded before the refusal"))
+    with pytest.raises(BudgetError, match=r"no residency in the sweep \(0.001, 1\) can run"):
+        residency_sweep(str(bf16), ["on-demand"], str(tmp_path / "t.png"), residencies=(0.001, 1.0), **kw)
