@@ -61,6 +61,10 @@ def test_plan_expert_memory_and_table(capsys, model):
     rc, out, err = run_cli(capsys, "plan", "--model", model, "--device", "cpu", "--expert-memory", "144KiB", "--json")
     assert rc == 0, err
     assert json.loads(out)["pool_slots"] == 6  # 147456 B / 24576 B, one pool for both MoE layers
+    assert json.loads(out)["draft_bits"] == 4  # specter's draft; none for on-demand (it said 4 with no draft)
+    rc, out, err = run_cli(capsys, "plan", "--model", model, "--device", "cpu", "--expert-memory", "144KiB", "--json",
+                           "--policy", "on-demand")
+    assert rc == 0 and json.loads(out)["draft_bits"] is None and json.loads(out)["draft_bytes"] == 0, out
     rc, out, err = run_cli(capsys, "plan", "--model", model, "--device", "cpu", "--residency", "0.5")
     assert rc == 0, err
     assert "8 of 16" in out and "top-2" in out

@@ -133,8 +133,8 @@ class MemoryPlan:
     def residency(self) -> float:
         return self.pool_slots / max(1, self.n_moe_layers * self.n_experts)
 
-    def as_dict(self) -> dict:
-        return {**asdict(self), "residency": self.residency}
+    def as_dict(self) -> dict:  # (draft_bits: None without a draft, as the fit's and the ranks' JSON say it)
+        return {**asdict(self), "residency": self.residency, "draft_bits": self.draft_bits if self.draft_bytes else None}
 
     def table(self) -> str:
         rows = [
