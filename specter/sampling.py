@@ -268,8 +268,8 @@ def choose(sampling: dict, defaults: dict) -> tuple[SamplingParams, str]:
         params = SamplingParams(**given)
         if (idle := idle_filters(params)) and "temperature" not in given:  # the neutral temperature 0 is greedy
             warn(f"{idle} no effect without a temperature: the generation is greedy (temperature 0, the neutral "
-                 f"value); give a temperature (--temperature) to sample (the model's own settings apply only when no sampling "
-                 f"argument is given)")
+                 f"value); give a temperature (--temperature) to sample (the model's own settings apply only when "
+                 f"no sampling argument is given)")
         return params, "caller"
     return SamplingParams(**{**defaults, **given}), "model" if defaults else "none"
 

@@ -113,7 +113,7 @@ def test_generate_summary_line():
     line = summary_line(dict(base, expert_hits=1, expert_misses=3, tier_hits=2, h2d_bytes=1e6))  # the coded tier's
     assert "expert hit rate 75% (2 decoded from the coded tier), 1 MB copied" in line  # hits are on the device
     line = summary_line(dict(base, expert_hits=1, expert_misses=3, h2d_bytes=0, host_bytes=64e6))  # policy host's
-    assert "expert hit rate 25%, 0 MB copied, 64 MB of experts computed on the host" in line  # lane (it said 0 MB and no more)
+    assert "expert hit rate 25%, 0 MB copied, 64 MB of experts computed on the host" in line  # lane (it said 0 MB)
     assert "seed 7" in summary_line(dict(base, seed=7)) and "seed" not in summary_line(dict(base, seed=None))
 
 

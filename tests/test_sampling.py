@@ -178,7 +178,8 @@ def test_a_filter_without_a_temperature_is_warned_at_the_callers_line(engine, ca
     from specter.cli import main
     from specter.errors import SpecterWarning
 
-    with pytest.warns(SpecterWarning, match=r"top_p \(--top-p\) and min_p \(--min-p\) have no effect without a temperature") as seen:
+    with pytest.warns(SpecterWarning,
+                      match=r"top_p \(--top-p\) and min_p \(--min-p\) have no effect without a temperature") as seen:
         engine.generate([1, 2, 3], max_new_tokens=2, top_p=0.9, min_p=0.1)
     assert [w.filename for w in seen] == [__file__]
     with pytest.warns(SpecterWarning, match=r"top_k \(--top-k\) has no effect") as seen:
@@ -192,7 +193,8 @@ def test_a_filter_without_a_temperature_is_warned_at_the_callers_line(engine, ca
     assert main(["generate", "--prompt-ids", "1,2,3", "--device", "cpu", "--policy", "resident", "--top-k", "5",
                  "--max-new-tokens", "2"]) == 0
     err = capsys.readouterr().err
-    assert "specter: warning: top_k (--top-k) has no effect without a temperature" in err and "SpecterWarning" not in err
+    assert "specter: warning: top_k (--top-k) has no effect without a temperature" in err
+    assert "SpecterWarning" not in err
 
 
 def test_seeds_never_touch_the_global_rng(engine):

@@ -48,7 +48,8 @@ def summary_line(stats: dict) -> str:
         tier = f" ({stats['tier_hits']} decoded from the coded tier)" if stats.get("tier_hits") else ""
         parts.append(f"expert hit rate {(stats['expert_hits'] + stats.get('tier_hits', 0)) / uses:.0%}{tier}, "
                      f"{stats.get('h2d_bytes', 0) / 1e6:.0f} MB copied"
-                     + (f", {stats['host_bytes'] / 1e6:.0f} MB of experts computed on the host" if stats.get("host_bytes") else ""))
+                     + (f", {stats['host_bytes'] / 1e6:.0f} MB of experts computed on the host"
+                        if stats.get("host_bytes") else ""))
     if stats.get("drafted_tokens"):
         parts.append(f"{stats['accepted_per_cycle']:.1f} drafted tokens accepted a cycle "
                      f"(alpha {stats['acceptance_rate']:.2f})")

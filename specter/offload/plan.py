@@ -134,7 +134,8 @@ class MemoryPlan:
         return self.pool_slots / max(1, self.n_moe_layers * self.n_experts)
 
     def as_dict(self) -> dict:  # (draft_bits: None without a draft, as the fit's and the ranks' JSON say it)
-        return {**asdict(self), "residency": self.residency, "draft_bits": self.draft_bits if self.draft_bytes else None}
+        return {**asdict(self), "residency": self.residency,
+                "draft_bits": self.draft_bits if self.draft_bytes else None}
 
     def table(self) -> str:
         rows = [
@@ -320,7 +321,8 @@ def check_budget(residency=None, expert_memory=None, device_memory=None) -> None
     """At most one budget, and that one well formed: checked from the arguments alone, before a load."""
     given = [b for b in (residency, expert_memory, device_memory) if b is not None]
     if len(given) > 1:
-        raise ConfigError("give one budget: residency (--residency), expert_memory (--expert-memory) or device_memory (--device-memory)")
+        raise ConfigError("give one budget: residency (--residency), expert_memory (--expert-memory) or "
+                          "device_memory (--device-memory)")
     if residency is not None and (isinstance(residency, bool) or not (isinstance(residency, numbers.Real)
                                                                       and 0 < residency <= 1)):  # (numpy's too)
         raise ConfigError(f"residency must be a fraction in (0, 1], got {residency!r}")

@@ -152,7 +152,8 @@ def stage_budget(spec: ModelSpec, stage: Stage, itemsize: int, device: torch.dev
     from ..errors import ConfigError
 
     if sum(b is not None for b in (residency, expert_memory, device_memory)) > 1:
-        raise ConfigError("give one budget: residency (--residency), expert_memory (--expert-memory) or device_memory (--device-memory)")
+        raise ConfigError("give one budget: residency (--residency), expert_memory (--expert-memory) or "
+                          "device_memory (--device-memory)")
     if device_memory is None and residency is None and expert_memory is None and device.type == "cuda":
         device_memory = int(torch.cuda.mem_get_info(device)[0] * 0.9)  # 90% of what is free
     if device_memory is not None:
