@@ -35,7 +35,7 @@ def read_prompts(path: str | None, workload: str | None = None) -> list:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path} is not UTF-8 text ({e})") from None
-    if p.suffix == ".json":
+    if p.suffix.lower() == ".json":
         try:
             prompts = json.loads(text)
         except json.JSONDecodeError as e:

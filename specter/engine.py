@@ -249,7 +249,7 @@ class Engine:
             _check_text(prompt, "the prompt")
             if tok is None:
                 raise self._no_tokenizer("a string prompt cannot be encoded; pass a list of token ids "
-                                         "(CLI: --prompt-ids)")
+                                         "(CLI: --prompt-ids; bench: --prompts FILE.json of token-id lists)")
             ids = tok(prompt)["input_ids"]
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             if tok is None:

@@ -54,8 +54,8 @@ def _sweep(model, policies: list[str], residencies, shared, **bench_kw) -> tuple
             print(f"residency {r:g}: skipped ({e})", file=sys.stderr)
             continue
         link = res.get("link") or link
-        sweep[str(r)] = {p: v["tpot_s"] for p, v in res["policies"].items() if v["tpot_s"] is not None}
-        print(f"residency {r:g}: " + ", ".join(f"{p} {v * 1e3:.2f} ms" for p, v in sweep[str(r)].items()),
+        sweep[f"{r:g}"] = {p: v["tpot_s"] for p, v in res["policies"].items() if v["tpot_s"] is not None}
+        print(f"residency {r:g}: " + ", ".join(f"{p} {v * 1e3:.2f} ms" for p, v in sweep[f"{r:g}"].items()),
               file=sys.stderr, flush=True)
     return sweep, link
 

@@ -164,6 +164,10 @@ def test_bench_bad_prompts_file_exits_2(capsys, model, tmp_path, text, needle):
     f.write_text(text)
     assert_one_line_error(*run_cli(capsys, "bench", "--model", model, "--policies", "resident",
                                    "--prompts", str(f), "--json"), needle)
+    upper = tmp_path / "IDS.JSON"  # (read as one text prompt: the suffix was compared as ".json" only)
+    upper.write_text("[[1, 2, 3], [4, 5]]")
+    from specter.bench import read_prompts
+    assert read_prompts(str(upper), None) == [[1, 2, 3], [4, 5]]
     f.write_bytes(b'["caf\xe9"]')  # Latin-1, not UTF-8: a UnicodeDecodeError's traceback
     assert_one_line_error(*run_cli(capsys, "bench", "--model", model, "--policies", "resident",
                                    "--prompts", str(f), "--json"), "is not UTF-8 text")

@@ -169,6 +169,13 @@ def test_profile_refuses_trace_flags_without_trace_and_a_budget_for_resident(tmp
     assert "--policy applies to --trace only" in capsys.readouterr().err
     assert main(["profile", "--trace", str(tmp_path / "t.json"), "--policy", "resident", "--residency", "0.5"]) == 2
     assert "residency=0.5 would be ignored" in capsys.readouterr().err
+    # and the reverse: the calibration's flags, bench's oracle and an empty prompt were taken by --trace, ignored
+    trace = ["profile", "--trace", str(tmp_path / "t.json")]
+    for extra, said in ((["--json"], "--json applies to the calibration"), (["--no-host"], "--no-host applies"),
+                        (["--host-threads", "1"], "--host-threads applies"), (["--policy", "oracle"], "'oracle'"),
+                        (["--prompt", " "], "--prompt is empty")):
+        assert main(trace + extra) == 2 and said in capsys.readouterr().err, extra
+    assert not (tmp_path / "t.json").exists()
 
 
 def test_bench_refuses_a_policy_listed_twice(capsys):

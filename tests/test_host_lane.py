@@ -237,6 +237,17 @@ def test_profile_prints_the_host_lane_beside_the_profiles(monkeypatch, capsys):
     import json
     got = json.loads(capsys.readouterr().out)
     assert got["host_lane"] is None and all(r["emulated_host_MBps"] > 0 for r in got["profiles"])
+    assert got["expert_throughput_Bps"] == 5e9 and not got["pinned"]
+    # pinned: the figure every engine's link then takes (profile measured its own and said nothing of it)
+    monkeypatch.setenv("SPECTER_EXPERT_THROUGHPUT", "2e9")
+    assert main(["profile", "--json", "--no-host"]) == 0
+    pinned = json.loads(capsys.readouterr().out)
+    assert pinned["pinned"] and pinned["expert_throughput_Bps"] == 2e9
+    assert pinned["profiles"][0]["emulated_MBps"] == pytest.approx(got["profiles"][0]["emulated_MBps"] * 2 / 5)
+    assert main(["profile", "--no-host"]) == 0 and "pinned by SPECTER_EXPERT_THROUGHPUT: 2.00 GB/s" in \
+        capsys.readouterr().out
+    monkeypatch.setenv("SPECTER_EXPERT_THROUGHPUT", "abc")
+    assert main(["profile", "--no-host"]) == 2 and "must be a number of bytes/s" in capsys.readouterr().err
 
 
 def test_bench_names_the_host_lanes_wait():

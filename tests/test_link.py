@@ -1079,7 +1079,7 @@ def test_an_implausibly_slow_calibration_is_warned(monkeypatch):
     script looked hung, with nothing said at load (a QA pass). A measured throughput under 0.1 GB/s is
     warned, naming SPECTER_EXPERT_THROUGHPUT; a pinned one is the user's and is not. (A busy CI box measured
     0.6 GB/s on a tiny model's bf16 experts: the bar is 0.1 GB/s.)"""
-    from specter.errors import SpecterWarning
+    from specter.errors import ConfigError, SpecterWarning
     from specter.offload import cuda_link
 
     monkeypatch.delenv("SPECTER_EXPERT_THROUGHPUT", raising=False)
@@ -1093,3 +1093,12 @@ def test_an_implausibly_slow_calibration_is_warned(monkeypatch):
         cuda_link.make_link("cpu", calibration=(64, 32))  # pinned: as asked
         monkeypatch.delenv("SPECTER_EXPERT_THROUGHPUT")
         cuda_link.make_link("cpu", calibration=(64, 32))  # measured, plausible
+    # `specter profile`'s GB/s given as bytes/s ran silently at 6.84 B/s (a generation that looked hung), and a
+    # value that is no number crashed (ValueError, ZeroDivisionError) where the CLI says one line
+    monkeypatch.setenv("SPECTER_EXPERT_THROUGHPUT", "6.84")
+    with pytest.warns(SpecterWarning, match=r"pins only 6.84 bytes/s .* it is in bytes/s"):
+        cuda_link.make_link("cpu", calibration=(64, 32))
+    for bad in ("abc", "0", "-5e9", "nan"):
+        monkeypatch.setenv("SPECTER_EXPERT_THROUGHPUT", bad)
+        with pytest.raises(ConfigError, match="SPECTER_EXPERT_THROUGHPUT must be a number of bytes/s > 0"):
+            cuda_link.make_link("cpu", calibration=(64, 32))

@@ -14,6 +14,7 @@ from ..errors import ConfigError
 from ..loader import open_checkpoint
 from ..offload import calibrate, host_measure  # modules, not names: tests stand in for their measurements
 from ..offload.calibrate import available_profiles, emulated_host_params, emulated_link_params, load_profile
+from ..offload.cuda_link import pinned_throughput
 from ..offload.host_lane import default_host_threads
 from ..policy import DEFAULT as DEFAULT_POLICY, get as get_policy
 from ..profiling import trace
@@ -55,7 +56,8 @@ def cmd_profile(args) -> int:
                           f"machine, not a generation); add --trace FILE.json or drop it")
     spec = open_checkpoint(args.model or default_model_path()).spec
     configure_threads(torch.device("cpu"), None)  # calibrate exactly as the engine does
-    tput = calibrate.measure_expert_throughput(spec.hidden, spec.expert_inter)
+    pinned = pinned_throughput()  # (the engine's links take it, so the rows below describe them)
+    tput = pinned or calibrate.measure_expert_throughput(spec.hidden, spec.expert_inter)
     rows = []
     for name in available_profiles():
         p = load_profile(name)
@@ -69,9 +71,14 @@ def cmd_profile(args) -> int:
     if not args.no_host:
         lane = host_measure.measure(args.host_threads or default_host_threads())
     if args.json:
-        print(json.dumps({"expert_throughput_GBps": tput / 1e9, "profiles": rows, "host_lane": lane}))
+        print(json.dumps({"expert_throughput_GBps": tput / 1e9, "expert_throughput_Bps": tput,
+                          "pinned": pinned is not None, "profiles": rows, "host_lane": lane}))
         return 0
-    print(f"this machine's expert throughput (fp32, {spec.hidden}x{spec.expert_inter}): {tput / 1e9:.2f} GB/s")
+    if pinned:
+        print(f"expert throughput pinned by SPECTER_EXPERT_THROUGHPUT: {tput / 1e9:.2f} GB/s ({tput:.4g} bytes/s)")
+    else:
+        print(f"this machine's expert throughput (fp32, {spec.hidden}x{spec.expert_inter}): {tput / 1e9:.2f} GB/s "
+              f"(SPECTER_EXPERT_THROUGHPUT={tput:.3g} pins it)")
     print(f"{'profile':<18} {'mem GB/s':>9} {'PCIe GB/s':>9} {'ratio':>6} {'emulated MB/s':>13} {'latency us':>10}")
     for r in rows:
         print(f"{r['name']:<18} {r['device_memory_GBps']:>9.0f} {r['pcie_GBps']:>9.1f} "
@@ -104,15 +111,28 @@ def host_lane_table(lane: dict) -> str:
                                "fp32 rows are batch-invariant GEMVs, which read the weights once a token."])
 
 
+CALIBRATION_ONLY = (("json", "--json"), ("no_host", "--no-host"), ("host_threads", "--host-threads"))
+
+
 def cmd_trace(args) -> int:
     policy, new = args.policy or DEFAULT_POLICY, 16 if args.max_new_tokens is None else args.max_new_tokens
     if new < 1:
         raise ConfigError("--max-new-tokens must be >= 1")
+    given = [flag for name, flag in CALIBRATION_ONLY if getattr(args, name, None) not in (None, False)]
+    if given:  # (silently ignored: --json printed the "wrote" line, not JSON)
+        raise ConfigError(f"{given[0]} applies to the calibration, not to --trace; drop it")
+    if policy not in specter.POLICIES:  # (bench's oracle: a trace of one generation runs what generate runs)
+        raise ConfigError(f"--policy {policy!r}: --trace runs one of {', '.join(specter.POLICIES)}")
+    if args.prompt is not None and not args.prompt.strip():
+        raise ConfigError("--prompt is empty; give one, or drop it for the default")
     output_file(args.trace, "--trace")
     # the default share for an offloading policy; one given to resident is refused by load, as everywhere
     residency = args.residency if args.residency is not None or not get_policy(policy).offloads else 0.25
     engine = specter.load(args.model, device=args.device or "auto", policy=policy, residency=residency)
     try:
+        if engine.tokenizer is None and args.prompt is not None:
+            raise ConfigError(f"{engine.path} has no tokenizer, so --prompt cannot be encoded; drop it (the trace "
+                              f"then runs token ids 1, 2, 3)")
         prompt = (args.prompt or "def fibonacci(n):") if engine.tokenizer is not None else [1, 2, 3]
         engine.generate(prompt, max_new_tokens=2)  # warm up outside the trace
         out = trace(args.trace, lambda: engine.generate(prompt, max_new_tokens=new),

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from specter.errors import warn
+from specter.errors import ConfigError, warn
 from specter.offload.calibrate import (emulated_link_params, load_profile, measure_expert_throughput,
                                        profile_for_gpu)
 from specter.offload.link import EmulatedLink, Link, Transfer
@@ -398,7 +398,7 @@ def _expert_throughput(calibration, expert_bytes: int | None) -> float:
     if isinstance(calibration, (int, float)):
         return float(calibration)
     if os.environ.get("SPECTER_EXPERT_THROUGHPUT"):  # one measurement for every process a bench starts
-        return float(os.environ["SPECTER_EXPERT_THROUGHPUT"])
+        return _measured(pinned_throughput(), pinned=True)
     if isinstance(calibration, dict):
         return _measured(measure_expert_throughput(**calibration))
     if isinstance(calibration, (tuple, list)):
@@ -413,11 +413,32 @@ SLOW_CALIBRATION = 1e8  # B/s of expert compute: this 2-core box measures 1-2.5 
                         # 10-25 on real shapes, 0.6 under a busy CI; 0.02-0.05 oversubscribed (a QA pass)
 
 
-def _measured(throughput: float) -> float:
-    """A measured throughput, warned about when it is implausibly slow: the link is emulated that much slower
-    for the engine's life (a QA pass saw 0.05 GB/s at a busy load, a second a copy, a run that looked hung)."""
-    if throughput < SLOW_CALIBRATION:
+def pinned_throughput() -> float | None:
+    """$SPECTER_EXPERT_THROUGHPUT (bytes/s of expert compute) as a number, None when unset; a ConfigError for
+    a value that is not a positive number."""
+    raw = os.environ.get("SPECTER_EXPERT_THROUGHPUT")
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"SPECTER_EXPERT_THROUGHPUT must be a number of bytes/s > 0 (e.g. 6.8e9, `specter profile`'s "
+                          f"GB/s x 1e9), got {raw!r}")
+    return value
+
+
+def _measured(throughput: float, pinned: bool = False) -> float:
+    """A measured throughput, warned about when it is implausibly slow: the link is emulated that much slower for
+    the engine's life (a QA pass saw 0.05 GB/s at a busy load, a second a copy, a run that looked hung); a pinned
+    one only below 1 MB/s: 6.84, `specter profile`'s GB/s given as bytes/s, emulated a copy in hours, silently."""
+    slower = "every copy on the emulated link is that much slower for this engine's life"
+    if pinned and throughput < 1e6:  # (the user's own figure, warned only where it must be GB/s given as bytes/s)
+        warn(f"SPECTER_EXPERT_THROUGHPUT pins only {throughput:.3g} bytes/s of expert compute: {slower}; it is in "
+             f"bytes/s (the GB/s `specter profile` prints x 1e9)")
+    elif throughput < SLOW_CALIBRATION and not pinned:
         warn(f"this CPU measured only {throughput / 1e9:.2g} GB/s of expert compute at load (a busy machine?): "
-             f"every copy on the emulated link is that much slower for this engine's life; rerun on a quieter "
-             f"box or pin it with SPECTER_EXPERT_THROUGHPUT (e.g. the figure `specter profile` prints)")
+             f"{slower}; rerun on a quieter box or pin it with SPECTER_EXPERT_THROUGHPUT in bytes/s (the GB/s "
+             f"`specter profile` prints x 1e9)")
     return throughput
