@@ -128,7 +128,7 @@ class InThread:
 
     def close(self) -> None:
         """At exit (a loop left with the stream running): stops the iterator after the item it is computing
-        and joins its thread, which a daemon thread inside a torch op at finalization aborts the process."""
+        and joins its thread (a daemon thread still inside a torch op at finalization aborts the process)."""
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join()
