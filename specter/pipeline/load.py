@@ -130,18 +130,15 @@ def load_stage(path, stage: Stage, device: torch.device, *, policy: str, residen
         mine = coded_store(mine, hits, entry, cuda=device.type == "cuda", pin=pin, first=stage.moe_first)
         if device.type == "cuda":
             ready_on_cuda(mine, device)
-        if device.type == "cpu" and pol.offloads and mine:  # coded copies and tier hits write from it (emulate_from)
+        from .plan import raw_copy  # (the rule plan --ranks counts the copy by)
+
+        raw_bytes = sum(layer.w13.raw_nbytes + layer.w2.raw_nbytes for layer in mine)
+        if raw_copy(policy, device, raw_bytes, host_threads):  # a host lane computes from it; CPU: coded copies
+            decoded = [layer.decoded() for layer in mine]      # and tier hits write from it (emulate_from)
+        if device.type == "cpu" and pol.offloads and mine:
             from ..offload.coded import emulate_from
-            from ..offload.coded_tier import ROWS_MAX_BYTES
 
-            raw_bytes = sum(layer.w13.raw_nbytes + layer.w2.raw_nbytes for layer in mine)
-            if pol.host_lane or raw_bytes <= ROWS_MAX_BYTES:
-                decoded = [layer.decoded() for layer in mine]
             emulate_from(mine, decoded)
-        from ..builder import uses_host_lane
-
-        if decoded is None and mine and uses_host_lane(pol, device, host_threads):  # a host lane computes from it
-            decoded = [layer.decoded() for layer in mine]
     tokenizer = load_tokenizer(path) if stage.is_first else None
     provider = stage_layers = None
     if mine:
