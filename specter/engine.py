@@ -513,6 +513,12 @@ class Engine:
             finish_reason=reason,  # OpenAI's: "stop" (EOS or a stop string), "length", or "cancelled"
         )
 
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:  # `with specter.load(...) as engine:` closes it at the block's end
+        self.close()
+
     def close(self) -> None:
         """Stop the engine's threads and links; a generation after this is a ConfigError, and one running
         (on another thread, or a stream left suspended) ends at once, finish_reason "cancelled"."""

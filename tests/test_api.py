@@ -646,6 +646,10 @@ def test_a_dropped_engine_stops_its_threads_and_close_mid_generation_cancels_it(
         with pytest.raises(specter.ConfigError, match="closed"):
             e.generate(PROMPT, max_new_tokens=2)
 
+    with specter.load(None, device="cpu", policy="resident") as e:  # a context manager closes it
+        assert e.generate(PROMPT, max_new_tokens=2, **GREEDY).token_ids and not e.closed
+    assert e.closed
+
     first = engine.generate(PROMPT, max_new_tokens=2, **GREEDY).stats
     first["k_histogram"]["mine"] = 1
     first["compiled"].append("mine")

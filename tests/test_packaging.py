@@ -21,6 +21,10 @@ def test_editable_install_maps_the_subpackages():
     assert Path(specter.compiled.__file__).parent == ROOT / "compiled"
     assert Path(specter.triton_ops.__file__).parent == ROOT / "triton_ops"
     assert Path(specter.profiles.__file__).parent == ROOT / "profiles"
+    import importlib.metadata
+
+    import specter
+    assert importlib.metadata.version("specter") == specter.__version__  # (pyproject reads it from there)
 
 
 @pytest.mark.slow
@@ -29,6 +33,8 @@ def test_wheel_carries_subpackages_profiles_and_default_model(tmp_path):
                         "-w", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     wheel = next(tmp_path.glob("specter-*.whl"))
+    import specter
+    assert wheel.name.startswith(f"specter-{specter.__version__}-"), wheel.name
     names = set(zipfile.ZipFile(wheel).namelist())
     for must in ("specter/compiled/__init__.py", "specter/triton_ops/__init__.py",
                  "specter/profiles/A100-40GB-PCIe4.json", "specter/cli/__init__.py"):
