@@ -113,6 +113,19 @@ def test_metrics_count_what_a_request_did(main):
     assert 'specter_requests_total{endpoint="/v1/completions",status="200"}' in httpx.get(url + "/metrics").text
 
 
+def test_metrics_count_coded_tier_hits_as_the_summary_line_does():
+    """A coded-tier hit (--compress-experts) is a miss of the slots but no PCIe copy: /metrics's device hit
+    rate counts it as bench's device_hit_rate and the summary line do; the slot hit rate does not."""
+    from specter.server.metrics import Metrics
+
+    m = Metrics()
+    m.observe(dict(generated_tokens=2, ttft_s=0.1, tpot_s=0.1, expert_hits=1, expert_misses=157, tier_hits=113))
+    value = m.registry.get_sample_value
+    assert value("specter_expert_tier_hits_total") == 113 and value("specter_expert_hits_total") == 1
+    assert value("specter_expert_hit_rate") == 1 / 158
+    assert value("specter_expert_device_hit_rate") == 114 / 158
+
+
 def test_completion_is_the_python_api_text(main):
     engine, url = main
     want = engine.generate(PROMPT, max_new_tokens=16, temperature=0.0)

@@ -30,13 +30,18 @@ class Metrics:
         self.expert_misses = Counter("specter_expert_misses",
                                      "expert uses not in a slot (copied, decoded from the coded tier, or computed "
                                      "on the host lane)", registry=r)
+        self.tier_hits = Counter("specter_expert_tier_hits", "expert misses decoded from the coded device tier "
+                                 "(--compress-experts), with no PCIe copy", registry=r)
         self.drafted = Counter("specter_drafted_tokens", "tokens the draft proposed", registry=r)
         self.accepted = Counter("specter_accepted_tokens", "drafted tokens verification accepted", registry=r)
         # ratios over the server's lifetime; NaN until there is something to divide
-        self._uses = [0, 0]          # expert hits, misses
+        self._uses = [0, 0, 0]       # expert hits, misses, coded-tier hits (among the misses)
         self._tried = [0, 0]         # accepted, rejections (alpha = accepted / (accepted + rejections))
-        Gauge("specter_expert_hit_rate", "expert hits / expert uses since start", registry=r).set_function(
-            lambda: _ratio(self._uses[0], sum(self._uses)))
+        Gauge("specter_expert_hit_rate", "expert hits (in a slot) / expert uses since start",
+              registry=r).set_function(lambda: _ratio(self._uses[0], self._uses[0] + self._uses[1]))
+        Gauge("specter_expert_device_hit_rate", "expert uses with no PCIe copy (in a slot or the coded tier) / "
+              "expert uses since start (bench's device_hit_rate, the summary line's hit rate)",
+              registry=r).set_function(lambda: _ratio(self._uses[0] + self._uses[2], self._uses[0] + self._uses[1]))
         Gauge("specter_acceptance_rate", "alpha: P(a drafted token is accepted | the ones before were), since start",
               registry=r).set_function(lambda: _ratio(self._tried[0], sum(self._tried)))
 
@@ -55,6 +60,9 @@ class Metrics:
         self.expert_misses.inc(misses)
         self._uses[0] += hits
         self._uses[1] += misses
+        tier = stats.get("tier_hits") or 0
+        self.tier_hits.inc(tier)
+        self._uses[2] += tier
         self.h2d_bytes.inc(stats.get("h2d_bytes") or 0)
         accepted = stats.get("accepted_tokens") or 0
         self.drafted.inc(stats.get("drafted_tokens") or 0)
