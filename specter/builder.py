@@ -311,6 +311,11 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     plan, planned = plan_engine(pol, ckpt, device, dt, residency=residency, expert_memory=expert_memory,
                                 device_memory=device_memory, context=context, k_max=k_max, compile=compile,
                                 compress_experts=compress_experts, draft_bits=draft_bits, slot_pool=slot_pool)
+    every_slot = plan is not None and plan.pool_slots >= spec.n_moe_layers * spec.n_experts
+    if compress_experts and pol.offloads and shared is None and every_slot:  # (shared: bench's runs, whose
+        # sweep may hold every expert)
+        warn(f"compress_experts (--compress-experts): every expert has a slot in this budget, so {policy} copies "
+             f"none and the coded store only costs its encoding; give a smaller budget or drop it")
     if pol.offloads:
         pdt = getattr(torch, plan.pool_dtype)
         if shared is None:  # calibrated on the threads it decodes with (load_shared sets them too, later)

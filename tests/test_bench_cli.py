@@ -197,6 +197,7 @@ def test_bench_bad_arguments_exit_2(capsys, model, tmp_path):
     (["--policies", "resident,on-demand", "--draft-cache", "dc"], "none of the policies resident, on-demand makes"),
     (["--plot", "p.png", "--policies", "on-demand,on-demand"], "listed twice"),
     (["--plot", "p.png", "--link", "bogus"], "unknown link profile 'bogus'"),
+    (["--policies", "resident", "--compare-compressed"], "--policies resident copies nothing"),
 ])
 def test_bench_refuses_before_the_load(capsys, model, monkeypatch, tmp_path, argv, needle):
     """Each was refused only after the checkpoint and its draft had loaded (minutes on a big model), or

@@ -165,6 +165,21 @@ def test_compress_experts_refuses_non_bf16_checkpoints(tiny):
         specter.load(bf16, device="cpu", policy="on-demand", residency=0.5, compress_experts="yes")
 
 
+def test_compress_experts_where_every_expert_has_a_slot_is_warned_about(tiny, monkeypatch):
+    """On CPU with no budget (or residency 1) every expert has a slot: nothing is copied, so coding the
+    store only costs its encoding (a QA pass: accepted silently). The load says so, before it codes."""
+    bf16, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+
+    def loaded(*_, **__):
+        raise AssertionError("warned after the load")
+
+    monkeypatch.setattr(builder, "load_shared", loaded)
+    for budget in ({}, dict(residency=1.0)):
+        with pytest.warns(SpecterWarning, match="every expert has a slot in this budget, so on-demand copies"), \
+                pytest.raises(AssertionError, match="after the load"):
+            specter.load(bf16, device="cpu", policy="on-demand", compress_experts=True, **budget)
+
+
 def test_cli_passes_compress_experts():
     from specter.cli import build_parser, engine_options
 

@@ -457,6 +457,9 @@ def test_plan_cli_ranks_the_ways_and_says_specter_runs(capsys):
                  "--context", "4096"]) == 1  # status 1: it does not fit
     out = capsys.readouterr().out  # (it said "it runs at 4096", an INT2 or INT3 way's context)
     assert "specter does NOT fit" in out and "it runs at" not in out
+    assert main(["plan", "--model", str(CONFIGS / "Qwen3-30B-A3B"), "--device-memory", "16GiB", "--policy",
+                 "oracle"]) == 0  # (specter generate refuses it: bench only)
+    assert "oracle (specter bench only: a bound, not a way to run) runs in 16.0 GiB" in capsys.readouterr().out
 
 
 def test_plan_of_resident_in_a_budget_says_whether_every_expert_fits(capsys):
@@ -542,6 +545,20 @@ def test_a_long_context_plan_says_what_a_shorter_one_would_give_the_pool():
     ckpt = specter.loader.open_checkpoint(specter.default_model_path())
     small = fit(ckpt.spec, ckpt.numel(), torch.float32, "30MiB", policy="specter")
     assert small.fits and not [t for t in small.suggestions if "--context" in t]
+
+
+def test_the_all_resident_tip_says_what_the_draft_adds():
+    """Mixtral-8x7B in 96 GiB: specter's tip said every expert resident needs 102.9 GiB, while resident
+    (no draft) fits; the tip counted the INT2 draft and did not say so (a QA pass). It says both now."""
+    from specter.offload.plan import fit
+    from specter.sizes import format_size
+
+    spec, dtype, numel = described("Mixtral-8x7B")
+    f, resident = (fit(spec, numel, dtype, "96GiB", policy=p) for p in ("specter", "resident"))
+    tip = next(t for t in f.suggestions if t.startswith("every expert resident"))
+    assert f.draft_bits == 2 and resident.fits and f.full > 96 * 2**30 > resident.full
+    assert tip == (f"every expert resident needs {format_size(f.full, up=True)} beside the INT2 draft "
+                   f"({format_size(f.full - f.plan.draft_bytes, up=True)} without it: --policy resident)"), tip
 
 
 def test_the_plans_draft_cache_is_the_bytes_the_cache_holds(tmp_path):

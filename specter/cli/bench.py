@@ -54,6 +54,9 @@ def cmd_bench(args) -> int:
     policies = list(BENCH_POLICIES) if args.policies is None else policy_list(args.policies)
     if args.repeat < 1:
         raise ConfigError("--repeat must be >= 1")
+    if args.compare_compressed and not any(get_policy(p).offloads for p in policies):
+        raise ConfigError(f"--compare-compressed compares what offloading policies copy, and --policies "
+                          f"{','.join(policies)} copies nothing: add one (e.g. on-demand, specter)")
     refuse_unused_flags(args, policies)  # a flag that no policy of the run reads would be ignored
     refuse_unused_draft_flags(args, policies)
     prompts = read_prompts(args.prompts, args.workload)

@@ -140,7 +140,8 @@ def cmd_plan(args) -> int:
             if f.draft_bits and args.draft_bits is None and f.draft_bits != 4:  # not what the load does unasked
                 # (the table above is that width's plan; at K 0 a tip says --k-max 0 does better)
                 draft += f": run it with --draft-bits {f.draft_bits}"
-            print(f"{args.policy} runs in {format_size(f.device_memory)}: residency {f.plan.residency:.1%} "
+            bench = " (specter bench only: a bound, not a way to run)" if pol.bench_only else ""
+            print(f"{args.policy}{bench} runs in {format_size(f.device_memory)}: residency {f.plan.residency:.1%} "
                   f"({f.plan.pool_slots} of {spec.n_moe_layers * spec.n_experts} routed experts on the device, "
                   f"one pool for all layers{draft})")
         else:

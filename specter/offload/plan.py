@@ -440,7 +440,7 @@ class Fit:
     context: int
     plan: MemoryPlan | None       # None when it does not fit
     minimum: int                  # device bytes the policy needs at this context (one layer's top-k slots)
-    full: int                     # device bytes for every expert resident
+    full: int                     # device bytes for every expert resident, beside the policy's narrowest draft
     suggestions: list[str]
     draft_bits: int | None = None  # the draft's width chosen (the drafting policies)
     minimum_bits: int | None = None  # ... and the one `minimum` is for (the narrowest tried)
@@ -557,7 +557,9 @@ def fit(spec: ModelSpec, total_numel: int, dtype: torch.dtype, device_memory, *,
                 "no wider one fits" if not wider else
                 f"predicted faster than INT{wider[-1]} (more slots for the target; acceptance assumed)"))
         if plan.pool_slots < L * E:
-            tips.append(f"every expert resident needs {format_size(full, up=True)}")
+            tips.append(f"every expert resident needs {format_size(full, up=True)}" + (
+                f" beside the {width}draft ({format_size(full - draft_b, up=True)} without it: --policy resident)"
+                if draft else ""))
         if plan.pool_slots < L * E and context > TIP_CONTEXT:  # the KV cache of a long context, planned whole
             short = make_plan(spec, total_numel, dtype, device_memory=budget, context=TIP_CONTEXT, draft=draft,
                               draft_bits=plan.draft_bits, **pool)
