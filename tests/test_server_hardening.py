@@ -489,6 +489,36 @@ def test_sigterm_mid_stream_ends_the_stream_with_done_answers_the_queued_503_and
     assert "Traceback" not in "".join(log), "".join(log)
 
 
+def test_a_forced_exit_lets_a_response_that_is_ending_end_before_the_loop_does():
+    """The two-SIGINT case above failed on a busy machine: the aborted stream had sent [DONE], but its
+    response had not returned when the loop ended, and the task cancelled there logged a traceback. A
+    forced exit now waits a few seconds for the responses still running (uvicorn waits for none)."""
+    import asyncio
+
+    import uvicorn
+
+    from specter.server import _server_class
+
+    async def app(scope, receive, send):
+        pass
+
+    server, ended = _server_class()(uvicorn.Config(app, lifespan="off")), []
+
+    async def run():
+        async def response():  # an aborted stream's response, returning a moment after the shutdown began
+            await asyncio.sleep(1.0)
+            ended.append(True)
+
+        task = asyncio.create_task(response())
+        server.server_state.tasks.add(task)
+        server.servers, server.force_exit = [], True  # (started: its listening sockets, none here)
+        await server.shutdown()
+        return task
+
+    task = asyncio.run(run())
+    assert ended and not task.cancelled()
+
+
 # ----------------------------------------------------------------------------- connections
 @pytest.fixture(scope="module")
 def strict_url(engine):

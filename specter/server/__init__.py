@@ -75,6 +75,9 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | N
     _server_class()(config).run()
 
 
+FORCED_END_S = 5.0  # seconds a forced exit waits for responses already ending (server.shutdown)
+
+
 def _server_class():
     import uvicorn
 
@@ -99,7 +102,9 @@ def _server_class():
         async def shutdown(self, sockets=None) -> None:
             """uvicorn's, and on a forced exit the app's own shutdown too (uvicorn skips it: the engine was
             not closed, and the lifespan task, cancelled at the loop's end, logged a CancelledError
-            traceback); quick, as the generation was aborted."""
+            traceback); quick, as the generation was aborted. Then the responses still ending are given
+            FORCED_END_S: an aborted stream has sent its last chunk and [DONE] but may not have returned
+            yet (on a busy machine), and a task the loop's end cancels logs "Exception in ASGI application"."""
             import asyncio
 
             await super().shutdown(sockets)
@@ -109,5 +114,8 @@ def _server_class():
                     await asyncio.wait_for(self.lifespan.shutdown(), 10)
                 except asyncio.TimeoutError:
                     pass
+            ending = [t for t in getattr(self.server_state, "tasks", ()) if not t.done()]
+            if self.force_exit and ending:
+                await asyncio.wait(ending, timeout=FORCED_END_S)
 
     return Server
