@@ -21,6 +21,16 @@ def cli(*args):
     return r.returncode, r.stdout, r.stderr
 
 
+def in_process(capsys, *args):
+    """cli's (status, stdout, stderr), from main() in this process: an exception main does not turn into
+    its one-line error fails the test, where a subprocess would print a Traceback (test_cli_subprocess_*
+    run the real process), and no interpreter start (5 s here) per case."""
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def test_missing_directory(tmp_path):
     with pytest.raises(specter.CheckpointError, match="does not exist"):
         specter.load(tmp_path / "nope", device="cpu", policy="resident")
@@ -48,7 +58,7 @@ def test_unsupported_architecture_names_it_and_lists_supported(tmp_path):
     ({"hidden_size": "256"}, "could not be read: Validation error for field 'hidden_size': TypeError"),  # one line
     ({"eos_token_id": [[2]]}, "Validation error for field 'eos_token_id'"),  # (transformers' own check)
 ])
-def test_a_config_of_impossible_sizes_is_refused_naming_the_field(tmp_path, patch, match):
+def test_a_config_of_impossible_sizes_is_refused_naming_the_field(capsys, tmp_path, patch, match):
     """Each crashed in the model's construction (k out of range, store[0], a negative dimension, a list's
     missing .get) or gave `specter plan` negative bytes; now the same CheckpointError for load and plan."""
     config = json.loads((specter.default_model_path() / "config.json").read_text())
@@ -56,7 +66,7 @@ def test_a_config_of_impossible_sizes_is_refused_naming_the_field(tmp_path, patc
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(specter.CheckpointError, match=match):
         specter.load(tmp_path, device="cpu", policy="resident")
-    code, _, err = cli("plan", "--model", str(tmp_path))
+    code, _, err = in_process(capsys, "plan", "--model", str(tmp_path))
     assert code == 2 and "Traceback" not in err and re.search(match, err), err
 
 
@@ -69,7 +79,7 @@ def test_a_config_of_impossible_sizes_is_refused_naming_the_field(tmp_path, patc
     ("qwen3_moe", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
      specter.UnsupportedModelError, "dynamic NTK RoPE"),
 ])
-def test_configs_transformers_cannot_run_are_refused_from_config_json_alone(tiny, tmp_path, arch, patch, error,
+def test_configs_transformers_cannot_run_are_refused_from_config_json_alone(capsys, tiny, tmp_path, arch, patch, error,
                                                                            match):
     """Each ran as something else (a window of 0 masked every position away; a sparse step of 0 or
     groups of None read as 1; sigmoid scores read as softmax) where transformers crashes or DeepSeek's
@@ -78,7 +88,7 @@ def test_configs_transformers_cannot_run_are_refused_from_config_json_alone(tiny
     (tmp_path / "config.json").write_text(json.dumps({**config, **patch}))  # no weights: refused before them
     with pytest.raises(error, match=match):
         specter.load(tmp_path, device="cpu", policy="resident")
-    code, _, err = cli("plan", "--model", str(tmp_path))
+    code, _, err = in_process(capsys, "plan", "--model", str(tmp_path))
     assert code == 2 and "Traceback" not in err and re.search(match, err), err
 
 
@@ -93,7 +103,7 @@ def test_configs_transformers_cannot_run_are_refused_from_config_json_alone(tiny
     ({"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 0}, specter.CheckpointError,
      "topk_group must be an integer >= 1"),
 ])
-def test_deepseek_options_specter_cannot_match_are_refused(tiny, tmp_path, patch, error, match):
+def test_deepseek_options_specter_cannot_match_are_refused(capsys, tiny, tmp_path, patch, error, match):
     """They loaded and then gave other tokens than transformers (norm_topk_prob: DeepSeek's own code
     renormalises, transformers' does not; moe_layer_freq: DeepSeek's own code makes only every freq-th layer
     MoE, transformers every one; mlp_bias: biases never read) or crashed in generate (groups)."""
@@ -103,7 +113,7 @@ def test_deepseek_options_specter_cannot_match_are_refused(tiny, tmp_path, patch
     (path / "config.json").write_text(json.dumps({**config, **patch}))
     with pytest.raises(error, match=match):
         specter.load(path, device="cpu", policy="resident")
-    code, _, err = cli("plan", "--model", str(path))
+    code, _, err = in_process(capsys, "plan", "--model", str(path))
     assert code == 2 and "Traceback" not in err and re.search(match, err), err
 
 
@@ -676,7 +686,7 @@ print(errs)
     ("generation_config.json", b'{"do_sample": false, "x": "\xff"}', "generation_config.json is not valid JSON"),
     ("config.json", None, "config.json is not valid JSON"),  # a byte that is not UTF-8 (UnicodeDecodeError)
 ])
-def test_a_settings_file_that_is_not_an_object_of_the_right_values_is_refused(tmp_path, name, content, match):
+def test_a_settings_file_that_is_not_an_object_of_the_right_values_is_refused(capsys, tmp_path, name, content, match):
     """Each crashed with a traceback (AttributeError, TypeError, UnicodeDecodeError), from load and plan
     alike, or (true, 5.5) was taken as an end-of-sequence token; now one CheckpointError naming the file."""
     shutil.copytree(specter.default_model_path(), tmp_path / "m")
@@ -684,7 +694,7 @@ def test_a_settings_file_that_is_not_an_object_of_the_right_values_is_refused(tm
     f.write_bytes(content if content is not None else f.read_bytes().replace(b'"model_type"', b'"model_\xfftype"'))
     with pytest.raises(specter.CheckpointError, match=match):
         specter.load(tmp_path / "m", device="cpu", policy="resident")
-    code, _, err = cli("plan", "--model", str(tmp_path / "m"))
+    code, _, err = in_process(capsys, "plan", "--model", str(tmp_path / "m"))
     assert code == 2 and "Traceback" not in err and re.search(match, err), err
 
 
