@@ -36,7 +36,7 @@ from .offload.oracle import OracleDecoder
 from .policy import DEFAULT_K_MAX, Policy, get as get_policy
 from .speculative.decoder import PlainDecoder, SpeculativeDecoder
 from .speculative.draft import DraftExperts, Lookahead, keep_packed
-from .speculative.draft_cache import cache_key as draft_key, check_packable, draft_int4, make_entry
+from .speculative.draft_cache import cache_key as draft_key, check_packable, draft_along, draft_int4, make_entry
 from .speculative.governor import Governor
 from .speculative.draft import NextLayerPrefetch, PrefetchPlanner
 from .triton_ops import fused_moe
@@ -155,10 +155,14 @@ class Loaded:
 
 @on_its_device
 def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | None = None,
-                draft_cache=None, compress_experts: bool = False, draft_bits: int = 4) -> Loaded:
+                draft_cache=None, compress_experts: bool = False, draft_bits: int = 4,
+                keep_raw: bool = False, drafts: bool = False) -> Loaded:
     """`compress_experts`: the store is coded losslessly (offload/coded.py; bf16 only), read from its
     on-disk cache when every layer is there (no expert read from the checkpoint), else coded as it
-    loads and cached (`draft_cache` places or disables the cache, as the draft's)."""
+    loads and cached (`draft_cache` places or disables the cache, as the draft's). Hints from the engine
+    to be built, so that a coded load reads the experts once: `keep_raw`, it keeps the raw copy (keeps_raw):
+    read first, and the layers the cache misses are coded from it; else `drafts`, it quantises a draft:
+    each layer read to be coded is quantised into the draft cache too (draft_cache.draft_along)."""
     ckpt = open_checkpoint(path)
     check_compressible(ckpt, compress_experts)
     check_draft_bits(draft_bits)
@@ -166,17 +170,21 @@ def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | 
     tokenizer = load_tokenizer(path)  # a broken one fails before the weights load, not after
     configure_threads(device, threads)
     pin = device.type == "cuda" and pin_wanted()
+    raw = None
     if not compress_experts:
         model, store, _ = load_checkpoint(path, device, dt, pin_experts=pin)
     else:
         entry = cache_entry(ckpt.files.values(), draft_cache)
         cached = read_cached(entry, ckpt.spec.n_moe_layers, ckpt.spec.expert_shapes())
         model, _, _ = load_checkpoint(path, device, dt, experts=False)  # a layer the cache misses: read, coded
-        store = coded_store(StoredExperts(ckpt), cached, entry, cuda=device.type == "cuda", pin=pin)  # one by one
+        raw = list(StoredExperts(ckpt)) if keep_raw else None  # (the raw copy: Loaded.host_rows)
+        also = draft_along(ckpt.files.values(), device, draft_cache, draft_bits) if drafts and raw is None else None
+        store = coded_store(StoredExperts(ckpt) if raw is None else raw, cached, entry, cuda=device.type == "cuda",
+                            pin=pin, also=also)  # one by one
         if device.type == "cuda":
             ready_on_cuda(store, device)
     return Loaded(Path(path), ckpt, device, dt, model, store, tokenizer, draft_cache,
-                  compressed=bool(compress_experts), draft_bits=draft_bits)
+                  compressed=bool(compress_experts), draft_bits=draft_bits, raw=raw)
 
 
 def check_draft_bits(draft_bits) -> None:
@@ -324,8 +332,13 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,
                                                       storage=pdt))
     if shared is None:
+        # what the engine will read beside a coded store, from the plan before its tier is split at the measured
+        # ratio (below): a hint, which costs a second read if wrong, or a raw copy kept unused
+        every = plan is not None and plan.pool_slots >= spec.n_moe_layers * spec.n_experts
+        raw_bytes = spec.n_moe_layers * spec.n_experts * spec.expert_numel() * ckpt.dtype.itemsize
         shared = load_shared(path, device, dtype=dt, threads=threads, draft_cache=draft_cache,
-                             compress_experts=compress_experts, draft_bits=draft_bits)
+                             compress_experts=compress_experts, draft_bits=draft_bits, drafts=drafts,
+                             keep_raw=compress_experts and keeps_raw(pol, device, host_threads, raw_bytes, every))
     model, store = shared.model, shared.store
     if plan is not None and planned["coded_tier"] is not None:  # the tier split at the store's measured ratio, as
         planned["coded_tier"] = coded_ratio(store)                # `specter plan` splits it (PLAN_RATIO before)
@@ -370,6 +383,17 @@ def moe_graphs(device: torch.device, compile: bool | None):
     from specter.triton_ops.graphed import GraphedRows
 
     return GraphedRows()
+
+
+def keeps_raw(pol: Policy, device: torch.device, host_threads: int | None, raw_bytes: int,
+              every_expert: bool = False) -> bool:
+    """Whether an engine of `pol` over a coded store keeps a raw copy of its experts beside it
+    (Loaded.host_rows; a pipeline rank's, pipeline.plan.raw_copy): for its host lane, and on CPU for coded
+    copies to write from, up to ROWS_MAX_BYTES (coded_tier.emulation_rows)."""
+    from .offload.coded_tier import ROWS_MAX_BYTES  # (when called, as emulation_rows reads it)
+
+    return pol.offloads and (uses_host_lane(pol, device, host_threads, every_expert)
+                             or (device.type == "cpu" and raw_bytes <= ROWS_MAX_BYTES))
 
 
 def uses_host_lane(policy: Policy | str, device: torch.device, host_threads: int | None = None,

@@ -341,6 +341,33 @@ def test_raw_readers_of_a_coded_store_read_the_checkpoint_not_decode_it(tiny, tm
     engine.close()
 
 
+@pytest.mark.parametrize("policy, limit", [("specter", 1 << 30), ("host", 0), ("spec-lru", 0), ("on-demand", 0)])
+def test_a_first_coded_load_reads_each_expert_once(tiny, tmp_path, plain_link, fixed_k, monkeypatch, policy, limit):
+    """A cold coded load read a big model's experts twice (tens of GB): to code them, then again for the raw
+    copy a host lane (or, on CPU, coded copies up to ROWS_MAX_BYTES) keeps, or to quantise the draft. The raw
+    copy is now read first and coded from, and the draft quantised from the coding's read into its cache;
+    a warm load reads no layer but the raw copy's. The same tokens as the raw store's."""
+    from specter.loader import StoredExperts
+    from specter.offload import coded_tier
+
+    path, _ = tiny("qwen3_moe", dtype=torch.bfloat16)
+    want, _, _ = _run(path, policy, False, 0.25)
+    monkeypatch.setattr(coded_tier, "ROWS_MAX_BYTES", limit)
+    reads, real = [], StoredExperts.__getitem__
+    monkeypatch.setattr(StoredExperts, "__getitem__", lambda self, i: reads.append(i) or real(self, i))
+    for cold in (True, False):
+        reads.clear()
+        engine = specter.load(path, device="cpu", policy=policy, residency=0.25, compress_experts=True,
+                              draft_cache=str(tmp_path))
+        try:
+            n, keeps = engine.shared.ckpt.spec.n_moe_layers, engine.shared.raw is not None
+            assert keeps == (policy in ("specter", "host") or limit > 0)  # (a host lane, or under the limit)
+            assert sorted(reads) == (list(range(n)) if cold or keeps else []), (policy, cold)
+            assert [engine.generate(p, max_new_tokens=NEW, temperature=0.0).token_ids for p in PROMPTS] == want
+        finally:
+            engine.close()
+
+
 def test_a_config_that_does_not_match_the_experts_is_refused_on_a_cache_hit(tiny, tmp_path):
     """A whole-cache hit reads no expert; the headers' shapes are still checked against config.json (it ran
     before, on the cached shapes, copying experts the config did not describe)."""

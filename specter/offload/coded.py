@@ -25,7 +25,9 @@ What reads the store, and what it gets (the decision per reader):
 - the INT4 draft: the checkpoint's own experts (loader.StoredExperts), each layer read from the files
   when quantisation reads it (a draft cache hit reads nothing), one layer at a time; so is
   `Loaded.resident_experts` (resident, oracle). Reading is the same bits, and several times faster
-  than decoding on the CPU. (A pipeline stage decodes: `DecodedStore`.)
+  than decoding on the CPU. (A pipeline stage decodes: `DecodedStore`.) A first load that codes a layer
+  quantises its draft from the same read into the draft cache (coded_store's `also`), so the experts
+  are not read twice; the raw copy below, where kept, is read first and coded from.
 - the host lane (policy host; specter on CPU, or on CUDA with host_threads): a raw copy of the
   whole store, read from the checkpoint once and kept (builder.Loaded.host_rows). The lane reads
   experts in place at memory speed; decoding each one per job on the CPU would cost it more than its
@@ -428,17 +430,20 @@ def read_cached(entry: Path | None, n_layers: int, shapes, first: int = 0) -> li
 
 
 def coded_store(store, cached: list[CodedLayer | None], entry: Path | None, *,
-                cuda: bool = False, pin: bool = False, first: int = 0) -> list[CodedLayer]:
+                cuda: bool = False, pin: bool = False, first: int = 0, also=None) -> list[CodedLayer]:
     """The coded store: cached layers as they are, the others coded from `store[i]` (the raw store, or a
     loader.StoredExperts that reads a layer when indexed; [] when every layer hit) and written to `entry`.
     Only the layers that missed are read, one at a time. `cuda`, `pin`: as encode_store's. `first`: the
-    MoE layer `cached[0]` is (a pipeline stage's own layers; the cache is one process's)."""
+    MoE layer `cached[0]` is (a pipeline stage's own layers; the cache is one process's). `also(i, raw)`:
+    called with each layer read, before it is dropped (draft_cache.draft_along: the draft from the same read)."""
     out, refused = [], []
     for i, hit in enumerate(cached):
         if hit is None:
             if not len(store):
                 raise ConfigError("coded_store: a layer missed the cache and no raw store was loaded")
             raw = store[i]
+            if also is not None:
+                also(first + i, raw)
             hit = encode_store([raw])[0]
             if entry is not None:
                 _write_layer(entry / f"layer-{first + i}.safetensors", entry.name, first + i, hit)

@@ -84,18 +84,11 @@ def rank_plans(spec, numel: int, dtype, store_dtype, ranks: int, *, policy: str,
 
 
 def raw_copy(policy: str, device, raw_bytes: int, host_threads: int | None) -> bool:
-    """Whether a rank with a coded store keeps its layers' experts decoded beside it (load.load_stage):
-    on CPU, where coded copies write from it (up to coded_tier.ROWS_MAX_BYTES) or a host lane reads it,
-    and wherever a host lane computes (builder.uses_host_lane)."""
-    from ..builder import uses_host_lane
-    from ..offload.coded_tier import ROWS_MAX_BYTES
+    """Whether a rank with a coded store keeps its layers' experts decoded beside it (load.load_stage): one
+    process's rule, builder.keeps_raw (a host lane's rows; CPU: coded copies', up to ROWS_MAX_BYTES)."""
+    from ..builder import keeps_raw
 
-    if device is None or not raw_bytes:
-        return False
-    pol = get_policy(policy)
-    if device.type == "cpu" and pol.offloads and (pol.host_lane or raw_bytes <= ROWS_MAX_BYTES):
-        return True
-    return uses_host_lane(pol, device, host_threads)
+    return device is not None and bool(raw_bytes) and keeps_raw(get_policy(policy), device, host_threads, raw_bytes)
 
 
 def holds_all(rows: list[dict]) -> bool:

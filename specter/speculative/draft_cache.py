@@ -240,14 +240,35 @@ def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache
         if layer is None:  # a layer of the store is read only here (a StoredExperts: from the checkpoint)
             bar.set_description("draft: quantising")
             ew = store[i]
-            layer = (pack_experts(ew.w13.to(device), bits, GROUP_SIZE, dtype=torch.float32).to("cpu"),
-                     pack_experts(ew.w2.to(device), bits, GROUP_SIZE, dtype=torch.float32).to("cpu"))
+            layer = quantise_layer(ew, device, bits)
             del ew  # (not held while the consumer takes the layer)
             if path is not None:
                 _write(path, entry.name, i, layer)
         bar.update()
         yield layer
     bar.close()
+
+
+def quantise_layer(ew: ExpertWeights, device: torch.device, bits: int = 4) -> tuple[Int4Experts, Int4Experts]:
+    """One MoE layer's (w13, w2) draft experts at `bits` (fp32 scales, on the CPU), quantised on `device`."""
+    return (pack_experts(ew.w13.to(device), bits, GROUP_SIZE, dtype=torch.float32).to("cpu"),
+            pack_experts(ew.w2.to(device), bits, GROUP_SIZE, dtype=torch.float32).to("cpu"))
+
+
+def draft_along(files, device: torch.device, cache=None, bits: int = 4):
+    """A function (i, raw layer) that quantises MoE layer i's draft from a raw layer read for another reason
+    and writes it to the draft cache (coded.coded_store's `also`: the first load of a coded store reads each
+    expert to code it), so draft_int4 then finds it there instead of reading the experts from the checkpoint
+    a second time (tens of GB on a big model); None when the cache is off (the draft then reads them)."""
+    entry = make_entry(cache, cache_key(files, bits), "quantising", source=entry_source("draft", files, settings(bits)))
+    if entry is None:
+        return None
+
+    def quantise(i: int, ew: ExpertWeights) -> None:
+        path = entry / f"layer-{i}.safetensors"
+        if not path.is_file():  # (a damaged one is rebuilt by draft_int4, as on any load)
+            _write(path, entry.name, i, quantise_layer(ew, device, bits))
+    return quantise
 
 
 def cached_draft(files, n_layers: int, cache=None, bits: int = 4) -> list[tuple[Int4Experts, Int4Experts]] | None:
