@@ -18,7 +18,7 @@ and all of them decoded in one launch of the batch kernel.
 
     python bench/experiments/coded_copy_cost.py [--copies 64] [--launches jit]
                                                                     # CUDA: through CudaLink
-    TRITON_INTERPRET=1 python bench/experiments/coded_copy_cost.py --device cpu --shapes bundled --copies 2
+    TRITON_INTERPRET=1 python bench/experiments/coded_copy_cost.py --device cpu --shapes small --copies 2
                                                                     # the same code on CPU (a smoke run)
     python bench/experiments/coded_copy_cost.py --device meta --copies 2000 [--launches stub]
                                                                     # the host's Python and dispatch alone
@@ -55,6 +55,7 @@ import torch
 
 SHAPES = {"bundled": (256, 192), "qwen3-30b-a3b": (2048, 768), "deepseek-v2-lite": (2048, 1408),
           "mixtral-8x7b": (4096, 14336)}  # (hidden, expert intermediate)
+SMOKE = {"small": (64, 48)}  # a smoke run under the interpreter: seconds where bundled's takes minutes
 
 
 class Direct:
@@ -197,7 +198,7 @@ def shape_row(name: str, kinds: tuple, link, copies: int, device, batch: int = 8
     from specter.offload.coded_tier import HeldExpert
     from specter.triton_ops.lossless import stage_pair
 
-    H, I = SHAPES[name]
+    H, I = {**SHAPES, **SMOKE}[name]
     raw, coded, (w13, w2) = stores(H, I, device)
     slots = [torch.empty(2 * I, H, dtype=torch.bfloat16, device=device),
              torch.empty(H, I, dtype=torch.bfloat16, device=device)]
@@ -260,7 +261,8 @@ def main(argv=None) -> int:
     ap.add_argument("--copies", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8, help="tier_batch's hits a call (a layer call's; a top-8 "
                                                            "model's verification reads more)")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--shapes", default=",".join(SHAPES),
+                    help=f"comma-separated, of {', '.join(SHAPES)} (or {', '.join(SMOKE)}: a smoke run)")
     ap.add_argument("--launches", choices=("noop", "stub", "jit"),
                     help="--device meta: the decode launches do nothing (noop, the default), go through Triton's "
                          "launch path on a stub driver as the engine launches (stub), or all through Triton's JIT "
