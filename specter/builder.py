@@ -178,7 +178,8 @@ def load_shared(path: Path, device: torch.device, *, dtype=None, threads: int | 
         cached = read_cached(entry, ckpt.spec.n_moe_layers, ckpt.spec.expert_shapes())
         model, _, _ = load_checkpoint(path, device, dt, experts=False)  # a layer the cache misses: read, coded
         raw = list(StoredExperts(ckpt)) if keep_raw else None  # (the raw copy: Loaded.host_rows)
-        also = draft_along(ckpt.files.values(), device, draft_cache, draft_bits) if drafts and raw is None else None
+        also = draft_along(ckpt.files.values(), device, draft_cache, draft_bits) \
+            if drafts and raw is None and any(c is None for c in cached) else None  # (a layer to code: read)
         store = coded_store(StoredExperts(ckpt) if raw is None else raw, cached, entry, cuda=device.type == "cuda",
                             pin=pin, also=also)  # one by one
         if device.type == "cuda":
@@ -319,6 +320,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
     plan, planned = plan_engine(pol, ckpt, device, dt, residency=residency, expert_memory=expert_memory,
                                 device_memory=device_memory, context=context, k_max=k_max, compile=compile,
                                 compress_experts=compress_experts, draft_bits=draft_bits, slot_pool=slot_pool)
+    # every expert a slot: so too after the tier is split at the store's measured ratio below (tier_split)
     every_slot = plan is not None and plan.pool_slots >= spec.n_moe_layers * spec.n_experts
     if compress_experts and pol.offloads and shared is None and every_slot:  # (shared: bench's runs, whose
         # sweep may hold every expert)
@@ -332,13 +334,12 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         lk = make_link(device, link, calibration=dict(hidden=spec.hidden, intermediate=spec.expert_inter, dtype=dt,
                                                       storage=pdt))
     if shared is None:
-        # what the engine will read beside a coded store, from the plan before its tier is split at the measured
-        # ratio (below): a hint, which costs a second read if wrong, or a raw copy kept unused
-        every = plan is not None and plan.pool_slots >= spec.n_moe_layers * spec.n_experts
+        # what the engine will read beside a coded store (a raw copy, or the checkpoint for its draft), so
+        # that the load reads each expert once
         raw_bytes = spec.n_moe_layers * spec.n_experts * spec.expert_numel() * ckpt.dtype.itemsize
         shared = load_shared(path, device, dtype=dt, threads=threads, draft_cache=draft_cache,
                              compress_experts=compress_experts, draft_bits=draft_bits, drafts=drafts,
-                             keep_raw=compress_experts and keeps_raw(pol, device, host_threads, raw_bytes, every))
+                             keep_raw=compress_experts and keeps_raw(pol, device, host_threads, raw_bytes, every_slot))
     model, store = shared.model, shared.store
     if plan is not None and planned["coded_tier"] is not None:  # the tier split at the store's measured ratio, as
         planned["coded_tier"] = coded_ratio(store)                # `specter plan` splits it (PLAN_RATIO before)

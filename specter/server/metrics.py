@@ -39,7 +39,7 @@ class Metrics:
         self._tried = [0, 0]         # accepted, rejections (alpha = accepted / (accepted + rejections))
         Gauge("specter_expert_hit_rate", "expert hits (in a slot) / expert uses since start",
               registry=r).set_function(lambda: _ratio(self._uses[0], self._uses[0] + self._uses[1]))
-        Gauge("specter_expert_device_hit_rate", "expert uses with no PCIe copy (in a slot or the coded tier) / "
+        Gauge("specter_expert_device_hit_rate", "expert uses found on the device (in a slot or the coded tier) / "
               "expert uses since start (bench's device_hit_rate, the summary line's hit rate)",
               registry=r).set_function(lambda: _ratio(self._uses[0] + self._uses[2], self._uses[0] + self._uses[1]))
         Gauge("specter_acceptance_rate", "alpha: P(a drafted token is accepted | the ones before were), since start",

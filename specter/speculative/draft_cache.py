@@ -237,7 +237,8 @@ def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache
     for i in range(len(store)):
         path = entry / f"layer-{i}.safetensors" if entry is not None else None
         layer = _read(path, entry.name, i, bits) if path is not None else None
-        if layer is None:  # a layer of the store is read only here (a StoredExperts: from the checkpoint)
+        if layer is None:  # a layer of the store read here (a StoredExperts: from the checkpoint; a first coded
+            # load quantised the layers it read into the cache as it coded them: draft_along)
             bar.set_description("draft: quantising")
             ew = store[i]
             layer = quantise_layer(ew, device, bits)
