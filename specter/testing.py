@@ -78,6 +78,7 @@ def first_divergence(ref: list[int], got: list[int]) -> int | None:
 
 
 CHUNKS = (2, 3, 5, 8)  # tie_gap's verification widths
+DRAFTED = (2, 5, 10, 17)  # ... and of verifications batching got's drafted tokens after ref's (K_MAX 16)
 
 
 def tie_gap(engine, prompt: list[int], ref: list[int], got: list[int]) -> tuple[int | None, float, float]:
@@ -88,7 +89,10 @@ def tie_gap(engine, prompt: list[int], ref: list[int], got: list[int]) -> tuple[
     and one-token steps over ref[:i], exactly the order plain decoding summed in. The noise is the
     largest difference over the vocabulary between those logits and the same tokens fed in the other
     orders a speculative decoder sums in: one batched forward, and ref[:i] in chunks of each of
-    ``CHUNKS`` tokens (verifications of several widths). At fp32 it is about 1e-6. At 16-bit precision
+    ``CHUNKS`` tokens (verifications of several widths), and ref[:i] with got's continuation from i in the
+    verification's batch (``DRAFTED`` rows: a 16-bit expert GEMM's rows round differently in a batch of
+    other rows, and the wrong drafts are in it; seen on a tiny PhiMoE: 0.10, where the orders
+    without them moved nothing). At fp32 it is about 1e-6. At 16-bit precision
     it is the size of a tie, and it can be large: where a router's top-k is a near-tie at an earlier
     token, one order picks another expert there than the other, and every later logit moves (seen on
     the bundled model at bf16: 2.3, with 0.03 when the routing agrees). (None, 0.0, 0.0) when the
@@ -107,14 +111,17 @@ def tie_gap(engine, prompt: list[int], ref: list[int], got: list[int]) -> tuple[
     dec = engine.decoder
     ids = list(prompt) + list(ref[:i])
 
-    def forward(chunks):  # one cache, the chunks in order; the last chunk's last logits
-        cache, start = KVCache(engine.spec, len(ids), engine.device, engine.dtype), 0
+    def forward(chunks, row=-1):  # one cache, the chunks in order; the logits of the last chunk's `row`
+        cache, start = KVCache(engine.spec, len(ids) + max(DRAFTED), engine.device, engine.dtype), 0
         for c in chunks:
-            logits = dec.model(torch.tensor(c, device=engine.device), start, cache, dec.experts, logits_for="last")[0]
+            logits = dec.model(torch.tensor(c, device=engine.device), start, cache, dec.experts)
             start += len(c)
-        return logits.float()
+        return logits[row].float()
 
     stepped = forward([list(prompt)] + [[t] for t in ref[:i]])
     orders = [[ids]] + [[list(prompt)] + [list(ref[j:min(j + w, i)]) for j in range(0, i, w)] for w in CHUNKS]
     noise = max(float((stepped - forward(o)).abs().max()) for o in orders)
+    for w in DRAFTED:  # ref[:i] accepted, its last token verified with got's drafts after it: row 0 scores i
+        if len(ids) > 1:
+            noise = max(noise, float((stepped - forward([ids[:-1], ids[-1:] + list(got[i:i + w - 1])], 0)).abs().max()))
     return i, float(stepped[ref[i]] - stepped[got[i]]), noise

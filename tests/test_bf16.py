@@ -67,3 +67,16 @@ def test_tie_gap_sees_a_decisive_difference(tiny):
     i, gap, noise = tie_gap(engine, prompt, ref, wrong)
     assert i == 3 and gap > max(TIE_NOISE * noise, 0.5), (gap, noise)
     assert tie_gap(engine, prompt, ref, ref) == (None, 0.0, 0.0)
+
+
+def test_tie_gap_counts_the_wrong_drafts_in_a_verifications_batch(tiny):
+    """A QA pass saw spec-lru at bf16 with a draft of 9 part from plain decoding on the tiny PhiMoE by a gap
+    of 0.05 that tie_gap called noise 0.0: the verification's batch held the wrong drafts after the row, and
+    a 16-bit expert GEMM rounds a row differently among other rows. Its noise counts such batches now."""
+    path, _ = tiny("phimoe", dtype=torch.bfloat16)
+    with specter.load(path, device="cpu", policy="resident", dtype="bf16") as engine:
+        prompt = [5, 9, 11, 40, 7]
+        ref = engine.generate(prompt, max_new_tokens=4, temperature=0.0).token_ids
+        assert ref[:3] == [22, 2, 107], ref  # (the case as found, at torch 2.13's bf16 arithmetic on CPU)
+        i, gap, noise = tie_gap(engine, prompt, ref, ref[:2] + [25, 25, 7, 0, 22, 2, 12, 89, 31, 118])
+    assert i == 2 and 0 < gap <= TIE_NOISE * noise, (gap, noise)
