@@ -36,7 +36,9 @@ def add_parsers(sub) -> None:
     b.add_argument("--residency", type=float, default=None, help="share of the routed experts on the device (one pool for all layers)")
     b.add_argument("--expert-memory", default=None, help="slot pool budget, e.g. 6GiB")
     b.add_argument("--device-memory", default=None, help="whole-device budget, e.g. 16GiB")
-    p.add_argument("--context", type=positive_int, default=None, help="KV cache tokens (default: the model's context)")
+    p.add_argument("--context", type=positive_int, default=None,
+                   help="KV cache tokens (default: the model's context; with --device-memory, the ways to run are "
+                        "each planned at the longest context that fits, halved from the model's until one does)")
     p.add_argument("--policy", default=DEFAULT_POLICY,
                    help=policy_help(f"the policy to plan for, default {DEFAULT_POLICY}; a draft only with "
                                     f"{'/'.join(policy_names('drafts'))}", bench=True))
