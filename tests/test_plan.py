@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -612,10 +613,15 @@ def test_plan_with_a_device_budget_is_the_plan_the_engine_builds(capsys, monkeyp
     assert res["fits"]
     bits = res["draft_bits"] or 4
     assert (bits != 4) == (tier == "0")
-    engine = specter.load(None, device="cpu", policy=policy, device_memory=budget, context=512,
-                          compress_experts=True, dtype=dtype, **({"draft_bits": bits} if policy == "specter" else {}))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        engine = specter.load(None, device="cpu", policy=policy, device_memory=budget, context=512,
+                              compress_experts=True, dtype=dtype,
+                              **({"draft_bits": bits} if policy == "specter" else {}))
     try:
         built = engine.plan.as_dict()
+        every = built["pool_slots"] == engine.spec.n_moe_layers * engine.spec.n_experts  # (bf16: every expert fits)
+        assert any("every expert has a slot" in str(w.message) for w in seen) == every == (dtype == "bfloat16")
     finally:
         engine.close()
     keys = ("pool_slots", "slot_pool_bytes", "pool_dtype", "pool_rows", "tier_bytes", "dtype", "draft_bits")
