@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -360,6 +361,26 @@ def test_a_new_entry_removes_its_shards_earlier_versions_entries(qwen, tmp_path,
     assert before[2].is_dir() and older.is_dir() and len(list(cache.iterdir())) == 4
     assert "removed 1 cache entry of an earlier version of this checkpoint" in capsys.readouterr().err
 
+    # a prune cut short (a kill, a file not ours to remove) leaves the entry's source: the next one finishes it
+    # (source.json went first, and the rest stayed as an older version's entry, never pruned: a QA pass)
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    real_unlink, cut = Path.unlink, []
+
+    def unlink(self, *a, **kw):  # the first layer file removed, then the process dies
+        if self.parent == now and cut:
+            raise OSError("killed")
+        cut.append(self) if self.parent == now else None
+        return real_unlink(self, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Path, "unlink", unlink)
+        list(draft_cache.draft_int4(store, files, CPU, cache=cache, bits=4))
+    assert cut and (now / "source.json").is_file() and "removed" not in capsys.readouterr().err
+    list(draft_cache.draft_int4(store, files, CPU, cache=cache, bits=4))
+    assert not now.exists() and len(list(cache.iterdir())) == 4, list(cache.iterdir())
+    assert "removed 1 cache entry" in capsys.readouterr().err
+    now = cache / draft_cache.cache_key(files, 4)
+
     # another install (another quanto: another key, the same shards) or another host sharing the cache: kept,
     # each way (they removed each other's at every load, re-quantising every time)
     real = draft_cache.settings
@@ -379,3 +400,15 @@ def test_a_new_entry_removes_its_shards_earlier_versions_entries(qwen, tmp_path,
     os.chmod(shard, shard.stat().st_mode ^ 0o040)  # a chmod: the coded key (ctime) changes, the draft's not
     second = cache_entry(files, str(cache))
     assert second != first and second.is_dir() and not first.exists() and now.is_dir()
+
+
+def test_a_source_record_that_cannot_be_written_leaves_no_file(tmp_path, monkeypatch):
+    """A full disk failed the source.json write and left its temporary file (a QA pass): it is removed."""
+    def full(*_):
+        raise OSError(28, "No space left on device")
+
+    entry = tmp_path / "key"
+    entry.mkdir()
+    monkeypatch.setattr(draft_cache.os, "replace", full)
+    draft_cache.prune_superseded(entry, {"kind": "draft"})
+    assert list(entry.iterdir()) == []

@@ -24,6 +24,7 @@ The cache lives in $SPECTER_DRAFT_CACHE, else $XDG_CACHE_HOME/specter/drafts (~/
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -121,12 +122,14 @@ def prune_superseded(entry: Path, source: dict) -> None:
     kept their times (cp -p) shares the draft's key, and quantises anew once after the original
     changes. Best effort: a file it cannot write or remove stays, quietly."""
     mark = entry / "source.json"
+    tmp = entry / f".source.{os.getpid()}.tmp"
     try:
         if not mark.exists():
-            tmp = entry / f".source.{os.getpid()}.tmp"
             tmp.write_text(json.dumps(source, sort_keys=True))
             os.replace(tmp, mark)
-    except OSError:  # (a read-only cache filled beforehand)
+    except OSError:  # (a read-only cache filled beforehand, or a full disk: no half-written file left)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         return
     freed, gone = 0, 0
     for other in entry.parent.iterdir():
@@ -134,13 +137,25 @@ def prune_superseded(entry: Path, source: dict) -> None:
             if other == entry or not other.is_dir() or json.loads((other / "source.json").read_text()) != source:
                 continue
             size = sum(f.stat().st_size for f in other.iterdir() if f.is_file())
-            shutil.rmtree(other)
+            _remove_entry(other)
             freed, gone = freed + size, gone + 1
         except (OSError, ValueError):  # no source (older), unreadable, or not ours to remove
             continue
     if gone:
         print(f"specter: removed {gone} cache entr{'y' if gone == 1 else 'ies'} of an earlier version of this "
               f"checkpoint ({format_size(freed)}) from {entry.parent}", file=sys.stderr)
+
+
+def _remove_entry(entry: Path) -> None:
+    """rmtree with the entry's source.json last: one cut short (a kill, a file not ours to remove) still
+    records its source, so a later prune finishes it; removed first, its layers would stay as an older
+    version's entry, which no load reads or prunes."""
+    mark = entry / "source.json"
+    for f in entry.iterdir():
+        if f != mark:
+            shutil.rmtree(f) if f.is_dir() and not f.is_symlink() else f.unlink()
+    mark.unlink(missing_ok=True)
+    entry.rmdir()
 
 
 def _remove_dead_writes(entry: Path, quiet_s: float = 60.0) -> None:
