@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from pathlib import Path
 
@@ -331,7 +332,8 @@ def test_a_cache_write_that_fails_is_said_once_and_a_killed_ones_file_removed(mo
     """A full disk (ENOSPC) cost the cache silently: every later load re-quantised, and nothing said why.
     It is warned once (the entry's directory, the error), and the load's draft is the same. A killed
     load's temporary file (a dead process's, quiet for a minute) was left for good: the next entry
-    made in that place removes it; a live process's, or a fresh one, stays."""
+    made in that place removes it; a live process's, or a fresh one, stays. One named with this process's
+    pid that it is not writing is an earlier process's (a container's pid 1 after a restart): it goes."""
     import errno
 
     _, store, ckpt = load_checkpoint(bf16, CPU, torch.float32)
@@ -351,14 +353,17 @@ def test_a_cache_write_that_fails_is_said_once_and_a_killed_ones_file_removed(mo
     monkeypatch.undo()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     entry = draft_cache.make_entry(tmp_path / "c", "e", "x")
-    left = [entry / f".layer-0.safetensors.{int(dead.stdout)}.tmp", entry / f".layer-1.safetensors.{os.getpid()}.tmp",
-            entry / f".layer-2.safetensors.{int(dead.stdout)}.tmp"]
+    me = f"{os.getpid()}-{threading.get_ident()}"  # this pid: an earlier process's (a container's pid 1 at each
+    left = [entry / f".layer-0.safetensors.{int(dead.stdout)}.tmp",  # start) unless this one is writing it
+            entry / f".layer-1.safetensors.{os.getppid()}.tmp", entry / f".layer-2.safetensors.{int(dead.stdout)}.tmp",
+            entry / f".layer-3.safetensors.{me}.tmp", entry / f".layer-4.safetensors.{me}.tmp"]
     for i, f in enumerate(left):
         f.write_bytes(b"x")
-        if i < 2:  # a minute quiet; the third one is fresh
+        if i != 2:  # a minute quiet; the third one is fresh
             os.utime(f, (f.stat().st_mtime - 120,) * 2)
+    monkeypatch.setattr(draft_cache, "_WRITING", {left[4]})
     assert draft_cache.make_entry(tmp_path / "c", "e", "x") == entry
-    assert [f.exists() for f in left] == [False, True, True]
+    assert [f.exists() for f in left] == [False, True, True, False, True]
 
 
 def test_draft_cache_location(monkeypatch, tmp_path):

@@ -159,13 +159,16 @@ def _remove_entry(entry: Path) -> None:
 
 
 def _remove_dead_writes(entry: Path, quiet_s: float = 60.0) -> None:
-    """Temporary files (write_layer_file's) that a killed load left in `entry`: its process is gone and
-    the file has not grown for `quiet_s` seconds. Never read, and a layer's worth of disk each."""
+    """Temporary files (write_layer_file's) that a killed load left in `entry`: its process is gone (or
+    had this process's pid, and this one is not writing it) and the file has not grown for `quiet_s`
+    seconds. Never read, and a layer's worth of disk each."""
     now = time.time()
     for tmp in entry.glob(".*.tmp"):
         try:
             pid = int(tmp.name.rsplit(".", 2)[-2].split("-")[0])
-            if now - tmp.stat().st_mtime < quiet_s or _alive(pid):
+            # this process's pid: its own if it is writing it now, else an earlier process's that had the
+            # same pid (a container's pid 1 at every start: alive, so its files stayed forever)
+            if now - tmp.stat().st_mtime < quiet_s or (tmp in _WRITING if pid == os.getpid() else _alive(pid)):
                 continue
             tmp.unlink()
         except (ValueError, OSError):  # not ours, or gone already, or not ours to remove
@@ -328,6 +331,7 @@ def write_layer_file(path: Path, key: str, layer: int, tensors: dict[str, torch.
     meta = {**(meta or {}), "key": key, "layer": str(layer),
             "crc32": json.dumps({n: _crc(t) for n, t in tensors.items()})}
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")  # (threads of one process too)
+    _WRITING.add(tmp)
     try:
         _save(tensors, tmp, meta)
         os.replace(tmp, path)
@@ -343,9 +347,12 @@ def write_layer_file(path: Path, key: str, layer: int, tensors: dict[str, torch.
             warn(f"could not write the cache file {path} ({e.strerror or e}): this load goes on without "
                  f"it, and every later load rebuilds what is missing; free space in {path.parent} or point "
                  f"the cache elsewhere (--draft-cache, $SPECTER_DRAFT_CACHE)")
+    finally:
+        _WRITING.discard(tmp)
 
 
 _UNWRITABLE: set[Path] = set()  # cache entries a write failed in (warned once)
+_WRITING: set[Path] = set()  # temporary files this process is writing now (_remove_dead_writes spares them)
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
