@@ -36,7 +36,7 @@ from .offload.oracle import OracleDecoder
 from .policy import DEFAULT_K_MAX, Policy, get as get_policy
 from .speculative.decoder import PlainDecoder, SpeculativeDecoder
 from .speculative.draft import DraftExperts, Lookahead, keep_packed
-from .speculative.draft_cache import cache_key as draft_key, check_packable, draft_along, draft_int4, make_entry
+from .speculative.draft_cache import check_packable, draft_along, draft_entry, draft_int4
 from .speculative.governor import Governor
 from .speculative.draft import NextLayerPrefetch, PrefetchPlanner
 from .triton_ops import fused_moe
@@ -310,7 +310,7 @@ def build_engine(path: Path, device: torch.device, *, policy: str, residency=Non
         raise ConfigError(f"shared: its draft is {shared.draft_bits}-bit, but draft_bits={draft_bits} was asked for")
     defaults = read_generation_defaults(path)  # a malformed file fails before the weights load
     if shared is None and draft_cache is not None and drafts:  # a named cache that cannot be written: refused
-        make_entry(draft_cache, draft_key(ckpt.files.values(), draft_bits), "quantising")  # before the load (the
+        draft_entry(ckpt.files.values(), draft_cache, draft_bits)  # before the load (the
         # coded store's, load_shared's cache_entry, is checked before it reads a weight too)
     dt = shared.dtype if shared is not None else compute_dtype(device, ckpt.dtype, dtype)
     if device.type == "cuda":

@@ -18,23 +18,26 @@ def residency_sweep(model, policies: list[str], out_png: str, *, residencies=RES
     if not any(get_policy(p).offloads for p in policies if p in BENCH_POLICIES):
         raise ConfigError(f"--plot sweeps the residency, which none of the policies {', '.join(policies)} reads: "
                           f"add an offloading one (e.g. on-demand)")
-    planned, last = [], None  # each residency checked before the load; one that cannot run (below top-k, or more
-    for r in residencies:  # than the GPU holds) is skipped below, and only a sweep where none can is refused
+    planned, refused = [], {}  # each residency checked before the load; one that cannot run (below top-k, or
+    for r in residencies:      # more than the GPU holds) is skipped, and only a sweep where none can is refused
         try:
             check_run(model, policies, residency=r, expert_memory=None, device_memory=None, shared=None,
                       compare_compressed=False, **{k: v for k, v in bench_kw.items()
                                                    if k not in ("prompts", "repeat", "warmup")})
             planned.append(r)
         except BudgetError as e:
-            last = e
+            refused[r] = e
     if not planned:
-        raise BudgetError(f"no residency in the sweep ({', '.join(f'{r:g}' for r in residencies)}) can run: {last}")
+        raise BudgetError(f"no residency in the sweep ({', '.join(f'{r:g}' for r in residencies)}) can run: "
+                          f"{refused[residencies[-1]]}")
+    for r, e in refused.items():
+        print(f"residency {r:g}: skipped ({e})", file=sys.stderr)
     release = hold_threads(resolve_device(bench_kw.get("device", "auto")))  # (its load sets torch's threads)
     try:
         shared = load_once(model, **{k: v for k, v in bench_kw.items()  # one load under every residency
                                      if k in ("device", "dtype", "threads", "draft_cache", "compress_experts",
                                               "draft_bits")})
-        sweep, link = _sweep(model, policies, residencies, shared, **bench_kw)
+        sweep, link = _sweep(model, policies, planned, shared, **bench_kw)
     finally:
         release()
     if not sweep:

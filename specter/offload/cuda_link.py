@@ -397,8 +397,8 @@ def make_link(device, profile: str | None = None, *, expert_bytes: int | None = 
 def _expert_throughput(calibration, expert_bytes: int | None) -> float:
     if isinstance(calibration, (int, float)):
         return float(calibration)
-    if os.environ.get("SPECTER_EXPERT_THROUGHPUT"):  # one measurement for every process a bench starts
-        return _measured(pinned_throughput(), pinned=True)
+    if (pinned := pinned_throughput()) is not None:  # one measurement for every process a bench starts
+        return _measured(pinned, pinned=True)
     if isinstance(calibration, dict):
         return _measured(measure_expert_throughput(**calibration))
     if isinstance(calibration, (tuple, list)):

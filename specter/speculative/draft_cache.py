@@ -152,8 +152,12 @@ def _remove_entry(entry: Path) -> None:
     version's entry, which no load reads or prunes."""
     mark = entry / "source.json"
     for f in entry.iterdir():
-        if f != mark:
-            shutil.rmtree(f) if f.is_dir() and not f.is_symlink() else f.unlink()
+        if f == mark:
+            continue
+        if f.is_dir() and not f.is_symlink():
+            shutil.rmtree(f)
+        else:
+            f.unlink()
     mark.unlink(missing_ok=True)
     entry.rmdir()
 
@@ -247,7 +251,7 @@ def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache
         pairs = [(ew.w13.shape, ew.w2.shape) for ew in store[:1]]
     for s13, s2 in pairs:  # the K of w13 and w2: the hidden size, the expert intermediate size
         check_packable(bits, s13[2], s2[2])
-    entry = make_entry(cache, cache_key(files, bits), "quantising", source=entry_source("draft", files, settings(bits)))
+    entry = draft_entry(files, cache, bits)
     nbytes = getattr(store, "nbytes", None) or sum(ew.n_experts * ew.expert_nbytes() for ew in store)  # unread
     if progress is None:
         progress = nbytes > (256 << 20)
@@ -268,6 +272,12 @@ def draft_int4(store: list[ExpertWeights], files, device: torch.device, *, cache
     bar.close()
 
 
+def draft_entry(files, cache=None, bits: int = 4) -> Path | None:
+    """The draft cache's entry for these shards at `bits` (make_entry: made if missing, the entries of the
+    shards' earlier versions pruned), or None when the cache is off or its default place not writable."""
+    return make_entry(cache, cache_key(files, bits), "quantising", source=entry_source("draft", files, settings(bits)))
+
+
 def quantise_layer(ew: ExpertWeights, device: torch.device, bits: int = 4) -> tuple[Int4Experts, Int4Experts]:
     """One MoE layer's (w13, w2) draft experts at `bits` (fp32 scales, on the CPU), quantised on `device`."""
     return (pack_experts(ew.w13.to(device), bits, GROUP_SIZE, dtype=torch.float32).to("cpu"),
@@ -279,7 +289,7 @@ def draft_along(files, device: torch.device, cache=None, bits: int = 4):
     and writes it to the draft cache (coded.coded_store's `also`: the first load of a coded store reads each
     expert to code it), so draft_int4 then finds it there instead of reading the experts from the checkpoint
     a second time (tens of GB on a big model); None when the cache is off (the draft then reads them)."""
-    entry = make_entry(cache, cache_key(files, bits), "quantising", source=entry_source("draft", files, settings(bits)))
+    entry = draft_entry(files, cache, bits)
     if entry is None:
         return None
 
